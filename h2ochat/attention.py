@@ -1,0 +1,69 @@
+"""The ``h2o`` attention implementation registered with transformers.
+
+Load a model with ``attn_implementation="h2o"`` (or call ``use_h2o_attention(model)``). With an
+``H2OCache`` the attention of every layer runs over the cache's slots plus the new tokens and
+feeds the scores back to the cache; without one (a plain forward with ``use_cache=False``) it is
+ordinary causal attention through sdpa, so one loaded model serves both.
+
+transformers hands a custom attention function whatever mask its registered mask function built.
+Ours (``new_token_mask``) keeps only what the cache cannot know: which of the new tokens are
+padding, as a [B, Q] bool tensor (None when none are). Causality and slot validity are the
+cache's business.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from .cache import take_pending_layer
+
+NAME = "h2o"
+
+
+def new_token_mask(batch_size, q_length, kv_length=None, attention_mask=None, **kwargs):
+    """Mask function for ``h2o``: the padding of the new tokens only, [B, Q] bool, or None."""
+    if attention_mask is None:
+        return None
+    new_tokens = attention_mask[:, -q_length:].to(torch.bool)
+    return None if bool(new_tokens.all()) else new_tokens
+
+
+def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, Hq, Q, D], key/value [B, Hkv, Q, D] (new tokens only) -> ([B, Q, Hq, D], None)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = take_pending_layer(key)
+    if layer is None:
+        return _uncached_attention(module, query, key, value, attention_mask, scale, dropout, **kwargs)
+    out = layer.attend(query, key, value, attention_mask, scale)
+    batch, kv_heads, group, q_len, head_dim = out.shape
+    return out.reshape(batch, kv_heads * group, q_len, head_dim).transpose(1, 2).contiguous(), None
+
+
+def _uncached_attention(module, query, key, value, new_valid, scale, dropout, **kwargs):
+    if key.shape[2] != query.shape[2]:
+        raise ValueError("h2o attention keeps its keys in an H2OCache; pass one (or use_cache=False)")
+    mask = None
+    if new_valid is not None:
+        q_len = query.shape[2]
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        # a padding row with nothing to read would give NaN: let it read itself
+        mask = (causal & new_valid[:, None, None, :]) | torch.eye(q_len, dtype=torch.bool, device=query.device)
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scale, is_causal=mask is None, **kwargs)
+
+
+def register() -> None:
+    AttentionInterface.register(NAME, h2o_attention)
+    AttentionMaskInterface.register(NAME, new_token_mask)
+
+
+def use_h2o_attention(model) -> None:
+    """Switch an already loaded model to the h2o attention implementation."""
+    register()
+    model.set_attn_implementation(NAME)
+
+
+register()

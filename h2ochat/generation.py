@@ -1,0 +1,227 @@
+"""Feeding tokens through a model and its H2O cache: chunked prefill, sampling, streaming decode.
+
+Every command goes through here: ``CacheSettings.build`` makes the cache for a model,
+``prefill`` feeds a prompt in chunks (so peak KV memory is slots + chunk, whatever the prompt
+length), ``stream`` yields one ``Step`` per generated token with timings and cache statistics.
+Position ids always come from the cache, which is what lets a dialogue run past the model's
+position limit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .budget import parse_budget
+from .cache import H2OCache
+from .policies import get_policy
+from .rotary import find_rotary
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def max_positions(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+
+@dataclass
+class CacheSettings:
+    policy: str = "h2o"
+    budget: str = "0.2"
+    heavy_ratio: float = 0.5
+    sinks: int = 4
+    positions: str = "compact"
+    seed: int | None = None
+
+    def slots(self, config) -> int:
+        return parse_budget(self.budget, max_positions(config))
+
+    def build(self, model, initial_slots: int | None = None) -> H2OCache:
+        """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
+        config = model.config
+        slots = self.slots(config)
+        policy = get_policy(self.policy)
+        if policy.name == "full" and initial_slots:
+            slots = initial_slots
+        budget = policy.split(slots, self.heavy_ratio, self.sinks)
+        return H2OCache(
+            config.num_hidden_layers,
+            policy,
+            budget,
+            max_positions=max_positions(config),
+            positions=self.positions,
+            rotary=find_rotary(model),
+            seed=self.seed,
+        )
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def _cache_argument(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            logits_to_keep: int = 0) -> torch.Tensor:
+    """One forward of ``input_ids`` [B, Q] through the cache; returns logits [B, Q or kept, V]."""
+    batch, q_len = input_ids.shape
+    new_valid = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        new_valid = attention_mask.to(torch.bool)
+    position_ids = cache.position_ids(batch, q_len, new_valid, device=input_ids.device)
+    kwargs = {_cache_argument(model): cache}
+    with torch.inference_mode():
+        out = model(
+            input_ids=input_ids,
+            attention_mask=new_valid.long() if new_valid is not None else None,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+    return out.logits
+
+
+def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            chunk: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
+    """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V]."""
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty")
+    chunk = max(1, min(chunk, cache.max_positions - cache.budget.slots if cache.budget.evicts else chunk))
+    logits = None
+    for start in range(0, input_ids.shape[1], chunk):
+        piece = input_ids[:, start : start + chunk]
+        mask = attention_mask[:, start : start + chunk] if attention_mask is not None else None
+        logits = forward(model, cache, piece, mask, logits_to_keep=1)
+    return logits[:, -1]
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token per row of ``logits`` [B, V]."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) > sampling.top_p
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@dataclass
+class Step:
+    """One generated token (for every sequence of the batch) and where things stand."""
+
+    tokens: torch.Tensor  # [B]
+    index: int  # 0 for the first generated token
+    elapsed_s: float  # decode time so far (first token excluded: it comes with the prefill)
+
+
+@dataclass
+class Timing:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    generated_tokens: int = 0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # the first token comes out of the prefill; decode speed counts the steps after it
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+
+def stream(
+    model,
+    cache: H2OCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    timing: Timing | None = None,
+) -> Iterator[Step]:
+    """Prefill ``input_ids`` then generate up to ``max_new_tokens``, yielding each step.
+
+    Stops early when every sequence has produced a stop id. The last generated token is not fed
+    back (nothing would read its keys), so the cache has seen prompt + generated - 1 tokens.
+    A caller that continues the conversation feeds it first.
+    """
+    sampling.validate()
+    timing = timing if timing is not None else Timing()
+    generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed) if sampling.seed is not None else None
+    started = time.perf_counter()
+    logits = prefill(model, cache, input_ids, attention_mask, prefill_chunk)
+    timing.prompt_tokens += int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+    timing.prefill_s += time.perf_counter() - started
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    decode_started = time.perf_counter()
+    for index in range(max_new_tokens):
+        if index > 0:
+            logits = forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
+        tokens = sample(logits, sampling, generator)
+        timing.generated_tokens += 1
+        if index == 0:
+            decode_started = time.perf_counter()
+        else:
+            timing.decode_s = time.perf_counter() - decode_started
+        yield Step(tokens=tokens, index=index, elapsed_s=timing.decode_s)
+        if stop_ids:
+            finished |= torch.isin(tokens, torch.tensor(sorted(stop_ids), device=tokens.device))
+            if bool(finished.all()):
+                break
+
+
+class TextStream:
+    """Turns token ids into text pieces as they arrive, holding back incomplete characters."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)

@@ -1,0 +1,55 @@
+"""Tiny random OPT, Llama (GQA) and GPT-NeoX models built from configs: no downloads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+import h2ochat.attention  # noqa: F401  registers the "h2o" attention
+
+VOCAB = 96
+
+CONFIGS = {
+    "opt": (OPTForCausalLM, OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+        max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        enable_bias=True, do_layer_norm_before=True,
+    )),
+    "llama": (LlamaForCausalLM, LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )),
+    "neox": (GPTNeoXForCausalLM, GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, rotary_pct=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )),
+}
+FAMILIES = list(CONFIGS)
+
+
+def build_model(family: str, attn: str = "h2o", seed: int | None = None, **overrides):
+    cls, config = CONFIGS[family]
+    config = copy.deepcopy(config)  # from_config writes attn_implementation onto the config
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def model(family):
+    return build_model(family)
+
+
+def random_ids(batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
