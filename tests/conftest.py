@@ -53,3 +53,11 @@ def model(family):
 
 def random_ids(batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A directory holding a tiny random Llama with a tokenizer and chat template: `--model DIR`."""
+    from checkpoints import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,0 +1,84 @@
+"""`h2ochat generate`: one prompt in, text (or one JSON object) out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .. import options as o
+from ..errors import EXIT_INTERRUPTED, user_errors
+from ..generation import Step, TextStream, Timing, stream
+from ..budget import parse_budget
+from ..models import load
+from ..policies import get_policy
+from ..prompting import encode, read_prompt
+from ..report import run_record
+
+
+@user_errors
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt; '-' reads standard input.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", rich_help_panel=o.OUTPUT,
+        help="Read the prompt from a file.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", rich_help_panel=o.SAMPLING,
+        help="Continue the text as is instead of wrapping it in the model's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", rich_help_panel=o.SAMPLING, help="System prompt (chat template).")] = None,
+    model: o.Model = o.DEFAULTS["model"],
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+    device_map: o.DeviceMap = None,
+    budget: o.Budget = "0.2",
+    policy: o.Policy = "h2o",
+    heavy_ratio: o.HeavyRatio = 0.5,
+    sinks: o.Sinks = 4,
+    positions: o.Positions = "compact",
+    prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    max_new_tokens: o.MaxNewTokens = 256,
+    temperature: o.Temperature = 0.0,
+    top_p: o.TopP = 1.0,
+    top_k: o.TopK = 0,
+    seed: o.Seed = None,
+    as_json: o.Json = False,
+):
+    """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
+    text = read_prompt(prompt, prompt_file)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
+    sampling = o.sampling(temperature, top_p, top_k, seed)
+    get_policy(policy)
+    parse_budget(budget, 1 << 30)  # bad syntax fails before the model loads
+    loaded = load(model, device, dtype, device_map)
+    tokenizer = loaded.tokenizer
+    input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
+    cache = settings.build(loaded.model)
+    timing, pieces = Timing(), TextStream(tokenizer)
+    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    interrupted = False
+    try:
+        for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                           stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing):
+            piece = pieces.push(step.tokens[0])
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    if as_json:
+        record = run_record(loaded, cache, timing, budget, pieces.text)
+        record["interrupted"] = interrupted
+        print(json.dumps(record, indent=2))
+    else:
+        sys.stdout.write("\n")
+        if sys.stderr.isatty():
+            print(f"[{timing.prompt_tokens} prompt tokens at {timing.prefill_tokens_per_s:.1f} tok/s, "
+                  f"{timing.generated_tokens} generated at {timing.decode_tokens_per_s:.1f} tok/s, "
+                  f"{cache.evicted_tokens()} evictions]", file=sys.stderr)
+    if interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)

@@ -1,0 +1,56 @@
+"""Command-line options shared by the commands, grouped the way --help shows them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
+from .models import DEFAULT_MODEL
+from .policies import POLICIES
+
+MODEL, CACHE, SAMPLING, OUTPUT = "Model", "Cache", "Sampling", "Output"
+
+Model = Annotated[str, typer.Option("--model", "-m", envvar="H2OCHAT_MODEL", rich_help_panel=MODEL,
+    help="Alias (see `h2ochat models`), hub id, local directory or .gguf file.")]
+Device = Annotated[str, typer.Option(envvar="H2OCHAT_DEVICE", rich_help_panel=MODEL, help="auto | cpu | cuda.")]
+Dtype = Annotated[str, typer.Option(envvar="H2OCHAT_DTYPE", rich_help_panel=MODEL,
+    help="auto (float32 on CPU, bfloat16/float16 on GPU) | float32 | float16 | bfloat16.")]
+DeviceMap = Annotated[Optional[str], typer.Option("--device-map", rich_help_panel=MODEL,
+    help="'auto' splits a large model across GPUs / CPU (accelerate); the cache follows each layer.")]
+
+Budget = Annotated[str, typer.Option("--budget", "-b", envvar="H2OCHAT_BUDGET", rich_help_panel=CACHE,
+    help="KV slots per layer: a fraction of the context window written with a point (0.2, 1.0 = the whole "
+         "window) or a slot count written as an integer (512; '1' is one slot).")]
+Policy = Annotated[str, typer.Option("--policy", "-p", envvar="H2OCHAT_POLICY", rich_help_panel=CACHE,
+    help="Eviction policy: " + "; ".join(f"{p.name} = {p.summary}" for p in POLICIES.values()) + ".")]
+HeavyRatio = Annotated[float, typer.Option("--heavy-ratio", rich_help_panel=CACHE,
+    help="Share of the slots for heavy hitters (h2o, random); the rest is the recent window.")]
+Sinks = Annotated[int, typer.Option("--sinks", rich_help_panel=CACHE, help="First tokens kept forever by the sink policy.")]
+Positions = Annotated[str, typer.Option("--positions", rich_help_panel=CACHE,
+    help="compact: re-number cached tokens when the model's position limit is reached, so generation goes on "
+         "forever; absolute: keep original positions and stop at the limit (the paper's behaviour).")]
+PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, rich_help_panel=CACHE,
+    help="Prompt tokens fed per forward; peak KV memory is slots + chunk whatever the prompt length.")]
+
+Temperature = Annotated[float, typer.Option("--temperature", "-t", min=0.0, rich_help_panel=SAMPLING, help="0 = greedy.")]
+TopP = Annotated[float, typer.Option("--top-p", rich_help_panel=SAMPLING, help="Nucleus sampling threshold.")]
+TopK = Annotated[int, typer.Option("--top-k", min=0, rich_help_panel=SAMPLING, help="Sample among the k best (0 = all).")]
+Seed = Annotated[Optional[int], typer.Option("--seed", rich_help_panel=SAMPLING, help="Seed for sampling and the random policy.")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, rich_help_panel=SAMPLING, help="Tokens to generate at most.")]
+Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of text.")]
+
+
+def cache_settings(policy: str, budget: str, heavy_ratio: float, sinks: int, positions: str, seed: int | None) -> CacheSettings:
+    return CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, positions=positions, seed=seed)
+
+
+def sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> Sampling:
+    settings = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    settings.validate()
+    return settings
+
+
+DEFAULTS = dict(model=DEFAULT_MODEL, device="auto", dtype="auto", budget="0.2", policy="h2o", heavy_ratio=0.5,
+                sinks=4, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0)

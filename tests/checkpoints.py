@@ -1,0 +1,40 @@
+"""Tiny random checkpoints on disk (model + tokenizer + chat template) for CLI-level tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import build_model
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<pad>", "<s>", "</s>", "<|end|>"]
+
+
+def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["the quick brown fox jumps over the lazy dog " * 4, "once upon a time there was a dragon " * 4]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def write_checkpoint(folder: Path, family: str = "llama", **config_overrides) -> Path:
+    """Save a tiny random ``family`` model with a byte-level BPE tokenizer into ``folder``."""
+    tokenizer = _tokenizer(vocab_size=300)
+    overrides = {"vocab_size": len(tokenizer), "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    overrides.update(config_overrides)
+    model = build_model(family, attn="sdpa", **overrides)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
