@@ -301,9 +301,10 @@ class H2OCache(Cache):
             raise PositionLimitError(
                 f"{self.budget.slots} slots + {q_len} new tokens do not fit in {self.max_positions} positions"
             )
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.renumber(self.rotary)
+        with torch.inference_mode():  # the slots were made under inference mode
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.renumber(self.rotary)
         self.compactions += 1
         return self.layers[0].next_position
 

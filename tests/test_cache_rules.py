@@ -1,0 +1,163 @@
+"""The cache against a slow, obvious re-statement of the H2O rules (DESIGN.md §1).
+
+The reference keeps, per (sequence, KV head), a plain list of (token, key, value, score), computes
+attention with explicit loops over query heads and rows, adds each probability to the token's
+score, then keeps the R most recent tokens plus the policy's best among the rest. The cache under
+test is driven exactly as the attention function drives it, on fresh random inputs each run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from h2ochat.cache import H2OCache
+from h2ochat.policies import get_policy
+
+
+class SlowReference:
+    """One layer of an H2O cache for one (sequence, KV head), written for clarity only."""
+
+    def __init__(self, policy: str, slots: int, heavy: int, recent: int, sinks: int = 0):
+        self.policy, self.slots, self.recent, self.sinks = policy, slots, recent, sinks
+        self.entries: list[dict] = []  # token, key, value, score
+        self.next_token = 0
+
+    def step(self, queries, keys, values, real, scale):
+        """queries [G, Q, D]; keys/values [Q, D]; real [Q] bools. Returns outputs [G, Q, D]."""
+        group, q_len, _ = queries.shape
+        new = []
+        for i in range(q_len):
+            if real[i]:
+                new.append({"token": self.next_token, "key": keys[i], "value": values[i], "score": 0.0, "row": i})
+                self.next_token += 1
+        outputs = torch.zeros_like(queries)
+        for g in range(group):
+            for i in range(q_len):
+                visible = self.entries + [e for e in new if e["row"] <= i]
+                if not visible:
+                    continue
+                logits = [float(queries[g, i] @ e["key"]) * scale for e in visible]
+                top = max(logits)
+                weights = [math.exp(x - top) for x in logits]
+                total = sum(weights)
+                for e, w in zip(visible, weights):
+                    outputs[g, i] += (w / total) * e["value"]
+                    if real[i]:
+                        e["score"] += w / total
+        candidates = self.entries + new
+        for e in new:
+            del e["row"]
+        self.entries = self._keep(candidates)
+        return outputs
+
+    def _keep(self, candidates):
+        if len(candidates) <= self.slots:
+            return candidates
+        newest = max(e["token"] for e in candidates)
+        recent = [e for e in candidates if e["token"] > newest - self.recent]
+        others = [e for e in candidates if e["token"] <= newest - self.recent]
+        room = self.slots - len(recent)
+        if self.policy == "h2o":
+            best = sorted(others, key=lambda e: e["score"], reverse=True)[:room]
+        elif self.policy == "local":
+            best = []
+        elif self.policy == "sink":
+            best = [e for e in others if e["token"] < self.sinks][:room]
+        else:
+            raise AssertionError(self.policy)
+        return sorted(best + recent, key=lambda e: e["token"])
+
+
+def _drive(cache: H2OCache, layer_idx: int, query, key, value, new_valid, scale):
+    cache.update(key, value, layer_idx)
+    return cache.layers[layer_idx].attend(query, key, value, new_valid, scale)
+
+
+def _kept(layer, b, h):
+    tokens = layer.token_index[b, h]
+    return sorted(tokens[tokens >= 0].tolist())
+
+
+@pytest.mark.parametrize("policy,slots,group", [("h2o", 6, 2), ("h2o", 7, 1), ("local", 5, 2), ("sink", 6, 3)])
+@pytest.mark.parametrize("chunks", [[1] * 14, [4, 1, 1, 3, 1, 5, 1, 1]], ids=["decode", "chunked"])
+def test_cache_matches_slow_reference(policy, slots, group, chunks):
+    """Outputs, kept tokens and scores equal the reference at every step, with left padding."""
+    torch.manual_seed(torch.seed())
+    batch, kv_heads, dim, scale = 2, 2, 8, 8 ** -0.5
+    pol = get_policy(policy)
+    budget = pol.split(slots, heavy_ratio=0.5, sinks=2)
+    cache = H2OCache(1, pol, budget, max_positions=10_000)
+    refs = [[SlowReference(policy, budget.slots, budget.heavy, budget.recent, budget.sinks) for _ in range(kv_heads)]
+            for _ in range(batch)]
+    pad = 3  # sequence 1 starts with 3 padding tokens
+    fed = 0
+    for q_len in chunks:
+        query = torch.randn(batch, kv_heads * group, q_len, dim)
+        key, value = torch.randn(batch, kv_heads, q_len, dim), torch.randn(batch, kv_heads, q_len, dim)
+        real = torch.ones(batch, q_len, dtype=torch.bool)
+        real[1] = torch.arange(fed, fed + q_len) >= pad
+        new_valid = None if bool(real.all()) else real
+        out = _drive(cache, 0, query, key, value, new_valid, scale)
+        fed += q_len
+        layer = cache.layers[0]
+        for b in range(batch):
+            for h in range(kv_heads):
+                ref = refs[b][h]
+                expect = ref.step(query[b, h * group:(h + 1) * group], key[b, h], value[b, h], real[b].tolist(), scale)
+                rows = real[b]
+                torch.testing.assert_close(out[b, h][:, rows], expect[:, rows], rtol=1e-5, atol=1e-5)
+                assert _kept(layer, b, h) == [e["token"] for e in ref.entries]
+                held = {int(t): float(s) for t, s in zip(layer.token_index[b, h], layer.scores[b, h]) if t >= 0}
+                for e in ref.entries:
+                    assert held[e["token"]] == pytest.approx(e["score"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "local", "sink", "random"])
+def test_invariants_while_decoding(policy):
+    """Length = min(seen, C); the last R tokens are present; evictions per step = max(0, k - C)."""
+    batch, kv_heads, group, dim, slots = 2, 3, 2, 8, 9
+    pol = get_policy(policy)
+    budget = pol.split(slots, heavy_ratio=0.5, sinks=2)
+    cache = H2OCache(2, pol, budget, max_positions=10_000, seed=torch.seed() % 2**31)
+    for step in range(30):
+        for layer_idx in range(2):
+            layer = cache.layers[layer_idx]
+            before = int(layer.evicted.sum()) if layer.is_initialized else 0
+            _drive(cache, layer_idx, torch.randn(batch, kv_heads * group, 1, dim),
+                   torch.randn(batch, kv_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim), None, 0.3)
+            seen = step + 1
+            assert int(layer.evicted.sum()) - before == batch * kv_heads * max(0, min(1, seen - slots))
+            assert layer.keys.shape[2] == slots  # never grows
+            for b in range(batch):
+                for h in range(kv_heads):
+                    kept = _kept(layer, b, h)
+                    assert len(kept) == min(seen, slots)
+                    last = list(range(max(0, seen - budget.recent), seen))
+                    assert set(last) <= set(kept)
+                    if policy == "local":
+                        assert kept == list(range(max(0, seen - slots), seen))
+                    if policy == "sink" and seen > slots:
+                        assert kept == [0, 1] + list(range(seen - budget.recent, seen))
+
+
+def test_heavy_ratio_zero_is_a_sliding_window():
+    pol = get_policy("h2o")
+    budget = pol.split(6, heavy_ratio=0.0)
+    assert (budget.heavy, budget.recent) == (0, 6)
+    cache = H2OCache(1, pol, budget, max_positions=10_000)
+    for step in range(20):
+        _drive(cache, 0, torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), None, 0.3)
+        for h in range(2):
+            assert _kept(cache.layers[0], 0, h) == list(range(max(0, step + 1 - 6), step + 1))
+
+
+def test_full_policy_grows_and_never_evicts():
+    pol = get_policy("full")
+    cache = H2OCache(1, pol, pol.split(4), max_positions=10_000)
+    for _ in range(3):
+        _drive(cache, 0, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, 0.3)
+    assert cache.evicted_tokens() == 0
+    assert _kept(cache.layers[0], 0, 0) == list(range(15))
