@@ -1,0 +1,178 @@
+"""Conversation: feeding only what is new, interruption, settings, saving, eviction notices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from h2ochat.chat import ChatSettings, Conversation
+from h2ochat.generation import CacheSettings
+from h2ochat.models import load
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    """A tiny random Llama with room for a few turns (512 positions) and a chat template."""
+    from checkpoints import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("chat-llama"), max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def loaded(long_checkpoint):
+    return load(str(long_checkpoint), device="cpu")
+
+
+def conversation(loaded, budget="1.0", **settings):
+    settings.setdefault("temperature", 0.0)
+    settings.setdefault("max_new_tokens", 6)
+    cache = CacheSettings(budget=budget, policy=settings.pop("policy", "h2o"))
+    return Conversation(loaded.model, loaded.tokenizer, ChatSettings(cache=cache, **settings))
+
+
+def assert_consistent(conv: Conversation) -> None:
+    """The cache holds exactly ``ids`` and the tokens spell the rendered conversation."""
+    assert all(layer.seen == len(conv.ids) for layer in conv.cache.layers if layer.is_initialized)
+    assert conv.tokenizer.decode(conv.ids + conv.pending, skip_special_tokens=False) == conv.fed_text
+    assert conv.render(add_generation_prompt=False).startswith(conv.fed_text)
+
+
+def greedy_reference(model, ids: list[int], steps: int) -> list[int]:
+    """Greedy tokens from a plain full-attention forward of the whole sequence every step."""
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_second_turn_feeds_only_the_new_suffix_and_matches_full_attention(loaded, long_checkpoint):
+    conv = conversation(loaded, system="be brief")
+    words = ["fox", "dog", "dragon", "lazy", "quick", "brown"]
+    first = " ".join(words[i] for i in torch.randperm(len(words))[:3].tolist())
+    conv.send(first)
+    assert_consistent(conv)
+    before = len(conv.ids)
+    result = conv.send("once upon a time")
+    assert_consistent(conv)
+    # only the new turn was read, not the whole history again
+    assert 0 < result.timing.prompt_tokens < len(conv.ids)
+    prompt_end = before + result.timing.prompt_tokens
+    everything = conv.ids + conv.pending
+    reply = everything[prompt_end:]
+    reference_model = AutoModelForCausalLM.from_pretrained(str(long_checkpoint), attn_implementation="sdpa").eval()
+    assert reply == greedy_reference(reference_model, everything[:prompt_end], len(reply))
+
+
+def test_interrupted_reply_keeps_partial_text_and_session(loaded):
+    conv = conversation(loaded, budget="24", max_new_tokens=40)
+    seen = []
+
+    def impatient(piece):
+        seen.append(piece)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    result = conv.send("the lazy dog", on_piece=impatient)
+    assert result.interrupted
+    assert conv.messages[-1]["interrupted"] is True
+    assert result.text.startswith("".join(seen)) or "".join(seen).startswith(result.text)
+    assert_consistent(conv)
+    after = conv.send("go on")  # the session goes on, on the same cache
+    assert not after.interrupted
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant"]
+    assert_consistent(conv)
+
+
+def test_stop_requested_ends_after_the_current_token(loaded):
+    conv = conversation(loaded, max_new_tokens=30)
+    count = []
+
+    def stop_soon(piece):
+        count.append(piece)
+        conv.stop_requested = True
+
+    result = conv.send("hello", on_piece=stop_soon)
+    # stops at the first token that completed a piece of text (some bytes wait for the next token)
+    assert result.interrupted and len(count) == 1 and result.timing.generated_tokens < 30
+    assert result.text == count[0]
+    assert_consistent(conv)
+
+
+@pytest.mark.parametrize("name, value, attribute, expected", [
+    ("temperature", "0.35", "temperature", 0.35),
+    ("top-p", "0.9", "top_p", 0.9),
+    ("top_k", "7", "top_k", 7),
+    ("seed", "42", "seed", 42),
+    ("max_tokens", "33", "max_new_tokens", 33),
+    ("system", "talk like a pirate", "system", "talk like a pirate"),
+])
+def test_set_changes_the_named_setting(name, value, attribute, expected):
+    settings = ChatSettings()
+    assert settings.set(name, value) == attribute
+    assert getattr(settings, attribute) == expected
+
+
+@pytest.mark.parametrize("name, value", [("temperature", "-1"), ("top_p", "0"), ("top_k", "many"),
+                                         ("max_new_tokens", "0"), ("colour", "blue"), ("heavy_ratio", "1.5")])
+def test_set_refuses_bad_values_and_keeps_the_old_one(name, value):
+    settings = ChatSettings()
+    before = settings.to_json()
+    with pytest.raises(ValueError):
+        settings.set(name, value)
+    assert settings.to_json() == before
+
+
+def test_json_round_trip_restores_messages_settings_and_cache(loaded):
+    conv = conversation(loaded, system="you are terse", budget="20", temperature=0.5, seed=3)
+    conv.send("quick brown fox")
+    conv.send("lazy dog")
+    saved = conv.to_json()
+    other = conversation(loaded)
+    fed = other.load_json(saved)
+    assert other.messages == conv.messages
+    assert other.settings.to_json() == conv.settings.to_json()
+    assert other.cache.budget.slots == 20
+    assert fed == len(other.encode(other.render(add_generation_prompt=False))) == other.cache.tokens_seen()
+    assert_consistent(other)
+    other.send("and then?")
+    assert_consistent(other)
+
+
+def test_load_refuses_a_foreign_file(loaded):
+    conv = conversation(loaded)
+    with pytest.raises(ValueError):
+        conv.load_json({"messages": []})
+    with pytest.raises(ValueError):
+        conv.load_json({"format": "h2ochat-conversation", "messages": [{"role": "user"}]})
+
+
+def test_rebuild_with_a_new_budget_refeeds_the_conversation(loaded):
+    conv = conversation(loaded, budget="1.0")
+    conv.send("the quick brown fox")
+    total = len(conv.ids) + len(conv.pending)
+    conv.settings.cache.budget = "12"
+    conv.rebuild()
+    assert conv.cache.budget.slots == 12
+    assert conv.cache.tokens_seen() == len(conv.ids) >= total - 1
+    assert all(layer.stats().held == 12 for layer in conv.cache.layers)
+    assert_consistent(conv)
+
+
+def test_eviction_notices_come_once(loaded):
+    conv = conversation(loaded, budget="16", system="a fairly long system prompt about foxes and dogs",
+                        max_new_tokens=12)
+    first = conv.send("hi")
+    notes = first.notices + conv.send("more").notices + conv.send("again").notices
+    assert sum("system prompt" in n for n in notes) == 1
+    assert sum("first turn" in n for n in notes) == 1
+
+
+def test_no_notice_while_everything_fits(loaded):
+    conv = conversation(loaded, budget="1.0", system="short")
+    assert conv.send("hi").notices == []
+    assert conv.send("hello").notices == []
