@@ -206,22 +206,32 @@ def stream(
 
 
 class TextStream:
-    """Turns token ids into text pieces as they arrive, holding back incomplete characters."""
+    """Turns token ids into text pieces as they arrive, holding back incomplete characters.
+
+    Decodes only a short window of recent ids each time (the previous piece's ids as context, so
+    tokenizers that treat a leading space specially still join words right): a long story stays
+    linear in its length.
+    """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.emitted = 0
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = 0  # ids before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-        if text.endswith("\ufffd"):
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        piece, self.emitted = text[self.emitted :], len(text)
-        return piece
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return after[len(before) :]
 
     @property
     def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode(self.ids)
