@@ -1,31 +1,114 @@
-"""Choose, per call, the Triton kernel or its torch reference."""
+"""Choose, per call, the Triton kernel or its torch reference.
+
+``H2OCHAT_KERNELS`` (read on every call):
+
+- ``auto`` (default): Triton when the tensors are on CUDA and ``triton`` imports, else torch;
+- ``torch``: always the reference;
+- ``triton``: always Triton; an error when triton is missing, or when the tensors are on the CPU and
+  the Triton interpreter is off (``TRITON_INTERPRET=1`` makes CPU tensors work, slowly: tests).
+
+Triton modules are imported lazily, on the first Triton call, so importing this package never needs
+triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dtypes, non-float
+inputs, an empty cache for eviction) runs the reference instead, whatever the backend.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from . import reference
+from ._common import interpreting
+
+_CHOICES = ("auto", "torch", "triton")
 
 
-def kernel_backend(device: torch.device) -> str:
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising something else at import
+        return False
+    return True
+
+
+def kernel_backend(device: torch.device | str) -> str:
     """'triton' or 'torch' for tensors on ``device``, honouring H2OCHAT_KERNELS."""
-    wanted = os.environ.get("H2OCHAT_KERNELS", "auto").lower()
+    device = torch.device(device)
+    wanted = os.environ.get("H2OCHAT_KERNELS", "auto").strip().lower() or "auto"
+    if wanted not in _CHOICES:
+        raise ValueError(f"H2OCHAT_KERNELS={wanted!r}: expected one of {', '.join(_CHOICES)}")
     if wanted == "torch":
         return "torch"
     if wanted == "triton":
+        if not triton_available():
+            raise RuntimeError("H2OCHAT_KERNELS=triton but the triton package cannot be imported")
+        if device.type != "cuda" and not interpreting():
+            raise RuntimeError(
+                f"H2OCHAT_KERNELS=triton with tensors on {device.type}: Triton runs CUDA tensors, "
+                "or CPU tensors under TRITON_INTERPRET=1 (slow; for tests)"
+            )
         return "triton"
-    return "torch"  # the Triton path plugs in here (issue: Triton kernels)
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores) -> bool:
+    dtypes = {cache_keys.dtype, cache_values.dtype, new_keys.dtype, new_values.dtype}
+    return (
+        query.dtype in _FLOATS
+        and len(dtypes) == 1
+        and cache_keys.dtype in _FLOATS
+        and scores.dtype == torch.float32
+        and query.shape[-1] <= 256
+    )
 
 
 def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores):
+    """``reference.attend_with_scores`` on the chosen backend (same arguments, same results)."""
+    if kernel_backend(query.device) == "triton" and _attention_supported(
+        query, cache_keys, cache_values, new_keys, new_values, scores
+    ):
+        if query.shape[3] == 1:
+            from .triton_decode import decode_attend_with_scores
+
+            return decode_attend_with_scores(
+                query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores
+            )
+        from .triton_chunk import chunk_attend_with_scores
+
+        return chunk_attend_with_scores(
+            query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores
+        )
     return reference.attend_with_scores(
         query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores
     )
 
 
 def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index, new_position):
+    """``reference.evict_and_insert`` on the chosen backend (see triton_evict for the choice)."""
+    if (
+        kernel_backend(keys.device) == "triton"
+        and keys.shape[2] > 0
+        and keys.shape[3] <= 1024
+        and keys.dtype in _FLOATS
+        and values.dtype in _FLOATS
+        and scores.dtype == torch.float32
+        and slot_token_index.dtype == torch.int64
+        and slot_position.dtype == torch.int64
+        and priority.is_floating_point()
+    ):
+        from .triton_evict import evict_and_insert as triton_evict_and_insert
+
+        return triton_evict_and_insert(
+            priority, keys, values, scores, slot_token_index, slot_position,
+            new_key, new_value, new_score, new_token_index, new_position,
+        )
     return reference.evict_and_insert(
         priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index, new_position
     )

@@ -1,0 +1,248 @@
+"""Chunk (prefill) attention with H2O column scores: Q > 1 new tokens per sequence.
+
+Equals ``reference.attend_with_scores`` for any Q. A score is a column sum of the NORMALISED
+probabilities, which needs each row's final max and sum before any probability is known, so the
+kernel makes two passes over the keys:
+
+- pass 1: row max and sum of exponentials (online), over the cache slots and then over the new keys;
+- pass 2: recompute the logits, p = exp(logit - max) / sum, accumulate p @ V (already normalised:
+  no rescaling), and add the column sums of p over the real query rows to ``scores`` (cache slots)
+  and to ``new_scores`` (new tokens) with fp32 atomic adds, since several row blocks share a key.
+
+Grid: (B * Hkv, cdiv(G * Q, BLOCK_M)). The G query heads of a KV group are folded into the rows
+(row r = token r // G, head r % G), so one program reads each K/V block for every head of its group,
+and a row block covers a contiguous token range: new-key blocks past its last token are skipped
+(causal). K is read twice and V once per row block; prefill is compute-bound enough that the second
+K read is cheaper than a [rows, keys] probability workspace.
+
+Masks follow the reference: invalid cache slots, future new tokens and padding new tokens get the
+float32-min logit (so an all-masked padding row gets a finite, uniform softmax), padding query rows
+(new_valid False) add nothing to any score; their output is computed but meaningless.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import MASKED, check_float, dot_mode, interpreting, next_pow2
+
+
+@triton.jit
+def _qk(q, k, HALF_DOT: tl.constexpr):
+    if HALF_DOT:
+        r = tl.dot(q, tl.trans(k))
+    else:
+        r = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return r
+
+
+@triton.jit
+def _pv(p, v, HALF_DOT: tl.constexpr):
+    if HALF_DOT:
+        r = tl.dot(p.to(v.dtype), v)
+    else:
+        r = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return r
+
+
+@triton.jit
+def _chunk_kernel(
+    Qp, K, V, SLOT, NK, NV, VALID, SCORES, NEW_SCORES, OUT,
+    scale, S, Q_LEN, G, D, H,
+    sqb, sqh, sqg, sqq, sqd,
+    skb, skh, sks, skd,
+    svb, svh, svs, svd,
+    sib, sih, sis,
+    snkb, snkh, snkq, snkd,
+    snvb, snvh, snvq, snvd,
+    svalb, svalq,
+    ssb, ssh, sss,
+    sob, soh, sog, soq, sod,
+    MASKED_LOGIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_VALID: tl.constexpr, HALF_DOT: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * Q_LEN
+    tok_i = rows // G
+    head_g = rows % G
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+
+    q = tl.load(Qp + b * sqb + h * sqh + head_g[:, None] * sqg + tok_i[:, None] * sqq + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    if HALF_DOT:
+        q = q.to(K.dtype.element_ty)
+    else:
+        q = q.to(tl.float32)
+    if HAS_VALID:
+        row_real = tl.load(VALID + b * svalb + tok_i * svalq, mask=row_ok, other=0).to(tl.int32) != 0
+    else:
+        row_real = row_ok
+    row_real = row_real & row_ok
+
+    # New-key range this row block can see (causal): keys 0 .. last token of the block.
+    last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Q_LEN - 1)
+    n_end = last_tok + 1
+
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    i_base = SLOT + b * sib + h * sih
+    nk_base = NK + b * snkb + h * snkh
+    nv_base = NV + b * snvb + h * snvh
+
+    # ---- pass 1: row max and sum ----
+    m_i = tl.full([BLOCK_M], MASKED_LOGIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for s0 in range(0, S, BLOCK_N):
+        offs_s = s0 + tl.arange(0, BLOCK_N)
+        in_range = offs_s < S
+        k = tl.load(k_base + offs_s[:, None] * sks + offs_d[None, :] * skd,
+                    mask=in_range[:, None] & mask_d[None, :], other=0.0)
+        tok = tl.load(i_base + offs_s * sis, mask=in_range, other=-1)
+        logits = _qk(q, k, HALF_DOT) * scale
+        logits = tl.where((tok >= 0)[None, :], logits, MASKED_LOGIT)
+        logits = tl.where(in_range[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
+        m_i = m_new
+    for j0 in range(0, n_end, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        in_range = offs_j < n_end
+        k = tl.load(nk_base + offs_j[:, None] * snkq + offs_d[None, :] * snkd,
+                    mask=in_range[:, None] & mask_d[None, :], other=0.0)
+        if HAS_VALID:
+            key_ok = tl.load(VALID + b * svalb + offs_j * svalq, mask=in_range, other=0).to(tl.int32) != 0
+        else:
+            key_ok = in_range
+        logits = _qk(q, k, HALF_DOT) * scale
+        allowed = key_ok[None, :] & (offs_j[None, :] <= tok_i[:, None])
+        logits = tl.where(allowed, logits, MASKED_LOGIT)
+        logits = tl.where(in_range[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
+        m_i = m_new
+
+    inv_l = 1.0 / l_i
+    # ---- pass 2: normalised probabilities, P @ V, column sums ----
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    s_base = SCORES + b * ssb + h * ssh
+    for s0 in range(0, S, BLOCK_N):
+        offs_s = s0 + tl.arange(0, BLOCK_N)
+        in_range = offs_s < S
+        kv_mask = in_range[:, None] & mask_d[None, :]
+        k = tl.load(k_base + offs_s[:, None] * sks + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        tok = tl.load(i_base + offs_s * sis, mask=in_range, other=-1)
+        logits = _qk(q, k, HALF_DOT) * scale
+        logits = tl.where((tok >= 0)[None, :], logits, MASKED_LOGIT)
+        logits = tl.where(in_range[None, :], logits, float("-inf"))
+        p = tl.exp(logits - m_i[:, None]) * inv_l[:, None]
+        v = tl.load(v_base + offs_s[:, None] * svs + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        acc += _pv(p, v, HALF_DOT)
+        col = tl.sum(tl.where(row_real[:, None], p, 0.0), axis=0)
+        tl.atomic_add(s_base + offs_s * sss, col, mask=in_range)
+    ns_base = NEW_SCORES + bh.to(tl.int64) * Q_LEN
+    for j0 in range(0, n_end, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        in_range = offs_j < n_end
+        kv_mask = in_range[:, None] & mask_d[None, :]
+        k = tl.load(nk_base + offs_j[:, None] * snkq + offs_d[None, :] * snkd, mask=kv_mask, other=0.0)
+        if HAS_VALID:
+            key_ok = tl.load(VALID + b * svalb + offs_j * svalq, mask=in_range, other=0).to(tl.int32) != 0
+        else:
+            key_ok = in_range
+        logits = _qk(q, k, HALF_DOT) * scale
+        allowed = key_ok[None, :] & (offs_j[None, :] <= tok_i[:, None])
+        logits = tl.where(allowed, logits, MASKED_LOGIT)
+        logits = tl.where(in_range[None, :], logits, float("-inf"))
+        p = tl.exp(logits - m_i[:, None]) * inv_l[:, None]
+        v = tl.load(nv_base + offs_j[:, None] * snvq + offs_d[None, :] * snvd, mask=kv_mask, other=0.0)
+        acc += _pv(p, v, HALF_DOT)
+        col = tl.sum(tl.where(row_real[:, None], p, 0.0), axis=0)
+        tl.atomic_add(ns_base + offs_j, col, mask=in_range)
+
+    tl.store(OUT + b * sob + h * soh + head_g[:, None] * sog + tok_i[:, None] * soq + offs_d[None, :] * sod,
+             acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+
+
+def chunk_attend_with_scores(
+    query: torch.Tensor,
+    cache_keys: torch.Tensor,
+    cache_values: torch.Tensor,
+    slot_token_index: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    new_valid: torch.Tensor | None,
+    scale: float,
+    scores: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.attend_with_scores`` for any Q (see the module docstring).
+
+    ``block_m`` / ``block_n`` override the tile sizes (>= 16); ``out`` (shape and dtype of the
+    result) receives the output instead of a fresh tensor.
+    """
+    batch, kv_heads, group, q_len, head_dim = query.shape
+    slots = cache_keys.shape[2]
+    for name, t in (("query", query), ("cache_keys", cache_keys), ("cache_values", cache_values),
+                    ("new_keys", new_keys), ("new_values", new_values)):
+        check_float(t, name)
+    if cache_keys.dtype != new_keys.dtype or cache_values.dtype != new_values.dtype or cache_keys.dtype != cache_values.dtype:
+        raise TypeError("cache and new keys/values must share one dtype")
+    if scores.dtype != torch.float32:
+        raise TypeError("scores must be float32")
+    device = query.device
+
+    if out is None:
+        out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=query.dtype, device=device)
+    elif out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError("out must have the query's shape and dtype")
+    new_scores = torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=device)
+    if q_len == 0:
+        return out, new_scores
+
+    block_d = max(16, next_pow2(head_dim))
+    # Tile sizes: 16-bit inputs use ~42 KiB of shared memory at 64 x 64, D = 128; fp32 tiles are
+    # twice the bytes and are kept under the ~100 KiB a consumer GPU gives one program.
+    num_stages = 3
+    if interpreting():
+        tile = 16
+    elif dot_mode(cache_keys.dtype):
+        tile = 64 if block_d <= 128 else 32
+    else:
+        tile, num_stages = (32 if block_d <= 128 else 16), 2
+    block_m = block_m or tile
+    block_n = block_n or tile
+    rows = group * q_len
+
+    if slots > 0:
+        cache_k, cache_v, slot_idx, scores_arg = cache_keys, cache_values, slot_token_index, scores
+    else:  # nothing cached: the cache loops run zero times over dummy tensors
+        cache_k, cache_v = new_keys, new_values
+        slot_idx = torch.full((batch, kv_heads, 1), -1, dtype=torch.int64, device=device)
+        scores_arg = new_scores
+    if new_valid is not None:
+        valid_arg, sval = new_valid, new_valid.stride()
+    else:
+        valid_arg, sval = new_scores, (0, 0)
+
+    grid = (batch * kv_heads, triton.cdiv(rows, block_m))
+    _chunk_kernel[grid](
+        query, cache_k, cache_v, slot_idx, new_keys, new_values, valid_arg, scores_arg, new_scores, out,
+        float(scale), slots, q_len, group, head_dim, kv_heads,
+        *query.stride(), *cache_k.stride()[:4], *cache_v.stride()[:4], *slot_idx.stride()[:3],
+        *new_keys.stride(), *new_values.stride(), *sval, *scores_arg.stride()[:3], *out.stride(),
+        MASKED_LOGIT=MASKED, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_VALID=new_valid is not None, HALF_DOT=dot_mode(cache_keys.dtype), num_warps=4, num_stages=num_stages,
+    )
+    return out, new_scores
