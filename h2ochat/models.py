@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,21 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
     return choices[dtype]
 
 
+def hub_parameter_count(repo: str) -> int | None:
+    """Parameters the hub reports for ``repo`` before anything is downloaded (None when offline or
+    not reported), so a model too large for memory is refused before a long download."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.constants import is_offline_mode
+
+    if is_offline_mode():
+        return None
+    try:
+        info = HfApi().model_info(repo, timeout=10)
+    except Exception:  # unreachable hub, private repo...: the download step reports those
+        return None
+    return int(info.safetensors.total) if info.safetensors else None
+
+
 def _download(repo: str) -> Path:
     """The hub snapshot of ``repo`` (weights, config, tokenizer), with progress bars; uses the cache."""
     from huggingface_hub import snapshot_download
@@ -225,6 +241,36 @@ def _download(repo: str) -> Path:
         raise ModelError(f"could not download {repo}: {exc}") from None
 
 
+def converted_gguf_dir(path: Path, dtype: torch.dtype) -> Path:
+    """Where the de-quantized copy of a GGUF file is kept: converting Q4 tensors in Python takes
+    tens of seconds, loading the saved result takes about one."""
+    root = os.environ.get("H2OCHAT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h2ochat"
+    stat = path.stat()
+    return Path(root) / "gguf" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{str(dtype).removeprefix('torch.')}"
+
+
+def _keep_converted(model, tokenizer, target: Path) -> None:
+    """Save a converted GGUF model for next time; any failure only costs speed next time.
+
+    The weights are plain de-quantized tensors by now; transformers still marks the model as
+    "quantized with gguf" and refuses to save it, so the mark is lifted for the save."""
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    quantizer, quant_config = getattr(model, "hf_quantizer", None), getattr(model.config, "quantization_config", None)
+    try:
+        model.hf_quantizer = None
+        if quant_config is not None:
+            del model.config.quantization_config
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(target)
+    except Exception:
+        shutil.rmtree(partial, ignore_errors=True)
+    finally:
+        model.hf_quantizer = quantizer
+        if quant_config is not None:
+            model.config.quantization_config = quant_config
+
+
 def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str | None = None) -> LoadedModel:
     """Load ``name`` with the h2o attention implementation, ready for an ``H2OCache``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,27 +279,38 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     source = resolve(name)
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
+    memory_device = "auto" if device_map else device
     if source.kind == "gguf" and source.family not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelError(f"GGUF architecture {source.family!r} is not supported "
                          f"(supported: {', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))})")
-    folder = Path(source.location).parent if source.kind == "gguf" else None
     if source.kind == "hub":
+        check_memory(hub_parameter_count(source.location), torch_dtype, memory_device, source.name)
         folder = _download(source.location)
-    elif source.kind == "dir":
+    else:
         folder = Path(source.location)
     params = parameter_count(source, folder)
-    check_memory(params, torch_dtype, "auto" if device_map else device, source.name)
+    check_memory(params, torch_dtype, memory_device, source.name)
 
     kwargs = {"dtype": torch_dtype, "attn_implementation": attention.NAME}
+    tokenizer_kwargs = {}
+    converted = None
     if source.kind == "gguf":
-        kwargs["gguf_file"] = Path(source.location).name
+        converted = converted_gguf_dir(folder, torch_dtype)
+        if (converted / "config.json").is_file():
+            folder, converted = converted, None
+        else:
+            tokenizer_kwargs = {"gguf_file": folder.name}
+            kwargs["gguf_file"] = folder.name
+            folder = folder.parent
     if device_map:
         kwargs["device_map"] = device_map
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **tokenizer_kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"could not load {source.name}: {str(exc).splitlines()[0]}") from None
+    if converted is not None:
+        _keep_converted(model, tokenizer, converted)
     if not device_map:
         model.to(device)
     model.eval()
