@@ -1,0 +1,272 @@
+"""The interactive loop: read a line (prompt-toolkit), run a slash command or send it as a turn.
+
+Reading is behind a small ``LineReader`` so the same loop serves a terminal (history, multiline,
+a bottom toolbar with the cache state), piped standard input, and tests (prompt-toolkit pipe input).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.text import Text
+
+from . import ui
+from .budget import parse_budget
+from .cache import PositionLimitError
+from .chat import Conversation, ctrl_c_stops
+from .errors import one_line
+from .policies import POLICIES, get_policy
+
+MULTILINE = '"""'
+EXIT_COMMANDS = ("/bye", "/exit", "/quit")
+
+
+def history_path() -> Path:
+    """Where up-arrow history persists: $H2OCHAT_HOME, else $XDG_DATA_HOME/h2ochat, else ~/.local/share/h2ochat."""
+    home = os.environ.get("H2OCHAT_HOME")
+    if home:
+        return Path(home) / "history"
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "h2ochat" / "history"
+
+
+class PromptReader:
+    """Lines from a prompt-toolkit session: persistent history, Esc+Enter for a new line,
+    a bottom toolbar with the cache state. ``input``/``output`` let tests drive it."""
+
+    def __init__(self, toolbar: Callable[[], str] | None = None, history: Path | None = None, input=None, output=None):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+        from prompt_toolkit.key_binding import KeyBindings
+
+        bindings = KeyBindings()
+
+        @bindings.add("escape", "enter")
+        def _newline(event):  # Esc+Enter (Alt+Enter) inserts a line break instead of sending
+            event.current_buffer.insert_text("\n")
+
+        if history is not None:
+            try:
+                history.parent.mkdir(parents=True, exist_ok=True)
+                store = FileHistory(str(history))
+            except OSError:  # read-only home: history for this session only
+                store = InMemoryHistory()
+        else:
+            store = InMemoryHistory()
+        self.session = PromptSession(history=store, key_bindings=bindings, input=input, output=output,
+                                     bottom_toolbar=toolbar, prompt_continuation="... ")
+
+    def __call__(self, prompt: str) -> str:
+        return self.session.prompt(prompt)
+
+
+class StreamReader:
+    """Lines from a file (piped standard input): no prompt, no editing."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __call__(self, prompt: str) -> str:
+        line = self.stream.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+
+HELP = [
+    ("/help", "this list"),
+    ("/clear", "new conversation, fresh cache"),
+    ("/set NAME VALUE", "temperature, top_p, top_k, seed, max_new_tokens, heavy_ratio, system"),
+    ("/set", "show the current settings"),
+    ("/budget B", "KV slots per layer: 0.1 (share of the context) or 256 (slots); re-feeds the conversation"),
+    ("/policy P", f"eviction policy ({', '.join(POLICIES)}); re-feeds the conversation"),
+    ("/cache", "per-layer cache table: slots, heavy/recent, evictions, score mass"),
+    ("/hh", "the transcript with cached tokens highlighted (heavy hitters bold, evicted dimmed)"),
+    ("/stats", "totals for this session"),
+    ("/save FILE", "write the conversation and settings as JSON"),
+    ("/load FILE", "read a conversation saved with /save (re-feeds it)"),
+    ("/bye, /exit, Ctrl-D", "leave"),
+    ('"""', 'start a multi-line message; end it with """ (or press Esc then Enter for a new line)'),
+]
+
+
+class Repl:
+    def __init__(self, conversation: Conversation, console: Console, read_line: Callable[[str], str],
+                 model_name: str = "model"):
+        self.conv, self.console, self.read_line = conversation, console, read_line
+        self.model_name = model_name
+        self.turns = 0
+        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.commands: dict[str, Callable[[str], None]] = {
+            "/help": self.cmd_help, "/?": self.cmd_help, "/clear": self.cmd_clear, "/set": self.cmd_set,
+            "/budget": self.cmd_budget, "/policy": self.cmd_policy, "/cache": self.cmd_cache, "/hh": self.cmd_hh,
+            "/stats": self.cmd_stats, "/save": self.cmd_save, "/load": self.cmd_load,
+        }
+
+    # -- output helpers ---------------------------------------------------------------------------
+    def say(self, message: str, style: str = "dim") -> None:
+        self.console.print(Text(message, style=style))
+
+    def toolbar(self) -> str:
+        return f" {self.model_name} · {self.conv.settings.cache.policy} · " + ui.status_line(self.conv.cache)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Read and answer until the user leaves; returns the exit code."""
+        ctrl_c_once = False
+        while True:
+            try:
+                line = self.read_message()
+            except EOFError:
+                return 0
+            except KeyboardInterrupt:
+                if ctrl_c_once:
+                    return 130
+                self.say("(Ctrl-C again, Ctrl-D or /bye to leave)")
+                ctrl_c_once = True
+                continue
+            ctrl_c_once = False
+            if not line.strip():
+                continue
+            if line.strip().lower() in EXIT_COMMANDS:
+                return 0
+            self.handle(line)
+
+    def read_message(self) -> str:
+        line = self.read_line(">>> ")
+        if not line.lstrip().startswith(MULTILINE):
+            return line
+        body = line.lstrip()[len(MULTILINE):]
+        if body.rstrip().endswith(MULTILINE):
+            return body.rstrip()[: -len(MULTILINE)]
+        lines = [body] if body else []
+        while True:
+            more = self.read_line("... ")
+            if more.rstrip().endswith(MULTILINE):
+                lines.append(more.rstrip()[: -len(MULTILINE)])
+                return "\n".join(lines).strip("\n")
+            lines.append(more)
+
+    def handle(self, line: str) -> None:
+        """One line: a slash command or a message. Failures are reported in one line, never raised."""
+        try:
+            if line.startswith("/") and not line.startswith("//"):
+                name, _, argument = line.strip().partition(" ")
+                command = self.commands.get(name.lower())
+                if command is None:
+                    self.say(f"unknown command {name}; /help lists the commands", style="yellow")
+                    return
+                command(argument.strip())
+            else:
+                self.reply(line[1:] if line.startswith("//") else line)
+        except (ValueError, OSError, PositionLimitError, MemoryError) as exc:
+            self.say(f"error: {one_line(exc)}", style="red")
+
+    def reply(self, text: str) -> None:
+        conv = self.conv
+        with ui.ReplyPrinter(self.console, lambda: ui.status_line(conv.cache, conv.current)) as printer:
+            with ctrl_c_stops(conv):
+                result = conv.send(text, on_piece=printer.write)
+        self.turns += 1
+        for key in self.totals:
+            self.totals[key] += getattr(result.timing, key)
+        if result.interrupted:
+            self.say("[interrupted: the partial reply is kept]", style="yellow")
+        for notice in result.notices:
+            self.say(f"note: {notice}", style="yellow")
+        self.say(ui.turn_summary(result))
+
+    # -- commands ---------------------------------------------------------------------------------
+    def cmd_help(self, _: str) -> None:
+        width = max(len(name) for name, _ in HELP)
+        for name, text in HELP:
+            self.console.print(Text.assemble((name.ljust(width + 2), "bold"), text))
+
+    def cmd_clear(self, _: str) -> None:
+        self.conv.clear()
+        self.say("new conversation, fresh cache")
+
+    def cmd_set(self, argument: str) -> None:
+        if not argument:
+            settings = self.conv.settings
+            cache = settings.cache
+            for key, value in (("system", settings.system), ("temperature", settings.temperature),
+                               ("top_p", settings.top_p), ("top_k", settings.top_k), ("seed", settings.seed),
+                               ("max_new_tokens", settings.max_new_tokens), ("budget", cache.budget),
+                               ("policy", cache.policy), ("heavy_ratio", cache.heavy_ratio)):
+                self.console.print(Text.assemble((f"{key:15}", "bold"), repr(value) if isinstance(value, str) else str(value)))
+            return
+        name, _, value = argument.partition(" ")
+        if not value.strip() and name.lower() not in ("system", "seed"):
+            raise ValueError(f"usage: /set {name} VALUE")
+        canonical = self.conv.settings.set(name, value or "")
+        shown = getattr(self.conv.settings.cache if canonical == "heavy_ratio" else self.conv.settings, canonical)
+        self.say(f"{canonical} = {shown!r}")
+        if canonical == "heavy_ratio":
+            self.refeed(f"heavy ratio {shown}")
+
+    def cmd_budget(self, argument: str) -> None:
+        if not argument:
+            budget = self.conv.cache.budget
+            self.say(f"budget {self.conv.settings.cache.budget}: {budget.slots} slots per layer and KV head "
+                     f"({budget.heavy} heavy + {budget.recent} recent)")
+            return
+        parse_budget(argument, self.conv.max_positions)
+        self.conv.settings.cache.budget = argument
+        self.refeed(f"budget {argument}")
+
+    def cmd_policy(self, argument: str) -> None:
+        if not argument:
+            self.say(f"policy {self.conv.settings.cache.policy}; choose one of {', '.join(POLICIES)}")
+            return
+        get_policy(argument)
+        self.conv.settings.cache.policy = argument
+        self.refeed(f"policy {argument}")
+
+    def refeed(self, what: str) -> None:
+        tokens = self.conv.rebuild()
+        budget = self.conv.cache.budget
+        self.say(f"{what}: new cache of {budget.slots} slots ({budget.heavy} heavy + {budget.recent} recent)"
+                 + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
+
+    def cmd_cache(self, _: str) -> None:
+        self.console.print(ui.cache_table(self.conv.cache))
+
+    def cmd_hh(self, _: str) -> None:
+        conv = self.conv
+        ids = conv.ids + conv.pending
+        if not ids:
+            self.say("nothing in the cache yet")
+            return
+        self.console.print(ui.heavy_hitter_text(conv.tokenizer, ids, conv.cache))
+        self.console.print(ui.heavy_hitter_legend(conv.cache, len(ids)))
+
+    def cmd_stats(self, _: str) -> None:
+        t = self.totals
+        prefill = t["prompt_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0
+        decode = t["generated_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        self.say(f"{self.turns} turns · {t['prompt_tokens']} prompt tokens ({prefill:.0f} tok/s) · "
+                 f"{t['generated_tokens']} generated ({decode:.1f} tok/s)", style="")
+        self.say(ui.status_line(self.conv.cache), style="")
+
+    def cmd_save(self, argument: str) -> None:
+        if not argument:
+            raise ValueError("usage: /save FILE")
+        path = Path(argument).expanduser()
+        path.write_text(json.dumps(self.conv.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        self.say(f"saved {len(self.conv.messages)} messages and the settings to {path}")
+
+    def cmd_load(self, argument: str) -> None:
+        if not argument:
+            raise ValueError("usage: /load FILE")
+        path = Path(argument).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        tokens = self.conv.load_json(data)
+        self.say(f"loaded {len(self.conv.messages)} messages from {path}; re-fed {tokens} tokens")
