@@ -1,0 +1,393 @@
+"""Decode speed and memory of the budgeted cache against a full cache and stock transformers.
+
+Variants, all on the same model weights, at the same batch size and context length:
+
+- ``h2o``: the budgeted ``H2OCache`` (scores, eviction), as generation uses it;
+- ``slots``: the same preallocated slots with no scoring and no eviction (``SlotsOnlyCache``):
+  each new token overwrites the oldest slot in place and attention is plain sdpa. h2o against it
+  is the price of H2O's bookkeeping;
+- ``full``: our cache with the ``full`` policy (same code path as h2o), preallocated to the
+  context plus the decode steps, so nothing is evicted and nothing grows while timing;
+- ``hf``: stock transformers: the model switched to ``sdpa`` attention with a ``DynamicCache``.
+
+A context of N tokens is built without an N-token prefill: one real token initialises every
+layer's cache, then the slots are filled with random keys and values and the counters set as if
+N tokens had been fed. A decode step costs the same whatever the values it reads, and this keeps
+the benchmark to minutes (a real 4096-token prefill at batch 32 takes longer than the whole run).
+
+Memory: KV bytes come from the caches' own allocations. Peak memory is the peak resident set size
+during that one measurement on a CPU (the kernel's high-water mark, reset before each one through
+/proc/self/clear_refs), or the peak CUDA memory allocated on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import NAME as H2O_ATTENTION
+from .cache import H2OCache, H2OLayer
+from .generation import _cache_argument, forward, max_positions
+from .policies import SlotBudget, get_policy
+from .rotary import find_rotary
+
+VARIANTS = ("h2o", "slots", "full", "hf")
+CAPACITY_VARIANTS = ("h2o", "full", "hf")
+
+
+# -- the bookkeeping-free baseline -----------------------------------------------------------------
+
+class SlotsOnlyLayer(H2OLayer):
+    """The same preallocated slots as an ``H2OLayer``, without scores or eviction: the new token
+    overwrites the oldest slot in place (a ring), then plain sdpa runs over the slots. Decode only."""
+
+    def attend(self, query, key, value, new_valid, scale):
+        self.pending_key = self.pending_value = None
+        batch, q_heads, q_len, head_dim = query.shape
+        if q_len != 1 or new_valid is not None:
+            raise ValueError("the slots-only baseline times decode steps only (one token, no padding)")
+        kv_heads = key.shape[1]
+        slot = self.used if self.used < self.capacity else self.seen % self.capacity
+        self.keys[:, :, slot] = key[:, :, 0]
+        self.values[:, :, slot] = value[:, :, 0]
+        self.used = min(self.used + 1, self.capacity)
+        self.seen += 1
+        self.real_seen += 1
+        self.next_position += 1
+        # one new token: the G query heads of a KV group are G query rows over the group's keys
+        grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, self.keys[:, :, : self.used],
+                                             self.values[:, :, : self.used], scale=scale)
+        return out.unsqueeze(3)
+
+
+class SlotsOnlyCache(H2OCache):
+    def __init__(self, num_layers: int, slots: int, *, max_positions: int, rotary=None):
+        super().__init__(num_layers, get_policy("local"), SlotBudget(slots, heavy=0, recent=slots),
+                         max_positions=max_positions, positions="absolute", rotary=rotary)
+        self.layers = [SlotsOnlyLayer(self) for _ in range(num_layers)]
+
+
+# -- building a cache that has seen N tokens ---------------------------------------------------------
+
+def build_cache(model, variant: str, slots: int, context: int, extra: int, heavy_ratio: float = 0.5):
+    """A fresh cache of ``variant`` (not hf): ``slots`` for h2o/slots, context + extra for full."""
+    config = model.config
+    layers, limit, rotary = config.num_hidden_layers, max_positions(config), find_rotary(model)
+    if variant == "slots":
+        return SlotsOnlyCache(layers, slots, max_positions=limit, rotary=rotary)
+    policy = get_policy("h2o" if variant == "h2o" else "full")
+    budget = policy.split(slots if variant == "h2o" else context + extra, heavy_ratio)
+    return H2OCache(layers, policy, budget, max_positions=limit, positions="absolute", rotary=rotary)
+
+
+@torch.inference_mode()
+def fill_synthetic(cache: H2OCache, context: int, generator: torch.Generator) -> None:
+    """Make an initialised cache look as if ``context`` tokens had been fed: its slots (up to the
+    capacity, or ``context`` if fewer) hold random keys/values of the most recent tokens."""
+    for layer in cache.layers:
+        held = min(layer.capacity, context)
+        batch, heads = layer.keys.shape[:2]
+        for buffer in (layer.keys, layer.values):
+            buffer[:, :, :held] = torch.randn(buffer[:, :, :held].shape, generator=generator).to(buffer)
+        tokens = torch.arange(context - held, context, device=layer.keys.device).expand(batch, heads, held)
+        layer.token_index[:, :, :held] = tokens
+        layer.positions[:, :, :held] = tokens
+        layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator).to(layer.scores)
+        layer.used, layer.seen = held, context
+        layer.real_seen.fill_(context)
+        layer.next_position.fill_(context)
+
+
+def fill_synthetic_dynamic(cache, context: int, generator: torch.Generator) -> None:
+    """The same for a transformers ``DynamicCache`` already holding one token per layer."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            old = getattr(layer, name)
+            shape = (*old.shape[:2], context, old.shape[-1])
+            setattr(layer, name, torch.randn(shape, generator=generator).to(old))
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+class PeakMemory:
+    """Peak memory of one measurement: CUDA peak allocated, or the process's resident-set
+    high-water mark reset before the measurement (Linux); the process-lifetime peak otherwise."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.scope = "cuda_allocated" if device.type == "cuda" else "process_rss"
+        if device.type != "cuda":
+            _return_freed_memory()
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            self.scope = "process_rss_lifetime"
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as handle:
+                return int(re.search(r"VmHWM:\s+(\d+)", handle.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            from .report import peak_memory_bytes
+
+            return peak_memory_bytes(self.device)
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed blocks below its (moving) mmap threshold in the heap, so RSS would carry
+    one measurement's tensors into the next one's peak: a fixed 256 KiB threshold returns them."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+# -- one measurement -------------------------------------------------------------------------------
+
+@dataclass
+class Measurement:
+    policy: str
+    context: int
+    batch: int
+    kv_slots: int
+    kv_bytes: int
+    step_ms: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.batch * 1000.0 / self.median_ms
+
+    def record(self) -> dict:
+        out = asdict(self)
+        out.pop("step_ms")
+        out["ms_per_step"] = round(self.median_ms, 3)
+        out["decode_tokens_per_s"] = round(self.decode_tokens_per_s, 2)
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _kv_bytes_dynamic(cache) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers)
+
+
+def measure(model, variant: str, *, context: int, batch: int, slots: int, steps: int, warmup: int,
+            memory: PeakMemory, heavy_ratio: float = 0.5, seed: int = 0) -> Measurement:
+    """Median decode-step latency of ``variant`` at ``batch`` sequences that have seen ``context``
+    tokens, with KV bytes and peak memory."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (steps + warmup + 1, batch, 1), generator=generator).to(device)
+    memory.reset()
+    if variant == "hf":
+        result = _measure_hf(model, tokens, context, generator, warmup)
+    else:
+        cache = build_cache(model, variant, slots, context, steps + warmup, heavy_ratio)
+        forward(model, cache, tokens[0], logits_to_keep=1)  # allocates every layer's slots
+        fill_synthetic(cache, context, generator)
+        step_ms = []
+        for index in range(1, len(tokens)):
+            _sync(device)
+            started = time.perf_counter()
+            forward(model, cache, tokens[index], logits_to_keep=1)
+            _sync(device)
+            step_ms.append((time.perf_counter() - started) * 1000)
+        result = (cache.layers[0].capacity, cache.kv_bytes(), step_ms[warmup:])
+        del cache
+    kv_slots, kv_bytes, step_ms = result
+    return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak())
+
+
+def _measure_hf(model, tokens, context, generator, warmup):
+    from transformers import DynamicCache
+
+    device = tokens.device
+    batch = tokens.shape[1]
+    model.set_attn_implementation("sdpa")
+    try:
+        cache = DynamicCache(config=model.config)
+        argument = {_cache_argument(model): cache}
+        with torch.inference_mode():
+            model(input_ids=tokens[0], use_cache=True, logits_to_keep=1, **argument)
+            fill_synthetic_dynamic(cache, context, generator)
+            step_ms = []
+            for index in range(1, len(tokens)):
+                position = torch.full((batch, 1), context + index - 1, device=device)
+                _sync(device)
+                started = time.perf_counter()
+                model(input_ids=tokens[index], position_ids=position, use_cache=True, logits_to_keep=1, **argument)
+                _sync(device)
+                step_ms.append((time.perf_counter() - started) * 1000)
+        return cache.layers[0].keys.shape[2], _kv_bytes_dynamic(cache), step_ms[warmup:]
+    finally:
+        model.set_attn_implementation(H2O_ATTENTION)
+
+
+# -- the whole benchmark ---------------------------------------------------------------------------
+
+def kv_bytes_per_slot(model) -> int:
+    """Bytes of keys + values one token takes across all layers and KV heads, for one sequence."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    return config.num_hidden_layers * heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ideal_speedup(weights: int, per_slot: int, batch: int, context: int, slots: int) -> float:
+    """A memory-bound decode step reads the weights and the KV once: the byte ratio."""
+    return (weights + per_slot * batch * context) / (weights + per_slot * batch * slots)
+
+
+def comparison(by_variant: dict[str, Measurement], weights: int, per_slot: int) -> dict:
+    h2o = by_variant["h2o"]
+
+    def ratio(name: str, numerator_is_other: bool = True):
+        other = by_variant.get(name)
+        if other is None:
+            return None
+        value = other.median_ms / h2o.median_ms if numerator_is_other else h2o.median_ms / other.median_ms
+        return round(value, 3)
+
+    return {
+        "context": h2o.context,
+        "batch": h2o.batch,
+        "kv_slots": h2o.kv_slots,
+        "ideal_speedup": round(ideal_speedup(weights, per_slot, h2o.batch, h2o.context, h2o.kv_slots), 3),
+        "speedup_vs_full": ratio("full"),
+        "speedup_vs_hf": ratio("hf"),
+        "bookkeeping_overhead": ratio("slots", numerator_is_other=False),
+        "kv_share": round(h2o.kv_bytes / (per_slot * h2o.batch * h2o.context), 4),
+    }
+
+
+@dataclass
+class BenchPlan:
+    contexts: Sequence[int]
+    batches: Sequence[int]
+    budget_slots: Callable[[int], int]  # slots for a context length
+    steps: int = 16
+    warmup: int = 3
+    kv_memory: int | None = 2 * 2**30
+    max_batch: int = 32
+    capacity_steps: int = 4
+    variants: Sequence[str] = VARIANTS
+    heavy_ratio: float = 0.5
+
+    def measurements(self) -> int:
+        count = len(self.contexts) * len(self.batches) * len(self.variants)
+        if self.kv_memory:
+            count += len(self.contexts) * len([v for v in CAPACITY_VARIANTS if v in self.variants])
+        return count
+
+
+def capacity_batch(variant: str, *, kv_memory: int, per_slot: int, context: int, slots: int, extra: int) -> int:
+    """The largest batch whose KV cache fits in ``kv_memory`` bytes."""
+    held = slots if variant == "h2o" else context + extra
+    return kv_memory // (per_slot * held)
+
+
+def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None) -> dict:
+    device = next(model.parameters()).device
+    memory = PeakMemory(device)
+    limit = max_positions(model.config)
+    extra = plan.steps + plan.warmup + 1
+    for context in plan.contexts:
+        if context + extra > limit:
+            raise ValueError(f"--context {context} + {extra} decode steps pass the model's {limit}-position limit")
+    weights, per_slot = weight_bytes(model), kv_bytes_per_slot(model)
+    results, comparisons, capacity = [], [], []
+
+    def one(variant, context, batch, steps, warmup):
+        slots = plan.budget_slots(context)
+        measured = measure(model, variant, context=context, batch=batch, slots=slots, steps=steps, warmup=warmup,
+                           memory=memory, heavy_ratio=plan.heavy_ratio)
+        if on_measured:
+            on_measured(f"{variant} context {context} batch {batch}")
+        return measured
+
+    for context in plan.contexts:
+        for batch in plan.batches:
+            by_variant = {v: one(v, context, batch, plan.steps, plan.warmup) for v in plan.variants}
+            results += [m.record() for m in by_variant.values()]
+            if "h2o" in by_variant:
+                comparisons.append(comparison(by_variant, weights, per_slot))
+        if plan.kv_memory:
+            for variant in (v for v in CAPACITY_VARIANTS if v in plan.variants):
+                largest = capacity_batch(variant, kv_memory=plan.kv_memory, per_slot=per_slot, context=context,
+                                         slots=plan.budget_slots(context), extra=extra)
+                entry = {"policy": variant, "context": context, "kv_memory_bytes": plan.kv_memory,
+                         "max_batch": largest, "measured_batch": min(largest, plan.max_batch),
+                         "decode_tokens_per_s": None, "peak_memory_bytes": None}
+                if entry["measured_batch"] > 0:
+                    measured = one(variant, context, entry["measured_batch"], plan.capacity_steps, 1)
+                    entry["decode_tokens_per_s"] = round(measured.decode_tokens_per_s, 2)
+                    entry["peak_memory_bytes"] = measured.peak_memory_bytes
+                elif on_measured:
+                    on_measured(f"{variant} context {context}: no batch fits")
+                capacity.append(entry)
+    return {
+        "weight_bytes": weights,
+        "kv_bytes_per_token": per_slot,
+        "peak_memory_scope": memory.scope,
+        "results": results,
+        "comparisons": comparisons,
+        "capacity": capacity,
+    }
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or 1.5GB, got {text!r}")
+    number, unit, binary = match.groups()
+    base = 1024 if binary or not unit else 1000
+    value = float(number) * base ** "_kmgt".index(unit.lower() or "_")
+    if value <= 0:
+        raise ValueError(f"--kv-memory must be positive, got {text!r}")
+    return int(value)
+
+
+def parse_ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{option} takes positive whole numbers, got {text!r}")
+    return list(dict.fromkeys(values))

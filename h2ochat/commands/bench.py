@@ -1,0 +1,105 @@
+"""`h2ochat bench`: decode speed and memory, budgeted cache vs full cache vs stock transformers."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .. import benchmark as bm
+from .. import options as o
+from ..budget import parse_budget
+from ..errors import user_errors
+from ..models import load
+
+MIB = 2**20
+
+
+@user_errors
+def bench(
+    model: o.Model = o.DEFAULTS["model"],
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+    context: Annotated[str, typer.Option("--context", rich_help_panel=o.CACHE,
+        help="Comma-separated context lengths (tokens already seen when decoding starts).")] = "512,1024,2048,4096",
+    batch: Annotated[str, typer.Option("--batch", rich_help_panel=o.CACHE,
+        help="Comma-separated batch sizes.")] = "1,4",
+    budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
+        help="h2o slots: a fraction of each context (0.2) or a slot count (512).")] = "0.2",
+    heavy_ratio: o.HeavyRatio = 0.5,
+    kv_memory: Annotated[str, typer.Option("--kv-memory", rich_help_panel=o.CACHE,
+        help="KV memory cap for the largest-batch comparison (2GiB, 512MiB); 0 skips it.")] = "2GiB",
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, rich_help_panel=o.CACHE,
+        help="Largest batch actually run for the KV-cap comparison (the fitting batch is still reported).")] = 32,
+    steps: Annotated[int, typer.Option("--steps", min=1, rich_help_panel=o.CACHE,
+        help="Timed decode steps per measurement (the median is reported).")] = 16,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, rich_help_panel=o.CACHE,
+        help="Untimed decode steps before them.")] = 3,
+    as_json: o.Json = False,
+):
+    """Decode tokens/s, latency and memory: h2o vs its own slots without bookkeeping vs a full
+    cache vs stock transformers, at each context length and batch size, and under a KV memory cap."""
+    contexts = bm.parse_ints(context, "--context")
+    batches = bm.parse_ints(batch, "--batch")
+    cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
+    for length in contexts:
+        parse_budget(budget, length)  # bad syntax fails before the model loads
+    err = Console(stderr=True)
+    with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
+        loaded = load(model, device, dtype)
+    plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
+                        steps=steps, warmup=warmup, kv_memory=cap, max_batch=max_batch, heavy_ratio=heavy_ratio)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[last]}"), console=err, transient=True,
+                  disable=not err.is_terminal) as progress:
+        task = progress.add_task("measuring", total=plan.measurements(), last="")
+        report = bm.run(loaded.model, plan, on_measured=lambda what: progress.update(task, advance=1, last=what))
+    report = {"model": loaded.name, "device": str(loaded.device),
+              "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget, **report}
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    _print(report)
+
+
+def _print(report: dict) -> None:
+    out = Console()
+    speed = Table(title=f"Decode at each context and batch ({report['model']}, {report['dtype']}, {report['device']}): "
+                        "median ms per step, tokens/s, KV MiB, peak MiB", title_justify="left")
+    for name in ("context", "batch", "policy", "KV slots", "ms/step", "tokens/s", "KV MiB", "peak MiB"):
+        speed.add_column(name, justify="right" if name != "policy" else "left")
+    for r in report["results"]:
+        speed.add_row(str(r["context"]), str(r["batch"]), r["policy"], str(r["kv_slots"]), f"{r['ms_per_step']:.1f}",
+                      f"{r['decode_tokens_per_s']:.1f}", f"{r['kv_bytes'] / MIB:.1f}", f"{r['peak_memory_bytes'] / MIB:.0f}")
+    out.print(speed)
+    compare = Table(title="h2o speed-up: ideal (memory-bound byte ratio) vs measured; bookkeeping = h2o / same slots "
+                          "without scoring or eviction", title_justify="left")
+    for name in ("context", "batch", "h2o slots", "KV share", "ideal", "vs full", "vs hf", "bookkeeping"):
+        compare.add_column(name, justify="right")
+    fmt = lambda v, suffix="x": "-" if v is None else f"{v:.2f}{suffix}"  # noqa: E731
+    for c in report["comparisons"]:
+        compare.add_row(str(c["context"]), str(c["batch"]), str(c["kv_slots"]), f"{c['kv_share']:.3f}",
+                        fmt(c["ideal_speedup"]), fmt(c["speedup_vs_full"]), fmt(c["speedup_vs_hf"]),
+                        fmt(c["bookkeeping_overhead"]))
+    out.print(compare)
+    if report["capacity"]:
+        cap = report["capacity"][0]["kv_memory_bytes"]
+        table = Table(title=f"Largest batch whose KV cache fits in {cap / 2**30:.2f} GiB, and its decode throughput",
+                      title_justify="left")
+        for name in ("context", "policy", "max batch", "run at", "tokens/s"):
+            table.add_column(name, justify="right" if name != "policy" else "left")
+        for c in report["capacity"]:
+            table.add_row(str(c["context"]), c["policy"], str(c["max_batch"]), str(c["measured_batch"]),
+                          "-" if c["decode_tokens_per_s"] is None else f"{c['decode_tokens_per_s']:.1f}")
+        out.print(table)
+    out.print(f"peak memory: {report['peak_memory_scope']}; weights {report['weight_bytes'] / MIB:.0f} MiB, "
+              f"KV {report['kv_bytes_per_token'] / 1024:.1f} KiB per token per sequence")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)
