@@ -22,6 +22,8 @@ head_dim 128, fp16. ``score=False`` removes all of it (the benchmark uses it to 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -185,9 +187,14 @@ def _decode_combine_kernel(
                 tl.store(s_base + offs_s * sss, old + col, mask=in_range)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count_cuda(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count_cuda(device.index if device.index is not None else torch.cuda.current_device())
     return 8
 
 

@@ -19,8 +19,23 @@ import sys
 # this process (tests/conftest.py imports transformers, which imports triton), the kernels cannot
 # run here: every test then skips, and test_kernels_in_fresh_process runs this file in a new
 # interpreter without conftest.py.
-_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"  # before any module that defines kernels is imported
+
+
+def _triton_built_without_interpreter() -> bool:
+    """True when triton is already imported and its library (tl.zeros, tl.sum, ...) was built for
+    GPU compilation: the interpreter cannot run kernels in this process then."""
+    if "triton" not in sys.modules:
+        return False
+    try:
+        import triton.language as tl
+    except Exception:
+        return False
+    return type(tl.zeros).__name__ != "InterpretedFunction"
+
+
+_TRITON_PREIMPORTED = _triton_built_without_interpreter()
+if not _TRITON_PREIMPORTED:  # (else leave this process alone: nothing here runs in it)
+    os.environ["TRITON_INTERPRET"] = "1"  # before any module that defines kernels is imported
 
 import subprocess  # noqa: E402
 

@@ -1,0 +1,375 @@
+"""Benchmark the H2O attention kernels: JSON to stdout, optionally a Markdown table to stderr/file.
+
+On CUDA (Triton importable):
+  decode attention + scoring at batch 1..64, 8 KV heads, 32 query heads, head_dim 128, 512..16384
+  slots (fp16 by default). Per size: median time (CUDA events, L2 flushed before every timed call),
+  achieved bandwidth = bytes that must move / time, as a fraction of the device's copy bandwidth
+  measured in the same run (a large device-to-device copy, read + write bytes), the same kernel
+  with scoring disabled (the SCORE constexpr: shows the bookkeeping cost), torch SDPA over the same
+  cache plus a separate score computation (matmul + softmax + sum over the group), and the torch
+  reference (``reference.attend_with_scores``, what the app runs without Triton). Also the eviction
+  kernel vs the torch reference eviction, and a prefill chunk vs the torch reference.
+  Every Triton result is first checked against the torch reference at that size ("max_err").
+
+On the CPU: only the torch paths run (the Triton interpreter is ~1000x slower and says nothing about
+GPU speed), at small sizes; the JSON says so ("backend": "torch", "note").
+
+    python benchmarks/bench_kernels.py [--quick] [--markdown [PATH]] [--dtype fp16|bf16|fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from h2ochat_kernels import reference
+
+KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
+GROUP = Q_HEADS // KV_HEADS
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TARGETS = {
+    "bandwidth_fraction_at_b16_s4096": 0.70,
+    "max_scoring_overhead": 0.10,
+    "faster_than_sdpa_plus_scores": True,
+}
+
+
+# ---------------------------------------------------------------------------------------- timing
+class CudaTimer:
+    def __init__(self, device, reps: int, warmup: int):
+        self.device, self.reps, self.warmup = device, reps, warmup
+        # larger than any L2 (H200: 60 MiB): every timed call starts from a cold cache, as each
+        # layer's cache would in a real decode step
+        self.flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn) -> float:
+        """Median seconds of one call."""
+        for _ in range(self.warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for s, e in zip(starts, ends):
+            self.flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize(self.device)
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+class CpuTimer:
+    def __init__(self, reps: int, warmup: int):
+        self.reps, self.warmup = reps, warmup
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def copy_bandwidth(device, timer, nbytes: int) -> float:
+    """Bytes/s of a device-to-device (or host memcpy) copy: read + write bytes per second."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / t
+
+
+# ---------------------------------------------------------------------------------------- inputs
+def decode_inputs(batch, slots, dtype, device, group=GROUP, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
+    g = torch.Generator(device="cpu").manual_seed(batch * 100003 + slots)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    return dict(
+        query=randn(batch, kv_heads, group, 1, head_dim),
+        cache_keys=randn(batch, kv_heads, slots, head_dim),
+        cache_values=randn(batch, kv_heads, slots, head_dim),
+        slot_token_index=torch.arange(slots, device=device).repeat(batch, kv_heads, 1),
+        new_keys=randn(batch, kv_heads, 1, head_dim),
+        new_values=randn(batch, kv_heads, 1, head_dim),
+        new_valid=None,
+        scale=head_dim ** -0.5,
+        scores=torch.zeros(batch, kv_heads, slots, device=device),
+    )
+
+
+def sdpa_plus_scores(inp):
+    """torch SDPA over the cache + the new token, and scores from a separate matmul+softmax+sum.
+
+    The cache is passed with the new token already in place (a buffer of S + 1 slots, copied before
+    timing), every slot valid, no mask: SDPA's best case.
+    """
+    q = inp["query"]
+    batch, kv_heads, group, _, head_dim = q.shape
+    k_full = torch.cat([inp["cache_keys"], inp["new_keys"]], dim=2)
+    v_full = torch.cat([inp["cache_values"], inp["new_values"]], dim=2)
+    q_heads = q.reshape(batch, kv_heads * group, 1, head_dim)
+    q_grouped = q.reshape(batch, kv_heads, group, head_dim)
+    scores, scale, slots = inp["scores"], inp["scale"], inp["cache_keys"].shape[2]
+
+    def run():
+        out = F.scaled_dot_product_attention(q_heads, k_full, v_full, scale=scale, enable_gqa=True)
+        logits = torch.matmul(q_grouped, k_full.transpose(-1, -2)).float() * scale
+        probs = logits.softmax(dim=-1).sum(dim=2)
+        scores.add_(probs[..., :slots])
+        return out, probs[..., slots:]
+
+    return run
+
+
+def decode_bytes(batch, slots, dtype, score: bool, group=GROUP, kv_heads=KV_HEADS, head_dim=HEAD_DIM) -> int:
+    """Bytes that must move: K and V read, slot index read; when scoring, scores read + written."""
+    elem = torch.finfo(dtype).bits // 8
+    n = batch * kv_heads * slots
+    total = 2 * n * head_dim * elem + n * 8
+    if score:
+        total += 2 * n * 4
+    return total
+
+
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------------- runs
+def bench_cuda(args, dtype):
+    device = torch.device("cuda")
+    timer = CudaTimer(device, reps=args.reps, warmup=3)
+    sizes = dict(
+        batches=[1, 16] if args.quick else [1, 4, 16, 64],
+        slot_counts=[512, 4096] if args.quick else [512, 2048, 4096, 8192, 16384],
+        evict_slots=4096,
+        chunk_cases=[(1, 256, 2048)] if args.quick else [(1, 512, 4096), (4, 256, 2048)],
+    )
+    result = bench_triton(dtype, device, timer, copy_bytes=1 << 30, **sizes)
+    return dict(result, device=torch.cuda.get_device_name(device))
+
+
+def bench_triton(dtype, device, timer, *, copy_bytes, batches, slot_counts, evict_slots, chunk_cases):
+    """Triton vs torch at the given sizes (on CUDA; also runs under TRITON_INTERPRET=1 as a smoke test)."""
+    from h2ochat_kernels.triton_chunk import chunk_attend_with_scores
+    from h2ochat_kernels.triton_decode import decode_attend_with_scores
+    from h2ochat_kernels.triton_evict import evict_and_insert as triton_evict
+
+    copy_bw = copy_bandwidth(device, timer, copy_bytes)
+
+    rows = []
+    for batch in batches:
+        for slots in slot_counts:
+            inp = decode_inputs(batch, slots, dtype, device)
+            # correctness at this size first
+            ref_scores = inp["scores"].clone()
+            want, want_new = reference.attend_with_scores(**{**inp, "scores": ref_scores})
+            got, got_new = decode_attend_with_scores(**inp)
+            err = max(max_rel_err(got, want), max_rel_err(inp["scores"], ref_scores), max_rel_err(got_new, want_new))
+
+            t_score = timer(lambda: decode_attend_with_scores(**inp))
+            t_plain = timer(lambda: decode_attend_with_scores(**inp, score=False))
+            t_sdpa = timer(sdpa_plus_scores(inp))
+            t_ref = timer(lambda: reference.attend_with_scores(**inp))
+            bytes_score = decode_bytes(batch, slots, dtype, True)
+            bytes_plain = decode_bytes(batch, slots, dtype, False)
+            rows.append(dict(
+                batch=batch, slots=slots, max_err=err,
+                t_triton_us=t_score * 1e6, t_triton_noscore_us=t_plain * 1e6,
+                t_sdpa_plus_scores_us=t_sdpa * 1e6, t_torch_reference_us=t_ref * 1e6,
+                bytes=bytes_score, bw_GBps=bytes_score / t_score / 1e9,
+                bw_fraction_of_copy=bytes_score / t_score / copy_bw,
+                bw_fraction_noscore=bytes_plain / t_plain / copy_bw,
+                scoring_overhead=t_score / t_plain - 1.0,
+                speedup_vs_sdpa_plus_scores=t_sdpa / t_score,
+                speedup_vs_torch_reference=t_ref / t_score,
+            ))
+            del inp, want, got
+            print(f"decode B={batch} S={slots}: {rows[-1]['t_triton_us']:.1f} us, "
+                  f"{rows[-1]['bw_fraction_of_copy']:.0%} of copy bw", file=sys.stderr)
+
+    evict_rows = []
+    for batch in batches:
+        slots = evict_slots
+        state = [
+            torch.randn(batch, KV_HEADS, slots, device=device),
+            torch.randn(batch, KV_HEADS, slots, HEAD_DIM, device=device, dtype=dtype),
+            torch.randn(batch, KV_HEADS, slots, HEAD_DIM, device=device, dtype=dtype),
+            torch.rand(batch, KV_HEADS, slots, device=device),
+            torch.arange(slots, device=device).repeat(batch, KV_HEADS, 1),
+            torch.arange(slots, device=device).repeat(batch, KV_HEADS, 1),
+        ]
+        new = [
+            torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=device, dtype=dtype),
+            torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=device, dtype=dtype),
+            torch.rand(batch, KV_HEADS, device=device),
+            torch.full((batch,), slots, device=device, dtype=torch.int64),
+            torch.full((batch,), slots, device=device, dtype=torch.int64),
+        ]
+        mine = [t.clone() for t in state]
+        same = bool(torch.equal(triton_evict(*mine, *new), reference.evict_and_insert(*state, *new)))
+        same = same and all(torch.equal(a, b) for a, b in zip(mine, state))
+        t_tri = timer(lambda: triton_evict(*mine, *new))
+        t_ref = timer(lambda: reference.evict_and_insert(*state, *new))
+        evict_rows.append(dict(batch=batch, slots=slots, matches_reference=same, t_triton_us=t_tri * 1e6,
+                               t_torch_us=t_ref * 1e6, speedup=t_ref / t_tri))
+
+    chunk_rows = []
+    for batch, q_len, slots in chunk_cases:
+        g = torch.Generator(device="cpu").manual_seed(q_len)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+        inp = dict(
+            query=randn(batch, KV_HEADS, GROUP, q_len, HEAD_DIM),
+            cache_keys=randn(batch, KV_HEADS, slots, HEAD_DIM), cache_values=randn(batch, KV_HEADS, slots, HEAD_DIM),
+            slot_token_index=torch.arange(slots, device=device).repeat(batch, KV_HEADS, 1),
+            new_keys=randn(batch, KV_HEADS, q_len, HEAD_DIM), new_values=randn(batch, KV_HEADS, q_len, HEAD_DIM),
+            new_valid=None, scale=HEAD_DIM ** -0.5, scores=torch.zeros(batch, KV_HEADS, slots, device=device),
+        )
+        ref_scores = inp["scores"].clone()
+        want, want_new = reference.attend_with_scores(**{**inp, "scores": ref_scores})
+        got, got_new = chunk_attend_with_scores(**inp)
+        err = max(max_rel_err(got, want), max_rel_err(inp["scores"], ref_scores), max_rel_err(got_new, want_new))
+        t_tri = timer(lambda: chunk_attend_with_scores(**inp))
+        t_ref = timer(lambda: reference.attend_with_scores(**inp))
+        flops = 4 * batch * Q_HEADS * q_len * (slots + q_len / 2) * HEAD_DIM * 1.5  # QK twice, PV once
+        chunk_rows.append(dict(batch=batch, q_len=q_len, slots=slots, max_err=err, t_triton_us=t_tri * 1e6,
+                               t_torch_reference_us=t_ref * 1e6, speedup=t_ref / t_tri,
+                               tflops=flops / t_tri / 1e12))
+
+    return dict(
+        backend="triton", device=str(device), copy_bandwidth_GBps=copy_bw / 1e9,
+        decode=rows, evict=evict_rows, chunk=chunk_rows, checks=check_targets(rows),
+    )
+
+
+def check_targets(rows):
+    at = [r for r in rows if r["batch"] == 16 and r["slots"] == 4096]
+    return dict(
+        bandwidth_fraction_at_b16_s4096=(at[0]["bw_fraction_of_copy"] if at else None),
+        bandwidth_target_met=(at[0]["bw_fraction_of_copy"] >= TARGETS["bandwidth_fraction_at_b16_s4096"] if at else None),
+        max_scoring_overhead=max(r["scoring_overhead"] for r in rows),
+        scoring_overhead_target_met=all(r["scoring_overhead"] <= TARGETS["max_scoring_overhead"] for r in rows),
+        min_speedup_vs_sdpa_plus_scores=min(r["speedup_vs_sdpa_plus_scores"] for r in rows),
+        faster_than_sdpa_everywhere=all(r["speedup_vs_sdpa_plus_scores"] > 1.0 for r in rows),
+        all_results_match_reference=all(r["max_err"] < 2e-2 for r in rows),
+    )
+
+
+def bench_cpu(args, dtype):
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    timer = CpuTimer(reps=args.reps, warmup=1)
+    copy_bw = copy_bandwidth(torch.device("cpu"), timer, 256 << 20)
+    batches = [1, 4] if args.quick else [1, 4, 16]
+    slot_counts = [512, 2048] if args.quick else [512, 2048, 4096]
+    rows = []
+    for batch in batches:
+        for slots in slot_counts:
+            inp = decode_inputs(batch, slots, dtype, "cpu")
+            t_ref = timer(lambda: reference.attend_with_scores(**inp))
+            t_sdpa = timer(sdpa_plus_scores(inp))
+            nbytes = decode_bytes(batch, slots, dtype, True)
+            rows.append(dict(batch=batch, slots=slots, t_torch_reference_us=t_ref * 1e6,
+                             t_sdpa_plus_scores_us=t_sdpa * 1e6, bytes=nbytes,
+                             bw_GBps=nbytes / t_ref / 1e9, bw_fraction_of_copy=nbytes / t_ref / copy_bw,
+                             speedup_vs_sdpa_plus_scores=t_sdpa / t_ref))
+    evict_rows = []
+    for batch in batches:
+        slots = 2048
+        state = [torch.randn(batch, KV_HEADS, slots), torch.randn(batch, KV_HEADS, slots, HEAD_DIM, dtype=dtype),
+                 torch.randn(batch, KV_HEADS, slots, HEAD_DIM, dtype=dtype), torch.rand(batch, KV_HEADS, slots),
+                 torch.arange(slots).repeat(batch, KV_HEADS, 1), torch.arange(slots).repeat(batch, KV_HEADS, 1)]
+        new = [torch.randn(batch, KV_HEADS, 1, HEAD_DIM, dtype=dtype), torch.randn(batch, KV_HEADS, 1, HEAD_DIM, dtype=dtype),
+               torch.rand(batch, KV_HEADS), torch.full((batch,), slots), torch.full((batch,), slots)]
+        t_ref = timer(lambda: reference.evict_and_insert(*state, *new))
+        evict_rows.append(dict(batch=batch, slots=slots, t_torch_us=t_ref * 1e6))
+    return dict(
+        backend="torch", device="cpu", copy_bandwidth_GBps=copy_bw / 1e9, decode=rows, evict=evict_rows,
+        note="no CUDA device: only the torch reference and SDPA+scores were timed, at small sizes, with "
+             "perf_counter medians; the Triton kernels are not timed on the CPU (the interpreter is "
+             "~1000x slower and says nothing about GPU speed). GPU targets cannot be checked here.",
+    )
+
+
+def markdown(result) -> str:
+    lines = [f"Device: {result['device']} ({result['backend']}), dtype {result['dtype']}, copy bandwidth "
+             f"{result['copy_bandwidth_GBps']:.0f} GB/s", ""]
+    if result["backend"] == "triton":
+        lines += ["| batch | slots | triton us | no-score us | score cost | % copy bw | SDPA+scores us | vs SDPA | torch ref us | max err |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["decode"]:
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_triton_us']:.1f} | {r['t_triton_noscore_us']:.1f} | "
+                         f"{r['scoring_overhead']:+.1%} | {r['bw_fraction_of_copy']:.0%} | {r['t_sdpa_plus_scores_us']:.1f} | "
+                         f"{r['speedup_vs_sdpa_plus_scores']:.2f}x | {r['t_torch_reference_us']:.1f} | {r['max_err']:.1e} |")
+        lines += ["", "| evict batch | slots | triton us | torch us | speedup | matches |", "|---:|---:|---:|---:|---:|---|"]
+        for r in result["evict"]:
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_triton_us']:.1f} | {r['t_torch_us']:.1f} | "
+                         f"{r['speedup']:.2f}x | {r['matches_reference']} |")
+        lines += ["", "| chunk batch | q_len | slots | triton us | torch ref us | speedup | TFLOP/s | max err |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["chunk"]:
+            lines.append(f"| {r['batch']} | {r['q_len']} | {r['slots']} | {r['t_triton_us']:.1f} | "
+                         f"{r['t_torch_reference_us']:.1f} | {r['speedup']:.2f}x | {r['tflops']:.1f} | {r['max_err']:.1e} |")
+        lines += ["", "Checks: " + json.dumps(result["checks"])]
+    else:
+        lines += ["| batch | slots | torch ref us | % copy bw | SDPA+scores us | ref vs SDPA |", "|---:|---:|---:|---:|---:|---:|"]
+        for r in result["decode"]:
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_torch_reference_us']:.1f} | {r['bw_fraction_of_copy']:.0%} | "
+                         f"{r['t_sdpa_plus_scores_us']:.1f} | {r['speedup_vs_sdpa_plus_scores']:.2f}x |")
+        lines += ["", "| evict batch | slots | torch us |", "|---:|---:|---:|"]
+        for r in result["evict"]:
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_torch_us']:.1f} |")
+        lines += ["", f"Note: {result['note']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--markdown", nargs="?", const="-", default=None, metavar="PATH",
+                        help="also write a Markdown table (to PATH, or to stderr)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="default fp16 on CUDA, fp32 on the CPU (what the app runs there)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    args = parser.parse_args(argv)
+    if args.reps is None:
+        args.reps = 5 if args.quick else 30
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.dtype is None:
+        args.dtype = "fp16" if use_cuda else "fp32"
+    dtype = DTYPES[args.dtype]
+    if use_cuda:
+        os.environ.pop("TRITON_INTERPRET", None)
+        result = bench_cuda(args, dtype)
+    else:
+        result = bench_cpu(args, dtype)
+    result = {"dtype": args.dtype, "kv_heads": KV_HEADS, "q_heads": Q_HEADS, "head_dim": HEAD_DIM,
+              "targets": TARGETS, "quick": args.quick, **result}
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    if args.markdown is not None:
+        table = markdown(result)
+        if args.markdown == "-":
+            sys.stderr.write(table)
+        else:
+            with open(args.markdown, "w") as fh:
+                fh.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
