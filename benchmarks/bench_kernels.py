@@ -89,10 +89,10 @@ def copy_bandwidth(device, timer, nbytes: int) -> float:
 
 # ---------------------------------------------------------------------------------------- inputs
 def decode_inputs(batch, slots, dtype, device, group=GROUP, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
-    g = torch.Generator(device="cpu").manual_seed(batch * 100003 + slots)
+    g = torch.Generator(device=device).manual_seed(batch * 100003 + slots)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+    def randn(*shape):  # drawn on the device: the largest sizes hold ~10^9 elements
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
 
     return dict(
         query=randn(batch, kv_heads, group, 1, head_dim),
@@ -227,10 +227,10 @@ def bench_triton(dtype, device, timer, *, copy_bytes, batches, slot_counts, evic
 
     chunk_rows = []
     for batch, q_len, slots in chunk_cases:
-        g = torch.Generator(device="cpu").manual_seed(q_len)
+        g = torch.Generator(device=device).manual_seed(q_len)
 
         def randn(*shape):
-            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+            return torch.randn(*shape, generator=g, device=device).to(dtype)
 
         inp = dict(
             query=randn(batch, KV_HEADS, GROUP, q_len, HEAD_DIM),
