@@ -164,6 +164,7 @@ class Conversation:
         self.stop_requested = False  # set (by a Ctrl-C handler) to end the reply after this token
         self.current: Timing | None = None  # the turn being generated, for live statistics
         self._hard_stop = False  # Ctrl-C twice: the last forward may have been cut half-way
+        self.warned: set[str] = set()  # eviction notices already given (once per conversation)
         self._new_cache()
 
     # -- state ------------------------------------------------------------------------------------
@@ -174,7 +175,6 @@ class Conversation:
         self.fed_text = ""
         self.system_tokens = 0  # tokens before the first user message (system prompt and header)
         self.first_turn_tokens = 0  # tokens up to the end of the first reply
-        self.warned: set[str] = set()
 
     @property
     def device(self) -> torch.device:
@@ -187,6 +187,7 @@ class Conversation:
     def clear(self) -> None:
         """A new conversation with a fresh cache (settings kept)."""
         self.messages = []
+        self.warned = set()
         self._new_cache()
 
     def rebuild(self) -> int:

@@ -168,7 +168,7 @@ class Repl:
 
     def reply(self, text: str) -> None:
         conv = self.conv
-        with ui.ReplyPrinter(self.console, lambda: ui.status_line(conv.cache, conv.current)) as printer:
+        with ui.ReplyPrinter(self.console, lambda: ui.status_line(conv.cache, conv.current, live=True)) as printer:
             with ctrl_c_stops(conv):
                 result = conv.send(text, on_piece=printer.write)
         self.turns += 1

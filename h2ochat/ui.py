@@ -65,18 +65,20 @@ def summarize(cache: H2OCache) -> CacheSummary:
     )
 
 
-def status_line(cache: H2OCache, timing: Timing | None = None) -> str:
-    """`KV 410/410 slots | heavy 205 recent 205 | evicted 1234 | 0.26 GiB vs 1.31 GiB full | 14.8 tok/s`"""
+def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False) -> str:
+    """`KV 410/410 slots │ 205 heavy + 205 recent │ 1234/1644 evicted │ 26.1 MiB (full 105 MiB) │ 14.8 tok/s`
+
+    ``live``: a reply is being produced (``timing`` None means its prompt is still being read)."""
     s = summarize(cache)
     parts = [
         f"KV {s.held:.0f}/{s.capacity} slots",
-        f"heavy {s.heavy:.0f} · recent {s.recent:.0f}",
-        f"evicted {s.evicted:.0f} of {s.seen} tokens",
-        f"{format_bytes(s.kv_bytes)} vs {format_bytes(s.full_bytes)} full",
+        f"{s.heavy:.0f} heavy + {s.recent:.0f} recent",
+        f"{s.evicted:.0f}/{s.seen} tok evicted",
+        f"{format_bytes(s.kv_bytes)} (full {format_bytes(s.full_bytes)})",
     ]
-    if timing is not None:
-        rate = timing.decode_tokens_per_s
-        parts.append(f"{rate:.1f} tok/s" if rate else "reading prompt…" if not timing.generated_tokens else "…")
+    if live:
+        rate = timing.decode_tokens_per_s if timing is not None else 0.0
+        parts.append(f"{rate:.1f} tok/s" if rate else "reading prompt…")
     return " │ ".join(parts)
 
 
@@ -94,21 +96,21 @@ def cache_table(cache: H2OCache) -> Table:
                         f"({budget.heavy} heavy + {budget.recent} recent" +
                         (f" + {budget.sinks} sinks" if budget.sinks else "") + ")",
                   title_justify="left", caption_justify="left")
-    for name in ("layer", "used / capacity", "heavy", "recent", "evicted", "score mass"):
+    for name in ("layer", "used / capacity", "heavy", "recent", "evicted", "score mass held"):
         table.add_column(name, justify="right")
-    for index, s in enumerate(cache.layer_stats()):
+    for index, (layer, s) in enumerate(zip(cache.layers, cache.layer_stats())):
+        rows = layer.evicted.numel() if layer.is_initialized else 1  # (sequence, KV head) pairs
         table.add_row(str(index), f"{s.held:.0f} / {s.capacity}", f"{s.heavy:.0f}", f"{s.recent:.0f}",
-                      str(s.evicted), f"{s.score_mass:.1f}")
+                      f"{s.evicted / rows:.0f}", f"{s.score_mass:.1f}")
     s = summarize(cache)
-    table.caption = (f"{s.seen} tokens seen, {s.evicted:.0f} evicted per head · KV {format_bytes(s.kv_bytes)} "
-                     f"vs {format_bytes(s.full_bytes)} for a full cache · positions re-numbered "
-                     f"{cache.compactions}× · evicted counts are summed over KV heads")
+    table.caption = (f"{s.seen} tokens seen · KV {format_bytes(s.kv_bytes)} vs {format_bytes(s.full_bytes)} for a "
+                     f"full cache · positions re-numbered {cache.compactions}× · counts are per KV head (averaged)")
     return table
 
 
 # -- /hh -----------------------------------------------------------------------------------------
 HEAVY, RECENT, EVICTED, PARTIAL = "heavy", "recent", "evicted", "partial"
-STYLES = {HEAVY: "bold yellow", PARTIAL: "yellow", RECENT: "", EVICTED: "dim strike"}
+STYLES = {HEAVY: "bold yellow", PARTIAL: "dim", RECENT: "", EVICTED: "dim strike"}
 
 
 def token_classes(cache: H2OCache, token_count: int) -> list[str]:
@@ -147,7 +149,7 @@ def heavy_hitter_text(tokenizer, ids: list[int], cache: H2OCache) -> Text:
 def heavy_hitter_legend(cache: H2OCache, ids_count: int) -> Text:
     classes = token_classes(cache, ids_count)
     legend = Text()
-    for name, label in ((HEAVY, "heavy hitter (most heads)"), (PARTIAL, "kept by some heads"),
+    for name, label in ((HEAVY, "heavy hitter (kept by most heads)"), (PARTIAL, "mostly evicted"),
                         (RECENT, "recent window / sinks"), (EVICTED, "evicted")):
         legend.append(f"{label}: {classes.count(name)}", style=STYLES[name])
         legend.append("   ")

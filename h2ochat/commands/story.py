@@ -94,7 +94,8 @@ def story(
         if sink:
             sink.write(opening)
             sink.flush()
-        with ReplyPrinter(console, lambda: status_line(cache, timing)) as printer:
+        status = lambda: status_line(cache, timing if timing.generated_tokens else None, live=True)  # noqa: E731
+        with ReplyPrinter(console, status) as printer:
             if not chat:
                 printer.write(opening)
             try:
