@@ -5,6 +5,12 @@ Hugging Face's package of that name, which transformers imports when it finds it
 
 ``H2OCHAT_KERNELS=torch`` forces the torch path, ``=triton`` forces Triton (an error without it),
 ``auto`` (default) takes Triton for CUDA tensors when it is importable.
+
+Modules: ``reference`` (the semantics, plain torch), ``dispatch`` (the choice), ``triton_decode``
+(Q == 1, split-S flash decoding with scores), ``triton_chunk`` (Q > 1, two-pass prefill with column
+scores), ``triton_evict`` (one-launch argmin + overwrite). The triton modules are imported only on
+the first Triton call. On the CPU they run only under TRITON_INTERPRET=1 set before triton is first
+imported (tests/test_kernels.py shows how).
 """
 
 from __future__ import annotations

@@ -35,6 +35,14 @@ def triton_available() -> bool:
     return True
 
 
+def _triton_library_interpreted() -> bool:
+    """Whether triton's own jit library (tl.zeros, tl.sum, ...) was built for the interpreter; it is
+    only when TRITON_INTERPRET=1 was set before triton was first imported."""
+    import triton.language as tl
+
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
 def kernel_backend(device: torch.device | str) -> str:
     """'triton' or 'torch' for tensors on ``device``, honouring H2OCHAT_KERNELS."""
     device = torch.device(device)
@@ -46,11 +54,17 @@ def kernel_backend(device: torch.device | str) -> str:
     if wanted == "triton":
         if not triton_available():
             raise RuntimeError("H2OCHAT_KERNELS=triton but the triton package cannot be imported")
-        if device.type != "cuda" and not interpreting():
-            raise RuntimeError(
-                f"H2OCHAT_KERNELS=triton with tensors on {device.type}: Triton runs CUDA tensors, "
-                "or CPU tensors under TRITON_INTERPRET=1 (slow; for tests)"
-            )
+        if device.type != "cuda":
+            if not interpreting():
+                raise RuntimeError(
+                    f"H2OCHAT_KERNELS=triton with tensors on {device.type}: Triton runs CUDA tensors, "
+                    "or CPU tensors under TRITON_INTERPRET=1 (slow; for tests)"
+                )
+            if not _triton_library_interpreted():
+                raise RuntimeError(
+                    "H2OCHAT_KERNELS=triton on the CPU: TRITON_INTERPRET=1 was set after triton was first "
+                    "imported (transformers imports it); set it before any import"
+                )
         return "triton"
     return "triton" if device.type == "cuda" and triton_available() else "torch"
 
