@@ -211,13 +211,19 @@ class Conversation:
         system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
         return system + [{"role": m["role"], "content": m["content"]} for m in self.messages]
 
+    @property
+    def plain_transcript(self) -> bool:
+        """No chat template: the conversation is rendered as a 'User: / Assistant:' transcript."""
+        return not has_chat_template(self.tokenizer)
+
     def render(self, add_generation_prompt: bool) -> str:
         messages = self.chat_messages()
-        if has_chat_template(self.tokenizer):
+        if not self.plain_transcript:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         # base models: a plain transcript they can continue
-        names = {"system": "", "user": "User: ", "assistant": "Assistant: "}
+        # "Assistant:" without a space: the model writes its own leading space, as after the prompt
+        names = {"system": "", "user": "User: ", "assistant": "Assistant:"}
         text = "".join(f"{names.get(m['role'], m['role'] + ': ')}{m['content']}\n\n" for m in messages)
         return text + ("Assistant:" if add_generation_prompt else "")
 
@@ -262,8 +268,15 @@ class Conversation:
                 if self.stop_requested:
                     interrupted = True
                     break
+                if self.plain_transcript and "\nUser:" in pieces.text:
+                    break  # a base model starts writing the user's part: the reply is over
         except KeyboardInterrupt:
             interrupted = True
+        except Exception:
+            # a failed turn leaves no trace but forces the next one to start from a fresh cache
+            self.messages.pop()
+            self.fed_text = ""
+            raise
         finally:
             self.current = None
         # The reply as the template will render it next turn: special tokens the model wrote inside

@@ -165,6 +165,8 @@ class Repl:
                 self.reply(line[1:] if line.startswith("//") else line)
         except (ValueError, OSError, PositionLimitError, MemoryError) as exc:
             self.say(f"error: {one_line(exc)}", style="red")
+        except Exception as exc:  # e.g. out of GPU memory: report it and keep the session
+            self.say(f"error: {type(exc).__name__}: {one_line(exc)}", style="red")
 
     def reply(self, text: str) -> None:
         conv = self.conv

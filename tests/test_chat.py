@@ -69,7 +69,8 @@ def test_second_turn_feeds_only_the_new_suffix_and_matches_full_attention(loaded
 
 
 def test_interrupted_reply_keeps_partial_text_and_session(loaded):
-    conv = conversation(loaded, budget="24", max_new_tokens=40)
+    conv = conversation(loaded, budget="24", max_new_tokens=60)
+    conv.stop_ids = set()  # a random model may end its reply before the interruption otherwise
     seen = []
 
     def impatient(piece):
@@ -90,6 +91,7 @@ def test_interrupted_reply_keeps_partial_text_and_session(loaded):
 
 def test_stop_requested_ends_after_the_current_token(loaded):
     conv = conversation(loaded, max_new_tokens=30)
+    conv.stop_ids = set()
     count = []
 
     def stop_soon(piece):
@@ -176,3 +178,35 @@ def test_no_notice_while_everything_fits(loaded):
     conv = conversation(loaded, budget="1.0", system="short")
     assert conv.send("hi").notices == []
     assert conv.send("hello").notices == []
+
+
+def test_base_model_without_template_gets_a_plain_transcript(loaded):
+    import copy
+
+    tokenizer = copy.deepcopy(loaded.tokenizer)
+    tokenizer.chat_template = None
+    conv = Conversation(loaded.model, tokenizer, ChatSettings(temperature=0.0, max_new_tokens=5, system="notes"))
+    conv.send("hello")
+    conv.send("again")
+    text = conv.render(add_generation_prompt=True)
+    assert text.startswith("notes\n\nUser: hello\n\nAssistant:") and text.endswith("User: again\n\nAssistant:" +
+                                                                                 conv.messages[-1]["content"] +
+                                                                                 "\n\nAssistant:")
+    assert_consistent(conv)
+
+
+def test_a_failed_turn_leaves_no_trace(loaded, monkeypatch):
+    conv = conversation(loaded)
+    conv.send("hello")
+    before = [dict(m) for m in conv.messages]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr("h2ochat.chat.stream", broken)
+    with pytest.raises(RuntimeError):
+        conv.send("again")
+    assert conv.messages == before
+    monkeypatch.undo()
+    conv.send("again")  # starts over from a fresh cache, consistently
+    assert_consistent(conv)
