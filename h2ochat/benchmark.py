@@ -17,7 +17,10 @@ the benchmark to minutes (a real 4096-token prefill at batch 32 takes longer tha
 
 Memory: KV bytes come from the caches' own allocations. Peak memory is the peak resident set size
 during that one measurement on a CPU (the kernel's high-water mark, reset before each one through
-/proc/self/clear_refs), or the peak CUDA memory allocated on a GPU.
+/proc/self/clear_refs; weights and everything else the process holds included), or the peak CUDA
+memory allocated on a GPU; ``peak_memory_growth_bytes`` is how far it rose during the measurement.
+Measurements run one after another in this process (a forked child would be cleaner, but forking
+after PyTorch's OpenMP pool has run hangs the child).
 """
 
 from __future__ import annotations
@@ -138,17 +141,32 @@ class PeakMemory:
                 handle.write("5")  # resets VmHWM to the current RSS
         except OSError:
             self.scope = "process_rss_lifetime"
+        self.baseline = self._status("VmRSS")
 
     def peak(self) -> int:
+        """Peak bytes since ``reset``, everything the process holds included (weights too)."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            with open("/proc/self/status") as handle:
-                return int(re.search(r"VmHWM:\s+(\d+)", handle.read()).group(1)) * 1024
-        except (OSError, AttributeError):
+        peak = self._status("VmHWM")
+        if peak is None:
             from .report import peak_memory_bytes
 
             return peak_memory_bytes(self.device)
+        return peak
+
+    def growth(self) -> int | None:
+        """How far the peak rose above what was held at ``reset`` (the measurement's own memory)."""
+        baseline = getattr(self, "baseline", None)
+        return None if baseline is None else max(0, self.peak() - baseline)
+
+    def _status(self, field_name: str) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as handle:
+                return int(re.search(field_name + r":\s+(\d+)", handle.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            return None
 
 
 def _return_freed_memory() -> None:
@@ -173,6 +191,7 @@ class Measurement:
     kv_bytes: int
     step_ms: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
+    peak_memory_growth_bytes: int | None = None  # peak above what the process held before
 
     @property
     def median_ms(self) -> float:
@@ -225,7 +244,7 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
         result = (cache.layers[0].capacity, cache.kv_bytes(), step_ms[warmup:])
         del cache
     kv_slots, kv_bytes, step_ms = result
-    return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak())
+    return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak(), memory.growth())
 
 
 def _measure_hf(model, tokens, context, generator, warmup):
@@ -305,11 +324,12 @@ class BenchPlan:
     kv_memory: int | None = 2 * 2**30
     max_batch: int = 32
     capacity_steps: int = 4
+    repeats: int = 1  # turns each variant takes at each (context, batch); steps pooled
     variants: Sequence[str] = VARIANTS
     heavy_ratio: float = 0.5
 
     def measurements(self) -> int:
-        count = len(self.contexts) * len(self.batches) * len(self.variants)
+        count = len(self.contexts) * len(self.batches) * len(self.variants) * self.repeats
         if self.kv_memory:
             count += len(self.contexts) * len([v for v in CAPACITY_VARIANTS if v in self.variants])
         return count
@@ -342,7 +362,20 @@ def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None
 
     for context in plan.contexts:
         for batch in plan.batches:
-            by_variant = {v: one(v, context, batch, plan.steps, plan.warmup) for v in plan.variants}
+            # variants take turns, so a machine whose load drifts slows them alike
+            by_variant: dict[str, Measurement] = {}
+            for _ in range(plan.repeats):
+                for variant in plan.variants:
+                    measured = one(variant, context, batch, plan.steps, plan.warmup)
+                    if variant in by_variant:
+                        kept = by_variant[variant]
+                        kept.step_ms += measured.step_ms
+                        kept.peak_memory_bytes = max(kept.peak_memory_bytes, measured.peak_memory_bytes)
+                        if measured.peak_memory_growth_bytes is not None:
+                            kept.peak_memory_growth_bytes = max(kept.peak_memory_growth_bytes or 0,
+                                                                measured.peak_memory_growth_bytes)
+                    else:
+                        by_variant[variant] = measured
             results += [m.record() for m in by_variant.values()]
             if "h2o" in by_variant:
                 comparisons.append(comparison(by_variant, weights, per_slot))
@@ -352,11 +385,12 @@ def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None
                                          slots=plan.budget_slots(context), extra=extra)
                 entry = {"policy": variant, "context": context, "kv_memory_bytes": plan.kv_memory,
                          "max_batch": largest, "measured_batch": min(largest, plan.max_batch),
-                         "decode_tokens_per_s": None, "peak_memory_bytes": None}
+                         "decode_tokens_per_s": None, "peak_memory_bytes": None, "peak_memory_growth_bytes": None}
                 if entry["measured_batch"] > 0:
                     measured = one(variant, context, entry["measured_batch"], plan.capacity_steps, 1)
                     entry["decode_tokens_per_s"] = round(measured.decode_tokens_per_s, 2)
                     entry["peak_memory_bytes"] = measured.peak_memory_bytes
+                    entry["peak_memory_growth_bytes"] = measured.peak_memory_growth_bytes
                 elif on_measured:
                     on_measured(f"{variant} context {context}: no batch fits")
                 capacity.append(entry)

@@ -123,7 +123,7 @@ def test_bench_command_json(tiny_checkpoint):
 
 def test_bench_command_table(tiny_checkpoint):
     code, out, err = run("--model", str(tiny_checkpoint), "--context", "20", "--batch", "2", "--steps", "1",
-                         "--warmup", "0", "--kv-memory", "0")
+                         "--warmup", "0", "--kv-memory", "0", "--repeats", "2")
     assert code == 0, err
     assert "bookkeeping" in out and "hf" in out
 

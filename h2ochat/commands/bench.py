@@ -40,6 +40,8 @@ def bench(
         help="Timed decode steps per measurement (the median is reported).")] = 16,
     warmup: Annotated[int, typer.Option("--warmup", min=0, rich_help_panel=o.CACHE,
         help="Untimed decode steps before them.")] = 3,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, rich_help_panel=o.CACHE,
+        help="Turns each variant takes at each context and batch (interleaved; steps pooled for the median).")] = 1,
     as_json: o.Json = False,
 ):
     """Decode tokens/s, latency and memory: h2o vs its own slots without bookkeeping vs a full
@@ -53,7 +55,7 @@ def bench(
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
         loaded = load(model, device, dtype)
     plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
-                        steps=steps, warmup=warmup, kv_memory=cap, max_batch=max_batch, heavy_ratio=heavy_ratio)
+                        steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch, heavy_ratio=heavy_ratio)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
                   disable=not err.is_terminal) as progress:
@@ -70,12 +72,12 @@ def bench(
 def _print(report: dict) -> None:
     out = Console()
     speed = Table(title=f"Decode at each context and batch ({report['model']}, {report['dtype']}, {report['device']}): "
-                        "median ms per step, tokens/s, KV MiB, peak MiB", title_justify="left")
+                        "median ms per step, tokens/s, KV MiB, peak MiB (and its rise during the measurement)", title_justify="left")
     for name in ("context", "batch", "policy", "KV slots", "ms/step", "tokens/s", "KV MiB", "peak MiB"):
         speed.add_column(name, justify="right" if name != "policy" else "left")
     for r in report["results"]:
         speed.add_row(str(r["context"]), str(r["batch"]), r["policy"], str(r["kv_slots"]), f"{r['ms_per_step']:.1f}",
-                      f"{r['decode_tokens_per_s']:.1f}", f"{r['kv_bytes'] / MIB:.1f}", f"{r['peak_memory_bytes'] / MIB:.0f}")
+                      f"{r['decode_tokens_per_s']:.1f}", f"{r['kv_bytes'] / MIB:.1f}", _peak(r))
     out.print(speed)
     compare = Table(title="h2o speed-up: ideal (memory-bound byte ratio) vs measured; bookkeeping = h2o / same slots "
                           "without scoring or eviction", title_justify="left")
@@ -99,6 +101,12 @@ def _print(report: dict) -> None:
         out.print(table)
     out.print(f"peak memory: {report['peak_memory_scope']}; weights {report['weight_bytes'] / MIB:.0f} MiB, "
               f"KV {report['kv_bytes_per_token'] / 1024:.1f} KiB per token per sequence")
+
+
+def _peak(record: dict) -> str:
+    text = f"{record['peak_memory_bytes'] / MIB:.0f}"
+    growth = record.get("peak_memory_growth_bytes")
+    return text if growth is None else f"{text} (+{growth / MIB:.0f})"
 
 
 def register(app: typer.Typer) -> None:
