@@ -210,6 +210,8 @@ class Repl:
         self.say(f"{canonical} = {shown!r}")
         if canonical == "heavy_ratio":
             self.refeed(f"heavy ratio {shown}")
+        elif canonical == "system" and self.conv.messages:
+            self.say("the conversation will be read again with it at the next turn")
 
     def cmd_budget(self, argument: str) -> None:
         if not argument:

@@ -188,6 +188,15 @@ class ReplyPrinter:
         *done, self.partial = (self.partial + piece).split("\n")
         for line in done:
             self.console.print(Text(line))
+        # a line longer than the terminal leaves the live area by whole rows (cut at a space), or
+        # a paragraph with no line break would push the status line off the screen
+        width = max(self.console.width, 20)
+        while len(self.partial) > width:
+            cut = self.partial.rfind(" ", 0, width + 1)
+            cut = cut if cut > 0 else width
+            self.console.print(Text(self.partial[:cut]))
+            self.partial = self.partial[cut:].removeprefix(" ")
+            done.append("")
         now = time.monotonic()
         if done or now - self.last >= self.refresh_s:
             self.last = now
