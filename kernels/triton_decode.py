@@ -100,9 +100,11 @@ def _decode_split_kernel(
         m_i = m_new
 
     part = bh.to(tl.int64) * num_splits + split
-    tl.store(PART_M + part * BLOCK_G + offs_g, m_i)
-    tl.store(PART_L + part * BLOCK_G + offs_g, l_i)
-    tl.store(PART_ACC + (part * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :], acc)
+    # only the G real rows: the combine reads these back once per split
+    tl.store(PART_M + part * BLOCK_G + offs_g, m_i, mask=mask_g)
+    tl.store(PART_L + part * BLOCK_G + offs_g, l_i, mask=mask_g)
+    tl.store(PART_ACC + (part * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :], acc,
+             mask=mask_g[:, None])
 
 
 @triton.jit
@@ -144,7 +146,7 @@ def _decode_combine_kernel(
 
     # Global softmax statistics from the partials.
     part0 = bh.to(tl.int64) * num_splits
-    pm_mask = (offs_p < num_splits)[:, None] & (offs_g >= 0)[None, :]
+    pm_mask = (offs_p < num_splits)[:, None] & mask_g[None, :]
     pm = tl.load(PART_M + (part0 + offs_p[:, None]) * BLOCK_G + offs_g[None, :], mask=pm_mask,
                  other=float("-inf"))
     pl = tl.load(PART_L + (part0 + offs_p[:, None]) * BLOCK_G + offs_g[None, :], mask=pm_mask,
@@ -158,8 +160,9 @@ def _decode_combine_kernel(
     if split == 0:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for s in range(0, num_splits):
-            pm_s = tl.load(PART_M + (part0 + s) * BLOCK_G + offs_g)
-            part_acc = tl.load(PART_ACC + ((part0 + s) * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :])
+            pm_s = tl.load(PART_M + (part0 + s) * BLOCK_G + offs_g, mask=mask_g, other=float("-inf"))
+            part_acc = tl.load(PART_ACC + ((part0 + s) * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :],
+                               mask=mask_g[:, None], other=0.0)
             acc += part_acc * tl.exp(pm_s - m)[:, None]
         nv = tl.load(NV + b * snvb + h * snvh + offs_d * snvd, mask=mask_d, other=0.0).to(tl.float32)
         acc += new_p[:, None] * nv[None, :]
@@ -202,11 +205,13 @@ def plan_splits(bh: int, slots: int, block_s: int, device: torch.device, num_spl
     """(num_splits, split_len): split_len a multiple of block_s, enough programs to fill the device."""
     blocks = max(1, triton.cdiv(slots, block_s))
     if num_splits is None:
-        # ~4 programs per SM, but no split shorter than 4 blocks on a GPU (the partials and the
-        # combine launch cost more than a short split saves).
+        # ~4 programs per SM, but on a GPU no split shorter than 4 blocks and at most 32 splits:
+        # program 0 of the combine reads every split's partial output (G * D * 4 bytes each).
         target = 4 * _sm_count(device)
-        min_blocks = 1 if device.type != "cuda" else 4
-        num_splits = max(1, min(triton.cdiv(target, bh), triton.cdiv(blocks, min_blocks)))
+        on_gpu = device.type == "cuda"
+        num_splits = max(1, min(triton.cdiv(target, bh), triton.cdiv(blocks, 4 if on_gpu else 1)))
+        if on_gpu:
+            num_splits = min(num_splits, 32)
     num_splits = max(1, min(int(num_splits), blocks))
     split_len = triton.cdiv(blocks, num_splits) * block_s
     num_splits = triton.cdiv(slots, split_len) if slots > 0 else 1
