@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import os
+
+# Triton's library functions are built for whichever mode is active when triton is first imported
+# (transformers imports it): switch the interpreter on first, so kernel tests run in this process.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
