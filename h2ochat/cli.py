@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -23,7 +24,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """Chat and long-form generation in a fixed KV-cache budget (H2O heavy-hitter cache)."""
@@ -43,11 +43,14 @@ def main() -> None:
         hint = f" (see `h2ochat {exc.ctx.command.name} --help`)" if exc.ctx and exc.ctx.command.name != "h2ochat" else ""
         print(f"h2ochat: error: {exc.format_message()}{hint}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    except click_errors.Exit as exc:
+    except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except (click_errors.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         print("\ninterrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:  # `h2ochat ... | head`: the reader left, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 
