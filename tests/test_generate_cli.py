@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from h2ochat.budget import parse_budget
+from h2ochat.cli import main
 from h2ochat.models import ModelError, bundled_smollm2_gguf, check_memory, resolve
 
 from checkpoints import write_checkpoint
@@ -21,6 +23,20 @@ from checkpoints import write_checkpoint
 def h2ochat(*args, stdin: str | None = None, env: dict | None = None, timeout: int = 300):
     return subprocess.run([sys.executable, "-m", "h2ochat.cli", *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def h2ochat_main(monkeypatch, capsys):
+    """The console entry point run in this process (no interpreter start-up): (exit code, stderr)."""
+
+    def run(*args, stdin: str = ""):
+        monkeypatch.setattr(sys, "argv", ["h2ochat", *args])
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        with pytest.raises(SystemExit) as exited:
+            main()
+        return subprocess.CompletedProcess(args, exited.value.code, "", capsys.readouterr().err)
+
+    return run
 
 
 def assert_one_line_error(result, *fragments):
@@ -71,15 +87,19 @@ def test_streams_plain_text_without_json(tiny_checkpoint):
     (["--prompt-file", "/no/such/prompt.txt"], "/no/such/prompt.txt"),
     (["--temperature", "-1"], "temperature"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, fragment):
-    assert_one_line_error(h2ochat("generate", "hi", *args), fragment)
+def test_bad_input_is_one_line_and_exit_2(args, fragment, h2ochat_main):
+    assert_one_line_error(h2ochat_main("generate", "hi", *args), fragment)
 
 
-def test_empty_prompt_is_refused():
-    assert_one_line_error(h2ochat("generate", "-", stdin="   \n"), "empty")
+def test_empty_prompt_is_refused(h2ochat_main):
+    assert_one_line_error(h2ochat_main("generate", "-", stdin="   \n"), "empty")
 
 
-def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path):
+def test_usage_errors_are_one_line_in_a_real_process():
+    assert_one_line_error(h2ochat("generate", "hi", "--no-such-flag"), "--no-such-flag")
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path, h2ochat_main):
     from gguf import GGUFWriter
 
     path = tmp_path / "mamba.gguf"
@@ -89,17 +109,17 @@ def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert_one_line_error(h2ochat("generate", "hi", "--model", str(path)), "'mamba' is not supported")
+    assert_one_line_error(h2ochat_main("generate", "hi", "--model", str(path)), "'mamba' is not supported")
 
 
-def test_a_model_too_large_for_memory_is_refused_before_loading(tmp_path):
+def test_a_model_too_large_for_memory_is_refused_before_loading(tmp_path, h2ochat_main):
     """The weights' headers say 10^12 parameters: refuse from the header alone."""
     folder = tmp_path / "huge"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     header = json.dumps({"w": {"dtype": "F32", "shape": [1_000_000, 1_000_000], "data_offsets": [0, 0]}}).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    assert_one_line_error(h2ochat("generate", "hi", "--model", str(folder)), "needs about", "GiB")
+    assert_one_line_error(h2ochat_main("generate", "hi", "--model", str(folder)), "needs about", "GiB")
     with pytest.raises(ModelError, match="needs about"):
         check_memory(10**13, torch.float16, "cpu", "x")
 
