@@ -56,6 +56,16 @@ def model(family):
     return build_model(family)
 
 
+def triton_interpreter_ready() -> bool:
+    """Whether Triton kernels can run on the CPU in this process: triton is installed and its
+    library was built for the interpreter (TRITON_INTERPRET=1 before triton's first import)."""
+    try:
+        import triton.language as tl
+    except Exception:
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1" and type(tl.zeros).__name__ == "InterpretedFunction"
+
+
 def random_ids(batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
 

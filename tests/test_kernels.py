@@ -12,58 +12,23 @@ tile sizes are the interpreter defaults (16), so several blocks and splits are s
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
-# Triton's own library functions (tl.sum, tl.zeros, ...) are built for the interpreter only when
-# TRITON_INTERPRET=1 is set before triton is first imported. When something imported it earlier in
-# this process (tests/conftest.py imports transformers, which imports triton), the kernels cannot
-# run here: every test then skips, and test_kernels_in_fresh_process runs this file in a new
-# interpreter without conftest.py.
-
-
-def _triton_built_without_interpreter() -> bool:
-    """True when triton is already imported and its library (tl.zeros, tl.sum, ...) was built for
-    GPU compilation: the interpreter cannot run kernels in this process then."""
-    if "triton" not in sys.modules:
-        return False
-    try:
-        import triton.language as tl
-    except Exception:
-        return False
-    return type(tl.zeros).__name__ != "InterpretedFunction"
-
-
-_TRITON_PREIMPORTED = _triton_built_without_interpreter()
-if not _TRITON_PREIMPORTED:  # (else leave this process alone: nothing here runs in it)
-    os.environ["TRITON_INTERPRET"] = "1"  # before any module that defines kernels is imported
-
-import subprocess  # noqa: E402
-
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-
 from h2ochat_kernels import dispatch, reference  # noqa: E402
 from h2ochat_kernels.triton_chunk import chunk_attend_with_scores  # noqa: E402
 from h2ochat_kernels.triton_decode import decode_attend_with_scores  # noqa: E402
 from h2ochat_kernels.triton_evict import evict_and_insert as triton_evict  # noqa: E402
 
-in_process = pytest.mark.skipif(_TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: "
-                                "run by test_kernels_in_fresh_process")
+from conftest import triton_interpreter_ready  # noqa: E402
 
-
-@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="triton's interpreter is active in this process")
-def test_kernels_in_fresh_process():
-    env = {k: v for k, v in os.environ.items() if k != "H2OCHAT_KERNELS"}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "--noconftest", "-p", "no:cacheprovider"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    print(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+in_process = pytest.mark.skipif(not triton_interpreter_ready(), reason="triton was imported before TRITON_INTERPRET=1 "
+                                "(conftest.py sets it first: run through pytest from the repository)")
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
