@@ -35,6 +35,7 @@ _SETTABLE: dict[str, tuple[Callable[[str], object], tuple[str, ...]]] = {
     "temperature": (float, ("temp", "t")),
     "top_p": (float, ("top-p", "topp")),
     "top_k": (int, ("top-k", "topk")),
+    "repetition_penalty": (float, ("repetition-penalty", "repeat_penalty", "repeat-penalty")),
     "seed": (lambda v: None if v.lower() in ("none", "off", "random") else int(v), ()),
     "max_new_tokens": (int, ("max-new-tokens", "max_tokens", "max-tokens", "num_predict")),
     "system": (str, ("system_prompt",)),
@@ -51,11 +52,12 @@ class ChatSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 512
     cache: CacheSettings = field(default_factory=CacheSettings)
 
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+        return Sampling(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty)
 
     def validate(self) -> None:
         self.sampling().validate()

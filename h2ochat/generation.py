@@ -65,6 +65,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the text (1 = off)
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -73,6 +74,8 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 def _cache_argument(model) -> str:
@@ -116,8 +119,19 @@ def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
     return logits[:, -1]
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token per row of ``logits`` [B, V]."""
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Make tokens already in the text (``seen`` [B, V] bool) less likely: positive logits are
+    divided by ``penalty``, negative ones multiplied (the CTRL paper's rule, as transformers does)."""
+    logits = logits.float()
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None,
+           seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row of ``logits`` [B, V]; ``seen`` [B, V] marks tokens already in the text."""
+    if seen is not None and sampling.repetition_penalty != 1.0:
+        logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
@@ -188,11 +202,17 @@ def stream(
     timing.prompt_tokens += int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
     timing.prefill_s += time.perf_counter() - started
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    seen = None
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen.scatter_(1, input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, 0), True)
     decode_started = time.perf_counter()
     for index in range(max_new_tokens):
         if index > 0:
             logits = forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
-        tokens = sample(logits, sampling, generator)
+        tokens = sample(logits, sampling, generator, seen)
+        if seen is not None:
+            seen.scatter_(1, tokens.unsqueeze(1), True)
         timing.generated_tokens += 1
         if index == 0:
             decode_started = time.perf_counter()

@@ -38,6 +38,8 @@ Temperature = Annotated[float, typer.Option("--temperature", "-t", min=0.0, rich
 TopP = Annotated[float, typer.Option("--top-p", rich_help_panel=SAMPLING, help="Nucleus sampling threshold.")]
 TopK = Annotated[int, typer.Option("--top-k", min=0, rich_help_panel=SAMPLING, help="Sample among the k best (0 = all).")]
 Seed = Annotated[Optional[int], typer.Option("--seed", rich_help_panel=SAMPLING, help="Seed for sampling and the random policy.")]
+RepetitionPenalty = Annotated[float, typer.Option("--repetition-penalty", "--repeat-penalty", rich_help_panel=SAMPLING,
+    help="Above 1 makes tokens already in the text less likely (1.1-1.3 stops small models looping; 1 = off).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, rich_help_panel=SAMPLING, help="Tokens to generate at most.")]
 Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of text.")]
 
@@ -46,8 +48,8 @@ def cache_settings(policy: str, budget: str, heavy_ratio: float, sinks: int, pos
     return CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, positions=positions, seed=seed)
 
 
-def sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> Sampling:
-    settings = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+def sampling(temperature: float, top_p: float, top_k: int, seed: int | None, repetition_penalty: float = 1.0) -> Sampling:
+    settings = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, repetition_penalty=repetition_penalty)
     settings.validate()
     return settings
 

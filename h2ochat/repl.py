@@ -80,7 +80,7 @@ class StreamReader:
 HELP = [
     ("/help", "this list"),
     ("/clear", "new conversation, fresh cache"),
-    ("/set NAME VALUE", "temperature, top_p, top_k, seed, max_new_tokens, heavy_ratio, system"),
+    ("/set NAME VALUE", "temperature, top_p, top_k, seed, repetition_penalty, max_new_tokens, heavy_ratio, system"),
     ("/set", "show the current settings"),
     ("/budget B", "KV slots per layer: 0.1 (share of the context) or 256 (slots); re-feeds the conversation"),
     ("/policy P", f"eviction policy ({', '.join(POLICIES)}); re-feeds the conversation"),
@@ -198,6 +198,7 @@ class Repl:
             cache = settings.cache
             for key, value in (("system", settings.system), ("temperature", settings.temperature),
                                ("top_p", settings.top_p), ("top_k", settings.top_k), ("seed", settings.seed),
+                               ("repetition_penalty", settings.repetition_penalty),
                                ("max_new_tokens", settings.max_new_tokens), ("budget", cache.budget),
                                ("policy", cache.policy), ("heavy_ratio", cache.heavy_ratio)):
                 self.console.print(Text.assemble((f"{key:15}", "bold"), repr(value) if isinstance(value, str) else str(value)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from h2ochat.generation import CacheSettings, Sampling, TextStream, sample, stream
+from h2ochat.generation import CacheSettings, Sampling, TextStream, penalize_repeats, sample, stream
 
 from checkpoints import _tokenizer
 from conftest import build_model, random_ids
@@ -45,3 +45,20 @@ def test_seeded_sampling_repeats_and_stream_stops_at_a_stop_token():
     steps = [int(s.tokens[0]) for s in stream(model, cache, ids, max_new_tokens=12,
                                                sampling=Sampling(temperature=1.0, seed=7), stop_ids=stop)]
     assert steps == runs[0][: runs[0].index(runs[0][3]) + 1]
+
+
+def test_repetition_penalty_follows_the_ctrl_rule_and_stops_repeats():
+    logits = torch.randn(3, 20)
+    seen = torch.rand(3, 20) < 0.4
+    got = penalize_repeats(logits, seen, 1.3)
+    for row in range(3):
+        for token in range(20):
+            x = float(logits[row, token])
+            want = (x / 1.3 if x > 0 else x * 1.3) if seen[row, token] else x
+            assert abs(float(got[row, token]) - want) < 1e-6
+    model = build_model("llama")
+    prompt = random_ids(1, 5)
+    cache = CacheSettings(budget="8").build(model)
+    steps = stream(model, cache, prompt, max_new_tokens=30, sampling=Sampling(repetition_penalty=1e6))
+    generated = [int(s.tokens[0]) for s in steps]
+    assert len(set(generated)) == 30 and not set(generated) & set(prompt[0].tolist())  # nothing said twice

@@ -42,12 +42,13 @@ def generate(
     top_p: o.TopP = 1.0,
     top_k: o.TopK = 0,
     seed: o.Seed = None,
+    repetition_penalty: o.RepetitionPenalty = 1.0,
     as_json: o.Json = False,
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
-    sampling = o.sampling(temperature, top_p, top_k, seed)
+    sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     get_policy(policy)
     parse_budget(budget, 1 << 30)  # bad syntax fails before the model loads
     loaded = load(model, device, dtype, device_map)

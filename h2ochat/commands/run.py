@@ -42,11 +42,13 @@ def run(
     top_p: o.TopP = 1.0,
     top_k: o.TopK = 0,
     seed: o.Seed = None,
+    repetition_penalty: o.RepetitionPenalty = 1.0,
     max_new_tokens: o.MaxNewTokens = 512,
 ):
     """Chat with a model through the H2O cache. /help inside lists the commands."""
     settings = ChatSettings(system=h2ochat_prompts.system_prompt(system) if system else None,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            repetition_penalty=repetition_penalty,
                             max_new_tokens=max_new_tokens,
                             cache=o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed))
     settings.validate()  # bad values fail before the model loads

@@ -64,6 +64,7 @@ def story(
     top_p: o.TopP = 0.95,
     top_k: o.TopK = 0,
     seed: o.Seed = None,
+    repetition_penalty: o.RepetitionPenalty = 1.0,
 ):
     """Stream a long story in constant KV memory, with the cache's state live under it."""
     if prompt is not None and prompt_file is not None:
@@ -72,7 +73,7 @@ def story(
     if not opening.strip():
         raise ValueError("the story opening is empty")
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
-    sampling = o.sampling(temperature, top_p, top_k, seed)
+    sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     parse_budget(budget, 1 << 30)  # a bad --budget fails before the model loads
     err = make_console(stderr=True)
     with (err.status(f"loading {model}…") if err.is_terminal else _nothing()):
