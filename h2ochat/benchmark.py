@@ -319,8 +319,8 @@ class BenchPlan:
     contexts: Sequence[int]
     batches: Sequence[int]
     budget_slots: Callable[[int], int]  # slots for a context length
-    steps: int = 16
-    warmup: int = 3
+    steps: int = 10
+    warmup: int = 2
     kv_memory: int | None = 2 * 2**30
     max_batch: int = 32
     capacity_steps: int = 4
