@@ -143,8 +143,16 @@ class H2OLayer(CacheLayerMixin):
         return token_index, positions, counts
 
     def _insert(self, key, value, new_scores, new_valid) -> None:
-        batch, heads, q_len, _ = key.shape
+        q_len = key.shape[2]
         token_index, positions, counts = self._new_token_indices(new_valid, q_len)
+        self._place(key, value, new_scores, new_valid, token_index, positions)
+        self.real_seen += counts
+        self.next_position += counts
+        self.seen += q_len
+
+    def _place(self, key, value, new_scores, new_valid, token_index, positions) -> None:
+        """Write the new tokens into free slots, or keep the best of slots + new tokens."""
+        q_len = key.shape[2]
         used, capacity = self.used, self.capacity
         if used + q_len <= capacity:
             end = used + q_len
@@ -158,9 +166,6 @@ class H2OLayer(CacheLayerMixin):
             self._evict_one(key, value, new_scores, token_index[:, 0], positions[:, 0])
         else:
             self._select(key, value, new_scores, token_index, positions)
-        self.real_seen += counts
-        self.next_position += counts
-        self.seen += q_len
 
     def _priority(self, scores, token_index, newest):
         owner = self.owner

@@ -21,8 +21,6 @@ from typing import Callable, Sequence
 
 import torch
 
-import h2ochat_kernels as kernels
-
 from .budget import parse_budget
 from .cache import H2OCache, H2OLayer
 from .generation import forward, max_positions
@@ -47,24 +45,19 @@ class Row:
 class RowPolicyLayer(H2OLayer):
     """An ``H2OLayer`` whose decode step evicts per row, by the row's own policy and budget."""
 
-    def _insert(self, key, value, new_scores, new_valid) -> None:
+    def _place(self, key, value, new_scores, new_valid, token_index, positions) -> None:
         q_len = key.shape[2]
         if q_len > 1 or new_valid is not None:
             if new_valid is not None or self.used + q_len > self.owner.smallest_slots:
                 raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
-            return super()._insert(key, value, new_scores, new_valid)
-        token_index, positions, counts = self._new_token_indices(None, 1)
-        # rows fill their slots from the left, so the occupied slots of every row lie in [:used]
+            return super()._place(key, value, new_scores, new_valid, token_index, positions)
+        # rows fill their slots from the left, so the occupied slots of every row lie in [:used];
+        # a free slot ranks -inf, so a row below its own budget takes one instead of evicting
         self.used = min(self.used + 1, self.capacity)
-        priority = self.owner.row_priority(self.scores, self.token_index, token_index[:, 0])
-        dropped = kernels.evict_and_insert(
-            priority, self.keys, self.values, self.scores, self.token_index, self.positions,
-            key, value, new_scores[:, :, 0], token_index[:, 0], positions[:, 0],
-        )
-        self.evicted += dropped >= 0
-        self.real_seen += counts
-        self.next_position += counts
-        self.seen += 1
+        self._evict_one(key, value, new_scores, token_index[:, 0], positions[:, 0])
+
+    def _priority(self, scores, token_index, newest):
+        return self.owner.row_priority(scores, token_index, newest)
 
 
 class RowPolicyCache(H2OCache):

@@ -50,7 +50,9 @@ def _rank_keep_sinks(scores, token_index, budget, generator):
 
 
 def _rank_randomly(scores, token_index, budget, generator):
-    return torch.rand(scores.shape, generator=generator, device=scores.device)
+    # a seeded generator lives on one device (the CPU): draw there, then move
+    device = generator.device if generator is not None else scores.device
+    return torch.rand(scores.shape, generator=generator, device=device).to(scores.device)
 
 
 @dataclass(frozen=True)
