@@ -202,13 +202,15 @@ def stream(
     timing.prompt_tokens += int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
     timing.prefill_s += time.perf_counter() - started
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    stops = torch.tensor(sorted(stop_ids), device=input_ids.device) if stop_ids else None
     seen = None
-    if sampling.repetition_penalty != 1.0:
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen.scatter_(1, input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, 0), True)
+    if sampling.repetition_penalty != 1.0:  # which tokens the text holds so far, padding excluded
+        real = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        seen = torch.zeros_like(logits, dtype=torch.long).scatter_add_(1, input_ids, real) > 0
     decode_started = time.perf_counter()
+    tokens = None
     for index in range(max_new_tokens):
-        if index > 0:
+        if tokens is not None:  # feed the previous token; the last one is never fed
             logits = forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
         tokens = sample(logits, sampling, generator, seen)
         if seen is not None:
@@ -219,8 +221,8 @@ def stream(
         else:
             timing.decode_s = time.perf_counter() - decode_started
         yield Step(tokens=tokens, index=index, elapsed_s=timing.decode_s)
-        if stop_ids:
-            finished |= torch.isin(tokens, torch.tensor(sorted(stop_ids), device=tokens.device))
+        if stops is not None:
+            finished |= torch.isin(tokens, stops)
             if bool(finished.all()):
                 break
 

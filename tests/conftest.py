@@ -46,6 +46,16 @@ def build_model(family: str, attn: str = "h2o", seed: int | None = None, **overr
     return model.eval()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny models: one thread is faster than two, and far faster on a machine other jobs load
+    (a second OpenMP thread that is not scheduled stalls every matmul)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param

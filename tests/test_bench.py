@@ -16,13 +16,6 @@ from h2ochat.generation import CacheSettings, forward, max_positions
 from h2ochat.rotary import find_rotary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_slots_only_baseline_is_a_sliding_window(family):
     """The bookkeeping-free ring of C slots attends over the last C tokens (the new one included):

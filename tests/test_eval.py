@@ -18,14 +18,6 @@ from h2ochat.generation import CacheSettings, forward
 POLICIES = ("full", "h2o", "local", "sink", "random")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is faster, and far faster on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def unbatched_nll(model, ids, policy, slots, seed, heavy_ratio=0.5, sinks=4):
     """Reference: the plain H2OCache of one policy, fed one token per forward from the start."""

@@ -8,7 +8,6 @@ import os
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch

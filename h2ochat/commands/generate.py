@@ -11,7 +11,7 @@ import typer
 
 from .. import options as o
 from ..errors import EXIT_INTERRUPTED, user_errors
-from ..generation import Step, TextStream, Timing, stream
+from ..generation import TextStream, Timing, stream
 from ..budget import parse_budget
 from ..models import load
 from ..policies import get_policy

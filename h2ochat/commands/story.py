@@ -7,7 +7,6 @@ is produced, so an interrupted run loses nothing.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
