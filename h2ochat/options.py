@@ -39,7 +39,7 @@ TopP = Annotated[float, typer.Option("--top-p", rich_help_panel=SAMPLING, help="
 TopK = Annotated[int, typer.Option("--top-k", min=0, rich_help_panel=SAMPLING, help="Sample among the k best (0 = all).")]
 Seed = Annotated[Optional[int], typer.Option("--seed", rich_help_panel=SAMPLING, help="Seed for sampling and the random policy.")]
 RepetitionPenalty = Annotated[float, typer.Option("--repetition-penalty", "--repeat-penalty", rich_help_panel=SAMPLING,
-    help="Above 1 makes tokens already in the text less likely (1.1-1.3 stops small models looping; 1 = off).")]
+    help="Above 1 makes tokens already in the text less likely (about 1.1 stops small models looping; 1 = off).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, rich_help_panel=SAMPLING, help="Tokens to generate at most.")]
 Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of text.")]
 
