@@ -19,10 +19,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .budget import parse_budget
 from .cache import H2OCache
 from .generation import CacheSettings, Sampling, TextStream, Timing, max_positions, prefill, stream
-from .policies import get_policy
 from .prompting import has_chat_template
 
 FORMAT_VERSION = 1
@@ -63,8 +61,7 @@ class ChatSettings:
         self.sampling().validate()
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        get_policy(self.cache.policy)
-        parse_budget(self.cache.budget, 1 << 30)
+        self.cache.validate()
 
     def set(self, name: str, value: str) -> str:
         """Change one setting from text (``/set temperature 0.7``); returns its canonical name.
@@ -86,8 +83,6 @@ class ChatSettings:
         setattr(target, canonical, parsed)
         try:
             self.validate()
-            if canonical == "heavy_ratio":
-                get_policy(self.cache.policy).split(1000, parsed, self.cache.sinks)
         except ValueError:
             setattr(target, canonical, old)
             raise

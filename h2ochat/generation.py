@@ -37,6 +37,14 @@ class CacheSettings:
     positions: str = "compact"
     seed: int | None = None
 
+    def validate(self) -> None:
+        """Refuse bad settings before a model is loaded; only the budget's size against the model's
+        context window waits for the model."""
+        if self.positions not in ("compact", "absolute"):
+            raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
+        slots = parse_budget(self.budget, 1 << 30)
+        get_policy(self.policy).split(slots, self.heavy_ratio, self.sinks)
+
     def slots(self, config) -> int:
         return parse_budget(self.budget, max_positions(config))
 
@@ -110,7 +118,8 @@ def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
     """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V]."""
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
-    chunk = max(1, min(chunk, cache.max_positions - cache.budget.slots if cache.budget.evicts else chunk))
+    if cache.budget.evicts:  # a chunk must fit beside the slots once positions are re-numbered
+        chunk = max(1, min(chunk, cache.max_positions - cache.budget.slots))
     logits = None
     for start in range(0, input_ids.shape[1], chunk):
         piece = input_ids[:, start : start + chunk]

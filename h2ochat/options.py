@@ -45,7 +45,9 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Prin
 
 
 def cache_settings(policy: str, budget: str, heavy_ratio: float, sinks: int, positions: str, seed: int | None) -> CacheSettings:
-    return CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, positions=positions, seed=seed)
+    settings = CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, positions=positions, seed=seed)
+    settings.validate()
+    return settings
 
 
 def sampling(temperature: float, top_p: float, top_k: int, seed: int | None, repetition_penalty: float = 1.0) -> Sampling:

@@ -85,9 +85,18 @@ def test_streams_plain_text_without_json(tiny_checkpoint):
     (["--model", "missing.gguf"], "GGUF file not found"),
     (["--prompt-file", "/no/such/prompt.txt"], "/no/such/prompt.txt"),
     (["--temperature", "-1"], "temperature"),
+    (["--positions", "sideways"], "--positions"),
+    (["--policy", "sink", "--budget", "4", "--sinks", "4"], "--sinks"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment, h2ochat_main):
     assert_one_line_error(h2ochat_main("generate", "hi", *args), fragment)
+
+
+@pytest.mark.parametrize("command", ["generate", "story", "run"])
+def test_every_command_refuses_bad_cache_settings_before_loading(command, h2ochat_main):
+    args = ["hi"] if command == "generate" else []
+    result = h2ochat_main(command, *args, "--model", "/no/such/model/dir", "--policy", "lru")
+    assert_one_line_error(result, "unknown policy")  # the missing model would have failed later
 
 
 def test_empty_prompt_is_refused(h2ochat_main):

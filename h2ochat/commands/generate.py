@@ -12,9 +12,7 @@ import typer
 from .. import options as o
 from ..errors import EXIT_INTERRUPTED, user_errors
 from ..generation import TextStream, Timing, stream
-from ..budget import parse_budget
 from ..models import load
-from ..policies import get_policy
 from ..prompting import encode, read_prompt
 from ..report import run_record
 
@@ -49,8 +47,6 @@ def generate(
     text = read_prompt(prompt, prompt_file)
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
-    get_policy(policy)
-    parse_budget(budget, 1 << 30)  # bad syntax fails before the model loads
     loaded = load(model, device, dtype, device_map)
     tokenizer = loaded.tokenizer
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)

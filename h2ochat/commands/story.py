@@ -18,7 +18,6 @@ from .. import options as o
 from ..chat import inference_steps, stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
 from ..generation import Sampling, TextStream, Timing, stream
-from ..budget import parse_budget
 from ..models import load
 from ..prompting import encode
 from ..ui import ReplyPrinter, format_bytes, make_console, status_line
@@ -73,7 +72,6 @@ def story(
         raise ValueError("the story opening is empty")
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
-    parse_budget(budget, 1 << 30)  # a bad --budget fails before the model loads
     err = make_console(stderr=True)
     with (err.status(f"loading {model}…") if err.is_terminal else _nothing()):
         loaded = load(model, device, dtype, device_map)
