@@ -286,8 +286,9 @@ class H2OCache(Cache):
         longest = int(start.max().item()) + q_len
         if longest > self.max_positions:
             start = self._make_room(q_len)
-        offsets = torch.arange(q_len, device=start.device).expand(batch, q_len)
-        if new_valid is not None:
+        if new_valid is None:
+            offsets = torch.arange(q_len, device=start.device).expand(batch, q_len)
+        else:  # real tokens count on from the last one; padding borrows its neighbour's position
             offsets = (new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
         return start.unsqueeze(1) + offsets
 
