@@ -15,6 +15,10 @@ imported (tests/test_kernels.py shows how).
 
 from __future__ import annotations
 
-from .dispatch import attend_with_scores, evict_and_insert, kernel_backend
+from .dispatch import attend_with_scores, evict_and_insert, evict_by_policy, kernel_backend
+from .reference import keep_priority, protected_slots, slot_rank, token_age
 
-__all__ = ["attend_with_scores", "evict_and_insert", "kernel_backend"]
+__all__ = [
+    "attend_with_scores", "evict_and_insert", "evict_by_policy", "kernel_backend",
+    "keep_priority", "protected_slots", "slot_rank", "token_age",
+]

@@ -83,9 +83,11 @@ def _attention_supported(query, cache_keys, cache_values, new_keys, new_values, 
     )
 
 
-def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores):
+def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
+                       decay=1.0):
     """``reference.attend_with_scores`` on the chosen backend (same arguments, same results)."""
-    if kernel_backend(query.device) == "triton" and _attention_supported(
+    decayed = isinstance(decay, torch.Tensor) or float(decay) != 1.0
+    if not decayed and kernel_backend(query.device) == "triton" and _attention_supported(
         query, cache_keys, cache_values, new_keys, new_values, scores
     ):
         if query.shape[3] == 1:
@@ -100,14 +102,16 @@ def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_ke
             query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores
         )
     return reference.attend_with_scores(
-        query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores
+        query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay
     )
 
 
-def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index, new_position):
+def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                     new_token_index, new_position, value_norm=None, new_value_norm=None):
     """``reference.evict_and_insert`` on the chosen backend (see triton_evict for the choice)."""
     if (
-        kernel_backend(keys.device) == "triton"
+        value_norm is None
+        and kernel_backend(keys.device) == "triton"
         and keys.shape[2] > 0
         and keys.shape[3] <= 1024
         and keys.dtype in _FLOATS
@@ -124,5 +128,13 @@ def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_posi
             new_key, new_value, new_score, new_token_index, new_position,
         )
     return reference.evict_and_insert(
-        priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index, new_position
+        priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index,
+        new_position, value_norm, new_value_norm,
     )
+
+
+def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, **policy):
+    """``reference.evict_by_policy`` (priority from the policy's parameters, argmin, in-place write)."""
+    return reference.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value,
+                                     new_score, new_token_index, new_position, value_norm, new_value_norm, **policy)

@@ -26,6 +26,7 @@ def attend_with_scores(
     new_valid: torch.Tensor | None,
     scale: float,
     scores: torch.Tensor,
+    decay: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of Q new queries over S cached slots plus the Q new tokens, with H2O scoring.
 
@@ -36,6 +37,11 @@ def attend_with_scores(
     new_valid        [B, Q] bool or None (False: padding token; None: all real)
     scores           [B, Hkv, S] float32, updated in place: += attention probability each slot
                      received, summed over the G query heads and the real query rows.
+    decay            float, or [B] float32 per sequence: the score update is S <- decay * S + a_t
+                     per real token t, as if the Q tokens were fed one at a time. So the old scores
+                     are multiplied by decay ** (real rows this step) and query row q's
+                     probabilities weigh decay ** (real rows after q). 1 = the paper's plain sum,
+                     0 = the last real row's attention only.
 
     New tokens attend causally among themselves. Padding keys receive no attention; padding query
     rows add nothing to any score. Returns (output [B, Hkv, G, Q, D] in query's dtype,
@@ -56,13 +62,45 @@ def attend_with_scores(
     cache_probs, new_probs = probs[..., :slots], probs[..., slots:]
     out = torch.matmul(cache_probs, cache_values.float()) + torch.matmul(new_probs, new_values.float())
 
-    if new_valid is not None:
-        real_rows = new_valid.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len)
-        real_rows = real_rows.reshape(batch, 1, group * q_len, 1).to(probs.dtype)
-        cache_probs, new_probs = cache_probs * real_rows, new_probs * real_rows
+    weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
+    if weights is not None:
+        rows_w = weights.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len).reshape(batch, 1, group * q_len, 1)
+        cache_probs, new_probs = cache_probs * rows_w, new_probs * rows_w
+    if not _is_one(decay):
+        scores *= old_score_factor(new_valid, batch, q_len, decay, query.device).view(batch, 1, 1)
     scores += cache_probs.sum(dim=2)
     new_scores = new_probs.sum(dim=2)
     return out.view(batch, kv_heads, group, q_len, head_dim).to(query.dtype), new_scores
+
+
+def _is_one(decay) -> bool:
+    return not isinstance(decay, torch.Tensor) and float(decay) == 1.0
+
+
+def _decay_per_row(decay, batch: int, device) -> torch.Tensor:
+    if isinstance(decay, torch.Tensor):
+        return decay.to(device=device, dtype=torch.float32).reshape(-1).expand(batch)
+    return torch.full((batch,), float(decay), dtype=torch.float32, device=device)
+
+
+def row_weights(new_valid: torch.Tensor | None, batch: int, q_len: int, decay, device) -> torch.Tensor | None:
+    """[B, Q] float32 weight of each query row's probabilities in the scores: 0 for padding rows,
+    decay ** (real rows after it) for real ones. None when every weight is 1."""
+    if _is_one(decay) and new_valid is None:
+        return None
+    real = torch.ones(batch, q_len, dtype=torch.bool, device=device) if new_valid is None else new_valid
+    if _is_one(decay):
+        return real.float()
+    later = real.flip(1).long().cumsum(1).flip(1) - real.long()  # real rows strictly after q
+    # pow(0, 0) = 1: with decay 0 the last real row keeps its full weight
+    weights = torch.pow(_decay_per_row(decay, batch, device).view(batch, 1), later.float())
+    return weights * real
+
+
+def old_score_factor(new_valid: torch.Tensor | None, batch: int, q_len: int, decay, device) -> torch.Tensor:
+    """[B] float32: what the cached scores are multiplied by this step, decay ** (real rows)."""
+    real = torch.full((batch,), q_len, device=device) if new_valid is None else new_valid.sum(1)
+    return torch.pow(_decay_per_row(decay, batch, device), real.float())
 
 
 def _new_key_mask(new_valid: torch.Tensor | None, batch: int, q_len: int, device) -> torch.Tensor:
@@ -86,7 +124,9 @@ def evict_and_insert(
     new_score: torch.Tensor,
     new_token_index: torch.Tensor,
     new_position: torch.Tensor,
-) -> torch.Tensor:
+    value_norm: torch.Tensor | None = None,
+    new_value_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-step eviction: per (sequence, KV head) overwrite the lowest-priority slot in place.
 
     priority          [B, Hkv, S] float: higher = keep. Callers give -inf to empty/padding slots (so
@@ -95,17 +135,80 @@ def evict_and_insert(
     slot_token_index, slot_position [B, Hkv, S] int64
     new_key/new_value [B, Hkv, 1, D]; new_score [B, Hkv] float32;
     new_token_index, new_position [B] int64 (the same for every head of a sequence)
+    value_norm        [B, Hkv, S] float32 or None: ||v|| per slot, kept beside the score when the
+                      policy ranks by it; new_value_norm [B, Hkv] is the new token's
 
     Ties go to the lowest slot index. Returns the token index each (sequence, head) dropped
-    [B, Hkv] (-1 where the chosen slot held nothing).
+    [B, Hkv] (-1 where the chosen slot held nothing) and the score it held [B, Hkv] float32.
     """
     batch, kv_heads, _, head_dim = keys.shape
     slot = priority.argmin(dim=-1, keepdim=True)
     dropped = slot_token_index.gather(2, slot).squeeze(2)
+    dropped_score = scores.gather(2, slot).squeeze(2)
     row_slot = slot.unsqueeze(-1).expand(batch, kv_heads, 1, head_dim)
     keys.scatter_(2, row_slot, new_key.to(keys.dtype))
     values.scatter_(2, row_slot, new_value.to(values.dtype))
     scores.scatter_(2, slot, new_score.unsqueeze(-1))
     slot_token_index.scatter_(2, slot, new_token_index.view(batch, 1, 1).expand(batch, kv_heads, 1))
     slot_position.scatter_(2, slot, new_position.view(batch, 1, 1).expand(batch, kv_heads, 1))
-    return dropped
+    if value_norm is not None:
+        value_norm.scatter_(2, slot, new_value_norm.unsqueeze(-1).to(value_norm.dtype))
+    return dropped, dropped_score
+
+
+# -- which slot goes: the policy rules every caller shares ------------------------------------------
+
+def _per_row(value, like: torch.Tensor) -> torch.Tensor | int:
+    """An int, or a [B] tensor shaped to broadcast against [B, Hkv, S]."""
+    return value.to(like.device).view(-1, 1, 1) if isinstance(value, torch.Tensor) else value
+
+
+def protected_slots(slot_token_index: torch.Tensor, newest: torch.Tensor, recent, sinks) -> torch.Tensor:
+    """[B, Hkv, S] bool: the slots no policy may evict: the ``recent`` most recent tokens (token
+    index > newest - recent, ``newest`` [B] being each sequence's newest token, counted in) and the
+    first ``sinks`` tokens of the text. ``recent`` and ``sinks`` are ints or [B] tensors."""
+    newest = newest.to(slot_token_index.device).view(-1, 1, 1)
+    recent_window = slot_token_index > newest - _per_row(recent, slot_token_index)
+    sink = (slot_token_index >= 0) & (slot_token_index < _per_row(sinks, slot_token_index))
+    return recent_window | sink
+
+
+def token_age(slot_token_index: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, S] float32: how many query tokens have seen each slot's token (itself included)."""
+    age = newest.to(slot_token_index.device).view(-1, 1, 1) - slot_token_index + 1
+    return age.clamp(min=1).to(torch.float32)
+
+
+def slot_rank(scores, slot_token_index, newest, value_norm=None, *, oldest_first=False, by_age=False,
+              value_eps=None) -> torch.Tensor:
+    """[B, Hkv, S] float32 merit of each slot (higher = keep), the ranks the built-in policies use:
+    oldest_first: the token index (the oldest goes first); otherwise the score, divided by the
+    token's age when ``by_age`` (mean attention per step seen), times (rank + value_eps) * ||v||
+    when ``value_eps`` is not None (a token with a large value moves the output more)."""
+    if oldest_first:
+        return slot_token_index.to(torch.float32)
+    rank = scores
+    if by_age:
+        rank = rank / token_age(slot_token_index, newest)
+    if value_eps is not None:
+        rank = (rank + value_eps) * value_norm
+    return rank
+
+
+def keep_priority(rank, slot_token_index, newest, recent, sinks) -> torch.Tensor:
+    """Priority [B, Hkv, S] (higher = keep) from a rank: +inf for protected slots, -inf for empty
+    and padding slots (they go first), the rank elsewhere."""
+    priority = rank.masked_fill(protected_slots(slot_token_index, newest, recent, sinks), float("inf"))
+    return priority.masked_fill(slot_token_index < 0, float("-inf"))
+
+
+def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, *, recent, sinks,
+                    oldest_first=False, by_age=False, value_eps=None):
+    """``evict_and_insert`` with the priority computed from the policy's parameters (the work the
+    fused eviction kernel does in one launch). ``new_token_index`` is the newest token."""
+    rank = slot_rank(scores, slot_token_index, new_token_index, value_norm, oldest_first=oldest_first,
+                     by_age=by_age, value_eps=value_eps)
+    priority = keep_priority(rank, slot_token_index, new_token_index, recent, sinks)
+    return evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
+                            new_score, new_token_index, new_position, value_norm, new_value_norm)

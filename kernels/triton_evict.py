@@ -29,7 +29,7 @@ from ._common import interpreting, next_pow2
 
 @triton.jit
 def _evict_kernel(
-    PRI, K, V, SC, IDX, POS, NK, NV, NS, NTI, NPOS, DROPPED,
+    PRI, K, V, SC, IDX, POS, NK, NV, NS, NTI, NPOS, DROPPED, DROPPED_SCORE,
     S, D, H,
     spb, sph, sps,
     skb, skh, sks, skd,
@@ -63,6 +63,7 @@ def _evict_kernel(
     slot = best_i
     dropped = tl.load(IDX + b * sib + h * sih + slot * sis)
     tl.store(DROPPED + bh, dropped)
+    tl.store(DROPPED_SCORE + bh, tl.load(SC + b * scb + h * sch + slot * scs))
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -104,12 +105,13 @@ def evict_and_insert(
     if interpreting() and priority.dtype == torch.bfloat16:
         priority = priority.float()
     dropped = torch.empty(batch, kv_heads, dtype=torch.int64, device=keys.device)
+    dropped_score = torch.empty(batch, kv_heads, dtype=torch.float32, device=keys.device)
     if block_s is None:
         block_s = min(1024, max(16, next_pow2(slots)))
     nk, nv = new_key[:, :, 0], new_value[:, :, 0]
     _evict_kernel[(batch * kv_heads,)](
         priority, keys, values, scores, slot_token_index, slot_position,
-        nk, nv, new_score, new_token_index, new_position, dropped,
+        nk, nv, new_score, new_token_index, new_position, dropped, dropped_score,
         slots, head_dim, kv_heads,
         *priority.stride(), *keys.stride(), *values.stride(), *scores.stride(),
         *slot_token_index.stride(), *slot_position.stride(),
@@ -117,4 +119,4 @@ def evict_and_insert(
         new_token_index.stride(0), new_position.stride(0),
         BLOCK_S=block_s, BLOCK_D=max(16, next_pow2(head_dim)),
     )
-    return dropped
+    return dropped, dropped_score
