@@ -5,6 +5,15 @@ Load a model with ``attn_implementation="h2o"`` (or call ``use_h2o_attention(mod
 feeds the scores back to the cache; without one (a plain forward with ``use_cache=False``) it is
 ordinary causal attention through sdpa, so one loaded model serves both.
 
+How the attention finds its cache layer, first match wins:
+1. ``h2o_cache=`` passed to ``model(...)`` (h2ochat's own loop does; every family forwards it);
+2. ``h2o_layer``, which ``H2OLayer.update`` writes into the keyword dict that OPT and Llama hand to
+   both ``cache.update`` and the attention function (transformers' ``generate()``);
+3. the layer ``update`` last saw on this thread (GPT-NeoX under ``generate()``: it calls
+   ``update`` without that dict).
+The cache checks the hand-over both ways: a step whose keys no attention picked up raises at the next
+``update``, and keys that changed between ``update`` and the attention raise here.
+
 transformers hands a custom attention function whatever mask its registered mask function built.
 Ours (``new_token_mask``) keeps only what the cache cannot know: which of the new tokens are
 padding, as a [B, Q] bool tensor (None when none are). Causality and slot validity are the
@@ -18,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from .cache import take_pending_layer
+from . import cache as cache_module
 
 NAME = "h2o"
 
@@ -28,13 +37,31 @@ def new_token_mask(batch_size, q_length, kv_length=None, attention_mask=None, **
     if attention_mask is None:
         return None
     new_tokens = attention_mask[:, -q_length:].to(torch.bool)
-    return None if bool(new_tokens.all()) else new_tokens
+    if not bool(new_tokens.all()):
+        if not bool(new_tokens[:, -1].all()):
+            raise ValueError("right-padded batches are not supported (the last token of a row would be padding): "
+                             "pad on the left (tokenizer.padding_side = 'left')")
+        return new_tokens
+    return None
 
 
-def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _pending_layer(module, key, h2o_cache, h2o_layer):
+    if h2o_cache is not None:
+        return h2o_cache.layers[module.layer_idx]
+    if h2o_layer is not None:
+        return h2o_layer
+    layer = getattr(cache_module._last_update, "layer", None)
+    cache_module._last_update.layer = None
+    if layer is not None and layer.pending_key is None:  # already attended: not this step's
+        return None
+    return layer
+
+
+def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, h2o_cache=None,
+                  h2o_layer=None, **kwargs):
     """query [B, Hq, Q, D], key/value [B, Hkv, Q, D] (new tokens only) -> ([B, Q, Hq, D], None)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = take_pending_layer(key)
+    layer = _pending_layer(module, key, h2o_cache, h2o_layer)
     if layer is None:
         return _uncached_attention(module, query, key, value, attention_mask, scale, dropout, **kwargs)
     out = layer.attend(query, key, value, attention_mask, scale)

@@ -3,7 +3,7 @@
 Variants, all on the same model weights, at the same batch size and context length:
 
 - ``h2o``: the budgeted ``H2OCache`` (scores, eviction), as generation uses it;
-- ``slots``: the same preallocated slots with no scoring and no eviction (``SlotsOnlyCache``):
+- ``slots``: the same preallocated slots with no scoring and no eviction (``H2OCache(bookkeeping=False)``):
   each new token overwrites the oldest slot in place and attention is plain sdpa. h2o against it
   is the price of H2O's bookkeeping;
 - ``full``: our cache with the ``full`` policy (same code path as h2o), preallocated to the
@@ -34,62 +34,28 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .attention import NAME as H2O_ATTENTION
-from .cache import H2OCache, H2OLayer
+from .cache import H2OCache
 from .generation import _cache_argument, forward, max_positions
-from .policies import SlotBudget, get_policy
 from .rotary import find_rotary
 
 VARIANTS = ("h2o", "slots", "full", "hf")
 CAPACITY_VARIANTS = ("h2o", "full", "hf")
 
 
-# -- the bookkeeping-free baseline -----------------------------------------------------------------
-
-class SlotsOnlyLayer(H2OLayer):
-    """The same preallocated slots as an ``H2OLayer``, without scores or eviction: the new token
-    overwrites the oldest slot in place (a ring), then plain sdpa runs over the slots. Decode only."""
-
-    def attend(self, query, key, value, new_valid, scale):
-        self.pending_key = self.pending_value = None
-        batch, q_heads, q_len, head_dim = query.shape
-        if q_len != 1 or new_valid is not None:
-            raise ValueError("the slots-only baseline times decode steps only (one token, no padding)")
-        kv_heads = key.shape[1]
-        slot = self.used if self.used < self.capacity else self.seen % self.capacity
-        self.keys[:, :, slot] = key[:, :, 0]
-        self.values[:, :, slot] = value[:, :, 0]
-        self.used = min(self.used + 1, self.capacity)
-        self.seen += 1
-        self.real_seen += 1
-        self.next_position += 1
-        # one new token: the G query heads of a KV group are G query rows over the group's keys
-        grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, self.keys[:, :, : self.used],
-                                             self.values[:, :, : self.used], scale=scale)
-        return out.unsqueeze(3)
-
-
-class SlotsOnlyCache(H2OCache):
-    def __init__(self, num_layers: int, slots: int, *, max_positions: int, rotary=None):
-        super().__init__(num_layers, get_policy("local"), SlotBudget(slots, heavy=0, recent=slots),
-                         max_positions=max_positions, positions="absolute", rotary=rotary)
-        self.layers = [SlotsOnlyLayer(self) for _ in range(num_layers)]
-
-
 # -- building a cache that has seen N tokens ---------------------------------------------------------
 
-def build_cache(model, variant: str, slots: int, context: int, extra: int, heavy_ratio: float = 0.5):
-    """A fresh cache of ``variant`` (not hf): ``slots`` for h2o/slots, context + extra for full."""
+def build_cache(model, variant: str, slots: int, context: int, extra: int, policy: str = "h2o",
+                static_shapes: bool = False) -> H2OCache:
+    """A fresh cache of ``variant`` (not hf): ``slots`` for h2o/slots, context + extra for full.
+    ``slots`` is the same slots with bookkeeping off (the cache's own timing baseline)."""
     config = model.config
     layers, limit, rotary = config.num_hidden_layers, max_positions(config), find_rotary(model)
-    if variant == "slots":
-        return SlotsOnlyCache(layers, slots, max_positions=limit, rotary=rotary)
-    policy = get_policy("h2o" if variant == "h2o" else "full")
-    budget = policy.split(slots if variant == "h2o" else context + extra, heavy_ratio)
-    return H2OCache(layers, policy, budget, max_positions=limit, positions="absolute", rotary=rotary)
+    if variant == "full":
+        return H2OCache(layers, "full", context + extra, max_positions=limit, positions="absolute", rotary=rotary)
+    return H2OCache(layers, policy, slots, max_positions=limit, positions="absolute", rotary=rotary,
+                    bookkeeping=variant != "slots", static_shapes=static_shapes)
 
 
 @torch.inference_mode()
@@ -108,6 +74,7 @@ def fill_synthetic(cache: H2OCache, context: int, generator: torch.Generator) ->
         layer.used, layer.seen = held, context
         layer.real_seen.fill_(context)
         layer.next_position.fill_(context)
+    cache.position_bound = context
 
 
 def fill_synthetic_dynamic(cache, context: int, generator: torch.Generator) -> None:
@@ -220,7 +187,7 @@ def _kv_bytes_dynamic(cache) -> int:
 
 
 def measure(model, variant: str, *, context: int, batch: int, slots: int, steps: int, warmup: int,
-            memory: PeakMemory, heavy_ratio: float = 0.5, seed: int = 0) -> Measurement:
+            memory: PeakMemory, policy="h2o", seed: int = 0) -> Measurement:
     """Median decode-step latency of ``variant`` at ``batch`` sequences that have seen ``context``
     tokens, with KV bytes and peak memory."""
     device = next(model.parameters()).device
@@ -231,7 +198,7 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
     if variant == "hf":
         result = _measure_hf(model, tokens, context, generator, warmup)
     else:
-        cache = build_cache(model, variant, slots, context, steps + warmup, heavy_ratio)
+        cache = build_cache(model, variant, slots, context, steps + warmup, policy)
         forward(model, cache, tokens[0], logits_to_keep=1)  # allocates every layer's slots
         fill_synthetic(cache, context, generator)
         step_ms = []
@@ -326,7 +293,7 @@ class BenchPlan:
     capacity_steps: int = 4
     repeats: int = 1  # turns each variant takes at each (context, batch); steps pooled
     variants: Sequence[str] = VARIANTS
-    heavy_ratio: float = 0.5
+    policy: object = "h2o"  # a Policy or a policy spec (name:knob=value)
 
     def measurements(self) -> int:
         count = len(self.contexts) * len(self.batches) * len(self.variants) * self.repeats
@@ -355,7 +322,7 @@ def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None
     def one(variant, context, batch, steps, warmup):
         slots = plan.budget_slots(context)
         measured = measure(model, variant, context=context, batch=batch, slots=slots, steps=steps, warmup=warmup,
-                           memory=memory, heavy_ratio=plan.heavy_ratio)
+                           memory=memory, policy=plan.policy)
         if on_measured:
             on_measured(f"{variant} context {context} batch {batch}")
         return measured

@@ -1,67 +1,89 @@
 """A transformers Cache with a fixed number of preallocated KV slots per layer, evicting by policy.
 
 Each layer holds, per (sequence, KV head), C slots of keys and values plus, per slot, the fp32
-accumulated attention score, the token's index in the conversation (-1: empty or padding) and the
-position id it was encoded at. A step with Q new tokens runs attention over the occupied slots plus
-the new tokens (see ``h2ochat_kernels.attend_with_scores``), adds the attention each token received
-to its score, then keeps C of the candidates: the R most recent, and the policy's best among the
-rest. Memory never grows past C slots (the ``full`` policy grows instead and never evicts).
+score, the token's index in the conversation (-1: empty or padding), the position id it was encoded
+at and, for policies that rank by it, the norm of its value. A step with Q new tokens runs attention
+over the occupied slots plus the new tokens (see ``h2ochat_kernels.attend_with_scores``), updates
+the scores as the policy says (S <- decay * S + attention), then keeps C of the candidates: the
+protected ones (recent window, sinks) and the policy's best among the rest. Memory never grows
+past C slots (the ``full`` policy grows instead and never evicts).
 
-The model reaches a layer through ``update`` (called by every attention module just before its
-attention function): it parks the new keys and values there and the registered ``h2o`` attention
-function picks them up (see ``attention.py``).
+How the model reaches a layer: every attention module calls ``cache.update(k, v, layer_idx)`` just
+before its attention function. ``update`` records the new keys as pending and the registered
+``h2o`` attention function (attention.py) attends them through ``H2OLayer.attend``. A pending step
+nobody attended (the model runs another attention implementation) raises at the next ``update``.
+
+One cache can serve a batch whose rows follow different policies and budgets (``H2OCache.for_rows``,
+used by ``h2ochat eval``): each layer then allocates the largest row's slots, and a row with fewer
+slots leaves its spare ones unused once it holds its own number of tokens, so it evicts exactly as
+a cache of its own size would.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import h2ochat_kernels as kernels
 
-from .policies import Policy, SlotBudget, keep_priority
+from .policies import Policy, SlotBudget, get_policy
 from .rotary import Rotary, rotate_keys
 
-_handoff = threading.local()
+# GPT-NeoX calls ``update`` without the keyword arguments it later gives the attention function, so
+# under transformers' own generate() the attention function finds its layer here (the only case).
+_last_update = threading.local()
 
 
 class PositionLimitError(RuntimeError):
     """The next tokens would need positions the model was not trained for."""
 
 
-def take_pending_layer(key: torch.Tensor) -> "H2OLayer | None":
-    """The layer whose ``update`` just received ``key``, if any (consumed once)."""
-    layer = getattr(_handoff, "layer", None)
-    _handoff.layer = None
-    if layer is None or layer.pending_key is not key:
-        return None
-    return layer
+class AttentionMismatchError(RuntimeError):
+    """The H2OCache was driven by something other than the ``h2o`` attention function."""
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row of a mixed batch: its policy, its slots per layer and its random seed."""
+
+    policy: Policy
+    slots: int
+    seed: int | None = None
 
 
 @dataclass
 class LayerStats:
     capacity: int  # slots allocated per (sequence, head)
     held: float  # tokens held, averaged over sequences and heads
-    recent: float  # of which in the protected recent window (or sinks)
+    recent: float  # of which protected (recent window and sinks)
     heavy: float  # of which kept on merit
     evicted: int  # tokens dropped, summed over sequences and heads
-    score_mass: float  # accumulated attention held in the cache, averaged per (sequence, head)
+    evicted_share: float  # mean share of its (sequence, head)'s score mass a token held when dropped
+    heavy_age_median: float | None  # age in tokens of the tokens kept on merit
+    heavy_age_oldest: int | None
 
 
 class H2OLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner: "H2OCache"):
+    def __init__(self, owner: "H2OCache", layer_idx: int):
         super().__init__()
-        self.owner = owner
-        self.capacity = owner.budget.slots
+        self.owner, self.layer_idx = owner, layer_idx
+        self.budgets = owner.row_budgets(layer_idx)  # one per row group
+        self.capacity = max(budget.slots for budget in self.budgets)
         self.used = 0  # slot columns in use (the same for every sequence and head)
         self.seen = 0  # tokens fed so far, padding included
         self.pending_key = self.pending_value = None
+
+    @property
+    def budget(self) -> SlotBudget:
+        """This layer's share-out (the first row's, for a mixed batch)."""
+        return self.budgets[0]
 
     # -- transformers' layer interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -71,18 +93,24 @@ class H2OLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros(*shape, head_dim)
         self.values = value_states.new_zeros(*shape, value_states.shape[-1])
         self.scores = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.value_norm = (torch.zeros(shape, dtype=torch.float32, device=self.device)
+                           if self.owner.uses_value_norm else None)
         self.token_index = torch.full(shape, -1, dtype=torch.long, device=self.device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=self.device)
         self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.evicted = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
+        self.evicted_share = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
+        self.rows = self.owner.row_parameters(self.layer_idx, batch, self.device)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **_):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending_key, self.pending_value = key_states, value_states
-        _handoff.layer = self
+        if isinstance(kwargs, dict):  # OPT and Llama hand this same dict to the attention function
+            kwargs["h2o_layer"] = self
+        _last_update.layer = self
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -92,7 +120,7 @@ class H2OLayer(CacheLayerMixin):
         return self.used + query_length, self.seen - self.used
 
     def get_max_length(self) -> int:
-        return -1 if not self.owner.budget.evicts else self.capacity
+        return -1 if not self.owner.evicts else self.capacity
 
     def reset(self) -> None:
         self.is_initialized = False
@@ -105,23 +133,32 @@ class H2OLayer(CacheLayerMixin):
     # -- the step -----------------------------------------------------------------------------
     def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
         """Attention for Q new tokens, then scoring and eviction. Returns [B, Hkv, G, Q, D]."""
+        if key is not self.pending_key:
+            raise AttentionMismatchError(
+                f"layer {self.layer_idx}: the keys given to the attention are not the ones cache.update received "
+                "(a forward hook or a copy between them?); the H2O cache would attend the wrong tokens"
+            )
         self.pending_key = self.pending_value = None
+        self.owner.pending = None
         batch, q_heads, q_len, head_dim = query.shape
         kv_heads = key.shape[1]
-        if not self.owner.budget.evicts and self.used + q_len > self.capacity:
+        if not self.owner.bookkeeping:
+            return self._attend_ring(query, key, value, new_valid, scale)
+        if self.owner.grows and self.used + q_len > self.capacity:
             self._grow(self.used + q_len)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
-        used = self.used
+        span = self.capacity if self.owner.static_shapes else self.used
         out, new_scores = kernels.attend_with_scores(
             grouped,
-            self.keys[:, :, :used],
-            self.values[:, :, :used],
-            self.token_index[:, :, :used],
+            self.keys[:, :, :span],
+            self.values[:, :, :span],
+            self.token_index[:, :, :span],
             key,
             value,
             new_valid,
             scale,
-            self.scores[:, :, :used],
+            self.scores[:, :, :span],
+            self.rows.decay,
         )
         self._insert(key, value, new_scores, new_valid)
         return out
@@ -131,7 +168,7 @@ class H2OLayer(CacheLayerMixin):
         real tokens per sequence [B]."""
         if new_valid is None:
             offsets = torch.arange(q_len, device=self.device).expand(self.real_seen.shape[0], q_len)
-            counts = torch.full_like(self.real_seen, q_len)
+            counts = q_len
         else:
             offsets = new_valid.long().cumsum(dim=1) - 1
             counts = new_valid.sum(dim=1)
@@ -145,62 +182,87 @@ class H2OLayer(CacheLayerMixin):
     def _insert(self, key, value, new_scores, new_valid) -> None:
         q_len = key.shape[2]
         token_index, positions, counts = self._new_token_indices(new_valid, q_len)
-        self._place(key, value, new_scores, new_valid, token_index, positions)
-        self.real_seen += counts
-        self.next_position += counts
-        self.seen += q_len
-
-    def _place(self, key, value, new_scores, new_valid, token_index, positions) -> None:
-        """Write the new tokens into free slots, or keep the best of slots + new tokens."""
-        q_len = key.shape[2]
+        value_norm = value.float().norm(dim=-1) if self.value_norm is not None else None
         used, capacity = self.used, self.capacity
-        if used + q_len <= capacity:
+        decoding = q_len == 1 and new_valid is None
+        if self.rows.spare_slots and not decoding and used + q_len > self.rows.smallest_slots:
+            raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
+        if decoding and (used == capacity or self.owner.static_shapes or self.rows.spare_slots):
+            # steady state: the lowest-priority slot of each (sequence, head) is overwritten in place;
+            # an empty slot ranks lowest, so a cache that is not full yet fills its next slot
+            self.used = min(used + 1, capacity)
+            self._evict_one(key, value, new_scores[:, :, 0], token_index[:, 0], positions[:, 0],
+                            value_norm[:, :, 0] if value_norm is not None else None)
+        elif used + q_len <= capacity:
             end = used + q_len
             self.keys[:, :, used:end] = key
             self.values[:, :, used:end] = value
             self.scores[:, :, used:end] = new_scores
             self.token_index[:, :, used:end] = token_index.unsqueeze(1)
             self.positions[:, :, used:end] = positions.unsqueeze(1)
+            if value_norm is not None:
+                self.value_norm[:, :, used:end] = value_norm
             self.used = end
-        elif q_len == 1 and new_valid is None:
-            self._evict_one(key, value, new_scores, token_index[:, 0], positions[:, 0])
         else:
-            self._select(key, value, new_scores, token_index, positions)
+            self._select(key, value, new_scores, token_index, positions, value_norm)
+        self.real_seen += counts
+        self.next_position += counts
+        self.seen += q_len
 
-    def _priority(self, scores, token_index, newest):
-        owner = self.owner
-        return keep_priority(owner.policy, owner.budget, scores, token_index, newest, owner.generator)
+    def priority(self, scores, token_index, newest, value_norm) -> torch.Tensor:
+        """Keep priority [B, Hkv, S] of every slot (higher = keep): each row by its policy."""
+        rank = self.owner.rank(scores, token_index, newest, value_norm, self.rows)
+        priority = kernels.keep_priority(rank, token_index, newest, self.rows.recent, self.rows.sinks)
+        if self.rows.spare_slots:  # a row holding its own budget leaves the spare slots alone
+            full = (token_index >= 0).sum(dim=-1, keepdim=True) >= self.rows.slots.view(-1, 1, 1)
+            priority = priority.masked_fill((token_index < 0) & full, float("inf"))
+        return priority
 
-    def _evict_one(self, key, value, new_score, token_index, position) -> None:
+    def _evict_one(self, key, value, new_score, token_index, position, value_norm) -> None:
         """Steady decoding: overwrite the lowest-priority slot of each (sequence, head) in place."""
-        priority = self._priority(self.scores, self.token_index, token_index)
-        dropped = kernels.evict_and_insert(
-            priority, self.keys, self.values, self.scores, self.token_index, self.positions,
-            key, value, new_score[:, :, 0], token_index, position,
-        )
-        self.evicted += dropped >= 0
+        fused = self.owner.fused_eviction
+        state = (self.keys, self.values, self.scores, self.token_index, self.positions)
+        new = (key, value, new_score, token_index, position)
+        mass = self.scores.masked_fill(self.token_index < 0, 0).sum(dim=-1)
+        if fused is not None and not self.rows.spare_slots:
+            dropped, dropped_score = kernels.evict_by_policy(
+                *state, *new, self.value_norm, value_norm, recent=self.rows.recent, sinks=self.rows.sinks, **fused)
+        else:
+            priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+            dropped, dropped_score = kernels.evict_and_insert(priority, *state, *new, self.value_norm, value_norm)
+        self._count_evictions(dropped >= 0, dropped_score, mass)
 
-    def _select(self, key, value, new_scores, token_index, positions) -> None:
+    def _count_evictions(self, evicted: torch.Tensor, dropped_score: torch.Tensor, mass: torch.Tensor) -> None:
+        """``evicted`` [B, Hkv] (bool, or a count), ``dropped_score`` their summed score, ``mass`` the
+        score mass of the (sequence, head) at that moment."""
+        self.evicted += evicted
+        self.evicted_share += torch.where(mass > 0, dropped_score / mass.clamp_min(1e-30), 0.0) * (evicted > 0)
+
+    def _select(self, key, value, new_scores, token_index, positions, value_norm) -> None:
         """Several new tokens (a prefill chunk, or padding): keep the best C of slots + new."""
         batch, heads, q_len, head_dim = key.shape
         used, capacity = self.used, self.capacity
         expand = (batch, heads, q_len)
-        cand_keys = torch.cat([self.keys[:, :, :used], key], dim=2)
-        cand_values = torch.cat([self.values[:, :, :used], value], dim=2)
-        cand_scores = torch.cat([self.scores[:, :, :used], new_scores], dim=2)
-        cand_tokens = torch.cat([self.token_index[:, :, :used], token_index.unsqueeze(1).expand(expand)], dim=2)
-        cand_positions = torch.cat([self.positions[:, :, :used], positions.unsqueeze(1).expand(expand)], dim=2)
+        candidates = {
+            "keys": torch.cat([self.keys[:, :, :used], key], dim=2),
+            "values": torch.cat([self.values[:, :, :used], value], dim=2),
+            "scores": torch.cat([self.scores[:, :, :used], new_scores], dim=2),
+            "token_index": torch.cat([self.token_index[:, :, :used], token_index.unsqueeze(1).expand(expand)], dim=2),
+            "positions": torch.cat([self.positions[:, :, :used], positions.unsqueeze(1).expand(expand)], dim=2),
+        }
+        if value_norm is not None:
+            candidates["value_norm"] = torch.cat([self.value_norm[:, :, :used], value_norm], dim=2)
         newest = torch.maximum(self.real_seen - 1, token_index.max(dim=1).values)
-        keep = self._priority(cand_scores, cand_tokens, newest).topk(capacity, dim=-1).indices
-        keep = keep.sort(dim=-1).values
-        rows = keep.unsqueeze(-1)
-        self.keys[:, :, :capacity] = cand_keys.gather(2, rows.expand(-1, -1, -1, head_dim))
-        self.values[:, :, :capacity] = cand_values.gather(2, rows.expand(-1, -1, -1, cand_values.shape[-1]))
-        self.scores[:, :, :capacity] = cand_scores.gather(2, keep)
-        kept_tokens = cand_tokens.gather(2, keep)
-        self.token_index[:, :, :capacity] = kept_tokens
-        self.positions[:, :, :capacity] = cand_positions.gather(2, keep)
-        self.evicted += (cand_tokens >= 0).sum(-1) - (kept_tokens >= 0).sum(-1)
+        priority = self.priority(candidates["scores"], candidates["token_index"], newest, candidates.get("value_norm"))
+        keep = priority.topk(capacity, dim=-1).indices.sort(dim=-1).values
+        valid = candidates["token_index"] >= 0
+        mass = candidates["scores"].masked_fill(~valid, 0).sum(dim=-1)
+        kept_valid = valid.gather(2, keep)
+        dropped_score = mass - candidates["scores"].gather(2, keep).masked_fill(~kept_valid, 0).sum(dim=-1)
+        for name, candidate in candidates.items():
+            index = keep if candidate.dim() == 3 else keep.unsqueeze(-1).expand(-1, -1, -1, candidate.shape[-1])
+            getattr(self, name)[:, :, :capacity] = candidate.gather(2, index)
+        self._count_evictions(valid.sum(-1) - kept_valid.sum(-1), dropped_score, mass)
         self.used = capacity
 
     def _grow(self, needed: int) -> None:
@@ -215,7 +277,29 @@ class H2OLayer(CacheLayerMixin):
         self.keys, self.values = widen(self.keys, 0), widen(self.values, 0)
         self.scores = widen(self.scores, 0)
         self.token_index, self.positions = widen(self.token_index, -1), widen(self.positions, -1)
+        if self.value_norm is not None:
+            self.value_norm = widen(self.value_norm, 0)
         self.capacity = capacity
+
+    def _attend_ring(self, query, key, value, new_valid, scale) -> torch.Tensor:
+        """The timing baseline (``bookkeeping=False``): the new token overwrites the oldest slot in
+        place, then plain sdpa runs over the slots: no scores, no policy. Decode steps only."""
+        batch, q_heads, q_len, head_dim = query.shape
+        if q_len != 1 or new_valid is not None:
+            raise ValueError("a cache without bookkeeping times decode steps only (one token, no padding)")
+        kv_heads = key.shape[1]
+        slot = self.used if self.used < self.capacity else self.seen % self.capacity
+        self.keys[:, :, slot] = key[:, :, 0]
+        self.values[:, :, slot] = value[:, :, 0]
+        self.used = min(self.used + 1, self.capacity)
+        self.seen += 1
+        self.real_seen += 1
+        self.next_position += 1
+        # one new token: the G query heads of a KV group are G query rows over the group's keys
+        grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped, self.keys[:, :, : self.used], self.values[:, :, : self.used], scale=scale)
+        return out.unsqueeze(3)
 
     # -- positions ------------------------------------------------------------------------------
     def renumber(self, rotary: Rotary | None) -> None:
@@ -231,45 +315,177 @@ class H2OLayer(CacheLayerMixin):
         self.next_position = valid[:, 0].sum(dim=-1)
 
     # -- statistics -----------------------------------------------------------------------------
+    def protected(self, newest: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, Hkv, C] bool: the slots the policy never evicts (recent window and sinks) now."""
+        newest = self.real_seen - 1 if newest is None else newest
+        return kernels.protected_slots(self.token_index, newest, self.rows.recent, self.rows.sinks)
+
     def stats(self) -> LayerStats:
         if not self.is_initialized:
-            return LayerStats(self.capacity, 0.0, 0.0, 0.0, 0, 0.0)
-        budget = self.owner.budget
+            return LayerStats(self.capacity, 0.0, 0.0, 0.0, 0, 0.0, None, None)
         valid = self.token_index >= 0
-        newest = (self.real_seen - 1).view(-1, 1, 1)
-        protected = valid & ((self.token_index > newest - budget.recent) | (self.token_index < budget.sinks))
+        kept_on_merit = valid & ~self.protected() if self.owner.evicts else valid & False
         held = valid.sum(-1).float().mean().item()
-        recent = protected.sum(-1).float().mean().item()
-        mass = self.scores.masked_fill(~valid, 0).sum(-1).mean().item()
-        return LayerStats(self.capacity, held, recent, held - recent, int(self.evicted.sum().item()), mass)
+        heavy = kept_on_merit.sum(-1).float().mean().item()
+        evicted = int(self.evicted.sum().item())
+        share = float(self.evicted_share.sum().item()) / evicted if evicted else 0.0
+        ages = (self.real_seen.view(-1, 1, 1) - self.token_index)[kept_on_merit].float()
+        median = float(ages.median().item()) if ages.numel() else None
+        oldest = int(ages.max().item()) if ages.numel() else None
+        return LayerStats(self.capacity, held, held - heavy, heavy, evicted, share, median, oldest)
+
+
+@dataclass
+class RowParameters:
+    """A layer's per-row policy parameters: ints/floats when every row shares them, else [B] tensors."""
+
+    recent: int | torch.Tensor
+    sinks: int | torch.Tensor
+    decay: float | torch.Tensor
+    slots: torch.Tensor | None  # each row's own slots, when some row has fewer than the layer holds
+    smallest_slots: int
+
+    @property
+    def spare_slots(self) -> bool:
+        return self.slots is not None
 
 
 class H2OCache(Cache):
     """Fixed-budget KV cache for a whole model; pass it to ``model(...)`` or ``generate(cache=...)``.
 
+    ``slots`` is the budget per layer (the policy may shape it by depth, keeping the total).
     positions: "compact" re-numbers cached tokens 0..n-1 (rotating RoPE keys to match) whenever the
     next token would pass the model's position limit; "absolute" keeps the positions tokens were
     encoded at and refuses to go past the limit (the paper's behaviour).
+    static_shapes: decode steps attend over all C slots (empty ones masked) and always evict in place,
+    so every step has the same shapes (for torch.compile / CUDA graphs).
+    bookkeeping=False: the timing baseline of ``h2ochat bench`` (the same slots, no scores or policy).
     """
 
     def __init__(
         self,
         num_layers: int,
-        policy: Policy,
-        budget: SlotBudget,
+        policy: Policy | str,
+        slots: int,
         *,
         max_positions: int,
         positions: str = "compact",
         rotary: Rotary | None = None,
         seed: int | None = None,
+        static_shapes: bool = False,
+        bookkeeping: bool = True,
+        rows: Sequence[RowSpec] | None = None,
     ):
         if positions not in ("compact", "absolute"):
             raise ValueError(f"positions must be 'compact' or 'absolute', got {positions!r}")
-        self.policy, self.budget = policy, budget
+        self.policy = get_policy(policy)
+        self.slots = slots
+        self.row_specs = list(rows) if rows else [RowSpec(self.policy, slots, seed)]
         self.max_positions, self.position_mode, self.rotary = max_positions, positions, rotary
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.static_shapes, self.bookkeeping = static_shapes, bookkeeping
+        self.generators = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in self.row_specs]
+        self.generator = self.generators[0]
+        self.uses_value_norm = any(r.policy.uses_value_norm for r in self.row_specs)
+        self.grows = any(r.policy.grows for r in self.row_specs)
+        self._layer_budgets = [r.policy.layer_budgets(r.slots, num_layers) for r in self.row_specs]
         self.compactions = 0
-        super().__init__(layers=[H2OLayer(self) for _ in range(num_layers)])
+        self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
+        self.position_bound = 0  # the largest next position over the rows (a host int: no sync)
+        super().__init__(layers=[H2OLayer(self, index) for index in range(num_layers)])
+
+    @classmethod
+    def for_rows(cls, num_layers: int, rows: Sequence[RowSpec], **kwargs) -> "H2OCache":
+        """A cache whose batch row i follows ``rows[i]``'s policy and budget (a ``full`` row gets
+        its slots up front: give it as many as the text has tokens)."""
+        return cls(num_layers, rows[0].policy, max(r.slots for r in rows), rows=rows, **kwargs)
+
+    # -- the policy, per row ---------------------------------------------------------------------
+    @property
+    def mixed(self) -> bool:
+        return len(self.row_specs) > 1
+
+    @property
+    def evicts(self) -> bool:
+        return not self.grows
+
+    @property
+    def budget(self) -> SlotBudget:
+        """The first layer's share-out of the first row (what the UI shows)."""
+        return self._layer_budgets[0][0]
+
+    def row_budgets(self, layer_idx: int) -> list[SlotBudget]:
+        return [budgets[layer_idx] for budgets in self._layer_budgets]
+
+    def row_parameters(self, layer_idx: int, batch: int, device) -> RowParameters:
+        budgets = self.row_budgets(layer_idx)
+        if not self.mixed:
+            budget = budgets[0]
+            return RowParameters(budget.recent, budget.sinks, self.policy.decay, None, budget.slots)
+        if len(budgets) != batch:
+            raise ValueError(f"the cache has {len(budgets)} row policies but the batch has {batch} rows")
+
+        def per_row(values, dtype):
+            if len(set(values)) == 1:
+                return values[0]
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        slots = [b.slots for b in budgets]
+        return RowParameters(
+            recent=per_row([b.recent for b in budgets], torch.long),
+            sinks=per_row([b.sinks for b in budgets], torch.long),
+            decay=per_row([r.policy.decay for r in self.row_specs], torch.float32),
+            slots=torch.tensor(slots, device=device) if min(slots) < max(slots) else None,
+            smallest_slots=min(slots),
+        )
+
+    @property
+    def fused_eviction(self) -> dict | None:
+        """The one-launch eviction's parameters, when every row ranks by the same built-in formula."""
+        found = {repr(r.policy.fused_eviction) for r in self.row_specs}
+        return self.policy.fused_eviction if len(found) == 1 else None
+
+    def rank(self, scores, token_index, newest, value_norm, rows: RowParameters) -> torch.Tensor:
+        """Each row's merit by its own policy (rows sharing a policy are ranked together)."""
+        if not self.mixed:
+            return self.policy.rank(scores, token_index, newest, value_norm, self.generator)
+        rank = torch.zeros_like(scores)
+        groups: dict[Policy, list[int]] = {}
+        for index, spec in enumerate(self.row_specs):
+            groups.setdefault(spec.policy, []).append(index)
+        for policy, indices in groups.items():
+            if policy.fused_eviction is None:  # e.g. random: each row draws as a cache of its own would
+                for index in indices:
+                    rank[index:index + 1] = self._own_rank(index, scores, token_index, newest, value_norm, rows)
+                continue
+            idx = torch.tensor(indices, device=scores.device)
+            norm = value_norm[idx] if value_norm is not None else None
+            rank[idx] = policy.rank(scores[idx], token_index[idx], newest[idx], norm)
+        return rank
+
+    def _own_rank(self, index, scores, token_index, newest, value_norm, rows) -> torch.Tensor:
+        """Row ``index`` ranked with its own generator, over its own slots only, and only once it
+        holds its budget (draws happen when a cache of its own size would evict)."""
+        slots = self.row_specs[index].slots if rows.slots is not None else scores.shape[-1]
+        own = slice(index, index + 1)
+        rank = torch.zeros_like(scores[own])
+        if not bool(((token_index[own] >= 0).sum(-1) >= slots).all()):
+            return rank
+        part = (own, slice(None), slice(0, slots))
+        norm = value_norm[part].cpu() if value_norm is not None else None
+        drawn = self.row_specs[index].policy.rank(scores[part].cpu(), token_index[part].cpu(), newest[own].cpu(),
+                                                  norm, self.generators[index])
+        rank[:, :, :slots] = drawn.to(scores.device)
+        return rank
+
+    # -- transformers' interface ------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.pending is not None:
+            raise AttentionMismatchError(
+                f"layer {self.pending.layer_idx}'s new keys never reached the h2o attention: an H2OCache needs the "
+                "model loaded with attn_implementation='h2o' (h2ochat.attention.use_h2o_attention(model))"
+            )
+        self.pending = self.layers[layer_idx]
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     # -- what the generation loop asks -----------------------------------------------------------
     @property
@@ -278,18 +494,20 @@ class H2OCache(Cache):
 
     def position_ids(self, batch: int, q_len: int, new_valid: torch.Tensor | None = None, device=None) -> torch.Tensor:
         """Position ids [B, Q] for the next Q tokens, re-numbering the cache first when they
-        would pass the model's limit (compact mode)."""
+        would pass the model's limit (compact mode). Reads nothing back from the device."""
         if self.initialized:
             start = self.layers[0].next_position
         else:
             start = torch.zeros(batch, dtype=torch.long, device=device)
-        longest = int(start.max().item()) + q_len
-        if longest > self.max_positions:
+        if self.position_bound + q_len > self.max_positions:
             start = self._make_room(q_len)
         if new_valid is None:
             offsets = torch.arange(q_len, device=start.device).expand(batch, q_len)
+            self.position_bound += q_len
         else:  # real tokens count on from the last one; padding borrows its neighbour's position
             offsets = (new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+            # a prompt step, not the decode step: one read-back is fine here
+            self.position_bound = int((start + new_valid.sum(dim=1)).max().item())
         return start.unsqueeze(1) + offsets
 
     def _make_room(self, q_len: int) -> torch.Tensor:
@@ -298,21 +516,29 @@ class H2OCache(Cache):
                 f"the conversation reached the model's {self.max_positions}-position limit "
                 "(use --positions compact to keep going)"
             )
-        if not self.budget.evicts:
+        if not self.evicts:
             raise PositionLimitError(
                 f"the full cache reached the model's {self.max_positions}-position limit; "
                 "pick a policy that evicts to keep going"
             )
-        if self.budget.slots + q_len > self.max_positions:
+        largest = max(layer.capacity for layer in self.layers)
+        if largest + q_len > self.max_positions:
             raise PositionLimitError(
-                f"{self.budget.slots} slots + {q_len} new tokens do not fit in {self.max_positions} positions"
+                f"{largest} slots + {q_len} new tokens do not fit in {self.max_positions} positions: "
+                "a budget of the whole window can never re-number, use a smaller --budget to go past the limit"
             )
         with torch.inference_mode():  # the slots were made under inference mode
             for layer in self.layers:
                 if layer.is_initialized:
                     layer.renumber(self.rotary)
         self.compactions += 1
+        self.position_bound = max(int(layer.next_position.max().item()) for layer in self.layers if layer.is_initialized)
         return self.layers[0].next_position
+
+    def room_before_renumbering(self) -> int:
+        """New tokens that fit before the next re-numbering (prefill caps its chunks to this only
+        when a re-numbering is due)."""
+        return self.max_positions - self.position_bound
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -324,12 +550,13 @@ class H2OCache(Cache):
         )
 
     def bookkeeping_bytes(self) -> int:
-        """Bytes of scores, token indices and positions beside the slots."""
-        return sum(
-            sum(t.numel() * t.element_size() for t in (layer.scores, layer.token_index, layer.positions))
-            for layer in self.layers
-            if layer.is_initialized
-        )
+        """Bytes of scores, token indices, positions (and value norms) beside the slots."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                extra = (layer.scores, layer.token_index, layer.positions, layer.value_norm)
+                total += sum(t.numel() * t.element_size() for t in extra if t is not None)
+        return total
 
     def full_kv_bytes(self) -> int:
         """Bytes a cache without eviction would hold for the tokens seen so far."""

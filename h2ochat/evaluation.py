@@ -2,19 +2,19 @@
 
 Every (policy, budget) pair is one row of a single batch over the same tokens: one model forward
 per token serves all of them, which on a CPU costs little more than one row (the weights are read
-once per step whatever the batch). ``RowPolicyCache`` makes that possible: it is an ``H2OCache``
-whose rows each follow their own policy and slot budget. Every row gets the largest budget's
-slots; a row with a smaller budget fills its first slots in order, and once it holds its own
-number of tokens its spare slots are marked unusable, so from then on it evicts exactly as a
-cache of its own size would (same slots, same order, same random draws: tests compare the two).
+once per step whatever the batch). ``H2OCache.for_rows`` makes that possible: each row follows its
+own policy and slot budget and evicts exactly as a cache of its own size would (same slots, same
+order, same random draws: tests compare the two).
 
 The first tokens, up to the smallest budget, go in as one chunk: nothing is evicted before a cache
-is full, so chunked and token-by-token feeding are the same computation.
+is full, and a chunk's scores equal token-by-token feeding (the decay included), so chunked and
+token-by-token feeding are the same computation.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 import torch
 
 from .budget import parse_budget
-from .cache import H2OCache, H2OLayer
+from .cache import H2OCache, RowSpec
 from .generation import forward, max_positions
-from .policies import Policy, SlotBudget, get_policy
+from .policies import Policy, get_policy
 from .rotary import find_rotary
 
 DEFAULT_POLICIES = ("full", "h2o", "local", "sink", "random")
@@ -34,83 +34,19 @@ MAX_ROWS = 16  # rows per batch; more run as further batches
 
 @dataclass(frozen=True)
 class Row:
-    """One evaluated configuration: a policy with its share-out of a number of slots."""
+    """One evaluated configuration: a policy at a number of slots."""
 
     policy: Policy
-    budget: SlotBudget
     slots: int  # the budget asked for (for ``full``: the budget its after-fill numbers compare to)
     seed: int | None = None
+    window: int = 0  # which of the evaluated stretches of text this row reads
 
+    @property
+    def budget(self):
+        return self.policy.split(self.slots)
 
-class RowPolicyLayer(H2OLayer):
-    """An ``H2OLayer`` whose decode step evicts per row, by the row's own policy and budget."""
-
-    def _place(self, key, value, new_scores, new_valid, token_index, positions) -> None:
-        q_len = key.shape[2]
-        if q_len > 1 or new_valid is not None:
-            if new_valid is not None or self.used + q_len > self.owner.smallest_slots:
-                raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
-            return super()._place(key, value, new_scores, new_valid, token_index, positions)
-        # rows fill their slots from the left, so the occupied slots of every row lie in [:used];
-        # a free slot ranks -inf, so a row below its own budget takes one instead of evicting
-        self.used = min(self.used + 1, self.capacity)
-        self._evict_one(key, value, new_scores, token_index[:, 0], positions[:, 0])
-
-    def _priority(self, scores, token_index, newest):
-        return self.owner.row_priority(scores, token_index, newest)
-
-
-class RowPolicyCache(H2OCache):
-    """Rows of one batch, each with its own policy and budget (see the module notes)."""
-
-    def __init__(self, rows: Sequence[Row], num_layers: int, *, max_positions: int, rotary=None):
-        capacity = max(row.budget.slots for row in rows)
-        shared = SlotBudget(capacity, heavy=0, recent=capacity)
-        super().__init__(num_layers, get_policy("local"), shared, max_positions=max_positions,
-                         positions="absolute", rotary=rotary)
-        self.layers = [RowPolicyLayer(self) for _ in range(num_layers)]
-        self.rows = list(rows)
-        self.smallest_slots = min(row.budget.slots for row in rows)
-        self._slots = torch.tensor([row.budget.slots for row in rows])
-        self._recent = torch.tensor([row.budget.recent for row in rows])
-        self._generators = [
-            torch.Generator().manual_seed(row.seed) if row.seed is not None else None for row in rows
-        ]
-        by_policy: dict[str, list[int]] = {}
-        for index, row in enumerate(rows):
-            by_policy.setdefault(row.policy.name, []).append(index)
-        self._groups = [(rows[indices[0]], torch.tensor(indices)) for indices in by_policy.values()]
-
-    def row_priority(self, scores: torch.Tensor, token_index: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        """Keep priority [B, Hkv, C] of every slot, each row by its own policy (lowest goes).
-
-        Same rules as ``policies.keep_priority`` per row, plus: while a row holds fewer tokens than
-        its budget its empty slots rank lowest (the new token fills one); once it holds its budget
-        they rank highest (never used), so the row evicts among its own tokens.
-        """
-        device = scores.device
-        held = (token_index >= 0).sum(dim=-1, keepdim=True)
-        full = held >= self._slots.to(device).view(-1, 1, 1)
-        rank = torch.zeros_like(scores)
-        for first, indices in self._groups:
-            if first.policy.name == "random":
-                continue
-            indices = indices.to(device)
-            rank[indices] = first.policy.rank(scores[indices], token_index[indices], first.budget, None)
-        for index, row in enumerate(self.rows):
-            # random draws happen only when the row evicts, with the shape its own cache would
-            # draw, so the sequence of draws matches a cache of that size seeded alike
-            if row.policy.name == "random" and bool(full[index].all()):
-                slots = row.budget.slots
-                part = (slice(index, index + 1), slice(None), slice(0, slots))
-                # drawn on the CPU, where the generator lives, as a cache of its own would on a CPU
-                drawn = row.policy.rank(scores[part].cpu(), token_index[part].cpu(), row.budget,
-                                        self._generators[index])
-                rank[part] = drawn.to(device)
-        recent = token_index > (newest - self._recent.to(device)).view(-1, 1, 1)
-        rank = rank.masked_fill(recent, float("inf"))
-        empty_rank = torch.where(full, float("inf"), float("-inf")).to(rank.dtype)
-        return torch.where(token_index < 0, empty_rank, rank)
+    def spec(self) -> RowSpec:
+        return RowSpec(self.policy, self.slots, self.seed)
 
 
 # -- evaluation ----------------------------------------------------------------------------------
@@ -136,18 +72,20 @@ class Speed:
         return self.row_tokens / self.seconds if self.seconds else 0.0
 
 
-def build_rows(policies: Sequence[str], budgets: Sequence[int], tokens: int, *, heavy_ratio: float = 0.5,
-               sinks: int = 4, seed: int | None = 0) -> list[Row]:
+def build_rows(policies: Sequence[str | Policy], budgets: Sequence[int], tokens: int, *, seed: int | None = 0,
+               window: int = 0, **knobs) -> list[Row]:
     """One row per (evicting policy, budget), plus one ``full`` row (its numbers do not depend on
-    the budget) when ``full`` is asked for."""
+    the budget) when ``full`` is asked for. ``knobs`` (heavy_ratio=, sinks=, ...; None = the
+    policy's own) apply to every policy."""
     rows = []
-    for name in dict.fromkeys(policies):
-        policy = get_policy(name)
-        if policy.name == "full":
-            rows.append(Row(policy, policy.split(tokens), slots=tokens))
+    for spec in dict.fromkeys(policies):
+        policy = get_policy(spec).with_knobs(**knobs)
+        if policy.grows:
+            rows.append(Row(policy, slots=tokens, window=window))
             continue
         for slots in budgets:
-            rows.append(Row(policy, policy.split(slots, heavy_ratio, sinks), slots=slots, seed=seed))
+            policy.split(slots)  # a knob that does not fit the budget fails before the model runs
+            rows.append(Row(policy, slots=slots, seed=seed, window=window))
     return rows
 
 
@@ -157,27 +95,30 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double()
 
 
-def evaluate_rows(model, token_ids: torch.Tensor, rows: Sequence[Row], *, max_rows: int = MAX_ROWS,
+def evaluate_rows(model, token_ids: torch.Tensor | Sequence[torch.Tensor], rows: Sequence[Row], *, max_rows: int = MAX_ROWS,
                   on_step: Callable[[int], None] | None = None, speed: Speed | None = None) -> list[RowResult]:
-    """Per-token NLL of ``token_ids`` [T] for every row, running up to ``max_rows`` rows per batch."""
-    ordered = sorted(rows, key=lambda row: row.budget.slots)  # similar budgets share a batch
+    """Per-token NLL of ``token_ids`` [T] (or of ``token_ids[row.window]``, windows of equal length)
+    for every row, running up to ``max_rows`` rows per batch."""
+    windows = [token_ids] if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    ordered = sorted(rows, key=lambda row: row.slots)  # similar budgets share a batch
     results: dict[int, RowResult] = {}
     for start in range(0, len(ordered), max_rows):
         group = ordered[start : start + max_rows]
-        for row, nll in zip(group, _evaluate_batch(model, token_ids, group, on_step, speed)):
+        for row, nll in zip(group, _evaluate_batch(model, windows, group, on_step, speed)):
             results[id(row)] = RowResult(row, nll)
     return [results[id(row)] for row in rows]
 
 
-def _evaluate_batch(model, token_ids, rows, on_step, speed):
+def _evaluate_batch(model, windows, rows, on_step, speed):
     config = model.config
-    total = token_ids.shape[0]
-    cache = RowPolicyCache(rows, config.num_hidden_layers, max_positions=max_positions(config),
-                           rotary=find_rotary(model))
-    ids = token_ids.to(model.device).unsqueeze(0).expand(len(rows), total)
+    total = windows[0].shape[0]
+    cache = H2OCache.for_rows(config.num_hidden_layers, [row.spec() for row in rows],
+                              max_positions=max_positions(config), positions="absolute", rotary=find_rotary(model))
+    ids = torch.stack([windows[row.window] for row in rows]).to(model.device)
     nll = torch.empty(len(rows), total - 1, dtype=torch.float64)
     started = time.perf_counter()
-    opening = max(1, min(cache.smallest_slots, total - 1))
+    smallest = min(min(row.policy.layer_slots(row.slots, config.num_hidden_layers)) for row in rows)
+    opening = max(1, min(smallest, total - 1))
     logits = forward(model, cache, ids[:, :opening])
     nll[:, :opening] = token_nll(logits, ids[:, 1 : opening + 1]).cpu()
     if on_step:
@@ -215,14 +156,15 @@ def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
     for result in results:
         row = result.row
         tokens = result.nll.numel() + 1
-        slot_list = budgets if row.policy.name == "full" else [row.slots]
-        for slots in slot_list:
+        grows = row.policy.grows
+        for slots in (budgets if grows else [row.slots]):
             out.append({
-                "policy": row.policy.name,
+                "policy": row.policy.label,
                 "budget_slots": slots,
-                "heavy_slots": row.budget.heavy if row.policy.name != "full" else None,
-                "recent_slots": row.budget.recent if row.policy.name != "full" else None,
-                "sink_slots": row.budget.sinks if row.policy.name != "full" else None,
+                "heavy_slots": None if grows else row.budget.heavy,
+                "recent_slots": None if grows else row.budget.recent,
+                "sink_slots": None if grows else row.budget.sinks,
+                "decay": None if grows else row.policy.decay,
                 "tokens": tokens,
                 "perplexity": perplexity(result.nll),
                 "perplexity_after_fill": perplexity(result.nll[first_evicted_prediction(slots):]),
@@ -242,13 +184,14 @@ def parse_budgets(text: str, tokens: int) -> list[int]:
 
 
 def parse_policies(text: str | Sequence[str]) -> list[str]:
+    """Comma-separated policies, each a name or name:knob=value:... (checked here)."""
     parts = text.split(",") if isinstance(text, str) else list(text)
-    names = [part.strip().lower() for part in parts if part.strip()]
-    if not names:
+    specs = [part.strip() for part in parts if part.strip()]
+    if not specs:
         raise ValueError("--policies needs at least one policy")
-    for name in names:
-        get_policy(name)
-    return list(dict.fromkeys(names))
+    for spec in specs:
+        get_policy(spec)
+    return list(dict.fromkeys(specs))
 
 
 def text_tokens(tokenizer, text: str, tokens: int) -> torch.Tensor:
@@ -262,6 +205,46 @@ def text_tokens(tokenizer, text: str, tokens: int) -> torch.Tensor:
         if len(ids) > tokens or chars >= len(text):
             return torch.tensor(ids[:tokens], dtype=torch.long)
         chars *= 2
+
+
+def text_windows(tokenizer, text: str, tokens: int, windows: int) -> list[torch.Tensor]:
+    """``windows`` stretches of ``tokens`` token ids, evenly spread over the text: the first starts
+    at its beginning (so one window is exactly ``text_tokens``), the last ends at its end."""
+    if windows == 1:
+        return [text_tokens(tokenizer, text, tokens)]
+    if not text.strip():
+        raise ValueError("the text is empty")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < tokens * windows:
+        raise ValueError(f"the text has {len(ids)} tokens: too few for {windows} windows of {tokens} "
+                         "that do not overlap; use fewer --windows or --tokens")
+    step = (len(ids) - tokens) // (windows - 1)
+    return [torch.tensor(ids[k * step : k * step + tokens], dtype=torch.long) for k in range(windows)]
+
+
+def summarize_windows(per_window: Sequence[Sequence[dict]]) -> list[dict]:
+    """Per (policy, budget): the mean and spread over windows of the perplexity and of its ratio to
+    the full cache's in the same window (the figure that compares policies)."""
+    grouped: dict[tuple, list[tuple[dict, dict | None]]] = {}
+    for records_of_window in per_window:
+        full = {r["budget_slots"]: r for r in records_of_window if r["policy"] == "full"}
+        for r in records_of_window:
+            grouped.setdefault((r["policy"], r["budget_slots"]), []).append((r, full.get(r["budget_slots"])))
+    out = []
+    for (policy, slots), pairs in grouped.items():
+        entry = {"policy": policy, "budget_slots": slots, "windows": len(pairs)}
+        for field in ("perplexity", "perplexity_after_fill"):
+            values = [r[field] for r, _ in pairs if r[field] is not None]
+            ratios = [r[field] / f[field] for r, f in pairs if f and r[field] is not None and f[field]]
+            entry[field] = statistics.fmean(values) if values else None
+            if ratios:
+                entry[f"{field}_ratio"] = statistics.fmean(ratios)
+                entry[f"{field}_ratio_min"] = min(ratios)
+                entry[f"{field}_ratio_max"] = max(ratios)
+                entry[f"{field}_ratio_std"] = statistics.pstdev(ratios)
+        out.append(entry)
+    out.sort(key=lambda r: (r["budget_slots"], r["policy"] != "full", r["policy"]))
+    return out
 
 
 def check_inputs(token_count: int, budgets: Sequence[int], position_limit: int) -> None:

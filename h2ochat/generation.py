@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
 from .budget import parse_budget
-from .cache import H2OCache
-from .policies import get_policy
+from .attention import NAME as H2O_ATTENTION
+from .cache import AttentionMismatchError, H2OCache
+from .policies import DEFAULT_POLICY, Policy, get_policy
+from .repetition import RecentTokens
 from .rotary import find_rotary
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -30,12 +32,17 @@ def max_positions(config) -> int:
 
 @dataclass
 class CacheSettings:
-    policy: str = "h2o"
+    policy: str = DEFAULT_POLICY  # a name, or name:knob=value:... (see policies.parse_policy)
     budget: str = "0.2"
-    heavy_ratio: float = 0.5
-    sinks: int = 4
+    heavy_ratio: float | None = None  # None: the policy's own
+    sinks: int | None = None
+    decay: float | None = None
     positions: str = "compact"
     seed: int | None = None
+
+    def resolved_policy(self) -> Policy:
+        """The policy with the knobs given on the command line applied."""
+        return get_policy(self.policy).with_knobs(heavy_ratio=self.heavy_ratio, sinks=self.sinks, decay=self.decay)
 
     def validate(self) -> None:
         """Refuse bad settings before a model is loaded; only the budget's size against the model's
@@ -43,27 +50,27 @@ class CacheSettings:
         if self.positions not in ("compact", "absolute"):
             raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
         slots = parse_budget(self.budget, 1 << 30)
-        get_policy(self.policy).split(slots, self.heavy_ratio, self.sinks)
+        self.resolved_policy().split(slots)
 
     def slots(self, config) -> int:
         return parse_budget(self.budget, max_positions(config))
 
-    def build(self, model, initial_slots: int | None = None) -> H2OCache:
+    def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False) -> H2OCache:
         """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
         config = model.config
         slots = self.slots(config)
-        policy = get_policy(self.policy)
-        if policy.name == "full" and initial_slots:
+        policy = self.resolved_policy()
+        if policy.grows and initial_slots:
             slots = initial_slots
-        budget = policy.split(slots, self.heavy_ratio, self.sinks)
         return H2OCache(
             config.num_hidden_layers,
             policy,
-            budget,
+            slots,
             max_positions=max_positions(config),
             positions=self.positions,
             rotary=find_rotary(model),
             seed=self.seed,
+            static_shapes=static_shapes,
         )
 
 
@@ -74,6 +81,11 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the text (1 = off)
+    # the penalty looks at the last N tokens only (0 or -1: the whole text), as llama.cpp's
+    # repeat_last_n: penalising every token ever written starves a long story of common words
+    repeat_last_n: int = 64
+    # one generator per row (story -n): each continuation draws from its own seeded stream
+    row_generators: list | None = field(default=None, repr=False, compare=False)
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -84,6 +96,14 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be a token count, 0 or -1 (the whole text), got {self.repeat_last_n}")
+
+    def with_row_seeds(self, rows: int, device) -> "Sampling":
+        """A copy whose rows draw from generators seeded seed, seed+1, ... (a random seed when unset)."""
+        base = self.seed if self.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
+        generators = [torch.Generator(device=device).manual_seed(base + row) for row in range(rows)]
+        return replace(self, seed=base, row_generators=generators)
 
 
 def _cache_argument(model) -> str:
@@ -99,8 +119,12 @@ def forward(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
     new_valid = None
     if attention_mask is not None and not bool(attention_mask.all()):
         new_valid = attention_mask.to(torch.bool)
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != H2O_ATTENTION:
+        raise AttentionMismatchError(f"the model runs {implementation!r} attention; an H2OCache needs "
+                                     "attn_implementation='h2o' (h2ochat.attention.use_h2o_attention(model))")
     position_ids = cache.position_ids(batch, q_len, new_valid, device=input_ids.device)
-    kwargs = {_cache_argument(model): cache}
+    kwargs = {_cache_argument(model): cache, "h2o_cache": cache}
     with torch.inference_mode():
         out = model(
             input_ids=input_ids,
@@ -118,27 +142,38 @@ def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
     """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V]."""
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
-    if cache.budget.evicts:  # a chunk must fit beside the slots once positions are re-numbered
-        chunk = max(1, min(chunk, cache.max_positions - cache.budget.slots))
     logits = None
-    for start in range(0, input_ids.shape[1], chunk):
-        piece = input_ids[:, start : start + chunk]
-        mask = attention_mask[:, start : start + chunk] if attention_mask is not None else None
+    start, total = 0, input_ids.shape[1]
+    while start < total:
+        size = min(chunk, total - start)
+        room = cache.room_before_renumbering()
+        if cache.evicts and cache.position_mode == "compact" and size > room:
+            # a re-numbering is due inside this chunk: feed up to it, then a chunk that fits beside
+            # the re-numbered slots (positions 0..C-1)
+            largest = max(layer.capacity for layer in cache.layers)
+            size = room if room > 0 else max(1, min(size, cache.max_positions - largest))
+        piece = input_ids[:, start : start + size]
+        mask = attention_mask[:, start : start + size] if attention_mask is not None else None
         logits = forward(model, cache, piece, mask, logits_to_keep=1)
+        start += size
     return logits[:, -1]
 
 
-def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Make tokens already in the text (``seen`` [B, V] bool) less likely: positive logits are
-    divided by ``penalty``, negative ones multiplied (the CTRL paper's rule, as transformers does)."""
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor | RecentTokens, penalty: float) -> torch.Tensor:
+    """Make tokens already in the text (``seen`` [B, V] bool, or the recent-token window) less likely:
+    positive logits are divided by ``penalty``, negative ones multiplied (the CTRL paper's rule, as
+    transformers does)."""
+    if isinstance(seen, RecentTokens):
+        seen = seen.mask()
     logits = logits.float()
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalized, logits)
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None,
-           seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Next token per row of ``logits`` [B, V]; ``seen`` [B, V] marks tokens already in the text."""
+           seen: torch.Tensor | RecentTokens | None = None) -> torch.Tensor:
+    """Next token per row of ``logits`` [B, V]; ``seen`` marks tokens in the text the penalty sees
+    ([B, V] bool, or a ``RecentTokens`` window)."""
     if seen is not None and sampling.repetition_penalty != 1.0:
         logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
     if sampling.temperature == 0:
@@ -154,6 +189,9 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         drop = drop_sorted.scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
+    if sampling.row_generators is not None:  # each row its own stream, whatever the batch holds
+        return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g)
+                          for row, g in enumerate(sampling.row_generators)]).squeeze(1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
@@ -213,9 +251,8 @@ def stream(
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     stops = torch.tensor(sorted(stop_ids), device=input_ids.device) if stop_ids else None
     seen = None
-    if sampling.repetition_penalty != 1.0:  # which tokens the text holds so far, padding excluded
-        real = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        seen = torch.zeros_like(logits, dtype=torch.long).scatter_add_(1, input_ids, real) > 0
+    if sampling.repetition_penalty != 1.0:  # the last repeat_last_n tokens of the text, padding excluded
+        seen = RecentTokens(input_ids, attention_mask, logits.shape[-1], sampling.repeat_last_n)
     decode_started = time.perf_counter()
     tokens = None
     for index in range(max_new_tokens):
@@ -223,7 +260,7 @@ def stream(
             logits = forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
         tokens = sample(logits, sampling, generator, seen)
         if seen is not None:
-            seen.scatter_(1, tokens.unsqueeze(1), True)
+            seen.push(tokens)
         timing.generated_tokens += 1
         if index == 0:
             decode_started = time.perf_counter()

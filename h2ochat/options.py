@@ -8,7 +8,7 @@ import typer
 
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
 from .models import DEFAULT_MODEL
-from .policies import POLICIES
+from .policies import DEFAULT_POLICY, describe_policies
 
 MODEL, CACHE, SAMPLING, OUTPUT = "Model", "Cache", "Sampling", "Output"
 
@@ -24,10 +24,15 @@ Budget = Annotated[str, typer.Option("--budget", "-b", envvar="H2OCHAT_BUDGET", 
     help="KV slots per layer: a fraction of the context window written with a point (0.2, 1.0 = the whole "
          "window) or a slot count written as an integer (512; '1' is one slot).")]
 Policy = Annotated[str, typer.Option("--policy", "-p", envvar="H2OCHAT_POLICY", rich_help_panel=CACHE,
-    help="Eviction policy: " + "; ".join(f"{p.name} = {p.summary}" for p in POLICIES.values()) + ".")]
-HeavyRatio = Annotated[float, typer.Option("--heavy-ratio", rich_help_panel=CACHE,
-    help="Share of the slots for heavy hitters (h2o, random); the rest is the recent window.")]
-Sinks = Annotated[int, typer.Option("--sinks", rich_help_panel=CACHE, help="First tokens kept forever by the sink policy.")]
+    help="Eviction policy (knobs may follow: name:decay=0.9:sinks=4): "
+         + "; ".join(f"{name} = {summary}" for name, summary in describe_policies()) + ".")]
+HeavyRatio = Annotated[Optional[float], typer.Option("--heavy-ratio", rich_help_panel=CACHE,
+    help="Share of the non-sink slots kept on merit (heavy hitters); the rest is the recent window. "
+         "Default: the policy's own (0.5 for h2o).")]
+Sinks = Annotated[Optional[int], typer.Option("--sinks", rich_help_panel=CACHE,
+    help="First tokens never evicted. Default: the policy's own (0 for h2o, 4 for sink and the newer policies).")]
+Decay = Annotated[Optional[float], typer.Option("--decay", rich_help_panel=CACHE,
+    help="Score update S <- decay * S + attention: 1 = the paper's sum, 0 = this step only. Default: the policy's own.")]
 Positions = Annotated[str, typer.Option("--positions", rich_help_panel=CACHE,
     help="compact: re-number cached tokens when the model's position limit is reached, so generation goes on "
          "forever; absolute: keep original positions and stop at the limit (the paper's behaviour).")]
@@ -44,8 +49,10 @@ MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, rich
 Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Print one JSON object instead of text.")]
 
 
-def cache_settings(policy: str, budget: str, heavy_ratio: float, sinks: int, positions: str, seed: int | None) -> CacheSettings:
-    settings = CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, positions=positions, seed=seed)
+def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: int | None, positions: str,
+                   seed: int | None, decay: float | None = None) -> CacheSettings:
+    settings = CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
+                             positions=positions, seed=seed)
     settings.validate()
     return settings
 
@@ -56,5 +63,11 @@ def sampling(temperature: float, top_p: float, top_k: int, seed: int | None, rep
     return settings
 
 
-DEFAULTS = dict(model=DEFAULT_MODEL, device="auto", dtype="auto", budget="0.2", policy="h2o", heavy_ratio=0.5,
-                sinks=4, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0)
+DEFAULTS = dict(model=DEFAULT_MODEL, device="auto", dtype="auto", budget="0.2", policy=DEFAULT_POLICY, heavy_ratio=None,
+                sinks=None, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0)
+
+
+RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel=MODEL,
+    help="Build the model from its configuration (shipped with the aliases marked in `h2ochat models`, or a "
+         "directory's config.json) with random weights: no download, for timing (speed does not depend on the "
+         "values). Text goes through a byte-level tokenizer and comes out as noise.")]

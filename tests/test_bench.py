@@ -12,8 +12,7 @@ from typer.testing import CliRunner
 from conftest import build_model, random_ids
 from h2ochat import benchmark as bm
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings, forward, max_positions
-from h2ochat.rotary import find_rotary
+from h2ochat.generation import CacheSettings, forward
 
 
 
@@ -22,8 +21,8 @@ def test_slots_only_baseline_is_a_sliding_window(family):
     the same as the local policy's C - 1 slots plus the new token."""
     model = build_model(family)
     slots = 7
-    ring = bm.SlotsOnlyCache(model.config.num_hidden_layers, slots, max_positions=max_positions(model.config),
-                             rotary=find_rotary(model))
+    ring = bm.build_cache(model, "slots", slots, context=0, extra=0)
+    assert not ring.bookkeeping
     window = CacheSettings(policy="local", budget=str(slots - 1), positions="absolute").build(model)
     ids = random_ids(2, 30)
     for i in range(ids.shape[1]):

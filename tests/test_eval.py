@@ -16,13 +16,15 @@ from h2ochat.cli import app
 from h2ochat.generation import CacheSettings, forward
 
 POLICIES = ("full", "h2o", "local", "sink", "random")
+# every registered policy, plus the knobs that change what a layer holds or ranks by
+ALL_POLICIES = (*POLICIES, "decay", "mean", "tova", "decay:value_eps=0.01", "h2o:layer_shape=0.5",
+                "mean:layer_shape=-0.5")
 
 
 
-def unbatched_nll(model, ids, policy, slots, seed, heavy_ratio=0.5, sinks=4):
+def unbatched_nll(model, ids, policy, slots, seed):
     """Reference: the plain H2OCache of one policy, fed one token per forward from the start."""
-    cache = CacheSettings(policy=policy, budget=str(slots), heavy_ratio=heavy_ratio, sinks=sinks,
-                          positions="absolute", seed=seed).build(model)
+    cache = CacheSettings(policy=policy, budget=str(slots), positions="absolute", seed=seed).build(model)
     nll = []
     for i in range(len(ids) - 1):
         logits = forward(model, cache, ids[i : i + 1].unsqueeze(0))
@@ -35,14 +37,14 @@ def test_batched_rows_equal_each_policy_alone(family):
     seed = int(torch.randint(0, 10_000, ()).item())
     model = build_model(family, seed=seed)
     ids = random_ids(1, 32)[0]
-    rows = ev.build_rows(POLICIES, [6, 13], len(ids), heavy_ratio=0.4, sinks=2, seed=seed)
-    assert len(rows) == 1 + 4 * 2
+    rows = ev.build_rows(ALL_POLICIES, [6, 13], len(ids), heavy_ratio=0.4, sinks=2, seed=seed)
+    assert len(rows) == 1 + (len(ALL_POLICIES) - 1) * 2
     results = ev.evaluate_rows(model, ids, rows)
     for result in results:
         row = result.row
-        ref = unbatched_nll(model, ids, row.policy.name, row.slots, seed, heavy_ratio=0.4, sinks=2)
+        ref = unbatched_nll(model, ids, row.policy, row.slots, seed)
         torch.testing.assert_close(result.nll, ref, atol=2e-5, rtol=1e-5,
-                                   msg=f"{row.policy.name} at {row.slots} slots")
+                                   msg=lambda m: f"{row.policy.label} at {row.slots} slots, seed={seed}: {m}")
 
 
 def test_row_batches_split_the_same_way():

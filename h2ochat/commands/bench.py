@@ -25,13 +25,17 @@ def bench(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
+    random_weights: o.RandomWeights = False,
     context: Annotated[str, typer.Option("--context", rich_help_panel=o.CACHE,
         help="Comma-separated context lengths (tokens already seen when decoding starts).")] = "512,1024,2048,4096",
     batch: Annotated[str, typer.Option("--batch", rich_help_panel=o.CACHE,
         help="Comma-separated batch sizes.")] = "1,4",
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
         help="h2o slots: a fraction of each context (0.2) or a slot count (512).")] = "0.2",
-    heavy_ratio: o.HeavyRatio = 0.5,
+    policy: o.Policy = o.DEFAULTS["policy"],
+    heavy_ratio: o.HeavyRatio = None,
+    sinks: o.Sinks = None,
+    decay: o.Decay = None,
     kv_memory: Annotated[str, typer.Option("--kv-memory", rich_help_panel=o.CACHE,
         help="KV memory cap for the largest-batch comparison (2GiB, 512MiB); 0 skips it.")] = "2GiB",
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, rich_help_panel=o.CACHE,
@@ -49,20 +53,22 @@ def bench(
     contexts = bm.parse_ints(context, "--context")
     batches = bm.parse_ints(batch, "--batch")
     cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
+    chosen = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay).resolved_policy()
     for length in contexts:
-        parse_budget(budget, length)  # bad syntax fails before the model loads
+        chosen.split(parse_budget(budget, length))  # bad syntax fails before the model loads
     err = Console(stderr=True)
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
-        loaded = load(model, device, dtype)
+        loaded = load(model, device, dtype, random_weights=random_weights)
     plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
-                        steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch, heavy_ratio=heavy_ratio)
+                        steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch, policy=chosen)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
                   disable=not err.is_terminal) as progress:
         task = progress.add_task("measuring", total=plan.measurements(), last="")
         report = bm.run(loaded.model, plan, on_measured=lambda what: progress.update(task, advance=1, last=what))
     report = {"model": loaded.name, "device": str(loaded.device),
-              "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget, **report}
+              "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget,
+              "policy": chosen.label, **report}
     if as_json:
         print(json.dumps(report, indent=2))
         return

@@ -31,9 +31,15 @@ def eval_command(
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
         help="Comma-separated budgets: slot counts (128) or fractions of --tokens (0.2).")] = ev.DEFAULT_BUDGETS,
     policies: Annotated[str, typer.Option("--policies", rich_help_panel=o.CACHE,
-        help="Comma-separated policies to compare.")] = ",".join(ev.DEFAULT_POLICIES),
-    heavy_ratio: o.HeavyRatio = 0.5,
-    sinks: o.Sinks = 4,
+        help="Comma-separated policies to compare, each a name or name:knob=value:... "
+             "(knobs: decay, heavy_ratio, sinks, value_eps, layer_shape), e.g. full,h2o,decay:decay=0.95.")
+        ] = ",".join(ev.DEFAULT_POLICIES),
+    heavy_ratio: o.HeavyRatio = None,
+    sinks: o.Sinks = None,
+    decay: o.Decay = None,
+    windows: Annotated[int, typer.Option("--windows", min=1, rich_help_panel=o.CACHE,
+        help="Evaluate this many windows of --tokens tokens spread evenly over the text (the first at its start) "
+             "and report the mean and spread of each ratio to the full cache.")] = 1,
     seed: Annotated[int, typer.Option("--seed", rich_help_panel=o.CACHE, help="Seed of the random policy.")] = 0,
     max_rows: Annotated[int, typer.Option("--max-rows", min=1, rich_help_panel=o.CACHE,
         help="(policy, budget) rows run as one batch; more run as further batches.")] = ev.MAX_ROWS,
@@ -50,36 +56,45 @@ def eval_command(
     err = Console(stderr=True)
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
         loaded = load(model, device, dtype)
-    ids = ev.text_tokens(loaded.tokenizer, content, tokens)
-    budgets = ev.parse_budgets(budget, len(ids))
-    ev.check_inputs(len(ids), budgets, max_positions(loaded.model.config))
-    rows = ev.build_rows(names, budgets, len(ids), heavy_ratio=heavy_ratio, sinks=sinks, seed=seed)
+    stretches = ev.text_windows(loaded.tokenizer, content, tokens, windows)
+    count = len(stretches[0])
+    budgets = ev.parse_budgets(budget, count)
+    ev.check_inputs(count, budgets, max_positions(loaded.model.config))
+    rows = [row for window in range(windows)
+            for row in ev.build_rows(names, budgets, count, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
+                                     seed=seed, window=window)]
 
     speed = ev.Speed()
     batches = -(-len(rows) // max_rows)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err, transient=True,
                   disable=not err.is_terminal) as progress:
-        task = progress.add_task(f"{len(rows)} rows x {len(ids)} tokens", total=batches * (len(ids) - 1), rate="")
+        task = progress.add_task(f"{len(rows)} rows x {count} tokens", total=batches * (count - 1), rate="")
 
         def advance(n: int) -> None:
             done = progress.tasks[0].completed + n
             elapsed = progress.tasks[0].elapsed or 0
             progress.update(task, advance=n, rate=f"{done / elapsed:.1f} tok/s" if elapsed else "")
 
-        results = ev.evaluate_rows(loaded.model, ids, rows, max_rows=max_rows, on_step=advance, speed=speed)
-    records = ev.records(results, budgets)
+        results = ev.evaluate_rows(loaded.model, stretches, rows, max_rows=max_rows, on_step=advance, speed=speed)
+    per_window = [ev.records([r for r in results if r.row.window == window], budgets) for window in range(windows)]
+    summary = ev.summarize_windows(per_window)
+    records = per_window[0]
     report = {
         "model": loaded.name,
         "text": Path(text).name,
-        "tokens": len(ids),
+        "tokens": count,
         "budgets": budgets,
         "heavy_ratio": heavy_ratio,
         "sinks": sinks,
+        "decay": decay,
+        "windows": windows,
         "seed": seed,
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "device": str(loaded.device),
-        "results": records,
+        "results": records,  # the first window
+        "window_results": per_window if windows > 1 else None,
+        "summary": summary,
         "speed": {
             "rows": len(rows),
             "batches": batches,
@@ -89,39 +104,45 @@ def eval_command(
             "predictions_per_s": round(speed.row_tokens_per_s, 2),
         },
     }
+    over = f"{count} tokens of {Path(text).name}" + (f", mean of {windows} windows" if windows > 1 else "")
     if plot is not None:
         from ..plotting import perplexity_plot
 
-        perplexity_plot(records, plot, title=f"{loaded.name} on {Path(text).name}, {len(ids)} tokens")
+        perplexity_plot(summary, plot, title=f"{loaded.name} on {over}")
     if as_json:
         print(json.dumps(report, indent=2))
         return
     out = Console()
-    out.print(_table(records, budgets, "perplexity", f"Perplexity over {len(ids)} tokens of {Path(text).name} "
-                     f"({loaded.name}); ratio to full"))
-    out.print(_table(records, budgets, "perplexity_after_fill",
-                     "Perplexity of the predictions made after the first eviction; ratio to full over the same ones"))
+    spread = " (lowest-highest over the windows)" if windows > 1 else ""
+    out.print(_table(summary, budgets, "perplexity", f"Perplexity over {over} ({loaded.name}); ratio to full{spread}"))
+    out.print(_table(summary, budgets, "perplexity_after_fill",
+                     f"Perplexity of the predictions made after the first eviction; ratio to full over the same ones{spread}"))
     out.print(f"{len(rows)} rows in {batches} batch(es): {speed.steps} forwards in {speed.seconds:.0f} s "
               f"({speed.steps_per_s:.1f} forwards/s, {speed.row_tokens_per_s:.1f} predictions/s)"
               + (f"; plot written to {plot}" if plot else ""))
 
 
-def _table(records: list[dict], budgets: list[int], field: str, title: str) -> Table:
+def _table(summary: list[dict], budgets: list[int], field: str, title: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("policy")
     for slots in budgets:
         table.add_column(f"{slots} slots", justify="right")
-    cells = {(r["policy"], r["budget_slots"]): r[field] for r in records}
-    for policy in dict.fromkeys(r["policy"] for r in records):
+    cells = {(r["policy"], r["budget_slots"]): r for r in summary}
+    for policy in dict.fromkeys(r["policy"] for r in summary):
         row = [policy]
         for slots in budgets:
-            value, full = cells.get((policy, slots)), cells.get(("full", slots))
-            if value is None:
+            entry = cells.get((policy, slots))
+            if entry is None or entry[field] is None:
                 row.append("-")
-            elif full:
-                row.append(f"{value:.2f} ({value / full:.2f}x)")
-            else:
-                row.append(f"{value:.2f}")
+                continue
+            text = f"{entry[field]:.2f}"
+            ratio = entry.get(f"{field}_ratio")
+            if ratio is not None and policy != "full":
+                text += f" ({ratio:.2f}x"
+                if entry["windows"] > 1:
+                    text += f" {entry[f'{field}_ratio_min']:.2f}-{entry[f'{field}_ratio_max']:.2f}"
+                text += ")"
+            row.append(text)
         table.add_row(*row)
     return table
 
