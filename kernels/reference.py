@@ -67,7 +67,10 @@ def attend_with_scores(
         rows_w = weights.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len).reshape(batch, 1, group * q_len, 1)
         cache_probs, new_probs = cache_probs * rows_w, new_probs * rows_w
     if not _is_one(decay):
-        scores *= old_score_factor(new_valid, batch, q_len, decay, query.device).view(batch, 1, 1)
+        if new_valid is None and not isinstance(decay, torch.Tensor):
+            scores *= float(decay) ** q_len  # one op: every row decays alike
+        else:
+            scores *= old_score_factor(new_valid, batch, q_len, decay, query.device).view(batch, 1, 1)
     scores += cache_probs.sum(dim=2)
     new_scores = new_probs.sum(dim=2)
     return out.view(batch, kv_heads, group, q_len, head_dim).to(query.dtype), new_scores
@@ -86,8 +89,8 @@ def _decay_per_row(decay, batch: int, device) -> torch.Tensor:
 def row_weights(new_valid: torch.Tensor | None, batch: int, q_len: int, decay, device) -> torch.Tensor | None:
     """[B, Q] float32 weight of each query row's probabilities in the scores: 0 for padding rows,
     decay ** (real rows after it) for real ones. None when every weight is 1."""
-    if _is_one(decay) and new_valid is None:
-        return None
+    if new_valid is None and (q_len == 1 or _is_one(decay)):
+        return None  # a single real row always weighs 1: decode steps skip the weighting
     real = torch.ones(batch, q_len, dtype=torch.bool, device=device) if new_valid is None else new_valid
     if _is_one(decay):
         return real.float()
