@@ -1,12 +1,16 @@
 """Finding and loading a model: aliases, the Hugging Face hub, local directories and GGUF files.
 
 ``resolve`` turns what the user typed into a ``ModelSource`` without loading anything;
-``check_memory`` refuses a model that will not fit before a byte of it is loaded; ``load`` builds
-the model with the ``h2o`` attention implementation and its tokenizer.
+``check_memory`` refuses a model that will not fit (weights, plus the KV cache when the caller says
+how many slots and sequences it will hold) before a byte of it is loaded; ``load`` builds the model
+with the ``h2o`` attention implementation and its tokenizer. ``load(..., random_weights=True)``
+builds an alias from the configuration shipped in ``model_configs/`` with random weights, straight
+on the target device: decode cost does not depend on the values, so speed can be measured offline.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -14,6 +18,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -31,7 +36,7 @@ class Alias:
 
 ALIASES: dict[str, Alias] = {
     **{f"opt-{s}": Alias(f"facebook/opt-{s}", "opt", p) for s, p in
-       [("125m", 0.125), ("350m", 0.35), ("1.3b", 1.3), ("2.7b", 2.7), ("6.7b", 6.7), ("13b", 13), ("30b", 30), ("66b", 66)]},
+       [("125m", 0.125), ("350m", 0.331), ("1.3b", 1.3), ("2.7b", 2.7), ("6.7b", 6.7), ("13b", 13), ("30b", 30), ("66b", 66)]},
     **{f"pythia-{s}": Alias(f"EleutherAI/pythia-{s}", "gpt-neox", p) for s, p in
        [("70m", 0.07), ("160m", 0.16), ("410m", 0.41), ("1b", 1.0), ("1.4b", 1.4), ("2.8b", 2.8), ("6.9b", 6.9), ("12b", 12)]},
     "gpt-neox-20b": Alias("EleutherAI/gpt-neox-20b", "gpt-neox", 20),
@@ -46,6 +51,9 @@ ALIASES: dict[str, Alias] = {
     "smollm2-1.7b": Alias("HuggingFaceTB/SmolLM2-1.7B-Instruct", "llama", 1.7),
 }
 
+# architecture configurations of the aliases (published config.json, the fields that shape the model)
+CONFIG_DIR = Path(__file__).with_name("model_configs")
+
 # GGUF architectures transformers can load that are attention-compatible with the h2o path
 SUPPORTED_GGUF_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -57,8 +65,8 @@ class ModelError(ValueError):
 @dataclass(frozen=True)
 class ModelSource:
     name: str  # what the user asked for
-    kind: str  # "hub" | "dir" | "gguf"
-    location: str  # hub repo id, directory, or .gguf file path
+    kind: str  # "hub" | "dir" | "gguf" | "random" (built from a configuration, random weights)
+    location: str  # hub repo id, directory, .gguf file path, or configuration file
     family: str | None = None
 
 
@@ -97,6 +105,98 @@ def resolve(name: str) -> ModelSource:
         return ModelSource(name, "hub", name)
     raise ModelError(f"unknown model {name!r}: use an alias (see `h2ochat models`), a hub id like org/name, "
                      "a local directory or a .gguf file")
+
+
+# -- shipped configurations and random weights ---------------------------------------------------
+
+def shipped_config_path(alias: str) -> Path | None:
+    """The configuration file shipped for ``alias`` (None for other names, or an alias without one)."""
+    alias = alias.strip().lower()
+    path = CONFIG_DIR / f"{alias}.json"
+    return path if alias in ALIASES and path.is_file() else None
+
+
+def config_from_fields(fields: dict):
+    """A transformers configuration from config.json-style fields (``model_type`` picks the class)."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    model_type = fields.pop("model_type", None)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelError(f"cannot build a configuration of model type {model_type!r}: {exc}") from None
+
+
+def shipped_config(alias: str):
+    """The transformers configuration shipped for ``alias``, None when there is none."""
+    path = shipped_config_path(alias)
+    return None if path is None else config_from_fields(json.loads(path.read_text()))
+
+
+def random_source(name: str):
+    """(source, configuration) of ``--random-weights``: an alias with a shipped configuration, or a
+    local directory with a config.json. Anything else would need the hub, which this mode avoids."""
+    from transformers import AutoConfig
+
+    path = Path(name.strip()).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            return ModelSource(name, "random", str(path / "config.json")), AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"cannot read {path / 'config.json'}: {str(exc).splitlines()[0]}") from None
+    shipped = shipped_config_path(name)
+    if shipped is None:
+        raise ModelError(f"--random-weights builds an alias whose configuration ships with h2ochat (see `h2ochat "
+                         f"models`) or a local directory with a config.json; {name.strip()!r} is neither")
+    return ModelSource(name, "random", str(shipped), ALIASES[name.strip().lower()].family), shipped_config(name)
+
+
+def config_parameters(config) -> int:
+    """Parameters of the model ``config`` describes, counted on the meta device (nothing allocated;
+    tied embeddings counted once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))  # from_config writes onto the config
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_random(config, dtype: torch.dtype, device: str | torch.device):
+    """The model ``config`` describes with random weights, allocated on ``device`` in ``dtype`` as it is
+    built: built on the CPU in fp32 and then moved, a 6.7B model would take 27 GB of host memory and
+    minutes; this way it takes seconds on a GPU."""
+    from transformers import AutoModelForCausalLM
+
+    attention.register()
+    with torch.device(device):  # default device of every tensor created inside; from_config sets the dtype
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention.NAME, dtype=dtype)
+    return model.eval()
+
+
+class ByteTokenizer:
+    """The tokenizer of a random-weights model, which has none: token ids 0-255 are UTF-8 bytes (every
+    vocabulary here is larger). It exists so `generate --random-weights` runs, and times, the real
+    generation loop; the text is as much noise as the model. Ids above 255 and control characters
+    decode to nothing. No end-of-text token: generation runs the full --max-new-tokens."""
+
+    chat_template = None
+    eos_token = eos_token_id = pad_token = pad_token_id = bos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}  # no named (special) tokens
+
+    def __call__(self, text: str, return_tensors: str = "pt"):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=torch.tensor([self.encode(text)], dtype=torch.long))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        text = bytes(i for i in map(int, ids) if 0 <= i < 256).decode("utf-8", errors="replace")
+        return "".join(c for c in text if c.isprintable() or c in "\n\t")
 
 
 # -- sizes and memory --------------------------------------------------------------------------
@@ -157,14 +257,35 @@ def available_memory(device: str) -> int:
     return gpus + cpu if device == "auto" else torch.cuda.mem_get_info()[0]
 
 
-def check_memory(params: int | None, dtype: torch.dtype, device: str, name: str) -> None:
-    if params is None:
+def kv_bytes(config, slots: int, batch: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values in a cache of ``slots`` per layer and KV head for ``batch`` sequences:
+    layers x KV heads x head_dim x slots x batch x 2 (K and V) x bytes per element, what
+    ``H2OCache.kv_bytes()`` reports once allocated (its per-slot score and indices come on top:
+    20 bytes against 512 for K and V at head_dim 128 in fp16)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * heads * head_dim * 2 * slots * batch * (torch.finfo(dtype).bits // 8)
+
+
+def check_memory(params: int | None, dtype: torch.dtype, device: str, name: str, *, config=None,
+                 kv_slots: int | None = None, kv_batch: int = 1) -> None:
+    """Refuse in one line a model whose weights (``params``, None = unknown) plus, when ``config`` and
+    ``kv_slots`` are given, the KV cache of ``kv_slots`` slots for ``kv_batch`` sequences would not fit
+    in 90% of the memory free on ``device``."""
+    per_param = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
+    weights = (params or 0) * per_param
+    kv = kv_bytes(config, kv_slots, kv_batch, dtype) if config is not None and kv_slots else 0
+    if params is None and not kv:
         return
-    need = params * torch.finfo(dtype).bits // 8 if dtype.is_floating_point else params
     free = available_memory(device)
-    if need > 0.9 * free:
-        raise ModelError(f"{name} needs about {need / 2**30:.1f} GiB for its weights in {str(dtype).removeprefix('torch.')} "
-                         f"but only {free / 2**30:.1f} GiB is free on {device}; try a smaller model or --dtype float16")
+    if weights + kv <= 0.9 * free:
+        return
+    parts = [f"about {weights / 2**30:.1f} GiB for its weights in {str(dtype).removeprefix('torch.')}"] if params else []
+    if kv:
+        parts.append(f"{kv / 2**30:.1f} GiB for its KV cache ({kv_slots} slots x batch {kv_batch})")
+    hint = "a smaller --budget or batch, " if kv else ""
+    raise ModelError(f"{name} needs {' + '.join(parts)} but only {free / 2**30:.1f} GiB is free on {device}; "
+                     f"try {hint}a smaller model or --dtype float16")
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -208,27 +329,45 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
     return choices[dtype]
 
 
-def hub_parameter_count(repo: str) -> int | None:
-    """Parameters the hub reports for ``repo`` before anything is downloaded (None when offline or
-    not reported), so a model too large for memory is refused before a long download."""
+def hub_info(repo: str):
+    """The hub's metadata for ``repo`` (its file list, the safetensors parameter count), fetched once
+    before downloading; None when offline or unreachable."""
     from huggingface_hub import HfApi
     from huggingface_hub.constants import is_offline_mode
 
     if is_offline_mode():
         return None
     try:
-        info = HfApi().model_info(repo, timeout=10)
+        return HfApi().model_info(repo, timeout=10)
     except Exception:  # unreachable hub, private repo...: the download step reports those
         return None
-    return int(info.safetensors.total) if info.safetensors else None
 
 
-def _download(repo: str) -> Path:
+def hub_parameter_count(repo: str, info=None) -> int | None:
+    """Parameters the hub reports for ``repo`` before anything is downloaded (None when offline or
+    not reported), so a model too large for memory is refused before a long download."""
+    info = info if info is not None else hub_info(repo)
+    return int(info.safetensors.total) if info is not None and getattr(info, "safetensors", None) else None
+
+
+def weight_patterns(info) -> list[str]:
+    """Which weight files to download: the safetensors when the repository has them, else its pickled
+    *.bin files (older repositories have only those). Without the file list (offline) both, so
+    whichever the local cache holds is found."""
+    names = [s.rfilename for s in (getattr(info, "siblings", None) or [])]
+    if not names:
+        return ["*.safetensors", "*.bin"]
+    if any(n.endswith(".safetensors") for n in names) or not any(n.endswith(".bin") for n in names):
+        return ["*.safetensors"]
+    return ["*.bin"]
+
+
+def _download(repo: str, info=None) -> Path:
     """The hub snapshot of ``repo`` (weights, config, tokenizer), with progress bars; uses the cache."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    patterns = ["*.json", *weight_patterns(info), "tokenizer*", "*.model", "*.txt", "*.jinja"]  # chat_template.jinja
     try:
         return Path(snapshot_download(repo, allow_patterns=patterns))
     except LocalEntryNotFoundError:
@@ -271,11 +410,59 @@ def _keep_converted(model, tokenizer, target: Path) -> None:
             model.config.quantization_config = quant_config
 
 
-def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str | None = None) -> LoadedModel:
-    """Load ``name`` with the h2o attention implementation, ready for an ``H2OCache``."""
+# slots per layer and KV head, or a function of the model configuration returning them
+KVSlots = int | Callable[[object], int] | None
+
+
+def _slots_for(kv_slots, config) -> int | None:
+    """``kv_slots`` as a number: a callable gets the model's configuration (a budget that is a
+    fraction of the context window needs it)."""
+    if kv_slots is None or config is None:
+        return None
+    return int(kv_slots(config)) if callable(kv_slots) else int(kv_slots)
+
+
+def _local_config(source: ModelSource, folder: Path):
+    """The configuration of a downloaded snapshot, directory or GGUF file, read for the KV memory
+    check; None when unreadable (loading the model reports why)."""
+    from transformers import AutoConfig
+
+    try:
+        if source.kind == "gguf":
+            return AutoConfig.from_pretrained(str(folder.parent), gguf_file=folder.name)
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception:
+        return None
+
+
+def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | None, kv_slots: KVSlots,
+                 kv_batch: int) -> LoadedModel:
+    if device_map:
+        raise ModelError("--random-weights builds the model on one device: drop --device-map")
+    source, config = random_source(name)
+    params = config_parameters(config)
+    check_memory(params, dtype, device, source.name, config=config, kv_slots=_slots_for(kv_slots, config),
+                 kv_batch=kv_batch)
+    model = build_random(config, dtype, device)
+    if model.generation_config is not None:  # the real vocabulary's end token is a plain byte here
+        model.generation_config.eos_token_id = None
+    return LoadedModel(model, ByteTokenizer(), source, params, torch.device(device), dtype)
+
+
+def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str | None = None, *,
+         random_weights: bool = False, kv_slots: KVSlots = None, kv_batch: int = 1) -> LoadedModel:
+    """Load ``name`` with the h2o attention implementation, ready for an ``H2OCache``.
+
+    ``random_weights``: build it from its shipped configuration (or a directory's config.json) with
+    random weights and a byte-level tokenizer, no download. ``kv_slots`` (slots per layer and KV head,
+    or a function of the model's configuration returning them) and ``kv_batch`` (sequences) add the
+    KV cache the caller will allocate to the memory check made before loading."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     attention.register()
+    if random_weights:
+        device = pick_device(device)
+        return _load_random(name, device, pick_dtype(dtype, device), device_map, kv_slots, kv_batch)
     source = resolve(name)
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
@@ -284,12 +471,20 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
         raise ModelError(f"GGUF architecture {source.family!r} is not supported "
                          f"(supported: {', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))})")
     if source.kind == "hub":
-        check_memory(hub_parameter_count(source.location), torch_dtype, memory_device, source.name)
-        folder = _download(source.location)
+        info = hub_info(source.location)
+        params = hub_parameter_count(source.location, info)
+        shipped = shipped_config(source.name) if kv_slots is not None or params is None else None
+        if params is None and shipped is not None:  # the hub reports no count for *.bin-only repositories
+            params = config_parameters(shipped)
+        check_memory(params, torch_dtype, memory_device, source.name, config=shipped,
+                     kv_slots=_slots_for(kv_slots, shipped), kv_batch=kv_batch)
+        folder = _download(source.location, info)
     else:
         folder = Path(source.location)
     params = parameter_count(source, folder)
-    check_memory(params, torch_dtype, memory_device, source.name)
+    config = _local_config(source, folder) if kv_slots is not None else None
+    check_memory(params, torch_dtype, memory_device, source.name, config=config,
+                 kv_slots=_slots_for(kv_slots, config), kv_batch=kv_batch)
 
     kwargs = {"dtype": torch_dtype, "attn_implementation": attention.NAME}
     tokenizer_kwargs = {}

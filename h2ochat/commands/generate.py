@@ -28,6 +28,7 @@ def generate(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
+    random_weights: o.RandomWeights = False,
     device_map: o.DeviceMap = None,
     budget: o.Budget = "0.2",
     policy: o.Policy = "h2o",
@@ -47,7 +48,7 @@ def generate(
     text = read_prompt(prompt, prompt_file)
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
-    loaded = load(model, device, dtype, device_map)
+    loaded = load(model, device, dtype, device_map, random_weights=random_weights)
     tokenizer = loaded.tokenizer
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
     cache = settings.build(loaded.model)
