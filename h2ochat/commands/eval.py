@@ -71,10 +71,17 @@ def eval_command(
                   disable=not err.is_terminal) as progress:
         task = progress.add_task(f"{len(rows)} rows x {count} tokens", total=batches * (count - 1), rate="")
 
+        total_steps = batches * (count - 1)
+        last_tenth = [0]
+
         def advance(n: int) -> None:
             done = progress.tasks[0].completed + n
             elapsed = progress.tasks[0].elapsed or 0
             progress.update(task, advance=n, rate=f"{done / elapsed:.1f} tok/s" if elapsed else "")
+            tenth = 10 * done // total_steps
+            if not err.is_terminal and tenth > last_tenth[0]:  # a log file still sees the run move
+                last_tenth[0] = tenth
+                err.print(f"eval: {done}/{total_steps} steps, {elapsed:.0f} s")
 
         results = ev.evaluate_rows(loaded.model, stretches, rows, max_rows=max_rows, on_step=advance, speed=speed)
     per_window = [ev.records([r for r in results if r.row.window == window], budgets) for window in range(windows)]
