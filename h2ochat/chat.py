@@ -34,6 +34,7 @@ _SETTABLE: dict[str, tuple[Callable[[str], object], tuple[str, ...]]] = {
     "top_p": (float, ("top-p", "topp")),
     "top_k": (int, ("top-k", "topk")),
     "repetition_penalty": (float, ("repetition-penalty", "repeat_penalty", "repeat-penalty")),
+    "repeat_last_n": (int, ("repeat-last-n", "last_n", "last-n")),
     "seed": (lambda v: None if v.lower() in ("none", "off", "random") else int(v), ()),
     "max_new_tokens": (int, ("max-new-tokens", "max_tokens", "max-tokens", "num_predict")),
     "system": (str, ("system_prompt",)),
@@ -51,11 +52,13 @@ class ChatSettings:
     top_k: int = 0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    repeat_last_n: int = 64  # the penalty looks at this many recent tokens (0 = the whole text)
     max_new_tokens: int = 512
     cache: CacheSettings = field(default_factory=CacheSettings)
 
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty)
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                        repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n)
 
     def validate(self) -> None:
         self.sampling().validate()
@@ -117,7 +120,9 @@ def evicted_per_head(cache: H2OCache) -> float:
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
-    """Ids that end an assistant turn: eos, the generation config's eos list, end-of-turn markers."""
+    """Ids that end a reply: eos, the generation config's eos list, end-of-turn markers. The one stopping
+    rule of every command (run, generate, story --stop-at-eos), so a model that closes its turn with
+    <|im_end|> stops everywhere, not only in the chat."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
@@ -159,6 +164,7 @@ class Conversation:
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.messages: list[dict] = []
         self.stop_requested = False  # set (by a Ctrl-C handler) to end the reply after this token
+        self.hangup: int | None = None  # the signal (SIGHUP, SIGTERM) that ended the session mid-reply
         self.current: Timing | None = None  # the turn being generated, for live statistics
         self._hard_stop = False  # Ctrl-C twice: the last forward may have been cut half-way
         self.warned: set[str] = set()  # eviction notices already given (once per conversation)
@@ -357,7 +363,9 @@ class Conversation:
 @contextmanager
 def ctrl_c_stops(conversation: Conversation):
     """While active, a first Ctrl-C ends the reply cleanly after the current token (the cache stays
-    consistent); a second one interrupts at once (the cache is then rebuilt next turn)."""
+    consistent); a second one interrupts at once (the cache is then rebuilt next turn). A closed
+    terminal (SIGHUP) or SIGTERM also ends the reply after the current token and is recorded in
+    ``conversation.hangup``, so the partial reply is kept before the session leaves."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -368,8 +376,14 @@ def ctrl_c_stops(conversation: Conversation):
             raise KeyboardInterrupt
         conversation.stop_requested = True
 
-    previous = signal.signal(signal.SIGINT, handler)
+    def hangup(signum, frame):
+        conversation.hangup = signum
+        conversation.stop_requested = True
+
+    watched = [signal.SIGINT] + [getattr(signal, name) for name in ("SIGHUP", "SIGTERM") if hasattr(signal, name)]
+    previous = {number: signal.signal(number, handler if number == signal.SIGINT else hangup) for number in watched}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, action in previous.items():
+            signal.signal(number, action)

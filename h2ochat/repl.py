@@ -6,8 +6,7 @@ a bottom toolbar with the cache state), piped standard input, and tests (prompt-
 
 from __future__ import annotations
 
-import json
-import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -19,19 +18,19 @@ from .budget import parse_budget
 from .cache import PositionLimitError
 from .chat import Conversation, ctrl_c_stops
 from .errors import one_line
+from .history import ConversationLog, home, read_conversation, write_atomic
 from .policies import POLICIES, get_policy
 
 MULTILINE = '"""'
 EXIT_COMMANDS = ("/bye", "/exit", "/quit")
 
 
+SNAPSHOT_S = 2.0  # while a reply streams, the partial reply is written to the conversation file this often
+
+
 def history_path() -> Path:
-    """Where up-arrow history persists: $H2OCHAT_HOME, else $XDG_DATA_HOME/h2ochat, else ~/.local/share/h2ochat."""
-    home = os.environ.get("H2OCHAT_HOME")
-    if home:
-        return Path(home) / "history"
-    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(data) / "h2ochat" / "history"
+    """Where up-arrow history persists: in the h2ochat home (see history.home), beside the conversations."""
+    return home() / "history"
 
 
 class PromptReader:
@@ -80,15 +79,16 @@ class StreamReader:
 HELP = [
     ("/help", "this list"),
     ("/clear", "new conversation, fresh cache"),
-    ("/set NAME VALUE", "temperature, top_p, top_k, seed, repetition_penalty, max_new_tokens, heavy_ratio, system"),
+    ("/set NAME VALUE", "temperature, top_p, top_k, seed, repetition_penalty, repeat_last_n, max_new_tokens, "
+                        "heavy_ratio, system"),
     ("/set", "show the current settings"),
     ("/budget B", "KV slots per layer: 0.1 (share of the context) or 256 (slots); re-feeds the conversation"),
     ("/policy P", f"eviction policy ({', '.join(POLICIES)}); re-feeds the conversation"),
     ("/cache", "per-layer cache table: slots, heavy/recent, evictions, score mass"),
     ("/hh", "the transcript with cached tokens highlighted (heavy hitters bold, evicted dimmed)"),
     ("/stats", "totals for this session"),
-    ("/save FILE", "write the conversation and settings as JSON"),
-    ("/load FILE", "read a conversation saved with /save (re-feeds it)"),
+    ("/save FILE", "write the conversation and settings as JSON (it is also kept by itself: `h2ochat history`)"),
+    ("/load FILE", "read a conversation saved with /save (re-feeds it); kept as a new conversation"),
     ("/bye, /exit, Ctrl-D", "leave"),
     ('"""', 'start a multi-line message; end it with """ (or press Esc then Enter for a new line)'),
 ]
@@ -96,9 +96,10 @@ HELP = [
 
 class Repl:
     def __init__(self, conversation: Conversation, console: Console, read_line: Callable[[str], str],
-                 model_name: str = "model"):
+                 model_name: str = "model", log: ConversationLog | None = None):
         self.conv, self.console, self.read_line = conversation, console, read_line
         self.model_name = model_name
+        self.log = log  # where the conversation is kept after every turn (None: not kept)
         self.turns = 0
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.commands: dict[str, Callable[[str], None]] = {
@@ -135,6 +136,8 @@ class Repl:
             if line.strip().lower() in EXIT_COMMANDS:
                 return 0
             self.handle(line)
+            if self.conv.hangup:  # the terminal went away mid-reply: the turn is kept, leave
+                return 128 + self.conv.hangup
 
     def read_message(self) -> str:
         line = self.read_line(">>> ")
@@ -168,11 +171,43 @@ class Repl:
         except Exception as exc:  # e.g. out of GPU memory: report it and keep the session
             self.say(f"error: {type(exc).__name__}: {one_line(exc)}", style="red")
 
+    def keep(self, partial: str | None = None) -> None:
+        """Write the conversation to its file (with ``partial``, the reply so far, while it streams).
+        A failure to write is said once and the session goes on."""
+        if self.log is None:
+            return
+        data = self.conv.to_json()
+        if partial is not None:
+            data["messages"].append({"role": "assistant", "content": partial, "interrupted": True})
+        try:
+            notice = self.log.save(data)
+        except OSError as exc:
+            self.say(f"warning: cannot keep the conversation ({one_line(exc)}); /save FILE still works", style="yellow")
+            self.log = None
+            return
+        if notice:
+            self.say(f"note: {notice}", style="yellow")
+
     def reply(self, text: str) -> None:
         conv = self.conv
-        with ui.ReplyPrinter(self.console, lambda: ui.status_line(conv.cache, conv.current, live=True)) as printer:
-            with ctrl_c_stops(conv):
-                result = conv.send(text, on_piece=printer.write)
+        partial: list[str] = []
+        saved_at = time.monotonic()
+
+        def show(piece: str) -> None:
+            nonlocal saved_at
+            printer.write(piece)
+            partial.append(piece)
+            if self.log is not None and time.monotonic() - saved_at >= SNAPSHOT_S:
+                # a terminal that dies mid-reply loses at most the last couple of seconds
+                self.keep(partial="".join(partial))
+                saved_at = time.monotonic()
+
+        try:
+            with ui.ReplyPrinter(self.console, lambda: ui.status_line(conv.cache, conv.current, live=True)) as printer:
+                with ctrl_c_stops(conv):
+                    result = conv.send(text, on_piece=show)
+        finally:
+            self.keep()  # the finished or interrupted turn; after a failed one, the state before it
         self.turns += 1
         for key in self.totals:
             self.totals[key] += getattr(result.timing, key)
@@ -190,6 +225,8 @@ class Repl:
 
     def cmd_clear(self, _: str) -> None:
         self.conv.clear()
+        if self.log is not None:
+            self.log.start_new()  # the old conversation stays in the history
         self.say("new conversation, fresh cache")
 
     def cmd_set(self, argument: str) -> None:
@@ -213,6 +250,7 @@ class Repl:
             self.refeed(f"heavy ratio {shown}")
         elif canonical == "system" and self.conv.messages:
             self.say("the conversation will be read again with it at the next turn")
+        self.keep()
 
     def cmd_budget(self, argument: str) -> None:
         if not argument:
@@ -223,6 +261,7 @@ class Repl:
         parse_budget(argument, self.conv.max_positions)
         self.conv.settings.cache.budget = argument
         self.refeed(f"budget {argument}")
+        self.keep()
 
     def cmd_policy(self, argument: str) -> None:
         if not argument:
@@ -231,6 +270,7 @@ class Repl:
         get_policy(argument)
         self.conv.settings.cache.policy = argument
         self.refeed(f"policy {argument}")
+        self.keep()
 
     def refeed(self, what: str) -> None:
         tokens = self.conv.rebuild()
@@ -262,16 +302,15 @@ class Repl:
         if not argument:
             raise ValueError("usage: /save FILE")
         path = Path(argument).expanduser()
-        path.write_text(json.dumps(self.conv.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_atomic(path, self.conv.to_json())
         self.say(f"saved {len(self.conv.messages)} messages and the settings to {path}")
 
     def cmd_load(self, argument: str) -> None:
         if not argument:
             raise ValueError("usage: /load FILE")
         path = Path(argument).expanduser()
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
-        tokens = self.conv.load_json(data)
+        tokens = self.conv.load_json(read_conversation(path))
+        if self.log is not None:
+            self.log.start_new()  # the conversation before /load stays as it was
+        self.keep()
         self.say(f"loaded {len(self.conv.messages)} messages from {path}; re-fed {tokens} tokens")

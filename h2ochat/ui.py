@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -178,7 +179,8 @@ class ReplyPrinter:
         return self
 
     def _render(self):
-        return Group(Text(self.partial), Text(self.status(), style="dim"))
+        status = self.status()  # a status line, or any Rich renderable (a progress bar)
+        return Group(Text(self.partial), Text(status, style="dim") if isinstance(status, str) else status)
 
     def write(self, piece: str) -> None:
         if self.live is None:
@@ -214,3 +216,56 @@ class ReplyPrinter:
         else:
             self.console.file.write("\n")
             self.console.file.flush()
+
+
+# -- progress of a long run ----------------------------------------------------------------------
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+class _Rate(ProgressColumn):
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:.1f} tok/s" if task.speed else "… tok/s", style="cyan")
+
+
+class TokenProgress:
+    """Tokens so far of the total, the rate and the time left, as a Rich progress bar: on a terminal
+    only (a pipe or a file gets nothing, the caller prints a summary line at the end).
+
+    ``embedded``: another live display (the ReplyPrinter under a streamed story) draws the bar
+    through ``renderable``; otherwise the bar runs its own live display on ``console``.
+    """
+
+    def __init__(self, console: Console, embedded: bool = False):
+        self.enabled = console.is_terminal and not console.is_dumb_terminal
+        self.embedded = embedded
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("tok"), _Rate(), TimeRemainingColumn(compact=True), console=console,
+                                 transient=True, auto_refresh=not embedded, refresh_per_second=4)
+        self.task = None
+
+    def phase(self, description: str, total: int) -> None:
+        """Start counting a new phase (reading the text, writing the story) from zero."""
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+        self.task = self.progress.add_task(description, total=total)
+
+    def update(self, completed: int) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, completed=completed)
+
+    @property
+    def renderable(self):
+        return self.progress.get_renderable()
+
+    def __enter__(self) -> "TokenProgress":
+        if self.enabled and not self.embedded:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled and not self.embedded:
+            self.progress.stop()

@@ -6,9 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from h2ochat.chat import ChatSettings, Conversation
+from h2ochat.chat import ChatSettings, Conversation, stop_token_ids
 from h2ochat.generation import CacheSettings
 from h2ochat.models import load
+
+from seeds import fresh, seed  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("seed")  # every test prints its seeds (and the model's) if it fails
 
 
 @pytest.fixture(scope="module")
@@ -16,6 +20,7 @@ def long_checkpoint(tmp_path_factory):
     """A tiny random Llama with room for a few turns (512 positions) and a chat template."""
     from checkpoints import write_checkpoint
 
+    fresh("model")
     return write_checkpoint(tmp_path_factory.mktemp("chat-llama"), max_position_embeddings=512)
 
 
@@ -111,6 +116,7 @@ def test_stop_requested_ends_after_the_current_token(loaded):
     ("top_k", "7", "top_k", 7),
     ("seed", "42", "seed", 42),
     ("max_tokens", "33", "max_new_tokens", 33),
+    ("repeat-last-n", "128", "repeat_last_n", 128),
     ("system", "talk like a pirate", "system", "talk like a pirate"),
 ])
 def test_set_changes_the_named_setting(name, value, attribute, expected):
@@ -120,7 +126,8 @@ def test_set_changes_the_named_setting(name, value, attribute, expected):
 
 
 @pytest.mark.parametrize("name, value", [("temperature", "-1"), ("top_p", "0"), ("top_k", "many"),
-                                         ("max_new_tokens", "0"), ("colour", "blue"), ("heavy_ratio", "1.5")])
+                                         ("max_new_tokens", "0"), ("colour", "blue"), ("heavy_ratio", "1.5"),
+                                         ("repeat_last_n", "-5")])
 def test_set_refuses_bad_values_and_keeps_the_old_one(name, value):
     settings = ChatSettings()
     before = settings.to_json()
@@ -210,3 +217,19 @@ def test_a_failed_turn_leaves_no_trace(loaded, monkeypatch):
     monkeypatch.undo()
     conv.send("again")  # starts over from a fresh cache, consistently
     assert_consistent(conv)
+
+
+def test_one_stop_rule_eos_and_end_of_turn_markers(loaded):
+    vocab = loaded.tokenizer.get_vocab()
+    assert stop_token_ids(loaded.tokenizer, loaded.model) == {vocab["</s>"], vocab["<|end|>"]}
+    loaded.model.generation_config.eos_token_id = [vocab["</s>"], 7]  # a config listing more ends
+    try:
+        assert stop_token_ids(loaded.tokenizer, loaded.model) == {vocab["</s>"], vocab["<|end|>"], 7}
+    finally:
+        loaded.model.generation_config.eos_token_id = vocab["</s>"]
+
+
+def test_repeat_last_n_reaches_the_sampler_and_is_kept(loaded):
+    conv = conversation(loaded, repetition_penalty=1.3, repeat_last_n=5)
+    assert conv.settings.sampling().repeat_last_n == 5
+    assert ChatSettings.from_json(conv.settings.to_json()).repeat_last_n == 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -34,8 +35,6 @@ def test_models_lists_aliases_plainly_when_piped():
 
 
 def test_models_json_has_every_alias():
-    import json
-
     from h2ochat.models import ALIASES
 
     rows = json.loads(runner.invoke(app, ["models", "--json"]).output)
@@ -64,3 +63,23 @@ def test_piped_chat_is_plain_text(tiny_checkpoint, tmp_path):
     assert "prompt tok" in done.stdout and "KV cache" in done.stdout
     assert not ANSI.search(done.stdout) and not ANSI.search(done.stderr)
     assert "Traceback" not in done.stderr
+
+
+def test_generate_stops_at_an_end_of_turn_marker_as_run_does(tiny_checkpoint, monkeypatch):
+    """One stop rule for generate, run and story: <|end|> (not the tokenizer's eos) ends generation."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import h2ochat.generation as generation
+
+    end = AutoTokenizer.from_pretrained(str(tiny_checkpoint)).convert_tokens_to_ids("<|end|>")
+    calls = []
+
+    def scripted(logits, sampling, generator=None, seen=None):
+        calls.append(1)
+        return torch.full((logits.shape[0],), end if len(calls) == 4 else 50)
+
+    monkeypatch.setattr(generation, "sample", scripted)
+    result = runner.invoke(app, ["generate", "hi", "--model", str(tiny_checkpoint), "-n", "20", "--raw", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["generated_tokens"] == 4  # three tokens, then the marker

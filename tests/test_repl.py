@@ -12,21 +12,28 @@ from prompt_toolkit.output import DummyOutput
 
 from h2ochat.chat import ChatSettings, Conversation
 from h2ochat.generation import CacheSettings
+from h2ochat.history import ConversationLog
 from h2ochat.models import load
 from h2ochat.repl import PromptReader, Repl, history_path
 from h2ochat.ui import make_console
 
+from seeds import fresh, seed  # noqa: F401  (fixture)
+
 ANSI = re.compile(r"\x1b\[")
+
+
+pytestmark = pytest.mark.usefixtures("seed")  # every test prints its seeds (and the model's) if it fails
 
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     from checkpoints import write_checkpoint
 
+    fresh("model")
     return load(str(write_checkpoint(tmp_path_factory.mktemp("repl-llama"), max_position_embeddings=256)), device="cpu")
 
 
-def drive(loaded, lines: list[str], history=None, file=None, endless=False, **settings):
+def drive(loaded, lines: list[str], history=None, file=None, endless=False, log=None, **settings):
     """Run a REPL over ``lines`` typed into a prompt-toolkit session; returns (repl, output, code)."""
     settings.setdefault("max_new_tokens", 5)
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, cache=CacheSettings(budget="32"),
@@ -37,17 +44,18 @@ def drive(loaded, lines: list[str], history=None, file=None, endless=False, **se
     with create_pipe_input() as pipe:
         reader = PromptReader(history=history, input=pipe, output=DummyOutput())
         pipe.send_text("".join(line + "\n" for line in lines))
-        repl = Repl(conv, make_console(file=out), reader, model_name="tiny")
+        repl = Repl(conv, make_console(file=out), reader, model_name="tiny", log=log)
         code = repl.run()
     return repl, out.getvalue(), code
 
 
 def test_slash_commands_change_the_settings_they_name(loaded):
     repl, out, code = drive(loaded, ["/set temperature 0.25", "/set top_p 0.8", "/set top_k 4", "/set seed 9",
-                                     "/set max_new_tokens 7", "/set system be kind", "/budget 20", "/policy local",
-                                     "/bye"])
+                                     "/set max_new_tokens 7", "/set system be kind", "/set repeat-last-n 16",
+                                     "/budget 20", "/policy local", "/bye"])
     s = repl.conv.settings
     assert (s.temperature, s.top_p, s.top_k, s.seed, s.max_new_tokens, s.system) == (0.25, 0.8, 4, 9, 7, "be kind")
+    assert s.repeat_last_n == 16 and s.sampling().repeat_last_n == 16
     assert repl.conv.cache.budget.slots == 20 and repl.conv.cache.policy.name == "local"
     assert code == 0
     assert "new cache of 20 slots" in out
@@ -78,15 +86,46 @@ def test_chat_cache_hh_save_clear_load_round_trip(loaded, tmp_path):
     assert not ANSI.search(out)  # not a terminal: plain text
 
 
-def test_hh_marks_evicted_tokens(loaded):
-    # the local policy evicts the oldest tokens from every head: some are surely gone everywhere
-    repl, out, _ = drive(loaded, ["/policy local", "the quick brown fox jumps over the lazy dog and more", "/hh", "/bye"],
-                         max_new_tokens=20, endless=True)
-    conv = repl.conv
+def legend_counts(out: str) -> dict[str, int]:
     legend = out.strip().splitlines()[-1]
-    evicted = int(re.findall(r"evicted: (\d+)", legend)[-1])  # the last entry, not "mostly evicted"
-    share = conv.cache.cached_token_share()
-    assert evicted == int((share == 0).sum()) > 0
+    return {label.strip(): int(count) for label, count in re.findall(r"([a-z /()]+?): (\d+)", legend)}
+
+
+def test_hh_counts_match_a_hand_count_for_the_recent_window_policy(loaded):
+    # the local policy keeps exactly the last 32 tokens in every (layer, head): by hand, the first
+    # seen - 32 tokens are evicted everywhere, the rest (and the pending last token) are recent
+    repl, out, _ = drive(loaded, ["/policy local", "the quick brown fox jumps over the lazy dog and more", "/hh",
+                                  "/bye"], max_new_tokens=20, endless=True)
+    conv = repl.conv
+    seen, pending = len(conv.ids), len(conv.pending)
+    counts = legend_counts(out)
+    assert seen > 32
+    assert counts["evicted"] == seen - 32
+    assert counts["recent window / sinks"] == 32 + pending
+    assert counts["heavy hitter (kept by most heads)"] == 0 and counts["mostly evicted"] == 0
+
+
+def test_hh_counts_match_the_slots_the_cache_holds(loaded):
+    # h2o: a token is evicted when no (layer, KV head) slot holds it, a heavy hitter (outside the
+    # recent window) when at least half of them do; counted here from the slots themselves
+    repl, out, _ = drive(loaded, ["the quick brown fox jumps over the lazy dog and more", "/hh", "/bye"],
+                         max_new_tokens=60, endless=True)
+    conv = repl.conv
+    seen = len(conv.ids)
+    holders = [0] * seen
+    total = 0
+    for layer in conv.cache.layers:
+        for head in layer.token_index[0]:
+            total += 1
+            for token in head.tolist():
+                if token >= 0:
+                    holders[token] += 1
+    recent = conv.cache.budget.recent
+    old = range(0, seen - recent)
+    counts = legend_counts(out)
+    assert counts["evicted"] == sum(holders[t] == 0 for t in range(seen)) > 0
+    assert counts["heavy hitter (kept by most heads)"] == sum(2 * holders[t] >= total for t in old)
+    assert counts["mostly evicted"] == sum(0 < 2 * holders[t] < total for t in old)
 
 
 class InterruptingFile(io.StringIO):
@@ -129,3 +168,74 @@ def test_history_defaults_to_the_xdg_data_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("H2OCHAT_HOME", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert history_path() == tmp_path / "h2ochat" / "history"
+
+
+# -- conversations kept as they go -------------------------------------------------------------------
+class SpyLog(ConversationLog):
+    """A conversation log that also remembers every record it wrote."""
+
+    def __init__(self, folder):
+        super().__init__("tiny", folder)
+        self.writes = []
+
+    def save(self, conversation):
+        notice = super().save(conversation)
+        if conversation.get("messages"):
+            self.writes.append(json.loads(self.path.read_text()))
+        return notice
+
+
+def test_every_turn_and_settings_change_is_kept_atomically(loaded, tmp_path):
+    log = SpyLog(tmp_path)
+    repl, _, _ = drive(loaded, ["hello there", "/set temperature 0.4", "and again", "/bye"], log=log)
+    turns = [len(w["messages"]) for w in log.writes]
+    assert turns[0] == 2 and turns[-1] == 4  # written after the first turn, not only at the end
+    assert log.writes[1]["settings"]["temperature"] == 0.4 and len(log.writes[1]["messages"]) == 2
+    stored = json.loads(log.path.read_text())
+    assert stored["messages"] == repl.conv.messages and stored["settings"] == repl.conv.settings.to_json()
+    assert stored["id"] == log.id and stored["model"] == "tiny"
+    assert [p.name for p in tmp_path.iterdir()] == [f"{log.id}.json"]  # no temporary file left behind
+
+
+def test_a_reply_is_kept_while_it_streams_and_when_interrupted(loaded, tmp_path, monkeypatch):
+    import h2ochat.repl as repl_module
+
+    monkeypatch.setattr(repl_module, "SNAPSHOT_S", 0.0)  # write at every piece
+    log = SpyLog(tmp_path)
+    repl, _, _ = drive(loaded, ["tell me a long story", "/bye"], max_new_tokens=40, file=InterruptingFile(after=6),
+                       endless=True, log=log)
+    snapshots = [w for w in log.writes if w["messages"][-1].get("interrupted")]
+    final = json.loads(log.path.read_text())["messages"]
+    assert final[0]["content"] == "tell me a long story"
+    assert final[1]["interrupted"] is True and final[1]["content"] == repl.conv.messages[1]["content"]
+    partials = [w["messages"][1]["content"] for w in snapshots[:-1]]
+    assert len(partials) >= 3  # written while the reply streamed, before the interruption
+    assert all(len(a) < len(b) and b.startswith(a) for a, b in zip(partials, partials[1:]))
+
+
+def test_clear_and_load_start_new_conversations_and_keep_the_old(loaded, tmp_path):
+    saved = tmp_path / "explicit.json"
+    folder = tmp_path / "kept"
+    log = SpyLog(folder)
+    drive(loaded, ["hello", f"/save {saved}", "/clear", "second conversation", f"/load {saved}", "/bye"], log=log)
+    kept = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
+    firsts = sorted(c["messages"][0]["content"] for c in kept.values())
+    assert firsts == ["hello", "hello", "second conversation"]  # /load made a third, the first is untouched
+    explicit = json.loads(saved.read_text())
+    assert sum(c["messages"] == explicit["messages"] for c in kept.values()) == 2
+
+
+def test_a_conversation_file_spoiled_meanwhile_is_not_written_over(loaded, tmp_path):
+    log = SpyLog(tmp_path)
+    repl, _, _ = drive(loaded, ["hello", "/bye"], log=log)
+    first = log.path
+    first.write_text("{ half a file")
+    repl.log = log
+    typed = iter(["more", "/bye"])
+    repl.read_line = lambda prompt: next(typed)
+    out = io.StringIO()
+    repl.console = make_console(file=out)
+    repl.run()
+    assert first.read_text() == "{ half a file"
+    assert log.path != first and json.loads(log.path.read_text())["messages"][2]["content"] == "more"
+    assert "is not valid JSON" in out.getvalue() and log.id in out.getvalue()

@@ -1,50 +1,207 @@
-"""Long-form generation: past the budget and the position limit, in flat cache memory."""
+"""`h2ochat story`: past the budget and the position limit in flat memory, continuing a story of any
+length, N stories in one batch, the repetition figure, and failing early on a bad --out."""
 
 from __future__ import annotations
 
+import json
 import re
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
 import h2ochat_prompts
 from h2ochat.cli import app
 from h2ochat.commands.story import tell
-from h2ochat.generation import CacheSettings, Sampling
+from h2ochat.generation import CacheSettings, Sampling, TextStream
 from h2ochat.models import load
+from h2ochat.prompting import encode
+
+from seeds import fresh, seed  # noqa: F401  (fixture)
+from test_repetition import distinct_reference
+
+pytestmark = pytest.mark.usefixtures("seed")
+runner = CliRunner()
+SHORT = "once upon a time there was a dragon"  # fits in the repetition window: read by `stream` whole
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
 
 
-def test_story_goes_past_the_position_limit_in_flat_memory(tiny_checkpoint):
-    loaded = load(str(tiny_checkpoint), device="cpu")
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from checkpoints import write_checkpoint
+
+    fresh("model")
+    return write_checkpoint(tmp_path_factory.mktemp("story-llama"))
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load(str(checkpoint), device="cpu")
+
+
+def kv_bytes(slots: int, rows: int = 1) -> int:
+    return LAYERS * KV_HEADS * slots * HEAD_DIM * 2 * 4 * rows  # keys + values, fp32
+
+
+def story(checkpoint, *args, env=None):
+    return runner.invoke(app, ["story", "--model", str(checkpoint), "--budget", "16", *args], env={"NO_COLOR": "1", **(env or {})})
+
+
+def reference_tokens(loaded, text: str, tokens: int, seed: int, **sampling) -> list[int]:
+    """The library's continuation of ``text`` with the story command's default sampling."""
+    from h2ochat.chat import inference_steps
+    from h2ochat.generation import stream
+
+    settings = dict(temperature=0.8, top_p=0.95, seed=seed, repetition_penalty=1.1, repeat_last_n=64)
+    settings.update(sampling)
+    cache = CacheSettings(budget="16").build(loaded.model)
+    ids = encode(loaded.tokenizer, text, chat=False)
+    return [int(s.tokens[0]) for s in inference_steps(stream(loaded.model, cache, ids, max_new_tokens=tokens,
+                                                                      sampling=Sampling(**settings)))]
+
+
+def as_text(tokenizer, ids: list[int]) -> str:
+    """Token ids as the story command writes them: piece by piece (random byte soup decodes differently
+    whole, where a piece holds back an incomplete character)."""
+    pieces = TextStream(tokenizer)
+    return "".join(pieces.push(i) for i in ids)
+
+
+def test_story_goes_past_the_position_limit_in_flat_memory(loaded, seed):
     limit = loaded.model.config.max_position_embeddings
     cache = CacheSettings(budget="16").build(loaded.model)
     opening = loaded.tokenizer(h2ochat_prompts.read("fox", "story"), return_tensors="pt").input_ids[:, :20]
     memory, pieces = [], []
     tokens = 3 * limit
     for piece in tell(loaded.model, loaded.tokenizer, cache, opening, tokens=tokens,
-                      sampling=Sampling(temperature=1.0, seed=int(torch.randint(0, 1000, ())))):
+                      sampling=Sampling(temperature=1.0, seed=seed)):
         pieces.append(piece)
         memory.append(cache.kv_bytes())
     assert len(pieces) == tokens  # no stop ids: it keeps going
     assert cache.tokens_seen() == 20 + tokens - 1 > 2 * limit
     assert cache.compactions >= 2
-    assert len(set(memory)) == 1  # allocated once, never grown
-    assert cache.full_kv_bytes() > 5 * cache.kv_bytes()
+    assert set(memory) == {kv_bytes(16)}  # allocated once, never grown
     assert all(layer.stats().held == 16 for layer in cache.layers)
 
 
-def test_story_command_writes_out_file_and_plain_text(tiny_checkpoint, tmp_path):
+def test_story_file_holds_the_opening_and_the_models_continuation(checkpoint, loaded, tmp_path, seed):
     out = tmp_path / "story.txt"
-    result = CliRunner().invoke(app, ["story", "--model", str(tiny_checkpoint), "--budget", "16", "--tokens", "90",
-                                      "--prompt-file", "lighthouse", "--out", str(out), "--seed", "1"],
-                                env={"NO_COLOR": "1"})
+    result = story(checkpoint, "--prompt", SHORT, "--tokens", "90", "--out", str(out), "--seed", str(seed))
     assert result.exit_code == 0, result.output
-    opening = h2ochat_prompts.read("lighthouse")
-    text = out.read_text()
-    assert text.startswith(opening) and len(text) > len(opening)
-    assert opening in result.stdout
-    assert "positions re-numbered" in result.output
-    assert not re.search(r"\x1b\[", result.output)
+    expected = reference_tokens(loaded, SHORT, 90, seed)
+    continuation = as_text(loaded.tokenizer, expected)
+    assert out.read_bytes().decode() == SHORT + continuation + "\n"
+    assert result.stdout.startswith(SHORT + continuation)
+    summary = result.stderr.strip().splitlines()[-1]
+    prompt_tokens = encode(loaded.tokenizer, SHORT, chat=False).shape[1]
+    assert summary.startswith("90 tokens in ")
+    assert "KV 8.00 KiB for 16 slots" in summary and kv_bytes(16) == 8 * 1024
+    assert f"{prompt_tokens + 90 - 1} tokens seen" in summary
+    first, last = distinct_reference(expected[:90], 4), distinct_reference(expected[-90:], 4)
+    assert f"distinct 4-grams {first:.2f} in the first 90 tokens, {last:.2f} in the last 90" in summary
+    assert not re.search(r"\x1b\[", result.output)  # piped: plain text, no progress bar
+
+
+def test_n_stories_run_as_one_batch_each_with_its_own_stream(checkpoint, loaded, tmp_path, seed):
+    out = tmp_path / "tale.txt"
+    result = story(checkpoint, "--prompt", SHORT, "--tokens", "40", "-n", "3", "--out", str(out), "--seed", str(seed),
+                   "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    texts = []
+    for k in range(1, 4):  # story k draws from seed + k - 1, as a single story with that seed does
+        expected = as_text(loaded.tokenizer, reference_tokens(loaded, SHORT, 40, seed + k - 1))
+        assert (tmp_path / f"tale-{k}.txt").read_bytes().decode() == SHORT + expected + "\n"
+        assert record["stories"][k - 1]["text"] == expected and record["stories"][k - 1]["file"].endswith(f"tale-{k}.txt")
+        texts.append(expected)
+    assert len(set(texts)) == 3
+    assert not out.exists()
+    assert record["generated_tokens"] == 120 and record["kv_bytes"] == kv_bytes(16, rows=3)
+    assert record["decode_tokens_per_s"] > 0
+    assert "3 stories, 120 tokens in" in result.stderr and "(all stories together)" in result.stderr
+
+
+def test_continue_appends_to_a_story_far_longer_than_the_window(checkpoint, loaded, tmp_path, seed):
+    words = "the quick brown fox jumps over the lazy dog once upon a time there was a dragon".split()
+    text = " ".join(words[int(i)] for i in torch.randint(0, len(words), (400,)))  # ~10x the 64 positions
+    path = tmp_path / "long.txt"
+    path.write_text(text + "\n\n")
+    result = story(checkpoint, "--continue", str(path), "--tokens", "12", "--seed", str(seed), "--json",
+                   "--prefill-chunk", "40")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    written = path.read_bytes().decode()
+    assert written == text + record["stories"][0]["text"] + "\n"  # appended right after the last word
+    read = encode(loaded.tokenizer, text, chat=False).shape[1]
+    assert read > 10 * 64 and record["prompt_tokens"] == read
+    assert record["tokens_seen"] == read + 12 - 1 and record["kv_bytes"] == kv_bytes(16)
+    assert "appended to" in result.stderr and f"read {read} tokens" in result.stderr
+
+
+def test_continue_reads_a_short_story_like_a_new_one(checkpoint, loaded, tmp_path, seed):
+    path = tmp_path / "short.txt"
+    path.write_text(SHORT)
+    result = story(checkpoint, "--continue", str(path), "--tokens", "30", "--seed", str(seed))
+    assert result.exit_code == 0, result.output
+    expected = as_text(loaded.tokenizer, reference_tokens(loaded, SHORT, 30, seed))
+    assert path.read_bytes().decode() == SHORT + expected + "\n"
+    assert result.stdout.strip() == expected.strip()  # a pipe gets the new text only
+
+
+@pytest.mark.parametrize("target, count, message", [("missing-dir/story.txt", "1", "no such directory"),
+                                                     ("missing-dir/story.txt", "3", "no such directory"),
+                                                     ("", "1", "is a directory")])
+def test_an_unwritable_out_fails_before_the_model_loads(checkpoint, tmp_path, monkeypatch, target, count, message):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr("h2ochat.commands.story.load", no_loading)
+    result = story(checkpoint, "--out", str(tmp_path / target), "-n", count)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("h2ochat: error:") and message in lines[0]
+
+
+def test_continue_of_a_missing_file_is_one_line(checkpoint, tmp_path):
+    result = story(checkpoint, "--continue", str(tmp_path / "nothing.txt"))
+    assert result.exit_code == 2 and result.output.startswith("h2ochat: error: no such file")
+
+
+def test_stop_at_eos_stops_at_an_end_of_turn_marker_too(checkpoint, loaded, monkeypatch):
+    """--stop-at-eos uses the same stop rule as run and generate: <|end|> ends the story."""
+    import h2ochat.generation as generation
+
+    end = loaded.tokenizer.convert_tokens_to_ids("<|end|>")
+    plain = 50  # an ordinary byte-level token
+    assert end != loaded.tokenizer.eos_token_id
+    calls = []
+
+    def scripted(logits, sampling, generator=None, seen=None):
+        calls.append(1)
+        return torch.full((logits.shape[0],), end if len(calls) == 4 else plain)
+
+    monkeypatch.setattr(generation, "sample", scripted)
+    result = story(checkpoint, "--prompt", SHORT, "--tokens", "20", "--stop-at-eos", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["generated_tokens"] == 3 and len(calls) == 4
+    assert json.loads(story(checkpoint, "--prompt", SHORT, "--tokens", "20", "--json").stdout)["generated_tokens"] == 20
+
+
+def test_a_terminal_gets_progress_of_tokens_rate_and_time_left(checkpoint, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    screens = {"err": io.StringIO(), "out": io.StringIO()}
+
+    def terminal(stderr=False, file=None):
+        return Console(file=screens["err" if stderr else "out"], force_terminal=True, width=120)
+
+    monkeypatch.setattr("h2ochat.commands.story.make_console", terminal)
+    result = story(checkpoint, "--prompt", SHORT, "--tokens", "30", "-n", "2")
+    assert result.exit_code == 0, result.output
+    drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screens["err"].getvalue())
+    assert "writing 2 stories" in drawn and "/60 tok" in drawn and "tok/s" in drawn
 
 
 def test_prompt_files_resolve_by_name_and_path(tmp_path):

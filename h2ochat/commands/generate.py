@@ -10,11 +10,13 @@ from typing import Annotated, Optional
 import typer
 
 from .. import options as o
+from ..chat import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
 from ..generation import TextStream, Timing, stream
 from ..models import load
 from ..prompting import encode, read_prompt
 from ..report import run_record
+from .common import RepeatLastN
 
 
 @user_errors
@@ -31,9 +33,9 @@ def generate(
     random_weights: o.RandomWeights = False,
     device_map: o.DeviceMap = None,
     budget: o.Budget = "0.2",
-    policy: o.Policy = "h2o",
-    heavy_ratio: o.HeavyRatio = 0.5,
-    sinks: o.Sinks = 4,
+    policy: o.Policy = o.DEFAULTS["policy"],
+    heavy_ratio: o.HeavyRatio = None,
+    sinks: o.Sinks = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     max_new_tokens: o.MaxNewTokens = 256,
@@ -42,18 +44,21 @@ def generate(
     top_k: o.TopK = 0,
     seed: o.Seed = None,
     repetition_penalty: o.RepetitionPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
     as_json: o.Json = False,
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
+    sampling.repeat_last_n = repeat_last_n
+    sampling.validate()
     loaded = load(model, device, dtype, device_map, random_weights=random_weights)
     tokenizer = loaded.tokenizer
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
     cache = settings.build(loaded.model)
     timing, pieces = Timing(), TextStream(tokenizer)
-    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    stops = stop_token_ids(tokenizer, loaded.model)  # the same rule as run and story --stop-at-eos
     interrupted = False
     try:
         for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,

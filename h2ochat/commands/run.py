@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -10,30 +11,57 @@ import typer
 import h2ochat_prompts
 
 from .. import options as o
+from .. import history
 from ..chat import ChatSettings, Conversation
 from ..errors import user_errors
 from ..models import load
 from ..repl import PromptReader, Repl, StreamReader, history_path
 from ..ui import make_console
+from .common import RepeatLastN, loading
+
+# run() options a resumed conversation takes from the command line, only when given there:
+# parameter -> its ChatSettings field (cache fields on settings.cache)
+RESUMABLE = {name: False for name in ("system", "temperature", "top_p", "top_k", "seed", "repetition_penalty",
+                                      "repeat_last_n", "max_new_tokens")}
+RESUMABLE.update({name: True for name in ("budget", "policy", "heavy_ratio", "sinks", "positions")})
 
 
-def loading(console, name: str):
-    """A spinner while the model loads (a terminal only)."""
-    from contextlib import nullcontext
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was set on the command line or through its environment variable."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
-    return console.status(f"loading {name}…") if console.is_terminal else nullcontext()
+
+def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> ChatSettings:
+    """The stored conversation's settings, with the options given on this command line on top."""
+    settings = ChatSettings.from_json(stored)
+    for name, on_cache in RESUMABLE.items():
+        if given(ctx, name):
+            source, target = (typed.cache, settings.cache) if on_cache else (typed, settings)
+            setattr(target, name, getattr(source, name))
+    if given(ctx, "seed"):
+        settings.cache.seed = typed.cache.seed
+    settings.validate()
+    return settings
+
+
+def model_reference(model: str) -> str:
+    """What to load this model by next time: an absolute path for a local directory or file."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
 
 
 @user_errors
 def run(
+    ctx: typer.Context,
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     device_map: o.DeviceMap = None,
     budget: o.Budget = "0.2",
-    policy: o.Policy = "h2o",
-    heavy_ratio: o.HeavyRatio = 0.5,
-    sinks: o.Sinks = 4,
+    policy: o.Policy = o.DEFAULTS["policy"],
+    heavy_ratio: o.HeavyRatio = None,
+    sinks: o.Sinks = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     system: Annotated[Optional[str], typer.Option("--system", "-s", envvar="H2OCHAT_SYSTEM", rich_help_panel=o.SAMPLING,
@@ -43,28 +71,62 @@ def run(
     top_k: o.TopK = 0,
     seed: o.Seed = None,
     repetition_penalty: o.RepetitionPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
     max_new_tokens: o.MaxNewTokens = 512,
+    resume_last: Annotated[bool, typer.Option("--continue", "-c", rich_help_panel=o.OUTPUT,
+        help="Resume the most recent conversation (its model and settings; options given here win).")] = False,
+    conversation_id: Annotated[Optional[str], typer.Option("--conversation", rich_help_panel=o.OUTPUT,
+        help="Resume this conversation (an id from `h2ochat history`, or its first characters).")] = None,
+    no_history: Annotated[bool, typer.Option("--no-history", rich_help_panel=o.OUTPUT,
+        help="Do not keep this conversation (by default every turn is written under the h2ochat home).")] = False,
 ):
     """Chat with a model through the H2O cache. /help inside lists the commands."""
     settings = ChatSettings(system=h2ochat_prompts.system_prompt(system) if system else None,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            repetition_penalty=repetition_penalty,
+                            repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
                             max_new_tokens=max_new_tokens,
                             cache=o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed))
     settings.validate()  # bad values fail before the model loads
-    console = make_console()
-    with loading(make_console(stderr=True), model):
+    log, messages = None, []
+    if resume_last or conversation_id is not None:
+        if resume_last and conversation_id is not None:
+            raise ValueError("give --continue or --conversation ID, not both")
+        # read and check the stored conversation before loading a model for it
+        log, data = history.ConversationLog.resume(history.find(conversation_id), model)
+        settings = resumed_settings(ctx, data.get("settings") or {}, settings)
+        if data.get("model") and not given(ctx, "model"):
+            model = log.model = str(data["model"])
+        messages = data["messages"]
+    console, err = make_console(), make_console(stderr=True)
+    with loading(err, model):
         loaded = load(model, device, dtype, device_map)
     conversation = Conversation(loaded.model, loaded.tokenizer, settings, prefill_chunk=prefill_chunk)
+    if no_history:
+        log = None
+    elif log is None:
+        log = history.ConversationLog(model_reference(model))
+    else:
+        log.model = model_reference(model)
     interactive = sys.stdin.isatty()
     if interactive:
         budget_split = conversation.cache.budget
-        console.print(f"[bold]h2ochat[/] · {loaded.name} · {policy} cache of {budget_split.slots} slots "
+        console.print(f"[bold]h2ochat[/] · {loaded.name} · {settings.cache.policy} cache of {budget_split.slots} slots "
                       f"({budget_split.heavy} heavy + {budget_split.recent} recent) of a "
                       f"{conversation.max_positions}-token context · [dim]/help for commands, /bye to leave[/]")
-    repl = Repl(conversation, console, read_line=lambda prompt: "", model_name=loaded.name)
+    if messages:
+        conversation.messages = [dict(m) for m in messages]
+        fed = conversation.rebuild()
+        last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        console.print(f"resumed conversation {log.id if log else conversation_id} · "
+                      f"{sum(m['role'] == 'user' for m in messages)} turns · re-read {fed} tokens · last message: "
+                      f"{last.strip().splitlines()[0][:60] if last.strip() else '(none)'}", style="dim", markup=False,
+                      highlight=False)
+    repl = Repl(conversation, console, read_line=lambda prompt: "", model_name=loaded.name, log=log)
     repl.read_line = PromptReader(repl.toolbar, history_path()) if interactive else StreamReader(sys.stdin)
     code = repl.run()
+    if repl.log is not None and repl.log.path.exists():
+        err.print(f"conversation kept as {repl.log.id} (h2ochat run --conversation {repl.log.id})", style="dim",
+                  markup=False, highlight=False)
     if code:
         raise typer.Exit(code)
 

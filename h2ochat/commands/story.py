@@ -1,26 +1,47 @@
-"""`h2ochat story`: one long continuation, far past the budget and the model's position limit.
+"""`h2ochat story`: long continuations, far past the budget and the model's position limit.
 
 The cache keeps a fixed number of slots and re-numbers positions when they run out (compact
-positions), so memory stays flat however long the story gets. ``--out`` receives the text as it
-is produced, so an interrupted run loses nothing.
+positions), so memory stays flat however long the story gets, and reading an existing story of any
+length (``--continue``) costs the same memory as writing one: the text goes through the cache in
+chunks. ``-n N`` writes N continuations of one opening as one batch, each row drawing from its own
+seeded stream. Every story is written to its file as it is produced, so an interrupted run loses
+nothing; the run ends with one summary line, including how repetitive the end of each story is
+against its start (distinct 4-grams), so degeneration shows as a number.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import sys
+import time
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
+import torch
 import typer
+from rich.console import Group
+from rich.text import Text
 
 import h2ochat_prompts
 
 from .. import options as o
 from ..chat import inference_steps, stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
-from ..generation import Sampling, TextStream, Timing, stream
+from ..generation import Sampling, TextStream, Timing, prefill, stream
 from ..models import load
 from ..prompting import encode
-from ..ui import ReplyPrinter, format_bytes, make_console, status_line
+from ..report import cache_record, peak_memory_bytes
+from ..textstats import repetition
+from ..ui import ReplyPrinter, TokenProgress, format_bytes, format_duration, make_console, status_line
+from .common import RepeatLastN, loading
+
+# Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
+# SmolLM2-135M, 2000 tokens, budget 256, temperature 0.7.
+STORY_REPETITION_PENALTY = 1.1
+STORY_REPEAT_LAST_N = 64
+TAIL_SHOWN = 400  # characters of a continued story shown on a terminal before the new text
 
 
 def tell(model, tokenizer, cache, input_ids, *, tokens: int, sampling: Sampling, stop_ids=frozenset(),
@@ -33,6 +54,87 @@ def tell(model, tokenizer, cache, input_ids, *, tokens: int, sampling: Sampling,
         yield pieces.push(step.tokens[0])
 
 
+def output_paths(out: Path, count: int) -> list[Path]:
+    """``story.txt`` for one story; ``story-1.txt`` ... ``story-N.txt`` for N."""
+    if count == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}-{k}{out.suffix}") for k in range(1, count + 1)]
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an output path that cannot be written before the model loads (minutes, on a big one)."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
+    parent = path.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(parent))
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise PermissionError(errno.EACCES, "cannot write", str(path))
+
+
+def read_story(path: Path) -> str:
+    """The text of a story to continue, trailing whitespace dropped (the continuation picks up
+    right after the last word, and the file is cut back to it before appending)."""
+    if not path.is_file():
+        raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    return text.rstrip()
+
+
+class Row:
+    """One story of the batch: its text stream, its file, its tokens."""
+
+    def __init__(self, tokenizer, path: Path | None, keep_text: bool):
+        self.pieces = TextStream(tokenizer)
+        self.path, self.file = path, None
+        self.tokens: list[int] = []
+        self.done = False
+        self.text_parts: list[str] | None = [] if keep_text else None
+
+    def open(self, opening: str, append_at: int | None) -> None:
+        if self.path is None:
+            return
+        if append_at is None:
+            self.file = self.path.open("w", encoding="utf-8")
+            self.file.write(opening)
+        else:  # --continue: cut trailing whitespace, then append (nothing the user wrote is lost)
+            self.file = self.path.open("r+b")
+            self.file.truncate(append_at)
+            self.file.seek(append_at)
+        self.file.flush()
+
+    def write(self, piece: str) -> None:
+        if self.text_parts is not None:
+            self.text_parts.append(piece)
+        if self.file is not None and piece:
+            self.file.write(piece.encode("utf-8") if "b" in self.file.mode else piece)
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.write(b"\n" if "b" in self.file.mode else "\n")
+            self.file.close()
+            self.file = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts or [])
+
+
+def read_long_text(model, cache, input_ids: torch.Tensor, keep: int, chunk: int, on_progress) -> torch.Tensor:
+    """Feed all but the last ``keep`` tokens through the cache chunk by chunk (reporting progress);
+    returns the tail, which ``stream`` reads (it seeds the repetition window with it)."""
+    head = input_ids.shape[1] - keep
+    with torch.inference_mode():  # positions may be re-numbered between chunks, in place
+        for start in range(0, max(head, 0), chunk):
+            prefill(model, cache, input_ids[:, start : min(start + chunk, head)], chunk=chunk)
+            on_progress(min(start + chunk, head))
+    return input_ids[:, max(head, 0) :]
+
+
 @user_errors
 def story(
     prompt: Annotated[Optional[str], typer.Option("--prompt", rich_help_panel=o.OUTPUT,
@@ -40,90 +142,217 @@ def story(
     prompt_file: Annotated[Optional[str], typer.Option("--prompt-file", "-f", rich_help_panel=o.OUTPUT,
         help="A file with the opening, or a shipped opening by name: "
              + ", ".join(h2ochat_prompts.names("story")) + ". Default: lighthouse.")] = None,
+    continue_from: Annotated[Optional[Path], typer.Option("--continue", "-c", rich_help_panel=o.OUTPUT,
+        help="Read this story (any length: it goes through the cache in chunks) and append a continuation "
+             "to it.")] = None,
     tokens: Annotated[int, typer.Option("--tokens", min=1, envvar="H2OCHAT_STORY_TOKENS", rich_help_panel=o.SAMPLING,
-        help="Tokens to generate.")] = 3000,
+        help="Tokens to generate (per story).")] = 3000,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, rich_help_panel=o.OUTPUT,
+        help="Write N continuations of the opening in one batch, each with its own random stream "
+             "(seeds SEED, SEED+1, ...); --out story.txt gives story-1.txt ... story-N.txt.")] = 1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", rich_help_panel=o.OUTPUT,
         help="Also write the story (opening included) to this file as it is produced.")] = None,
     chat: Annotated[bool, typer.Option("--chat/--raw", rich_help_panel=o.OUTPUT,
         help="Ask the model for a story through its chat template instead of continuing the text as is.")] = False,
     stop_at_eos: Annotated[bool, typer.Option("--stop-at-eos", rich_help_panel=o.SAMPLING,
-        help="End when the model writes an end-of-text token (by default it keeps going).")] = False,
+        help="End a story when the model writes an end-of-text or end-of-turn token (by default it keeps "
+             "going).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=o.OUTPUT,
+        help="Print one JSON object (stories, speed, repetition, cache) instead of the text.")] = False,
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     device_map: o.DeviceMap = None,
     budget: o.Budget = "0.05",
-    policy: o.Policy = "h2o",
-    heavy_ratio: o.HeavyRatio = 0.5,
-    sinks: o.Sinks = 4,
+    policy: o.Policy = o.DEFAULTS["policy"],
+    heavy_ratio: o.HeavyRatio = None,
+    sinks: o.Sinks = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     temperature: o.Temperature = 0.8,
     top_p: o.TopP = 0.95,
     top_k: o.TopK = 0,
     seed: o.Seed = None,
-    repetition_penalty: o.RepetitionPenalty = 1.0,
+    repetition_penalty: o.RepetitionPenalty = STORY_REPETITION_PENALTY,
+    repeat_last_n: RepeatLastN = STORY_REPEAT_LAST_N,
 ):
     """Stream a long story in constant KV memory, with the cache's state live under it."""
-    if prompt is not None and prompt_file is not None:
-        raise ValueError("give --prompt or --prompt-file, not both")
-    opening = prompt if prompt is not None else h2ochat_prompts.read(prompt_file or "lighthouse", "story")
+    if sum(x is not None for x in (prompt, prompt_file, continue_from)) > 1:
+        raise ValueError("give one of --prompt, --prompt-file or --continue")
+    append_at = None
+    if continue_from is not None:
+        if out is not None or count > 1 or chat:
+            raise ValueError("--continue appends to its own file; it takes no --out, -n or --chat")
+        check_writable(continue_from)
+        opening = read_story(continue_from)
+        append_at = len(opening.encode("utf-8"))
+        paths: list[Path | None] = [continue_from]
+    else:
+        opening = prompt if prompt is not None else h2ochat_prompts.read(prompt_file or "lighthouse", "story")
+        paths = output_paths(out, count) if out else [None] * count
+        for path in paths:
+            if path is not None:
+                check_writable(path)  # before the model loads
     if not opening.strip():
         raise ValueError("the story opening is empty")
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
+    sampling.repeat_last_n = repeat_last_n
+    sampling.validate()
     err = make_console(stderr=True)
-    with (err.status(f"loading {model}…") if err.is_terminal else _nothing()):
+    with loading(err, model):
         loaded = load(model, device, dtype, device_map)
     tokenizer = loaded.tokenizer
     if chat:
-        request = f"Write a long story that begins like this:\n\n{opening}"
-        input_ids = encode(tokenizer, request, chat=True)
+        input_ids = encode(tokenizer, f"Write a long story that begins like this:\n\n{opening}", chat=True)
     else:
         input_ids = encode(tokenizer, opening, chat=False)
+    input_ids = input_ids.to(loaded.device).expand(count, -1)
+    if count > 1:
+        sampling = sampling.with_row_seeds(count, loaded.device)
     cache = settings.build(loaded.model)
     stops = stop_token_ids(tokenizer, loaded.model) if stop_at_eos else frozenset()
-    timing = Timing()
+
     console = make_console()
-    sink = out.open("w", encoding="utf-8") if out else None
-    peak_kv = 0
+    # one story streams to standard output; several are printed whole at the end (interleaved text
+    # would be unreadable), as is a JSON record
+    streaming = count == 1 and not as_json
+    rows = [Row(tokenizer, path, keep_text=not streaming) for path in paths]
+    embedded = streaming and console.is_terminal
+    progress = TokenProgress(console if embedded else err, embedded=embedded)
+    status = lambda: Group(progress.renderable, Text(status_line(cache, None), style="dim"))  # noqa: E731
+    timing = Timing()
+    total = input_ids.shape[1]
+    # the repetition window must see the text's last tokens, so they go through `stream`
+    window = (total if repeat_last_n <= 0 else repeat_last_n) if repetition_penalty != 1.0 else 1
+    keep = min(total, max(window, 1))
     interrupted = False
+    read_s = gen_s = 0.0
+    printer = ReplyPrinter(console, status) if streaming else None
     try:
-        if sink:
-            sink.write(opening)
-            sink.flush()
-        status = lambda: status_line(cache, timing if timing.generated_tokens else None, live=True)  # noqa: E731
-        with ReplyPrinter(console, status) as printer:
-            if not chat:
-                printer.write(opening)
+        for row in rows:
+            row.open(opening, append_at)
+        with progress, (printer or _Quiet()) as shown:
+            if streaming and not chat:
+                if append_at is None:
+                    shown.write(opening)
+                elif console.is_terminal:  # the file has the rest; show where the story stands
+                    shown.write(("…" if len(opening) > TAIL_SHOWN else "") + opening[-TAIL_SHOWN:])
+            started = time.perf_counter()
             try:
-                for piece in tell(loaded.model, tokenizer, cache, input_ids.to(loaded.device), tokens=tokens,
-                                  sampling=sampling, stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing):
-                    peak_kv = max(peak_kv, cache.kv_bytes())
-                    printer.write(piece)
-                    if sink:
-                        sink.write(piece)
-                        sink.flush()
+                if total > keep:
+                    progress.phase("reading", total)
+                    tail = read_long_text(loaded.model, cache, input_ids, keep, prefill_chunk,
+                                          lambda done: (progress.update(done), shown.tick()))
+                else:
+                    tail = input_ids
+                steps = stream(loaded.model, cache, tail, max_new_tokens=tokens, sampling=sampling, stop_ids=stops,
+                               prefill_chunk=prefill_chunk, timing=timing)
+                first = True
+                for step in inference_steps(steps):
+                    if first:
+                        read_s = time.perf_counter() - started
+                        first, started = False, time.perf_counter()
+                        progress.phase("writing" if count == 1 else f"writing {count} stories", tokens * count)
+                    for row, token in zip(rows, step.tokens.tolist()):
+                        if row.done:
+                            continue
+                        if token in stops:
+                            row.done = True
+                            continue
+                        row.tokens.append(token)
+                        piece = row.pieces.push(token)
+                        row.write(piece)
+                        if streaming:
+                            shown.write(piece)
+                    progress.update(sum(len(row.tokens) for row in rows))
             except KeyboardInterrupt:
                 interrupted = True
+            gen_s = time.perf_counter() - started if timing.generated_tokens else 0.0
     finally:
-        if sink:
-            sink.write("\n")
-            sink.close()
-    err.print(f"{timing.generated_tokens} tokens at {timing.decode_tokens_per_s:.1f} tok/s · KV peak "
-              f"{format_bytes(peak_kv)} for {cache.budget.slots} slots (a full cache would now hold "
-              f"{format_bytes(cache.full_kv_bytes())}) · {cache.tokens_seen()} tokens seen of a "
-              f"{cache.max_positions}-position model · positions re-numbered {cache.compactions}×"
-              + (f" · written to {out}" if out else "") + (" · interrupted" if interrupted else ""),
+        for row in rows:
+            row.close()
+
+    written = sum(len(row.tokens) for row in rows)
+    rate = (written - count) / timing.decode_s if timing.decode_s > 0 and written > count else 0.0
+    checks = [repetition(row.tokens) for row in rows]
+    if as_json:
+        record = story_record(loaded, cache, budget, rows, checks, timing, total, read_s, gen_s, rate, interrupted)
+        print(json.dumps(record, indent=2, ensure_ascii=False))
+    elif not streaming:
+        for index, row in enumerate(rows, 1):
+            console.print(Text(f"── story {index} of {count}" + (f" · {row.path}" if row.path else "") + " ──",
+                               style="bold"))
+            sys.stdout.write(("" if chat else opening) + row.text + "\n\n")
+            sys.stdout.flush()
+    err.print(summary_line(cache, rows, checks, total, read_s, gen_s, rate, continue_from is not None, interrupted),
               style="dim", markup=False, highlight=False)
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
 
 
-def _nothing():
-    from contextlib import nullcontext
+class _Quiet:
+    """Stands in for the ReplyPrinter when nothing streams to standard output."""
 
-    return nullcontext()
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def write(self, piece: str) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+def summary_line(cache, rows: list[Row], checks, read_tokens: int, read_s: float, gen_s: float, rate: float,
+                 continued: bool, interrupted: bool) -> str:
+    count = len(rows)
+    written = sum(len(row.tokens) for row in rows)
+    parts = []
+    if continued:
+        parts.append(f"read {read_tokens} tokens in {format_duration(read_s)}")
+    what = f"{written} tokens" if count == 1 else f"{count} stories, {written} tokens"
+    parts.append(f"{what} in {format_duration(gen_s)} at {rate:.1f} tok/s" + (" (all stories together)" if count > 1 else ""))
+    parts.append(f"KV {format_bytes(cache.kv_bytes())} for {cache.budget.slots} slots (a full cache would now hold "
+                 f"{format_bytes(cache.full_kv_bytes())})")
+    parts.append(f"{cache.tokens_seen()} tokens seen · positions re-numbered {cache.compactions}×")
+    if count == 1:
+        parts.append(checks[0].summary())
+    else:
+        parts.append(f"distinct 4-grams in the last {checks[0].window} tokens: "
+                     + " / ".join(f"{c.last:.2f}" for c in checks) + f" (first {checks[0].window}: "
+                     + " / ".join(f"{c.first:.2f}" for c in checks) + ")")
+    files = [str(row.path) for row in rows if row.path is not None]
+    if files:
+        parts.append(("appended to " if continued else "written to ") + (files[0] if count == 1 else f"{files[0]} … {files[-1]}"))
+    if interrupted:
+        parts.append("interrupted")
+    return " · ".join(parts)
+
+
+def story_record(loaded, cache, budget: str, rows: list[Row], checks, timing: Timing, read_tokens: int,
+                 read_s: float, gen_s: float, rate: float, interrupted: bool) -> dict:
+    return {
+        "model": loaded.name,
+        "budget": budget,
+        **cache_record(cache),
+        "prompt_tokens": read_tokens,
+        "read_s": round(read_s, 3),
+        "generated_tokens": sum(len(row.tokens) for row in rows),
+        "generate_s": round(gen_s, 3),
+        "decode_tokens_per_s": round(rate, 2),
+        "tokens_seen": cache.tokens_seen(),
+        "peak_memory_bytes": peak_memory_bytes(loaded.device),
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "interrupted": interrupted,
+        "stories": [{"file": str(row.path) if row.path else None, "text": row.text if row.text_parts is not None else None,
+                     "generated_tokens": len(row.tokens), "repetition": check.to_json()}
+                    for row, check in zip(rows, checks)],
+    }
 
 
 def register(app: typer.Typer) -> None:
