@@ -176,15 +176,22 @@ def build_random(config, dtype: torch.dtype, device: str | torch.device):
 
 class ByteTokenizer:
     """The tokenizer of a random-weights model, which has none: token ids 0-255 are UTF-8 bytes (every
-    vocabulary here is larger). It exists so `generate --random-weights` runs, and times, the real
+    alias's vocabulary is larger). It exists so `generate --random-weights` runs, and times, the real
     generation loop; the text is as much noise as the model. Ids above 255 and control characters
     decode to nothing. No end-of-text token: generation runs the full --max-new-tokens."""
 
     chat_template = None
     eos_token = eos_token_id = pad_token = pad_token_id = bos_token_id = None
 
+    def __init__(self, vocab_size: int = 256):
+        self.vocab_size = vocab_size
+
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        ids = list(text.encode("utf-8"))
+        if ids and max(ids) >= self.vocab_size:
+            raise ValueError(f"this model's {self.vocab_size}-token vocabulary cannot hold the byte-level "
+                             "tokenizer --random-weights uses")
+        return ids
 
     def get_vocab(self) -> dict[str, int]:
         return {}  # no named (special) tokens
@@ -446,7 +453,7 @@ def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | N
     model = build_random(config, dtype, device)
     if model.generation_config is not None:  # the real vocabulary's end token is a plain byte here
         model.generation_config.eos_token_id = None
-    return LoadedModel(model, ByteTokenizer(), source, params, torch.device(device), dtype)
+    return LoadedModel(model, ByteTokenizer(config.vocab_size), source, params, torch.device(device), dtype)
 
 
 def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str | None = None, *,

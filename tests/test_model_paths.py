@@ -303,6 +303,23 @@ def test_byte_tokenizer_round_trips_text():
     ids = tokenizer.encode("naïve café\n")
     assert max(ids) < 256 and tokenizer.decode(ids) == "naïve café\n"
     assert tokenizer.decode([104, 105, 300, 27, 33]) == "hi!"  # beyond the bytes and control characters: nothing
+    with pytest.raises(ValueError, match="96-token vocabulary"):
+        models.ByteTokenizer(vocab_size=96).encode("é")  # a byte the model has no embedding for
+
+
+def test_random_weights_from_a_directory_config_generate_the_full_length(tmp_path):
+    """A directory's config.json builds too; generate runs through the byte-level tokenizer and,
+    with no end token, produces exactly -n tokens."""
+    config = build_model("llama").config
+    config.vocab_size = 300  # room for the 256 byte ids
+    config.save_pretrained(tmp_path)
+    loaded = models.load(str(tmp_path), "cpu", "float32", random_weights=True)
+    assert loaded.params == sum(p.numel() for p in build_model("llama", vocab_size=300).parameters())
+    result = CliRunner().invoke(app, ["generate", "hi there", "--model", str(tmp_path), "--random-weights", "-n", "7",
+                                      "--budget", "4", "--json"])
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["prompt_tokens"] == len(b"hi there") and record["generated_tokens"] == 7
 
 
 def bench(*args):

@@ -1,0 +1,140 @@
+"""benchmarks/gpu_check.py: its dry run (the GPU run's code path on the CPU, tiny shapes) writes a
+JSON and a Markdown file holding every section, without prompt-toolkit, gguf or matplotlib (the GPU
+machine has none of them); a failing step is recorded and the next one runs; the verdicts follow
+the targets' thresholds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+BLOCKED = ("prompt_toolkit", "gguf", "matplotlib")  # absent on the GPU machine
+
+
+def gpu_check():
+    """benchmarks/gpu_check.py as a module (benchmarks/ is no package)."""
+    if "gpu_check" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = module  # its dataclasses resolve their annotations through it
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_check"]
+
+
+def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
+    code = (f"import runpy, sys\nfor name in {BLOCKED!r}:\n    sys.modules[name] = None  # import fails\n"
+            f"sys.argv = ['gpu_check.py', '--dry-run', '--out', {str(tmp_path)!r}]\n"
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert data["dry_run"] is True
+    steps = data["steps"]
+    assert set(steps) == {"kernel_tests", "kernel_bench", "decode"}
+    for name, step in steps.items():
+        assert step["status"] == "ok" and step["seconds"] > 0, (name, step)
+
+    counts = steps["kernel_tests"]["counts"]
+    assert counts["passed"] >= 1 and counts["failed"] == counts["errors"] == 0
+    assert steps["kernel_bench"]["result"]["backend"] == "torch" and steps["kernel_bench"]["result"]["decode"]
+
+    decode = steps["decode"]
+    points = {(r["context"], r["batch"], r["policy"]) for r in decode["results"]}
+    assert points == {(64, b, p) for b in (1, 2) for p in ("h2o", "full", "hf")}
+    assert all(r["ms_per_step"] > 0 and r["peak_memory_bytes"] > 0 for r in decode["results"])
+    assert {(c["context"], c["batch"]) for c in decode["comparisons"]} == {(64, 1), (64, 2)}
+    per_token = 12 * 12 * 64 * 2 * 4  # OPT-125m: layers x heads x head_dim x (K, V) x fp32
+    assert decode["kv_bytes_per_token"] == per_token
+    fits = {c["policy"]: c["max_batch"] for c in decode["capacity"]}
+    cap, extra = 8 * 2**20, 1 + 0 + 1  # 1 step, no warmup
+    assert fits == {"h2o": cap // (per_token * 13), "full": cap // (per_token * (64 + extra)),
+                    "hf": cap // (per_token * (64 + extra))}
+    assert all(c["decode_tokens_per_s"] > 0 for c in decode["capacity"])
+    assert decode["compiled"]["status"]  # measured, or why not
+
+    targets = data["targets"]
+    assert targets["kernel_bandwidth"]["verdict"] == "N/A"  # no Triton timing on the CPU
+    for name in ("h2o_vs_full_step", "capacity_throughput"):
+        assert targets[name]["verdict"] in ("PASS", "MISS") and targets[name]["value"] > 0
+        assert "dry run" in targets[name]["note"]
+
+    for section in ("## Targets", "## 1. Kernel tests", "## 2. Kernel benchmark", "## 3. Decode",
+                    "ms per decode step", "Largest batch under"):
+        assert section in markdown, section
+    for target in targets.values():
+        assert target["target"] in markdown and f"**{target['verdict']}**" in markdown
+
+
+def test_a_failing_step_is_recorded_and_the_next_one_runs(tmp_path):
+    module = gpu_check()
+    report = module.Report(tmp_path, module.DRY)
+    with module.timed_step(report, "first") as entry:
+        entry["partial"] = "kept"
+        raise RuntimeError("boom\nsecond line")
+    written = json.loads((tmp_path / "gpu_check.json").read_text())  # on disk before the next step starts
+    assert written["steps"]["first"]["status"] == "error"
+    with module.timed_step(report, "second") as entry:
+        entry["value"] = 1
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    first, second = data["steps"]["first"], data["steps"]["second"]
+    assert first["status"] == "error" and first["error"] == "RuntimeError: boom" and first["partial"] == "kept"
+    assert second == {"status": "ok", "value": 1, "seconds": second["seconds"]}
+    assert (tmp_path / "gpu_check.md").is_file()
+
+
+@pytest.mark.parametrize("bandwidth, step, tokens, expected", [
+    (0.85, 1.9, (4000.0, 900.0), ("PASS", "PASS", "PASS")),
+    (0.79, 1.7, (3500.0, 900.0), ("MISS", "MISS", "MISS")),
+])
+def test_verdicts_follow_the_thresholds(tmp_path, bandwidth, step, tokens, expected):
+    module = gpu_check()
+    report = module.Report(tmp_path, module.GPU)
+    report.data["steps"] = {
+        "kernel_bench": {"result": {"backend": "triton", "decode": [
+            {"batch": 1, "slots": 4096, "bw_fraction_of_copy": 0.1},
+            {"batch": 16, "slots": 4096, "bw_fraction_of_copy": bandwidth}]}},
+        "decode": {"comparisons": [{"context": 2048, "batch": 32, "speedup_vs_full": 9.0},
+                                   {"context": 4096, "batch": 32, "speedup_vs_full": step}],
+                   "capacity": [{"context": 4096, "policy": "h2o", "max_batch": 40, "measured_batch": 40,
+                                 "decode_tokens_per_s": tokens[0]},
+                                {"context": 4096, "policy": "full", "max_batch": 7, "measured_batch": 7,
+                                 "decode_tokens_per_s": tokens[1]}]},
+    }
+    module.evaluate(report, module.GPU)
+    targets = report.data["targets"]
+    verdicts = tuple(targets[name]["verdict"] for name in ("kernel_bandwidth", "h2o_vs_full_step", "capacity_throughput"))
+    assert verdicts == expected
+    assert targets["capacity_throughput"]["value"] == pytest.approx(tokens[0] / tokens[1], abs=1e-3)
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert markdown.count(f"**{expected[0]}**") >= 1
+
+
+def test_missing_measurements_are_not_applicable(tmp_path):
+    module = gpu_check()
+    report = module.Report(tmp_path, module.GPU)
+    report.data["steps"] = {"kernel_bench": {"status": "error"}, "decode": {"status": "error"}}
+    module.evaluate(report, module.GPU)
+    assert {t["verdict"] for t in report.data["targets"].values()} == {"N/A"}
+
+
+def test_decode_stops_starting_measurements_when_the_time_is_spent(tmp_path):
+    import dataclasses
+
+    module = gpu_check()
+    spent = dataclasses.replace(module.DRY, budget_s=0)
+    report = module.Report(tmp_path, spent)
+    module.decode(report, spent)
+    decode = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["decode"]
+    assert decode["status"] == "partial" and decode["results"] == [] and decode["capacity"] == []
+    assert len(decode["skipped"]) == 2 + 1  # two (context, batch) points and the capacity run
+    assert all("time limit" in line for line in decode["skipped"])
