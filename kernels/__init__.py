@@ -8,9 +8,18 @@ Hugging Face's package of that name, which transformers imports when it finds it
 
 Modules: ``reference`` (the semantics, plain torch), ``dispatch`` (the choice), ``triton_decode``
 (Q == 1, split-S flash decoding with scores), ``triton_chunk`` (Q > 1, two-pass prefill with column
-scores), ``triton_evict`` (one-launch argmin + overwrite). The triton modules are imported only on
-the first Triton call. On the CPU they run only under TRITON_INTERPRET=1 set before triton is first
-imported (tests/test_kernels.py shows how).
+scores), ``triton_evict`` (one launch per layer: the priority, from a tensor or from the policy's
+parameters, argmin and in-place overwrite), ``_common`` (what the Triton modules share). The score
+decay of ``attend_with_scores`` (S <- decay * S + a_t, a float or one per sequence) runs inside the
+decode and chunk kernels, and ``evict_by_policy`` (rank by score, score / age, value norm or token
+index; recent window and sinks as ints or per sequence) is one kernel on CUDA.
+
+Every launch is made with the tensors' CUDA device current (``_common.launch_guard``), so layers
+spread over GPUs (device_map auto) launch on their own device and its current stream.
+
+The triton modules are imported only on the first Triton call. On the CPU they run only under
+TRITON_INTERPRET=1 set before triton is first imported (tests/test_kernels.py shows how; with
+TRITON_INTERPRET=0 H2OCHAT_TEST_DEVICE=cuda the same tests run on a GPU).
 """
 
 from __future__ import annotations

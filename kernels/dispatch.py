@@ -9,18 +9,20 @@
 
 Triton modules are imported lazily, on the first Triton call, so importing this package never needs
 triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dtypes, non-float
-inputs, an empty cache for eviction) runs the reference instead, whatever the backend.
+inputs, an empty cache for eviction, a value-norm rank without the norms) runs the reference instead,
+whatever the backend. The score decay of ``attend_with_scores`` (a float or one per sequence) and the
+policy eviction ``evict_by_policy`` run in the kernels too.
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 
 import torch
 
 from . import reference
-from ._common import interpreting
 
 _CHOICES = ("auto", "torch", "triton")
 
@@ -55,6 +57,8 @@ def kernel_backend(device: torch.device | str) -> str:
         if not triton_available():
             raise RuntimeError("H2OCHAT_KERNELS=triton but the triton package cannot be imported")
         if device.type != "cuda":
+            from ._common import interpreting  # imports triton: only here, where triton is wanted
+
             if not interpreting():
                 raise RuntimeError(
                     f"H2OCHAT_KERNELS=triton with tensors on {device.type}: Triton runs CUDA tensors, "
@@ -86,32 +90,23 @@ def _attention_supported(query, cache_keys, cache_values, new_keys, new_values, 
 def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
                        decay=1.0):
     """``reference.attend_with_scores`` on the chosen backend (same arguments, same results)."""
-    decayed = isinstance(decay, torch.Tensor) or float(decay) != 1.0
-    if not decayed and kernel_backend(query.device) == "triton" and _attention_supported(
+    if kernel_backend(query.device) == "triton" and _attention_supported(
         query, cache_keys, cache_values, new_keys, new_values, scores
     ):
         if query.shape[3] == 1:
-            from .triton_decode import decode_attend_with_scores
-
-            return decode_attend_with_scores(
-                query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores
-            )
-        from .triton_chunk import chunk_attend_with_scores
-
-        return chunk_attend_with_scores(
-            query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores
-        )
+            from .triton_decode import decode_attend_with_scores as kernel
+        else:
+            from .triton_chunk import chunk_attend_with_scores as kernel
+        return kernel(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
+                      decay=decay)
     return reference.attend_with_scores(
         query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay
     )
 
 
-def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                     new_token_index, new_position, value_norm=None, new_value_norm=None):
-    """``reference.evict_and_insert`` on the chosen backend (see triton_evict for the choice)."""
-    if (
-        value_norm is None
-        and kernel_backend(keys.device) == "triton"
+def _eviction_supported(keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm) -> bool:
+    return (
+        kernel_backend(keys.device) == "triton"
         and keys.shape[2] > 0
         and keys.shape[3] <= 1024
         and keys.dtype in _FLOATS
@@ -119,22 +114,45 @@ def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_posi
         and scores.dtype == torch.float32
         and slot_token_index.dtype == torch.int64
         and slot_position.dtype == torch.int64
-        and priority.is_floating_point()
-    ):
-        from .triton_evict import evict_and_insert as triton_evict_and_insert
+        and (value_norm is None or (value_norm.dtype == torch.float32 and new_value_norm is not None))
+    )
 
-        return triton_evict_and_insert(
-            priority, keys, values, scores, slot_token_index, slot_position,
-            new_key, new_value, new_score, new_token_index, new_position,
-        )
+
+def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                     new_token_index, new_position, value_norm=None, new_value_norm=None):
+    """``reference.evict_and_insert`` on the chosen backend (see triton_evict for the choice)."""
+    if priority.is_floating_point() and _eviction_supported(
+        keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm
+    ):
+        from .triton_evict import evict_and_insert as kernel
+
+        return kernel(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                      new_token_index, new_position, value_norm, new_value_norm)
     return reference.evict_and_insert(
         priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index,
         new_position, value_norm, new_value_norm,
     )
 
 
+def _int_or_int_tensor(value) -> bool:
+    return not value.is_floating_point() if isinstance(value, torch.Tensor) else isinstance(value, numbers.Integral)
+
+
 def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                    new_token_index, new_position, value_norm=None, new_value_norm=None, **policy):
-    """``reference.evict_by_policy`` (priority from the policy's parameters, argmin, in-place write)."""
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, *, recent, sinks,
+                    oldest_first=False, by_age=False, value_eps=None):
+    """``reference.evict_by_policy`` (priority from the policy's parameters, argmin, in-place write):
+    one Triton launch on CUDA (``triton_evict``)."""
+    policy = dict(recent=recent, sinks=sinks, oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
+    if (
+        _int_or_int_tensor(recent)
+        and _int_or_int_tensor(sinks)
+        and (value_eps is None or oldest_first or value_norm is not None)
+        and _eviction_supported(keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm)
+    ):
+        from .triton_evict import evict_by_policy as kernel
+
+        return kernel(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                      new_token_index, new_position, value_norm, new_value_norm, **policy)
     return reference.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value,
                                      new_score, new_token_index, new_position, value_norm, new_value_norm, **policy)

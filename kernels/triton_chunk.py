@@ -9,6 +9,12 @@ kernel makes two passes over the keys:
   no rescaling), and add the column sums of p over the real query rows to ``scores`` (cache slots)
   and to ``new_scores`` (new tokens) with fp32 atomic adds, since several row blocks share a key.
 
+Score decay (``decay`` != 1, a float or one per sequence): S <- decay * S + a_t as if the tokens were
+fed one at a time. Each row's probabilities are weighted by decay ** (real tokens after it) where
+pass 2 adds them; the old scores' factor decay ** (real tokens) must be applied before any row block
+adds, which no program of the same launch can order, so ``_decay_scores_kernel`` (one small launch,
+only when decay != 1) does it first.
+
 Grid: (B * Hkv, cdiv(G * Q, BLOCK_M)). The G query heads of a KV group are folded into the rows
 (row r = token r // G, head r % G), so one program reads each K/V block for every head of its group,
 and a row block covers a contiguous token range: new-key blocks past its last token are skipped
@@ -26,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MASKED, check_float, dot_mode, interpreting, next_pow2
+from ._common import (MASKED, check_float, decay_arg, dot_mode, int_pow, interpreting, launch_guard, next_pow2,
+                      row_scalar)
 
 
 @triton.jit
@@ -48,9 +55,49 @@ def _pv(p, v, HALF_DOT: tl.constexpr):
 
 
 @triton.jit
+def _real_after(VALID, b, svalb, svalq, after, Q_LEN, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
+    """[len(after)] int32: how many real (not padding) new tokens come strictly after each token
+    index in ``after`` (-1 counts them all)."""
+    if HAS_VALID:
+        count = tl.zeros(after.shape, tl.int32)
+        for j0 in range(0, Q_LEN, BLOCK):
+            offs_j = j0 + tl.arange(0, BLOCK)
+            ok = tl.load(VALID + b * svalb + offs_j * svalq, mask=offs_j < Q_LEN, other=0).to(tl.int32) != 0
+            count += tl.sum((ok[None, :] & (offs_j[None, :] > after[:, None])).to(tl.int32), axis=1)
+    else:
+        count = tl.maximum(Q_LEN - 1 - after, 0).to(tl.int32)
+    return count
+
+
+@triton.jit
+def _column_sums(p, w):
+    """Each key's probability summed over the rows, row r weighted by w[r] (0 for padding)."""
+    return tl.sum(p * w[:, None], axis=0)
+
+
+@triton.jit
+def _decay_scores_kernel(
+    SCORES, VALID, DECAY_PTR, decay, S, Q_LEN, H,
+    ssb, ssh, sss, svalb, svalq, sdecb,
+    HAS_VALID: tl.constexpr, DECAY_PER_ROW: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """scores *= decay ** (real new tokens), grid (B * Hkv, cdiv(S, BLOCK_S)): the old-score half of
+    the chunk's update, launched before the chunk kernel, whose row blocks then add with atomics."""
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    n_real = _real_after(VALID, b, svalb, svalq, tl.full([1], -1, tl.int32), Q_LEN, HAS_VALID, BLOCK_Q)
+    d = row_scalar(DECAY_PTR, decay, b, sdecb, DECAY_PER_ROW).to(tl.float32)
+    factor = int_pow(d, n_real)
+    offs = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    ptr = SCORES + b * ssb + h * ssh + offs * sss
+    tl.store(ptr, tl.load(ptr, mask=offs < S, other=0.0) * factor, mask=offs < S)
+
+
+@triton.jit
 def _chunk_kernel(
-    Qp, K, V, SLOT, NK, NV, VALID, SCORES, NEW_SCORES, OUT,
-    scale, S, Q_LEN, G, D, H,
+    Qp, K, V, SLOT, NK, NV, VALID, SCORES, NEW_SCORES, OUT, DECAY_PTR,
+    scale, decay, S, Q_LEN, G, D, H,
     sqb, sqh, sqg, sqq, sqd,
     skb, skh, sks, skd,
     svb, svh, svs, svd,
@@ -60,9 +107,10 @@ def _chunk_kernel(
     svalb, svalq,
     ssb, ssh, sss,
     sob, soh, sog, soq, sod,
+    sdecb,
     MASKED_LOGIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VALID: tl.constexpr, HALF_DOT: tl.constexpr,
+    HAS_VALID: tl.constexpr, HALF_DOT: tl.constexpr, DECAY: tl.constexpr, DECAY_PER_ROW: tl.constexpr,
 ):
     bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -87,6 +135,14 @@ def _chunk_kernel(
     else:
         row_real = row_ok
     row_real = row_real & row_ok
+    # Weight of each row's probabilities in the scores: 0 for padding rows, and with a decay
+    # decay ** (real tokens after this one), as if the tokens were fed one at a time.
+    if DECAY:
+        d = row_scalar(DECAY_PTR, decay, b, sdecb, DECAY_PER_ROW).to(tl.float32)
+        later = _real_after(VALID, b, svalb, svalq, tok_i, Q_LEN, HAS_VALID, BLOCK_N)
+        row_w = tl.where(row_real, int_pow(d, later), 0.0)
+    else:
+        row_w = tl.where(row_real, 1.0, 0.0)
 
     # New-key range this row block can see (causal): keys 0 .. last token of the block.
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Q_LEN - 1)
@@ -146,7 +202,7 @@ def _chunk_kernel(
         p = tl.exp(logits - m_i[:, None]) * inv_l[:, None]
         v = tl.load(v_base + offs_s[:, None] * svs + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
         acc += _pv(p, v, HALF_DOT)
-        col = tl.sum(tl.where(row_real[:, None], p, 0.0), axis=0)
+        col = _column_sums(p, row_w)
         tl.atomic_add(s_base + offs_s * sss, col, mask=in_range)
     ns_base = NEW_SCORES + bh.to(tl.int64) * Q_LEN
     for j0 in range(0, n_end, BLOCK_N):
@@ -165,7 +221,7 @@ def _chunk_kernel(
         p = tl.exp(logits - m_i[:, None]) * inv_l[:, None]
         v = tl.load(nv_base + offs_j[:, None] * snvq + offs_d[None, :] * snvd, mask=kv_mask, other=0.0)
         acc += _pv(p, v, HALF_DOT)
-        col = tl.sum(tl.where(row_real[:, None], p, 0.0), axis=0)
+        col = _column_sums(p, row_w)
         tl.atomic_add(ns_base + offs_j, col, mask=in_range)
 
     tl.store(OUT + b * sob + h * soh + head_g[:, None] * sog + tok_i[:, None] * soq + offs_d[None, :] * sod,
@@ -186,8 +242,9 @@ def chunk_attend_with_scores(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    decay: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.attend_with_scores`` for any Q (see the module docstring).
+    """``reference.attend_with_scores`` for any Q (see the module docstring), ``decay`` included.
 
     ``block_m`` / ``block_n`` override the tile sizes (>= 16); ``out`` (shape and dtype of the
     result) receives the output instead of a fresh tensor.
@@ -236,13 +293,24 @@ def chunk_attend_with_scores(
     else:
         valid_arg, sval = new_scores, (0, 0)
 
+    has_decay, decay_per_row, decay_scalar, decay_ptr, sdec = decay_arg(decay, batch, new_scores)
+
     grid = (batch * kv_heads, triton.cdiv(rows, block_m))
-    _chunk_kernel[grid](
-        query, cache_k, cache_v, slot_idx, new_keys, new_values, valid_arg, scores_arg, new_scores, out,
-        float(scale), slots, q_len, group, head_dim, kv_heads,
-        *query.stride(), *cache_k.stride()[:4], *cache_v.stride()[:4], *slot_idx.stride()[:3],
-        *new_keys.stride(), *new_values.stride(), *sval, *scores_arg.stride()[:3], *out.stride(),
-        MASKED_LOGIT=MASKED, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_VALID=new_valid is not None, HALF_DOT=dot_mode(cache_keys.dtype), num_warps=4, num_stages=num_stages,
-    )
+    with launch_guard(query):
+        if has_decay and slots > 0:
+            block_q = 16 if interpreting() else 128
+            _decay_scores_kernel[(batch * kv_heads, triton.cdiv(slots, 1024))](
+                scores, valid_arg, decay_ptr, decay_scalar, slots, q_len, kv_heads,
+                *scores.stride(), *sval, sdec,
+                HAS_VALID=new_valid is not None, DECAY_PER_ROW=decay_per_row, BLOCK_S=1024, BLOCK_Q=block_q,
+            )
+        _chunk_kernel[grid](
+            query, cache_k, cache_v, slot_idx, new_keys, new_values, valid_arg, scores_arg, new_scores, out,
+            decay_ptr, float(scale), decay_scalar, slots, q_len, group, head_dim, kv_heads,
+            *query.stride(), *cache_k.stride()[:4], *cache_v.stride()[:4], *slot_idx.stride()[:3],
+            *new_keys.stride(), *new_values.stride(), *sval, *scores_arg.stride()[:3], *out.stride(), sdec,
+            MASKED_LOGIT=MASKED, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            HAS_VALID=new_valid is not None, HALF_DOT=dot_mode(cache_keys.dtype), DECAY=has_decay,
+            DECAY_PER_ROW=decay_per_row, num_warps=4, num_stages=num_stages,
+        )
     return out, new_scores

@@ -13,7 +13,9 @@ Equals ``reference.attend_with_scores`` for Q == 1. Flash-decoding layout:
    each (sequence, head) also combines the partial outputs, adds the new token's value and writes the
    output and the new token's score; every program then turns the workspace logits of its slot range
    into normalised probabilities, sums them over G and adds them to ``scores`` (each slot belongs to
-   exactly one program: no atomics).
+   exactly one program: no atomics). With a score decay (``decay`` != 1, a float or one per
+   sequence) that same read-modify-write multiplies the old score first: S <- decay * S + p, for
+   real tokens only (a padding token leaves the scores as they were).
 
 K and V are read once; the scoring costs the workspace write + read (G * 4 bytes each per slot) and
 the read-modify-write of ``scores`` (8 bytes per slot), about 8 % of the K/V bytes at G = 4,
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MASKED, check_float, dot_mode, interpreting, next_pow2
+from ._common import MASKED, check_float, decay_arg, dot_mode, interpreting, launch_guard, next_pow2, row_scalar
 
 
 @triton.jit
@@ -109,17 +111,18 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    Q, NK, NV, VALID, WS, PART_M, PART_L, PART_ACC, SCORES, OUT, NEW_SCORES,
-    scale, S, G, D, H, split_len, num_splits,
+    Q, NK, NV, VALID, WS, PART_M, PART_L, PART_ACC, SCORES, OUT, NEW_SCORES, DECAY_PTR,
+    scale, decay, S, G, D, H, split_len, num_splits,
     sqb, sqh, sqg, sqd,
     snkb, snkh, snkd,
     snvb, snvh, snvd,
     svalb,
     ssb, ssh, sss,
     sob, soh, sog, sod,
+    sdecb,
     MASKED_LOGIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
-    SCORE: tl.constexpr, HAS_VALID: tl.constexpr,
+    SCORE: tl.constexpr, HAS_VALID: tl.constexpr, DECAY: tl.constexpr, DECAY_PER_ROW: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -174,7 +177,11 @@ def _decode_combine_kernel(
         tl.store(NEW_SCORES + bh, new_score)
 
     if SCORE:
+        # One query row: a real one multiplies the old scores by decay ** 1 and adds its own
+        # probabilities with weight decay ** 0 = 1 (also for decay 0); a padding row changes nothing.
         if real:
+            if DECAY:
+                d = row_scalar(DECAY_PTR, decay, b, sdecb, DECAY_PER_ROW).to(tl.float32)
             ws_base = WS + bh.to(tl.int64) * G * S
             s_base = SCORES + b * ssb + h * ssh
             start = split * split_len
@@ -187,6 +194,8 @@ def _decode_combine_kernel(
                 p = tl.exp(logits - m[:, None]) * inv_l[:, None]
                 col = tl.sum(p, axis=0)
                 old = tl.load(s_base + offs_s * sss, mask=in_range, other=0.0)
+                if DECAY:
+                    old = old * d
                 tl.store(s_base + offs_s * sss, old + col, mask=in_range)
 
 
@@ -209,7 +218,7 @@ def plan_splits(bh: int, slots: int, block_s: int, device: torch.device, num_spl
         # program 0 of the combine reads every split's partial output (G * D * 4 bytes each).
         target = 4 * _sm_count(device)
         on_gpu = device.type == "cuda"
-        num_splits = max(1, min(triton.cdiv(target, bh), triton.cdiv(blocks, 4 if on_gpu else 1)))
+        num_splits = max(1, min(triton.cdiv(target, bh), blocks // 4 if on_gpu else blocks))
         if on_gpu:
             num_splits = min(num_splits, 32)
     num_splits = max(1, min(int(num_splits), blocks))
@@ -233,10 +242,12 @@ def decode_attend_with_scores(
     num_splits: int | None = None,
     block_s: int | None = None,
     out: torch.Tensor | None = None,
+    decay: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.attend_with_scores`` for Q == 1 (see the module docstring).
 
-    ``score=False`` skips the score bookkeeping (``scores`` is then left alone and may be None).
+    ``decay`` (a float or a [B] tensor) is the reference's score decay: a real token multiplies the
+    old scores by it before adding its probabilities. ``score=False`` skips the score bookkeeping (``scores`` is then left alone and may be None).
     ``num_splits`` / ``block_s`` override the launch plan (tests use them to cover split edges);
     ``out`` (shape and dtype of the result) receives the output instead of a fresh tensor.
     """
@@ -282,32 +293,37 @@ def decode_attend_with_scores(
     else:
         scores_arg, ss = part_m, (0, 0, 0)
 
-    q = query[:, :, :, 0]
+    q = query.select(3, 0)
     if slots > 0:
         cache_k, cache_v, slot_idx = cache_keys, cache_values, slot_token_index
     else:  # nothing cached: run the split kernel over zero slots against dummy (never read) tensors
         cache_k = cache_v = new_keys[:, :, :1]
         slot_idx = torch.full((batch, kv_heads, 1), -1, dtype=torch.int64, device=device)
     half_dot = dot_mode(cache_k.dtype)
-
-    _decode_split_kernel[(bh, splits)](
-        q, cache_k, cache_v, slot_idx, ws, part_m, part_l, part_acc,
-        float(scale), slots, group, head_dim, kv_heads, split_len, splits,
-        *q.stride(), *cache_k.stride(), *cache_v.stride(), *slot_idx.stride(),
-        MASKED_LOGIT=MASKED, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=block_s,
-        SCORE=do_score, HALF_DOT=half_dot, num_warps=4, num_stages=num_stages,
-    )
-    nk, nv = new_keys[:, :, 0], new_values[:, :, 0]
+    has_decay, decay_per_row, decay_scalar, decay_ptr, sdec = decay_arg(decay, batch, part_m)
+    # select(), not [..., 0]: the launch-guard test runs this on fake CUDA tensors, which a CPU-only
+    # torch cannot index with Python subscripts
+    nk, nv = new_keys.select(2, 0), new_values.select(2, 0)
     if new_valid is not None:
-        valid_arg, sval = new_valid[:, 0], new_valid.stride(0)
+        valid_arg, sval = new_valid.select(1, 0), new_valid.stride(0)
     else:
         valid_arg, sval = part_m, 0
-    o = out[:, :, :, 0]
-    _decode_combine_kernel[(bh, splits if do_score else 1)](
-        q, nk, nv, valid_arg, ws, part_m, part_l, part_acc, scores_arg, o, new_scores,
-        float(scale), slots, group, head_dim, kv_heads, split_len, splits,
-        *q.stride(), *nk.stride(), *nv.stride(), sval, *ss, *o.stride(),
-        MASKED_LOGIT=MASKED, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_P=block_p,
-        SCORE=do_score, HAS_VALID=new_valid is not None,
-    )
+    o = out.select(3, 0)
+
+    with launch_guard(query):
+        _decode_split_kernel[(bh, splits)](
+            q, cache_k, cache_v, slot_idx, ws, part_m, part_l, part_acc,
+            float(scale), slots, group, head_dim, kv_heads, split_len, splits,
+            *q.stride(), *cache_k.stride(), *cache_v.stride(), *slot_idx.stride(),
+            MASKED_LOGIT=MASKED, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=block_s,
+            SCORE=do_score, HALF_DOT=half_dot, num_warps=4, num_stages=num_stages,
+        )
+        _decode_combine_kernel[(bh, splits if do_score else 1)](
+            q, nk, nv, valid_arg, ws, part_m, part_l, part_acc, scores_arg, o, new_scores, decay_ptr,
+            float(scale), decay_scalar, slots, group, head_dim, kv_heads, split_len, splits,
+            *q.stride(), *nk.stride(), *nv.stride(), sval, *ss, *o.stride(), sdec,
+            MASKED_LOGIT=MASKED, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_P=block_p,
+            SCORE=do_score, HAS_VALID=new_valid is not None, DECAY=has_decay and do_score,
+            DECAY_PER_ROW=decay_per_row,
+        )
     return out, new_scores
