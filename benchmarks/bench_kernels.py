@@ -7,12 +7,16 @@ On CUDA (Triton importable):
   measured in the same run (a large device-to-device copy, read + write bytes), the same kernel
   with scoring disabled (the SCORE constexpr: shows the bookkeeping cost), torch SDPA over the same
   cache plus a separate score computation (matmul + softmax + sum over the group), and the torch
-  reference (``reference.attend_with_scores``, what the app runs without Triton). Also the eviction
-  kernel vs the torch reference eviction, and a prefill chunk vs the torch reference.
+  reference (``reference.attend_with_scores``, what the app runs without Triton). Also the eviction:
+  the fused policy kernel (``evict_by_policy``: priority from score, token index, recent window and
+  sinks, argmin and in-place write in one launch) vs the torch path (``slot_rank`` + ``keep_priority``
+  + ``evict_and_insert``, what the app runs without Triton) and vs a torch priority + the Triton
+  ``evict_and_insert`` kernel (two steps); and a prefill chunk vs the torch reference.
   Every Triton result is first checked against the torch reference at that size ("max_err").
 
 On the CPU: only the torch paths run (the Triton interpreter is ~1000x slower and says nothing about
-GPU speed), at small sizes; the JSON says so ("backend": "torch", "note").
+GPU speed), at small sizes, the eviction as the torch policy path and the torch given-priority
+eviction; the JSON says so ("backend": "torch", "note").
 
     python benchmarks/bench_kernels.py [--quick] [--markdown [PATH]] [--dtype fp16|bf16|fp32]
 """
@@ -141,6 +145,39 @@ def decode_bytes(batch, slots, dtype, score: bool, group=GROUP, kv_heads=KV_HEAD
     return total
 
 
+EVICT_POLICY = dict(recent=64, sinks=4)  # H2O: score rank, a recent window and attention sinks
+
+
+def evict_inputs(batch, slots, dtype, device):
+    """A full cache (every slot a distinct earlier token) and the token to insert, for the eviction."""
+    g = torch.Generator(device=device).manual_seed(batch * 7 + slots)
+    state = [
+        torch.randn(batch, KV_HEADS, slots, HEAD_DIM, device=device, generator=g).to(dtype),
+        torch.randn(batch, KV_HEADS, slots, HEAD_DIM, device=device, generator=g).to(dtype),
+        torch.rand(batch, KV_HEADS, slots, device=device, generator=g),
+        torch.arange(slots, device=device).repeat(batch, KV_HEADS, 1),
+        torch.arange(slots, device=device).repeat(batch, KV_HEADS, 1),
+    ]
+    new = [
+        torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=device, generator=g).to(dtype),
+        torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=device, generator=g).to(dtype),
+        torch.rand(batch, KV_HEADS, device=device, generator=g),
+        torch.full((batch,), slots, device=device, dtype=torch.int64),
+        torch.full((batch,), slots, device=device, dtype=torch.int64),
+    ]
+    return state, new
+
+
+def torch_priority(state, new, policy=EVICT_POLICY):
+    """The priority the torch path computes before its eviction (reference.evict_by_policy's first half)."""
+    rank = reference.slot_rank(state[2], state[3], new[3])
+    return reference.keep_priority(rank, state[3], new[3], policy["recent"], policy["sinks"])
+
+
+def same_results(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.float(), want.float()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
@@ -165,6 +202,7 @@ def bench_triton(dtype, device, timer, *, copy_bytes, batches, slot_counts, evic
     from h2ochat_kernels.triton_chunk import chunk_attend_with_scores
     from h2ochat_kernels.triton_decode import decode_attend_with_scores
     from h2ochat_kernels.triton_evict import evict_and_insert as triton_evict
+    from h2ochat_kernels.triton_evict import evict_by_policy as triton_evict_by_policy
 
     copy_bw = copy_bandwidth(device, timer, copy_bytes)
 
@@ -202,28 +240,19 @@ def bench_triton(dtype, device, timer, *, copy_bytes, batches, slot_counts, evic
     evict_rows = []
     for batch in batches:
         slots = evict_slots
-        state = [
-            torch.randn(batch, KV_HEADS, slots, device=device),
-            torch.randn(batch, KV_HEADS, slots, HEAD_DIM, device=device, dtype=dtype),
-            torch.randn(batch, KV_HEADS, slots, HEAD_DIM, device=device, dtype=dtype),
-            torch.rand(batch, KV_HEADS, slots, device=device),
-            torch.arange(slots, device=device).repeat(batch, KV_HEADS, 1),
-            torch.arange(slots, device=device).repeat(batch, KV_HEADS, 1),
-        ]
-        new = [
-            torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=device, dtype=dtype),
-            torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=device, dtype=dtype),
-            torch.rand(batch, KV_HEADS, device=device),
-            torch.full((batch,), slots, device=device, dtype=torch.int64),
-            torch.full((batch,), slots, device=device, dtype=torch.int64),
-        ]
-        mine = [t.clone() for t in state]
-        same = bool(torch.equal(triton_evict(*mine, *new), reference.evict_and_insert(*state, *new)))
-        same = same and all(torch.equal(a, b) for a, b in zip(mine, state))
-        t_tri = timer(lambda: triton_evict(*mine, *new))
-        t_ref = timer(lambda: reference.evict_and_insert(*state, *new))
-        evict_rows.append(dict(batch=batch, slots=slots, matches_reference=same, t_triton_us=t_tri * 1e6,
-                               t_torch_us=t_ref * 1e6, speedup=t_ref / t_tri))
+        state, new = evict_inputs(batch, slots, dtype, device)
+        fused, ref, two_step = ([t.clone() for t in state] for _ in range(3))
+        got = triton_evict_by_policy(*fused, *new, **EVICT_POLICY)
+        want = reference.evict_by_policy(*ref, *new, **EVICT_POLICY)
+        two = triton_evict(torch_priority(two_step, new), *two_step, *new)
+        same = same_results(got, want) and same_results(fused, ref) and same_results(two, want)
+        same = same and same_results(two_step, ref)
+        t_fused = timer(lambda: triton_evict_by_policy(*fused, *new, **EVICT_POLICY))
+        t_torch = timer(lambda: reference.evict_by_policy(*ref, *new, **EVICT_POLICY))
+        t_two = timer(lambda: triton_evict(torch_priority(two_step, new), *two_step, *new))
+        evict_rows.append(dict(batch=batch, slots=slots, policy="h2o", matches_reference=same,
+                               t_fused_us=t_fused * 1e6, t_torch_us=t_torch * 1e6,
+                               t_torch_priority_triton_evict_us=t_two * 1e6, speedup=t_torch / t_fused))
 
     chunk_rows = []
     for batch, q_len, slots in chunk_cases:
@@ -289,13 +318,12 @@ def bench_cpu(args, dtype):
     evict_rows = []
     for batch in batches:
         slots = 2048
-        state = [torch.randn(batch, KV_HEADS, slots), torch.randn(batch, KV_HEADS, slots, HEAD_DIM, dtype=dtype),
-                 torch.randn(batch, KV_HEADS, slots, HEAD_DIM, dtype=dtype), torch.rand(batch, KV_HEADS, slots),
-                 torch.arange(slots).repeat(batch, KV_HEADS, 1), torch.arange(slots).repeat(batch, KV_HEADS, 1)]
-        new = [torch.randn(batch, KV_HEADS, 1, HEAD_DIM, dtype=dtype), torch.randn(batch, KV_HEADS, 1, HEAD_DIM, dtype=dtype),
-               torch.rand(batch, KV_HEADS), torch.full((batch,), slots), torch.full((batch,), slots)]
-        t_ref = timer(lambda: reference.evict_and_insert(*state, *new))
-        evict_rows.append(dict(batch=batch, slots=slots, t_torch_us=t_ref * 1e6))
+        state, new = evict_inputs(batch, slots, dtype, "cpu")
+        t_policy = timer(lambda: reference.evict_by_policy(*state, *new, **EVICT_POLICY))
+        priority = torch_priority(state, new)
+        t_given = timer(lambda: reference.evict_and_insert(priority, *state, *new))
+        evict_rows.append(dict(batch=batch, slots=slots, policy="h2o", t_torch_us=t_policy * 1e6,
+                               t_torch_given_priority_us=t_given * 1e6))
     return dict(
         backend="torch", device="cpu", copy_bandwidth_GBps=copy_bw / 1e9, decode=rows, evict=evict_rows,
         note="no CUDA device: only the torch reference and SDPA+scores were timed, at small sizes, with "
@@ -314,10 +342,11 @@ def markdown(result) -> str:
             lines.append(f"| {r['batch']} | {r['slots']} | {r['t_triton_us']:.1f} | {r['t_triton_noscore_us']:.1f} | "
                          f"{r['scoring_overhead']:+.1%} | {r['bw_fraction_of_copy']:.0%} | {r['t_sdpa_plus_scores_us']:.1f} | "
                          f"{r['speedup_vs_sdpa_plus_scores']:.2f}x | {r['t_torch_reference_us']:.1f} | {r['max_err']:.1e} |")
-        lines += ["", "| evict batch | slots | triton us | torch us | speedup | matches |", "|---:|---:|---:|---:|---:|---|"]
+        lines += ["", "| evict batch | slots | fused policy kernel us | torch priority + evict us | torch priority + "
+                  "triton evict us | speedup | matches |", "|---:|---:|---:|---:|---:|---:|---|"]
         for r in result["evict"]:
-            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_triton_us']:.1f} | {r['t_torch_us']:.1f} | "
-                         f"{r['speedup']:.2f}x | {r['matches_reference']} |")
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_fused_us']:.1f} | {r['t_torch_us']:.1f} | "
+                         f"{r['t_torch_priority_triton_evict_us']:.1f} | {r['speedup']:.2f}x | {r['matches_reference']} |")
         lines += ["", "| chunk batch | q_len | slots | triton us | torch ref us | speedup | TFLOP/s | max err |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in result["chunk"]:
@@ -329,9 +358,10 @@ def markdown(result) -> str:
         for r in result["decode"]:
             lines.append(f"| {r['batch']} | {r['slots']} | {r['t_torch_reference_us']:.1f} | {r['bw_fraction_of_copy']:.0%} | "
                          f"{r['t_sdpa_plus_scores_us']:.1f} | {r['speedup_vs_sdpa_plus_scores']:.2f}x |")
-        lines += ["", "| evict batch | slots | torch us |", "|---:|---:|---:|"]
+        lines += ["", "| evict batch | slots | torch priority + evict us | evict given a priority us |",
+                  "|---:|---:|---:|---:|"]
         for r in result["evict"]:
-            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_torch_us']:.1f} |")
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['t_torch_us']:.1f} | {r['t_torch_given_priority_us']:.1f} |")
         lines += ["", f"Note: {result['note']}"]
     return "\n".join(lines) + "\n"
 
