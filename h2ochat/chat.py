@@ -156,11 +156,13 @@ class Conversation:
     generated token); ``fed_text`` is the rendered text that ``ids + pending`` spell.
     """
 
-    def __init__(self, model, tokenizer, settings: ChatSettings | None = None, *, prefill_chunk: int = 512):
+    def __init__(self, model, tokenizer, settings: ChatSettings | None = None, *, prefill_chunk: int = 512,
+                 compile: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.settings = settings or ChatSettings()
         self.settings.validate()
         self.prefill_chunk = prefill_chunk
+        self.compile = compile  # decode steps through h2ochat.compiled (the cache is reused: exact stops)
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.messages: list[dict] = []
         self.stop_requested = False  # set (by a Ctrl-C handler) to end the reply after this token
@@ -176,8 +178,9 @@ class Conversation:
         self.ids: list[int] = []
         self.pending: list[int] = []
         self.fed_text = ""
-        self.system_tokens = 0  # tokens before the first user message (system prompt and header)
-        self.first_turn_tokens = 0  # tokens up to the end of the first reply
+        # token index where each turn (user message + reply) starts; before the first: the system
+        # prompt and the template's header. Feeds /cache's per-part figures and the eviction notes.
+        self.turn_starts: list[int] = []
 
     @property
     def device(self) -> torch.device:
@@ -206,7 +209,7 @@ class Conversation:
             with torch.inference_mode():
                 prefill(self.model, self.cache, torch.tensor([ids], device=self.device), chunk=self.prefill_chunk)
         self.ids, self.fed_text = ids, text
-        self._note_landmarks(text)
+        self._mark_turns(text)
         return len(ids)
 
     # -- templates --------------------------------------------------------------------------------
@@ -247,13 +250,14 @@ class Conversation:
         target = self.render(add_generation_prompt=True)
         if self.fed_text and target.startswith(self.fed_text):
             new_ids = self.pending + self.encode(target[len(self.fed_text):])
+            self.turn_starts.append(len(self.ids) + len(self.pending))  # the pending token ends the last reply
         else:
             if self.ids:
                 notices.append("feeding the whole conversation again into a fresh cache (its start changed or a reply was cut mid-step)")
             self.cache.layers.clear()
             self._new_cache()
             new_ids = self.encode(target)
-            self._note_landmarks(target)
+            self._mark_turns(target)
         base = len(self.ids)
         evicted_before = evicted_per_head(self.cache)
         timing, pieces, generated = Timing(), TextStream(self.tokenizer), []
@@ -262,7 +266,8 @@ class Conversation:
         try:
             steps = stream(self.model, self.cache, torch.tensor([new_ids], device=self.device),
                            max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
-                           stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing)
+                           stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing,
+                           compile=self.compile)
             for step in inference_steps(steps):
                 generated.append(int(step.tokens[0]))
                 piece = pieces.push(generated[-1])
@@ -292,8 +297,6 @@ class Conversation:
         if interrupted:
             reply["interrupted"] = True
         self.messages.append(reply)
-        if not self.first_turn_tokens:
-            self.first_turn_tokens = len(self.ids) + len(self.pending)
         notices += self.eviction_notices()
         return TurnResult(pieces.text, interrupted, timing, evicted_per_head(self.cache) - evicted_before, notices)
 
@@ -309,13 +312,16 @@ class Conversation:
         self.pending = tokens[fed:]
         self.fed_text = text
 
-    def _note_landmarks(self, text: str) -> None:
-        """Where the system prompt and the first turn end, in tokens, to warn when they go."""
-        first_user = next((m["content"] for m in self.messages if m["role"] == "user"), None)
-        at = text.find(first_user) if first_user else -1
-        self.system_tokens = len(self.encode(text[:at])) if at > 0 else 0
-        second_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user" and i > 0), None)
-        self.first_turn_tokens = len(self.encode(self.render_prefix(second_user))) if second_user else 0
+    def _mark_turns(self, text: str) -> None:
+        """Where each turn starts, in tokens, for a conversation fed whole as ``text``: the first
+        after the system prompt and header, each later one where the messages before it end."""
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        self.turn_starts = []
+        if not users:
+            return
+        at = text.find(self.messages[users[0]]["content"])
+        self.turn_starts.append(len(self.encode(text[:at])) if at > 0 else 0)
+        self.turn_starts += [len(self.encode(self.render_prefix(i))) for i in users[1:]]
 
     def render_prefix(self, count: int) -> str:
         saved = self.messages
@@ -325,13 +331,30 @@ class Conversation:
         finally:
             self.messages = saved
 
+    def parts(self) -> list[tuple[str, int, int]]:
+        """The conversation's parts as (name, first token, end token): the system prompt (with the
+        template's header) and each turn, for the cache statistics of what is still held."""
+        end = len(self.ids) + len(self.pending)
+        starts = self.turn_starts
+        parts = []
+        if starts and starts[0] > 0:
+            parts.append(("system prompt" if self.settings.system else "header", 0, starts[0]))
+        users = [m for m in self.messages if m["role"] == "user"]
+        for number, start in enumerate(starts):
+            stop = starts[number + 1] if number + 1 < len(starts) else end
+            first = users[number]["content"].strip().splitlines()[0] if number < len(users) and users[number]["content"].strip() else ""
+            parts.append((f"turn {number + 1}" + (f": {first}" if first else ""), start, stop))
+        return parts
+
     def eviction_notices(self) -> list[str]:
         """One-time notes when the system prompt or the first turn start leaving the cache."""
-        if not self.cache.budget.evicts or not self.cache.initialized:
+        if not self.cache.budget.evicts or not self.cache.initialized or not self.turn_starts:
             return []
         share = self.cache.cached_token_share()
         notes = []
-        spans = {"system prompt": (0, self.system_tokens), "first turn": (self.system_tokens, self.first_turn_tokens)}
+        starts = self.turn_starts + [len(self.ids) + len(self.pending)]
+        spans = {"system prompt": (0, starts[0])} if self.settings.system else {}
+        spans["first turn"] = (starts[0], starts[1])
         for name, (start, end) in spans.items():
             end = min(end, share.numel())
             if name not in self.warned and end > start and float(share[start:end].min()) < 1.0:

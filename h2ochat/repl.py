@@ -84,7 +84,8 @@ HELP = [
     ("/set", "show the current settings"),
     ("/budget B", "KV slots per layer: 0.1 (share of the context) or 256 (slots); re-feeds the conversation"),
     ("/policy P", f"eviction policy ({', '.join(POLICIES)}); re-feeds the conversation"),
-    ("/cache", "per-layer cache table: slots, heavy/recent, evictions, score mass"),
+    ("/cache", "where the budget hurts: attention the evicted tokens held and heavy-hitter age per layer, "
+               "what is still held of each turn ('/cache layers': the per-layer table for a deep model)"),
     ("/hh", "the transcript with cached tokens highlighted (heavy hitters bold, evicted dimmed)"),
     ("/stats", "totals for this session"),
     ("/save FILE", "write the conversation and settings as JSON (it is also kept by itself: `h2ochat history`)"),
@@ -278,8 +279,9 @@ class Repl:
         self.say(f"{what}: new cache of {budget.slots} slots ({budget.heavy} heavy + {budget.recent} recent)"
                  + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
 
-    def cmd_cache(self, _: str) -> None:
-        self.console.print(ui.cache_table(self.conv.cache))
+    def cmd_cache(self, argument: str) -> None:
+        self.console.print(ui.cache_view(self.conv.cache, self.conv.parts(), all_layers=argument == "layers",
+                                         width=self.console.width))
 
     def cmd_hh(self, _: str) -> None:
         conv = self.conv

@@ -38,12 +38,54 @@ def cache_record(cache: H2OCache) -> dict:
     }
 
 
+def evicted_share(cache: H2OCache) -> float | None:
+    """The one number for where the budget hurts: the attention share an evicted token held when it
+    was dropped, averaged over the layers that evicted (None before the first eviction). Every layer
+    evicts once per step, so this is also the mean over all evictions."""
+    shares = [s.evicted_share for s in cache.layer_stats() if s.evicted]
+    return sum(shares) / len(shares) if shares else None
+
+
+def part_shares(cache: H2OCache, parts: list[tuple[str, int, int]], sequence: int = 0) -> list[dict]:
+    """For each part (name, first token, end token) of a sequence, the share of its tokens' (layer,
+    KV head) slots still held: 1.0 = all still in the cache, 0.0 = all evicted."""
+    held = cache.cached_token_share(sequence)
+    records = []
+    for name, start, end in parts:
+        end = min(end, held.numel())  # a last generated token is never fed
+        records.append({"name": name, "first_token": start, "tokens": max(end - start, 0),
+                        "held_share": round(float(held[start:end].mean()), 4) if end > start else None})
+    return records
+
+
+def cache_stats_record(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None, sequence: int = 0) -> dict:
+    """Where the budget hurts, per layer and per part of the text (the /cache figures, as JSON)."""
+    layers = []
+    for index, (layer, s) in enumerate(zip(cache.layers, cache.layer_stats())):
+        heads = layer.evicted.numel() if layer.is_initialized else 1
+        layers.append({"layer": index, "capacity": s.capacity, "held": round(s.held, 2), "heavy": round(s.heavy, 2),
+                       "recent": round(s.recent, 2), "evicted_per_head": round(s.evicted / heads, 2),
+                       "evicted_share": round(s.evicted_share, 6), "heavy_age_median": s.heavy_age_median,
+                       "heavy_age_oldest": s.heavy_age_oldest})
+    share = evicted_share(cache)
+    return {
+        "evicted_share": round(share, 6) if share is not None else None,
+        "evicted_share_means": "attention share (of its sequence and KV head's score mass) an evicted token held "
+                               "when dropped, mean over evictions: near 0 = harmless, high = the layer wants more slots",
+        "layers": layers,
+        "parts": part_shares(cache, parts or [], sequence),
+    }
+
+
 def run_record(loaded, cache: H2OCache, timing: Timing, budget: str, text: str) -> dict:
+    seen = cache.tokens_seen()
+    parts = [("prompt", 0, timing.prompt_tokens), ("generated", timing.prompt_tokens, seen)]
     return {
         "text": text,
         "model": loaded.name,
         "budget": budget,
         **cache_record(cache),
+        "cache_stats": cache_stats_record(cache, parts),
         "prompt_tokens": timing.prompt_tokens,
         "generated_tokens": timing.generated_tokens,
         "prefill_tokens_per_s": round(timing.prefill_tokens_per_s, 2),

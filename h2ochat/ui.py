@@ -22,6 +22,7 @@ from rich.text import Text
 from .cache import H2OCache
 from .chat import TurnResult, evicted_per_head
 from .generation import Timing
+from .report import evicted_share, part_shares
 
 
 def make_console(stderr: bool = False, file=None) -> Console:
@@ -46,6 +47,7 @@ class CacheSummary:
     heavy: float
     recent: float
     evicted: float  # tokens evicted per (layer, KV head), averaged
+    evicted_share: float | None  # attention an evicted token held when dropped (see report.evicted_share)
     seen: int
     kv_bytes: int
     full_bytes: int
@@ -60,21 +62,31 @@ def summarize(cache: H2OCache) -> CacheSummary:
         heavy=sum(s.heavy for s in stats) / count,
         recent=sum(s.recent for s in stats) / count,
         evicted=evicted_per_head(cache),
+        evicted_share=evicted_share(cache),
         seen=cache.tokens_seen(),
         kv_bytes=cache.kv_bytes(),
         full_bytes=cache.full_kv_bytes(),
     )
 
 
+def percent(share: float | None) -> str:
+    if share is None:
+        return "–"
+    return f"{share:.1%}" if share >= 0.001 or share == 0 else f"{share:.2%}"
+
+
 def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False) -> str:
-    """`KV 410/410 slots │ 205 heavy + 205 recent │ 1234/1644 evicted │ 26.1 MiB (full 105 MiB) │ 14.8 tok/s`
+    """`KV 410/410 slots │ 205 heavy + 205 recent │ 1234/1644 evicted, held 0.8% attn │ 26 MiB (full 105 MiB) │ 14.8 tok/s`
 
     ``live``: a reply is being produced (``timing`` None means its prompt is still being read)."""
     s = summarize(cache)
+    evicted = f"{s.evicted:.0f}/{s.seen} tok evicted"
+    if s.evicted_share is not None:  # the one figure of where the budget hurts (see /cache)
+        evicted += f", held {percent(s.evicted_share)} attn"
     parts = [
         f"KV {s.held:.0f}/{s.capacity} slots",
         f"{s.heavy:.0f} heavy + {s.recent:.0f} recent",
-        f"{s.evicted:.0f}/{s.seen} tok evicted",
+        evicted,
         f"{format_bytes(s.kv_bytes)} (full {format_bytes(s.full_bytes)})",
     ]
     if live:
@@ -90,23 +102,100 @@ def turn_summary(result: TurnResult) -> str:
             f"{result.evicted:.0f} evicted this turn" + (" · interrupted" if result.interrupted else ""))
 
 
-def cache_table(cache: H2OCache) -> Table:
-    """One row per layer: slots used / capacity, heavy vs recent, evictions, score mass held."""
+# -- /cache ----------------------------------------------------------------------------------------
+BLOCKS = "▁▂▃▄▅▆▇█"
+LAYER_TABLE_MAX = 24  # more layers than this: the strips only (`/cache layers` shows the table anyway)
+
+
+def share_style(share: float | None, held: float) -> str:
+    """Colour of an evicted-attention share, against what an average held slot gets (1 / held): below
+    it the evicted tokens were the least attended (green), far above it the layer wants more slots."""
+    if share is None or held <= 0:
+        return "dim"
+    ratio = share * held
+    return "green" if ratio < 1 else "yellow" if ratio < 3 else "red"
+
+
+def strip(values: list[float | None], styles: list[str], width: int, top: float) -> Text:
+    """One block character per layer (or per group of layers when they do not fit), its height the
+    value against ``top`` (a fixed scale, so equal layers do not all look full); no value: a dim dot."""
+    groups = max(1, -(-len(values) // max(width, 1)))  # layers per character
+    text = Text()
+    top = top or 1.0
+    for start in range(0, len(values), groups):
+        chunk = [(v, st) for v, st in zip(values[start : start + groups], styles[start : start + groups]) if v is not None]
+        if not chunk:
+            text.append("·", style="dim")
+            continue
+        value, style = max(chunk, key=lambda item: item[0])  # a group shows its worst layer
+        text.append(BLOCKS[max(0, min(len(BLOCKS) - 1, int(value / top * (len(BLOCKS) - 1) + 0.5)))], style=style)
+    return text
+
+
+def bar(share: float, width: int = 12) -> Text:
+    filled = int(round(share * width))
+    return Text("█" * filled + "░" * (width - filled), style="green" if share >= 0.5 else "yellow" if share > 0 else "red")
+
+
+def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None, all_layers: bool = False,
+               width: int = 80):
+    """The /cache view: where the budget hurts, per layer (as strips that fit any depth, and as a table
+    for a few layers) and per part of the conversation."""
     budget = cache.budget
-    table = Table(title=f"KV cache · policy {cache.policy.name} · {budget.slots} slots "
-                        f"({budget.heavy} heavy + {budget.recent} recent" +
-                        (f" + {budget.sinks} sinks" if budget.sinks else "") + ")",
-                  title_justify="left", caption_justify="left")
-    for name in ("layer", "used / capacity", "heavy", "recent", "evicted", "score mass held"):
-        table.add_column(name, justify="right")
-    for index, (layer, s) in enumerate(zip(cache.layers, cache.layer_stats())):
-        rows = layer.evicted.numel() if layer.is_initialized else 1  # (sequence, KV head) pairs
-        table.add_row(str(index), f"{s.held:.0f} / {s.capacity}", f"{s.heavy:.0f}", f"{s.recent:.0f}",
-                      f"{s.evicted / rows:.0f}", f"{s.score_mass:.1f}")
+    stats = cache.layer_stats()
     s = summarize(cache)
-    table.caption = (f"{s.seen} tokens seen · KV {format_bytes(s.kv_bytes)} vs {format_bytes(s.full_bytes)} for a "
-                     f"full cache · positions re-numbered {cache.compactions}× · counts are per KV head (averaged)")
-    return table
+    shares = [st.evicted_share if st.evicted else None for st in stats]
+    styles = [share_style(share, st.held) for share, st in zip(shares, stats)]
+    title = Text(f"KV cache · policy {cache.policy.name} · {budget.slots} slots per layer and KV head ({budget.heavy} "
+                 f"heavy + {budget.recent} recent" + (f" + {budget.sinks} sinks" if budget.sinks else "") + f") · "
+                 f"{s.seen} tokens seen, {s.evicted:.0f} evicted per head · KV {format_bytes(s.kv_bytes)} "
+                 f"(full {format_bytes(s.full_bytes)})", style="bold")
+    lines = [title]
+    label = f"L0–L{len(stats) - 1}"
+    span = max(16, width - len(label) - 4)  # one strip fits the terminal however deep the model
+    if s.evicted_share is None:
+        lines.append(Text("nothing evicted yet: every token read is still held", style="dim"))
+    else:
+        worst = max(range(len(stats)), key=lambda i: shares[i] if shares[i] is not None else -1.0)
+        lines.append(Text("attention the evicted tokens held when dropped (near 0 = harmless; high = the layer "
+                          "wants more slots; a full block = 4x what an average slot holds)", style="dim"))
+        lines.append(Text.assemble(f"  {label} ", strip(shares, styles, span, 4 / s.held if s.held else 1.0)))
+        lines.append(Text(f"  mean {percent(s.evicted_share)} · worst layer {worst} {percent(shares[worst])} · "
+                          f"an average slot holds {percent(1 / s.held if s.held else None)}"))
+    medians = [st.heavy_age_median for st in stats]
+    if any(m is not None for m in medians):
+        oldest = max(st.heavy_age_oldest for st in stats if st.heavy_age_oldest is not None)
+        known = sorted(m for m in medians if m is not None)
+        lines.append(Text("age of the heavy hitters kept (tokens since they were read, median per layer; a full "
+                          "block = as old as the conversation)", style="dim"))
+        lines.append(Text.assemble(f"  {label} ", strip(medians, ["cyan"] * len(medians), span, s.seen)))
+        lines.append(Text(f"  median {known[(len(known) - 1) // 2]:.0f} · oldest {oldest}"))
+    if parts:
+        lines.append(Text("still held, per part of the conversation (share of its tokens' slots, all layers and "
+                          "heads)", style="dim"))
+        table = Table(box=None, padding=(0, 1))
+        for name, justify in (("part", "left"), ("tokens", "right"), ("held", "left"), ("", "right")):
+            table.add_column(name, justify=justify, no_wrap=name != "part")
+        for record in part_shares(cache, parts):
+            if record["held_share"] is None:
+                continue
+            name = record["name"] if len(record["name"]) <= 40 else record["name"][:39] + "…"
+            table.add_row(name, str(record["tokens"]), bar(record["held_share"]), f"{record['held_share']:.0%}")
+        lines.append(table)
+    if all_layers or len(stats) <= LAYER_TABLE_MAX:
+        table = Table(title_justify="left", box=None, padding=(0, 1))
+        for name in ("layer", "held / slots", "heavy + recent", "evicted held", "heavy age median", "oldest"):
+            table.add_column(name, justify="right")
+        for index, (st, share, style) in enumerate(zip(stats, shares, styles)):
+            table.add_row(str(index), f"{st.held:.0f} / {st.capacity}", f"{st.heavy:.0f} + {st.recent:.0f}",
+                          Text(percent(share), style=style),
+                          "–" if st.heavy_age_median is None else f"{st.heavy_age_median:.0f}",
+                          "–" if st.heavy_age_oldest is None else str(st.heavy_age_oldest))
+        lines.append(table)
+    lines.append(Text(f"counts are per KV head (averaged) · positions re-numbered {cache.compactions}×"
+                      + ("" if all_layers or len(stats) <= LAYER_TABLE_MAX else " · /cache layers: the per-layer table"),
+                      style="dim"))
+    return Group(*lines)
 
 
 # -- /hh -----------------------------------------------------------------------------------------

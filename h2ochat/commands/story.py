@@ -29,12 +29,12 @@ import h2ochat_prompts
 from .. import options as o
 from ..chat import inference_steps, stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
-from ..generation import Sampling, TextStream, Timing, prefill, stream
+from ..generation import Sampling, TextStream, Timing, prefill, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode
-from ..report import cache_record, peak_memory_bytes
+from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
 from ..textstats import repetition
-from ..ui import ReplyPrinter, TokenProgress, format_bytes, format_duration, make_console, status_line
+from ..ui import ReplyPrinter, TokenProgress, format_bytes, format_duration, make_console, percent, status_line
 from .common import RepeatLastN, loading
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
@@ -175,6 +175,7 @@ def story(
     seed: o.Seed = None,
     repetition_penalty: o.RepetitionPenalty = STORY_REPETITION_PENALTY,
     repeat_last_n: RepeatLastN = STORY_REPEAT_LAST_N,
+    compile: o.Compile = False,
 ):
     """Stream a long story in constant KV memory, with the cache's state live under it."""
     if sum(x is not None for x in (prompt, prompt_file, continue_from)) > 1:
@@ -247,7 +248,8 @@ def story(
                 else:
                     tail = input_ids
                 steps = stream(loaded.model, cache, tail, max_new_tokens=tokens, sampling=sampling, stop_ids=stops,
-                               prefill_chunk=prefill_chunk, timing=timing)
+                               prefill_chunk=prefill_chunk, timing=timing, compile=compile,
+                               stop_check_every=stop_check_interval(loaded.device))
                 first = True
                 for step in inference_steps(steps):
                     if first:
@@ -319,6 +321,9 @@ def summary_line(cache, rows: list[Row], checks, read_tokens: int, read_s: float
     parts.append(f"KV {format_bytes(cache.kv_bytes())} for {cache.budget.slots} slots (a full cache would now hold "
                  f"{format_bytes(cache.full_kv_bytes())})")
     parts.append(f"{cache.tokens_seen()} tokens seen · positions re-numbered {cache.compactions}×")
+    share = evicted_share(cache)
+    if share is not None:
+        parts.append(f"evicted tokens held {percent(share)} of the attention when dropped")
     if count == 1:
         parts.append(checks[0].summary())
     else:
@@ -335,6 +340,9 @@ def summary_line(cache, rows: list[Row], checks, read_tokens: int, read_s: float
 
 def story_record(loaded, cache, budget: str, rows: list[Row], checks, timing: Timing, read_tokens: int,
                  read_s: float, gen_s: float, rate: float, interrupted: bool) -> dict:
+    def parts(row: Row) -> list[tuple[str, int, int]]:
+        return [("opening", 0, read_tokens), ("story", read_tokens, read_tokens + len(row.tokens))]
+
     return {
         "model": loaded.name,
         "budget": budget,
@@ -349,9 +357,11 @@ def story_record(loaded, cache, budget: str, rows: list[Row], checks, timing: Ti
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "interrupted": interrupted,
+        "cache_stats": cache_stats_record(cache, parts(rows[0])),  # parts: the first story's
         "stories": [{"file": str(row.path) if row.path else None, "text": row.text if row.text_parts is not None else None,
-                     "generated_tokens": len(row.tokens), "repetition": check.to_json()}
-                    for row, check in zip(rows, checks)],
+                     "generated_tokens": len(row.tokens), "repetition": check.to_json(),
+                     "held": part_shares(cache, parts(row), index)}
+                    for index, (row, check) in enumerate(zip(rows, checks))],
     }
 
 
