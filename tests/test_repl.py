@@ -239,3 +239,34 @@ def test_a_conversation_file_spoiled_meanwhile_is_not_written_over(loaded, tmp_p
     assert first.read_text() == "{ half a file"
     assert log.path != first and json.loads(log.path.read_text())["messages"][2]["content"] == "more"
     assert "is not valid JSON" in out.getvalue() and log.id in out.getvalue()
+
+
+class HangingUpFile(io.StringIO):
+    """A terminal that closes (SIGHUP) while the reply is written."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.after, self.count = after, 0
+
+    def write(self, text):
+        import os
+        import signal
+
+        if text and not text.startswith(("\n", "[", "note", "(")):
+            self.count += 1
+            if self.count == self.after:
+                os.kill(os.getpid(), signal.SIGHUP)
+        return super().write(text)
+
+
+def test_a_closed_terminal_ends_the_reply_keeps_it_and_leaves(loaded, tmp_path):
+    log = SpyLog(tmp_path)
+    repl, _, code = drive(loaded, ["tell me a long story", "this line is never read", "/bye"], max_new_tokens=40,
+                          file=HangingUpFile(after=3), endless=True, log=log)
+    import signal
+
+    assert code == 128 + signal.SIGHUP
+    kept = json.loads(log.path.read_text())["messages"]
+    assert [m["role"] for m in kept] == ["user", "assistant"] and kept[1]["interrupted"] is True
+    assert kept[1]["content"] and kept[1]["content"] == repl.conv.messages[1]["content"]
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handler was only there for the reply

@@ -288,7 +288,7 @@ def story(
             sys.stdout.write(("" if chat else opening) + row.text + "\n\n")
             sys.stdout.flush()
     err.print(summary_line(cache, rows, checks, total, read_s, gen_s, rate, continue_from is not None, interrupted),
-              style="dim", markup=False, highlight=False)
+              style="dim", markup=False, highlight=False, soft_wrap=True)  # one line, wrapped by the terminal
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
 
