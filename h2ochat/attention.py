@@ -38,7 +38,9 @@ def new_token_mask(batch_size, q_length, kv_length=None, attention_mask=None, **
         return None
     new_tokens = attention_mask[:, -q_length:].to(torch.bool)
     if not bool(new_tokens.all()):
-        if not bool(new_tokens[:, -1].all()):
+        # padding after a real token ends a row: right padding. A row with no real token yet is a chunk
+        # of a long left padding (prefill feeds a prompt in chunks): fine.
+        if bool((~new_tokens[:, -1] & new_tokens.any(dim=1)).any()):
             raise ValueError("right-padded batches are not supported (the last token of a row would be padding): "
                              "pad on the left (tokenizer.padding_side = 'left')")
         return new_tokens

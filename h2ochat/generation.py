@@ -142,6 +142,9 @@ def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
     """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V]."""
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
+    if attention_mask is not None and not bool(attention_mask[:, -1].all()):  # a chunk alone cannot tell
+        raise ValueError("right-padded batches are not supported (the last token of a row is padding): "
+                         "pad on the left (tokenizer.padding_side = 'left')")
     logits = None
     start, total = 0, input_ids.shape[1]
     while start < total:

@@ -32,8 +32,10 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rotary: Rotary) -> None
     """Rotate ``keys`` [B, H, S, D] in place by ``delta`` [B, H, S] positions."""
     dim = rotary.rotary_dim
     half = dim // 2
-    angles = delta.to(torch.float32).unsqueeze(-1) * rotary.inv_freq.to(keys.device)
-    cos, sin = angles.cos(), angles.sin()
+    # angles in float64: an fp32 angle of a move by ~1e5 positions is off by ~1e5 * 2^-24 rad, and
+    # that error adds up over re-numberings (fp16 keys drifted 2x their rounding over 50 of them)
+    angles = delta.to(torch.float64).unsqueeze(-1) * rotary.inv_freq.to(keys.device, torch.float64)
+    cos, sin = angles.cos().to(torch.float32), angles.sin().to(torch.float32)
     part = keys[..., :dim].to(torch.float32)
     first, second = part[..., :half], part[..., half:]
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)

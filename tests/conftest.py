@@ -56,6 +56,26 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed for torch and random (seeds.fresh: H2OCHAT_TEST_SEED replays one), named in the
+    report of a failing test. Modules that import seeds' own ``seed`` fixture get the same seeds."""
+    from seeds import fresh
+
+    value = fresh("test")
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seeds = [value for name, value in item.user_properties if name == "seed"]
+    if report.failed and seeds:
+        report.sections.append(("random seed", f"seed {seeds[-1]}: replay with H2OCHAT_TEST_SEED={seeds[-1]}"))
+    return report
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param

@@ -1,0 +1,137 @@
+"""Property-based tests (hypothesis) of the cache rules against the slow reference of
+tests/test_cache_rules.py, over random shapes: batch 1-3 with left padding, KV groups 1-4, head dims
+8-80, budgets 1-40, prefill chunks and decode steps mixed, every registered policy but random and
+full (their invariants are tested in test_cache_rules) plus knob variants, static shapes or not.
+
+Each example checks at every step: the attention output of every real query row, the tokens each
+(sequence, KV head) keeps, and their scores. Two candidates whose merits tie within float rounding
+(the cache ranks fp32 scores, the reference float64 sums) may be chosen either way: the test then
+checks the tie and follows the cache's choice; anything else must match exactly.
+
+A failure prints hypothesis' falsifying example (the drawn shapes, policy, chunks, padding and the
+seed of the random tensors); ``H2OCHAT_TEST_SEED=N`` fixes hypothesis' own seed to replay a run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from h2ochat.cache import H2OCache
+from h2ochat.policies import POLICIES, get_policy
+
+from test_cache_rules import SlowReference, _drive, _kept
+
+POLICY_SPECS = sorted(name for name in POLICIES if name not in ("random", "full")) + [
+    "h2o:heavy_ratio=0.25",
+    "h2o:heavy_ratio=0",
+    "h2o:value_eps=0.05",
+    "h2o:sinks=2:value_eps=0",
+    "decay:decay=0.5:sinks=1",
+    "mean:sinks=0",
+    "tova:sinks=1",
+    "sink:sinks=1",
+    "h2o:layer_shape=0.5",
+    "decay:layer_shape=-0.4:sinks=1",
+]
+# merits this close are a tie: fp32 sums of a few dozen probabilities carry ~1e-6 relative error
+TIE_RTOL, TIE_ATOL = 1e-4, 1e-6
+
+
+class TieAwareReference(SlowReference):
+    """The slow reference, remembering the candidates of its last choice so a tie can be checked
+    and the cache's side of it followed."""
+
+    def _keep(self, candidates):
+        self.candidates = list(candidates)
+        return super()._keep(candidates)
+
+    def follow(self, kept_tokens: list[int], where: str) -> None:
+        """The cache kept ``kept_tokens`` where this reference kept others: allowed only between
+        unprotected candidates whose merits tie."""
+        mine = {e["token"] for e in self.entries}
+        theirs = set(kept_tokens)
+        by_token = {e["token"]: e for e in self.candidates}
+        assert theirs <= set(by_token), f"{where}: the cache holds tokens that were never candidates"
+        newest = max(by_token)
+        differing = (mine - theirs) | (theirs - mine)
+        for token in differing:
+            assert not (token > newest - self.recent or token < self.sinks), f"{where}: protected token {token} differs"
+        merits = [self._merit(by_token[t], newest) for t in differing]
+        assert not self.policy.oldest_first, f"{where}: kept {sorted(theirs)}, reference {sorted(mine)}"
+        spread = max(merits) - min(merits)
+        assert spread <= TIE_ATOL + TIE_RTOL * max(abs(m) for m in merits), (
+            f"{where}: kept {sorted(theirs)}, reference {sorted(mine)}; merits {merits} do not tie")
+        self.entries = sorted((by_token[t] for t in theirs), key=lambda e: e["token"])
+
+
+def _hypothesis_seed(test):
+    value = os.environ.get("H2OCHAT_TEST_SEED", "").strip()
+    return hypothesis.seed(int(value))(test) if value.isdigit() else test
+
+
+@_hypothesis_seed
+@settings(max_examples=30, deadline=None, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_cache_rules_match_the_slow_reference(data):
+    spec = data.draw(st.sampled_from(POLICY_SPECS), label="policy")
+    policy = get_policy(spec)
+    num_layers = 2 if policy.layer_shape else 1
+    slots = data.draw(st.integers(policy.sinks + 1, 40), label="slots")
+    batch = data.draw(st.integers(1, 3), label="batch")
+    kv_heads = data.draw(st.integers(1, 2), label="kv_heads")
+    group = data.draw(st.integers(1, 4), label="group")
+    head_dim = data.draw(st.integers(8, 80), label="head_dim")
+    total = data.draw(st.integers(1, slots + 24), label="tokens")
+    pads = [data.draw(st.integers(0, min(total - 1, 10)), label=f"padding of row {b}") for b in range(batch)]
+    chunks = []
+    while sum(chunks) < total:
+        prefill_like = data.draw(st.booleans())
+        chunks.append(data.draw(st.integers(1, min(8, total - sum(chunks)))) if prefill_like else 1)
+    static = data.draw(st.booleans(), label="static_shapes")
+    sharpness = data.draw(st.sampled_from([1.0, 3.0]), label="query scale")
+    torch_seed = data.draw(st.integers(0, 2**31 - 1), label="torch seed")
+    generator = torch.Generator().manual_seed(torch_seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    scale = head_dim**-0.5
+    cache = H2OCache(num_layers, policy, slots, max_positions=10_000, static_shapes=static)
+    per_layer = policy.layer_slots(slots, num_layers)
+    refs = [[[TieAwareReference(policy, per_layer[layer]) for _ in range(kv_heads)] for _ in range(batch)]
+            for layer in range(num_layers)]
+    pad = torch.tensor(pads)
+    fed = 0
+    for step, q_len in enumerate(chunks):
+        real = torch.arange(fed, fed + q_len).unsqueeze(0) >= pad.unsqueeze(1)  # [B, Q]
+        new_valid = None if bool(real.all()) else real
+        for layer_idx in range(num_layers):
+            query = randn(batch, kv_heads * group, q_len, head_dim) * sharpness
+            key, value = randn(batch, kv_heads, q_len, head_dim), randn(batch, kv_heads, q_len, head_dim)
+            out = _drive(cache, layer_idx, query, key, value, new_valid, scale)
+            layer = cache.layers[layer_idx]
+            assert layer.capacity == per_layer[layer_idx]
+            for b in range(batch):
+                for h in range(kv_heads):
+                    where = f"step {step} (tokens {fed}..{fed + q_len - 1}) layer {layer_idx} row {b} head {h}"
+                    ref = refs[layer_idx][b][h]
+                    expect = ref.step(query[b, h * group:(h + 1) * group], key[b, h], value[b, h], real[b].tolist(), scale)
+                    rows = real[b]
+                    torch.testing.assert_close(out[b, h][:, rows], expect[:, rows], rtol=1e-4, atol=1e-5,
+                                               msg=lambda m: f"{where}: {m}")
+                    kept = _kept(layer, b, h)
+                    if kept != [e["token"] for e in ref.entries]:
+                        ref.follow(kept, where)
+                    scores = {int(t): float(s) for t, s in zip(layer.token_index[b, h], layer.scores[b, h]) if t >= 0}
+                    for e in ref.entries:
+                        assert scores[e["token"]] == pytest.approx(e["score"], rel=1e-4, abs=1e-5), (
+                            f"{where}: token {e['token']} score {scores[e['token']]} != {e['score']}")
+                    assert len(kept) == min(ref.next_token, per_layer[layer_idx])
+        fed += q_len
