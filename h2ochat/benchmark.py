@@ -10,6 +10,16 @@ Variants, all on the same model weights, at the same batch size and context leng
   context plus the decode steps, so nothing is evicted and nothing grows while timing;
 - ``hf``: stock transformers: the model switched to ``sdpa`` attention with a ``DynamicCache``.
 
+With ``BenchPlan.compile`` (``h2ochat bench --compile``), h2o and slots are also timed with the
+decode step compiled (``h2ochat.compiled``), taking turns with their eager runs; the compilation
+happens in one untimed step before the warm-up and is reported as ``compile_s``.
+
+Launches: one decode step of h2o and of slots runs under ``torch.profiler`` and the report counts
+its top-level operations (an aten op not called from inside another aten op, views included; in a
+compiled step also each fused inductor kernel): per layer inside the attention call (eager only:
+the registered attention function is wrapped in a profiler range for that step), and for the whole
+step divided by the number of layers (embeddings, norms, MLPs and the logits included).
+
 A context of N tokens is built without an N-token prefill: one real token initialises every
 layer's cache, then the slots are filled with random keys and values and the counters set as if
 N tokens had been fed. A decode step costs the same whatever the values it reads, and this keeps
@@ -25,6 +35,8 @@ after PyTorch's OpenMP pool has run hangs the child).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import re
 import statistics
@@ -36,12 +48,15 @@ from typing import Callable, Sequence
 import torch
 
 from .attention import NAME as H2O_ATTENTION
+from .attention import h2o_attention
 from .cache import H2OCache
+from .compiled import CompiledDecode
 from .generation import _cache_argument, forward, max_positions
 from .rotary import find_rotary
 
 VARIANTS = ("h2o", "slots", "full", "hf")
 CAPACITY_VARIANTS = ("h2o", "full", "hf")
+COMPILABLE_VARIANTS = ("h2o", "slots")  # the others grow (full) or are not ours (hf)
 
 
 # -- building a cache that has seen N tokens ---------------------------------------------------------
@@ -159,6 +174,8 @@ class Measurement:
     step_ms: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     peak_memory_growth_bytes: int | None = None  # peak above what the process held before
+    compiled: bool = False  # the decode step ran compiled (h2ochat.compiled)
+    compile_s: float | None = None  # the untimed first compiled step (the compilation, when not cached)
 
     @property
     def median_ms(self) -> float:
@@ -173,6 +190,8 @@ class Measurement:
         out.pop("step_ms")
         out["ms_per_step"] = round(self.median_ms, 3)
         out["decode_tokens_per_s"] = round(self.decode_tokens_per_s, 2)
+        if out["compile_s"] is not None:
+            out["compile_s"] = round(out["compile_s"], 2)
         return out
 
 
@@ -186,32 +205,142 @@ def _kv_bytes_dynamic(cache) -> int:
                for layer in cache.layers)
 
 
+def decode_step(model, cache: H2OCache, compile: bool = False) -> tuple[Callable[[torch.Tensor], object], bool]:
+    """A function feeding one token per row [B, 1] through ``cache``, eager or compiled; and whether
+    it is compiled (a cache the compiled step does not cover runs eagerly)."""
+    if compile:
+        decoder = CompiledDecode(model)
+        if decoder.prepare(cache):
+            return (lambda ids: decoder(cache, ids)), True
+    return (lambda ids: forward(model, cache, ids, logits_to_keep=1)), False
+
+
+def prepared_cache(model, variant: str, tokens: torch.Tensor, *, context: int, slots: int, extra: int, policy,
+                   generator: torch.Generator) -> H2OCache:
+    """A cache of ``variant`` that has seen ``context`` tokens (``tokens`` [B, 1] initialises it)."""
+    cache = build_cache(model, variant, slots, context, extra, policy)
+    forward(model, cache, tokens, logits_to_keep=1)  # allocates every layer's slots
+    fill_synthetic(cache, context, generator)
+    return cache
+
+
 def measure(model, variant: str, *, context: int, batch: int, slots: int, steps: int, warmup: int,
-            memory: PeakMemory, policy="h2o", seed: int = 0) -> Measurement:
+            memory: PeakMemory, policy="h2o", seed: int = 0, compile: bool = False) -> Measurement:
     """Median decode-step latency of ``variant`` at ``batch`` sequences that have seen ``context``
-    tokens, with KV bytes and peak memory."""
+    tokens, with KV bytes and peak memory. ``compile``: h2o and slots run the compiled step, after
+    one untimed step that compiles it (or finds it compiled)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    tokens = torch.randint(0, vocab, (steps + warmup + 1, batch, 1), generator=generator).to(device)
+    first = 2 if compile else 1  # token 0 initialises the cache; token 1 compiles
+    tokens = torch.randint(0, vocab, (steps + warmup + first, batch, 1), generator=generator).to(device)
     memory.reset()
+    compiled, compile_s = False, None
     if variant == "hf":
-        result = _measure_hf(model, tokens, context, generator, warmup)
+        result = _measure_hf(model, tokens[first - 1:], context, generator, warmup)
     else:
-        cache = build_cache(model, variant, slots, context, steps + warmup, policy)
-        forward(model, cache, tokens[0], logits_to_keep=1)  # allocates every layer's slots
-        fill_synthetic(cache, context, generator)
+        cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=len(tokens) - 1,
+                               policy=policy, generator=generator)
+        step, compiled = decode_step(model, cache, compile and variant in COMPILABLE_VARIANTS)
+        if compile:
+            started = time.perf_counter()
+            step(tokens[1])
+            _sync(device)
+            compile_s = time.perf_counter() - started if compiled else None
         step_ms = []
-        for index in range(1, len(tokens)):
+        for index in range(first, len(tokens)):
             _sync(device)
             started = time.perf_counter()
-            forward(model, cache, tokens[index], logits_to_keep=1)
+            step(tokens[index])
             _sync(device)
             step_ms.append((time.perf_counter() - started) * 1000)
         result = (cache.layers[0].capacity, cache.kv_bytes(), step_ms[warmup:])
         del cache
     kv_slots, kv_bytes, step_ms = result
-    return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak(), memory.growth())
+    return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak(), memory.growth(),
+                       compiled, compile_s)
+
+
+# -- launches: operations per decode step ----------------------------------------------------------
+
+ATTENTION_RANGE = "h2ochat::attention"
+
+
+@contextlib.contextmanager
+def attention_ranges():
+    """The registered h2o attention, wrapped in a profiler range (for an eager step: a compiled step
+    traced the plain function, and swapping it would recompile)."""
+    from transformers import AttentionInterface
+
+    def ranged(*args, **kwargs):
+        with torch.profiler.record_function(ATTENTION_RANGE):
+            return h2o_attention(*args, **kwargs)
+
+    AttentionInterface.register(H2O_ATTENTION, ranged)
+    try:
+        yield
+    finally:
+        AttentionInterface.register(H2O_ATTENTION, h2o_attention)
+
+
+def _is_kernel(name: str) -> bool:
+    return name.startswith("aten::") or "cpp_fused" in name or name.startswith("triton_")
+
+
+def count_ops(events, layers: int) -> dict:
+    """Top-level operations in profiler ``events`` of one decode step: aten ops not called from
+    inside another aten op (views included), plus fused inductor kernels (cpp_fused_*/triton_*)."""
+    total, in_attention, ranges = 0, 0, 0
+    names: collections.Counter = collections.Counter()
+    for event in events:
+        if event.name == ATTENTION_RANGE:
+            ranges += 1
+        if not _is_kernel(event.name):
+            continue
+        parent, nested, attention = event.cpu_parent, False, False
+        while parent is not None:
+            if _is_kernel(parent.name):
+                nested = True
+                break
+            attention |= parent.name == ATTENTION_RANGE
+            parent = parent.cpu_parent
+        if nested:
+            continue
+        total += 1
+        names[event.name] += 1
+        in_attention += attention
+    return {
+        "step_ops": total,
+        "step_ops_per_layer": round(total / layers, 1),
+        "attention_ops_per_layer": round(in_attention / ranges, 1) if ranges else None,
+        "most_common": dict(names.most_common(8)),
+    }
+
+
+def profile_ops(model, variant: str, *, context: int, batch: int, slots: int, policy="h2o", compile: bool = False,
+                seed: int = 0) -> dict:
+    """Operations of one decode step of ``variant`` (h2o or slots), counted from torch.profiler."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (3, batch, 1), generator=generator).to(device)
+    cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=2, policy=policy,
+                           generator=generator)
+    step, compiled = decode_step(model, cache, compile)
+    step(tokens[1])  # compiles, or warms up
+    _sync(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with attention_ranges() if not compiled else contextlib.nullcontext():
+        with torch.profiler.profile(activities=activities) as profile:
+            step(tokens[2])
+            _sync(device)
+    layers = model.config.num_hidden_layers
+    counted = count_ops(profile.events(), layers)
+    if device.type == "cuda":
+        kernels = sum(1 for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        counted["device_kernels_per_layer"] = round(kernels / layers, 1)
+    return {"policy": variant, "compiled": compiled, "layers": layers, **counted}
 
 
 def _measure_hf(model, tokens, context, generator, warmup):
@@ -259,26 +388,35 @@ def ideal_speedup(weights: int, per_slot: int, batch: int, context: int, slots: 
     return (weights + per_slot * batch * context) / (weights + per_slot * batch * slots)
 
 
+COMPILED = " compiled"  # the key suffix of a compiled run among a (context, batch)'s measurements
+
+
 def comparison(by_variant: dict[str, Measurement], weights: int, per_slot: int) -> dict:
+    """Ratios at one (context, batch); ``by_variant`` keys are variant names, + COMPILED for compiled runs."""
     h2o = by_variant["h2o"]
 
-    def ratio(name: str, numerator_is_other: bool = True):
-        other = by_variant.get(name)
-        if other is None:
+    def ratio(numerator: str, denominator: str):
+        top, bottom = by_variant.get(numerator), by_variant.get(denominator)
+        if top is None or bottom is None:
             return None
-        value = other.median_ms / h2o.median_ms if numerator_is_other else h2o.median_ms / other.median_ms
-        return round(value, 3)
+        return round(top.median_ms / bottom.median_ms, 3)
 
-    return {
+    out = {
         "context": h2o.context,
         "batch": h2o.batch,
         "kv_slots": h2o.kv_slots,
         "ideal_speedup": round(ideal_speedup(weights, per_slot, h2o.batch, h2o.context, h2o.kv_slots), 3),
-        "speedup_vs_full": ratio("full"),
-        "speedup_vs_hf": ratio("hf"),
-        "bookkeeping_overhead": ratio("slots", numerator_is_other=False),
+        "speedup_vs_full": ratio("full", "h2o"),
+        "speedup_vs_hf": ratio("hf", "h2o"),
+        "bookkeeping_overhead": ratio("h2o", "slots"),
         "kv_share": round(h2o.kv_bytes / (per_slot * h2o.batch * h2o.context), 4),
     }
+    if "h2o" + COMPILED in by_variant:
+        out["bookkeeping_overhead_compiled"] = ratio("h2o" + COMPILED, "slots" + COMPILED)
+        out["compile_speedup"] = ratio("h2o", "h2o" + COMPILED)  # eager ms / compiled ms
+        out["compile_speedup_slots"] = ratio("slots", "slots" + COMPILED)
+        out["speedup_vs_full_compiled"] = ratio("full", "h2o" + COMPILED)
+    return out
 
 
 @dataclass
@@ -294,9 +432,21 @@ class BenchPlan:
     repeats: int = 1  # turns each variant takes at each (context, batch); steps pooled
     variants: Sequence[str] = VARIANTS
     policy: object = "h2o"  # a Policy or a policy spec (name:knob=value)
+    compile: bool = False  # also time h2o and slots with the decode step compiled (h2ochat.compiled)
+    count_ops: bool = True  # profile one decode step of h2o and slots (and compiled) for its operation count
+
+    def runs(self) -> list[tuple[str, bool]]:
+        """(variant, compiled) in the order they take turns at each context and batch."""
+        runs = [(variant, False) for variant in self.variants]
+        if self.compile:
+            runs += [(variant, True) for variant in self.variants if variant in COMPILABLE_VARIANTS]
+        return runs
+
+    def profiled(self) -> list[tuple[str, bool]]:
+        return [(v, c) for v, c in self.runs() if v in COMPILABLE_VARIANTS] if self.count_ops else []
 
     def measurements(self) -> int:
-        count = len(self.contexts) * len(self.batches) * len(self.variants) * self.repeats
+        count = len(self.contexts) * len(self.batches) * len(self.runs()) * self.repeats + len(self.profiled())
         if self.kv_memory:
             count += len(self.contexts) * len([v for v in CAPACITY_VARIANTS if v in self.variants])
         return count
@@ -309,22 +459,32 @@ def capacity_batch(variant: str, *, kv_memory: int, per_slot: int, context: int,
 
 
 def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None) -> dict:
+    # inductor's CPU kernels show in the profiler only when compiled with a record per kernel
+    if not (plan.compile and plan.count_ops):
+        return _run(model, plan, on_measured)
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        return _run(model, plan, on_measured)
+
+
+def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> dict:
     device = next(model.parameters()).device
     memory = PeakMemory(device)
     limit = max_positions(model.config)
-    extra = plan.steps + plan.warmup + 1
+    extra = plan.steps + plan.warmup + 1 + int(plan.compile)  # + the untimed compiling step
     for context in plan.contexts:
         if context + extra > limit:
             raise ValueError(f"--context {context} + {extra} decode steps pass the model's {limit}-position limit")
     weights, per_slot = weight_bytes(model), kv_bytes_per_slot(model)
-    results, comparisons, capacity = [], [], []
+    results, comparisons, capacity, ops = [], [], [], []
 
-    def one(variant, context, batch, steps, warmup):
+    def one(variant, context, batch, steps, warmup, compile=False):
         slots = plan.budget_slots(context)
         measured = measure(model, variant, context=context, batch=batch, slots=slots, steps=steps, warmup=warmup,
-                           memory=memory, policy=plan.policy)
+                           memory=memory, policy=plan.policy, compile=compile)
         if on_measured:
-            on_measured(f"{variant} context {context} batch {batch}")
+            on_measured(f"{variant}{COMPILED if compile else ''} context {context} batch {batch}")
         return measured
 
     for context in plan.contexts:
@@ -332,20 +492,28 @@ def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None
             # variants take turns, so a machine whose load drifts slows them alike
             by_variant: dict[str, Measurement] = {}
             for _ in range(plan.repeats):
-                for variant in plan.variants:
-                    measured = one(variant, context, batch, plan.steps, plan.warmup)
-                    if variant in by_variant:
-                        kept = by_variant[variant]
+                for variant, compiled in plan.runs():
+                    measured = one(variant, context, batch, plan.steps, plan.warmup, compiled)
+                    key = variant + (COMPILED if compiled else "")
+                    if key in by_variant:
+                        kept = by_variant[key]
                         kept.step_ms += measured.step_ms
                         kept.peak_memory_bytes = max(kept.peak_memory_bytes, measured.peak_memory_bytes)
                         if measured.peak_memory_growth_bytes is not None:
                             kept.peak_memory_growth_bytes = max(kept.peak_memory_growth_bytes or 0,
                                                                 measured.peak_memory_growth_bytes)
                     else:
-                        by_variant[variant] = measured
+                        by_variant[key] = measured
             results += [m.record() for m in by_variant.values()]
             if "h2o" in by_variant:
                 comparisons.append(comparison(by_variant, weights, per_slot))
+            if not ops:  # operations per step: once, at the first context and batch (after its timing compiled)
+                for variant, compiled in plan.profiled():
+                    ops.append({"context": context, "batch": batch, **profile_ops(
+                        model, variant, context=context, batch=batch, slots=plan.budget_slots(context),
+                        policy=plan.policy, compile=compiled)})
+                    if on_measured:
+                        on_measured(f"profiled {variant}{COMPILED if compiled else ''}")
         if plan.kv_memory:
             for variant in (v for v in CAPACITY_VARIANTS if v in plan.variants):
                 largest = capacity_batch(variant, kv_memory=plan.kv_memory, per_slot=per_slot, context=context,
@@ -368,6 +536,11 @@ def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None
         "results": results,
         "comparisons": comparisons,
         "capacity": capacity,
+        "ops_per_layer": ops,
+        "ops_counting": ("torch.profiler, one decode step: top-level aten ops (not called from another aten op; "
+                         "views included) plus fused inductor kernels; attention_ops_per_layer: inside the h2o "
+                         "attention call, mean over layers (eager only); step_ops_per_layer: the whole step "
+                         "(embeddings, norms, MLPs, logits, position ids) / layers"),
     }
 
 

@@ -101,6 +101,9 @@ class H2OLayer(CacheLayerMixin):
         self.next_position = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.evicted = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
         self.evicted_share = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
+        # (sequence, head) coordinates of a per-(sequence, head) slot index, for in-place writes
+        self.batch_rows = torch.arange(batch, device=self.device).view(-1, 1)
+        self.head_columns = torch.arange(heads, device=self.device).view(1, -1)
         self.rows = self.owner.row_parameters(self.layer_idx, batch, self.device)
         self.is_initialized = True
 
@@ -114,9 +117,13 @@ class H2OLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return self.seen
+        # inside a compiled decode step nothing uses the answer (positions come from the cache, the
+        # h2o mask function ignores sizes): a constant keeps the per-step counter out of the graph's guards
+        return self.capacity if self.owner.compiled_step else self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.owner.compiled_step:
+            return self.capacity + query_length, 0
         return self.used + query_length, self.seen - self.used
 
     def get_max_length(self) -> int:
@@ -147,19 +154,12 @@ class H2OLayer(CacheLayerMixin):
         if self.owner.grows and self.used + q_len > self.capacity:
             self._grow(self.used + q_len)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
-        span = self.capacity if self.owner.static_shapes else self.used
+        slots = (self.keys, self.values, self.token_index, self.scores)
+        if not self.owner.static_shapes and self.used < self.capacity:
+            slots = tuple(tensor[:, :, : self.used] for tensor in slots)
+        cache_keys, cache_values, token_index, scores = slots
         out, new_scores = kernels.attend_with_scores(
-            grouped,
-            self.keys[:, :, :span],
-            self.values[:, :, :span],
-            self.token_index[:, :, :span],
-            key,
-            value,
-            new_valid,
-            scale,
-            self.scores[:, :, :span],
-            self.rows.decay,
-        )
+            grouped, cache_keys, cache_values, token_index, key, value, new_valid, scale, scores, self.rows.decay)
         self._insert(key, value, new_scores, new_valid)
         return out
 
@@ -181,19 +181,26 @@ class H2OLayer(CacheLayerMixin):
 
     def _insert(self, key, value, new_scores, new_valid) -> None:
         q_len = key.shape[2]
-        token_index, positions, counts = self._new_token_indices(new_valid, q_len)
         value_norm = value.float().norm(dim=-1) if self.value_norm is not None else None
-        used, capacity = self.used, self.capacity
         decoding = q_len == 1 and new_valid is None
+        # (static_shapes is read first: a compiled step must not read, hence guard on, self.used)
+        if decoding and (self.owner.static_shapes or self.used == self.capacity or self.rows.spare_slots):
+            # steady state: the lowest-priority slot of each (sequence, head) is overwritten in place;
+            # an empty slot ranks lowest, so a cache that is not full yet fills its next slot. The new
+            # token's index and position are each row's counters as they stand.
+            self._evict_one(key, value, new_scores[:, :, 0], self.real_seen, self.next_position,
+                            value_norm[:, :, 0] if value_norm is not None else None)
+            self.real_seen += 1
+            self.next_position += 1
+            if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.count_decoded
+                self.used = min(self.used + 1, self.capacity)
+                self.seen += 1
+            return
+        token_index, positions, counts = self._new_token_indices(new_valid, q_len)
+        used, capacity = self.used, self.capacity
         if self.rows.spare_slots and not decoding and used + q_len > self.rows.smallest_slots:
             raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
-        if decoding and (used == capacity or self.owner.static_shapes or self.rows.spare_slots):
-            # steady state: the lowest-priority slot of each (sequence, head) is overwritten in place;
-            # an empty slot ranks lowest, so a cache that is not full yet fills its next slot
-            self.used = min(used + 1, capacity)
-            self._evict_one(key, value, new_scores[:, :, 0], token_index[:, 0], positions[:, 0],
-                            value_norm[:, :, 0] if value_norm is not None else None)
-        elif used + q_len <= capacity:
+        if used + q_len <= capacity:
             end = used + q_len
             self.keys[:, :, used:end] = key
             self.values[:, :, used:end] = value
@@ -220,17 +227,44 @@ class H2OLayer(CacheLayerMixin):
 
     def _evict_one(self, key, value, new_score, token_index, position, value_norm) -> None:
         """Steady decoding: overwrite the lowest-priority slot of each (sequence, head) in place."""
-        fused = self.owner.fused_eviction
+        fused = self.owner.fused_eviction_parameters
         state = (self.keys, self.values, self.scores, self.token_index, self.positions)
         new = (key, value, new_score, token_index, position)
-        mass = self.scores.masked_fill(self.token_index < 0, 0).sum(dim=-1)
-        if fused is not None and not self.rows.spare_slots:
+        # empty and padding slots hold score 0 (no attention ever reaches them), so the mass needs no mask
+        mass = self.scores.sum(dim=-1)
+        if kernels.kernel_backend(self.keys.device) == "torch":
+            # the torch path: the policy's priority (the kernels' rules), then _overwrite_lowest
+            if fused is not None and not self.rows.spare_slots:
+                rank = kernels.slot_rank(self.scores, self.token_index, token_index, self.value_norm, **fused)
+                priority = kernels.keep_priority(rank, self.token_index, token_index, self.rows.recent, self.rows.sinks)
+            else:
+                priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+            dropped, dropped_score = self._overwrite_lowest(priority, *new, value_norm)
+        elif fused is not None and not self.rows.spare_slots:
             dropped, dropped_score = kernels.evict_by_policy(
                 *state, *new, self.value_norm, value_norm, recent=self.rows.recent, sinks=self.rows.sinks, **fused)
         else:
             priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
             dropped, dropped_score = kernels.evict_and_insert(priority, *state, *new, self.value_norm, value_norm)
-        self._count_evictions(dropped >= 0, dropped_score, mass)
+        # _count_evictions for one slot in fewer ops: scores are >= 0, an empty slot dropped held 0 and
+        # a (sequence, head) of mass 0 dropped 0, so neither needs a branch
+        self.evicted += dropped >= 0
+        self.evicted_share += dropped_score / mass.clamp_min(1e-30)
+
+    def _overwrite_lowest(self, priority, key, value, new_score, token_index, position, value_norm):
+        """``h2ochat_kernels.evict_and_insert`` (the lowest priority of each (sequence, head) goes, ties
+        to the lowest slot; returns the token it held and its score) with its writes as index_put_:
+        fewer ops, and an update torch.compile keeps in place where it copies a whole scattered buffer."""
+        where = (self.batch_rows, self.head_columns, priority.argmin(dim=-1))  # each (sequence, head)'s slot
+        dropped, dropped_score = self.token_index[where], self.scores[where]
+        for buffer, new in ((self.keys, key[:, :, 0]), (self.values, value[:, :, 0])):
+            buffer.index_put_(where, new if new.dtype == buffer.dtype else new.to(buffer.dtype))
+        self.scores.index_put_(where, new_score)
+        self.token_index.index_put_(where, token_index.view(-1, 1))  # one per sequence, for all its heads
+        self.positions.index_put_(where, position.view(-1, 1))
+        if self.value_norm is not None:
+            self.value_norm.index_put_(where, value_norm.to(self.value_norm.dtype))
+        return dropped, dropped_score
 
     def _count_evictions(self, evicted: torch.Tensor, dropped_score: torch.Tensor, mass: torch.Tensor) -> None:
         """``evicted`` [B, Hkv] (bool, or a count), ``dropped_score`` their summed score, ``mass`` the
@@ -288,17 +322,25 @@ class H2OLayer(CacheLayerMixin):
         if q_len != 1 or new_valid is not None:
             raise ValueError("a cache without bookkeeping times decode steps only (one token, no padding)")
         kv_heads = key.shape[1]
-        slot = self.used if self.used < self.capacity else self.seen % self.capacity
-        self.keys[:, :, slot] = key[:, :, 0]
-        self.values[:, :, slot] = value[:, :, 0]
-        self.used = min(self.used + 1, self.capacity)
-        self.seen += 1
+        if self.owner.compiled_step or self.used == self.capacity:
+            # full: the oldest slot, found from the token count on the device (no Python int in a compiled step)
+            slot = self.real_seen[:1] % self.capacity
+            self.keys.index_copy_(2, slot, key)
+            self.values.index_copy_(2, slot, value)
+        else:
+            self.keys[:, :, self.used] = key[:, :, 0]
+            self.values[:, :, self.used] = value[:, :, 0]
+        if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.count_decoded
+            self.used = min(self.used + 1, self.capacity)
+            self.seen += 1
         self.real_seen += 1
         self.next_position += 1
         # one new token: the G query heads of a KV group are G query rows over the group's keys
         grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            grouped, self.keys[:, :, : self.used], self.values[:, :, : self.used], scale=scale)
+        keys, values = self.keys, self.values
+        if self.used < self.capacity:
+            keys, values = keys[:, :, : self.used], values[:, :, : self.used]
+        out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, scale=scale)
         return out.unsqueeze(3)
 
     # -- positions ------------------------------------------------------------------------------
@@ -311,8 +353,9 @@ class H2OLayer(CacheLayerMixin):
         if rotary is not None:
             delta = (new_positions - self.positions).masked_fill(~valid, 0)
             rotate_keys(self.keys, delta, rotary)
-        self.positions = new_positions
-        self.next_position = valid[:, 0].sum(dim=-1)
+        # in place: a compiled (CUDA-graph) step keeps reading the same buffers
+        self.positions.copy_(new_positions)
+        self.next_position.copy_(valid[:, 0].sum(dim=-1))
 
     # -- statistics -----------------------------------------------------------------------------
     def protected(self, newest: torch.Tensor | None = None) -> torch.Tensor:
@@ -391,7 +434,11 @@ class H2OCache(Cache):
         self.compactions = 0
         self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
         self.position_bound = 0  # the largest next position over the rows (a host int: no sync)
+        # True while a compiled decode step runs (h2ochat.compiled): the layers' Python counters
+        # (used, seen) wait for count_decoded, so the traced graph reads none that changes per step
+        self.compiled_step = False
         super().__init__(layers=[H2OLayer(self, index) for index in range(num_layers)])
+        self.fused_eviction_parameters = self.fused_eviction  # looked up once, not per layer and step
 
     @classmethod
     def for_rows(cls, num_layers: int, rows: Sequence[RowSpec], **kwargs) -> "H2OCache":
@@ -486,6 +533,13 @@ class H2OCache(Cache):
             )
         self.pending = self.layers[layer_idx]
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def count_decoded(self) -> None:
+        """After a compiled decode step of one token: advance the layers' Python counters as the
+        eager step does (the step itself evicted in place, or wrote the ring's next slot)."""
+        for layer in self.layers:
+            layer.used = min(layer.used + 1, layer.capacity)
+            layer.seen += 1
 
     # -- what the generation loop asks -----------------------------------------------------------
     @property

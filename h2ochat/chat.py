@@ -156,11 +156,13 @@ class Conversation:
     generated token); ``fed_text`` is the rendered text that ``ids + pending`` spell.
     """
 
-    def __init__(self, model, tokenizer, settings: ChatSettings | None = None, *, prefill_chunk: int = 512):
+    def __init__(self, model, tokenizer, settings: ChatSettings | None = None, *, prefill_chunk: int = 512,
+                 compile: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.settings = settings or ChatSettings()
         self.settings.validate()
         self.prefill_chunk = prefill_chunk
+        self.compile = compile  # decode steps through h2ochat.compiled (the cache is reused: exact stops)
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.messages: list[dict] = []
         self.stop_requested = False  # set (by a Ctrl-C handler) to end the reply after this token
@@ -264,7 +266,8 @@ class Conversation:
         try:
             steps = stream(self.model, self.cache, torch.tensor([new_ids], device=self.device),
                            max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
-                           stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing)
+                           stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing,
+                           compile=self.compile)
             for step in inference_steps(steps):
                 generated.append(int(step.tokens[0]))
                 piece = pieces.push(generated[-1])

@@ -24,6 +24,14 @@ from .repetition import RecentTokens
 from .rotary import find_rotary
 
 DEFAULT_PREFILL_CHUNK = 512
+# stream(stop_check_every=...) on an accelerator: tokens generated between two read-backs of the stop
+# check (on the CPU every read is free: each op has finished when it returns)
+STOP_CHECK_EVERY = 8
+
+
+def stop_check_interval(device) -> int:
+    """How often a one-shot generation (nothing reuses its cache) reads the stop check back."""
+    return 1 if torch.device(device).type == "cpu" else STOP_CHECK_EVERY
 
 
 def max_positions(config) -> int:
@@ -237,14 +245,30 @@ def stream(
     stop_ids: set[int] | frozenset[int] = frozenset(),
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     timing: Timing | None = None,
+    compile: bool = False,
+    stop_check_every: int = 1,
 ) -> Iterator[Step]:
     """Prefill ``input_ids`` then generate up to ``max_new_tokens``, yielding each step.
 
     Stops early when every sequence has produced a stop id. The last generated token is not fed
     back (nothing would read its keys), so the cache has seen prompt + generated - 1 tokens.
     A caller that continues the conversation feeds it first.
+
+    ``compile``: decode steps run as one compiled graph (``h2ochat.compiled``; the cache switches
+    to static shapes; caches it does not cover, the random and full policies, stay eager).
+    ``stop_check_every`` = k > 1 reads the stop check back once per k tokens instead of after each
+    one, so the host does not wait for the device between steps: the steps are yielded in bursts of
+    k, the same tokens as with k = 1, but the cache may have been fed up to k - 1 tokens past the
+    last one yielded. Only for a generation whose cache is not reused (generate, story); a chat keeps 1.
     """
     sampling.validate()
+    if stop_check_every < 1:
+        raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
+    decode = None
+    if compile:
+        from .compiled import CompiledDecode
+
+        decode = CompiledDecode(model)
     timing = timing if timing is not None else Timing()
     generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed) if sampling.seed is not None else None
     started = time.perf_counter()
@@ -258,22 +282,42 @@ def stream(
         seen = RecentTokens(input_ids, attention_mask, logits.shape[-1], sampling.repeat_last_n)
     decode_started = time.perf_counter()
     tokens = None
+    held: list[tuple[Step, torch.Tensor]] = []  # steps waiting for the next read-back of the stop check
     for index in range(max_new_tokens):
         if tokens is not None:  # feed the previous token; the last one is never fed
-            logits = forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
+            if decode is not None:
+                logits = decode(cache, tokens)
+            else:
+                logits = forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
         tokens = sample(logits, sampling, generator, seen)
         if seen is not None:
             seen.push(tokens)
-        timing.generated_tokens += 1
         if index == 0:
             decode_started = time.perf_counter()
+            elapsed = timing.decode_s
         else:
-            timing.decode_s = time.perf_counter() - decode_started
-        yield Step(tokens=tokens, index=index, elapsed_s=timing.decode_s)
-        if stops is not None:
-            finished |= torch.isin(tokens, stops)
-            if bool(finished.all()):
-                break
+            elapsed = time.perf_counter() - decode_started
+        step = Step(tokens=tokens, index=index, elapsed_s=elapsed)
+        if stops is None or stop_check_every == 1:
+            timing.generated_tokens += 1
+            timing.decode_s = elapsed
+            yield step
+            if stops is not None:
+                finished |= torch.isin(tokens, stops)
+                if bool(finished.all()):
+                    break
+            continue
+        finished = finished | torch.isin(tokens, stops)  # a new tensor per step: each is read back later
+        held.append((step, finished.all()))
+        if len(held) == stop_check_every or index == max_new_tokens - 1:
+            done = torch.stack([flag for _, flag in held]).tolist()  # one read-back for k steps
+            for (step, _), stop in zip(held, done):
+                timing.generated_tokens += 1
+                timing.decode_s = step.elapsed_s
+                yield step
+                if stop:
+                    return
+            held.clear()
 
 
 class TextStream:

@@ -71,3 +71,9 @@ RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel
     help="Build the model from its configuration (shipped with the aliases marked in `h2ochat models`, or a "
          "directory's config.json) with random weights: no download, for timing (speed does not depend on the "
          "values). Text goes through a byte-level tokenizer and comes out as noise.")]
+
+
+Compile = Annotated[bool, typer.Option("--compile", rich_help_panel=MODEL,
+    help="Compile the decode step with torch.compile (inductor on the CPU, CUDA graphs on a GPU); prefill stays "
+         "eager. The first generated token waits for the compilation (a minute or more on a CPU). The random "
+         "and full policies run eagerly.")]

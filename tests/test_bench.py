@@ -132,3 +132,69 @@ def test_bench_command_refuses_bad_inputs(tiny_checkpoint, args, message):
     last = err.strip().splitlines()[-1]
     assert last.startswith("h2ochat: error:") and message in last
     assert "Traceback" not in out + err
+
+
+# -- launches and the compiled step ------------------------------------------------------------------
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """dynamo's capture without inductor's C++ code generation (minutes per graph on this CPU)."""
+    from h2ochat import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+
+@pytest.mark.parametrize("variant", ["h2o", "slots"])
+def test_compiled_step_equals_eager_after_a_synthetic_context(aot_eager, variant):
+    """The bench's compiled h2o and slots steps (the ring writes at a device-side slot) give the
+    eager logits and the same kept tokens, without recompiling from one step to the next."""
+    model = build_model("llama", seed=0)
+    tokens = random_ids(2, 6).T.unsqueeze(-1)  # [steps, batch, 1]
+    caches, logits = {}, {}
+    for compile in (False, True):
+        generator = torch.Generator().manual_seed(0)
+        cache = bm.prepared_cache(model, variant, tokens[0], context=40, slots=8, extra=6, policy="h2o",
+                                  generator=generator)
+        step, compiled = bm.decode_step(model, cache, compile)
+        assert compiled == compile
+        step(tokens[1])  # compiles (once per variant and shape)
+        with torch._dynamo.config.patch(error_on_recompile=compile):
+            logits[compile] = torch.stack([step(t).reshape(2, -1) for t in tokens[2:]])
+        caches[compile] = cache
+    torch.testing.assert_close(logits[False], logits[True], atol=1e-5, rtol=1e-5)
+    for eager, compiled in zip(caches[False].layers, caches[True].layers):
+        assert torch.equal(eager.token_index.sort(-1).values, compiled.token_index.sort(-1).values)
+        assert (eager.used, eager.seen) == (compiled.used, compiled.seen)
+
+
+def test_ops_per_layer_counted_from_the_profiler():
+    model = build_model("llama")
+    common = dict(context=30, batch=2, slots=8)
+    h2o, slots = bm.profile_ops(model, "h2o", **common), bm.profile_ops(model, "slots", **common)
+    for entry in (h2o, slots):
+        assert entry["layers"] == 2 and not entry["compiled"]
+        assert 0 < entry["attention_ops_per_layer"] < entry["step_ops_per_layer"]
+        assert entry["step_ops"] == pytest.approx(entry["step_ops_per_layer"] * 2, abs=0.1)
+    # the bookkeeping is what h2o runs beyond the ring: scoring, eviction, statistics
+    assert h2o["attention_ops_per_layer"] > 4 * slots["attention_ops_per_layer"]
+    assert h2o["step_ops"] - slots["step_ops"] == pytest.approx(
+        2 * (h2o["attention_ops_per_layer"] - slots["attention_ops_per_layer"]), abs=0.1)
+
+
+def test_bench_command_compile_json(tiny_checkpoint, aot_eager):
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "20", "--batch", "2", "--steps", "2",
+                         "--warmup", "0", "--kv-memory", "0", "--compile", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    runs = {(r["policy"], r["compiled"]) for r in report["results"]}
+    assert runs == {("h2o", False), ("slots", False), ("full", False), ("hf", False), ("h2o", True), ("slots", True)}
+    assert all(r["compile_s"] > 0 for r in report["results"] if r["compiled"])
+    (c,) = report["comparisons"]
+    for key in ("bookkeeping_overhead", "bookkeeping_overhead_compiled", "compile_speedup", "compile_speedup_slots"):
+        assert c[key] > 0
+    ops = {(entry["policy"], entry["compiled"]): entry for entry in report["ops_per_layer"]}
+    assert set(ops) == {("h2o", False), ("slots", False), ("h2o", True), ("slots", True)}
+    assert ops[("h2o", False)]["attention_ops_per_layer"] > ops[("slots", False)]["attention_ops_per_layer"]
+    assert ops[("h2o", True)]["attention_ops_per_layer"] is None  # a compiled step has no per-call range
+    assert "ops_counting" in report
+    assert bm.BenchPlan([20], [2], lambda n: 4, compile=True).compile

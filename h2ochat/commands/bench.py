@@ -46,10 +46,14 @@ def bench(
         help="Untimed decode steps before them.")] = 2,
     repeats: Annotated[int, typer.Option("--repeats", min=1, rich_help_panel=o.CACHE,
         help="Turns each variant takes at each context and batch (interleaved; steps pooled for the median).")] = 1,
+    compile: Annotated[bool, typer.Option("--compile", rich_help_panel=o.MODEL,
+        help="Also time h2o and slots with the decode step compiled (torch.compile), taking turns with their "
+             "eager runs; each new shape compiles once, untimed (minutes on a CPU).")] = False,
     as_json: o.Json = False,
 ):
     """Decode tokens/s, latency and memory: h2o vs its own slots without bookkeeping vs a full
-    cache vs stock transformers, at each context length and batch size, and under a KV memory cap."""
+    cache vs stock transformers, at each context length and batch size, and under a KV memory cap;
+    and the operations one decode step runs per layer (torch.profiler)."""
     contexts = bm.parse_ints(context, "--context")
     batches = bm.parse_ints(batch, "--batch")
     cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
@@ -60,7 +64,8 @@ def bench(
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
         loaded = load(model, device, dtype, random_weights=random_weights)
     plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
-                        steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch, policy=chosen)
+                        steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch, policy=chosen,
+                        compile=compile)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
                   disable=not err.is_terminal) as progress:
@@ -82,19 +87,39 @@ def _print(report: dict) -> None:
     for name in ("context", "batch", "policy", "KV slots", "ms/step", "tokens/s", "KV MiB", "peak MiB"):
         speed.add_column(name, justify="right" if name != "policy" else "left")
     for r in report["results"]:
-        speed.add_row(str(r["context"]), str(r["batch"]), r["policy"], str(r["kv_slots"]), f"{r['ms_per_step']:.1f}",
+        name = r["policy"] + (" compiled" if r.get("compiled") else "")
+        speed.add_row(str(r["context"]), str(r["batch"]), name, str(r["kv_slots"]), f"{r['ms_per_step']:.1f}",
                       f"{r['decode_tokens_per_s']:.1f}", f"{r['kv_bytes'] / MIB:.1f}", _peak(r))
     out.print(speed)
     compare = Table(title="h2o speed-up: ideal (memory-bound byte ratio) vs measured; bookkeeping = h2o / same slots "
                           "without scoring or eviction", title_justify="left")
-    for name in ("context", "batch", "h2o slots", "KV share", "ideal", "vs full", "vs hf", "bookkeeping"):
+    compiled = any("compile_speedup" in c for c in report["comparisons"])
+    columns = ["context", "batch", "h2o slots", "KV share", "ideal", "vs full", "vs hf", "bookkeeping"]
+    if compiled:
+        columns += ["bookkeeping compiled", "compile speed-up h2o", "compile speed-up slots"]
+    for name in columns:
         compare.add_column(name, justify="right")
     fmt = lambda v, suffix="x": "-" if v is None else f"{v:.2f}{suffix}"  # noqa: E731
     for c in report["comparisons"]:
-        compare.add_row(str(c["context"]), str(c["batch"]), str(c["kv_slots"]), f"{c['kv_share']:.3f}",
-                        fmt(c["ideal_speedup"]), fmt(c["speedup_vs_full"]), fmt(c["speedup_vs_hf"]),
-                        fmt(c["bookkeeping_overhead"]))
+        row = [str(c["context"]), str(c["batch"]), str(c["kv_slots"]), f"{c['kv_share']:.3f}",
+               fmt(c["ideal_speedup"]), fmt(c["speedup_vs_full"]), fmt(c["speedup_vs_hf"]),
+               fmt(c["bookkeeping_overhead"])]
+        if compiled:
+            row += [fmt(c.get("bookkeeping_overhead_compiled")), fmt(c.get("compile_speedup")),
+                    fmt(c.get("compile_speedup_slots"))]
+        compare.add_row(*row)
     out.print(compare)
+    if report.get("ops_per_layer"):
+        ops = Table(title="Operations per decode step (torch.profiler: top-level aten ops, views included, and fused "
+                          "inductor kernels)", title_justify="left")
+        for name in ("cache", "in attention, per layer", "whole step, per layer", "whole step"):
+            ops.add_column(name, justify="right" if name != "cache" else "left")
+        for entry in report["ops_per_layer"]:
+            attention = entry["attention_ops_per_layer"]
+            ops.add_row(entry["policy"] + (" compiled" if entry["compiled"] else ""),
+                        "-" if attention is None else f"{attention:g}", f"{entry['step_ops_per_layer']:g}",
+                        str(entry["step_ops"]))
+        out.print(ops)
     if report["capacity"]:
         cap = report["capacity"][0]["kv_memory_bytes"]
         table = Table(title=f"Largest batch whose KV cache fits in {cap / 2**30:.2f} GiB, and its decode throughput",

@@ -12,7 +12,7 @@ import typer
 from .. import options as o
 from ..chat import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
-from ..generation import TextStream, Timing, stream
+from ..generation import TextStream, Timing, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode, read_prompt
 from ..report import run_record
@@ -46,6 +46,7 @@ def generate(
     repetition_penalty: o.RepetitionPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
     as_json: o.Json = False,
+    compile: o.Compile = False,
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)
@@ -62,7 +63,8 @@ def generate(
     interrupted = False
     try:
         for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                           stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing):
+                           stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing, compile=compile,
+                           stop_check_every=stop_check_interval(loaded.device)):
             piece = pieces.push(step.tokens[0])
             if not as_json:
                 sys.stdout.write(piece)

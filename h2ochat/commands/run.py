@@ -79,6 +79,7 @@ def run(
         help="Resume this conversation (an id from `h2ochat history`, or its first characters).")] = None,
     no_history: Annotated[bool, typer.Option("--no-history", rich_help_panel=o.OUTPUT,
         help="Do not keep this conversation (by default every turn is written under the h2ochat home).")] = False,
+    compile: o.Compile = False,
 ):
     """Chat with a model through the H2O cache. /help inside lists the commands."""
     settings = ChatSettings(system=h2ochat_prompts.system_prompt(system) if system else None,
@@ -100,7 +101,7 @@ def run(
     console, err = make_console(), make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype, device_map)
-    conversation = Conversation(loaded.model, loaded.tokenizer, settings, prefill_chunk=prefill_chunk)
+    conversation = Conversation(loaded.model, loaded.tokenizer, settings, prefill_chunk=prefill_chunk, compile=compile)
     if no_history:
         log = None
     elif log is None:

@@ -29,7 +29,7 @@ import h2ochat_prompts
 from .. import options as o
 from ..chat import inference_steps, stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
-from ..generation import Sampling, TextStream, Timing, prefill, stream
+from ..generation import Sampling, TextStream, Timing, prefill, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode
 from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
@@ -175,6 +175,7 @@ def story(
     seed: o.Seed = None,
     repetition_penalty: o.RepetitionPenalty = STORY_REPETITION_PENALTY,
     repeat_last_n: RepeatLastN = STORY_REPEAT_LAST_N,
+    compile: o.Compile = False,
 ):
     """Stream a long story in constant KV memory, with the cache's state live under it."""
     if sum(x is not None for x in (prompt, prompt_file, continue_from)) > 1:
@@ -247,7 +248,8 @@ def story(
                 else:
                     tail = input_ids
                 steps = stream(loaded.model, cache, tail, max_new_tokens=tokens, sampling=sampling, stop_ids=stops,
-                               prefill_chunk=prefill_chunk, timing=timing)
+                               prefill_chunk=prefill_chunk, timing=timing, compile=compile,
+                               stop_check_every=stop_check_interval(loaded.device))
                 first = True
                 for step in inference_steps(steps):
                     if first:
