@@ -19,7 +19,7 @@ from .cache import PositionLimitError
 from .chat import Conversation, ctrl_c_stops
 from .errors import one_line
 from .history import ConversationLog, home, read_conversation, write_atomic
-from .policies import POLICIES, get_policy
+from .policies import POLICIES, describe_policies, get_policy
 
 MULTILINE = '"""'
 EXIT_COMMANDS = ("/bye", "/exit", "/quit")
@@ -266,7 +266,10 @@ class Repl:
 
     def cmd_policy(self, argument: str) -> None:
         if not argument:
-            self.say(f"policy {self.conv.settings.cache.policy}; choose one of {', '.join(POLICIES)}")
+            width = max(len(name) for name, _ in describe_policies())
+            lines = [f"  {name:<{width}}  {summary}" for name, summary in describe_policies()]
+            self.say(f"policy {self.conv.settings.cache.policy}; the policies (knobs may follow: "
+                     "/policy mean:sinks=8):\n" + "\n".join(lines))
             return
         get_policy(argument)
         self.conv.settings.cache.policy = argument

@@ -71,7 +71,7 @@ def by_hand(prompt: int, fed: int, heavy: int = HEAVY, recent: int = RECENT) -> 
 
 def test_generate_json_reports_the_hand_computed_figures(uniform_checkpoint):
     result = CliRunner().invoke(app, ["generate", "the quick brown fox", "--model", str(uniform_checkpoint),
-                                      "--raw", "--json", "--budget", str(SLOTS), "--heavy-ratio", "0.5", "-n", "40"])
+                                      "--raw", "--json", "--budget", str(SLOTS), "--policy", "h2o", "--heavy-ratio", "0.5", "-n", "40"])
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert (record["heavy_slots"], record["recent_slots"], record["sink_slots"]) == (HEAVY, RECENT, 0)
@@ -95,7 +95,7 @@ def test_generate_json_reports_the_hand_computed_figures(uniform_checkpoint):
 def test_cache_view_and_status_line_show_the_hand_computed_figures(uniform_checkpoint):
     loaded = load(str(uniform_checkpoint), device="cpu")
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(
-        temperature=0.0, max_new_tokens=30, cache=CacheSettings(budget="32", heavy_ratio=0.5)))
+        temperature=0.0, max_new_tokens=30, cache=CacheSettings(policy="h2o", budget="32", heavy_ratio=0.5)))
     conv.stop_ids = set()
     out = io.StringIO()
     repl = Repl(conv, make_console(file=out), lambda prompt: "", model_name="tiny")
@@ -120,7 +120,7 @@ def test_cache_view_and_status_line_show_the_hand_computed_figures(uniform_check
 @pytest.mark.parametrize("layers, width", [(40, 80), (80, 80), (80, 120)])
 def test_a_deep_model_fits_the_terminal(layers, width, seed):
     model = build_model("llama", seed=seed, num_hidden_layers=layers)
-    cache = CacheSettings(budget="8").build(model)
+    cache = CacheSettings(policy="h2o", budget="8").build(model)
     for _ in stream(model, cache, random_ids(1, 6), max_new_tokens=12, sampling=Sampling(temperature=1.0, seed=seed)):
         pass
     console = Console(file=io.StringIO(), width=width)  # a terminal that wraps at its width

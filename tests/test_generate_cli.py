@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from h2ochat.budget import parse_budget
+from h2ochat.policies import DEFAULT_POLICY
 from h2ochat.cli import main
 from h2ochat.models import ModelError, bundled_smollm2_gguf, check_memory, resolve
 
@@ -55,7 +56,7 @@ def test_json_contract(tiny_checkpoint):
     for field in ("text", "model", "policy", "budget", "kv_slots", "prompt_tokens", "generated_tokens", "kv_bytes",
                   "full_kv_bytes", "evicted_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes"):
         assert field in record
-    assert record["kv_slots"] == 8 and record["policy"] == "h2o" and record["generated_tokens"] == 40
+    assert record["kv_slots"] == 8 and record["policy"] == DEFAULT_POLICY and record["generated_tokens"] == 40
     layers, kv_heads = 2, 2
     seen = record["prompt_tokens"] + record["generated_tokens"] - 1  # the last token is never fed back
     assert record["evicted_tokens"] == layers * kv_heads * (seen - 8)

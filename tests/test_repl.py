@@ -36,7 +36,7 @@ def loaded(tmp_path_factory):
 def drive(loaded, lines: list[str], history=None, file=None, endless=False, log=None, **settings):
     """Run a REPL over ``lines`` typed into a prompt-toolkit session; returns (repl, output, code)."""
     settings.setdefault("max_new_tokens", 5)
-    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, cache=CacheSettings(budget="32"),
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, cache=CacheSettings(policy="h2o", budget="32"),
                                                                      **settings))
     if endless:
         conv.stop_ids = set()  # replies run to max_new_tokens whatever the random model writes
@@ -59,6 +59,16 @@ def test_slash_commands_change_the_settings_they_name(loaded):
     assert repl.conv.cache.budget.slots == 20 and repl.conv.cache.policy.name == "local"
     assert code == 0
     assert "new cache of 20 slots" in out
+
+
+def test_policy_lists_every_policy_with_its_line_and_takes_knobs(loaded):
+    from h2ochat.policies import POLICIES
+
+    repl, out, _ = drive(loaded, ["/policy", "/policy decay:decay=0.5:sinks=2", "/bye"])
+    listing = out.split("new cache of")[0]
+    for policy in POLICIES.values():
+        assert f"{policy.name}  " in listing and policy.summary in listing
+    assert repl.conv.cache.policy.decay == 0.5 and repl.conv.cache.budget.sinks == 2
 
 
 def test_bad_values_and_unknown_commands_get_one_line(loaded):
