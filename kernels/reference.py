@@ -48,19 +48,21 @@ def attend_with_scores(
     new_scores [B, Hkv, Q] float32: the same column sums for the new tokens).
     """
     batch, kv_heads, group, q_len, head_dim = query.shape
-    rows = query.reshape(batch, kv_heads, group * q_len, head_dim).float()
+    # the scale goes on the queries once, not on both logit blocks
+    rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
 
-    cache_logits = torch.matmul(rows, cache_keys.float().transpose(-1, -2)) * scale
+    cache_logits = torch.matmul(rows, _f32(cache_keys).transpose(-1, -2))
     cache_logits = cache_logits.masked_fill((slot_token_index < 0).unsqueeze(2), _MASKED)
-    new_logits = torch.matmul(rows, new_keys.float().transpose(-1, -2)) * scale
-    new_logits = new_logits.view(batch, kv_heads, group, q_len, q_len)
-    new_logits = new_logits.masked_fill(~_new_key_mask(new_valid, batch, q_len, query.device), _MASKED)
-    new_logits = new_logits.view(batch, kv_heads, group * q_len, q_len)
+    new_logits = torch.matmul(rows, _f32(new_keys).transpose(-1, -2))
+    if q_len > 1 or new_valid is not None:  # one real new token sees itself: nothing to mask
+        new_logits = new_logits.view(batch, kv_heads, group, q_len, q_len)
+        new_logits = new_logits.masked_fill(~_new_key_mask(new_valid, batch, q_len, query.device), _MASKED)
+        new_logits = new_logits.view(batch, kv_heads, group * q_len, q_len)
 
     probs = torch.cat([cache_logits, new_logits], dim=-1).softmax(dim=-1)
     slots = cache_keys.shape[2]
     cache_probs, new_probs = probs[..., :slots], probs[..., slots:]
-    out = torch.matmul(cache_probs, cache_values.float()) + torch.matmul(new_probs, new_values.float())
+    out = torch.matmul(cache_probs, _f32(cache_values)) + torch.matmul(new_probs, _f32(new_values))
 
     weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
     if weights is not None:
@@ -73,7 +75,13 @@ def attend_with_scores(
             scores *= old_score_factor(new_valid, batch, q_len, decay, query.device).view(batch, 1, 1)
     scores += cache_probs.sum(dim=2)
     new_scores = new_probs.sum(dim=2)
-    return out.view(batch, kv_heads, group, q_len, head_dim).to(query.dtype), new_scores
+    out = out.view(batch, kv_heads, group, q_len, head_dim)
+    return (out if out.dtype == query.dtype else out.to(query.dtype)), new_scores
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 view of ``t`` (no op when it already is: every op counts in a CPU decode step)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _is_one(decay) -> bool:
@@ -172,6 +180,8 @@ def protected_slots(slot_token_index: torch.Tensor, newest: torch.Tensor, recent
     first ``sinks`` tokens of the text. ``recent`` and ``sinks`` are ints or [B] tensors."""
     newest = newest.to(slot_token_index.device).view(-1, 1, 1)
     recent_window = slot_token_index > newest - _per_row(recent, slot_token_index)
+    if isinstance(sinks, int) and sinks == 0:
+        return recent_window
     sink = (slot_token_index >= 0) & (slot_token_index < _per_row(sinks, slot_token_index))
     return recent_window | sink
 
