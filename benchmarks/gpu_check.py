@@ -254,40 +254,6 @@ def kernel_bench(report: Report, profile: Profile) -> None:
 
 # -- step 3: decode on the model ----------------------------------------------------------------------
 
-def _cache_device(cache) -> torch.device | None:
-    layers = getattr(cache, "layers", None) or []
-    keys = getattr(layers[0], "keys", None) if layers else None
-    return keys.device if isinstance(keys, torch.Tensor) else None
-
-
-def _fill_on_device(fill):
-    """The benchmark draws a synthetic context's random keys and values with a CPU generator and
-    copies them over: 64 GiB for OPT-6.7B at batch 32 x 4096 tokens would take minutes of CPU time
-    per measurement. Drawn on the cache's device instead (a decode step costs the same whatever the
-    values); CPU caches and device generators pass through untouched."""
-
-    def wrapped(cache, context, generator, *args, **kwargs):
-        device = _cache_device(cache)
-        if device is None or device.type == "cpu" or generator.device.type != "cpu":
-            return fill(cache, context, generator, *args, **kwargs)
-        with torch.device(device):
-            return fill(cache, context, torch.Generator(device).manual_seed(generator.initial_seed()), *args, **kwargs)
-
-    return wrapped
-
-
-@contextmanager
-def synthetic_fill_on_device():
-    originals = {name: getattr(bm, name) for name in ("fill_synthetic", "fill_synthetic_dynamic") if hasattr(bm, name)}
-    for name, fill in originals.items():
-        setattr(bm, name, _fill_on_device(fill))
-    try:
-        yield
-    finally:
-        for name, fill in originals.items():
-            setattr(bm, name, fill)
-
-
 def plan_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(bm.BenchPlan)}
 
@@ -322,8 +288,7 @@ def decode(report: Report, profile: Profile) -> None:
                 entry["skipped"].append(f"{label}: the run's {profile.budget_s}s time limit is near")
                 return None
             try:
-                with synthetic_fill_on_device():
-                    return bm.run(model, bm.BenchPlan(budget_slots=slots, **plan))
+                return bm.run(model, bm.BenchPlan(budget_slots=slots, **plan))
             except Exception as exc:  # out of memory at one point must not lose the rest
                 entry["errors"].append(f"{label}: {first_line(exc)}")
                 return None

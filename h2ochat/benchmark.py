@@ -50,6 +50,7 @@ import torch
 from .attention import NAME as H2O_ATTENTION
 from .attention import h2o_attention
 from .cache import H2OCache
+from .models import kv_bytes
 from .compiled import CompiledDecode
 from .generation import _cache_argument, forward, max_positions
 from .rotary import find_rotary
@@ -73,19 +74,29 @@ def build_cache(model, variant: str, slots: int, context: int, extra: int, polic
                     bookkeeping=variant != "slots", static_shapes=static_shapes)
 
 
+def _drawn_where_used(generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator on ``device``, seeded from ``generator``: a synthetic context is drawn where it
+    lives (drawing 64 GiB of OPT-6.7B keys at batch 32 on the CPU and copying them would take minutes)."""
+    if generator.device == device:
+        return generator
+    return torch.Generator(device).manual_seed(generator.initial_seed())
+
+
 @torch.inference_mode()
 def fill_synthetic(cache: H2OCache, context: int, generator: torch.Generator) -> None:
     """Make an initialised cache look as if ``context`` tokens had been fed: its slots (up to the
     capacity, or ``context`` if fewer) hold random keys/values of the most recent tokens."""
+    generator = _drawn_where_used(generator, cache.layers[0].keys.device)
     for layer in cache.layers:
         held = min(layer.capacity, context)
         batch, heads = layer.keys.shape[:2]
         for buffer in (layer.keys, layer.values):
-            buffer[:, :, :held] = torch.randn(buffer[:, :, :held].shape, generator=generator).to(buffer)
+            part = buffer[:, :, :held]
+            part.copy_(torch.randn(part.shape, generator=generator, device=part.device, dtype=part.dtype))
         tokens = torch.arange(context - held, context, device=layer.keys.device).expand(batch, heads, held)
         layer.token_index[:, :, :held] = tokens
         layer.positions[:, :, :held] = tokens
-        layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator).to(layer.scores)
+        layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator, device=layer.scores.device)
         layer.used, layer.seen = held, context
         layer.real_seen.fill_(context)
         layer.next_position.fill_(context)
@@ -94,11 +105,12 @@ def fill_synthetic(cache: H2OCache, context: int, generator: torch.Generator) ->
 
 def fill_synthetic_dynamic(cache, context: int, generator: torch.Generator) -> None:
     """The same for a transformers ``DynamicCache`` already holding one token per layer."""
+    generator = _drawn_where_used(generator, cache.layers[0].keys.device)
     for layer in cache.layers:
         for name in ("keys", "values"):
             old = getattr(layer, name)
             shape = (*old.shape[:2], context, old.shape[-1])
-            setattr(layer, name, torch.randn(shape, generator=generator).to(old))
+            setattr(layer, name, torch.randn(shape, generator=generator, device=old.device, dtype=old.dtype))
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -372,11 +384,7 @@ def _measure_hf(model, tokens, context, generator, warmup):
 
 def kv_bytes_per_slot(model) -> int:
     """Bytes of keys + values one token takes across all layers and KV heads, for one sequence."""
-    config = model.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = next(model.parameters()).dtype
-    return config.num_hidden_layers * heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+    return kv_bytes(model.config, slots=1, batch=1, dtype=next(model.parameters()).dtype)
 
 
 def weight_bytes(model) -> int:

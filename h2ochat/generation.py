@@ -63,6 +63,13 @@ class CacheSettings:
     def slots(self, config) -> int:
         return parse_budget(self.budget, max_positions(config))
 
+    def kv_slots_needed(self, prefill_chunk: int):
+        """For the memory check before loading: slots per layer a cache of these settings reaches
+        (its budget plus a prompt chunk beside it; the full policy, the whole window), from a config."""
+        if self.resolved_policy().grows:
+            return lambda config: max_positions(config)
+        return lambda config: self.slots(config) + prefill_chunk
+
     def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False) -> H2OCache:
         """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
         config = model.config

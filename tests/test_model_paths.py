@@ -316,7 +316,7 @@ def test_random_weights_from_a_directory_config_generate_the_full_length(tmp_pat
     loaded = models.load(str(tmp_path), "cpu", "float32", random_weights=True)
     assert loaded.params == sum(p.numel() for p in build_model("llama", vocab_size=300).parameters())
     result = CliRunner().invoke(app, ["generate", "hi there", "--model", str(tmp_path), "--random-weights", "-n", "7",
-                                      "--budget", "4", "--json"])
+                                      "--budget", "8", "--json"])
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["prompt_tokens"] == len(b"hi there") and record["generated_tokens"] == 7

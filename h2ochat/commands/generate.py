@@ -36,6 +36,7 @@ def generate(
     policy: o.Policy = o.DEFAULTS["policy"],
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
+    decay: o.Decay = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     max_new_tokens: o.MaxNewTokens = 256,
@@ -50,11 +51,12 @@ def generate(
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
     sampling.validate()
-    loaded = load(model, device, dtype, device_map, random_weights=random_weights)
+    loaded = load(model, device, dtype, device_map, random_weights=random_weights,
+                  kv_slots=settings.kv_slots_needed(prefill_chunk))
     tokenizer = loaded.tokenizer
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
     cache = settings.build(loaded.model)

@@ -62,6 +62,7 @@ def run(
     policy: o.Policy = o.DEFAULTS["policy"],
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
+    decay: o.Decay = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     system: Annotated[Optional[str], typer.Option("--system", "-s", envvar="H2OCHAT_SYSTEM", rich_help_panel=o.SAMPLING,
@@ -86,7 +87,7 @@ def run(
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
                             max_new_tokens=max_new_tokens,
-                            cache=o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed))
+                            cache=o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay))
     settings.validate()  # bad values fail before the model loads
     log, messages = None, []
     if resume_last or conversation_id is not None:
@@ -100,7 +101,7 @@ def run(
         messages = data["messages"]
     console, err = make_console(), make_console(stderr=True)
     with loading(err, model):
-        loaded = load(model, device, dtype, device_map)
+        loaded = load(model, device, dtype, device_map, kv_slots=settings.cache.kv_slots_needed(prefill_chunk))
     conversation = Conversation(loaded.model, loaded.tokenizer, settings, prefill_chunk=prefill_chunk, compile=compile)
     if no_history:
         log = None

@@ -167,6 +167,7 @@ def story(
     policy: o.Policy = o.DEFAULTS["policy"],
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
+    decay: o.Decay = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     temperature: o.Temperature = 0.8,
@@ -196,13 +197,14 @@ def story(
                 check_writable(path)  # before the model loads
     if not opening.strip():
         raise ValueError("the story opening is empty")
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
     sampling.validate()
     err = make_console(stderr=True)
     with loading(err, model):
-        loaded = load(model, device, dtype, device_map)
+        loaded = load(model, device, dtype, device_map, kv_slots=settings.kv_slots_needed(prefill_chunk),
+                      kv_batch=count)
     tokenizer = loaded.tokenizer
     if chat:
         input_ids = encode(tokenizer, f"Write a long story that begins like this:\n\n{opening}", chat=True)
