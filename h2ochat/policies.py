@@ -23,7 +23,7 @@ import torch
 
 import h2ochat_kernels as kernels
 
-DEFAULT_POLICY = "mean"
+DEFAULT_POLICY = "h2o"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
@@ -20,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .cache import H2OCache
+from .policies import protected
 from .chat import TurnResult, evicted_per_head
 from .generation import Timing
 from .report import evicted_share, part_shares
@@ -210,9 +212,11 @@ def token_classes(cache: H2OCache, token_count: int) -> list[str]:
     share = cache.cached_token_share().tolist()
     seen = len(share)
     budget = cache.budget
+    # the policy's own protected set (recent window, sinks), asked of the rule the cache evicts by
+    guarded = protected(torch.arange(seen).view(1, 1, -1), torch.tensor([seen - 1]), budget)[0, 0].tolist()
     classes = []
     for index in range(token_count):
-        if index >= seen or index > seen - 1 - budget.recent or index < budget.sinks or not budget.evicts:
+        if index >= seen or guarded[index] or not budget.evicts:
             classes.append(RECENT if index >= seen or share[index] > 0 else EVICTED)
         elif share[index] >= 0.5:
             classes.append(HEAVY)
