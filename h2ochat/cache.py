@@ -234,11 +234,7 @@ class H2OLayer(CacheLayerMixin):
         mass = self.scores.sum(dim=-1)
         if kernels.kernel_backend(self.keys.device) == "torch":
             # the torch path: the policy's priority (the kernels' rules), then _overwrite_lowest
-            if fused is not None and not self.rows.spare_slots:
-                rank = kernels.slot_rank(self.scores, self.token_index, token_index, self.value_norm, **fused)
-                priority = kernels.keep_priority(rank, self.token_index, token_index, self.rows.recent, self.rows.sinks)
-            else:
-                priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+            priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
             dropped, dropped_score = self._overwrite_lowest(priority, *new, value_norm)
         elif fused is not None and not self.rows.spare_slots:
             dropped, dropped_score = kernels.evict_by_policy(
@@ -438,7 +434,10 @@ class H2OCache(Cache):
         # (used, seen) wait for count_decoded, so the traced graph reads none that changes per step
         self.compiled_step = False
         super().__init__(layers=[H2OLayer(self, index) for index in range(num_layers)])
-        self.fused_eviction_parameters = self.fused_eviction  # looked up once, not per layer and step
+        # the one-launch eviction's parameters, when every row ranks by the same built-in formula
+        # (looked up once, not per layer and step)
+        same_rank = len({repr(r.policy.fused_eviction) for r in self.row_specs}) == 1
+        self.fused_eviction_parameters = self.policy.fused_eviction if same_rank else None
 
     @classmethod
     def for_rows(cls, num_layers: int, rows: Sequence[RowSpec], **kwargs) -> "H2OCache":
@@ -484,12 +483,6 @@ class H2OCache(Cache):
             slots=torch.tensor(slots, device=device) if min(slots) < max(slots) else None,
             smallest_slots=min(slots),
         )
-
-    @property
-    def fused_eviction(self) -> dict | None:
-        """The one-launch eviction's parameters, when every row ranks by the same built-in formula."""
-        found = {repr(r.policy.fused_eviction) for r in self.row_specs}
-        return self.policy.fused_eviction if len(found) == 1 else None
 
     def rank(self, scores, token_index, newest, value_norm, rows: RowParameters) -> torch.Tensor:
         """Each row's merit by its own policy (rows sharing a policy are ranked together)."""
