@@ -50,7 +50,7 @@ def assert_one_line_error(result, *fragments):
 
 def test_json_contract(tiny_checkpoint):
     result = h2ochat("generate", "once upon a time", "--model", str(tiny_checkpoint), "--budget", "8",
-                     "--max-new-tokens", "40", "--json")
+                     "--max-new-tokens", "40", "--json", "--ignore-eos")  # a random model may draw its eos early
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     for field in ("text", "model", "policy", "budget", "kv_slots", "prompt_tokens", "generated_tokens", "kv_bytes",
@@ -62,6 +62,19 @@ def test_json_contract(tiny_checkpoint):
     assert record["evicted_tokens"] == layers * kv_heads * (seen - 8)
     assert record["kv_bytes"] == layers * 8 * kv_heads * 16 * 2 * 4
     assert record["full_kv_bytes"] == layers * seen * kv_heads * 16 * 2 * 4
+
+
+def test_ignore_eos_generates_past_every_stop_token(tmp_path):
+    """A checkpoint whose generation config lists every token as an end token stops after one token;
+    --ignore-eos generates the full -n all the same."""
+    folder = write_checkpoint(tmp_path / "all-stop")
+    config = json.loads((folder / "generation_config.json").read_text())
+    config["eos_token_id"] = list(range(json.loads((folder / "config.json").read_text())["vocab_size"]))
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    args = ("generate", "once upon a time", "--model", str(folder), "--raw", "-n", "9", "--json")
+    stopped = json.loads(h2ochat(*args).stdout)
+    assert stopped["generated_tokens"] == 1
+    assert json.loads(h2ochat(*args, "--ignore-eos").stdout)["generated_tokens"] == 9
 
 
 def test_prompt_from_standard_input_and_greedy_is_deterministic(tiny_checkpoint):

@@ -46,6 +46,8 @@ def generate(
     seed: o.Seed = None,
     repetition_penalty: o.RepetitionPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", rich_help_panel=o.SAMPLING,
+        help="Generate exactly --max-new-tokens tokens: do not stop at end-of-text or end-of-turn tokens.")] = False,
     as_json: o.Json = False,
     compile: o.Compile = False,
 ):
@@ -61,7 +63,8 @@ def generate(
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
     cache = settings.build(loaded.model)
     timing, pieces = Timing(), TextStream(tokenizer)
-    stops = stop_token_ids(tokenizer, loaded.model)  # the same rule as run and story --stop-at-eos
+    # the same rule as run and story --stop-at-eos
+    stops = frozenset() if ignore_eos else stop_token_ids(tokenizer, loaded.model)
     interrupted = False
     try:
         for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
