@@ -55,6 +55,31 @@ class RowSpec:
     seed: int | None = None
 
 
+class CacheShapeError(RuntimeError):
+    """A row state that does not fit the cache it is imported into (a programming error)."""
+
+
+@dataclass
+class RowState:
+    """One batch row's whole cache state (every layer), normally on the host: what a server parks
+    between requests, or moves from a 1-row prefill cache into a row of a batch cache.
+
+    ``layers[i]`` holds layer i's ``H2OLayer.state_tensors()`` for this row: keys/values [Hkv, C, D];
+    scores, token_index, positions, value_norm (if the policy uses it) [Hkv, C]; real_seen,
+    next_position (0-d); evicted, evicted_share [Hkv]."""
+
+    layers: list[dict[str, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+
+    @property
+    def tokens_seen(self) -> int:
+        """Real tokens this row has been fed."""
+        return int(self.layers[0]["real_seen"]) if self.layers else 0
+
+
 @dataclass
 class LayerStats:
     capacity: int  # slots allocated per (sequence, head)
@@ -88,10 +113,14 @@ class H2OLayer(CacheLayerMixin):
     # -- transformers' layer interface -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
-        self.device, self.dtype = key_states.device, key_states.dtype
+        self.allocate(batch, heads, head_dim, value_states.shape[-1], key_states.dtype, key_states.device)
+
+    def allocate(self, batch: int, heads: int, head_dim: int, value_dim: int, dtype, device) -> None:
+        """Empty slots for ``batch`` rows of ``heads`` KV heads (what the first ``update`` does)."""
+        self.device, self.dtype = torch.device(device), dtype
         shape = (batch, heads, self.capacity)
-        self.keys = key_states.new_zeros(*shape, head_dim)
-        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=self.device)
+        self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=self.device)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.value_norm = (torch.zeros(shape, dtype=torch.float32, device=self.device)
                            if self.owner.uses_value_norm else None)
@@ -105,7 +134,22 @@ class H2OLayer(CacheLayerMixin):
         self.batch_rows = torch.arange(batch, device=self.device).view(-1, 1)
         self.head_columns = torch.arange(heads, device=self.device).view(1, -1)
         self.rows = self.owner.row_parameters(self.layer_idx, batch, self.device)
+        self.used = self.seen = 0
         self.is_initialized = True
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor this layer updates in place, by name (first dimension: the batch row). A
+        compiled step's CUDA graph reads and writes exactly these; ``H2OCache.export_row`` copies them."""
+        if not self.is_initialized:
+            return {}
+        names = ("keys", "values", "scores", "token_index", "positions", "value_norm", "real_seen", "next_position",
+                 "evicted", "evicted_share")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def reset_row(self, row: int) -> None:
+        """Empty batch row ``row`` (no tokens, scores and counters 0), leaving the other rows alone."""
+        for name, tensor in self.state_tensors().items():
+            tensor[row] = -1 if name in ("token_index", "positions") else 0
 
     def update(self, key_states, value_states, *args, kwargs: dict | None = None, **_):
         if not self.is_initialized:
@@ -533,6 +577,61 @@ class H2OCache(Cache):
         for layer in self.layers:
             layer.used = min(layer.used + 1, layer.capacity)
             layer.seen += 1
+
+    # -- one batch row at a time ---------------------------------------------------------------------
+    def allocate(self, batch: int, kv_heads: int, head_dim: int, *, dtype, device, value_dim: int | None = None) -> None:
+        """Initialise every layer with empty slots for ``batch`` rows, without a forward."""
+        for layer in self.layers:
+            layer.allocate(batch, kv_heads, head_dim, value_dim or head_dim, dtype, device)
+        self.pending = None
+        self.position_bound = 0
+
+    def export_row(self, row: int, device="cpu") -> RowState:
+        """A copy of batch row ``row``'s state in every layer (on ``device``)."""
+        if not self.initialized:
+            raise CacheShapeError("the cache holds nothing yet: nothing to export")
+        return RowState([{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()}
+                         for layer in self.layers])
+
+    def import_row(self, row: int, state: RowState) -> None:
+        """Overwrite batch row ``row`` with ``state`` (exported from a cache of the same layer count,
+        capacities, heads and dtype), in place: the other rows, mid-generation or not, are untouched
+        and a compiled step's buffers keep their addresses. The row then continues exactly as its
+        own cache would have (until a re-numbering, which every row of a batch takes together)."""
+        if not self.initialized:
+            raise CacheShapeError("allocate the cache (H2OCache.allocate) before importing a row into it")
+        if len(state.layers) != len(self.layers):
+            raise CacheShapeError(f"the row state has {len(state.layers)} layers, the cache {len(self.layers)}")
+        for index, (layer, saved) in enumerate(zip(self.layers, state.layers)):
+            mine = layer.state_tensors()
+            if set(saved) != set(mine):
+                raise CacheShapeError(f"layer {index}: the row state holds {sorted(saved)}, the cache {sorted(mine)}")
+            for name, tensor in mine.items():
+                if saved[name].shape != tensor.shape[1:] or saved[name].dtype != tensor.dtype:
+                    raise CacheShapeError(f"layer {index} {name}: the row state's {tuple(saved[name].shape)} "
+                                          f"{saved[name].dtype} does not fit the cache's {tuple(tensor.shape[1:])} "
+                                          f"{tensor.dtype}")
+        with torch.inference_mode():  # the slots may have been made under inference mode
+            for layer, saved in zip(self.layers, state.layers):
+                for name, tensor in layer.state_tensors().items():
+                    tensor[row].copy_(saved[name])
+        # the host counters: slot columns in use and tokens fed cover every row, so take the larger
+        for layer, saved in zip(self.layers, state.layers):
+            occupied = (saved["token_index"] >= 0).any(dim=0).nonzero()
+            columns = int(occupied.max()) + 1 if occupied.numel() else 0
+            layer.used = max(layer.used, columns)
+            layer.seen = max(layer.seen, int(saved["real_seen"]))
+        self.position_bound = max(self.position_bound, *(int(saved["next_position"]) for saved in state.layers))
+
+    def reset_row(self, row: int) -> None:
+        """Empty batch row ``row`` (no tokens, scores and counters 0) without touching the others."""
+        if not self.initialized:
+            return
+        with torch.inference_mode():
+            for layer in self.layers:
+                layer.reset_row(row)
+        # one read-back (rows are reset rarely): the bound is the largest next position left
+        self.position_bound = max(int(layer.next_position.max()) for layer in self.layers)
 
     # -- what the generation loop asks -----------------------------------------------------------
     @property

@@ -1,0 +1,129 @@
+"""One batch row's cache state moved between caches (``H2OCache.export_row`` / ``import_row`` /
+``reset_row`` / ``allocate``): the contract a server relies on to prefill a request alone and then
+decode it inside a batch of others.
+
+The reference for the moved row is the 1-row cache it came from, continuing alone; the reference
+for the other rows is the same batch run without the import. Every run feeds the same tokens to
+both sides (drawn at random, not sampled from the logits), so a near-tie between two logits cannot
+make the two runs diverge: the logits themselves are compared, within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2ochat.cache import CacheShapeError, H2OCache
+from h2ochat.generation import CacheSettings, forward, prefill
+
+from conftest import build_model, random_ids
+
+BATCH, ROW, SLOTS = 3, 1, 10
+# value_eps: a policy that keeps value norms (one more state tensor); layer_shape: per-layer capacities
+POLICIES = ["h2o", "mean:value_eps=0.05:layer_shape=0.5"]
+
+
+def _batch_mid_generation(model, settings, ids, mask, fed):
+    cache = settings.build(model, static_shapes=True)
+    prefill(model, cache, ids, mask)
+    for column in range(fed.shape[1]):
+        forward(model, cache, fed[:, column:column + 1], logits_to_keep=1)
+    return cache
+
+
+def _held(cache: H2OCache, row: int):
+    """Per layer, the (token, position, score) triples each KV head of ``row`` holds, in token order."""
+    held = []
+    for layer in cache.layers:
+        for head in range(layer.token_index.shape[1]):
+            tokens = layer.token_index[row, head]
+            order = tokens.argsort()
+            order = order[tokens[order] >= 0]
+            held.append((tokens[order], layer.positions[row, head][order], layer.scores[row, head][order]))
+    return held
+
+
+def _assert_same_held(a, b, where):
+    assert len(a) == len(b)
+    for index, ((tokens_a, pos_a, scores_a), (tokens_b, pos_b, scores_b)) in enumerate(zip(a, b)):
+        assert torch.equal(tokens_a, tokens_b), f"{where}: layer/head {index} holds other tokens"
+        assert torch.equal(pos_a, pos_b), f"{where}: layer/head {index} holds other positions"
+        torch.testing.assert_close(scores_a, scores_b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_imported_row_continues_as_its_own_cache_and_leaves_the_others_alone(family, policy, seed):
+    model = build_model(family)
+    settings = CacheSettings(policy=policy, budget=str(SLOTS))
+    ids, mask = random_ids(BATCH, 12), torch.ones(BATCH, 12, dtype=torch.long)
+    mask[0, :4] = 0
+    mask[2, :2] = 0
+    fed = random_ids(BATCH, 3)
+    base = _batch_mid_generation(model, settings, ids, mask, fed)
+    target = _batch_mid_generation(model, settings, ids, mask, fed)
+    # the row to move: a longer prompt than the others have seen, prefilled alone (past its budget)
+    single = settings.build(model)
+    prefill(model, single, random_ids(1, 20))
+    state = single.export_row(0)
+    assert state.tokens_seen == 20 and state.nbytes > 0
+    assert all(t.device.type == "cpu" for layer in state.layers for t in layer.values())
+    target.import_row(ROW, state)
+    assert target.position_bound == max(int(layer.next_position.max()) for layer in target.layers) == 20
+    _assert_same_held(_held(target, ROW), _held(single, 0), "after the import")
+
+    steps = random_ids(BATCH, 8)
+    others = [row for row in range(BATCH) if row != ROW]
+    for step in range(steps.shape[1]):
+        tokens = steps[:, step:step + 1]
+        got = forward(model, target, tokens, logits_to_keep=1)[:, -1]
+        alone = forward(model, single, tokens[ROW:ROW + 1], logits_to_keep=1)[:, -1]
+        untouched = forward(model, base, tokens, logits_to_keep=1)[:, -1]
+        torch.testing.assert_close(got[ROW:ROW + 1], alone, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(got[others], untouched[others], rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"step {step}, other rows: {m}")
+    assert single.evicted_tokens() > 0  # the moved row kept evicting in the batch as it would alone
+    _assert_same_held(_held(target, ROW), _held(single, 0), "after decoding")
+    for row in others:
+        _assert_same_held(_held(target, row), _held(base, row), f"row {row}")
+
+
+def test_allocate_then_import_into_a_one_row_cache_and_reset_a_row(seed):
+    model = build_model("llama")
+    settings = CacheSettings(policy="h2o", budget=str(SLOTS))
+    ids = random_ids(BATCH, 14)
+    batch = settings.build(model, static_shapes=True)
+    prefill(model, batch, ids)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    alone = settings.build(model)
+    alone.allocate(1, config.num_key_value_heads, head_dim, dtype=torch.float32, device="cpu")
+    assert alone.initialized and alone.tokens_seen() == 0
+    alone.import_row(0, batch.export_row(ROW))
+    assert alone.tokens_seen() == 14 and alone.position_bound == 14
+    for step in range(4):
+        token = random_ids(BATCH, 1)
+        got = forward(model, batch, token, logits_to_keep=1)[:, -1]
+        want = forward(model, alone, token[ROW:ROW + 1], logits_to_keep=1)[:, -1]
+        torch.testing.assert_close(got[ROW:ROW + 1], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+
+    before = {row: batch.export_row(row) for row in range(BATCH)}
+    batch.reset_row(ROW)
+    empty = settings.build(model)
+    empty.allocate(1, config.num_key_value_heads, head_dim, dtype=torch.float32, device="cpu")
+    for row in range(BATCH):
+        want = empty.export_row(0) if row == ROW else before[row]
+        for got_layer, want_layer in zip(batch.export_row(row).layers, want.layers):
+            for name, tensor in want_layer.items():
+                assert torch.equal(got_layer[name], tensor), f"row {row} {name}"
+
+
+def test_a_row_state_that_does_not_fit_is_refused(seed):
+    model = build_model("llama")
+    small = CacheSettings(policy="h2o", budget="6").build(model)
+    prefill(model, small, random_ids(1, 8))
+    other = CacheSettings(policy="h2o", budget="8").build(model)
+    prefill(model, other, random_ids(1, 8))
+    with pytest.raises(CacheShapeError, match="does not fit"):
+        other.import_row(0, small.export_row(0))
+    with pytest.raises(CacheShapeError, match="allocate"):
+        CacheSettings(policy="h2o", budget="6").build(model).import_row(0, small.export_row(0))
