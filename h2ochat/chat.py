@@ -14,13 +14,15 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Callable, Iterator, get_args, get_type_hints
 
 import torch
 
 from .cache import H2OCache
-from .generation import CacheSettings, Sampling, TextStream, Timing, max_positions, prefill, stream
+from .detokenize import CONTEXT_IDS, TextStream
+from .errors import UserError, user_input
+from .generation import CacheSettings, Sampling, Timing, max_positions, prefill, stream
 from .prompting import has_chat_template
 
 FORMAT_VERSION = 1
@@ -28,29 +30,32 @@ FORMAT_VERSION = 1
 # tokens that end an assistant turn in common chat templates, besides the tokenizer's eos
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
-# what `/set NAME VALUE` accepts: canonical name -> (parser, aliases)
-_SETTABLE: dict[str, tuple[Callable[[str], object], tuple[str, ...]]] = {
-    "temperature": (float, ("temp", "t")),
-    "top_p": (float, ("top-p", "topp")),
-    "top_k": (int, ("top-k", "topk")),
-    "repetition_penalty": (float, ("repetition-penalty", "repeat_penalty", "repeat-penalty")),
-    "repeat_last_n": (int, ("repeat-last-n", "last_n", "last-n")),
-    "seed": (lambda v: None if v.lower() in ("none", "off", "random") else int(v), ()),
-    "max_new_tokens": (int, ("max-new-tokens", "max_tokens", "max-tokens", "num_predict")),
-    "system": (str, ("system_prompt",)),
-    "heavy_ratio": (float, ("heavy-ratio",)),
+# extra names `/set` accepts besides each field's own (and its spelling with dashes)
+ALIASES: dict[str, tuple[str, ...]] = {
+    "temperature": ("temp", "t"),
+    "top_p": ("topp",),
+    "top_k": ("topk",),
+    "repetition_penalty": ("repeat_penalty", "repeat-penalty"),
+    "repeat_last_n": ("last_n", "last-n"),
+    "max_new_tokens": ("max_tokens", "max-tokens", "num_predict"),
+    "system": ("system_prompt",),
 }
+NONE_WORDS = ("none", "off", "default", "random", "")
 
 
 @dataclass
 class ChatSettings:
-    """Everything that shapes a reply; saved with the conversation."""
+    """Everything that shapes a reply; saved with the conversation.
+
+    The list of settings is this class's fields and CacheSettings' (see ``SETTINGS``): `/set`,
+    its listing, the conversation file and `run --continue`'s overrides all derive from them, so
+    a new field is wired everywhere or a test says where it is not."""
 
     system: str | None = None
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
-    seed: int | None = None
+    seed: int | None = None  # the sampling's seed; the cache's (random policy) follows it
     repetition_penalty: float = 1.0
     repeat_last_n: int = 64  # the penalty looks at this many recent tokens (0 = the whole text)
     max_new_tokens: int = 512
@@ -61,47 +66,107 @@ class ChatSettings:
                         repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n)
 
     def validate(self) -> None:
-        self.sampling().validate()
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        self.cache.validate()
+        """Refuse bad values (a UserError in one line); the budget against a model's context
+        window is checked by ``check_fits``."""
+        with user_input():
+            self.sampling().validate()
+            if self.max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+            self.cache.validate()
 
-    def set(self, name: str, value: str) -> str:
-        """Change one setting from text (``/set temperature 0.7``); returns its canonical name.
-        Raises ValueError, leaving the settings as they were, for an unknown name or bad value."""
-        key = name.strip().lower()
-        canonical = next((k for k, (_, aliases) in _SETTABLE.items() if key == k or key in aliases), None)
-        if canonical is None:
-            raise ValueError(f"cannot set {name!r}; settable: {', '.join(_SETTABLE)}")
-        parser = _SETTABLE[canonical][0]
+    def copy(self) -> "ChatSettings":
+        return replace(self, cache=replace(self.cache))
+
+    def get(self, name: str):
+        return getattr(self.cache if SETTINGS[name].on_cache else self, name)
+
+    def with_value(self, name: str, value: str) -> tuple["ChatSettings", str]:
+        """A copy with one setting changed from text (``/set temperature 0.7``) and the setting's
+        canonical name; self is left as it is. UserError for an unknown name or a bad value."""
+        setting = find_setting(name)
         try:
-            parsed = parser(value.strip())
+            parsed = setting.parse(value.strip())
         except ValueError:
-            raise ValueError(f"{canonical} needs a {parser.__name__ if parser in (int, float) else 'valid'} value, "
-                             f"got {value.strip()!r}") from None
-        if canonical == "system":
-            parsed = parsed or None
-        target = self.cache if canonical == "heavy_ratio" else self
-        old = getattr(target, canonical)
-        setattr(target, canonical, parsed)
-        try:
-            self.validate()
-        except ValueError:
-            setattr(target, canonical, old)
-            raise
-        return canonical
+            raise UserError(f"{setting.name} needs {setting.kind} value, got {value.strip()!r}") from None
+        changed = self.copy()
+        setattr(changed.cache if setting.on_cache else changed, setting.name, parsed)
+        if setting.name == "seed":  # one seed: sampling and the random policy
+            changed.cache.seed = parsed
+        changed.validate()
+        return changed, setting.name
+
+    def listing(self) -> list[tuple[str, object]]:
+        """Every setting and its value, in field order (what `/set` alone shows)."""
+        return [(name, self.get(name)) for name in SETTINGS]
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> "ChatSettings":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "cache"}
-        cache_fields = CacheSettings.__dataclass_fields__
-        cache = CacheSettings(**{k: v for k, v in (data.get("cache") or {}).items() if k in cache_fields})
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "cache"}
+        names = {f.name for f in fields(CacheSettings)}
+        cache = CacheSettings(**{k: v for k, v in (data.get("cache") or {}).items() if k in names})
         settings = cls(**known, cache=cache)
         settings.validate()
         return settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as `/set` and `run --continue` see it."""
+
+    name: str
+    on_cache: bool  # a field of ChatSettings.cache (changing it means a new cache)
+    type: type
+    optional: bool  # None is a value ("default", "off")
+
+    @property
+    def kind(self) -> str:
+        return {int: "an integer", float: "a number"}.get(self.type, "a")
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return (self.name.replace("_", "-"), *ALIASES.get(self.name, ()))
+
+    def parse(self, text: str):
+        if self.optional and text.lower() in NONE_WORDS:
+            return None
+        return self.type(text)
+
+
+def _settings_from_fields() -> dict[str, Setting]:
+    table: dict[str, Setting] = {}
+    for owner, on_cache in ((ChatSettings, False), (CacheSettings, True)):
+        hints = get_type_hints(owner)
+        for f in fields(owner):
+            if f.name == "cache" or f.name in table:  # the cache's seed follows the sampling's
+                continue
+            kinds = [t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+            table[f.name] = Setting(f.name, on_cache, kinds[0], type(None) in get_args(hints[f.name]))
+    return table
+
+
+SETTINGS: dict[str, Setting] = _settings_from_fields()
+
+
+def find_setting(name: str) -> Setting:
+    key = name.strip().lower()
+    for setting in SETTINGS.values():
+        if key == setting.name or key in setting.aliases:
+            return setting
+    raise UserError(f"cannot set {name!r}; settable: {', '.join(SETTINGS)}")
+
+
+def check_fits(settings: CacheSettings, model) -> None:
+    """The cache settings against this model's real limits (its context window, its depth), before
+    anything is built or dropped: a UserError in one line when they do not fit."""
+    with user_input():
+        settings.validate()
+        slots = settings.slots(model.config)
+        policy = settings.resolved_policy()
+        policy.split(slots)
+        policy.layer_budgets(slots, model.config.num_hidden_layers)
 
 
 @dataclass
@@ -161,6 +226,7 @@ class Conversation:
         self.model, self.tokenizer = model, tokenizer
         self.settings = settings or ChatSettings()
         self.settings.validate()
+        check_fits(self.settings.cache, model)
         self.prefill_chunk = prefill_chunk
         self.compile = compile  # decode steps through h2ochat.compiled (the cache is reused: exact stops)
         self.stop_ids = stop_token_ids(tokenizer, model)
@@ -169,18 +235,22 @@ class Conversation:
         self.hangup: int | None = None  # the signal (SIGHUP, SIGTERM) that ended the session mid-reply
         self.current: Timing | None = None  # the turn being generated, for live statistics
         self._hard_stop = False  # Ctrl-C twice: the last forward may have been cut half-way
+        self._quiet_refeed = False  # the next full re-read is expected (a base model's reply was cut)
         self.warned: set[str] = set()  # eviction notices already given (once per conversation)
         self._new_cache()
 
     # -- state ------------------------------------------------------------------------------------
     def _new_cache(self) -> None:
-        self.cache = self.settings.cache.build(self.model)
-        self.ids: list[int] = []
+        self._install(self.settings.cache.build(self.model), [], "", [])
+
+    def _install(self, cache: H2OCache, ids: list[int], fed_text: str, turn_starts: list[int]) -> None:
+        self.cache = cache
+        self.ids: list[int] = ids
         self.pending: list[int] = []
-        self.fed_text = ""
+        self.fed_text = fed_text
         # token index where each turn (user message + reply) starts; before the first: the system
         # prompt and the template's header. Feeds /cache's per-part figures and the eviction notes.
-        self.turn_starts: list[int] = []
+        self.turn_starts: list[int] = turn_starts
 
     @property
     def device(self) -> torch.device:
@@ -197,40 +267,53 @@ class Conversation:
         self._new_cache()
 
     def rebuild(self) -> int:
-        """A fresh cache with the current cache settings, fed the whole conversation again.
+        """A fresh cache with the current settings, fed the whole conversation again.
         Returns the number of tokens re-fed."""
-        self.cache.layers.clear()  # let the old slots go before the new ones are allocated
-        self._new_cache()
-        if not self.messages:
-            return 0
-        text = self.render(add_generation_prompt=False)
+        return self.reconfigure(self.settings)
+
+    def reconfigure(self, settings: ChatSettings, messages: list[dict] | None = None) -> int:
+        """Go on with ``settings`` (and ``messages``, when given): a new cache fed the whole
+        conversation. All or nothing: the settings are checked against the model, and the new
+        cache is built and fed, before anything of the current conversation is dropped; a failure
+        leaves the conversation exactly as it was. Returns the number of tokens fed."""
+        settings.validate()
+        check_fits(settings.cache, self.model)
+        messages = self.messages if messages is None else [dict(m) for m in messages]
+        cache = settings.cache.build(self.model)
+        text = self.render(add_generation_prompt=False, messages=messages, settings=settings) if messages else ""
         ids = self.encode(text)
         if ids:
             with torch.inference_mode():
-                prefill(self.model, self.cache, torch.tensor([ids], device=self.device), chunk=self.prefill_chunk)
-        self.ids, self.fed_text = ids, text
-        self._mark_turns(text)
+                prefill(self.model, cache, torch.tensor([ids], device=self.device), chunk=self.prefill_chunk)
+        starts = self._turn_starts(text, messages)
+        if messages is not self.messages:
+            self.warned = set()
+        self.settings, self.messages = settings, messages
+        self._install(cache, ids, text, starts)
         return len(ids)
 
     # -- templates --------------------------------------------------------------------------------
-    def chat_messages(self) -> list[dict]:
-        system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        return system + [{"role": m["role"], "content": m["content"]} for m in self.messages]
+    def chat_messages(self, messages: list[dict] | None = None, settings: ChatSettings | None = None) -> list[dict]:
+        messages = self.messages if messages is None else messages
+        system = (settings or self.settings).system
+        return ([{"role": "system", "content": system}] if system else []) + [
+            {"role": m["role"], "content": m["content"]} for m in messages]
 
     @property
     def plain_transcript(self) -> bool:
         """No chat template: the conversation is rendered as a 'User: / Assistant:' transcript."""
         return not has_chat_template(self.tokenizer)
 
-    def render(self, add_generation_prompt: bool) -> str:
-        messages = self.chat_messages()
+    def render(self, add_generation_prompt: bool, messages: list[dict] | None = None,
+               settings: ChatSettings | None = None) -> str:
+        chat = self.chat_messages(messages, settings)
         if not self.plain_transcript:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            return self.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         # base models: a plain transcript they can continue
         # "Assistant:" without a space: the model writes its own leading space, as after the prompt
         names = {"system": "", "user": "User: ", "assistant": "Assistant:"}
-        text = "".join(f"{names.get(m['role'], m['role'] + ': ')}{m['content']}\n\n" for m in messages)
+        text = "".join(f"{names.get(m['role'], m['role'] + ': ')}{m['content']}\n\n" for m in chat)
         return text + ("Assistant:" if add_generation_prompt else "")
 
     def encode(self, text: str) -> list[int]:
@@ -242,44 +325,46 @@ class Conversation:
         """Add a user message and generate the reply, streaming text pieces to ``on_piece``.
 
         Ends early, keeping the partial reply (marked interrupted), when ``stop_requested`` is set
-        or KeyboardInterrupt is raised (by ``on_piece`` or a Ctrl-C handler).
+        or KeyboardInterrupt is raised (by ``on_piece`` or a Ctrl-C handler), during the prompt's
+        reading too (between its chunks). A failure leaves no trace of the turn in the messages.
         """
         settings = self.settings
         notices: list[str] = []
-        self.messages.append({"role": "user", "content": user_text})
-        target = self.render(add_generation_prompt=True)
-        if self.fed_text and target.startswith(self.fed_text):
-            new_ids = self.pending + self.encode(target[len(self.fed_text):])
-            self.turn_starts.append(len(self.ids) + len(self.pending))  # the pending token ends the last reply
-        else:
-            if self.ids:
-                notices.append("feeding the whole conversation again into a fresh cache (its start changed or a reply was cut mid-step)")
-            self.cache.layers.clear()
-            self._new_cache()
-            new_ids = self.encode(target)
-            self._mark_turns(target)
-        base = len(self.ids)
-        evicted_before = evicted_per_head(self.cache)
-        timing, pieces, generated = Timing(), TextStream(self.tokenizer), []
+        timing, generated = Timing(), []
         self.current, self.stop_requested, interrupted = timing, False, False
         self._hard_stop = False
+        self.messages.append({"role": "user", "content": user_text})
         try:
+            target = self.render(add_generation_prompt=True)
+            if self.fed_text and target.startswith(self.fed_text):
+                new_ids = self.pending + self.encode(target[len(self.fed_text):])
+                self.turn_starts.append(len(self.ids) + len(self.pending))  # the pending token ends the last reply
+            else:
+                if self.ids and not self._quiet_refeed:
+                    notices.append("feeding the whole conversation again into a fresh cache (its start changed "
+                                   "or a reply was cut mid-step)")
+                self._install(self.settings.cache.build(self.model), [], "", self._turn_starts(target))
+                new_ids = self.encode(target)
+            self._quiet_refeed = False
+            base = len(self.ids)
+            evicted_before = evicted_per_head(self.cache)
+            pieces = TextStream(self.tokenizer, context=(self.ids + new_ids)[-CONTEXT_IDS:])
+            reply = ReplyText(STOP_MARK if self.plain_transcript else None, on_piece)
             steps = stream(self.model, self.cache, torch.tensor([new_ids], device=self.device),
                            max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
                            stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing,
-                           compile=self.compile)
-            for step in inference_steps(steps):
-                generated.append(int(step.tokens[0]))
-                piece = pieces.push(generated[-1])
-                if on_piece is not None and piece:
-                    on_piece(piece)
-                if self.stop_requested:
-                    interrupted = True
-                    break
-                if self.plain_transcript and "\nUser:" in pieces.text:
-                    break  # a base model starts writing the user's part: the reply is over
-        except KeyboardInterrupt:
-            interrupted = True
+                           compile=self.compile, should_stop=lambda: self.stop_requested)
+            try:
+                for step in inference_steps(steps):
+                    generated.append(int(step.tokens[0]))
+                    if reply.add(pieces.push(generated[-1])):
+                        break  # a base model starts writing the user's part: the reply is over
+                    if self.stop_requested:
+                        interrupted = True
+                        break
+            except KeyboardInterrupt:
+                interrupted = True
+            reply.finish()
         except Exception:
             # a failed turn leaves no trace but forces the next one to start from a fresh cache
             self.messages.pop()
@@ -293,12 +378,15 @@ class Conversation:
         body = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
         content = self.tokenizer.decode(body, skip_special_tokens=False)
         self._account(base, new_ids + body, target + content)
-        reply = {"role": "assistant", "content": content}
+        if reply.stopped:  # the cache read past the reply's end: the next turn reads it all again
+            content = content[: content.find(STOP_MARK)] if STOP_MARK in content else reply.text
+            self.fed_text, self._quiet_refeed = "", True
+        message = {"role": "assistant", "content": content}
         if interrupted:
-            reply["interrupted"] = True
-        self.messages.append(reply)
+            message["interrupted"] = True
+        self.messages.append(message)
         notices += self.eviction_notices()
-        return TurnResult(pieces.text, interrupted, timing, evicted_per_head(self.cache) - evicted_before, notices)
+        return TurnResult(reply.text, interrupted, timing, evicted_per_head(self.cache) - evicted_before, notices)
 
     def _account(self, base: int, tokens: list[int], text: str) -> None:
         """Record what the cache now holds after feeding (part of) ``tokens`` on top of ``base``."""
@@ -312,24 +400,17 @@ class Conversation:
         self.pending = tokens[fed:]
         self.fed_text = text
 
-    def _mark_turns(self, text: str) -> None:
+    def _turn_starts(self, text: str, messages: list[dict] | None = None) -> list[int]:
         """Where each turn starts, in tokens, for a conversation fed whole as ``text``: the first
         after the system prompt and header, each later one where the messages before it end."""
-        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
-        self.turn_starts = []
+        messages = self.messages if messages is None else messages
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if not users:
-            return
-        at = text.find(self.messages[users[0]]["content"])
-        self.turn_starts.append(len(self.encode(text[:at])) if at > 0 else 0)
-        self.turn_starts += [len(self.encode(self.render_prefix(i))) for i in users[1:]]
-
-    def render_prefix(self, count: int) -> str:
-        saved = self.messages
-        try:
-            self.messages = saved[:count]
-            return self.render(add_generation_prompt=False)
-        finally:
-            self.messages = saved
+            return []
+        at = text.find(messages[users[0]]["content"])
+        starts = [len(self.encode(text[:at])) if at > 0 else 0]
+        return starts + [len(self.encode(self.render(add_generation_prompt=False, messages=messages[:i])))
+                         for i in users[1:]]
 
     def parts(self) -> list[tuple[str, int, int]]:
         """The conversation's parts as (name, first token, end token): the system prompt (with the
@@ -370,17 +451,63 @@ class Conversation:
                 "settings": self.settings.to_json(), "messages": [dict(m) for m in self.messages]}
 
     def load_json(self, data: dict) -> int:
-        """Replace messages and settings with a saved conversation; returns tokens re-fed."""
+        """Replace messages and settings with a saved conversation; returns tokens re-fed.
+        All or nothing, as ``reconfigure``."""
         if not isinstance(data, dict) or data.get("format") != "h2ochat-conversation":
-            raise ValueError("not an h2ochat conversation file")
+            raise UserError("not an h2ochat conversation file")
         messages = data.get("messages")
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
-            raise ValueError("the conversation file has no valid message list")
-        settings = ChatSettings.from_json(data.get("settings") or {})
-        self.settings, self.messages = settings, [dict(m) for m in messages]
-        return self.rebuild()
+            raise UserError("the conversation file has no valid message list")
+        return self.reconfigure(ChatSettings.from_json(data.get("settings") or {}), messages)
+
+
+STOP_MARK = "\nUser:"  # where a base model (plain transcript) starts writing the user's next turn
+
+
+class ReplyText:
+    """The reply's text as it streams: pieces go to ``on_piece``, except that with a ``stop_mark``
+    the text that may be its start is held back until it is known not to be, and the mark itself
+    (with what follows) is never shown or kept."""
+
+    def __init__(self, stop_mark: str | None, on_piece: Callable[[str], None] | None):
+        self.stop_mark, self.on_piece = stop_mark, on_piece
+        self.streamed = ""  # all text so far
+        self.shown = 0  # characters of it passed to on_piece
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        return self.streamed[: self.shown] if self.stopped else self.streamed
+
+    def _show(self, end: int) -> None:
+        if end > self.shown and self.on_piece is not None:
+            self.on_piece(self.streamed[self.shown : end])
+        self.shown = max(self.shown, end)
+
+    def add(self, piece: str) -> bool:
+        """Take a piece; True when the stop mark has appeared (the reply ends before it)."""
+        if not piece:
+            return False
+        self.streamed += piece
+        if self.stop_mark is None:
+            self._show(len(self.streamed))
+            return False
+        at = self.streamed.find(self.stop_mark, max(0, self.shown - len(self.stop_mark)))
+        if at >= 0:
+            self._show(at)
+            self.stopped = True
+            return True
+        # hold back a tail that could still grow into the mark
+        hold = next((k for k in range(min(len(self.stop_mark) - 1, len(self.streamed)), 0, -1)
+                     if self.stop_mark.startswith(self.streamed[-k:])), 0)
+        self._show(len(self.streamed) - hold)
+        return False
+
+    def finish(self) -> None:
+        if not self.stopped:
+            self._show(len(self.streamed))
 
 
 @contextmanager
@@ -404,6 +531,8 @@ def ctrl_c_stops(conversation: Conversation):
         conversation.stop_requested = True
 
     watched = [signal.SIGINT] + [getattr(signal, name) for name in ("SIGHUP", "SIGTERM") if hasattr(signal, name)]
+    # under nohup SIGHUP is ignored on purpose: the reply (and the session) must outlive the terminal
+    watched = [number for number in watched if signal.getsignal(number) is not signal.SIG_IGN]
     previous = {number: signal.signal(number, handler if number == signal.SIGINT else hangup) for number in watched}
     try:
         yield

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -153,8 +153,10 @@ def forward(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
 
 
 def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            chunk: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
-    """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V]."""
+            chunk: int = DEFAULT_PREFILL_CHUNK, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+    """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V].
+    ``should_stop`` is asked between chunks (a Ctrl-C noted by a signal handler during a long
+    prompt): True raises KeyboardInterrupt there, with the cache holding the chunks fed so far."""
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):  # a chunk alone cannot tell
@@ -163,6 +165,8 @@ def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
     logits = None
     start, total = 0, input_ids.shape[1]
     while start < total:
+        if should_stop is not None and start > 0 and should_stop():
+            raise KeyboardInterrupt
         size = min(chunk, total - start)
         room = cache.room_before_renumbering()
         if cache.evicts and cache.position_mode == "compact" and size > room:
@@ -254,6 +258,7 @@ def stream(
     timing: Timing | None = None,
     compile: bool = False,
     stop_check_every: int = 1,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[Step]:
     """Prefill ``input_ids`` then generate up to ``max_new_tokens``, yielding each step.
 
@@ -279,7 +284,7 @@ def stream(
     timing = timing if timing is not None else Timing()
     generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed) if sampling.seed is not None else None
     started = time.perf_counter()
-    logits = prefill(model, cache, input_ids, attention_mask, prefill_chunk)
+    logits = prefill(model, cache, input_ids, attention_mask, prefill_chunk, should_stop)
     timing.prompt_tokens += int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
     timing.prefill_s += time.perf_counter() - started
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -325,35 +330,3 @@ def stream(
                 if stop:
                     return
             held.clear()
-
-
-class TextStream:
-    """Turns token ids into text pieces as they arrive, holding back incomplete characters.
-
-    Decodes only a short window of recent ids each time (the previous piece's ids as context, so
-    tokenizers that treat a leading space specially still join words right): a long story stays
-    linear in its length.
-    """
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the context window
-        self.read_offset = 0  # ids before this are already emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
-        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return after[len(before) :]
-
-    @property
-    def text(self) -> str:
-        return self._decode(self.ids)

@@ -7,6 +7,7 @@ a bottom toolbar with the cache state), piped standard input, and tests (prompt-
 from __future__ import annotations
 
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -14,12 +15,16 @@ from rich.console import Console
 from rich.text import Text
 
 from . import ui
-from .budget import parse_budget
 from .cache import PositionLimitError
-from .chat import Conversation, ctrl_c_stops
-from .errors import one_line
+from .chat import SETTINGS, Conversation, ctrl_c_stops
+from .errors import UserError, debugging, one_line
 from .history import ConversationLog, home, read_conversation, write_atomic
-from .policies import POLICIES, describe_policies, get_policy
+from .models import ModelError
+from .policies import POLICIES, describe_policies
+
+# failures reported in one line (the user can fix them, or the machine ran out of something);
+# anything else is a bug: its traceback is shown and the session goes on
+ONE_LINE_ERRORS = (UserError, ModelError, OSError, PositionLimitError, MemoryError)
 
 MULTILINE = '"""'
 EXIT_COMMANDS = ("/bye", "/exit", "/quit")
@@ -79,8 +84,7 @@ class StreamReader:
 HELP = [
     ("/help", "this list"),
     ("/clear", "new conversation, fresh cache"),
-    ("/set NAME VALUE", "temperature, top_p, top_k, seed, repetition_penalty, repeat_last_n, max_new_tokens, "
-                        "heavy_ratio, system"),
+    ("/set NAME VALUE", ", ".join(SETTINGS) + " (a cache setting re-feeds the conversation)"),
     ("/set", "show the current settings"),
     ("/budget B", "KV slots per layer: 0.1 (share of the context) or 256 (slots); re-feeds the conversation"),
     ("/policy P", f"eviction policy ({', '.join(POLICIES)}); re-feeds the conversation"),
@@ -101,6 +105,7 @@ class Repl:
         self.conv, self.console, self.read_line = conversation, console, read_line
         self.model_name = model_name
         self.log = log  # where the conversation is kept after every turn (None: not kept)
+        self.status = ui.StatusLine(conversation)
         self.turns = 0
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.commands: dict[str, Callable[[str], None]] = {
@@ -114,7 +119,8 @@ class Repl:
         self.console.print(Text(message, style=style))
 
     def toolbar(self) -> str:
-        return f" {self.model_name} · {self.conv.settings.cache.policy} · " + ui.status_line(self.conv.cache)
+        # prompt-toolkit draws this at every keystroke: the summary is read once per step (see ui.StatusLine)
+        return f" {self.model_name} · {self.conv.settings.cache.policy} · " + self.status(live=False)
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -156,7 +162,8 @@ class Repl:
             lines.append(more)
 
     def handle(self, line: str) -> None:
-        """One line: a slash command or a message. Failures are reported in one line, never raised."""
+        """One line: a slash command or a message. Failures are reported, never raised: a user
+        error in one line, a bug with its traceback (every error with one under H2OCHAT_DEBUG=1)."""
         try:
             if line.startswith("/") and not line.startswith("//"):
                 name, _, argument = line.strip().partition(" ")
@@ -167,10 +174,13 @@ class Repl:
                 command(argument.strip())
             else:
                 self.reply(line[1:] if line.startswith("//") else line)
-        except (ValueError, OSError, PositionLimitError, MemoryError) as exc:
-            self.say(f"error: {one_line(exc)}", style="red")
-        except Exception as exc:  # e.g. out of GPU memory: report it and keep the session
-            self.say(f"error: {type(exc).__name__}: {one_line(exc)}", style="red")
+        except Exception as exc:
+            if isinstance(exc, ONE_LINE_ERRORS) and not debugging():
+                self.say(f"error: {one_line(exc)}", style="red")
+                return
+            self.console.print(Text("".join(traceback.format_exception(exc)).rstrip(), style="red"))
+            self.say(f"error: {type(exc).__name__}: {one_line(exc)} (an h2ochat bug unless it says otherwise; "
+                     "the conversation is as it was before this line)", style="red")
 
     def keep(self, partial: str | None = None) -> None:
         """Write the conversation to its file (with ``partial``, the reply so far, while it streams).
@@ -204,7 +214,7 @@ class Repl:
                 saved_at = time.monotonic()
 
         try:
-            with ui.ReplyPrinter(self.console, lambda: ui.status_line(conv.cache, conv.current, live=True)) as printer:
+            with ui.ReplyPrinter(self.console, lambda: self.status(live=True)) as printer:
                 with ctrl_c_stops(conv):
                     result = conv.send(text, on_piece=show)
         finally:
@@ -232,25 +242,30 @@ class Repl:
 
     def cmd_set(self, argument: str) -> None:
         if not argument:
-            settings = self.conv.settings
-            cache = settings.cache
-            for key, value in (("system", settings.system), ("temperature", settings.temperature),
-                               ("top_p", settings.top_p), ("top_k", settings.top_k), ("seed", settings.seed),
-                               ("repetition_penalty", settings.repetition_penalty),
-                               ("max_new_tokens", settings.max_new_tokens), ("budget", cache.budget),
-                               ("policy", cache.policy), ("heavy_ratio", cache.heavy_ratio)):
-                self.console.print(Text.assemble((f"{key:15}", "bold"), repr(value) if isinstance(value, str) else str(value)))
+            for key, value in self.conv.settings.listing():
+                self.console.print(Text.assemble((f"{key:20}", "bold"), repr(value) if isinstance(value, str) else str(value)))
             return
         name, _, value = argument.partition(" ")
         if not value.strip() and name.lower() not in ("system", "seed"):
-            raise ValueError(f"usage: /set {name} VALUE")
-        canonical = self.conv.settings.set(name, value or "")
-        shown = getattr(self.conv.settings.cache if canonical == "heavy_ratio" else self.conv.settings, canonical)
-        self.say(f"{canonical} = {shown!r}")
-        if canonical == "heavy_ratio":
-            self.refeed(f"heavy ratio {shown}")
-        elif canonical == "system" and self.conv.messages:
-            self.say("the conversation will be read again with it at the next turn")
+            raise UserError(f"usage: /set {name} VALUE")
+        self.change(name, value or "")
+
+    def change(self, name: str, value: str) -> None:
+        """One setting from text: a cache setting re-feeds the conversation into a new cache. Nothing
+        changes unless all of it works (the chat stays as it was on a bad value)."""
+        conv = self.conv
+        settings, canonical = conv.settings.with_value(name, value)
+        shown = settings.get(canonical)
+        if SETTINGS[canonical].on_cache:
+            tokens = conv.reconfigure(settings)
+            budget = conv.cache.budget
+            self.say(f"{canonical} {shown}: new cache of {budget.slots} slots ({budget.heavy} heavy + {budget.recent} "
+                     "recent)" + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
+        else:
+            conv.settings = settings
+            self.say(f"{canonical} = {shown!r}")
+            if canonical == "system" and conv.messages:
+                self.say("the conversation will be read again with it at the next turn")
         self.keep()
 
     def cmd_budget(self, argument: str) -> None:
@@ -259,10 +274,7 @@ class Repl:
             self.say(f"budget {self.conv.settings.cache.budget}: {budget.slots} slots per layer and KV head "
                      f"({budget.heavy} heavy + {budget.recent} recent)")
             return
-        parse_budget(argument, self.conv.max_positions)
-        self.conv.settings.cache.budget = argument
-        self.refeed(f"budget {argument}")
-        self.keep()
+        self.change("budget", argument)
 
     def cmd_policy(self, argument: str) -> None:
         if not argument:
@@ -271,20 +283,11 @@ class Repl:
             self.say(f"policy {self.conv.settings.cache.policy}; the policies (knobs may follow: "
                      "/policy mean:sinks=8):\n" + "\n".join(lines))
             return
-        get_policy(argument)
-        self.conv.settings.cache.policy = argument
-        self.refeed(f"policy {argument}")
-        self.keep()
-
-    def refeed(self, what: str) -> None:
-        tokens = self.conv.rebuild()
-        budget = self.conv.cache.budget
-        self.say(f"{what}: new cache of {budget.slots} slots ({budget.heavy} heavy + {budget.recent} recent)"
-                 + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
+        self.change("policy", argument)
 
     def cmd_cache(self, argument: str) -> None:
         self.console.print(ui.cache_view(self.conv.cache, self.conv.parts(), all_layers=argument == "layers",
-                                         width=self.console.width))
+                                         width=self.console.width, summary=self.status.summary()))
 
     def cmd_hh(self, _: str) -> None:
         conv = self.conv
@@ -301,18 +304,18 @@ class Repl:
         decode = t["generated_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
         self.say(f"{self.turns} turns · {t['prompt_tokens']} prompt tokens ({prefill:.0f} tok/s) · "
                  f"{t['generated_tokens']} generated ({decode:.1f} tok/s)", style="")
-        self.say(ui.status_line(self.conv.cache), style="")
+        self.say(self.status(live=False), style="")
 
     def cmd_save(self, argument: str) -> None:
         if not argument:
-            raise ValueError("usage: /save FILE")
+            raise UserError("usage: /save FILE")
         path = Path(argument).expanduser()
         write_atomic(path, self.conv.to_json())
         self.say(f"saved {len(self.conv.messages)} messages and the settings to {path}")
 
     def cmd_load(self, argument: str) -> None:
         if not argument:
-            raise ValueError("usage: /load FILE")
+            raise UserError("usage: /load FILE")
         path = Path(argument).expanduser()
         tokens = self.conv.load_json(read_conversation(path))
         if self.log is not None:

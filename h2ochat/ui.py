@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console, Group
@@ -53,9 +53,12 @@ class CacheSummary:
     seen: int
     kv_bytes: int
     full_bytes: int
+    layers: list = field(default_factory=list)  # the per-layer statistics it was made of
 
 
 def summarize(cache: H2OCache) -> CacheSummary:
+    """The cache's state in figures. Reads the device several times per layer: compute it once per
+    step (``StatusLine``), not once per render."""
     stats = cache.layer_stats()
     count = max(len(stats), 1)
     return CacheSummary(
@@ -68,6 +71,7 @@ def summarize(cache: H2OCache) -> CacheSummary:
         seen=cache.tokens_seen(),
         kv_bytes=cache.kv_bytes(),
         full_bytes=cache.full_kv_bytes(),
+        layers=stats,
     )
 
 
@@ -77,11 +81,13 @@ def percent(share: float | None) -> str:
     return f"{share:.1%}" if share >= 0.001 or share == 0 else f"{share:.2%}"
 
 
-def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False) -> str:
+def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False,
+                summary: CacheSummary | None = None) -> str:
     """`KV 410/410 slots │ 205 heavy + 205 recent │ 1234/1644 evicted, held 0.8% attn │ 26 MiB (full 105 MiB) │ 14.8 tok/s`
 
-    ``live``: a reply is being produced (``timing`` None means its prompt is still being read)."""
-    s = summarize(cache)
+    ``live``: a reply is being produced (``timing`` None means its prompt is still being read).
+    ``summary``: the cache's figures when already at hand (else read now)."""
+    s = summary or summarize(cache)
     evicted = f"{s.evicted:.0f}/{s.seen} tok evicted"
     if s.evicted_share is not None:  # the one figure of where the budget hurts (see /cache)
         evicted += f", held {percent(s.evicted_share)} attn"
@@ -95,6 +101,37 @@ def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = Fals
         rate = timing.decode_tokens_per_s if timing is not None else 0.0
         parts.append(f"{rate:.1f} tok/s" if rate else "reading prompt…")
     return " │ ".join(parts)
+
+
+class StatusLine:
+    """The status line of a conversation, its figures read from the device once per step.
+
+    prompt-toolkit redraws the bottom toolbar at every keystroke and the reply printer a few times a
+    second; the cache only changes when a token is fed. The figures are kept under the conversation's
+    cache and its count of tokens fed (and generated in the turn under way), and read again only when
+    one of these moves."""
+
+    def __init__(self, conversation):
+        self.conversation = conversation
+        self._cache = None
+        self._key: tuple | None = None
+        self._summary: CacheSummary | None = None
+
+    def _progress(self) -> tuple:
+        conv = self.conversation
+        current = conv.current
+        return (len(conv.ids) + len(conv.pending), conv.cache.compactions,
+                -1 if current is None else current.generated_tokens)
+
+    def summary(self) -> CacheSummary:
+        cache, key = self.conversation.cache, self._progress()
+        if cache is not self._cache or key != self._key or self._summary is None:
+            self._cache, self._key, self._summary = cache, key, summarize(cache)
+        return self._summary
+
+    def __call__(self, live: bool = False) -> str:
+        conv = self.conversation
+        return status_line(conv.cache, conv.current, live=live, summary=self.summary())
 
 
 def turn_summary(result: TurnResult) -> str:
@@ -140,12 +177,12 @@ def bar(share: float, width: int = 12) -> Text:
 
 
 def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None, all_layers: bool = False,
-               width: int = 80):
+               width: int = 80, summary: CacheSummary | None = None):
     """The /cache view: where the budget hurts, per layer (as strips that fit any depth, and as a table
-    for a few layers) and per part of the conversation."""
+    for a few layers) and per part of the conversation. ``summary``: the figures when at hand."""
     budget = cache.budget
-    stats = cache.layer_stats()
-    s = summarize(cache)
+    s = summary or summarize(cache)
+    stats = s.layers
     shares = [st.evicted_share if st.evicted else None for st in stats]
     styles = [share_style(share, st.held) for share, st in zip(shares, stats)]
     title = Text(f"KV cache · policy {cache.policy.name} · {budget.slots} slots per layer and KV head ({budget.heavy} "

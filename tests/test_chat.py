@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from h2ochat.chat import ChatSettings, Conversation, stop_token_ids
+from h2ochat.errors import UserError
 from h2ochat.generation import CacheSettings
 from h2ochat.models import load
 
@@ -121,8 +122,10 @@ def test_stop_requested_ends_after_the_current_token(loaded):
 ])
 def test_set_changes_the_named_setting(name, value, attribute, expected):
     settings = ChatSettings()
-    assert settings.set(name, value) == attribute
-    assert getattr(settings, attribute) == expected
+    changed, canonical = settings.with_value(name, value)
+    assert canonical == attribute
+    assert getattr(changed, attribute) == expected
+    assert settings == ChatSettings()  # a copy changes, never the settings in use
 
 
 @pytest.mark.parametrize("name, value", [("temperature", "-1"), ("top_p", "0"), ("top_k", "many"),
@@ -131,8 +134,8 @@ def test_set_changes_the_named_setting(name, value, attribute, expected):
 def test_set_refuses_bad_values_and_keeps_the_old_one(name, value):
     settings = ChatSettings()
     before = settings.to_json()
-    with pytest.raises(ValueError):
-        settings.set(name, value)
+    with pytest.raises(UserError):
+        settings.with_value(name, value)
     assert settings.to_json() == before
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat.generation import CacheSettings, Sampling, TextStream, penalize_repeats, sample, stream
+from h2ochat.detokenize import TextStream
+from h2ochat.generation import CacheSettings, Sampling, penalize_repeats, sample, stream
 
 from checkpoints import _tokenizer
 from conftest import build_model, random_ids

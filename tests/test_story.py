@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 import h2ochat_prompts
 from h2ochat.cli import app
 from h2ochat.commands.story import tell
-from h2ochat.generation import CacheSettings, Sampling, TextStream
+from h2ochat.detokenize import TextStream
+from h2ochat.generation import CacheSettings, Sampling
 from h2ochat.models import load
 from h2ochat.prompting import encode
 

@@ -12,7 +12,8 @@ import typer
 from .. import options as o
 from ..chat import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
-from ..generation import TextStream, Timing, stop_check_interval, stream
+from ..detokenize import TextStream
+from ..generation import Timing, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode, read_prompt
 from ..report import run_record
@@ -62,7 +63,7 @@ def generate(
     tokenizer = loaded.tokenizer
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
     cache = settings.build(loaded.model)
-    timing, pieces = Timing(), TextStream(tokenizer)
+    timing, pieces = Timing(), TextStream(tokenizer, context=input_ids[0].tolist())  # the first word joins the prompt
     # the same rule as run and story --stop-at-eos
     stops = frozenset() if ignore_eos else stop_token_ids(tokenizer, loaded.model)
     interrupted = False

@@ -29,7 +29,8 @@ import h2ochat_prompts
 from .. import options as o
 from ..chat import inference_steps, stop_token_ids
 from ..errors import EXIT_INTERRUPTED, user_errors
-from ..generation import Sampling, TextStream, Timing, prefill, stop_check_interval, stream
+from ..detokenize import TextStream
+from ..generation import Sampling, Timing, prefill, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode
 from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
