@@ -106,9 +106,13 @@ class ChatSettings:
     def from_json(cls, data: dict) -> "ChatSettings":
         known = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "cache"}
         names = {f.name for f in fields(CacheSettings)}
-        cache = CacheSettings(**{k: v for k, v in (data.get("cache") or {}).items() if k in names})
+        stored = data.get("cache") if isinstance(data.get("cache"), dict) else {}
+        cache = CacheSettings(**{k: v for k, v in stored.items() if k in names})
         settings = cls(**known, cache=cache)
-        settings.validate()
+        try:
+            settings.validate()
+        except TypeError as exc:  # a hand-edited file: "temperature": "hot"
+            raise UserError(f"the stored settings do not read: {exc}") from None
         return settings
 
 

@@ -6,7 +6,10 @@ settings, messages) plus its id, the model and two timestamps, so ``/load`` read
 
 Writes go to a temporary file in the same folder, then ``os.replace``: a reader (or a crash) sees
 the old file or the new one, never half of one. A file that cannot be read is reported in one line
-and never written over: the session goes on under a new id.
+and never written over: the session goes on under a new id. Two sessions on one conversation
+(``run --continue`` in two terminals) take the conversation's lock (a hidden ``.ID.json.lock``
+beside it) around each check-and-write; the one that finds the file changed by the other goes on
+as a new conversation (a fork, with a notice) instead of writing the other's turns away.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
+from .errors import UserError
+
 FORMAT = "h2ochat-conversation"
+LOCK_TIMEOUT_S = 10.0  # another session holds a conversation's lock only while it writes the file
 
 
 def home() -> Path:
@@ -35,7 +43,7 @@ def conversations_dir() -> Path:
     return home() / "conversations"
 
 
-class ConversationFileError(ValueError):
+class ConversationFileError(UserError):
     """A stored conversation that cannot be read (one line, for the user)."""
 
 
@@ -157,54 +165,80 @@ def find(wanted: str | None, folder: Path | None = None) -> Path:
 class ConversationLog:
     """Where a REPL session keeps its conversation: rewritten after every turn and settings change.
 
-    Nothing is written until the conversation has a message. Before replacing its file the log
-    checks the file is still the one it wrote; if something else changed it and it no longer reads
-    as a conversation, the log moves to a new id instead of writing over it.
+    Nothing is written until the conversation has a message. Before replacing its file, under the
+    conversation's lock, the log checks the file is still the one it read or wrote; if anything else
+    changed it (another session on the same conversation, an editor, a crash), the log moves to a
+    new id instead of writing over it.
     """
 
-    def __init__(self, model: str, folder: Path | None = None, id: str | None = None, created: float | None = None):
+    def __init__(self, model: str, folder: Path | None = None, id: str | None = None, created: float | None = None,
+                 lock_timeout: float = LOCK_TIMEOUT_S):
         self.folder = folder or conversations_dir()
         self.model = model
         self.id = id or new_id()
         self.created = created if created is not None else time.time()
-        self._written: tuple[int, int] | None = None  # (mtime_ns, size) of our last write
+        self.lock_timeout = lock_timeout
+        self._written: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) of our last write
 
     @classmethod
     def resume(cls, path: Path, model: str) -> tuple["ConversationLog", dict]:
-        data = read_conversation(path)
-        log = cls(model, path.parent, str(data.get("id") or path.stem), float(data.get("created") or time.time()))
-        log._written = log._signature()
+        log = cls(model, path.parent, path.stem)
+        with log.lock():  # the file as one writer left it, and the signature of that very file
+            data = read_conversation(path)
+            log._written = log._signature()
+        log.created = float(data.get("created") or time.time())
         return log, data
+
+    def lock(self) -> FileLock:
+        """The conversation's lock: held around a check-and-write, never across a turn."""
+        return FileLock(self.folder / f".{self.id}.json.lock", timeout=self.lock_timeout)
 
     @property
     def path(self) -> Path:
         return self.folder / f"{self.id}.json"
 
-    def _signature(self) -> tuple[int, int] | None:
+    def _signature(self) -> tuple[int, int, int] | None:
+        """Which file is there: each write replaces it (a new inode), so a write by anyone else shows."""
         try:
             info = self.path.stat()
         except OSError:
             return None
-        return info.st_mtime_ns, info.st_size
+        return info.st_ino, info.st_mtime_ns, info.st_size
 
     def start_new(self) -> None:
         """Keep what was written under the old id; go on under a new one."""
         self.id, self.created, self._written = new_id(), time.time(), None
 
     def save(self, conversation: dict) -> str | None:
-        """Write the conversation; returns a notice when it had to move to a new id."""
+        """Write the conversation; returns a notice when it had to move to a new id (its file was
+        spoiled, or written by another session since this one read or wrote it)."""
         if not conversation.get("messages"):
             return None
-        notice = None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with self.lock():
+            notice = self._fork_if_changed()
+            if notice is None:
+                self._write(conversation)
+                return None
+        with self.lock():  # the new id's
+            self._write(conversation)
+        return notice
+
+    def _fork_if_changed(self) -> str | None:
+        """Under the lock: when the file is not the one this log last read or wrote, move to a new id."""
         current = self._signature()
-        if current is not None and current != self._written:
-            try:
-                read_conversation(self.path)
-            except ConversationFileError as exc:
-                old = self.id
-                self.start_new()
-                notice = f"{exc}; the conversation goes on as {self.id} (was {old})"
+        if current is None or current == self._written:
+            return None
+        old = self.id
+        try:
+            read_conversation(self.path)
+            why = f"conversation {old} was changed by another session meanwhile (its turns are kept there)"
+        except ConversationFileError as exc:
+            why = str(exc)
+        self.start_new()
+        return f"{why}; this one goes on as {self.id}"
+
+    def _write(self, conversation: dict) -> None:
         record = {**conversation, "id": self.id, "model": self.model, "created": self.created, "updated": time.time()}
         write_atomic(self.path, record)
         self._written = self._signature()
-        return notice

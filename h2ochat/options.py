@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .errors import user_input
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
 from .models import DEFAULT_MODEL
 from .policies import DEFAULT_POLICY, describe_policies
@@ -53,13 +54,15 @@ def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: i
                    seed: int | None, decay: float | None = None) -> CacheSettings:
     settings = CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
                              positions=positions, seed=seed)
-    settings.validate()
+    with user_input():  # these are the options as typed: a bad one is the user's to fix
+        settings.validate()
     return settings
 
 
 def sampling(temperature: float, top_p: float, top_k: int, seed: int | None, repetition_penalty: float = 1.0) -> Sampling:
     settings = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, repetition_penalty=repetition_penalty)
-    settings.validate()
+    with user_input():
+        settings.validate()
     return settings
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
+
 
 def read_prompt(prompt: str | None, prompt_file: Path | None = None) -> str:
     """The prompt text from the argument, '-' (standard input) or a file; refuses an empty one."""
@@ -15,11 +17,11 @@ def read_prompt(prompt: str | None, prompt_file: Path | None = None) -> str:
     elif prompt == "-":
         text = sys.stdin.read()
     elif prompt is None:
-        raise ValueError("no prompt given (pass text, '-' for standard input, or --prompt-file)")
+        raise UserError("no prompt given (pass text, '-' for standard input, or --prompt-file)")
     else:
         text = prompt
     if not text.strip():
-        raise ValueError("the prompt is empty")
+        raise UserError("the prompt is empty")
     return text
 
 
@@ -33,7 +35,7 @@ def encode(tokenizer, text: str, chat: bool | None = None, system: str | None = 
         chat = has_chat_template(tokenizer)
     if chat:
         if not has_chat_template(tokenizer):
-            raise ValueError("this model's tokenizer has no chat template; use --raw")
+            raise UserError("this model's tokenizer has no chat template; use --raw")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):

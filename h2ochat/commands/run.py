@@ -12,18 +12,12 @@ import h2ochat_prompts
 
 from .. import options as o
 from .. import history
-from ..chat import ChatSettings, Conversation
-from ..errors import user_errors
+from ..chat import SETTINGS, ChatSettings, Conversation
+from ..errors import UserError, strict_user_errors
 from ..models import load
 from ..repl import PromptReader, Repl, StreamReader, history_path
 from ..ui import make_console
 from .common import RepeatLastN, loading
-
-# run() options a resumed conversation takes from the command line, only when given there:
-# parameter -> its ChatSettings field (cache fields on settings.cache)
-RESUMABLE = {name: False for name in ("system", "temperature", "top_p", "top_k", "seed", "repetition_penalty",
-                                      "repeat_last_n", "max_new_tokens")}
-RESUMABLE.update({name: True for name in ("budget", "policy", "heavy_ratio", "sinks", "positions")})
 
 
 def given(ctx: typer.Context, name: str) -> bool:
@@ -33,13 +27,14 @@ def given(ctx: typer.Context, name: str) -> bool:
 
 
 def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> ChatSettings:
-    """The stored conversation's settings, with the options given on this command line on top."""
+    """The stored conversation's settings, with the options given on this command line on top (every
+    setting is a run() option of the same name: tests/test_settings_fields.py holds them to it)."""
     settings = ChatSettings.from_json(stored)
-    for name, on_cache in RESUMABLE.items():
+    for name, setting in SETTINGS.items():
         if given(ctx, name):
-            source, target = (typed.cache, settings.cache) if on_cache else (typed, settings)
+            source, target = (typed.cache, settings.cache) if setting.on_cache else (typed, settings)
             setattr(target, name, getattr(source, name))
-    if given(ctx, "seed"):
+    if given(ctx, "seed"):  # the cache's seed follows the sampling's
         settings.cache.seed = typed.cache.seed
     settings.validate()
     return settings
@@ -51,7 +46,7 @@ def model_reference(model: str) -> str:
     return str(path.resolve()) if path.exists() else model
 
 
-@user_errors
+@strict_user_errors
 def run(
     ctx: typer.Context,
     model: o.Model = o.DEFAULTS["model"],
@@ -92,7 +87,7 @@ def run(
     log, messages = None, []
     if resume_last or conversation_id is not None:
         if resume_last and conversation_id is not None:
-            raise ValueError("give --continue or --conversation ID, not both")
+            raise UserError("give --continue or --conversation ID, not both")
         # read and check the stored conversation before loading a model for it
         log, data = history.ConversationLog.resume(history.find(conversation_id), model)
         settings = resumed_settings(ctx, data.get("settings") or {}, settings)
