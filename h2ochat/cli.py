@@ -12,7 +12,7 @@ try:  # typer >= 0.24 vendors click
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
-from .commands import bench, eval, generate, history, list_models, run, story
+from .commands import bench, eval, generate, history, list_models, run, serve, story
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE
 
 app = typer.Typer(
@@ -29,7 +29,7 @@ def _root() -> None:
     """Chat and long-form generation in a fixed KV-cache budget (H2O heavy-hitter cache)."""
 
 
-for command_module in (generate, eval, bench, run, story, history, list_models):
+for command_module in (generate, eval, bench, run, story, history, list_models, serve):
     command_module.register(app)
 
 

@@ -1,0 +1,77 @@
+"""`h2ochat serve`: the OpenAI-compatible HTTP server (h2ochat/serve/)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from .. import options as o
+from ..benchmark import parse_size
+from ..errors import user_errors
+from .common import RepeatLastN
+
+SERVER = "Server"
+
+
+def _size(text: str | None, option: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(f"{option} must be a size like 2GiB, 512MiB or 1.5GB, got {text!r}") from None
+
+
+@user_errors
+def serve(
+    model: o.Model = o.DEFAULTS["model"],
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+    random_weights: o.RandomWeights = False,
+    budget: o.Budget = "0.2",
+    policy: o.Policy = o.DEFAULTS["policy"],
+    heavy_ratio: o.HeavyRatio = None,
+    sinks: o.Sinks = None,
+    decay: o.Decay = None,
+    positions: o.Positions = "compact",
+    prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    repetition_penalty: o.RepetitionPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
+    compile: o.Compile = False,
+    host: Annotated[str, typer.Option("--host", rich_help_panel=SERVER,
+        help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, rich_help_panel=SERVER)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="H2OCHAT_API_KEY", rich_help_panel=SERVER,
+        help="Require 'Authorization: Bearer KEY' (without it any token, or none, is accepted).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", rich_help_panel=SERVER,
+        help="The model id clients send and /v1/models lists (default: --model as given).")] = None,
+    max_sequences: Annotated[Optional[int], typer.Option("--max-sequences", min=1, rich_help_panel=SERVER,
+        help="Sequence rows of the batch (concurrent generations). Default: --kv-memory (or half the free memory) "
+             "divided by one row's KV bytes, at most 64.")] = None,
+    kv_memory: Annotated[Optional[str], typer.Option("--kv-memory", rich_help_panel=SERVER,
+        help="KV memory for the rows when --max-sequences is not given (2GiB, 512MiB).")] = None,
+    parked_bytes: Annotated[str, typer.Option("--parked-bytes", rich_help_panel=SERVER,
+        help="Host memory for the caches of finished conversations, kept so the next turn feeds only its new "
+             "tokens (least recently used out first).")] = "1GiB",
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, rich_help_panel=SERVER,
+        help="Requests waiting for a row at most; more are answered 429 with Retry-After.")] = 64,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, rich_help_panel=SERVER,
+        help="Tokens one request may generate at most (also the default when it gives no max_tokens).")] = 4096,
+):
+    """Serve the OpenAI API (chat and text completions, streaming) with every sequence in a fixed KV budget."""
+    from ..serve.server import ServeConfig, serve as run_server
+
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, None, decay)
+    o.sampling(0.0, 1.0, 0, None, repetition_penalty)
+    config = ServeConfig(model=model, settings=settings, device=device, dtype=dtype, random_weights=random_weights,
+                         served_name=served_model_name, max_sequences=max_sequences,
+                         kv_memory=_size(kv_memory, "--kv-memory"), parked_bytes=_size(parked_bytes, "--parked-bytes"),
+                         max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+                         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, compile=compile,
+                         host=host, port=port, api_key=api_key)
+    run_server(config)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

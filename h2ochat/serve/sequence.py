@@ -1,0 +1,208 @@
+"""One request as the engine sees it: its prompt tokens, its choices, and the events it sends back.
+
+A ``Choice`` is one sequence being generated (a request with ``n`` = 3 has three, each in its own
+row): it samples its next token with its own settings and random stream, turns tokens into text,
+applies stop tokens, stop strings and ``max_tokens``, and emits text as soon as no stop string can
+still begin in it. Events go to the request's ``emit`` callback (the engine thread calls it; the
+server hands each event over to the event loop):
+
+    ("text", index, piece)      new text of choice ``index``
+    ("finish", index, reason)   "stop" | "length" | "cancelled" (exactly once per choice)
+    ("done", usage)             every choice finished; the usage record
+    ("error", APIError)         the request failed; nothing follows
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..detokenize import CONTEXT_IDS, TextStream
+from ..generation import Sampling, sample
+from ..repetition import RecentTokens
+from .api import RequestParams
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Prepared:
+    """What the server made of a request before the engine takes it: every token of the prompt
+    (the whole conversation so far), the text they spell (None for a prompt given as token ids),
+    and the generation limits."""
+
+    params: RequestParams
+    prompt_ids: list[int]
+    prompt_text: str | None
+    max_tokens: int
+    sampling: Sampling  # the server's repetition settings with the request's temperature / top_p / seed
+
+
+class Choice:
+    """One generated sequence of a request."""
+
+    def __init__(self, request: "Request", index: int, tokenizer, seed: int):
+        self.request, self.index = request, index
+        self.sampling = request.prepared.sampling
+        self.generator = torch.Generator().manual_seed(seed)
+        self.seen: RecentTokens | None = None
+        # seeded with the prompt's last ids, as the chat does: the first word joins the prompt as in the whole text
+        self.text_stream = TextStream(tokenizer, context=request.prompt_ids[-CONTEXT_IDS:])
+        self.tokenizer = tokenizer
+        self.generated: list[int] = []
+        self.held = ""  # decoded text not emitted yet: a stop string may begin in it
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+        self.row: int | None = None
+        self.evicted_at_start = 0  # the row's eviction count when this choice took it
+
+    @property
+    def last(self) -> int:
+        return self.generated[-1]
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` [V] (its own generator, the repetition window of this request)."""
+        if self.sampling.repetition_penalty != 1.0 and self.seen is None:
+            fed = torch.tensor([self.request.fed_ids], dtype=torch.long)
+            self.seen = RecentTokens(fed, None, logits.shape[-1], self.sampling.repeat_last_n)
+            for token in self.generated:
+                self.seen.push(torch.tensor([token]))
+        token = sample(logits.view(1, -1), self.sampling, self.generator, self.seen)
+        if self.seen is not None:
+            self.seen.push(token)
+        return int(token[0])
+
+    def push(self, token: int) -> str | None:
+        """Take the next generated token; the finish reason when the choice is over (the caller
+        then frees its row and calls ``finish``), else None."""
+        self.generated.append(token)
+        request = self.request
+        if token in request.stop_ids:
+            return "stop"
+        self.held += self.text_stream.push(token)
+        stops = request.prepared.params.stop
+        if stops:
+            found = [(self.held.find(s), s) for s in stops if s in self.held]
+            if found:
+                self.held = self.held[: min(found)[0]]
+                self.stopped_by_string = True
+                return "stop"
+        keep = _longest_stop_prefix(self.held, stops)
+        if len(self.held) > keep:
+            self._emit_text(self.held[: len(self.held) - keep])
+            self.held = self.held[len(self.held) - keep:]
+        if len(self.generated) >= request.prepared.max_tokens:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        """Emit the held text (unless cancelled) and the finish reason, once. The text stream's own
+        held-back ids (an incomplete character at the end) are decoded as they are, unless a stop
+        string ended the text before them."""
+        if self.finish_reason is None:
+            if reason != "cancelled":
+                if not self.stopped_by_string:
+                    self.held += self.text_stream.text[len("".join(self.text_stream.pieces)):]
+                self._emit_text(self.held)
+            self.held = ""
+            self.finish_reason = reason
+            self.request.emit(("finish", self.index, reason))
+            self.request.choice_finished()
+
+    def _emit_text(self, piece: str) -> None:
+        if piece:
+            self.request.emit(("text", self.index, piece))
+
+    # -- what the row's cache holds when this choice ends (for the parked store) ----------------
+    def conversation(self) -> tuple[list[int], int, str | None]:
+        """(tokens the conversation spells, how many of them the row's cache has seen, their text).
+
+        The last generated token was never fed (nothing read its keys yet): the cache has seen the
+        prompt and every generated token but the last. As in the chat REPL, a final stop token is
+        left out of the conversation (the chat template closes the turn its own way next time); any
+        other last token is kept, unfed, to be fed first when the conversation goes on."""
+        fed = self.request.prompt_ids + self.generated[:-1]
+        body = self.generated[:-1] if self.generated and self.generated[-1] in self.request.stop_ids else self.generated
+        tokens = self.request.prompt_ids + body
+        text = None
+        if self.request.prepared.prompt_text is not None:
+            text = self.request.prepared.prompt_text + self.tokenizer.decode(body, skip_special_tokens=False)
+        return tokens, len(fed), text
+
+
+def _longest_stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is the start of a stop string (held back)."""
+    best = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), best, -1):
+            if stop.startswith(text[-size:]):
+                best = size
+                break
+    return best
+
+
+@dataclass
+class Request:
+    """A request in the engine: its prepared prompt, its choices and where its events go."""
+
+    prepared: Prepared
+    emit: Callable[[tuple], None]
+    stop_ids: frozenset[int]
+    tokenizer: object = field(repr=False)
+    id: str = field(default_factory=lambda: f"{next(_ids):x}{time.time_ns() % 10**9:x}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    cached_tokens: int = 0  # prompt tokens read from a parked cache instead of being fed
+    fed_ids: list[int] = field(default_factory=list)  # the prompt tokens this request fed
+    evicted_tokens: int = 0
+    kv_slots: int = 0
+    cancelled: bool = False
+    choices: list[Choice] = field(default_factory=list)
+    _open: int = 0
+
+    def __post_init__(self):
+        params = self.prepared.params
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
+        # choice k draws from seed + k: choice 0 is what the same request with n = 1 gets
+        self.choices = [Choice(self, index, self.tokenizer, base + index) for index in range(params.n)]
+        self._open = params.n
+
+    @property
+    def n(self) -> int:
+        return len(self.choices)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prepared.prompt_ids
+
+    @property
+    def finished(self) -> bool:
+        return self._open == 0
+
+    def choice_finished(self) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self.emit(("done", self.usage()))
+
+    def usage(self) -> dict:
+        completion = sum(len(choice.generated) for choice in self.choices)
+        prompt = len(self.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            # what the cache did: slots per layer and KV head each sequence holds, and the tokens it
+            # dropped for this request (per layer and KV head, summed over layers, heads and choices)
+            "kv_slots": self.kv_slots,
+            "evicted_tokens": self.evicted_tokens,
+        }
+
+    def fail(self, error) -> None:
+        for choice in self.choices:
+            choice.finish_reason = choice.finish_reason or "error"
+        self._open = 0
+        self.emit(("error", error))

@@ -1,0 +1,121 @@
+"""A fake model behind the serve scheduler's Backend interface, and a fake tokenizer: the scheduler's
+decisions (admission, chunks, recycling, cancelling) are tested without torch models."""
+
+from __future__ import annotations
+
+import torch
+
+from h2ochat.generation import Sampling
+from h2ochat.serve.api import RequestParams
+from h2ochat.serve.sequence import Prepared, Request
+
+VOCAB = 40
+
+
+class FakeTokenizer:
+    """Token i is the text "<i>"."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+def next_token(history: list[int], salt: int = 0) -> int:
+    """The fake model's greedy choice: a function of everything the row has read."""
+    return (sum(history) * 7 + len(history) + salt) % (VOCAB - 4) + 4  # never 0-3 (3 is the stop id)
+
+
+def one_hot(token: int) -> torch.Tensor:
+    logits = torch.zeros(VOCAB)
+    logits[token] = 10.0
+    return logits
+
+
+class FakeJob:
+    def __init__(self, request):
+        self.request, self.fed = request, 0
+
+
+class FakeBackend:
+    """Rows hold the list of tokens they have read; prefill feeds ``chunk`` tokens a call."""
+
+    def __init__(self, rows: int, chunk: int = 4):
+        self.rows, self.chunk = rows, chunk
+        self.state: list[list[int] | None] = [None] * rows
+        self.log: list[tuple] = []  # ("prefill", request id, tokens) / ("decode", rows in use)
+        self.released: list[tuple[int, object]] = []
+        self.aborted: list[object] = []
+        self.fail_prefill = self.fail_decode = False
+
+    def begin(self, request):
+        request.fed_ids = list(request.prompt_ids)
+        self.log.append(("begin", request.id))
+        return FakeJob(request)
+
+    def prefill(self, job):
+        if self.fail_prefill:
+            raise RuntimeError("prefill broke")
+        ids = job.request.prompt_ids
+        piece = ids[job.fed: job.fed + self.chunk]
+        job.fed += len(piece)
+        self.log.append(("prefill", job.request.id, len(piece)))
+        return one_hot(next_token(ids)) if job.fed == len(ids) else None
+
+    def install(self, job, rows):
+        for row in rows:
+            assert self.state[row] is None, "a row was installed while in use"
+            self.state[row] = list(job.request.prompt_ids)
+
+    def abort(self, job):
+        self.aborted.append(job)
+
+    def decode(self, tokens):
+        if self.fail_decode:
+            raise RuntimeError("decode broke")
+        self.log.append(("decode", tuple(row for row, s in enumerate(self.state) if s is not None)))
+        logits = torch.zeros(self.rows, VOCAB)
+        for row, history in enumerate(self.state):
+            if history is not None:
+                history.append(tokens[row])
+                logits[row] = one_hot(next_token(history))
+        return logits
+
+    def decoded(self, free_rows):
+        pass
+
+    def release(self, row, choice):
+        self.released.append((row, choice))
+        self.state[row] = None
+
+    def evicted(self, row):
+        return 0
+
+
+def greedy_alone(prompt: list[int], tokens: int) -> list[int]:
+    """What one request generates on the fake model, by itself."""
+    history, out = list(prompt), []
+    token = next_token(history)
+    out.append(token)
+    while len(out) < tokens:
+        history.append(token)
+        token = next_token(history)
+        out.append(token)
+    return out
+
+
+def make_request(prompt: list[int], *, max_tokens: int = 5, n: int = 1, stop: list[str] | None = None,
+                 temperature: float = 0.0, seed: int | None = None, stop_ids=frozenset({3})):
+    events: list[tuple] = []
+    params = RequestParams(kind="completion", model="fake", prompt=prompt, max_tokens=max_tokens, n=n,
+                           stop=stop or [], temperature=temperature, seed=seed)
+    prepared = Prepared(params, list(prompt), None, max_tokens, Sampling(temperature=temperature, seed=seed))
+    request = Request(prepared, emit=events.append, stop_ids=frozenset(stop_ids), tokenizer=FakeTokenizer())
+    request.events = events
+    return request
+
+
+def generated(request) -> list[list[int]]:
+    return [choice.generated for choice in request.choices]
+
+
+def finishes(request) -> list[tuple]:
+    return [event for event in request.events if event[0] == "finish"]
