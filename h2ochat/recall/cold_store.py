@@ -1,0 +1,166 @@
+"""The cold tier: evicted tokens' keys, values, token indices and positions in host memory.
+
+One store per layer, per (sequence, KV head) an append-only sequence of pages of P tokens in eviction
+order (``layout``). Host memory (pinned when the cache lives on a GPU, so copies to the device can
+be asynchronous). ``cold_dtype="int8"`` keeps keys and values as int8 with one fp32 scale per token
+and head (symmetric, max |x| / 127). ``limit`` (tokens per sequence and head, rounded up to whole
+pages) makes the store a ring: the oldest pages are overwritten and counted in ``dropped``.
+
+Each token also keeps the position it was encoded at (``encoded``: what its key's rotation says)
+and its position in the cache's current numbering (``positions``); the two differ after a compact
+re-numbering (``renumber``), and a key is rotated by their difference when it is brought back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rotary import Rotary, rotate_keys
+from .layout import append_slots, held_pages
+
+COLD_DTYPES = ("same", "int8")
+
+
+def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.squeeze(-1)
+
+
+class ColdStore:
+    def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, page: int, dtype: torch.dtype,
+                 *, cold_dtype: str = "same", limit: int | None = None, pin: bool = False, initial_pages: int = 4):
+        if cold_dtype not in COLD_DTYPES:
+            raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {cold_dtype!r}")
+        if page < 1:
+            raise ValueError(f"--page must be at least 1, got {page}")
+        if limit is not None and limit < page:
+            raise ValueError(f"--cold-limit {limit} holds less than one page of {page} tokens")
+        self.batch, self.heads, self.page, self.dtype = batch, heads, page, dtype
+        self.quantized = cold_dtype == "int8"
+        self.frames = -(-limit // page) if limit is not None else None  # ring size in pages
+        self.pin = pin
+        self.count = torch.zeros(batch, heads, dtype=torch.long)  # tokens ever appended
+        slots = (self.frames or initial_pages) * page
+        store_dtype = torch.int8 if self.quantized else dtype
+        self.keys = self._alloc((batch, heads, slots, head_dim), store_dtype, 0)
+        self.values = self._alloc((batch, heads, slots, value_dim), store_dtype, 0)
+        self.key_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized else None
+        self.value_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized else None
+        self.token_index = self._alloc((batch, heads, slots), torch.long, -1)
+        self.encoded = self._alloc((batch, heads, slots), torch.long, -1)
+        self.positions = self._alloc((batch, heads, slots), torch.long, -1)
+
+    def _alloc(self, shape, dtype, fill) -> torch.Tensor:
+        tensor = torch.full(shape, fill, dtype=dtype)
+        return tensor.pin_memory() if self.pin else tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.token_index.shape[2]
+
+    def _buffers(self) -> list[str]:
+        names = ["keys", "values", "token_index", "encoded", "positions"]
+        return names + (["key_scale", "value_scale"] if self.quantized else [])
+
+    def _grow(self, needed: int) -> None:
+        size = self.capacity
+        while size < needed:
+            size *= 2
+        for name in self._buffers():
+            old = getattr(self, name)
+            fill = -1 if old.dtype == torch.long else 0
+            new = self._alloc((*old.shape[:2], size, *old.shape[3:]), old.dtype, fill)
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def append(self, keys, values, token_index, positions, encoded=None) -> torch.Tensor:
+        """Store evicted tokens: keys/values [B, H, E, D], token_index/positions [B, H, E] (token index
+        -1: nothing evicted there). Returns their slot numbers [B, H, E] (-1 where nothing)."""
+        valid = token_index >= 0
+        slots = append_slots(valid.cpu(), self.count)
+        new_count = self.count + valid.sum(dim=-1).cpu()
+        if self.frames is None and int(new_count.max()) > self.capacity:
+            self._grow(int(new_count.max()))
+        ring = self.frames * self.page if self.frames is not None else None
+        target = slots % ring if ring is not None else slots
+        b, h, e = torch.nonzero(valid.cpu(), as_tuple=True)
+        where = (b, h, target[b, h, e])
+        keys, values = keys.detach().to("cpu"), values.detach().to("cpu")
+        if self.quantized:
+            (kq, ks), (vq, vs) = _to_int8(keys[b, h, e]), _to_int8(values[b, h, e])
+            self.keys[where], self.key_scale[where] = kq, ks
+            self.values[where], self.value_scale[where] = vq, vs
+        else:
+            self.keys[where] = keys[b, h, e].to(self.dtype)
+            self.values[where] = values[b, h, e].to(self.dtype)
+        self.token_index[where] = token_index.cpu()[b, h, e]
+        self.positions[where] = positions.cpu()[b, h, e]
+        self.encoded[where] = (encoded if encoded is not None else positions).cpu()[b, h, e]
+        self.count = new_count
+        return slots
+
+    # -- reading ----------------------------------------------------------------------------------
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """First and one-past-last page number [B, H] still held."""
+        return held_pages(self.count, self.page, self.frames)
+
+    def held_tokens(self) -> torch.Tensor:
+        """[B, H]: tokens in the store now (appended minus dropped)."""
+        return self.count - self.dropped()
+
+    def dropped(self) -> torch.Tensor:
+        """[B, H]: tokens lost to --cold-limit (whole pages, oldest first)."""
+        first, _ = self.held()
+        return (first * self.page).clamp(max=self.count)
+
+    def pages(self, page_ids: torch.Tensor, rotary: Rotary | None = None):
+        """Bring pages back: ``page_ids`` [B, H, k] absolute page numbers (-1: none, or not held).
+        Returns keys, values [B, H, k*P, D] in the store's compute dtype, token_index and positions
+        [B, H, k*P] (-1 for empty slots). RoPE keys are rotated from their encoded position to
+        their current one."""
+        first, end = self.held()
+        ok = (page_ids >= first.unsqueeze(-1)) & (page_ids < end.unsqueeze(-1)) & (page_ids >= 0)
+        offsets = torch.arange(self.page)
+        slot = (page_ids.clamp(min=0).unsqueeze(-1) * self.page + offsets)  # [B, H, k, P]
+        present = ok.unsqueeze(-1) & (slot < self.count.view(self.batch, self.heads, 1, 1))
+        ring = self.frames * self.page if self.frames is not None else None
+        index = (slot % ring if ring is not None else slot).masked_fill(~present, 0).flatten(2)
+        present = present.flatten(2)
+
+        def take(buffer):
+            return buffer.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.shape[-1]) if buffer.dim() == 4 else index)
+
+        keys, values = take(self.keys), take(self.values)
+        if self.quantized:
+            keys = keys.float() * take(self.key_scale).unsqueeze(-1)
+            values = values.float() * take(self.value_scale).unsqueeze(-1)
+        keys, values = keys.to(self.dtype), values.to(self.dtype)
+        token_index = take(self.token_index).masked_fill(~present, -1)
+        positions = take(self.positions).masked_fill(~present, -1)
+        if rotary is not None:
+            delta = (positions - take(self.encoded)).masked_fill(~present, 0)
+            if bool(delta.any()):
+                rotate_keys(keys, delta, rotary)
+        keys = keys.masked_fill(~present.unsqueeze(-1), 0)
+        values = values.masked_fill(~present.unsqueeze(-1), 0)
+        return keys, values, token_index, positions
+
+    # -- positions --------------------------------------------------------------------------------
+    def renumber(self, old_hot: torch.Tensor) -> None:
+        """The cache re-numbered its hot tokens 0..n-1 in position order (``old_hot`` [B, H, C]: their
+        positions before, -1 for empty slots): each cold token takes the new position of the first
+        hot token after it (as if the gap it sat in had closed), so order is kept."""
+        old_hot = old_hot.cpu()
+        big = torch.iinfo(torch.long).max
+        ordered = old_hot.masked_fill(old_hot < 0, big).sort(dim=-1).values
+        held = self.token_index >= 0
+        new = torch.searchsorted(ordered.contiguous(), self.positions.clamp(min=0).contiguous())
+        self.positions = torch.where(held, new, self.positions)
+
+    # -- accounting -------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Host bytes held (allocated)."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._buffers())
+
+

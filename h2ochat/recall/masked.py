@@ -1,0 +1,216 @@
+"""The masked reference: a full cache whose attention admits exactly hot + recalled tokens.
+
+The slow, obvious statement of the recall rule, used to measure selectors and as the test oracle of
+the real two-tier cache. Every key stays in an ordinary transformers cache; per (layer, KV head) a
+mask admits
+- the hot tokens: what the eviction policy keeps with ``hot_slots`` slots (the new tokens enter,
+  attention runs, the policy's scores are updated, then it evicts back down to ``hot_slots``), and
+- the recalled tokens: the cold (evicted) tokens of the top ``recall_slots // page`` pages, chosen
+  per (layer, KV head) by a selector from every query of the step (the group's query heads and, for
+  a chunk, all its tokens), and
+- the step's new tokens, causally.
+Pages group cold tokens by token index (page = index // P) or by eviction order (the n-th token
+evicted from that head goes to page n // P). A recalled token is attended but stays cold unless
+``reenter`` is set, in which case it competes for the hot slots with the score it earned.
+
+One sequence (batch 1). ``MaskedRecall.attach(model)`` switches the model to this attention; feed it
+with ``forward``. ``stats`` holds, per layer, the share of the exact selector's top pages that the
+chosen selector found (steps where every page fits in the recall slots are left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..policies import Policy, get_policy, keep_priority
+from .selectors import Selector, exact_score, get_selector, top_pages
+
+NAME = "h2o_recall_masked"
+_active: list["MaskedRecall"] = []
+
+
+@dataclass
+class _Layer:
+    hot: torch.Tensor  # [H, T] bool
+    cold: torch.Tensor  # [H, T] bool: evicted (recallable)
+    scores: torch.Tensor  # [H, T] fp32, the policy's accumulated attention
+    evicted_at: torch.Tensor  # [H, T] long: the token's number in its head's eviction order (-1: not evicted)
+    importance: torch.Tensor  # [H, T] fp32: the score a token held when evicted
+    evictions: torch.Tensor  # [H] long: tokens evicted so far per head
+
+
+@dataclass
+class OverlapStats:
+    found: list[float] = field(default_factory=list)  # per layer: summed share of exact top pages found
+    steps: list[int] = field(default_factory=list)  # per layer: steps counted
+    recalled_attention: list[float] = field(default_factory=list)  # per layer: attention mass on recalled tokens
+
+    def per_layer(self) -> list[float | None]:
+        return [f / s if s else None for f, s in zip(self.found, self.steps)]
+
+    def mean(self) -> float | None:
+        shares = [x for x in self.per_layer() if x is not None]
+        return sum(shares) / len(shares) if shares else None
+
+
+class MaskedRecall:
+    def __init__(self, num_layers: int, policy: Policy | str, hot_slots: int, recall_slots: int, page: int,
+                 selector: Selector | str | None = "exact", *, grouping: str = "index", reenter: bool = False,
+                 measure: bool = True):
+        if grouping not in ("index", "eviction"):
+            raise ValueError(f"grouping must be 'index' or 'eviction', got {grouping!r}")
+        self.policy = get_policy(policy)
+        self.budget = self.policy.split(hot_slots) if self.policy.evicts else None
+        self.hot_slots, self.recall_slots, self.page = hot_slots, recall_slots, page
+        self.selector = get_selector(selector) if isinstance(selector, str) else selector
+        self.grouping, self.reenter, self.measure = grouping, reenter, measure
+        self.layers: list[_Layer | None] = [None] * num_layers
+        self.cache = DynamicCache()
+        self.stats = OverlapStats([0.0] * num_layers, [0] * num_layers, [0.0] * num_layers)
+        self.seen = 0
+
+    # -- driving the model ------------------------------------------------------------------------
+    @staticmethod
+    def attach(model) -> None:
+        AttentionInterface.register(NAME, _attention)
+        AttentionMaskInterface.register(NAME, _no_mask)
+        model.set_attn_implementation(NAME)
+
+    def forward(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feed ``input_ids`` [1, Q]; returns the logits of the last token [1, V]."""
+        q_len = input_ids.shape[1]
+        positions = torch.arange(self.seen, self.seen + q_len).unsqueeze(0)
+        _active.append(self)
+        try:
+            with torch.inference_mode():
+                out = model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache,
+                            use_cache=True, logits_to_keep=1)
+        finally:
+            _active.pop()
+        self.seen += q_len
+        return out.logits[:, -1]
+
+    # -- one layer's step ---------------------------------------------------------------------------
+    def _grow(self, layer_idx: int, heads: int, total: int, device) -> _Layer:
+        state = self.layers[layer_idx]
+        if state is None:
+            empty = torch.zeros(heads, 0, device=device)
+            state = _Layer(empty.bool(), empty.bool(), empty, empty.long(), empty, torch.zeros(heads, dtype=torch.long))
+        extra = total - state.hot.shape[1]
+        if extra > 0:
+            def widen(t, fill):
+                return torch.cat([t, t.new_full((heads, extra), fill)], dim=1)
+            state = _Layer(widen(state.hot, False), widen(state.cold, False), widen(state.scores, 0.0),
+                           widen(state.evicted_at, -1), widen(state.importance, 0.0), state.evictions)
+        self.layers[layer_idx] = state
+        return state
+
+    def paged(self, state: _Layer, keys: torch.Tensor):
+        """The cold tokens of each head as pages: keys [H, N, P, D], valid, importance, token index."""
+        heads, total, dim = keys.shape
+        if self.grouping == "index":
+            number = torch.arange(total).expand(heads, total)
+        else:
+            number = state.evicted_at
+        number = number.masked_fill(~state.cold, -1)
+        pages = int(number.max().item()) // self.page + 1 if bool(state.cold.any()) else 0
+        slots = pages * self.page
+        flat = torch.full((heads, slots + 1), slots, dtype=torch.long)  # slot -> token (slots: none)
+        where = number.clamp(min=0).masked_fill(number < 0, slots)
+        flat.scatter_(1, where, torch.arange(total).expand(heads, total).masked_fill(number < 0, slots))
+        token = flat[:, :slots]  # [H, N*P] token index in each slot (total = empty)
+        valid = token < total
+        safe = token.clamp(max=max(total - 1, 0))
+        paged_keys = keys.gather(1, safe.unsqueeze(-1).expand(heads, slots, dim)).view(heads, pages, self.page, dim)
+        importance = state.importance.gather(1, safe).view(heads, pages, self.page)
+        return paged_keys, valid.view(heads, pages, self.page), importance, token.view(heads, pages, self.page)
+
+    def recalled(self, state: _Layer, keys: torch.Tensor, queries: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """[H, T] bool: the cold tokens of the pages the selector picks for these queries [H, M, D]."""
+        heads, total, _ = keys.shape
+        chosen = torch.zeros(heads, total, dtype=torch.bool)
+        if not self.recall_slots or not bool(state.cold.any()):
+            return chosen
+        paged_keys, valid, importance, token = self.paged(state, keys)
+        count = self.recall_slots // self.page
+        scores = self.selector.score(queries, self.selector.digest(paged_keys, valid, importance))
+        picked = top_pages(scores, count)
+        if self.measure:
+            pages_held = int(valid.any(-1).sum(-1).min().item())
+            if pages_held > count:
+                exact = top_pages(exact_score(queries, (paged_keys, valid)), count)
+                hits = (picked.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean().item()
+                self.stats.found[layer_idx] += hits
+                self.stats.steps[layer_idx] += 1
+        for head in range(heads):
+            pages = picked[head][picked[head] >= 0]
+            tokens = token[head, pages].flatten()
+            chosen[head, tokens[tokens < total]] = True
+        return chosen
+
+    def attend(self, module, query, key, value, scale) -> torch.Tensor:
+        """query [1, Hq, Q, D], key/value [1, Hkv, T, D] (the whole text) -> [1, Q, Hq, D]."""
+        layer_idx = module.layer_idx
+        _, q_heads, q_len, dim = query.shape
+        heads, total = key.shape[1], key.shape[2]
+        group = q_heads // heads
+        start = total - q_len
+        state = self._grow(layer_idx, heads, total, key.device)
+        keys, values = key[0], value[0]
+        grouped = query[0].reshape(heads, group, q_len, dim)
+        if self.policy.evicts:
+            recalled = self.recalled(state, keys, grouped.reshape(heads, group * q_len, dim), layer_idx)
+            old = state.hot | recalled
+        else:
+            recalled = torch.zeros_like(state.hot)
+            old = torch.ones_like(state.hot)
+        old[:, start:] = False
+        new_cols = torch.arange(total) >= start
+        causal = (torch.arange(total).view(1, -1) - start) <= torch.arange(q_len).view(-1, 1)  # [Q, T]
+        admit = old.unsqueeze(1) | (new_cols & causal).unsqueeze(0)  # [H, Q, T]
+        logits = torch.einsum("hgqd,htd->hgqt", grouped.float(), keys.float()) * scale
+        logits = logits.masked_fill(~admit.unsqueeze(1), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        out = torch.einsum("hgqt,htd->hgqd", probs, values.float()).to(query.dtype)
+        if self.policy.evicts:
+            mass = probs.sum(dim=(1, 2))  # [H, T]: attention each token received this step
+            self.stats.recalled_attention[layer_idx] += float((mass * recalled).sum() / (group * q_len * heads))
+            self._score_and_evict(state, mass, recalled, start, total)
+        return out.reshape(q_heads, q_len, dim).transpose(0, 1).unsqueeze(0)
+
+    def _score_and_evict(self, state: _Layer, mass, recalled, start, total) -> None:
+        decay = self.policy.decay
+        candidates = state.hot.clone()
+        candidates[:, start:] = True
+        if self.reenter:
+            candidates |= recalled
+        state.scores = torch.where(candidates, decay * state.scores + mass, state.scores)
+        heads = candidates.shape[0]
+        token_index = torch.arange(total).expand(heads, total).masked_fill(~candidates, -1)
+        newest = torch.tensor([total - 1])
+        priority = keep_priority(self.policy, self.budget, state.scores.unsqueeze(0), token_index.unsqueeze(0),
+                                 newest)[0]
+        keep_count = min(self.hot_slots, total)
+        kept = torch.zeros_like(candidates)
+        kept.scatter_(1, priority.topk(keep_count, dim=-1).indices, True)
+        kept &= candidates
+        dropped = candidates & ~kept & ~state.cold  # a recalled token that loses again is already cold
+        order = dropped.long().cumsum(dim=1) - 1 + state.evictions.unsqueeze(1)
+        state.evicted_at = torch.where(dropped, order, state.evicted_at)
+        state.importance = torch.where(dropped, state.scores, state.importance)
+        state.evictions = state.evictions + dropped.sum(dim=1)
+        state.cold = (state.cold | candidates) & ~kept
+        state.hot = kept
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return _active[-1].attend(module, query, key, value, scale), None
+
+
+def _no_mask(*args, **kwargs):
+    return None

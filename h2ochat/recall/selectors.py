@@ -1,0 +1,163 @@
+"""Page selectors: a digest per page of cold keys, and a score per page from the current queries.
+
+Every selector works on pages laid out as ``keys [H, N, P, D]`` with ``valid [H, N, P]`` (H KV heads,
+N pages of P slots; a slot may be empty). ``digest(keys, valid, importance)`` returns what would be
+kept on the device; ``score(queries [H, M, D], digest)`` returns ``[H, N]`` (higher = recall first;
+pages with no valid slot get -inf). M is every query that reads the KV head: the group's query heads
+times the step's new tokens, aggregated by max (a page matters when any query needs it).
+
+``exact`` is the yardstick: the best q.k among the page's keys (its digest is the keys themselves).
+``quest`` is Quest's per-channel min/max bound; ``quest_sub`` the same over sub-pages; ``quant``
+keeps each key in b bits (per-token scale and offset) and scores it like ``exact``; ``reps`` keeps the
+r keys that held the most attention when evicted (InfLLM's representative tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _page_max(token_scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[H, M, N, P] per-token scores -> [H, N]: the max over queries and valid slots."""
+    masked = token_scores.masked_fill(~valid.unsqueeze(1), NEG_INF)
+    return masked.amax(dim=(1, 3))
+
+
+def token_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q.k of every query against every slot: [H, M, D] x [H, N, P, D] -> [H, M, N, P] (fp32)."""
+    return torch.einsum("hmd,hnpd->hmnp", queries.float(), keys.float())
+
+
+# -- exact --------------------------------------------------------------------------------------------
+def exact_digest(keys, valid, importance=None):
+    return keys, valid
+
+
+def exact_score(queries, digest):
+    keys, valid = digest
+    return _page_max(token_scores(queries, keys), valid)
+
+
+# -- Quest: per-channel min/max bound -----------------------------------------------------------------
+def bounds(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel min and max over the valid slots of the last-but-one dim, and whether any is valid."""
+    mask = valid.unsqueeze(-1)
+    low = keys.float().masked_fill(~mask, float("inf")).amin(dim=-2)
+    high = keys.float().masked_fill(~mask, NEG_INF).amax(dim=-2)
+    any_valid = valid.any(dim=-1)
+    return low.masked_fill(~any_valid.unsqueeze(-1), 0), high.masked_fill(~any_valid.unsqueeze(-1), 0), any_valid
+
+
+def bound_score(queries: torch.Tensor, low: torch.Tensor, high: torch.Tensor, any_valid: torch.Tensor) -> torch.Tensor:
+    """sum_c max(q_c low_c, q_c high_c), the largest q.k any key inside the box can reach.
+    queries [H, M, D], low/high [H, N, D] -> [H, M, N]."""
+    q = queries.float().unsqueeze(2)  # [H, M, 1, D]
+    bound = torch.maximum(q * low.unsqueeze(1), q * high.unsqueeze(1)).sum(-1)
+    return bound.masked_fill(~any_valid.unsqueeze(1), NEG_INF)
+
+
+def quest_digest(keys, valid, importance=None):
+    return bounds(keys, valid)
+
+
+def quest_score(queries, digest):
+    return bound_score(queries, *digest).amax(dim=1)
+
+
+def quest_sub_digest(sub: int):
+    def digest(keys, valid, importance=None):
+        heads, pages, size, dim = keys.shape
+        return bounds(keys.view(heads, pages, size // sub, sub, dim), valid.view(heads, pages, size // sub, sub))
+    return digest
+
+
+def quest_sub_score(queries, digest):
+    low, high, any_valid = digest  # [H, N, S, D], [H, N, S]
+    heads, pages, subs, dim = low.shape
+    score = bound_score(queries, low.reshape(heads, pages * subs, dim), high.reshape(heads, pages * subs, dim),
+                        any_valid.reshape(heads, pages * subs))
+    return score.view(heads, -1, pages, subs).amax(dim=(1, 3))
+
+
+# -- low-bit keys ------------------------------------------------------------------------------------
+def quantize(keys: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token asymmetric b-bit codes of ``keys`` [..., D]: (codes uint8, scale, offset)."""
+    levels = (1 << bits) - 1
+    low = keys.float().amin(dim=-1, keepdim=True)
+    high = keys.float().amax(dim=-1, keepdim=True)
+    scale = ((high - low) / levels).clamp_min(1e-12)
+    codes = ((keys.float() - low) / scale).round().clamp(0, levels).to(torch.uint8)
+    return codes, scale, low
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale + offset
+
+
+def quant_digest(bits: int):
+    def digest(keys, valid, importance=None):
+        return quantize(keys, bits), valid
+    return digest
+
+
+def quant_score(queries, digest):
+    (codes, scale, offset), valid = digest
+    return _page_max(token_scores(queries, dequantize(codes, scale, offset)), valid)
+
+
+# -- representative keys -----------------------------------------------------------------------------
+def reps_digest(count: int):
+    def digest(keys, valid, importance=None):
+        weight = importance if importance is not None else keys.float().norm(dim=-1)
+        weight = weight.masked_fill(~valid, NEG_INF)
+        top = weight.topk(min(count, keys.shape[2]), dim=-1).indices  # [H, N, r]
+        chosen = keys.gather(2, top.unsqueeze(-1).expand(*top.shape, keys.shape[-1]))
+        return chosen, valid.gather(2, top)
+    return digest
+
+
+@dataclass(frozen=True)
+class Selector:
+    name: str
+    digest: Callable  # (keys [H,N,P,D], valid [H,N,P], importance [H,N,P] | None) -> digest
+    score: Callable  # (queries [H,M,D], digest) -> [H, N]
+    bytes_ratio: Callable[[int, int], float]  # (page, head_dim) -> device bytes / the page's 16-bit keys
+
+
+def _selectors() -> dict[str, Selector]:
+    table = {
+        "exact": Selector("exact", exact_digest, exact_score, lambda p, d: 1.0),
+        "quest": Selector("quest", quest_digest, quest_score, lambda p, d: 2 / p),
+    }
+    for sub in (2, 4, 8):
+        table[f"quest{sub}"] = Selector(f"quest{sub}", quest_sub_digest(sub), quest_sub_score,
+                                        lambda p, d, s=sub: 2 / s)
+    for bits in (1, 2, 3, 4):
+        # codes of b bits plus a 16-bit scale and offset per token
+        table[f"int{bits}"] = Selector(f"int{bits}", quant_digest(bits), quant_score,
+                                       lambda p, d, b=bits: (b * d + 32) / (16 * d))
+    for count in (1, 2, 4):
+        table[f"reps{count}"] = Selector(f"reps{count}", reps_digest(count), exact_score, lambda p, d, r=count: r / p)
+    return table
+
+
+SELECTORS = _selectors()
+
+
+def get_selector(name: str) -> Selector:
+    try:
+        return SELECTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(SELECTORS)}") from None
+
+
+def top_pages(page_scores: torch.Tensor, count: int) -> torch.Tensor:
+    """[H, N] -> [H, k] page numbers, best first (-1 where fewer than k pages hold a valid key)."""
+    count = min(count, page_scores.shape[-1])
+    values, pages = page_scores.topk(count, dim=-1)
+    return pages.masked_fill(values == NEG_INF, -1)

@@ -1,0 +1,64 @@
+"""The recall step: the best pages of each (sequence, KV head) into its R recall slots.
+
+The recall slots are F = R // P frames of P slots. Each step the selector's page scores name up to
+``want`` <= F pages; pages already in a frame stay where they are (nothing is copied), the missing
+ones replace the frames used longest ago (a small LRU: with F > want a page that drops out of the
+top for a step or two is still there when it comes back). Everything is tensor ops on the scores'
+device: no value is read back to the host, so a step can be queued (or captured in a graph) without
+waiting for the device.
+
+GPU plan (not built yet): the cold store is pinned host memory. The plan ``update`` returns (which
+frames get which pages) is applied by copying those pages' keys and values host -> device on a side
+stream; the step that chose them attends the frames as they stood before (one step late), and the
+next step attends the new ones. The digests and the scoring stay on the device, so the host never
+waits for the device inside a step. On a CPU the cold store is already in the same memory and the
+copy happens inside the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RecallPlan:
+    frame_page: torch.Tensor  # [B, H, F] page held by each frame after the step (-1: empty)
+    load: torch.Tensor  # [B, H, F] bool: the frame gets a new page this step (copy it in)
+
+
+class RecallFrames:
+    """Which cold page sits in each recall frame, per (sequence, KV head)."""
+
+    def __init__(self, batch: int, heads: int, frames: int, device=None):
+        self.frame_page = torch.full((batch, heads, frames), -1, dtype=torch.long, device=device)
+        self.last_used = torch.zeros(batch, heads, frames, dtype=torch.long, device=device)
+        self.clock = torch.zeros((), dtype=torch.long, device=device)
+        self.copied = torch.zeros(batch, heads, dtype=torch.long, device=device)  # pages loaded so far
+
+    def update(self, wanted: torch.Tensor) -> RecallPlan:
+        """``wanted`` [B, H, k] page numbers, best first (-1: none), k <= F. Returns the plan."""
+        frames = self.frame_page.shape[-1]
+        if wanted.shape[-1] > frames:
+            raise ValueError(f"{wanted.shape[-1]} pages wanted but only {frames} recall frames")
+        self.clock += 1
+        real = wanted >= 0
+        match = (self.frame_page.unsqueeze(-1) == wanted.unsqueeze(-2)) & real.unsqueeze(-2)  # [B, H, F, k]
+        kept = match.any(dim=-1)  # frame holds a wanted page
+        missing = real & ~match.any(dim=-2)  # [B, H, k] wanted page in no frame
+        # free frames, least recently used first (empty frames have last_used 0 and come first)
+        big = torch.iinfo(torch.long).max
+        order = self.last_used.masked_fill(kept, big).argsort(dim=-1, stable=True)  # [B, H, F]
+        # the j-th missing page (in wanted order) goes to the j-th free frame
+        rank = missing.long().cumsum(dim=-1) - 1  # [B, H, k]
+        target = order.gather(-1, rank.clamp(min=0))  # [B, H, k] frame for each missing page
+        target = target.masked_fill(~missing, frames)  # the others write into a spare column
+        spare = (*kept.shape[:-1], frames + 1)
+        load = torch.zeros(spare, dtype=torch.bool, device=kept.device).scatter_(-1, target, missing)[..., :frames]
+        new_page = torch.full(spare, -1, dtype=torch.long, device=kept.device)
+        new_page = new_page.scatter_(-1, target, wanted)[..., :frames]
+        self.frame_page = torch.where(load, new_page, self.frame_page)
+        self.last_used = torch.where(kept | load, self.clock, self.last_used)
+        self.copied += load.sum(dim=-1)
+        return RecallPlan(self.frame_page.clone(), load)

@@ -1,0 +1,156 @@
+"""The cold store and the recall frames against slow, obvious references (Python lists per head)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from h2ochat.recall.cold_store import ColdStore
+from h2ochat.recall.step import RecallFrames
+from h2ochat.rotary import Rotary, rotate_keys
+
+B, H, D = 2, 3, 8
+
+
+def _evictions(steps: int, rng: random.Random):
+    """Random evictions: per step and (sequence, head) 0-3 tokens, numbered as a cache would."""
+    next_index = [[0] * H for _ in range(B)]
+    for _ in range(steps):
+        width = 3
+        token_index = torch.full((B, H, width), -1, dtype=torch.long)
+        for b in range(B):
+            for h in range(H):
+                for e in range(width):
+                    if rng.random() < 0.5:
+                        token_index[b, h, e] = next_index[b][h]
+                        next_index[b][h] += 1
+        keys = torch.randn(B, H, width, D)
+        values = torch.randn(B, H, width, D)
+        positions = token_index * 2  # any per-token value, to check it travels with the token
+        yield keys, values, token_index, positions
+
+
+def _reference(events, page, limit):
+    """Per (sequence, head): the list of (token index, position, key, value) still held."""
+    held = [[[] for _ in range(H)] for _ in range(B)]
+    dropped = [[0] * H for _ in range(B)]
+    frames = -(-limit // page) if limit is not None else None
+    for keys, values, token_index, positions in events:
+        for b in range(B):
+            for h in range(H):
+                for e in range(token_index.shape[2]):
+                    if token_index[b, h, e] >= 0:
+                        held[b][h].append((int(token_index[b, h, e]), int(positions[b, h, e]), keys[b, h, e], values[b, h, e]))
+                        appended = len(held[b][h]) + dropped[b][h]
+                        # a new page beyond the ring's frames drops the oldest whole page
+                        if frames is not None and -(-appended // page) - dropped[b][h] // page > frames:
+                            held[b][h] = held[b][h][page:]
+                            dropped[b][h] += page
+    return held, dropped
+
+
+@pytest.mark.parametrize("limit", [None, 8, 12])
+@pytest.mark.parametrize("page", [1, 4])
+def test_store_holds_exactly_the_evicted_tokens(seed, page, limit):
+    if limit is not None and limit < page:
+        pytest.skip("a limit under one page is refused")
+    events = list(_evictions(12, random.Random(seed)))
+    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1)
+    for event in events:
+        store.append(*event)
+    held, dropped = _reference(events, page, limit)
+    first, end = store.held()
+    pages = torch.arange(int(end.max())).expand(B, H, -1)
+    keys, values, token_index, positions = store.pages(pages)
+    for b in range(B):
+        for h in range(H):
+            got = token_index[b, h]
+            mask = got >= 0
+            assert got[mask].tolist() == [t for t, *_ in held[b][h]]  # nothing lost, nothing duplicated, in order
+            assert positions[b, h][mask].tolist() == [p for _, p, *_ in held[b][h]]
+            if held[b][h]:
+                assert torch.equal(keys[b, h][mask], torch.stack([k for *_, k, _ in held[b][h]]))
+                assert torch.equal(values[b, h][mask], torch.stack([v for *_, v in held[b][h]]))
+            assert int(store.dropped()[b, h]) == dropped[b][h]
+            assert int(store.held_tokens()[b, h]) == len(held[b][h])
+
+
+def test_int8_store_is_within_half_a_step(seed):
+    events = list(_evictions(6, random.Random(seed)))
+    store = ColdStore(B, H, D, D, 4, torch.float32, cold_dtype="int8")
+    plain = ColdStore(B, H, D, D, 4, torch.float32)
+    for event in events:
+        store.append(*event)
+        plain.append(*event)
+    pages = torch.arange(int(store.held()[1].max())).expand(B, H, -1)
+    got, want = store.pages(pages), plain.pages(pages)
+    assert torch.equal(got[2], want[2])
+    for approx, exact in zip(got[:2], want[:2]):
+        step = exact.abs().amax(dim=-1, keepdim=True) / 127
+        assert bool(((approx - exact).abs() <= step / 2 + 1e-6).all())
+    assert store.nbytes() < plain.nbytes()
+
+
+def test_store_refuses_bad_settings():
+    with pytest.raises(ValueError, match="cold-dtype"):
+        ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="int3")
+    with pytest.raises(ValueError, match="less than one page"):
+        ColdStore(1, 1, 4, 4, 16, torch.float32, limit=8)
+
+
+def test_renumber_keeps_order_and_recalled_keys_sit_at_their_new_position(seed):
+    """A cold token takes the new position of the first hot token after it; its key comes back
+    rotated from the position it was encoded at to that one."""
+    rotary = Rotary(inv_freq=1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), rotary_dim=D)
+    raw = torch.randn(1, 1, 6, D)
+    encoded_at = torch.tensor([[[1, 4, 6, 9, 12, 15]]])
+    keys = raw.clone()
+    rotate_keys(keys, encoded_at, rotary)
+    store = ColdStore(1, 1, D, D, 2, torch.float32)
+    store.append(keys, keys.clone(), torch.arange(6).view(1, 1, 6), encoded_at)
+    hot_before = torch.tensor([[[0, 5, 10, 11, 16, -1]]])  # hot tokens' positions before; re-numbered 0..4
+    store.renumber(hot_before)
+    want = [sum(1 for p in hot_before.flatten().tolist() if 0 <= p < q) for q in encoded_at.flatten().tolist()]
+    got_keys, _, _, positions = store.pages(torch.arange(3).view(1, 1, 3), rotary)
+    assert positions.flatten().tolist() == want == [1, 1, 2, 2, 4, 4]
+    expected = raw.clone()
+    rotate_keys(expected, torch.tensor([want]).view(1, 1, 6), rotary)
+    torch.testing.assert_close(got_keys, expected, atol=1e-5, rtol=1e-5)
+
+
+def _reference_frames(steps, frames):
+    """A slow LRU: kept pages stay, missing ones take the least recently used free frame in turn."""
+    table, used, plans = [-1] * frames, [0] * frames, []
+    for clock, wanted in enumerate(steps, start=1):
+        wanted = [p for p in wanted if p >= 0]
+        kept = {f for f in range(frames) if table[f] in wanted}
+        for f in kept:
+            used[f] = clock
+        free = sorted((f for f in range(frames) if f not in kept), key=lambda f: (used[f], f))
+        load = [False] * frames
+        for page in (p for p in wanted if p not in table):
+            f = free.pop(0)
+            table[f], used[f], load[f] = page, clock, True
+        plans.append((list(table), load))
+    return plans
+
+
+@pytest.mark.parametrize("frames,want", [(4, 4), (6, 3), (3, 1)])
+def test_recall_frames_follow_a_slow_lru(seed, frames, want):
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(30):  # pages drawn from a small pool so that some stay wanted across steps
+        pages = rng.sample(range(8), want)
+        if rng.random() < 0.2:
+            pages[-1] = -1  # fewer pages than wanted (a store holding few)
+        steps.append(pages)
+    lru = RecallFrames(1, 1, frames)
+    copied = 0
+    for (table, load), wanted in zip(_reference_frames(steps, frames), steps):
+        plan = lru.update(torch.tensor(wanted).view(1, 1, -1))
+        assert plan.frame_page.flatten().tolist() == table
+        assert plan.load.flatten().tolist() == load
+        copied += sum(load)
+    assert int(lru.copied.sum()) == copied
