@@ -123,3 +123,45 @@ def test_no_history_keeps_nothing(home, tiny_checkpoint):
                            input="hello\n/bye\n", env={"NO_COLOR": "1"})
     assert result.exit_code == 0, result.output
     assert not history.conversations_dir().exists()
+
+
+# -- two sessions on one conversation (issue 15, item 3) ----------------------------------------------
+def resumed_twice(home):
+    path = history.conversations_dir() / "20240101-000000-abcd.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**conversation([("user", "first"), ("assistant", "one")]), "id": path.stem}))
+    first, _ = history.ConversationLog.resume(path, "tiny")
+    second, _ = history.ConversationLog.resume(path, "tiny")
+    return path, first, second
+
+
+def test_two_sessions_on_one_conversation_keep_both_sets_of_turns(home):
+    """`run --continue` in two terminals: the second writer finds the file changed under it and goes
+    on as a new conversation with a notice, instead of erasing the first writer's turns."""
+    path, first, second = resumed_twice(home)
+    mine = conversation([("user", "first"), ("assistant", "one"), ("user", "from terminal A"), ("assistant", "a")])
+    theirs = conversation([("user", "first"), ("assistant", "one"), ("user", "from terminal B"), ("assistant", "b")])
+    assert first.save(mine) is None
+    notice = second.save(theirs)
+    assert notice and "changed by another session" in notice and second.id in notice
+    assert second.path != path
+    assert json.loads(path.read_text())["messages"] == mine["messages"]
+    assert json.loads(second.path.read_text())["messages"] == theirs["messages"]
+    # each goes on in its own file from now on
+    assert first.save({**mine, "messages": mine["messages"] + [{"role": "user", "content": "A again"}]}) is None
+    assert second.save(theirs) is None and json.loads(path.read_text())["messages"][-1]["content"] == "A again"
+
+
+def test_a_write_waits_for_the_conversations_lock(home):
+    """The check and the write happen under the conversation's lock: while another session holds it,
+    nothing is written (here the wait runs out: a one-line OSError the REPL reports)."""
+    from filelock import FileLock, Timeout
+
+    path, first, _ = resumed_twice(home)
+    first.lock_timeout = 0.05
+    before = path.read_text()
+    with FileLock(str(path.parent / f".{path.name}.lock")):
+        with pytest.raises(Timeout):
+            first.save(conversation([("user", "first"), ("assistant", "one"), ("user", "blocked")]))
+    assert path.read_text() == before and isinstance(Timeout(str(path)), OSError)
+    assert first.save(conversation([("user", "first"), ("assistant", "one"), ("user", "later")])) is None

@@ -1,0 +1,95 @@
+"""Every setting is wired everywhere (issue 15, item 4): the settings are the fields of ChatSettings
+and CacheSettings, and `/set`, its listing, the conversation file and `run --continue`'s overrides
+all derive from them. A new field that one of these misses fails here."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import fields
+
+import pytest
+from typer.testing import CliRunner
+
+from h2ochat import history
+from h2ochat.chat import SETTINGS, ChatSettings, Conversation
+from h2ochat.cli import app
+from h2ochat.commands.run import run
+from h2ochat.generation import CacheSettings
+from h2ochat.models import load
+from h2ochat.repl import Repl
+from h2ochat.ui import make_console
+
+runner = CliRunner()
+
+# a value other than the default for every setting, as typed and as stored
+SAMPLE = {
+    "system": ("be brief", "be brief"),
+    "temperature": ("0.3", 0.3),
+    "top_p": ("0.9", 0.9),
+    "top_k": ("5", 5),
+    "seed": ("5", 5),
+    "repetition_penalty": ("1.2", 1.2),
+    "repeat_last_n": ("16", 16),
+    "max_new_tokens": ("3", 3),
+    "policy": ("mean", "mean"),
+    "budget": ("24", "24"),
+    "heavy_ratio": ("0.25", 0.25),
+    "sinks": ("2", 2),
+    "decay": ("0.9", 0.9),
+    "positions": ("absolute", "absolute"),
+}
+
+
+def test_the_settings_are_the_dataclass_fields():
+    own = {f.name for f in fields(ChatSettings)} - {"cache"}
+    cache = {f.name for f in fields(CacheSettings)}
+    assert set(SETTINGS) == own | cache  # the cache's seed is the sampling's (one name, one value)
+    assert set(SAMPLE) == set(SETTINGS)  # a new setting needs a sample value here, and is then tested
+    for name, (_, value) in SAMPLE.items():
+        assert value != ChatSettings().get(name), f"{name}: the sample must differ from the default"
+
+
+def test_every_setting_round_trips_through_set_its_listing_and_the_file(tiny_checkpoint):
+    loaded = load(str(tiny_checkpoint), device="cpu")
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0))
+    out = io.StringIO()
+    typed = iter([f"/set {name} {text}" for name, (text, _) in SAMPLE.items()] + ["/set", "/bye"])
+    repl = Repl(conv, make_console(file=out), lambda prompt: next(typed))
+    assert repl.run() == 0
+    assert "error" not in out.getvalue(), out.getvalue()
+    for name, (_, value) in SAMPLE.items():
+        assert conv.settings.get(name) == value, name
+    assert conv.cache.budget.slots == 24 and conv.cache.policy.name == "mean" and conv.cache.position_mode == "absolute"
+    assert conv.settings.cache.seed == 5  # the random policy draws from the same seed
+    shown = dict(line.split(None, 1) for line in out.getvalue().splitlines()[-len(SETTINGS):])  # `/set` alone
+    assert list(shown) == list(SETTINGS), out.getvalue()
+    for name, (_, value) in SAMPLE.items():
+        assert shown[name].strip() == (repr(value) if isinstance(value, str) else str(value)), name
+    restored = ChatSettings.from_json(json.loads(json.dumps(conv.to_json()))["settings"])
+    assert restored == conv.settings
+
+
+def test_every_setting_given_to_run_continue_wins_over_the_stored_one(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("H2OCHAT_HOME", str(tmp_path))
+    for name in SETTINGS:  # every setting is a run() option of the same name
+        assert name in run.__wrapped__.__code__.co_varnames, name
+    env = {"NO_COLOR": "1"}
+    first = runner.invoke(app, ["run", "--model", str(tiny_checkpoint), "--max-new-tokens", "2", "--temperature", "0"],
+                          input="hello\n/bye\n", env=env)
+    assert first.exit_code == 0, first.output
+    options = [part for name, (text, _) in SAMPLE.items() for part in (f"--{name.replace('_', '-')}", text)]
+    second = runner.invoke(app, ["run", "--continue", *options], input="again\n/bye\n", env=env)
+    assert second.exit_code == 0, second.output
+    (path,) = history.conversations_dir().glob("*.json")
+    stored = ChatSettings.from_json(json.loads(path.read_text())["settings"])
+    for name, (_, value) in SAMPLE.items():
+        assert stored.get(name) == value, name
+    assert stored.cache.seed == 5
+
+
+@pytest.mark.parametrize("name", ["heavy_ratio", "sinks", "decay"])
+def test_optional_settings_go_back_to_the_policys_own(name):
+    changed, _ = ChatSettings().with_value(name, SAMPLE[name][0])
+    back, _ = changed.with_value(name, "default")
+    assert back.get(name) is None
