@@ -182,10 +182,12 @@ class TurnResult:
     notices: list[str]
 
 
-def evicted_per_head(cache: H2OCache) -> float:
-    """Tokens evicted so far, averaged over (layer, sequence, KV head): 'how many tokens are gone'."""
+def evicted_per_head(cache: H2OCache, evicted: int | None = None) -> float:
+    """Tokens evicted so far, averaged over (layer, sequence, KV head): 'how many tokens are gone'.
+    ``evicted``: the cache's total when already read (``cache.evicted_tokens()``)."""
     rows = sum(layer.evicted.numel() for layer in cache.layers if layer.is_initialized)
-    return cache.evicted_tokens() / rows if rows else 0.0
+    total = cache.evicted_tokens() if evicted is None else evicted
+    return total / rows if rows else 0.0
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:

@@ -42,7 +42,12 @@ def evicted_share(cache: H2OCache) -> float | None:
     """The one number for where the budget hurts: the attention share an evicted token held when it
     was dropped, averaged over the layers that evicted (None before the first eviction). Every layer
     evicts once per step, so this is also the mean over all evictions."""
-    shares = [s.evicted_share for s in cache.layer_stats() if s.evicted]
+    return mean_evicted_share(cache.layer_stats())
+
+
+def mean_evicted_share(stats) -> float | None:
+    """``evicted_share`` from per-layer statistics already read (``H2OCache.layer_stats()``)."""
+    shares = [s.evicted_share for s in stats if s.evicted]
     return sum(shares) / len(shares) if shares else None
 
 

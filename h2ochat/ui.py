@@ -24,7 +24,7 @@ from .cache import H2OCache
 from .policies import protected
 from .chat import TurnResult, evicted_per_head
 from .generation import Timing
-from .report import evicted_share, part_shares
+from .report import mean_evicted_share, part_shares
 
 
 def make_console(stderr: bool = False, file=None) -> Console:
@@ -66,8 +66,8 @@ def summarize(cache: H2OCache) -> CacheSummary:
         capacity=max((s.capacity for s in stats), default=0),
         heavy=sum(s.heavy for s in stats) / count,
         recent=sum(s.recent for s in stats) / count,
-        evicted=evicted_per_head(cache),
-        evicted_share=evicted_share(cache),
+        evicted=evicted_per_head(cache, sum(s.evicted for s in stats)),  # the count read above, not again
+        evicted_share=mean_evicted_share(stats),
         seen=cache.tokens_seen(),
         kv_bytes=cache.kv_bytes(),
         full_bytes=cache.full_kv_bytes(),

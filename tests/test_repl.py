@@ -282,3 +282,43 @@ def test_a_closed_terminal_ends_the_reply_keeps_it_and_leaves(loaded, tmp_path):
     assert [m["role"] for m in kept] == ["user", "assistant"] and kept[1]["interrupted"] is True
     assert kept[1]["content"] and kept[1]["content"] == repl.conv.messages[1]["content"]
     assert signal.getsignal(signal.SIGHUP) is before  # the handler was only there for the reply
+
+
+def test_under_nohup_a_hangup_neither_ends_the_reply_nor_the_session(loaded, tmp_path):
+    """`nohup h2ochat run < script`: SIGHUP is ignored on purpose; a reply in progress must run to its
+    end and the session go on to the next line (issue 15, item 5)."""
+    import signal
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        repl, _, code = drive(loaded, ["tell me a long story", "and another", "/bye"], max_new_tokens=12,
+                              file=HangingUpFile(after=3), endless=True)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert code == 0 and repl.conv.hangup is None
+    assert [m["role"] for m in repl.conv.messages] == ["user", "assistant"] * 2
+    assert not any(m.get("interrupted") for m in repl.conv.messages)
+    assert repl.totals["generated_tokens"] == 24  # both replies ran to max_new_tokens
+
+
+def test_the_toolbar_reads_the_cache_once_per_step_not_per_keystroke(loaded, monkeypatch):
+    """prompt-toolkit redraws the toolbar at every keystroke; the cache's figures come from the device
+    (several reads per layer) and only change when a token is fed."""
+    from h2ochat.cache import H2OCache
+
+    repl, _, _ = drive(loaded, ["hello there", "/bye"])
+    reads = []
+    original = H2OCache.layer_stats
+    monkeypatch.setattr(H2OCache, "layer_stats", lambda self: reads.append(1) or original(self))
+    first = repl.toolbar()
+    assert repl.toolbar() == first and len(reads) == 1  # drawn twice, read once
+    repl.cmd_cache("")
+    assert len(reads) == 1  # /cache uses the same figures
+    typed = iter(["more words", "/bye"])
+    repl.read_line = lambda prompt: next(typed)
+    repl.run()
+    reads.clear()
+    assert repl.toolbar() != first and len(reads) == 1  # a new step: read again, once
+    repl.toolbar()
+    assert len(reads) == 1
