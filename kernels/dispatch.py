@@ -12,29 +12,41 @@ triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dt
 inputs, an empty cache for eviction, a value-norm rank without the norms) runs the reference instead,
 whatever the backend. The score decay of ``attend_with_scores`` (a float or one per sequence) and the
 policy eviction ``evict_by_policy`` run in the kernels too.
+
+A Triton call goes through ``ops``: the launcher itself when eager, the ``torch.ops.h2ochat.*``
+custom op inside a ``torch.compile`` trace (one opaque node per launch, its writes declared).
+Dynamo does not guard on ``H2OCHAT_KERNELS``: a compiled graph keeps the backend it was traced with
+(``torch._dynamo.reset()`` after changing it in one process).
 """
 
 from __future__ import annotations
 
-import functools
 import numbers
 import os
 
 import torch
 
-from . import reference
+from . import ops, reference
 
 _CHOICES = ("auto", "torch", "triton")
 
 
-@functools.lru_cache(maxsize=None)
+_triton_importable: bool | None = None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising something else at import
-        return False
-    return True
+    # a module global rather than functools.lru_cache: a compiled decode step reads it, and dynamo
+    # warns about (and traces through) an lru_cache wrapper
+    global _triton_importable
+    if _triton_importable is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+        except Exception:  # ImportError, or a broken install raising something else at import
+            _triton_importable = False
+        else:
+            _triton_importable = True
+    return _triton_importable
 
 
 def _triton_library_interpreted() -> bool:
@@ -93,12 +105,8 @@ def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_ke
     if kernel_backend(query.device) == "triton" and _attention_supported(
         query, cache_keys, cache_values, new_keys, new_values, scores
     ):
-        if query.shape[3] == 1:
-            from .triton_decode import decode_attend_with_scores as kernel
-        else:
-            from .triton_chunk import chunk_attend_with_scores as kernel
-        return kernel(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
-                      decay=decay)
+        return ops.attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid,
+                                      scale, scores, decay)
     return reference.attend_with_scores(
         query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay
     )
@@ -124,10 +132,8 @@ def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_posi
     if priority.is_floating_point() and _eviction_supported(
         keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm
     ):
-        from .triton_evict import evict_and_insert as kernel
-
-        return kernel(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                      new_token_index, new_position, value_norm, new_value_norm)
+        return ops.evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
+                                    new_score, new_token_index, new_position, value_norm, new_value_norm)
     return reference.evict_and_insert(
         priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index,
         new_position, value_norm, new_value_norm,
@@ -150,9 +156,7 @@ def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_k
         and (value_eps is None or oldest_first or value_norm is not None)
         and _eviction_supported(keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm)
     ):
-        from .triton_evict import evict_by_policy as kernel
-
-        return kernel(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                      new_token_index, new_position, value_norm, new_value_norm, **policy)
+        return ops.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                                   new_token_index, new_position, value_norm, new_value_norm, **policy)
     return reference.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value,
                                      new_score, new_token_index, new_position, value_norm, new_value_norm, **policy)

@@ -1,0 +1,177 @@
+"""The Triton launchers as ``torch.library`` custom ops, so ``torch.compile`` sees each one as one
+opaque node with declared in-place writes.
+
+Ops (namespace ``h2ochat``; ``torch.ops.h2ochat.<name>``):
+
+- ``decode_attend``    ``triton_decode.decode_attend_with_scores`` (Q == 1): writes ``scores``;
+- ``chunk_attend``     ``triton_chunk.chunk_attend_with_scores`` (Q > 1, with its old-score decay
+  launch when decay != 1): writes ``scores``;
+- ``evict_and_insert`` ``triton_evict.evict_and_insert`` (a priority given);
+- ``evict_by_policy``  ``triton_evict.evict_by_policy`` (the priority from the policy's parameters);
+  both evictions write ``keys``, ``values``, ``scores``, ``slot_token_index``, ``slot_position``
+  and ``value_norm`` (when given) in place.
+
+Why ops and not plain calls under ``torch.compile``: dynamo would otherwise trace the launch code
+(environment reads, launch plans, the device guard, the kernels' own Python launcher), which breaks
+the graph or bakes host values into it; a custom op is one node whose fake implementation gives
+the output shapes, and whose declared mutations let AOT autograd functionalise the in-place writes
+(inductor then writes them back in place; CUDA graphs see ordinary kernels on fixed buffers).
+``triton_op`` / ``wrap_triton`` are not used: they trace the launch code (which is what is avoided
+here) and refuse the Triton interpreter's kernels, so the CPU tests could not run them.
+
+A schema takes no ``float | Tensor``: a decay, a recent window or a sink count that is a number or a
+per-sequence tensor travels as two arguments (the number, and the tensor or None).
+
+Eager calls go straight to the launcher (``launch_or_op``): dispatching through the op costs about
+15-30 us of Python per call on this CPU, paid per layer per token; only a ``torch.compile`` trace
+calls the op. This module imports no triton: the launchers are imported on the first call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+NAMESPACE = "h2ochat"
+_EVICTION_WRITES = ("keys", "values", "scores", "slot_token_index", "slot_position", "value_norm")
+
+
+def _split(value):
+    """(number, tensor or None) for a parameter that is a number or a per-sequence tensor."""
+    if isinstance(value, Tensor):
+        return (0.0 if value.is_floating_point() else 0), value
+    return value, None
+
+
+def _join(number, rows: Optional[Tensor]):
+    return number if rows is None else rows
+
+
+# -- attention ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::decode_attend", mutates_args=("scores",))
+def _decode_attend(query: Tensor, cache_keys: Tensor, cache_values: Tensor, slot_token_index: Tensor,
+                   new_keys: Tensor, new_values: Tensor, new_valid: Optional[Tensor], scale: float, scores: Tensor,
+                   decay: float, decay_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    from . import triton_decode
+
+    return triton_decode.decode_attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys,
+                                                   new_values, new_valid, scale, scores,
+                                                   decay=_join(decay, decay_rows))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::chunk_attend", mutates_args=("scores",))
+def _chunk_attend(query: Tensor, cache_keys: Tensor, cache_values: Tensor, slot_token_index: Tensor,
+                  new_keys: Tensor, new_values: Tensor, new_valid: Optional[Tensor], scale: float, scores: Tensor,
+                  decay: float, decay_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    from . import triton_chunk
+
+    return triton_chunk.chunk_attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys,
+                                                 new_values, new_valid, scale, scores, decay=_join(decay, decay_rows))
+
+
+def _attention_fake(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
+                    decay, decay_rows):
+    batch, kv_heads, _, q_len, _ = query.shape
+    # both launchers allocate contiguous outputs: the output in the query's dtype, fp32 new scores
+    return query.new_empty(query.shape), query.new_empty((batch, kv_heads, q_len), dtype=torch.float32)
+
+
+_decode_attend.register_fake(_attention_fake)
+_chunk_attend.register_fake(_attention_fake)
+
+
+def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
+                       decay=1.0):
+    """The Triton attention (decode kernel for Q == 1, chunk kernel otherwise): the launcher when
+    eager, the op under ``torch.compile``."""
+    decay_number, decay_rows = _split(decay)
+    if query.shape[3] == 1:
+        op, module, launcher = torch.ops.h2ochat.decode_attend, "triton_decode", "decode_attend_with_scores"
+    else:
+        op, module, launcher = torch.ops.h2ochat.chunk_attend, "triton_chunk", "chunk_attend_with_scores"
+    if torch.compiler.is_compiling():
+        return op(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, float(scale),
+                  scores, float(decay_number), decay_rows)
+    return _launcher(module, launcher)(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
+                                       new_valid, scale, scores, decay=decay)
+
+
+def _launcher(module: str, name: str):
+    """The launcher looked up on every call (tests replace them with spies)."""
+    import importlib
+
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+
+
+# -- eviction ----------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::evict_and_insert", mutates_args=_EVICTION_WRITES)
+def _evict_and_insert(priority: Tensor, keys: Tensor, values: Tensor, scores: Tensor, slot_token_index: Tensor,
+                      slot_position: Tensor, new_key: Tensor, new_value: Tensor, new_score: Tensor,
+                      new_token_index: Tensor, new_position: Tensor, value_norm: Optional[Tensor],
+                      new_value_norm: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    from . import triton_evict
+
+    return triton_evict.evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key,
+                                         new_value, new_score, new_token_index, new_position, value_norm,
+                                         new_value_norm)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::evict_by_policy", mutates_args=_EVICTION_WRITES)
+def _evict_by_policy(keys: Tensor, values: Tensor, scores: Tensor, slot_token_index: Tensor, slot_position: Tensor,
+                     new_key: Tensor, new_value: Tensor, new_score: Tensor, new_token_index: Tensor,
+                     new_position: Tensor, value_norm: Optional[Tensor], new_value_norm: Optional[Tensor],
+                     recent: int, recent_rows: Optional[Tensor], sinks: int, sinks_rows: Optional[Tensor],
+                     oldest_first: bool, by_age: bool, value_eps: Optional[float]) -> tuple[Tensor, Tensor]:
+    from . import triton_evict
+
+    return triton_evict.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value,
+                                        new_score, new_token_index, new_position, value_norm, new_value_norm,
+                                        recent=_join(recent, recent_rows), sinks=_join(sinks, sinks_rows),
+                                        oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
+
+
+def _dropped_fake(keys):
+    """What an eviction returns: the token index and the score each (sequence, head) dropped."""
+    shape = keys.shape[:2]
+    return keys.new_empty(shape, dtype=torch.int64), keys.new_empty(shape, dtype=torch.float32)
+
+
+@_evict_and_insert.register_fake
+def _(priority, keys, *rest):
+    return _dropped_fake(keys)
+
+
+@_evict_by_policy.register_fake
+def _(keys, *rest):
+    return _dropped_fake(keys)
+
+
+def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                     new_token_index, new_position, value_norm=None, new_value_norm=None):
+    """The Triton given-priority eviction: the launcher when eager, the op under ``torch.compile``."""
+    args = (priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+            new_token_index, new_position, value_norm, new_value_norm)
+    if torch.compiler.is_compiling():
+        return torch.ops.h2ochat.evict_and_insert(*args)
+    return _launcher("triton_evict", "evict_and_insert")(*args)
+
+
+def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, *, recent, sinks,
+                    oldest_first=False, by_age=False, value_eps=None):
+    """The Triton policy eviction: the launcher when eager, the op under ``torch.compile``."""
+    args = (keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index,
+            new_position, value_norm, new_value_norm)
+    if torch.compiler.is_compiling():
+        return torch.ops.h2ochat.evict_by_policy(
+            *args, *_split(recent), *_split(sinks), bool(oldest_first), bool(by_age),
+            None if value_eps is None else float(value_eps))
+    return _launcher("triton_evict", "evict_by_policy")(*args, recent=recent, sinks=sinks, oldest_first=oldest_first,
+                                                        by_age=by_age, value_eps=value_eps)
+
+
+OPS = ("decode_attend", "chunk_attend", "evict_and_insert", "evict_by_policy")
