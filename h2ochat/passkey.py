@@ -20,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .generation import CacheSettings, forward, prefill
+from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
 
 KEY_SENTENCE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -89,15 +89,17 @@ class CacheRow:
 
     label: str
     settings: CacheSettings
+    chunk: int = DEFAULT_PREFILL_CHUNK
 
     def runner(self, model, trial: Trial) -> Runner:
         cache = self.settings.build(model, initial_slots=trial.context.shape[1] + trial.question.shape[1] + ANSWER_TOKENS)
+        chunk = self.chunk
 
         class _Run:
             def feed(self, ids):
                 if ids.shape[1] == 1:
                     return forward(model, cache, ids, logits_to_keep=1)[:, -1]
-                return prefill(model, cache, ids)
+                return prefill(model, cache, ids, chunk=chunk)
         return _Run()
 
 
@@ -113,8 +115,8 @@ class MaskedRow:
     selector: str = "exact"
     grouping: str = "index"
     reenter: bool = False
-    chunk: int = 512
-    question_chunk: int = 512  # 1: the question token by token (each token recalls for itself)
+    chunk: int = DEFAULT_PREFILL_CHUNK
+    question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: the question token by token (each token recalls for itself)
     simulations: list = field(default_factory=list, compare=False, hash=False)  # filled as trials run
 
     def runner(self, model, trial: Trial) -> Runner:
@@ -178,3 +180,59 @@ def summarize(results: Sequence[dict]) -> list[dict]:
         groups.setdefault((r["row"], r["length"], r["depth"]), []).append(r["recalled"])
     return [{"row": row, "length": length, "depth": depth, "recalled": sum(hits), "trials": len(hits)}
             for (row, length, depth), hits in groups.items()]
+
+
+# -- the command's rows and report ----------------------------------------------------------------
+def parse_numbers(text: str, kind, name: str) -> list:
+    try:
+        values = [kind(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{name} takes comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{name} needs at least one value")
+    return values
+
+
+def recall_slots(spec: str, slots: int) -> int:
+    """--recall: a count of slots (64) or a fraction of the budget (0.5)."""
+    value = float(spec) if "." in spec else int(spec)
+    count = round(value * slots) if isinstance(value, float) else value
+    if not 0 < count < slots:
+        raise ValueError(f"--recall {spec} must leave the policy some of the {slots} slots and take at least one")
+    return count
+
+
+def build_rows(policies: Sequence[str], budgets: Sequence[int], recalls: Sequence[str], *, page: int = 16,
+               selector: str = "exact", recall_chunk: int = 1, settings: dict | None = None) -> list:
+    """Rows: each policy at each budget through the real cache (``full`` once), then each evicting
+    policy with each --recall through the masked reference simulation."""
+    from .policies import get_policy
+
+    extra = settings or {}
+    rows: list = []
+    for slots in budgets:
+        for spec in policies:
+            policy = get_policy(spec)
+            if policy.grows:
+                if not any(isinstance(r, CacheRow) and r.label == "full" for r in rows):
+                    rows.append(CacheRow("full", CacheSettings(policy=spec, budget=str(slots), **extra)))
+                continue
+            rows.append(CacheRow(f"{policy.label} {slots}", CacheSettings(policy=spec, budget=str(slots), **extra)))
+            for spec_r in recalls:
+                recall = recall_slots(spec_r, slots)
+                if recall % page:
+                    raise ValueError(f"--recall {recall} slots is not a whole number of --page {page} pages")
+                rows.append(MaskedRow(f"{policy.label} {slots} = {slots - recall} hot + {recall} recall ({selector}, "
+                                      f"pages of {page}; masked reference)", spec, slots - recall, recall, page, selector,
+                                      question_chunk=recall_chunk))
+    return rows
+
+
+def table_rows(summary: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
+    """(column titles, rows of cells): one row per cache row, one column per (length, depth)."""
+    columns = list(dict.fromkeys((s["length"], s["depth"]) for s in summary))
+    cells: dict[str, dict] = {}
+    for s in summary:
+        cells.setdefault(s["row"], {})[(s["length"], s["depth"])] = f"{s['recalled']}/{s['trials']}"
+    titles = ["cache"] + [f"{length} tok, depth {depth:g}" for length, depth in columns]
+    return titles, [[row] + [by.get(c, "-") for c in columns] for row, by in cells.items()]

@@ -44,10 +44,35 @@ def eval_command(
     max_rows: Annotated[int, typer.Option("--max-rows", min=1, rich_help_panel=o.CACHE,
         help="(policy, budget) rows run as one batch; more run as further batches.")] = ev.MAX_ROWS,
     as_json: o.Json = False,
+    task: Annotated[str, typer.Option("--task", rich_help_panel=o.OUTPUT,
+        help="perplexity: continue --text token by token; passkey: plant a 5-digit key in --text and ask for it "
+             "(see --lengths, --depths, --keys, --recall).")] = "perplexity",
+    lengths: Annotated[str, typer.Option("--lengths", rich_help_panel=o.CACHE,
+        help="passkey: comma-separated filler lengths in tokens.")] = "880",
+    depths: Annotated[str, typer.Option("--depths", rich_help_panel=o.CACHE,
+        help="passkey: comma-separated depths of the key in the filler (0 = start, 1 = end).")] = "0.1,0.5,0.9",
+    keys: Annotated[int, typer.Option("--keys", min=1, rich_help_panel=o.CACHE,
+        help="passkey: trials per (length, depth), each its own key and stretch of the filler.")] = 3,
+    recall: Annotated[str, typer.Option("--recall", rich_help_panel=o.CACHE,
+        help="passkey: comma-separated recall shares of each budget (64 slots, or 0.5 of it): adds rows with "
+             "evicted tokens recallable, run through the masked reference simulation for now.")] = "",
+    page: Annotated[int, typer.Option("--page", min=1, rich_help_panel=o.CACHE,
+        help="passkey --recall: tokens per cold page.")] = 16,
+    selector: Annotated[str, typer.Option("--selector", rich_help_panel=o.CACHE,
+        help="passkey --recall: how pages are scored (exact, quest, int4, ...).")] = "exact",
     plot: Annotated[Optional[Path], typer.Option("--plot", rich_help_panel=o.OUTPUT,
         help="Write a PNG of perplexity against budget, one line per policy.")] = None,
 ):
-    """Perplexity of a text continued token by token through each policy's cache, for each budget."""
+    """Perplexity of a text continued token by token through each policy's cache, for each budget
+    (--task passkey: whether each cache gives back a key planted in the text)."""
+    if task == "passkey":
+        from .passkey_task import passkey_task
+
+        return passkey_task(text=text, model=model, device=device, dtype=dtype, budget=budget, policies=policies,
+                            lengths=lengths, depths=depths, keys=keys, recall=recall, page=page, selector=selector,
+                            seed=seed, as_json=as_json)
+    if task != "perplexity":
+        raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
     names = ev.parse_policies(policies)
     ev.parse_budgets(budget, tokens)  # bad syntax fails before the model loads
     if plot is not None and plot.suffix.lower() != ".png":

@@ -26,6 +26,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..generation import _cache_argument
 from ..policies import Policy, get_policy, keep_priority
 from .selectors import Selector, exact_score, get_selector, top_pages
 
@@ -87,8 +88,8 @@ class MaskedRecall:
         _active.append(self)
         try:
             with torch.inference_mode():
-                out = model(input_ids=input_ids, position_ids=positions, past_key_values=self.cache,
-                            use_cache=True, logits_to_keep=1)
+                out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                            **{_cache_argument(model): self.cache})
         finally:
             _active.pop()
         self.seen += q_len

@@ -1,0 +1,96 @@
+"""The pass-key benchmark: trials, scoring, and the masked reference against the real cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, build_model
+
+from h2ochat import passkey as pk
+from h2ochat.generation import CacheSettings
+
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!\n'"
+
+
+class CharTokenizer:
+    """One token per character of CHARS (ids 3..): the tiny models' vocabulary holds them all."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = [3 + CHARS.index(c) for c in text if c in CHARS]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(CHARS[i - 3] for i in map(int, ids) if 3 <= i < 3 + len(CHARS))
+
+
+FILLER = "the quick brown fox jumps over the lazy dog. " * 20
+
+
+def test_recalled_reads_the_digits_the_answer_starts_with():
+    assert pk.recalled("12345", " 12345. Remember")
+    assert pk.recalled("12345", " 1 2 3 4 5")
+    assert not pk.recalled("12345", " 1234")
+    assert not pk.recalled("12345", " the key is 9 12345")  # another digit first
+    assert not pk.recalled("12345", " no digits")
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 1.0])
+def test_the_key_sits_at_its_depth(depth):
+    tok = CharTokenizer()
+    filler = tok(FILLER[:200])["input_ids"]
+    trial = pk.build_trial(tok, filler, depth, "54321", len(filler))
+    text = tok.decode(trial.context[0])
+    where = text.index("The pass key is 54321.")
+    assert abs(where - 1 - depth * len(filler)) <= 1  # the leading space of the sentence sits at the cut
+    assert tok.decode(trial.question[0]) == pk.QUESTION
+
+
+def test_trials_draw_their_own_keys_and_stretches(seed):
+    tok = CharTokenizer()
+    trials = pk.make_trials(tok, FILLER, [60, 80], [0.1, 0.9], 2, seed=seed)
+    assert [(t.length, t.depth, t.window) for t in trials] == [
+        (60, 0.1, 0), (60, 0.1, 1), (60, 0.9, 0), (60, 0.9, 1), (80, 0.1, 0), (80, 0.1, 1), (80, 0.9, 0), (80, 0.9, 1)]
+    assert all(len(t.key) == 5 and t.key.isdigit() for t in trials)
+    with pytest.raises(ValueError, match="fewer than"):
+        pk.make_trials(tok, FILLER[:50], [80], [0.5], 1)
+
+
+def _logits_along(runner_a, runner_b, trial, follow: torch.Tensor):
+    """Feed both runners the context, the question and the same answer tokens; their logits each step."""
+    pairs = [(runner_a.feed(trial.context), runner_b.feed(trial.context))]
+    pairs.append((runner_a.feed(trial.question), runner_b.feed(trial.question)))
+    for token in follow:
+        ids = token.view(1, 1)
+        pairs.append((runner_a.feed(ids), runner_b.feed(ids)))
+    return pairs
+
+
+@pytest.mark.parametrize("policy,slots", [("full", 64), ("h2o", 24), ("mean", 24), ("local", 16)])
+def test_masked_reference_without_recall_is_the_real_cache(family, seed, policy, slots):
+    """With no recall slots the simulation's hot set is the real cache's: same logits at every step,
+    chunked prefill (chunks of 40) and decode, for every family."""
+    model = build_model(family, seed=seed, max_position_embeddings=512)
+    tok = CharTokenizer()
+    trial = pk.build_trial(tok, tok(FILLER[:120])["input_ids"], 0.2, "13579", 120)
+    follow = torch.randint(3, VOCAB, (4,))
+    real = pk.CacheRow(policy, CacheSettings(policy=policy, budget=str(slots)), chunk=40)
+    masked = pk.MaskedRow(policy, policy, slots if policy != "full" else 10**6, 0, chunk=40, question_chunk=40)
+    real_run, masked_run = real.runner(model, trial), masked.runner(model, trial)
+    for got, want in _pairs_switching(model, real_run, masked_run, trial, follow):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def _pairs_switching(model, real_run, masked_run, trial, follow):
+    """The two runners need different attention implementations: switch before each feed."""
+    from h2ochat.attention import use_h2o_attention
+    from h2ochat.recall.masked import MaskedRecall
+
+    class Switching:
+        def __init__(self, runner, attach):
+            self.runner, self.attach = runner, attach
+
+        def feed(self, ids):
+            self.attach(model)
+            return self.runner.feed(ids)
+
+    return _logits_along(Switching(masked_run, MaskedRecall.attach), Switching(real_run, use_h2o_attention), trial, follow)
