@@ -20,7 +20,7 @@ from typing import Callable, Iterator, get_args, get_type_hints
 import torch
 
 from .cache import H2OCache
-from .detokenize import CONTEXT_IDS, TextStream
+from .detokenize import CONTEXT_IDS, TextStream, decode_in_context
 from .errors import UserError, user_input
 from .generation import CacheSettings, Sampling, Timing, max_positions, prefill, stream
 from .prompting import has_chat_template
@@ -354,7 +354,8 @@ class Conversation:
             self._quiet_refeed = False
             base = len(self.ids)
             evicted_before = evicted_per_head(self.cache)
-            pieces = TextStream(self.tokenizer, context=(self.ids + new_ids)[-CONTEXT_IDS:])
+            context = (self.ids + new_ids)[-CONTEXT_IDS:]  # the reply's first word joins the prompt as it should
+            pieces = TextStream(self.tokenizer, context=context)
             reply = ReplyText(STOP_MARK if self.plain_transcript else None, on_piece)
             steps = stream(self.model, self.cache, torch.tensor([new_ids], device=self.device),
                            max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
@@ -382,7 +383,7 @@ class Conversation:
         # it stay, so the rendered history still starts with what the cache was fed. A final stop
         # token was never fed: drop it and let the template close the turn its own way.
         body = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
-        content = self.tokenizer.decode(body, skip_special_tokens=False)
+        content = decode_in_context(self.tokenizer, context, body)
         self._account(base, new_ids + body, target + content)
         if reply.stopped:  # the cache read past the reply's end: the next turn reads it all again
             content = content[: content.find(STOP_MARK)] if STOP_MARK in content else reply.text
