@@ -120,10 +120,11 @@ class MaskedRecall:
         number = number.masked_fill(~state.cold, -1)
         pages = int(number.max().item()) // self.page + 1 if bool(state.cold.any()) else 0
         slots = pages * self.page
-        flat = torch.full((heads, slots + 1), slots, dtype=torch.long)  # slot -> token (slots: none)
+        # slot -> token, ``total`` marking an empty slot; tokens that are not cold land in a spare column
+        flat = torch.full((heads, slots + 1), total, dtype=torch.long)
         where = number.clamp(min=0).masked_fill(number < 0, slots)
-        flat.scatter_(1, where, torch.arange(total).expand(heads, total).masked_fill(number < 0, slots))
-        token = flat[:, :slots]  # [H, N*P] token index in each slot (total = empty)
+        flat.scatter_(1, where, torch.arange(total).expand(heads, total).contiguous())
+        token = flat[:, :slots]  # [H, N*P]
         valid = token < total
         safe = token.clamp(max=max(total - 1, 0))
         paged_keys = keys.gather(1, safe.unsqueeze(-1).expand(heads, slots, dim)).view(heads, pages, self.page, dim)
