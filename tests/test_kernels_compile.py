@@ -1,19 +1,29 @@
-"""Compile every Triton kernel for a GPU (sm_90) without one: catches what only a GPU compile rejects.
+"""Compile for a GPU (sm_90), without one, every Triton kernel variant the launchers launch: catches
+what only a GPU compile rejects.
 
-Covered: decode split (fp16 and fp32 dots), decode combine and chunk kernel without and with a
-per-sequence score decay, the chunk's old-score decay kernel, and the eviction kernel with a given
-priority (+ value norms), the fused policy priority (score by age x value norm, per-sequence window
-and sinks) and the oldest-first rank.
+The variants are not listed by hand. The launchers are called as a GPU step calls them, on fake CUDA
+tensors (torch's FakeTensorMode: shapes, strides, dtypes, no data) with every kernel replaced by a
+recorder, and each distinct (kernel, argument types, constexprs, launch options) they would launch
+is then compiled. The calls come from the policies themselves (``h2ochat.policies.POLICIES``): for
+each evicting policy its decode step (decode attention with the policy's score decay, then its
+eviction: the fused ``evict_by_policy`` with its rank flags, recent window and sinks, or
+``evict_and_insert`` with a priority for a policy with its own rank) and its prefill chunk, in fp16
+and bf16 (the GPU default: ``pick_dtype`` takes bf16 where supported), at head_dim 128 (and 64 for
+the default policy) and the default budget (20% of 4096 tokens: 819 slots); the full cache's attention without eviction;
+and the neighbours a GPU also meets: fp32 (the "ieee" dot path), a padded batch (``new_valid``),
+and eval's mixed rows (per-sequence decay, recent window and sinks).
 
 The interpreter runs code a GPU compile refuses (tl.dot blocks under 16, some type mixes, scalar
-tensors), so the interpreter tests alone cannot tell that the kernels build. Triton compiles to
-PTX and cubin with the ptxas shipped in its wheel, no device needed. Runs in a fresh process
-(TRITON_INTERPRET must be off when the kernels are defined); each compile takes a few seconds.
-Also prints the shared memory each configuration needs (GPUs give one program ~100-227 KiB).
+tensors), so the interpreter tests alone cannot tell that the kernels build. Triton compiles to PTX
+and cubin with the ptxas shipped in its wheel, no device needed. Runs in a fresh process
+(TRITON_INTERPRET must be off when the kernels are defined). Also prints the shared memory each
+variant needs (GPUs give one program ~100-227 KiB).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -22,15 +32,139 @@ import pytest
 
 pytest.importorskip("triton")
 
+DEFAULT_SLOTS = 819  # --budget 0.2 of a 4096-token model
+HEAD_DIMS = (64, 128)
+DTYPES = ("float16", "bfloat16")
+
 
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=900)
     print(proc.stdout)
     if proc.returncode == 77:
         pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    variants = [json.loads(line[len("variant "):]) for line in proc.stdout.splitlines() if line.startswith("variant ")]
+
+    def launched(kernel, **want):
+        return [v for v in variants if v["kernel"] == kernel
+                and all(v["constexprs"].get(k, v["signature"].get(k)) == w for k, w in want.items())]
+
+    # the default GPU decode step (h2o in bf16) and the other default policies' evictions were compiled
+    assert launched("_decode_split_kernel", K="*bf16", HALF_DOT=True, BLOCK_D=128)
+    assert launched("_decode_combine_kernel", OUT="*bf16", DECAY=False, HAS_VALID=False)
+    assert launched("_evict_kernel", K="*bf16", RANK=1, BY_AGE=False, VALUE_EPS=False, HAS_NORM=False,
+                    RECENT_PER_ROW=False, BLOCK_S=1024)
+    assert launched("_evict_kernel", K="*bf16", RANK=2, RECENT_PER_ROW=False)  # local, sink
+    assert launched("_evict_kernel", K="*bf16", RANK=1, BY_AGE=True)  # mean
+    assert launched("_evict_kernel", K="*fp16", RANK=0)  # random: a priority given
+    assert launched("_decode_combine_kernel", OUT="*bf16", DECAY=True, DECAY_PER_ROW=False)  # decay, tova
+    assert launched("_chunk_kernel", OUT="*bf16", DECAY=False, HAS_VALID=False)
+    assert launched("_decay_scores_kernel")
+    assert launched("_decode_split_kernel", K="*fp32", HALF_DOT=False)
+
+
+# -- the compile, in a fresh process ------------------------------------------------------------------
+
+POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int64": "*i64", "int32": "*i32",
+                 "bool": "*i1"}
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` notes the launch."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def launch_scenarios():
+    """(label, call) pairs: each call runs the launchers as one GPU step would, on fake CUDA tensors."""
+    import torch
+
+    from h2ochat.policies import DEFAULT_POLICY, POLICIES
+    from h2ochat_kernels import triton_chunk, triton_decode, triton_evict
+
+    dev = torch.device("cuda:0")
+
+    def step(policy, dtype, head_dim, *, batch=1, kv_heads=8, group=4, slots=DEFAULT_SLOTS, q_len=24, padded=False,
+             per_row=False):
+        def empty(*shape, dt=dtype):
+            return torch.empty(*shape, dtype=dt, device=dev)
+
+        kv = [empty(batch, kv_heads, slots, head_dim) for _ in range(2)]
+        index = empty(batch, kv_heads, slots, dt=torch.int64)
+        scores = empty(batch, kv_heads, slots, dt=torch.float32)
+        budget = policy.split(slots)
+        decay, recent, sinks = policy.decay, budget.recent, budget.sinks
+        if per_row:  # eval's mixed rows: one value per sequence
+            decay = torch.full((batch,), policy.decay, device=dev)
+            recent, sinks = (torch.full((batch,), v, dtype=torch.int64, device=dev) for v in (recent, sinks))
+        for q in (1, q_len):  # a decode step, then a prefill chunk
+            valid = torch.ones(batch, q, dtype=torch.bool, device=dev) if padded else None
+            launcher = triton_decode.decode_attend_with_scores if q == 1 else triton_chunk.chunk_attend_with_scores
+            launcher(empty(batch, kv_heads, group, q, head_dim), *kv, index, empty(batch, kv_heads, q, head_dim),
+                     empty(batch, kv_heads, q, head_dim), valid, head_dim ** -0.5, scores, decay=decay)
+        if not policy.evicts:
+            return
+        norm = (empty(batch, kv_heads, slots, dt=torch.float32), empty(batch, kv_heads, dt=torch.float32)) \
+            if policy.uses_value_norm else (None, None)
+        new = (empty(batch, kv_heads, 1, head_dim), empty(batch, kv_heads, 1, head_dim),
+               empty(batch, kv_heads, dt=torch.float32), empty(batch, dt=torch.int64), empty(batch, dt=torch.int64))
+        state = (*kv, scores, index, empty(batch, kv_heads, slots, dt=torch.int64))
+        if policy.fused_eviction is not None:
+            triton_evict.evict_by_policy(*state, *new, *norm, recent=recent, sinks=sinks, **policy.fused_eviction)
+        else:  # its own rank (random): the cache computes a priority, the kernel takes it
+            triton_evict.evict_and_insert(empty(batch, kv_heads, slots, dt=torch.float32), *state, *new, *norm)
+
+    scenarios = []
+    for name, policy in POLICIES.items():
+        for dtype in DTYPES:
+            # head_dim only changes the BLOCK_D tile: both for the default policy, 128 for the others
+            for head_dim in HEAD_DIMS if name == DEFAULT_POLICY else HEAD_DIMS[-1:]:
+                scenarios.append((f"{name} {dtype} head_dim {head_dim}",
+                                  lambda p=policy, d=getattr(torch, dtype), h=head_dim: step(p, d, h)))
+    h2o, mean = POLICIES["h2o"], POLICIES["mean"].with_knobs(value_eps=0.1, decay=0.9)
+    scenarios += [
+        ("h2o float32 (ieee dots)", lambda: step(h2o, torch.float32, 128)),
+        ("h2o bfloat16 padded batch", lambda: step(h2o, torch.bfloat16, 128, batch=4, padded=True)),
+        ("mean+decay+value_eps bfloat16 mixed rows", lambda: step(mean, torch.bfloat16, 128, batch=4, per_row=True)),
+        ("h2o bfloat16 batch 16 x 4096 slots", lambda: step(h2o, torch.bfloat16, 128, batch=16, slots=4096)),
+    ]
+    return scenarios
+
+
+def signature_of(kernel, args, kwargs):
+    """(signature, constexprs, options) for triton.compile from one recorded launch: tensors become
+    typed pointers, ints equal to 1 constexprs (as the JIT specialises them), other ints i32 (i64
+    past its range), floats fp32."""
+    import torch
+
+    names = kernel.arg_names
+    signature, constexprs = {}, {}
+    options = {"num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3)}
+    for name, value in zip(names, args):
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:
+                constexprs[name] = 1
+            else:
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {name} of type {type(value).__name__}")
+    for name in names[len(args):]:
+        constexprs[name] = kwargs[name]
+    for name in constexprs:
+        signature[name] = "constexpr"
+    return {n: signature[n] for n in names}, constexprs, options
 
 
 def _compile_all() -> int:
@@ -41,83 +175,46 @@ def _compile_all() -> int:
     except Exception as exc:  # an older or newer triton without these entry points
         print(f"cannot compile ahead of time with this triton: {exc!r}")
         return 77
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from h2ochat_kernels import triton_chunk, triton_decode, triton_evict
-    from h2ochat_kernels._common import MASKED
+
+    launches: list = []
+    triton_decode._sm_count = lambda device: 132  # an H100 / H200: the launch plan's split count
+    # the launched kernels (not the @triton.jit helpers they call) are recorded, then put back: a
+    # kernel's compile hashes the globals it calls
+    kernels = {(module, name): getattr(module, name) for module in (triton_decode, triton_chunk, triton_evict)
+               for name in dir(module) if name.endswith("_kernel")}
+    for module in (triton_decode, triton_chunk, triton_evict):
+        module.launch_guard = lambda tensor: contextlib.nullcontext()  # no device to make current
+    for (module, name), kernel in kernels.items():
+        setattr(module, name, Recorder(kernel, launches))
+
+    variants = {}
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        for label, call in launch_scenarios():
+            launches.clear()
+            call()
+            for kernel, args, kwargs in launches:
+                signature, constexprs, options = signature_of(kernel, args, kwargs)
+                key = json.dumps([kernel.__name__, signature, constexprs, options], sort_keys=True, default=str)
+                variants.setdefault(key, (kernel, signature, constexprs, options, label))
+    for (module, name), kernel in kernels.items():
+        setattr(module, name, kernel)
+    if not variants:
+        print("no kernel launch was recorded")
+        return 1
 
     target = GPUTarget("cuda", 90, 32)
-    unit_strides = {"sqd", "skd", "svd", "snkd", "snvd", "sod", "sss", "sis", "sps", "scs", "spos", "sns"}
-    float_scalars = {"scale", "decay", "value_eps"}
-
-    def compile_one(kernel, pointers, constexprs, num_stages=3):
-        fn = kernel.fn if hasattr(kernel, "fn") and not hasattr(kernel, "arg_names") else kernel
-        consts = dict(constexprs)
-        consts.update({name: 1 for name in fn.arg_names if name in unit_strides})
-        signature = {}
-        for name in fn.arg_names:
-            if name in consts:
-                signature[name] = "constexpr"
-            elif name in pointers:
-                signature[name] = pointers[name]
-            elif name in float_scalars:
-                signature[name] = "fp32"
-            elif name.isupper() and name not in ("S", "D", "G", "H", "Q_LEN"):  # sizes are i32
-                raise AssertionError(f"{fn.__name__}: pointer {name} has no type here")
-            else:
-                signature[name] = "i32"
-        src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": num_stages})
-        shown = {k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HALF", "SCORE", "HAS", "DECAY", "RANK",
-                                                                      "BY_AGE", "VALUE", "RECENT", "SINKS"))}
-        print(f"{fn.__name__} {shown} shared={compiled.metadata.shared} B")
-
-    # fp16 and fp32 take different tl.dot paths (HALF_DOT); bf16 compiles like fp16 (checked once,
-    # left out to keep this test short).
-    for dt, half, block, stages in (("fp16", True, 64, 3), ("fp32", False, 32, 2)):
-        compile_one(
-            triton_decode._decode_split_kernel,
-            dict(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", SLOT="*i64", WS="*fp32", PART_M="*fp32", PART_L="*fp32",
-                 PART_ACC="*fp32"),
-            dict(MASKED_LOGIT=MASKED, BLOCK_G=16, BLOCK_D=128, BLOCK_S=block, SCORE=True, HALF_DOT=half), stages,
-        )
-    # the chunk kernel without and with a per-sequence decay (the decay adds the row-weight prologue);
-    # the fp32 chunk kernel is the slowest compile and its dot path is the decode one's: left out
-    chunk_pointers = dict(Qp="*fp16", K="*fp16", V="*fp16", SLOT="*i64", NK="*fp16", NV="*fp16", VALID="*i1",
-                          SCORES="*fp32", NEW_SCORES="*fp32", OUT="*fp16", DECAY_PTR="*fp32")
-    for decay, per_row in ((False, False), (True, True)):
-        compile_one(
-            triton_chunk._chunk_kernel, chunk_pointers,
-            dict(MASKED_LOGIT=MASKED, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, HAS_VALID=True, HALF_DOT=True,
-                 DECAY=decay, DECAY_PER_ROW=per_row),
-        )
-    for has_valid, per_row in ((True, False), (False, True)):
-        compile_one(
-            triton_chunk._decay_scores_kernel, dict(SCORES="*fp32", VALID="*i1", DECAY_PTR="*fp32"),
-            dict(HAS_VALID=has_valid, DECAY_PER_ROW=per_row, BLOCK_S=1024, BLOCK_Q=128),
-        )
-    for decay, per_row in ((False, False), (True, True)):  # a scalar decay only skips a load
-        compile_one(
-            triton_decode._decode_combine_kernel,
-            dict(Q="*fp16", NK="*fp16", NV="*fp16", VALID="*i1", WS="*fp32", PART_M="*fp32", PART_L="*fp32",
-                 PART_ACC="*fp32", SCORES="*fp32", OUT="*fp16", NEW_SCORES="*fp32", DECAY_PTR="*fp32"),
-            dict(MASKED_LOGIT=MASKED, BLOCK_G=16, BLOCK_D=128, BLOCK_S=64, BLOCK_P=8, SCORE=True, HAS_VALID=True,
-                 DECAY=decay, DECAY_PER_ROW=per_row),
-        )
-    evict_pointers = dict(PRI="*fp32", K="*fp16", V="*fp16", SC="*fp32", IDX="*i64", POS="*i64", NORM="*fp32",
-                          NK="*fp16", NV="*fp16", NS="*fp32", NTI="*i64", NPOS="*i64", NNORM="*fp32", RECENT="*i64",
-                          SINKS="*i64", DROPPED="*i64", DROPPED_SCORE="*fp32")
-    for rank, by_age, value_eps, norm, per_row in (
-        (triton_evict.RANK_GIVEN, False, False, True, False),  # evict_and_insert, value norms kept
-        (triton_evict.RANK_SCORE, True, True, True, True),  # by age x value norm, per-sequence window (H2O's
-        # plain score rank is this with two constexprs off)
-        (triton_evict.RANK_TOKEN, False, False, False, True),  # oldest first
-    ):
-        compile_one(
-            triton_evict._evict_kernel, evict_pointers,
-            dict(RANK=rank, BY_AGE=by_age, VALUE_EPS=value_eps, HAS_NORM=norm, RECENT_PER_ROW=per_row,
-                 SINKS_PER_ROW=per_row, BLOCK_S=1024, BLOCK_D=128),
-        )
-    print("all kernels compiled for sm_90")
+    for kernel, signature, constexprs, options, label in variants.values():
+        names = kernel.arg_names
+        src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+        compiled = triton.compile(src, target=target, options=options)
+        shown = {k: v for k, v in constexprs.items() if not k.startswith("s") and k != "MASKED_LOGIT"}
+        print("variant " + json.dumps(dict(kernel=kernel.__name__, first_from=label, shared=compiled.metadata.shared,
+                                           constexprs=shown, signature={k: v for k, v in signature.items()
+                                                                        if v.startswith("*")}, options=options)))
+    print(f"{len(variants)} kernel variants compiled for sm_90")
     return 0
 
 
