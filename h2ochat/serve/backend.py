@@ -50,9 +50,10 @@ class ModelBackend:
         config = model.config
         self.max_positions = max_positions(config)
         self.policy = settings.resolved_policy()
-        # the full policy never evicts: each row reserves the whole window up front (it cannot grow
-        # inside a batch of fixed shape), which is what a full-cache server must do
-        self.slots = self.max_positions if self.policy.grows else settings.slots(config)
+        # the full policy never evicts: each row reserves --budget slots up front (it cannot grow inside
+        # a batch of fixed shape) and a conversation longer than that is refused, as llama.cpp's server
+        # divides its context among its slots
+        self.slots = settings.slots(config)
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = self._new_cache(rows, static_shapes=True)

@@ -14,15 +14,16 @@ from .sequence import Prepared
 class Preparer:
     """``prepare(params)`` for one model: thread-safe (handlers call it from worker threads).
 
-    ``bounded``: whether a sequence must stay within the model's positions (``--positions
-    absolute``, the full policy, or a budget of the whole window); with compact positions and an
-    evicting cache a conversation has no length limit, only ``max_tokens_cap`` per request.
+    ``bounded``: whether a conversation must stay within ``max_context`` tokens (the model's
+    positions under ``--positions absolute`` or a budget of the whole window; the full policy's
+    slots); with compact positions and an evicting cache it has no length limit, only
+    ``max_tokens_cap`` per request.
     """
 
-    def __init__(self, tokenizer, store: ParkedStore, *, vocab_size: int, max_positions: int, bounded: bool,
+    def __init__(self, tokenizer, store: ParkedStore, *, vocab_size: int, max_context: int, bounded: bool,
                  max_tokens_cap: int, repetition_penalty: float = 1.0, repeat_last_n: int = 64):
         self.tokenizer, self.store = tokenizer, store
-        self.vocab_size, self.max_positions, self.bounded = vocab_size, max_positions, bounded
+        self.vocab_size, self.max_context, self.bounded = vocab_size, max_context, bounded
         self.max_tokens_cap = max_tokens_cap
         self.repetition_penalty, self.repeat_last_n = repetition_penalty, repeat_last_n
 
@@ -62,11 +63,11 @@ class Preparer:
                           f"got {params.max_tokens}", param="max_tokens")
         max_tokens = params.max_tokens or self.max_tokens_cap
         if self.bounded:
-            room = self.max_positions - len(ids)
+            room = self.max_context - len(ids)
             if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
                 asked = f" and {params.max_tokens} to generate" if params.max_tokens is not None else ""
                 raise context_length_exceeded(
-                    f"This model's maximum context length is {self.max_positions} tokens; the request has "
+                    f"This server's maximum context length is {self.max_context} tokens; the request has "
                     f"{len(ids)} prompt tokens{asked} (the server keeps absolute positions or a full cache: "
                     "shorten the conversation or max_tokens)", param=where)
             max_tokens = min(max_tokens, room)

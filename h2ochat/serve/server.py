@@ -76,7 +76,9 @@ def loader(config: ServeConfig, store: ParkedStore):
         positions = max_positions(model_config)
         policy = settings.resolved_policy()
         bounded = settings.positions == "absolute" or policy.grows or backend.slots >= positions
-        preparer = Preparer(loaded.tokenizer, store, vocab_size=model_config.vocab_size, max_positions=positions,
+        # the full cache holds a conversation of its slots at most; the others of the model's positions
+        context = min(positions, backend.slots) if policy.grows else positions
+        preparer = Preparer(loaded.tokenizer, store, vocab_size=model_config.vocab_size, max_context=context,
                             bounded=bounded, max_tokens_cap=config.max_tokens,
                             repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n)
         log.info("%s loaded on %s: %s cache of %d slots per row; %d sequence rows (from %s), %.1f MiB of KV in all; "

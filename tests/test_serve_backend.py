@@ -1,0 +1,139 @@
+"""The serve engine on real tiny models (OPT, Llama-GQA, GPT-NeoX), without HTTP: the scheduler over
+``ModelBackend``'s batch cache. A request's tokens do not depend on what else runs in the batch, on
+when it joined, or on whether its conversation was parked and resumed; the compiled decode step
+gives the eager tokens; the full policy reserves its slots and the preparer refuses what exceeds them.
+
+References run through the same N-row batch (every row's numbers are bitwise the same whatever the
+other rows hold), so token comparisons cannot turn on a floating-point near-tie."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from h2ochat import compiled
+from h2ochat.generation import CacheSettings
+from h2ochat.serve.api import RequestParams
+from h2ochat.serve.backend import ModelBackend
+from h2ochat.serve.errors import APIError
+from h2ochat.serve.parked import ParkedStore
+from h2ochat.serve.prepare import Preparer
+from h2ochat.serve.scheduler import Scheduler
+
+from conftest import VOCAB, build_model
+from serve_fakes import generated, make_request
+
+ROWS, CHUNK = 3, 5
+
+
+def engine(model, policy="h2o", budget="12", store=None, **kwargs):
+    store = store if store is not None else ParkedStore(1 << 24)
+    backend = ModelBackend(model, CacheSettings(policy=policy, budget=budget), ROWS, store=store,
+                           prefill_chunk=CHUNK, **kwargs)
+    return Scheduler(backend), store
+
+
+def drain(scheduler, limit=2000):
+    for _ in range(limit):
+        if scheduler.idle:
+            return
+        scheduler.step()
+    raise AssertionError("the engine did not finish")
+
+
+def prompts(rng, count):
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 23))] for _ in range(count)]
+
+
+def alone(model, prompt, max_tokens, **kwargs):
+    scheduler, _ = engine(model, **kwargs)
+    request = make_request(prompt, max_tokens=max_tokens, stop_ids=())
+    scheduler.submit(request)
+    drain(scheduler)
+    return generated(request)[0]
+
+
+@pytest.mark.parametrize("policy, budget", [("h2o", "12"), ("mean", "12"), ("full", "60")])
+def test_tokens_do_not_depend_on_the_batch_or_when_a_request_joins(family, policy, budget, seed):
+    rng = random.Random(seed)
+    model = build_model(family)
+    scheduler, _ = engine(model, policy, budget)
+    requests = [make_request(prompt, max_tokens=rng.randint(1, 20), stop_ids=()) for prompt in prompts(rng, 6)]
+    # two at once, the others joining while they run
+    for request in requests[:2]:
+        scheduler.submit(request)
+    for request in requests[2:]:
+        for _ in range(rng.randint(0, 6)):
+            scheduler.step()
+        scheduler.submit(request)
+    drain(scheduler)
+    for request in requests:
+        expected = alone(model, request.prompt_ids, request.prepared.max_tokens, policy=policy, budget=budget)
+        assert generated(request) == [expected]
+
+
+def test_a_resumed_conversation_reads_only_its_new_tokens(family, seed):
+    """Turn 2 resumes the cache turn 1 parked (its prompt and reply but the reply's last token, which
+    turn 2 feeds first); the REPL comparison of the replies is in test_serve.py."""
+    rng = random.Random(seed)
+    model = build_model(family)
+    scheduler, store = engine(model)
+    first = make_request(prompts(rng, 1)[0], max_tokens=7, stop_ids=())
+    scheduler.submit(first)
+    drain(scheduler)
+    assert len(store) == 1
+    follow = first.prompt_ids + generated(first)[0] + prompts(rng, 1)[0]
+    second = make_request(follow, max_tokens=9, stop_ids=())
+    scheduler.submit(second)
+    drain(scheduler)
+    fed_before = len(first.prompt_ids) + 7 - 1
+    assert second.cached_tokens == fed_before and second.fed_ids == follow[fed_before:]
+    assert len(generated(second)[0]) == 9 and len(store) == 1  # taken, then parked again, longer
+    unrelated = make_request(prompts(rng, 1)[0] + [1], max_tokens=2, stop_ids=())
+    scheduler.submit(unrelated)
+    drain(scheduler)
+    assert unrelated.cached_tokens == 0 and len(store) == 2
+
+
+def test_the_compiled_step_gives_the_eager_tokens(monkeypatch, seed):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    rng = random.Random(seed)
+    model = build_model("llama")
+    eager, _ = engine(model)
+    fast, _ = engine(model, compile=True)
+    runs = {}
+    for name, scheduler in (("eager", eager), ("compiled", fast)):
+        requests = [make_request(prompt, max_tokens=12, stop_ids=()) for prompt in prompts(random.Random(seed), 4)]
+        for request in requests:
+            scheduler.submit(request)
+        drain(scheduler)
+        runs[name] = [generated(request) for request in requests]
+    assert runs["compiled"] == runs["eager"]
+    assert fast.backend.decode_step is not None and fast.backend.cache.static_shapes
+
+
+def test_the_preparer_holds_requests_to_the_context(tmp_path):
+    from checkpoints import _tokenizer
+
+    tokenizer = _tokenizer(vocab_size=300)
+    store = ParkedStore(1 << 20)
+
+    def prepare(bounded, max_tokens=None, text="once upon a time"):
+        preparer = Preparer(tokenizer, store, vocab_size=len(tokenizer), max_context=40, bounded=bounded,
+                            max_tokens_cap=100)
+        return preparer(RequestParams(kind="chat", model="m", messages=[{"role": "user", "content": text}],
+                                      max_tokens=max_tokens))
+
+    prompt = len(prepare(False).prompt_ids)
+    assert prompt < 40
+    assert prepare(False).max_tokens == 100 and prepare(True).max_tokens == 40 - prompt
+    for bounded, max_tokens, text in ((True, 41 - prompt, "once upon a time"), (True, None, "dragon " * 30)):
+        with pytest.raises(APIError) as caught:
+            prepare(bounded, max_tokens, text)
+        assert caught.value.status == 400 and caught.value.code == "context_length_exceeded"
+    with pytest.raises(APIError) as caught:
+        prepare(False, 101)
+    assert caught.value.param == "max_tokens"
