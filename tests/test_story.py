@@ -132,7 +132,10 @@ def test_continue_appends_to_a_story_far_longer_than_the_window(checkpoint, load
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     written = path.read_bytes().decode()
-    assert written == text + record["stories"][0]["text"] + "\n"  # appended right after the last word
+    appended = record["stories"][0]["text"]
+    # the user's bytes stay, trailing blank lines included; the continuation follows them, its own
+    # leading whitespace dropped (the file's stands in for it)
+    assert written == text + "\n\n" + appended + "\n" and appended == appended.lstrip()
     read = encode(loaded.tokenizer, text, chat=False).shape[1]
     assert read > 10 * 64 and record["prompt_tokens"] == read
     assert record["tokens_seen"] == read + 12 - 1 and record["kv_bytes"] == kv_bytes(16)
@@ -214,3 +217,133 @@ def test_prompt_files_resolve_by_name_and_path(tmp_path):
     assert h2ochat_prompts.read("story-fox.txt") == h2ochat_prompts.read("fox")
     assert h2ochat_prompts.system_prompt("concise").startswith("You are")
     assert h2ochat_prompts.system_prompt("Speak French.") == "Speak French."
+
+
+# -- continuing only appends (issue 15, item 3) ----------------------------------------------------------
+SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
+
+
+@pytest.fixture
+def shakespeare(tmp_path):
+    """The first 20,000 bytes of Tiny Shakespeare: they end in "So, " (a trailing space)."""
+    from pathlib import Path
+
+    source = Path(SHAKESPEARE)
+    if not source.is_file():
+        pytest.skip(f"{SHAKESPEARE} is not here")
+    head = source.read_bytes()[:20000]
+    assert head.endswith(b"So, ")
+    path = tmp_path / "play.txt"
+    path.write_bytes(head)
+    return path, head
+
+
+def test_continue_keeps_every_byte_the_user_wrote(checkpoint, shakespeare, seed):
+    path, head = shakespeare
+    result = story(checkpoint, "--continue", str(path), "--tokens", "6", "--seed", str(seed), "--json")
+    assert result.exit_code == 0, result.output
+    written = path.read_bytes()
+    appended = json.loads(result.stdout)["stories"][0]["text"]
+    assert written.startswith(head)  # "So, " and its space still there
+    assert written == head + appended.encode() + b"\n" and appended == appended.lstrip()
+
+
+def test_continue_that_writes_nothing_leaves_the_file_as_it_was(checkpoint, loaded, shakespeare, monkeypatch):
+    import h2ochat.generation as generation
+
+    path, head = shakespeare
+    monkeypatch.setattr(generation, "sample", lambda logits, *a, **k: torch.full((logits.shape[0],),
+                                                                                 loaded.tokenizer.eos_token_id))
+    result = story(checkpoint, "--continue", str(path), "--tokens", "5", "--stop-at-eos", "--prefill-chunk", "2048")
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes() == head
+
+
+def test_text_appended_while_the_model_loads_is_kept_and_read(checkpoint, loaded, tmp_path, seed, monkeypatch):
+    """The file is read again under its lock once the model is loaded: what another program appended
+    meanwhile is neither cut (as a truncation at an offset measured before loading would) nor unread."""
+    import h2ochat.commands.story as story_module
+
+    path = tmp_path / "tale.txt"
+    path.write_text(SHORT)
+    real_load = story_module.load
+
+    def slow_load(*args, **kwargs):
+        with path.open("a") as other:
+            other.write(" and a knight")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(story_module, "load", slow_load)
+    result = story(checkpoint, "--continue", str(path), "--tokens", "5", "--seed", str(seed), "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert path.read_text().startswith(SHORT + " and a knight" + record["stories"][0]["text"])
+    assert record["prompt_tokens"] == encode(loaded.tokenizer, SHORT + " and a knight", chat=False).shape[1]
+
+
+def test_the_story_file_is_locked_while_the_continuation_is_written(checkpoint, loaded, tmp_path, monkeypatch):
+    import h2ochat.generation as generation
+    from h2ochat.commands.story import appending
+    from h2ochat.errors import UserError
+
+    path = tmp_path / "tale.txt"
+    path.write_text(SHORT)
+    refused = []
+    real_sample = generation.sample
+
+    def sample_and_try_to_append(*args, **kwargs):
+        try:
+            with appending(path):
+                refused.append(False)
+        except UserError as exc:
+            refused.append("another h2ochat story" in str(exc))
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "sample", sample_and_try_to_append)
+    result = story(checkpoint, "--continue", str(path), "--tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert refused == [True, True, True]
+    with appending(path):  # and released at the end
+        pass
+
+
+# -- bursts: one host read per k tokens on an accelerator ---------------------------------------------------
+def test_tokens_are_read_back_once_per_burst():
+    from torch.overrides import TorchFunctionMode
+
+    from h2ochat.commands.story import read_in_bursts
+    from h2ochat.generation import Step
+
+    class CountReads(TorchFunctionMode):
+        reads = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__bool__", "__index__"):
+                CountReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    tokens = torch.randint(0, 100, (10, 2))
+    steps = [Step(tokens=tokens[i], index=i, elapsed_s=0.0) for i in range(10)]
+    with CountReads():
+        bursts = list(read_in_bursts(iter(steps), 4))
+    assert CountReads.reads == 3  # 4 + 4 + 2 tokens
+    assert [len(b) for b in bursts] == [4, 4, 2] and sum(bursts, []) == tokens.tolist()
+
+
+@pytest.mark.parametrize("stop_at_eos", [False, True])
+def test_a_story_read_in_bursts_is_the_same_story(checkpoint, loaded, tmp_path, seed, monkeypatch, stop_at_eos):
+    """On an accelerator (here: the CPU told to act like one) the tokens come back four at a time; the
+    story, its file and its count are those of the token-by-token run."""
+    import h2ochat.commands.story as story_module
+
+    monkeypatch.setattr(story_module, "stop_check_interval", lambda device: 4)
+    out = tmp_path / "story.txt"
+    args = ["--stop-at-eos"] if stop_at_eos else []
+    result = story(checkpoint, "--prompt", SHORT, "--tokens", "30", "--out", str(out), "--seed", str(seed), *args)
+    assert result.exit_code == 0, result.output
+    expected = as_text(loaded.tokenizer, reference_tokens(loaded, SHORT, 30, seed))
+    if not stop_at_eos:  # a random model may draw its eos: then the story is a prefix of the reference
+        assert out.read_bytes().decode() == SHORT + expected + "\n"
+    else:
+        assert (SHORT + expected + "\n").startswith(out.read_bytes().decode().removesuffix("\n"))
+    assert " tok/s" in result.stderr

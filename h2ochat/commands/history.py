@@ -12,7 +12,7 @@ from rich.text import Text
 
 from .. import history as store
 from .. import options as o
-from ..errors import user_errors
+from ..errors import strict_user_errors
 from ..ui import make_console
 
 
@@ -20,7 +20,7 @@ def when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
 
 
-@user_errors
+@strict_user_errors
 def history(
     conversation: Annotated[Optional[str], typer.Argument(
         help="Show this conversation (an id, or its first characters) instead of the list.")] = None,

@@ -7,6 +7,14 @@ chunks. ``-n N`` writes N continuations of one opening as one batch, each row dr
 seeded stream. Every story is written to its file as it is produced, so an interrupted run loses
 nothing; the run ends with one summary line, including how repetitive the end of each story is
 against its start (distinct 4-grams), so degeneration shows as a number.
+
+``--continue`` only ever appends: the story file is locked while the continuation is written, read
+again once the model has loaded (so text appended meanwhile is read, and kept), and its bytes are
+never rewritten, trailing whitespace included.
+
+On an accelerator the generated tokens are read back in bursts (one host read per
+``stop_check_interval`` tokens, not one per token), and the speed is measured at those read-backs:
+the time the device took, not the time the host took to queue the work.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from contextlib import ExitStack, contextmanager
 import sys
 import time
 from pathlib import Path
@@ -27,9 +36,9 @@ from rich.text import Text
 import h2ochat_prompts
 
 from .. import options as o
-from ..chat import inference_steps, stop_token_ids
-from ..errors import EXIT_INTERRUPTED, user_errors
+from ..chat import check_fits, inference_steps, stop_token_ids
 from ..detokenize import TextStream
+from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
 from ..generation import Sampling, Timing, prefill, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode
@@ -48,11 +57,24 @@ TAIL_SHOWN = 400  # characters of a continued story shown on a terminal before t
 def tell(model, tokenizer, cache, input_ids, *, tokens: int, sampling: Sampling, stop_ids=frozenset(),
          prefill_chunk: int = 512, timing: Timing | None = None) -> Iterator[str]:
     """Text pieces of a continuation of ``input_ids`` [1, T], ``tokens`` long unless a stop id comes."""
-    pieces = TextStream(tokenizer)
+    pieces = TextStream(tokenizer, context=input_ids[0].tolist())
     steps = stream(model, cache, input_ids, max_new_tokens=tokens, sampling=sampling, stop_ids=stop_ids,
                    prefill_chunk=prefill_chunk, timing=timing)
     for step in inference_steps(steps):
         yield pieces.push(step.tokens[0])
+
+
+def read_in_bursts(steps, every: int) -> Iterator[list[list[int]]]:
+    """The tokens of ``every`` steps at a time, read back from the device in one go: a list per step
+    of the token of each row. The steps are queued on the device without waiting for each other."""
+    held = []
+    for step in steps:
+        held.append(step.tokens)
+        if len(held) == every:
+            yield torch.stack(held).tolist()
+            held.clear()
+    if held:
+        yield torch.stack(held).tolist()
 
 
 def output_paths(out: Path, count: int) -> list[Path]:
@@ -74,50 +96,85 @@ def check_writable(path: Path) -> None:
 
 
 def read_story(path: Path) -> str:
-    """The text of a story to continue, trailing whitespace dropped (the continuation picks up
-    right after the last word, and the file is cut back to it before appending)."""
+    """The text of a story to continue, exactly as it is in the file."""
     if not path.is_file():
         raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
     try:
-        text = path.read_bytes().decode("utf-8")
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text") from None
-    return text.rstrip()
+        raise UserError(f"{path} is not UTF-8 text") from None
+
+
+@contextmanager
+def appending(path: Path):
+    """The story file open for appending (never truncated, never rewritten), under an exclusive lock
+    on the file itself, so two `story --continue` runs cannot interleave their text. Yields the
+    binary file."""
+    with path.open("ab") as file:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover  (Windows: no advisory locks; appending still cuts nothing)
+            yield file
+            return
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{path} is being written by another h2ochat story; try again when it is done") from None
+        try:
+            yield file
+        finally:
+            file.flush()
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
 
 
 class Row:
     """One story of the batch: its text stream, its file, its tokens."""
 
-    def __init__(self, tokenizer, path: Path | None, keep_text: bool):
-        self.pieces = TextStream(tokenizer)
+    def __init__(self, tokenizer, path: Path | None, keep_text: bool, context: list[int]):
+        self.pieces = TextStream(tokenizer, context=context)
         self.path, self.file = path, None
         self.tokens: list[int] = []
         self.done = False
         self.text_parts: list[str] | None = [] if keep_text else None
+        # the file already ends in whitespace: the continuation's own leading whitespace is dropped
+        # (the model read the text without the trailing whitespace, and picks up after the last word)
+        self.trim_leading = False
+        self.wrote = False
 
-    def open(self, opening: str, append_at: int | None) -> None:
-        if self.path is None:
-            return
-        if append_at is None:
+    def open(self, opening: str) -> None:
+        """A new story's file, the opening first."""
+        if self.path is not None:
             self.file = self.path.open("w", encoding="utf-8")
             self.file.write(opening)
-        else:  # --continue: cut trailing whitespace, then append (nothing the user wrote is lost)
-            self.file = self.path.open("r+b")
-            self.file.truncate(append_at)
-            self.file.seek(append_at)
-        self.file.flush()
+            self.file.flush()
 
-    def write(self, piece: str) -> None:
+    def append_to(self, file, existing: str) -> None:
+        """--continue: write after the story's last byte, into ``file`` (see ``appending``)."""
+        self.file = file
+        self.trim_leading = existing != existing.rstrip()
+
+    def add(self, piece: str) -> str:
+        """Take a piece of the continuation; returns the text it adds to the story."""
+        if self.trim_leading and piece:
+            piece = piece.lstrip()
+            self.trim_leading = not piece
         if self.text_parts is not None:
             self.text_parts.append(piece)
         if self.file is not None and piece:
             self.file.write(piece.encode("utf-8") if "b" in self.file.mode else piece)
             self.file.flush()
+            self.wrote = True
+        return piece
 
     def close(self) -> None:
+        """End the story with a line break (only after text of its own: a run that wrote nothing
+        leaves the file exactly as it was)."""
         if self.file is not None:
-            self.file.write(b"\n" if "b" in self.file.mode else "\n")
-            self.file.close()
+            if self.wrote:
+                self.file.write(b"\n" if "b" in self.file.mode else "\n")
+            self.file.flush()
+            if "b" not in self.file.mode:  # a file of ours; an appended story's file belongs to `appending`
+                self.file.close()
             self.file = None
 
     @property
@@ -136,7 +193,7 @@ def read_long_text(model, cache, input_ids: torch.Tensor, keep: int, chunk: int,
     return input_ids[:, max(head, 0) :]
 
 
-@user_errors
+@strict_user_errors
 def story(
     prompt: Annotated[Optional[str], typer.Option("--prompt", rich_help_panel=o.OUTPUT,
         help="The opening of the story.")] = None,
@@ -181,14 +238,12 @@ def story(
 ):
     """Stream a long story in constant KV memory, with the cache's state live under it."""
     if sum(x is not None for x in (prompt, prompt_file, continue_from)) > 1:
-        raise ValueError("give one of --prompt, --prompt-file or --continue")
-    append_at = None
+        raise UserError("give one of --prompt, --prompt-file or --continue")
     if continue_from is not None:
         if out is not None or count > 1 or chat:
-            raise ValueError("--continue appends to its own file; it takes no --out, -n or --chat")
+            raise UserError("--continue appends to its own file; it takes no --out, -n or --chat")
         check_writable(continue_from)
-        opening = read_story(continue_from)
-        append_at = len(opening.encode("utf-8"))
+        opening = read_story(continue_from)  # read again, under the lock, once the model is loaded
         paths: list[Path | None] = [continue_from]
     else:
         opening = prompt if prompt is not None else h2ochat_prompts.read(prompt_file or "lighthouse", "story")
@@ -197,103 +252,123 @@ def story(
             if path is not None:
                 check_writable(path)  # before the model loads
     if not opening.strip():
-        raise ValueError("the story opening is empty")
+        raise UserError("the story opening is empty")
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
-    sampling.validate()
+    with user_input():
+        sampling.validate()
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype, device_map, kv_slots=settings.kv_slots_needed(prefill_chunk),
                       kv_batch=count)
-    tokenizer = loaded.tokenizer
-    if chat:
-        input_ids = encode(tokenizer, f"Write a long story that begins like this:\n\n{opening}", chat=True)
-    else:
-        input_ids = encode(tokenizer, opening, chat=False)
-    input_ids = input_ids.to(loaded.device).expand(count, -1)
-    if count > 1:
-        sampling = sampling.with_row_seeds(count, loaded.device)
-    cache = settings.build(loaded.model)
-    stops = stop_token_ids(tokenizer, loaded.model) if stop_at_eos else frozenset()
+    check_fits(settings, loaded.model)
+    with ExitStack() as held:
+        story_file = None
+        if continue_from is not None:  # locked, then read as it is now: text appended meanwhile is kept and read
+            story_file = held.enter_context(appending(continue_from))
+            opening = read_story(continue_from)
+        tokenizer = loaded.tokenizer
+        if chat:
+            input_ids = encode(tokenizer, f"Write a long story that begins like this:\n\n{opening}", chat=True)
+        else:  # the model picks up after the last word (a file's trailing whitespace stays in the file)
+            input_ids = encode(tokenizer, opening.rstrip() if story_file is not None else opening, chat=False)
+        input_ids = input_ids.to(loaded.device).expand(count, -1)
+        if count > 1:
+            sampling = sampling.with_row_seeds(count, loaded.device)
+        cache = settings.build(loaded.model)
+        stops = stop_token_ids(tokenizer, loaded.model) if stop_at_eos else frozenset()
 
-    console = make_console()
-    # one story streams to standard output; several are printed whole at the end (interleaved text
-    # would be unreadable), as is a JSON record
-    streaming = count == 1 and not as_json
-    rows = [Row(tokenizer, path, keep_text=not streaming) for path in paths]
-    embedded = streaming and console.is_terminal
-    progress = TokenProgress(console if embedded else err, embedded=embedded)
-    status = lambda: Group(progress.renderable, Text(status_line(cache, None), style="dim"))  # noqa: E731
-    timing = Timing()
-    total = input_ids.shape[1]
-    # the repetition window must see the text's last tokens, so they go through `stream`
-    window = (total if repeat_last_n <= 0 else repeat_last_n) if repetition_penalty != 1.0 else 1
-    keep = min(total, max(window, 1))
-    interrupted = False
-    read_s = gen_s = 0.0
-    printer = ReplyPrinter(console, status) if streaming else None
-    try:
-        for row in rows:
-            row.open(opening, append_at)
-        with progress, (printer or _Quiet()) as shown:
-            if streaming and not chat:
-                if append_at is None:
-                    shown.write(opening)
-                elif console.is_terminal:  # the file has the rest; show where the story stands
-                    shown.write(("…" if len(opening) > TAIL_SHOWN else "") + opening[-TAIL_SHOWN:])
-            started = time.perf_counter()
-            try:
-                if total > keep:
-                    progress.phase("reading", total)
-                    tail = read_long_text(loaded.model, cache, input_ids, keep, prefill_chunk,
-                                          lambda done: (progress.update(done), shown.tick()))
+        console = make_console()
+        # one story streams to standard output; several are printed whole at the end (interleaved text
+        # would be unreadable), as is a JSON record
+        streaming = count == 1 and not as_json
+        rows = [Row(tokenizer, path, keep_text=not streaming, context=input_ids[0].tolist()) for path in paths]
+        embedded = streaming and console.is_terminal
+        progress = TokenProgress(console if embedded else err, embedded=embedded)
+        status = lambda: Group(progress.renderable, Text(status_line(cache, None), style="dim"))  # noqa: E731
+        timing = Timing()
+        total = input_ids.shape[1]
+        # the repetition window must see the text's last tokens, so they go through `stream`
+        window = (total if repeat_last_n <= 0 else repeat_last_n) if repetition_penalty != 1.0 else 1
+        keep = min(total, max(window, 1))
+        interrupted = False
+        read_s = gen_s = 0.0
+        printer = ReplyPrinter(console, status) if streaming else None
+        try:
+            for row in rows:
+                if story_file is not None:
+                    row.append_to(story_file, opening)
                 else:
-                    tail = input_ids
-                steps = stream(loaded.model, cache, tail, max_new_tokens=tokens, sampling=sampling, stop_ids=stops,
-                               prefill_chunk=prefill_chunk, timing=timing, compile=compile,
-                               stop_check_every=stop_check_interval(loaded.device))
-                first = True
-                for step in inference_steps(steps):
-                    if first:
-                        read_s = time.perf_counter() - started
-                        first, started = False, time.perf_counter()
-                        progress.phase("writing" if count == 1 else f"writing {count} stories", tokens * count)
-                    for row, token in zip(rows, step.tokens.tolist()):
-                        if row.done:
-                            continue
-                        if token in stops:
-                            row.done = True
-                            continue
-                        row.tokens.append(token)
-                        piece = row.pieces.push(token)
-                        row.write(piece)
-                        if streaming:
-                            shown.write(piece)
-                    progress.update(sum(len(row.tokens) for row in rows))
-            except KeyboardInterrupt:
-                interrupted = True
-            gen_s = time.perf_counter() - started if timing.generated_tokens else 0.0
-    finally:
-        for row in rows:
-            row.close()
+                    row.open(opening)
+            with progress, (printer or _Quiet()) as shown:
+                if streaming and not chat:
+                    if story_file is None:
+                        shown.write(opening)
+                    elif console.is_terminal:  # the file has the rest; show where the story stands
+                        shown.write(("…" if len(opening) > TAIL_SHOWN else "") + opening[-TAIL_SHOWN:])
+                started = time.perf_counter()
+                try:
+                    if total > keep:
+                        progress.phase("reading", total)
+                        tail = read_long_text(loaded.model, cache, input_ids, keep, prefill_chunk,
+                                              lambda done: (progress.update(done), shown.tick()))
+                    else:
+                        tail = input_ids
+                    every = stop_check_interval(loaded.device)
+                    steps = stream(loaded.model, cache, tail, max_new_tokens=tokens, sampling=sampling, stop_ids=stops,
+                                   prefill_chunk=prefill_chunk, timing=timing, compile=compile, stop_check_every=every)
+                    first_read = last_read = None  # host clock at the first and the latest read-back
+                    written_at_first = 0
+                    for burst in read_in_bursts(inference_steps(steps), every):
+                        last_read = time.perf_counter()  # the device has finished these steps
+                        if first_read is None:
+                            read_s = last_read - started
+                            first_read = started = last_read
+                            progress.phase("writing" if count == 1 else f"writing {count} stories", tokens * count)
+                        for row_tokens in burst:
+                            for row, token in zip(rows, row_tokens):
+                                if row.done:
+                                    continue
+                                if token in stops:
+                                    row.done = True
+                                    continue
+                                row.tokens.append(token)
+                                piece = row.add(row.pieces.push(token))
+                                if streaming:
+                                    shown.write(piece)
+                        progress.update(sum(len(row.tokens) for row in rows))
+                        if last_read == first_read:
+                            written_at_first = sum(len(row.tokens) for row in rows)
+                except KeyboardInterrupt:
+                    interrupted = True
+                gen_s = time.perf_counter() - started if timing.generated_tokens else 0.0
+        finally:
+            for row in rows:
+                row.close()
 
-    written = sum(len(row.tokens) for row in rows)
-    rate = (written - count) / timing.decode_s if timing.decode_s > 0 and written > count else 0.0
-    checks = [repetition(row.tokens) for row in rows]
-    if as_json:
-        record = story_record(loaded, cache, budget, rows, checks, timing, total, read_s, gen_s, rate, interrupted)
-        print(json.dumps(record, indent=2, ensure_ascii=False))
-    elif not streaming:
-        for index, row in enumerate(rows, 1):
-            console.print(Text(f"── story {index} of {count}" + (f" · {row.path}" if row.path else "") + " ──",
-                               style="bold"))
-            sys.stdout.write(("" if chat else opening) + row.text + "\n\n")
-            sys.stdout.flush()
-    err.print(summary_line(cache, rows, checks, total, read_s, gen_s, rate, continue_from is not None, interrupted),
-              style="dim", markup=False, highlight=False, soft_wrap=True)  # one line, wrapped by the terminal
-    if interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+        written = sum(len(row.tokens) for row in rows)
+        # decode speed at the read-backs (the device's time, not the host's queueing): the tokens after
+        # the first burst over the time from its read-back to the last (a single burst: the host's clock)
+        device_s = last_read - first_read if first_read is not None else 0.0
+        if device_s > 0 and written > written_at_first:
+            rate = (written - written_at_first) / device_s
+        else:
+            rate = (written - count) / timing.decode_s if timing.decode_s > 0 and written > count else 0.0
+        checks = [repetition(row.tokens) for row in rows]
+        if as_json:
+            record = story_record(loaded, cache, budget, rows, checks, timing, total, read_s, gen_s, rate, interrupted)
+            print(json.dumps(record, indent=2, ensure_ascii=False))
+        elif not streaming:
+            for index, row in enumerate(rows, 1):
+                console.print(Text(f"── story {index} of {count}" + (f" · {row.path}" if row.path else "") + " ──",
+                                   style="bold"))
+                sys.stdout.write(("" if chat else opening) + row.text + "\n\n")
+                sys.stdout.flush()
+        err.print(summary_line(cache, rows, checks, total, read_s, gen_s, rate, continue_from is not None, interrupted),
+                  style="dim", markup=False, highlight=False, soft_wrap=True)  # one line, wrapped by the terminal
+        if interrupted:
+            raise typer.Exit(EXIT_INTERRUPTED)
 
 
 class _Quiet:
