@@ -25,9 +25,10 @@ TRITON_INTERPRET=0 H2OCHAT_TEST_DEVICE=cuda the same tests run on a GPU).
 from __future__ import annotations
 
 from .dispatch import attend_with_scores, evict_and_insert, evict_by_policy, kernel_backend
+from .recall_reference import page_scores, top_pages
 from .reference import keep_priority, protected_slots, slot_rank, token_age
 
 __all__ = [
     "attend_with_scores", "evict_and_insert", "evict_by_policy", "kernel_backend",
-    "keep_priority", "protected_slots", "slot_rank", "token_age",
+    "keep_priority", "protected_slots", "slot_rank", "token_age", "page_scores", "top_pages",
 ]

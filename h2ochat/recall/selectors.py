@@ -19,18 +19,27 @@ from typing import Callable
 
 import torch
 
+import h2ochat_kernels as kernels
+
 NEG_INF = float("-inf")
 
 
-def _page_max(token_scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[H, M, N, P] per-token scores -> [H, N]: the max over queries and valid slots."""
-    masked = token_scores.masked_fill(~valid.unsqueeze(1), NEG_INF)
-    return masked.amax(dim=(1, 3))
-
-
-def token_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q.k of every query against every slot: [H, M, D] x [H, N, P, D] -> [H, M, N, P] (fp32)."""
-    return torch.einsum("hmd,hnpd->hmnp", queries.float(), keys.float())
+def score_tokens_in_pages(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+                          offset: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
+    """The best q.k per page from per-token codes (keys ~ codes * scale + offset; the keys themselves
+    when scale is None): queries [H, M, D], codes [H, N, P, D] -> [H, N]. The Triton kernel on a
+    GPU, its torch reference elsewhere."""
+    heads, pages, size, dim = codes.shape
+    flat = codes.reshape(1, heads, pages * size, dim)
+    if scale is None:
+        scale = torch.ones(1, heads, pages * size, device=codes.device)
+        offset = torch.zeros_like(scale)
+    args = (queries.unsqueeze(0), flat, scale.reshape(1, heads, -1), offset.reshape(1, heads, -1),
+            valid.reshape(1, heads, -1), size)
+    if kernels.kernel_backend(codes.device) == "triton" and not size & (size - 1):
+        from h2ochat_kernels.triton_recall import page_scores
+        return page_scores(*args)[0]
+    return kernels.page_scores(*args)[0]
 
 
 # -- exact --------------------------------------------------------------------------------------------
@@ -40,7 +49,7 @@ def exact_digest(keys, valid, importance=None):
 
 def exact_score(queries, digest):
     keys, valid = digest
-    return _page_max(token_scores(queries, keys), valid)
+    return score_tokens_in_pages(queries, keys, None, None, valid)
 
 
 # -- Quest: per-channel min/max bound -----------------------------------------------------------------
@@ -107,7 +116,7 @@ def quant_digest(bits: int):
 
 def quant_score(queries, digest):
     (codes, scale, offset), valid = digest
-    return _page_max(token_scores(queries, dequantize(codes, scale, offset)), valid)
+    return score_tokens_in_pages(queries, codes, scale.squeeze(-1), offset.squeeze(-1), valid)
 
 
 # -- representative keys -----------------------------------------------------------------------------
@@ -156,8 +165,4 @@ def get_selector(name: str) -> Selector:
         raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(SELECTORS)}") from None
 
 
-def top_pages(page_scores: torch.Tensor, count: int) -> torch.Tensor:
-    """[H, N] -> [H, k] page numbers, best first (-1 where fewer than k pages hold a valid key)."""
-    count = min(count, page_scores.shape[-1])
-    values, pages = page_scores.topk(count, dim=-1)
-    return pages.masked_fill(values == NEG_INF, -1)
+top_pages = kernels.top_pages  # [.., N] -> [.., k] page numbers, best first, -1 where fewer pages hold a token
