@@ -101,12 +101,10 @@ class CompiledDecode:
         cache.static_shapes = True
         if self.mode == "reduce-overhead" and not getattr(cache, "_static_addresses", False) and cache.initialized:
             # CUDA graphs replay fixed addresses: the slots are updated in place, never replaced
+            # (every tensor a step writes is in state_tensors: tests/test_kernel_ops.py checks the graph)
             for layer in cache.layers:
-                for name in ("keys", "values", "scores", "token_index", "positions", "real_seen", "next_position",
-                             "evicted", "evicted_share", "value_norm", "batch_rows", "head_columns"):
-                    tensor = getattr(layer, name, None)
-                    if isinstance(tensor, torch.Tensor):
-                        torch._dynamo.mark_static_address(tensor)
+                for tensor in layer.state_tensors().values():
+                    torch._dynamo.mark_static_address(tensor)
             cache._static_addresses = True
         return True
 

@@ -142,22 +142,44 @@ def test_fake_implementations_give_the_launchers_shapes_without_running_them():
 # -- the compiled decode step ------------------------------------------------------------------------------
 
 class Recorder:
-    """A torch.compile backend keeping what dynamo captured and the AOT (functionalised) graph, then
-    running the latter (aot_eager's path: no code generation)."""
+    """A torch.compile backend keeping what dynamo captured (graph and inputs) and the AOT
+    (functionalised) graph, then running the latter (aot_eager's path: no code generation). Input
+    writes stay in the AOT graph as ``copy_`` into the input, as inductor keeps them."""
 
     def __init__(self):
         self.dynamo: list[torch.fx.GraphModule] = []
+        self.inputs: list[list[torch.Tensor]] = []
         self.aot: list[torch.fx.GraphModule] = []
 
         def keep(gm, example_inputs):
             self.aot.append(gm)
             return make_boxed_func(gm.forward)
 
-        self.compile_aot = aot_autograd(fw_compiler=keep)
+        self.compile_aot = aot_autograd(fw_compiler=keep, keep_inference_input_mutations=True)
 
     def __call__(self, gm, example_inputs):
         self.dynamo.append(gm)
+        self.inputs.append(list(example_inputs))
         return self.compile_aot(gm, example_inputs)
+
+    def written_inputs(self) -> list[torch.Tensor]:
+        """The inputs the (single) compiled graph writes."""
+        placeholders = [n for n in self.aot[0].graph.nodes if n.op == "placeholder"]
+        assert len(placeholders) == len(self.inputs[0])
+        written = {placeholders.index(n.args[0]) for n in self.aot[0].graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+                   and n.args[0].op == "placeholder"}
+        return [self.inputs[0][i] for i in sorted(written)]
+
+
+def assert_writes_only_state_tensors(recorder: Recorder, cache, msg):
+    """A CUDA graph replays fixed addresses, and cudagraph trees refuse a graph writing an input not
+    marked static: every tensor the step writes must be one ``CompiledDecode.prepare`` marks, i.e.
+    one of the layers' ``state_tensors()``; the slots of every layer are among them."""
+    state = {t.data_ptr(): name for layer in cache.layers for name, t in layer.state_tensors().items()}
+    written = [state.get(t.data_ptr(), f"not a state tensor {tuple(t.shape)}") for t in recorder.written_inputs()]
+    assert all(not w.startswith("not a state") for w in written), (msg, written)
+    assert written.count("keys") == written.count("values") == written.count("token_index") == len(cache.layers), msg
 
 
 def op_counts(graph: torch.fx.GraphModule) -> dict[str, int]:
@@ -192,15 +214,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def decode_run(model, ids, policy, steps, monkeypatch, decoder=None):
+def decode_run(model, ids, policy, steps, monkeypatch, decoder=None, kernels="triton"):
     """Prefill on the torch path (the chunk kernel is not what this checks, and the interpreter is
-    slow), then ``steps`` greedy decode steps on the Triton path, compiled when ``decoder`` is given."""
+    slow), then ``steps`` greedy decode steps on the ``kernels`` path, compiled when ``decoder`` is
+    given."""
     from h2ochat.generation import CacheSettings, forward
 
     monkeypatch.setenv("H2OCHAT_KERNELS", "torch")
     cache = CacheSettings(policy=policy, budget="8").build(model, static_shapes=True)
     logits = forward(model, cache, ids, logits_to_keep=1)[:, -1]
-    monkeypatch.setenv("H2OCHAT_KERNELS", "triton")
+    monkeypatch.setenv("H2OCHAT_KERNELS", kernels)
     tokens = []
     for _ in range(steps):
         token = logits.argmax(-1)
@@ -235,6 +258,7 @@ def test_compiled_triton_decode_is_one_graph_of_opaque_ops(seed, monkeypatch, fr
     assert "triton" not in code and "launch" not in code, msg  # nothing of the launch code was traced
     assert op_counts(recorder.aot[0]) == {"decode_attend": layers, "evict_by_policy": layers}, msg
     assert writes_through_functional_wrappers(recorder.aot[0]), msg
+    assert_writes_only_state_tensors(recorder, cache, msg)
 
     assert torch.equal(tokens, eager_tokens), msg
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5, msg=msg)
@@ -246,3 +270,16 @@ def test_compiled_triton_decode_is_one_graph_of_opaque_ops(seed, monkeypatch, fr
         torch.testing.assert_close(mine.keys, ref.keys, rtol=0, atol=0, msg=msg)
         if ref.value_norm is not None:
             torch.testing.assert_close(mine.value_norm, ref.value_norm, rtol=1e-6, atol=1e-6, msg=msg)
+
+
+def test_compiled_torch_decode_writes_only_state_tensors(seed, monkeypatch, fresh_dynamo):
+    """The same check on the torch path (H2OCHAT_KERNELS=torch, what a GPU without triton runs): its
+    in-place writes (index_put_, +=) touch nothing but the layers' state tensors."""
+    from h2ochat import compiled
+
+    model = build_model("llama")
+    recorder = Recorder()
+    decoder = compiled.CompiledDecode(model, backend=recorder)
+    _, cache, _ = decode_run(model, random_ids(2, 6), "mean:value_eps=0.1", 3, monkeypatch, decoder, kernels="torch")
+    assert len(recorder.aot) == 1
+    assert_writes_only_state_tensors(recorder, cache, f"seed={seed}")
