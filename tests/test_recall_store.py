@@ -154,3 +154,35 @@ def test_recall_frames_follow_a_slow_lru(seed, frames, want):
         assert plan.load.flatten().tolist() == load
         copied += sum(load)
     assert int(lru.copied.sum()) == copied
+
+
+@pytest.mark.parametrize("bits", [None, 4, 2])
+@pytest.mark.parametrize("limit", [None, 8])
+def test_device_digest_picks_the_pages_a_slow_loop_over_the_store_picks(seed, bits, limit):
+    """KeyCodes (appended from the evicted keys on the device) against scoring every page the cold
+    store holds, one by one, from its own copy of the keys."""
+    from h2ochat.recall.digests import KeyCodes
+    from h2ochat.recall.selectors import dequantize, quantize
+
+    page = 4
+    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1)
+    digest = KeyCodes(B, H, D, page, bits, frames=store.frames, initial_pages=1)
+    for event in _evictions(14, random.Random(seed)):
+        store.append(*event)
+        digest.append(event[0], event[2])
+    queries = torch.randn(B, H, 3, D, generator=torch.Generator().manual_seed(seed))
+    first, end = store.held()
+    got = digest.top_pages(queries, 2)
+    for b in range(B):
+        for h in range(H):
+            scored = []
+            for number in range(int(first[b, h]), int(end[b, h])):
+                keys, _, token_index, _ = store.pages(torch.full((B, H, 1), number))
+                keys = keys[b, h][token_index[b, h] >= 0]
+                if bits is not None:
+                    keys = dequantize(*quantize(keys, bits))
+                scored.append((float((queries[b, h] @ keys.T).max()), number))
+            want = [n for _, n in sorted(scored, reverse=True)[:2]]
+            want += [-1] * (2 - len(want))
+            assert got[b, h].tolist() == want
+    assert bool((digest.valid.sum(-1) == store.held_tokens()).all())
