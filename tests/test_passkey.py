@@ -94,3 +94,68 @@ def _pairs_switching(model, real_run, masked_run, trial, follow):
             return self.runner.feed(ids)
 
     return _logits_along(Switching(masked_run, MaskedRecall.attach), Switching(real_run, use_h2o_attention), trial, follow)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    from checkpoints import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama-256"), max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def filler_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("filler") / "fox.txt"
+    path.write_text(FILLER)
+    return path
+
+
+def _run(*args):
+    from typer.testing import CliRunner
+
+    from h2ochat.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "--task", "passkey", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_passkey_command_json_has_every_row_and_trial(long_checkpoint, filler_file):
+    import json
+
+    code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40,60",
+                          "--depths", "0.1,0.9", "--keys", "1", "--budget", "32", "--policies", "full,h2o",
+                          "--recall", "16", "--page", "8", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    rows = ["full", "h2o 32", "h2o 32 = 16 hot + 16 recall (exact, pages of 8; masked reference)"]
+    assert [s["row"] for s in report["summary"]] == [r for r in rows for _ in range(4)]
+    assert len(report["results"]) == 3 * 4
+    for result in report["results"]:
+        assert result["recalled"] == pk.recalled(result["key"], result["answer"])
+    assert {(s["length"], s["depth"]) for s in report["summary"]} == {(40, 0.1), (40, 0.9), (60, 0.1), (60, 0.9)}
+
+
+def test_passkey_command_table(long_checkpoint, filler_file):
+    code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40",
+                          "--depths", "0.5", "--keys", "1", "--budget", "32", "--policies", "h2o")
+    assert code == 0, err
+    assert "h2o 32" in out and "40 tok, depth 0.5" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recall", "40"], "must leave the policy some"),
+    (["--recall", "12", "--page", "8"], "whole number of --page 8 pages"),
+    (["--selector", "magic", "--recall", "16"], "unknown selector 'magic'"),
+    (["--depths", "1.5"], "depths are shares"),
+    (["--lengths", "2000"], "fewer than the 2000"),
+    (["--task", "quiz"], "--task must be perplexity or passkey"),
+])
+def test_passkey_command_refuses_bad_inputs(long_checkpoint, filler_file, args, message):
+    code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40",
+                          "--budget", "32", "--policies", "h2o", *args)
+    assert code == 2, out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("h2ochat: error:") and message in last, last
+    assert "Traceback" not in err + out
