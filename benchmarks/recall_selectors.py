@@ -30,6 +30,7 @@ def rows_for(slots: int, page: int, selectors: list[str]) -> list:
         rows.append(pk.MaskedRow(f"{name} p{page} q1", "h2o", hot, recall, page, name, question_chunk=1))
     rows += [pk.MaskedRow(f"exact p{page} qchunk", "h2o", hot, recall, page, "exact"),
              pk.MaskedRow(f"exact p1 qchunk", "h2o", hot, recall, 1, "exact"),
+             pk.MaskedRow(f"exact p{page} qchunk-last", "h2o", hot, recall, page, "exact", chunk_queries="last"),
              pk.MaskedRow(f"exact p{page} q1 by-eviction", "h2o", hot, recall, page, "exact", "eviction", question_chunk=1),
              pk.MaskedRow(f"exact p{page} q1 reenter", "h2o", hot, recall, page, "exact", reenter=True, question_chunk=1),
              pk.MaskedRow(f"exact p8 q1", "h2o", hot, recall, 8, "exact", question_chunk=1),
@@ -78,6 +79,7 @@ def main() -> None:
             known = [x for x in per_layer if x is not None]
             entry.update(selector=row.selector, page=row.page, hot_slots=row.hot_slots, recall_slots=row.recall_slots,
                          grouping=row.grouping, reenter=row.reenter, question_chunk=row.question_chunk,
+                         chunk_queries=row.chunk_queries,
                          exact_top_pages_found=round(sum(known) / len(known), 3) if known else None,
                          exact_top_pages_found_per_layer=per_layer,
                          selector_bytes_ratio=round(get_selector(row.selector).bytes_ratio(row.page, head_dim), 4))

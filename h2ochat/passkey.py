@@ -117,6 +117,7 @@ class MaskedRow:
     reenter: bool = False
     chunk: int = DEFAULT_PREFILL_CHUNK
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: the question token by token (each token recalls for itself)
+    chunk_queries: str = "all"  # which queries of a chunk choose its pages: all, or the last token's
     simulations: list = field(default_factory=list, compare=False, hash=False)  # filled as trials run
 
     def runner(self, model, trial: Trial) -> Runner:
@@ -124,7 +125,7 @@ class MaskedRow:
 
         MaskedRecall.attach(model)
         sim = MaskedRecall(model.config.num_hidden_layers, self.policy, self.hot_slots, self.recall_slots, self.page,
-                           self.selector, grouping=self.grouping, reenter=self.reenter)
+                           self.selector, grouping=self.grouping, reenter=self.reenter, chunk_queries=self.chunk_queries)
         self.simulations.append(sim)
         row = self
 

@@ -7,7 +7,7 @@ mask admits
   attention runs, the policy's scores are updated, then it evicts back down to ``hot_slots``), and
 - the recalled tokens: the cold (evicted) tokens of the top ``recall_slots // page`` pages, chosen
   per (layer, KV head) by a selector from every query of the step (the group's query heads and, for
-  a chunk, all its tokens), and
+  a chunk, all its tokens; ``chunk_queries="last"``: its last token's only), and
 - the step's new tokens, causally.
 Pages group cold tokens by token index (page = index // P) or by eviction order (the n-th token
 evicted from that head goes to page n // P). A recalled token is attended but stays cold unless
@@ -61,14 +61,17 @@ class OverlapStats:
 class MaskedRecall:
     def __init__(self, num_layers: int, policy: Policy | str, hot_slots: int, recall_slots: int, page: int,
                  selector: Selector | str | None = "exact", *, grouping: str = "index", reenter: bool = False,
-                 measure: bool = True):
+                 measure: bool = True, chunk_queries: str = "all"):
         if grouping not in ("index", "eviction"):
             raise ValueError(f"grouping must be 'index' or 'eviction', got {grouping!r}")
         self.policy = get_policy(policy)
         self.budget = self.policy.split(hot_slots) if self.policy.evicts else None
         self.hot_slots, self.recall_slots, self.page = hot_slots, recall_slots, page
         self.selector = get_selector(selector) if isinstance(selector, str) else selector
+        if chunk_queries not in ("all", "last"):
+            raise ValueError(f"chunk_queries must be 'all' or 'last', got {chunk_queries!r}")
         self.grouping, self.reenter, self.measure = grouping, reenter, measure
+        self.chunk_queries = chunk_queries  # which of a chunk's queries choose its pages
         self.layers: list[_Layer | None] = [None] * num_layers
         self.cache = DynamicCache()
         self.stats = OverlapStats([0.0] * num_layers, [0] * num_layers, [0.0] * num_layers)
@@ -165,7 +168,8 @@ class MaskedRecall:
         keys, values = key[0], value[0]
         grouped = query[0].reshape(heads, group, q_len, dim)
         if self.policy.evicts:
-            recalled = self.recalled(state, keys, grouped.reshape(heads, group * q_len, dim), layer_idx)
+            choosing = grouped if self.chunk_queries == "all" else grouped[:, :, -1:]
+            recalled = self.recalled(state, keys, choosing.reshape(heads, -1, dim), layer_idx)
             old = state.hot | recalled
         else:
             recalled = torch.zeros_like(state.hot)
