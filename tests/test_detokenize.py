@@ -131,6 +131,10 @@ def test_reply_text_holds_back_what_may_be_the_stop_mark(pieces, shown, stopped)
 
     seen = []
     reply = ReplyText(STOP_MARK, seen.append)
-    ended = any([reply.add(piece) for piece in pieces][-1:]) or reply.stopped
+    ended = False
+    for piece in pieces:
+        if reply.add(piece):
+            ended = True
+            break  # as Conversation.send does
     reply.finish()
     assert "".join(seen) == reply.text == shown and ended == stopped == reply.stopped
