@@ -32,7 +32,9 @@ def test_lenient_about_unknown_fields_and_the_newer_names():
                                          {"role": "user", "content": "hi", "name": "ann"}]}, "chat", max_n=4)
     assert params.max_tokens == 7 and params.stream and params.include_usage and params.stop == ["END"]
     assert params.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert params.temperature == 1.0 and params.n == 1  # the OpenAI defaults
+    assert params.temperature == 1.0 and params.n == 1 and params.skip_special_tokens  # the OpenAI defaults
+    extensions = parse_request({**CHAT, "ignore_eos": True, "skip_special_tokens": False}, "chat", max_n=4)
+    assert extensions.ignore_eos and not extensions.skip_special_tokens
     prompt = parse_request({"model": "m", "prompt": ["once"], "max_tokens": 3}, "completion", max_n=4)
     assert prompt.prompt == "once"
     assert parse_request({"model": "m", "prompt": [5, 6]}, "completion", max_n=4).prompt == [5, 6]
@@ -56,6 +58,7 @@ def test_lenient_about_unknown_fields_and_the_newer_names():
     ({"stream": "yes"}, "stream"),
     ({"logprobs": True}, "logprobs"),
     ({"seed": 1.5}, "seed"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
 ])
 def test_bad_fields_are_400_naming_the_field(change, param):
     assert refused({**CHAT, **change}).param == param

@@ -32,6 +32,9 @@ class RequestParams:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # an extension (vLLM's name): generate max_tokens whatever the model's end tokens
+    # an extension (vLLM's name): False returns special tokens the model wrote inside its text, so a
+    # client that sends the reply back as history sends what the model read (and resumes its cache)
+    skip_special_tokens: bool = True
 
 
 def parse_json(raw: bytes) -> dict:
@@ -174,6 +177,7 @@ def parse_request(body: dict, kind: str, *, max_n: int) -> RequestParams:
         stream=_flag(body, "stream"),
         include_usage=_flag(options or {}, "include_usage"),
         ignore_eos=_flag(body, "ignore_eos"),
+        skip_special_tokens=body.get("skip_special_tokens") is None or _flag(body, "skip_special_tokens"),
     )
     if kind == "chat":
         params.messages = _messages(body)

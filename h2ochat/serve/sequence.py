@@ -51,7 +51,8 @@ class Choice:
         self.generator = torch.Generator().manual_seed(seed)
         self.seen: RecentTokens | None = None
         # seeded with the prompt's last ids, as the chat does: the first word joins the prompt as in the whole text
-        self.text_stream = TextStream(tokenizer, context=request.prompt_ids[-CONTEXT_IDS:])
+        self.text_stream = TextStream(tokenizer, context=request.prompt_ids[-CONTEXT_IDS:],
+                                      skip_special_tokens=request.prepared.params.skip_special_tokens)
         self.tokenizer = tokenizer
         self.generated: list[int] = []
         self.held = ""  # decoded text not emitted yet: a stop string may begin in it
