@@ -1,20 +1,15 @@
-"""Live `h2ochat serve` processes for tests: a tiny checkpoint whose greedy text is clean, a server
-subprocess on a free loopback port, and small helpers to read its metrics."""
+"""A tiny checkpoint whose greedy text is clean, for tests that drive a live `h2ochat serve`
+(``h2ochat.serve.process.ServerProcess``), and the fixture pattern that starts and stops one."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
+from contextlib import contextmanager
 from pathlib import Path
 
-import httpx2 as httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from h2ochat.serve.metrics import parse
+from h2ochat.serve.process import ServerProcess
 
 from checkpoints import write_checkpoint
 
@@ -40,62 +35,13 @@ def clean_checkpoint(folder: Path, **config) -> Path:
     return folder
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Server:
-    """`h2ochat serve --model FOLDER ARGS` on 127.0.0.1; ``url`` is its base URL, ``log`` its stderr."""
-
-    def __init__(self, folder: Path, *args: str, log: Path, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(folder)
-        self.log_path = log
-        self._log = open(log, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "h2ochat.cli", "serve", "--model", str(folder), "--host", "127.0.0.1",
-             "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the server did not become ready:\n{self.log()}")
-
-    def metrics(self) -> dict[str, float]:
-        return parse(httpx.get(self.url + "/metrics", timeout=10).text)
-
-    def wait_metrics(self, condition, timeout: float = 20.0) -> dict[str, float]:
-        """Poll /metrics until ``condition(values)`` holds (bounded: a step takes milliseconds here)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            values = self.metrics()
-            if condition(values) or time.monotonic() > deadline:
-                return values
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+@contextmanager
+def running(folder: Path, *args: str, log_dir: Path):
+    """A ready server on ``folder`` with ``args``; stopped after, and its output must hold no traceback."""
+    server = ServerProcess(str(folder), *args, log_path=log_dir / "server.log")
+    try:
+        server.wait_ready(timeout=180)
+        yield server
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log(), server.log()

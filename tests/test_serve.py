@@ -22,7 +22,7 @@ from h2ochat.generation import CacheSettings
 from h2ochat.models import load
 
 from seeds import fresh
-from serve_harness import Server, clean_checkpoint
+from serve_harness import clean_checkpoint, running
 
 BUDGET, ROWS, QUEUE, LAYERS, KV_HEADS, CHUNK = 16, 4, 8, 2, 2, 8
 WORDS = ("the quick brown fox jumps over lazy dog once upon a time there was dragon who lived in cave "
@@ -37,15 +37,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    process = Server(checkpoint, "--budget", str(BUDGET), "--policy", "h2o", "--max-sequences", str(ROWS),
-                     "--max-queue", str(QUEUE), "--prefill-chunk", str(CHUNK), "--parked-bytes", "320KiB",
-                     log=tmp_path_factory.mktemp("serve-log") / "server.log")
-    try:
-        process.wait_ready()
+    with running(checkpoint, "--budget", str(BUDGET), "--policy", "h2o", "--max-sequences", str(ROWS),
+                 "--max-queue", str(QUEUE), "--prefill-chunk", str(CHUNK), "--parked-bytes", "320KiB",
+                 log_dir=tmp_path_factory.mktemp("serve-log")) as process:
         yield process
-    finally:
-        process.stop()
-    assert "Traceback" not in process.log(), process.log()
 
 
 @pytest.fixture(scope="module")
@@ -338,14 +333,9 @@ KEY = "sekrit"
 
 @pytest.fixture(scope="module")
 def strict(checkpoint, tmp_path_factory):
-    process = Server(checkpoint, "--budget", str(BUDGET), "--positions", "absolute", "--max-sequences", "1",
-                     "--max-queue", "1", "--api-key", KEY, log=tmp_path_factory.mktemp("strict-log") / "server.log")
-    try:
-        process.wait_ready()
+    with running(checkpoint, "--budget", str(BUDGET), "--positions", "absolute", "--max-sequences", "1",
+                 "--max-queue", "1", "--api-key", KEY, log_dir=tmp_path_factory.mktemp("strict-log")) as process:
         yield process
-    finally:
-        process.stop()
-    assert "Traceback" not in process.log(), process.log()
 
 
 def test_an_api_key_is_required_when_set(strict):

@@ -1,0 +1,239 @@
+"""Load test of `h2ochat serve`: long chats sent turn after turn through the HTTP API.
+
+Two measurements (issue 16):
+
+1. ``load``: K concurrent chats, each opening with a history several times the budget (text from
+   Tiny Shakespeare) and then T short turns, against the server with the h2o policy and against the
+   same server with the full policy, both given the same KV memory for their rows (``--kv-memory``):
+   output tokens/s, time to first token and inter-token latency (p50/p99), how many chats ran at
+   once, peak memory of the server process, requests refused.
+2. ``parked``: one chat of many turns on an h2o server: per-turn latency against the turn number
+   (a parked chat should cost its new tokens, not its history).
+
+Replies have a fixed length (``ignore_eos``) and come back with their special tokens
+(``skip_special_tokens: false``), so each turn's history is exactly what the model read and both
+servers generate the same number of tokens. Run on the CPU with one thread per process:
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_load.py --model smollm2-135m --out benchmarks/results_serve_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+
+from h2ochat.serve.process import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
+
+
+def start_server(args, extra: list[str], log: Path) -> ServerProcess:
+    return ServerProcess(args.model, "--served-model-name", "m", "--max-queue", "1000", "--parked-bytes",
+                         args.parked_bytes, "--prefill-chunk", str(args.prefill_chunk), *extra, log_path=log)
+
+
+async def turn(http: httpx.AsyncClient, messages: list[dict], args, record: list[dict], turn_number: int) -> str:
+    """One streamed turn; appends its timings to ``record``; returns the reply text ('' if refused)."""
+    body = {"model": "m", "messages": messages, "max_tokens": args.reply, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "skip_special_tokens": False}
+    while True:
+        sent = time.perf_counter()
+        first, stamps, text, usage, status = None, [], "", None, None
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            status = response.status_code
+            if status == 429:
+                await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
+                continue
+            if status != 200:
+                record.append({"turn": turn_number, "status": status, "error": (await response.aread()).decode()[:300]})
+                return ""
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    piece = choice["delta"].get("content")
+                    if piece:
+                        now = time.perf_counter()
+                        first = first or now
+                        stamps.append(now)
+                        text += piece
+        done = time.perf_counter()
+        record.append({"turn": turn_number, "status": status, "ttft_s": (first or done) - sent, "latency_s": done - sent,
+                       "gaps_s": [b - a for a, b in zip(stamps, stamps[1:])], "usage": usage})
+        return text
+
+
+def history_text(rng: random.Random, chars: int) -> str:
+    source = TEXT.read_text(encoding="utf-8")
+    start = rng.randrange(0, len(source) - chars)
+    return source[start: start + chars]
+
+
+async def chat(url: str, args, rng: random.Random, record: list[dict], turns: int) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        messages = [{"role": "user", "content": "Read this and answer my questions about it.\n\n"
+                                                + history_text(rng, args.history_chars)}]
+        for number in range(1, turns + 1):
+            if number > 1:
+                messages.append({"role": "user", "content": history_text(rng, args.user_chars)})
+            reply = await turn(http, messages, args, record, number)
+            if not reply:
+                return
+            messages.append({"role": "assistant", "content": reply})
+
+
+async def watch(server: ServerProcess, stop: asyncio.Event, seen: dict) -> None:
+    while not stop.is_set():
+        values = await asyncio.to_thread(server.metrics)
+        seen["max_running"] = max(seen.get("max_running", 0), values["requests_running"])
+        seen["max_waiting"] = max(seen.get("max_waiting", 0), values["requests_waiting"])
+        await asyncio.sleep(0.5)
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    served = [r for r in records if r.get("status") == 200]
+    gaps = [gap for r in served for gap in r["gaps_s"]]
+    later = [r for r in served if r["turn"] > 1]
+    tokens = sum(r["usage"]["completion_tokens"] for r in served if r["usage"])
+    return {
+        "turns_served": len(served),
+        "turns_refused": [r for r in records if r.get("status") != 200],
+        "completion_tokens": tokens,
+        "wall_s": round(wall_s, 2),
+        "output_tokens_per_s": round(tokens / wall_s, 2),
+        "ttft_p50_s": percentile([r["ttft_s"] for r in served], 0.5),
+        "ttft_p99_s": percentile([r["ttft_s"] for r in served], 0.99),
+        "ttft_later_turns_p50_s": percentile([r["ttft_s"] for r in later], 0.5),
+        "itl_p50_s": percentile(gaps, 0.5),
+        "itl_p99_s": percentile(gaps, 0.99),
+        "cached_prompt_tokens": sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in served if r["usage"]),
+        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in served if r["usage"]),
+        "evicted_tokens": sum(r["usage"]["evicted_tokens"] for r in served if r["usage"]),
+    }
+
+
+def load_phase(args, policy: str, budget: str, log_dir: Path) -> dict:
+    server = start_server(args, ["--policy", policy, "--budget", budget, "--kv-memory", args.kv_memory],
+                          log_dir / f"serve_{policy}.log")
+    try:
+        server.wait_ready()
+        before = server.metrics()
+        records: list[dict] = []
+        seen: dict = {}
+
+        async def run():
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(server, stop, seen))
+            started = time.perf_counter()
+            await asyncio.gather(*(chat(server.url, args, random.Random(args.seed + k), records, args.turns)
+                                   for k in range(args.chats)))
+            wall = time.perf_counter() - started
+            stop.set()
+            await watcher
+            return wall
+
+        wall = asyncio.run(run())
+        summary = summarize(records, wall)
+        summary.update({
+            "policy": policy, "budget": budget, "command": server.command,
+            "rows": int(before["rows"]), "kv_bytes_reserved": int(before["kv_bytes_reserved"]),
+            "max_concurrent_chats": int(seen.get("max_running", 0)), "max_waiting": int(seen.get("max_waiting", 0)),
+            "peak_rss_bytes": server.peak_rss(),
+        })
+        return summary
+    finally:
+        server.stop()
+
+
+def parked_phase(args, log_dir: Path) -> dict:
+    server = start_server(args, ["--policy", "h2o", "--budget", args.budget, "--max-sequences", "1"],
+                          log_dir / "serve_parked.log")
+    try:
+        server.wait_ready()
+        records: list[dict] = []
+        started = time.perf_counter()
+        asyncio.run(chat(server.url, args, random.Random(args.seed), records, args.parked_turns))
+        wall = time.perf_counter() - started
+        served = [r for r in records if r.get("status") == 200]
+        per_turn = [{"turn": r["turn"], "latency_s": round(r["latency_s"], 3), "ttft_s": round(r["ttft_s"], 3),
+                     "prompt_tokens": r["usage"]["prompt_tokens"],
+                     "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"]} for r in served]
+        by_turn = {r["turn"]: r for r in per_turn}
+        last = max(by_turn)
+        early = [by_turn[t]["latency_s"] for t in range(2, 7) if t in by_turn]
+        late = [by_turn[t]["latency_s"] for t in range(last - 4, last + 1) if t in by_turn]
+        return {
+            "command": server.command, "turns": last, "wall_s": round(wall, 1), "per_turn": per_turn,
+            "turn_2_latency_s": by_turn[2]["latency_s"], f"turn_{last}_latency_s": by_turn[last]["latency_s"],
+            "ratio_last_to_turn_2": round(by_turn[last]["latency_s"] / by_turn[2]["latency_s"], 3),
+            "median_turns_2_6_s": statistics.median(early), f"median_turns_{last - 4}_{last}_s": statistics.median(late),
+            "ratio_medians": round(statistics.median(late) / statistics.median(early), 3),
+            "peak_rss_bytes": server.peak_rss(),
+        }
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--budget", default="128", help="h2o slots per row")
+    parser.add_argument("--full-budget", default="1024", help="slots the full-cache server reserves per row")
+    parser.add_argument("--kv-memory", default="100MiB", help="KV memory for the rows, the same for both servers")
+    parser.add_argument("--parked-bytes", default="2GiB")
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--chats", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--history-chars", type=int, default=2000, help="opening history (~4 characters a token)")
+    parser.add_argument("--user-chars", type=int, default=80)
+    parser.add_argument("--reply", type=int, default=16, help="tokens per reply")
+    parser.add_argument("--parked-turns", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--phases", default="load,parked")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "h2ochat_serve_load"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results = {"args": vars(args) | {"out": str(args.out)}, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+               "load_average_before": os.getloadavg()}
+    phases = args.phases.split(",")
+    if "load" in phases:
+        results["h2o"] = load_phase(args, "h2o", args.budget, log_dir)
+        print(json.dumps({k: v for k, v in results["h2o"].items() if k != "turns_refused"}), flush=True)
+        results["full"] = load_phase(args, "full", args.full_budget, log_dir)
+        print(json.dumps({k: v for k, v in results["full"].items() if k != "turns_refused"}), flush=True)
+        results["h2o_vs_full"] = {
+            "rows": results["h2o"]["rows"] / results["full"]["rows"],
+            "concurrent_chats": results["h2o"]["max_concurrent_chats"] / max(1, results["full"]["max_concurrent_chats"]),
+            "output_tokens_per_s": results["h2o"]["output_tokens_per_s"] / results["full"]["output_tokens_per_s"],
+        }
+        print(json.dumps(results["h2o_vs_full"]), flush=True)
+    if "parked" in phases:
+        results["parked"] = parked_phase(args, log_dir)
+        print(json.dumps({k: v for k, v in results["parked"].items() if k != "per_turn"}), flush=True)
+    results["load_average_after"] = os.getloadavg()
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
