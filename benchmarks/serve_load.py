@@ -14,7 +14,13 @@ Replies have a fixed length (``ignore_eos``) and come back with their special to
 (``skip_special_tokens: false``), so each turn's history is exactly what the model read and both
 servers generate the same number of tokens. Run on the CPU with one thread per process:
 
-    OMP_NUM_THREADS=1 python benchmarks/serve_load.py --model smollm2-135m --out benchmarks/results_serve_load.json
+    OMP_NUM_THREADS=1 python benchmarks/serve_load.py --model smollm2-135m --prefill-chunk 128 \
+        --out benchmarks/results_serve_load.json
+
+and on a GPU with a random-weight model (untested there so far):
+
+    python benchmarks/serve_load.py --model opt-6.7b --random-weights --completions --device cuda \
+        --budget 0.2 --full-budget 1.0 --kv-memory 40GiB --chats 64 --history-chars 8000
 """
 
 from __future__ import annotations
@@ -44,18 +50,28 @@ def percentile(values: list[float], share: float) -> float | None:
 
 
 def start_server(args, extra: list[str], log: Path) -> ServerProcess:
+    model = ["--random-weights"] if args.random_weights else []
+    if args.compile:
+        model.append("--compile")
     return ServerProcess(args.model, "--served-model-name", "m", "--max-queue", "1000", "--parked-bytes",
-                         args.parked_bytes, "--prefill-chunk", str(args.prefill_chunk), *extra, log_path=log)
+                         args.parked_bytes, "--prefill-chunk", str(args.prefill_chunk), "--device", args.device,
+                         "--dtype", args.dtype, *model, *extra, log_path=log)
 
 
-async def turn(http: httpx.AsyncClient, messages: list[dict], args, record: list[dict], turn_number: int) -> str:
-    """One streamed turn; appends its timings to ``record``; returns the reply text ('' if refused)."""
-    body = {"model": "m", "messages": messages, "max_tokens": args.reply, "temperature": 0, "stream": True,
+async def turn(http: httpx.AsyncClient, history: list[dict] | str, args, record: list[dict], turn_number: int) -> str:
+    """One streamed turn (a chat's messages, or the whole text so far for /v1/completions); appends its
+    timings to ``record``; returns the reply text ('' if refused)."""
+    body = {"model": "m", "max_tokens": args.reply, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "skip_special_tokens": False}
+    if isinstance(history, str):
+        body["prompt"] = history
+    else:
+        body["messages"] = history
+    path = "/v1/completions" if isinstance(history, str) else "/v1/chat/completions"
     while True:
         sent = time.perf_counter()
         first, stamps, text, usage, status = None, [], "", None, None
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with http.stream("POST", path, json=body) as response:
             status = response.status_code
             if status == 429:
                 await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
@@ -70,7 +86,7 @@ async def turn(http: httpx.AsyncClient, messages: list[dict], args, record: list
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices", []):
-                    piece = choice["delta"].get("content")
+                    piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
                     if piece:
                         now = time.perf_counter()
                         first = first or now
@@ -89,16 +105,21 @@ def history_text(rng: random.Random, chars: int) -> str:
 
 
 async def chat(url: str, args, rng: random.Random, record: list[dict], turns: int) -> None:
+    """One conversation, turn after turn: a chat, or with ``--completions`` one growing text (models
+    without a chat template, e.g. ``--random-weights``)."""
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
-        messages = [{"role": "user", "content": "Read this and answer my questions about it.\n\n"
-                                                + history_text(rng, args.history_chars)}]
+        opening = "Read this and answer my questions about it.\n\n" + history_text(rng, args.history_chars)
+        messages, text = [{"role": "user", "content": opening}], opening
         for number in range(1, turns + 1):
             if number > 1:
-                messages.append({"role": "user", "content": history_text(rng, args.user_chars)})
-            reply = await turn(http, messages, args, record, number)
+                said = history_text(rng, args.user_chars)
+                messages.append({"role": "user", "content": said})
+                text += "\n" + said
+            reply = await turn(http, text if args.completions else messages, args, record, number)
             if not reply:
                 return
             messages.append({"role": "assistant", "content": reply})
+            text += reply
 
 
 async def watch(server: ServerProcess, stop: asyncio.Event, seen: dict) -> None:
@@ -209,6 +230,13 @@ def main() -> None:
     parser.add_argument("--parked-turns", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--phases", default="load,parked")
+    parser.add_argument("--completions", action="store_true",
+                        help="send each conversation as one growing text to /v1/completions (no chat template)")
+    parser.add_argument("--random-weights", action="store_true", help="the model from its configuration "
+                        "(e.g. opt-6.7b on a GPU, with --completions: its byte tokenizer has no chat template)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "h2ochat_serve_load"

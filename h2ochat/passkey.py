@@ -2,7 +2,9 @@
 
 A 5-digit key is planted at a given depth of filler prose ("The pass key is 12345. Remember it."),
 then the model is asked "What is the pass key? The pass key is" and continues greedily; the trial
-counts as recalled when the digits it writes start with the key. Perplexity hides what this shows:
+counts as recalled when the digits it writes start with the key. The multi-fact variant plants a
+first and a second key (the second at depth 1 - d) and asks for both, in order, the first answer
+staying in the conversation. Perplexity hides what this shows:
 a policy that drops the key's tokens can never say it again, however good its perplexity.
 
 The context and the question go in as two prefills (the question is a new turn of a chat, which is
@@ -22,8 +24,9 @@ import torch
 
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
 
-KEY_SENTENCE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = "\nWhat is the pass key? The pass key is"
+KEY_SENTENCE = " The {which}pass key is {key}. Remember it. {key} is the {which}pass key."
+QUESTION = "\nWhat is the {which}pass key? The {which}pass key is"
+ORDINALS = ("first ", "second ")  # the multi-fact variant: two keys, asked for in this order
 ANSWER_TOKENS = 8
 
 
@@ -35,6 +38,11 @@ class Trial:
     depth: float  # where the key sits, as a share of the filler
     length: int  # filler tokens asked for (the context holds a few more: the key sentence)
     window: int  # which stretch of the filler text
+    more: tuple = ()  # the multi-fact variant: (key, question [1, Q]) of each later fact, asked in order
+
+    @property
+    def keys(self) -> list[str]:
+        return [self.key] + [key for key, _ in self.more]
 
 
 def filler_stretch(ids: Sequence[int], length: int, window: int, windows: int) -> list[int]:
@@ -45,19 +53,35 @@ def filler_stretch(ids: Sequence[int], length: int, window: int, windows: int) -
     return list(ids[window * step : window * step + length])
 
 
-def build_trial(tokenizer, filler_ids: Sequence[int], depth: float, key: str, length: int, window: int = 0) -> Trial:
-    """Plant ``key`` at ``depth`` (0..1) of the filler, at a token boundary."""
-    cut = int(round(depth * len(filler_ids)))
-    text = (tokenizer.decode(list(filler_ids[:cut])) + KEY_SENTENCE.format(key=key) + " "
-            + tokenizer.decode(list(filler_ids[cut:])))
-    context = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    question = tokenizer(QUESTION, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    return Trial(context, question, key, depth, length, window)
+def build_trial(tokenizer, filler_ids: Sequence[int], depth: float, key: str, length: int, window: int = 0,
+                second: tuple[str, float] | None = None) -> Trial:
+    """Plant ``key`` at ``depth`` (0..1) of the filler, at a token boundary; with ``second`` = (key,
+    depth) a second key too, and the two are called the first and second pass key."""
+    facts = [(depth, key)] + ([(second[1], second[0])] if second else [])
+    names = ORDINALS if second else ("",)
+    planted = sorted(zip([d for d, _ in facts], range(len(facts))))
+    pieces, start = [], 0
+    for fact_depth, which in planted:
+        cut = int(round(fact_depth * len(filler_ids)))
+        pieces += [tokenizer.decode(list(filler_ids[start:cut])),
+                   KEY_SENTENCE.format(key=facts[which][1], which=names[which]) + " "]
+        start = cut
+    pieces.append(tokenizer.decode(list(filler_ids[start:])))
+    context = tokenizer("".join(pieces), add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    def question(which: str) -> torch.Tensor:
+        return tokenizer(QUESTION.format(which=which), add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    more = ((second[0], question(ORDINALS[1])),) if second else ()
+    return Trial(context, question(names[0]), key, depth, length, window, more)
 
 
 def make_trials(tokenizer, text: str, lengths: Sequence[int], depths: Sequence[float], keys: int,
-                seed: int = 0) -> list[Trial]:
-    """``keys`` trials per (length, depth), each with its own key and its own stretch of the filler."""
+                seed: int = 0, facts: int = 1) -> list[Trial]:
+    """``keys`` trials per (length, depth), each with its own key and its own stretch of the filler.
+    ``facts=2``: a second key at depth 1 - depth, asked for after the first."""
+    if facts not in (1, 2):
+        raise ValueError(f"--facts must be 1 or 2, got {facts}")
     for depth in depths:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"depths are shares of the filler in [0, 1], got {depth}")
@@ -68,7 +92,9 @@ def make_trials(tokenizer, text: str, lengths: Sequence[int], depths: Sequence[f
         for depth in depths:
             for window in range(keys):
                 key = f"{rng.randrange(10000, 100000)}"
-                trials.append(build_trial(tokenizer, filler_stretch(ids, length, window, keys), depth, key, length, window))
+                second = (f"{rng.randrange(10000, 100000)}", 1.0 - depth) if facts == 2 else None
+                trials.append(build_trial(tokenizer, filler_stretch(ids, length, window, keys), depth, key, length,
+                                          window, second))
     return trials
 
 
@@ -142,17 +168,19 @@ class MaskedRow:
         return _Run()
 
 
-def answer(runner: Runner, trial: Trial, tokenizer, max_new_tokens: int = ANSWER_TOKENS) -> str:
-    """Context, then question, then greedy decoding."""
+def answer(runner: Runner, trial: Trial, tokenizer, max_new_tokens: int = ANSWER_TOKENS) -> list[str]:
+    """Context, then each question in turn, each answered greedily; returns the answers."""
     runner.feed(trial.context)
-    logits = runner.feed(trial.question)
-    out = []
-    for index in range(max_new_tokens):
-        token = logits.argmax(dim=-1)
-        out.append(int(token[0]))
-        if index + 1 < max_new_tokens:
-            logits = runner.feed(token.view(1, 1))
-    return tokenizer.decode(out, skip_special_tokens=True)
+    answers = []
+    for question in [trial.question] + [q for _, q in trial.more]:
+        logits = runner.feed(question)
+        out = []
+        for _ in range(max_new_tokens):
+            token = logits.argmax(dim=-1)
+            out.append(int(token[0]))
+            logits = runner.feed(token.view(1, 1))  # the answer stays in the conversation
+        answers.append(tokenizer.decode(out, skip_special_tokens=True))
+    return answers
 
 
 def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Callable | None = None) -> list[dict]:
@@ -163,12 +191,15 @@ def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Cal
     for row in rows:
         for trial in trials:
             started = time.perf_counter()
-            text = answer(row.runner(model, trial), trial, tokenizer)
+            texts = answer(row.runner(model, trial), trial, tokenizer)
             if model.config._attn_implementation != H2O:
                 model.set_attn_implementation(H2O)
+            each = [recalled(key, text) for key, text in zip(trial.keys, texts)]
             results.append({"row": row.label, "length": trial.length, "context_tokens": int(trial.context.shape[1]),
-                            "depth": trial.depth, "window": trial.window, "key": trial.key, "answer": text,
-                            "recalled": recalled(trial.key, text), "seconds": round(time.perf_counter() - started, 2)})
+                            "depth": trial.depth, "window": trial.window, "key": trial.key, "answer": texts[0],
+                            "recalled": all(each), "seconds": round(time.perf_counter() - started, 2)})
+            if trial.more:
+                results[-1].update(keys=trial.keys, answers=texts, recalled_each=each)
             if on_trial is not None:
                 on_trial(results[-1])
     return results

@@ -42,7 +42,20 @@ def test_the_key_sits_at_its_depth(depth):
     text = tok.decode(trial.context[0])
     where = text.index("The pass key is 54321.")
     assert abs(where - 1 - depth * len(filler)) <= 1  # the leading space of the sentence sits at the cut
-    assert tok.decode(trial.question[0]) == pk.QUESTION
+    assert tok.decode(trial.question[0]) == pk.QUESTION.format(which="")
+    assert trial.keys == ["54321"]
+
+
+def test_two_facts_are_planted_in_depth_order_and_asked_first_then_second():
+    tok = CharTokenizer()
+    filler = tok(FILLER[:200])["input_ids"]
+    trial = pk.build_trial(tok, filler, 0.8, "11111", len(filler), second=("22222", 0.2))
+    text = tok.decode(trial.context[0])
+    second, first = text.index("The second pass key is 22222."), text.index("The first pass key is 11111.")
+    assert second < first and abs(second - 1 - 0.2 * len(filler)) <= 1
+    assert tok.decode(trial.question[0]).endswith("The first pass key is")
+    assert [k for k, _ in trial.more] == ["22222"] and tok.decode(trial.more[0][1][0]).endswith("The second pass key is")
+    assert trial.keys == ["11111", "22222"]
 
 
 def test_trials_draw_their_own_keys_and_stretches(seed):
@@ -137,6 +150,18 @@ def test_passkey_command_json_has_every_row_and_trial(long_checkpoint, filler_fi
     assert {(s["length"], s["depth"]) for s in report["summary"]} == {(40, 0.1), (40, 0.9), (60, 0.1), (60, 0.9)}
 
 
+def test_passkey_command_two_facts(long_checkpoint, filler_file):
+    import json
+
+    code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40",
+                          "--depths", "0.2", "--keys", "2", "--budget", "32", "--policies", "h2o", "--facts", "2",
+                          "--json")
+    assert code == 0, err
+    for result in json.loads(out)["results"]:
+        assert len(result["keys"]) == len(result["answers"]) == 2
+        assert result["recalled"] == all(pk.recalled(k, a) for k, a in zip(result["keys"], result["answers"]))
+
+
 def test_passkey_command_table(long_checkpoint, filler_file):
     code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40",
                           "--depths", "0.5", "--keys", "1", "--budget", "32", "--policies", "h2o")
@@ -151,6 +176,7 @@ def test_passkey_command_table(long_checkpoint, filler_file):
     (["--depths", "1.5"], "depths are shares"),
     (["--lengths", "2000"], "fewer than the 2000"),
     (["--task", "quiz"], "--task must be perplexity or passkey"),
+    (["--facts", "3"], "--facts must be 1 or 2"),
 ])
 def test_passkey_command_refuses_bad_inputs(long_checkpoint, filler_file, args, message):
     code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40",

@@ -128,3 +128,14 @@ def test_pages_hold_the_cold_tokens_by_index_or_by_eviction_order(seed, grouping
             if t is not None:
                 assert int(token[h, n, p]) == t and torch.equal(paged_keys[h, n, p], keys[h, t])
                 assert importance[h, n, p] == state.importance[h, t]
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_box_codes_stay_inside_the_page_box_within_half_a_step(seed, bits):
+    g = torch.Generator().manual_seed(seed)
+    keys, valid = _pages(g)
+    codes, step, low, _ = sel.box_digest(bits)(keys, valid)
+    approx = codes.float() * step + low
+    error = (approx - keys).abs().masked_fill(~valid.unsqueeze(-1), 0)
+    assert bool((error <= step / 2 + 1e-5).all())
+    assert int(codes.max()) <= (1 << bits) - 1

@@ -53,6 +53,8 @@ def eval_command(
         help="passkey: comma-separated depths of the key in the filler (0 = start, 1 = end).")] = "0.1,0.5,0.9",
     keys: Annotated[int, typer.Option("--keys", min=1, rich_help_panel=o.CACHE,
         help="passkey: trials per (length, depth), each its own key and stretch of the filler.")] = 3,
+    facts: Annotated[int, typer.Option("--facts", rich_help_panel=o.CACHE,
+        help="passkey: 2 plants a first and a second key (at depth 1 - d) and asks for both in order.")] = 1,
     recall: Annotated[str, typer.Option("--recall", rich_help_panel=o.CACHE,
         help="passkey: comma-separated recall shares of each budget (64 slots, or 0.5 of it): adds rows with "
              "evicted tokens recallable, run through the masked reference simulation for now.")] = "",
@@ -69,7 +71,7 @@ def eval_command(
         from .passkey_task import passkey_task
 
         return passkey_task(text=text, model=model, device=device, dtype=dtype, budget=budget, policies=policies,
-                            lengths=lengths, depths=depths, keys=keys, recall=recall, page=page, selector=selector,
+                            lengths=lengths, depths=depths, keys=keys, facts=facts, recall=recall, page=page, selector=selector,
                             seed=seed, as_json=as_json)
     if task != "perplexity":
         raise ValueError(f"--task must be perplexity or passkey, got {task!r}")

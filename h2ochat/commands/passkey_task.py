@@ -17,7 +17,9 @@ from ..recall.selectors import get_selector
 
 
 def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str, policies: str, lengths: str,
-                 depths: str, keys: int, recall: str, page: int, selector: str, seed: int, as_json: bool) -> None:
+                 depths: str, keys: int, facts: int, recall: str, page: int, selector: str, seed: int, as_json: bool) -> None:
+    if facts not in (1, 2):
+        raise ValueError(f"--facts must be 1 or 2, got {facts}")
     names = ev.parse_policies(policies)
     length_list = pk.parse_numbers(lengths, int, "--lengths")
     depth_list = pk.parse_numbers(depths, float, "--depths")
@@ -29,8 +31,9 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
     err = Console(stderr=True)
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
         loaded = load(model, device, dtype)
-    trials = pk.make_trials(loaded.tokenizer, content, length_list, depth_list, keys, seed=seed)
-    longest = max(t.context.shape[1] + t.question.shape[1] + pk.ANSWER_TOKENS for t in trials)
+    trials = pk.make_trials(loaded.tokenizer, content, length_list, depth_list, keys, seed=seed, facts=facts)
+    longest = max(t.context.shape[1] + sum(q.shape[1] + pk.ANSWER_TOKENS for q in [t.question] + [q for _, q in t.more])
+                  for t in trials)
     if longest > max_positions(loaded.model.config):
         raise ValueError(f"{longest} tokens pass the model's {max_positions(loaded.model.config)}-position limit: "
                          "use shorter --lengths")
@@ -44,7 +47,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
     results = pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
     summary = pk.summarize(results)
     report = {"task": "passkey", "model": loaded.name, "text": Path(text).name, "lengths": length_list,
-              "depths": depth_list, "keys": keys, "budgets": budgets, "seed": seed, "results": results,
+              "depths": depth_list, "keys": keys, "facts": facts, "budgets": budgets, "seed": seed, "results": results,
               "summary": summary}
     masked = [r for r in rows if isinstance(r, pk.MaskedRow)]
     if masked:

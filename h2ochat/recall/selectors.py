@@ -119,6 +119,25 @@ def quant_score(queries, digest):
     return score_tokens_in_pages(queries, codes, scale.squeeze(-1), offset.squeeze(-1), valid)
 
 
+# -- codes inside the page's box (Quest's min/max, then b bits per channel within it) ----------------
+def box_digest(bits: int):
+    """Per-channel quantisation within the page (KIVI quantises keys per channel): the page's min and
+    max per channel (Quest's digest) plus b-bit codes of each key inside that box."""
+    levels = (1 << bits) - 1
+
+    def digest(keys, valid, importance=None):
+        low, high, any_valid = bounds(keys, valid)
+        step = ((high - low) / levels).clamp_min(1e-12).unsqueeze(2)  # [H, N, 1, D]
+        codes = ((keys.float() - low.unsqueeze(2)) / step).round().clamp(0, levels).to(torch.uint8)
+        return codes, step, low.unsqueeze(2), valid
+    return digest
+
+
+def box_score(queries, digest):
+    codes, step, low, valid = digest
+    return exact_score(queries, (codes.float() * step + low, valid))
+
+
 # -- representative keys -----------------------------------------------------------------------------
 def reps_digest(count: int):
     def digest(keys, valid, importance=None):
@@ -150,6 +169,9 @@ def _selectors() -> dict[str, Selector]:
         # codes of b bits plus a 16-bit scale and offset per token
         table[f"int{bits}"] = Selector(f"int{bits}", quant_digest(bits), quant_score,
                                        lambda p, d, b=bits: (b * d + 32) / (16 * d))
+    for bits in (1, 2):
+        # codes of b bits per channel plus the page's 16-bit min and max per channel
+        table[f"box{bits}"] = Selector(f"box{bits}", box_digest(bits), box_score, lambda p, d, b=bits: 2 / p + b / 16)
     for count in (1, 2, 4):
         table[f"reps{count}"] = Selector(f"reps{count}", reps_digest(count), exact_score, lambda p, d, r=count: r / p)
     return table
