@@ -40,6 +40,7 @@ from h2ochat.serve.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SOURCE_TEXT: list[str] = []  # the text histories are cut from (--text), read once
 
 
 def percentile(values: list[float], share: float) -> float | None:
@@ -99,7 +100,7 @@ async def turn(http: httpx.AsyncClient, history: list[dict] | str, args, record:
 
 
 def history_text(rng: random.Random, chars: int) -> str:
-    source = TEXT.read_text(encoding="utf-8")
+    source = SOURCE_TEXT[0]
     start = rng.randrange(0, len(source) - chars)
     return source[start: start + chars]
 
@@ -237,11 +238,13 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--text", type=Path, default=TEXT, help="where histories and user turns are cut from")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    SOURCE_TEXT.append(args.text.read_text(encoding="utf-8"))
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "h2ochat_serve_load"
     log_dir.mkdir(parents=True, exist_ok=True)
-    results = {"args": vars(args) | {"out": str(args.out)}, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    results = {"args": vars(args) | {"out": str(args.out), "text": str(args.text)}, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                "load_average_before": os.getloadavg()}
     phases = args.phases.split(",")
     if "load" in phases:
