@@ -6,7 +6,8 @@ Hugging Face's package of that name, which transformers imports when it finds it
 ``H2OCHAT_KERNELS=torch`` forces the torch path, ``=triton`` forces Triton (an error without it),
 ``auto`` (default) takes Triton for CUDA tensors when it is importable.
 
-Modules: ``reference`` (the semantics, plain torch), ``dispatch`` (the choice), ``triton_decode``
+Modules: ``reference`` (the semantics, plain torch), ``dispatch`` (the choice), ``ops`` (the
+launchers as ``torch.ops.h2ochat.*`` custom ops, which a ``torch.compile`` trace calls), ``triton_decode``
 (Q == 1, split-S flash decoding with scores), ``triton_chunk`` (Q > 1, two-pass prefill with column
 scores), ``triton_evict`` (one launch per layer: the priority, from a tensor or from the policy's
 parameters, argmin and in-place overwrite), ``_common`` (what the Triton modules share). The score
@@ -24,9 +25,25 @@ TRITON_INTERPRET=0 H2OCHAT_TEST_DEVICE=cuda the same tests run on a GPU).
 
 from __future__ import annotations
 
-from .dispatch import attend_with_scores, evict_and_insert, evict_by_policy, kernel_backend
-from .recall_reference import page_scores, top_pages
-from .reference import keep_priority, protected_slots, slot_rank, token_age
+import importlib
+import sys
+
+_CANONICAL = "h2ochat_kernels"
+_alias = None
+if __name__ != _CANONICAL:
+    # Imported under another name: transformers probes for Hugging Face's ``kernels`` package and
+    # imports this directory as ``kernels`` when the repository root is on sys.path. Be the one
+    # h2ochat_kernels module instead of a second copy (whose custom ops would be defined twice).
+    try:
+        _alias = importlib.import_module(_CANONICAL)
+    except ImportError:  # not installed: this copy is the only one
+        pass
+if _alias is not None:
+    sys.modules[__name__] = _alias
+else:
+    from .dispatch import attend_with_scores, evict_and_insert, evict_by_policy, kernel_backend
+    from .recall_reference import page_scores, top_pages
+    from .reference import keep_priority, protected_slots, slot_rank, token_age
 
 __all__ = [
     "attend_with_scores", "evict_and_insert", "evict_by_policy", "kernel_backend",

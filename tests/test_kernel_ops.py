@@ -215,15 +215,13 @@ def fresh_dynamo():
 
 
 def decode_run(model, ids, policy, steps, monkeypatch, decoder=None, kernels="triton"):
-    """Prefill on the torch path (the chunk kernel is not what this checks, and the interpreter is
-    slow), then ``steps`` greedy decode steps on the ``kernels`` path, compiled when ``decoder`` is
-    given."""
+    """Prefill, then ``steps`` greedy decode steps, all on the ``kernels`` path (a layer chooses its
+    eviction when it allocates); compiled decode steps when ``decoder`` is given."""
     from h2ochat.generation import CacheSettings, forward
 
-    monkeypatch.setenv("H2OCHAT_KERNELS", "torch")
+    monkeypatch.setenv("H2OCHAT_KERNELS", kernels)
     cache = CacheSettings(policy=policy, budget="8").build(model, static_shapes=True)
     logits = forward(model, cache, ids, logits_to_keep=1)[:, -1]
-    monkeypatch.setenv("H2OCHAT_KERNELS", kernels)
     tokens = []
     for _ in range(steps):
         token = logits.argmax(-1)
