@@ -98,8 +98,9 @@ class TextStream:
 def decode_in_context(tokenizer, context: Sequence[int], ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     """The text ``ids`` add after ``context`` (a reply after its prompt: " Then", not "Then")."""
     context, ids = list(context)[-CONTEXT_IDS:], list(ids)
-    if not context:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
-    whole = tokenizer.decode(context + ids, skip_special_tokens=skip_special_tokens)
-    return whole[len(before) :] if whole.startswith(before) else tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=skip_special_tokens)
+
+    before, whole = decode(context), decode(context + ids)
+    return whole[len(before) :] if whole.startswith(before) else decode(ids)
