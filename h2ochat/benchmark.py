@@ -3,7 +3,7 @@
 Variants, all on the same model weights, at the same batch size and context length:
 
 - ``h2o``: the budgeted ``H2OCache`` (scores, eviction), as generation uses it;
-- ``slots``: the same preallocated slots with no scoring and no eviction (``H2OCache(bookkeeping=False)``):
+- ``slots``: the same preallocated slots with no scoring and no eviction (``bench_baseline.SlotsOnlyCache``):
   each new token overwrites the oldest slot in place and attention is plain sdpa. h2o against it
   is the price of H2O's bookkeeping;
 - ``full``: our cache with the ``full`` policy (same code path as h2o), preallocated to the
@@ -21,8 +21,8 @@ the registered attention function is wrapped in a profiler range for that step),
 step divided by the number of layers (embeddings, norms, MLPs and the logits included).
 
 A context of N tokens is built without an N-token prefill: one real token initialises every
-layer's cache, then the slots are filled with random keys and values and the counters set as if
-N tokens had been fed. A decode step costs the same whatever the values it reads, and this keeps
+layer's cache, then ``H2OCache.assume_seen`` fills the slots with random keys and values and sets
+the counters as if N tokens had been fed. A decode step costs the same whatever the values it reads, and this keeps
 the benchmark to minutes (a real 4096-token prefill at batch 32 takes longer than the whole run).
 
 Memory: KV bytes come from the caches' own allocations. Peak memory is the peak resident set size
@@ -49,10 +49,12 @@ import torch
 
 from .attention import NAME as H2O_ATTENTION
 from .attention import h2o_attention
+from .bench_baseline import SlotsOnlyCache
 from .cache import H2OCache
-from .models import kv_bytes
 from .compiled import CompiledDecode
-from .generation import _cache_argument, forward, max_positions
+from .forward_step import cache_argument, forward
+from .generation import max_positions
+from .models import kv_bytes
 from .rotary import find_rotary
 
 VARIANTS = ("h2o", "slots", "full", "hf")
@@ -70,8 +72,9 @@ def build_cache(model, variant: str, slots: int, context: int, extra: int, polic
     layers, limit, rotary = config.num_hidden_layers, max_positions(config), find_rotary(model)
     if variant == "full":
         return H2OCache(layers, "full", context + extra, max_positions=limit, positions="absolute", rotary=rotary)
-    return H2OCache(layers, policy, slots, max_positions=limit, positions="absolute", rotary=rotary,
-                    bookkeeping=variant != "slots", static_shapes=static_shapes)
+    kind = SlotsOnlyCache if variant == "slots" else H2OCache
+    return kind(layers, policy, slots, max_positions=limit, positions="absolute", rotary=rotary,
+                static_shapes=static_shapes)
 
 
 def _drawn_where_used(generator: torch.Generator, device: torch.device) -> torch.Generator:
@@ -80,27 +83,6 @@ def _drawn_where_used(generator: torch.Generator, device: torch.device) -> torch
     if generator.device == device:
         return generator
     return torch.Generator(device).manual_seed(generator.initial_seed())
-
-
-@torch.inference_mode()
-def fill_synthetic(cache: H2OCache, context: int, generator: torch.Generator) -> None:
-    """Make an initialised cache look as if ``context`` tokens had been fed: its slots (up to the
-    capacity, or ``context`` if fewer) hold random keys/values of the most recent tokens."""
-    generator = _drawn_where_used(generator, cache.layers[0].keys.device)
-    for layer in cache.layers:
-        held = min(layer.capacity, context)
-        batch, heads = layer.keys.shape[:2]
-        for buffer in (layer.keys, layer.values):
-            part = buffer[:, :, :held]
-            part.copy_(torch.randn(part.shape, generator=generator, device=part.device, dtype=part.dtype))
-        tokens = torch.arange(context - held, context, device=layer.keys.device).expand(batch, heads, held)
-        layer.token_index[:, :, :held] = tokens
-        layer.positions[:, :, :held] = tokens
-        layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator, device=layer.scores.device)
-        layer.used, layer.seen = held, context
-        layer.real_seen.fill_(context)
-        layer.next_position.fill_(context)
-    cache.position_bound = context
 
 
 def fill_synthetic_dynamic(cache, context: int, generator: torch.Generator) -> None:
@@ -232,7 +214,7 @@ def prepared_cache(model, variant: str, tokens: torch.Tensor, *, context: int, s
     """A cache of ``variant`` that has seen ``context`` tokens (``tokens`` [B, 1] initialises it)."""
     cache = build_cache(model, variant, slots, context, extra, policy)
     forward(model, cache, tokens, logits_to_keep=1)  # allocates every layer's slots
-    fill_synthetic(cache, context, generator)
+    cache.assume_seen(context, _drawn_where_used(generator, cache.layers[0].keys.device))
     return cache
 
 
@@ -267,7 +249,7 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
             _sync(device)
             step_ms.append((time.perf_counter() - started) * 1000)
         result = (cache.layers[0].capacity, cache.kv_bytes(), step_ms[warmup:])
-        del cache
+        cache.reset()  # its slots go back before the next measurement
     kv_slots, kv_bytes, step_ms = result
     return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak(), memory.growth(),
                        compiled, compile_s)
@@ -363,7 +345,7 @@ def _measure_hf(model, tokens, context, generator, warmup):
     model.set_attn_implementation("sdpa")
     try:
         cache = DynamicCache(config=model.config)
-        argument = {_cache_argument(model): cache}
+        argument = {cache_argument(model): cache}
         with torch.inference_mode():
             model(input_ids=tokens[0], use_cache=True, logits_to_keep=1, **argument)
             fill_synthetic_dynamic(cache, context, generator)

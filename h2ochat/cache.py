@@ -21,6 +21,7 @@ a cache of its own size would.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -65,19 +66,22 @@ class RowState:
     between requests, or moves from a 1-row prefill cache into a row of a batch cache.
 
     ``layers[i]`` holds layer i's ``H2OLayer.state_tensors()`` for this row: keys/values [Hkv, C, D];
-    scores, token_index, positions, value_norm (if the policy uses it) [Hkv, C]; real_seen,
-    next_position (0-d); evicted, evicted_share [Hkv]."""
+    scores, token_index, positions, value_norm (if the policy uses it) [Hkv, C]; evicted,
+    evicted_share [Hkv]. ``counters``: the row's ``tokens_fed`` and ``next_position`` (0-d), shared
+    by all layers."""
 
     layers: list[dict[str, torch.Tensor]]
+    counters: dict[str, torch.Tensor]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+        tensors = [*(t for layer in self.layers for t in layer.values()), *self.counters.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
-    def tokens_seen(self) -> int:
+    def tokens_fed(self) -> int:
         """Real tokens this row has been fed."""
-        return int(self.layers[0]["real_seen"]) if self.layers else 0
+        return int(self.counters["tokens_fed"])
 
 
 @dataclass
@@ -93,6 +97,11 @@ class LayerStats:
 
 
 class H2OLayer(CacheLayerMixin):
+    """One layer's slots. Counters: ``slots_in_use`` (slot columns holding a token or padding, the
+    same for every row and head) and ``tokens_fed_with_padding`` (columns fed, padding included) are
+    host ints; the per-row counts of real tokens and positions live in the cache (``H2OCache.tokens_fed``,
+    ``H2OCache.next_position``), one source for every layer."""
+
     is_sliding = False
     is_compileable = False
 
@@ -101,8 +110,8 @@ class H2OLayer(CacheLayerMixin):
         self.owner, self.layer_idx = owner, layer_idx
         self.budgets = owner.row_budgets(layer_idx)  # one per row group
         self.capacity = max(budget.slots for budget in self.budgets)
-        self.used = 0  # slot columns in use (the same for every sequence and head)
-        self.seen = 0  # tokens fed so far, padding included
+        self.slots_in_use = 0
+        self.tokens_fed_with_padding = 0
         self.pending_key = self.pending_value = None
 
     @property
@@ -116,7 +125,8 @@ class H2OLayer(CacheLayerMixin):
         self.allocate(batch, heads, head_dim, value_states.shape[-1], key_states.dtype, key_states.device)
 
     def allocate(self, batch: int, heads: int, head_dim: int, value_dim: int, dtype, device) -> None:
-        """Empty slots for ``batch`` rows of ``heads`` KV heads (what the first ``update`` does)."""
+        """Empty slots for ``batch`` rows of ``heads`` KV heads (what the first ``update`` does), and
+        the eviction route for this device and policy, chosen once here."""
         self.device, self.dtype = torch.device(device), dtype
         shape = (batch, heads, self.capacity)
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=self.device)
@@ -126,24 +136,33 @@ class H2OLayer(CacheLayerMixin):
                            if self.owner.uses_value_norm else None)
         self.token_index = torch.full(shape, -1, dtype=torch.long, device=self.device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=self.device)
-        self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.next_position = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.evicted = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
         self.evicted_share = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
         # (sequence, head) coordinates of a per-(sequence, head) slot index, for in-place writes
         self.batch_rows = torch.arange(batch, device=self.device).view(-1, 1)
         self.head_columns = torch.arange(heads, device=self.device).view(1, -1)
         self.rows = self.owner.row_parameters(self.layer_idx, batch, self.device)
-        self.used = self.seen = 0
+        self.evictor = self._choose_eviction()
+        self.slots_in_use = self.tokens_fed_with_padding = 0
+        self.owner.counters_for(batch, self.device)
         self.is_initialized = True
+
+    def _choose_eviction(self):
+        """The steady-state eviction for this layer's device and policy (H2OCHAT_KERNELS is read here,
+        once): the torch rules, Triton's one launch from the policy's parameters, or Triton's
+        eviction of a priority computed in torch (per-row policies, rows of different budgets)."""
+        if kernels.kernel_backend(self.device) == "torch":
+            return self._evict_by_torch_priority
+        if self.owner.fused_eviction_parameters is not None and not self.rows.spare_slots:
+            return self._evict_fused
+        return self._evict_by_kernel_priority
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer updates in place, by name (first dimension: the batch row). A
         compiled step's CUDA graph reads and writes exactly these; ``H2OCache.export_row`` copies them."""
         if not self.is_initialized:
             return {}
-        names = ("keys", "values", "scores", "token_index", "positions", "value_norm", "real_seen", "next_position",
-                 "evicted", "evicted_share")
+        names = ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def reset_row(self, row: int) -> None:
@@ -163,27 +182,30 @@ class H2OLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         # inside a compiled decode step nothing uses the answer (positions come from the cache, the
         # h2o mask function ignores sizes): a constant keeps the per-step counter out of the graph's guards
-        return self.capacity if self.owner.compiled_step else self.seen
+        return self.capacity if self.owner.compiled_step else self.tokens_fed_with_padding
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.owner.compiled_step:
             return self.capacity + query_length, 0
-        return self.used + query_length, self.seen - self.used
+        return self.slots_in_use + query_length, self.tokens_fed_with_padding - self.slots_in_use
 
     def get_max_length(self) -> int:
         return -1 if not self.owner.evicts else self.capacity
 
     def reset(self) -> None:
+        """Drop the slots (their memory goes back): the layer allocates again on its next update."""
         self.is_initialized = False
-        self.keys = self.values = None
-        self.used = self.seen = 0
+        for name in ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share"):
+            setattr(self, name, None)
+        self.slots_in_use = self.tokens_fed_with_padding = 0
+        self.pending_key = self.pending_value = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported by the H2O cache")
 
     # -- the step -----------------------------------------------------------------------------
-    def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
-        """Attention for Q new tokens, then scoring and eviction. Returns [B, Hkv, G, Q, D]."""
+    def take_pending(self, key: torch.Tensor) -> None:
+        """The attention picks up the keys ``update`` recorded: they must be the same tensor."""
         if key is not self.pending_key:
             raise AttentionMismatchError(
                 f"layer {self.layer_idx}: the keys given to the attention are not the ones cache.update received "
@@ -191,57 +213,39 @@ class H2OLayer(CacheLayerMixin):
             )
         self.pending_key = self.pending_value = None
         self.owner.pending = None
+
+    def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
+        """Attention for Q new tokens, then scoring and eviction. Returns [B, Hkv, G, Q, D]."""
+        self.take_pending(key)
         batch, q_heads, q_len, head_dim = query.shape
         kv_heads = key.shape[1]
-        if not self.owner.bookkeeping:
-            return self._attend_ring(query, key, value, new_valid, scale)
-        if self.owner.grows and self.used + q_len > self.capacity:
-            self._grow(self.used + q_len)
+        step = self.owner.step_numbers(self.layer_idx, batch, q_len, new_valid, query.device)
+        if self.owner.grows and self.slots_in_use + q_len > self.capacity:
+            self._grow(self.slots_in_use + q_len)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
         slots = (self.keys, self.values, self.token_index, self.scores)
-        if not self.owner.static_shapes and self.used < self.capacity:
-            slots = tuple(tensor[:, :, : self.used] for tensor in slots)
+        if not self.owner.static_shapes and self.slots_in_use < self.capacity:
+            slots = tuple(tensor[:, :, : self.slots_in_use] for tensor in slots)
         cache_keys, cache_values, token_index, scores = slots
         out, new_scores = kernels.attend_with_scores(
             grouped, cache_keys, cache_values, token_index, key, value, new_valid, scale, scores, self.rows.decay)
-        self._insert(key, value, new_scores, new_valid)
+        self._insert(key, value, new_scores, new_valid, step)
         return out
 
-    def _new_token_indices(self, new_valid, q_len):
-        """Token index and position id of each new token [B, Q] (-1 for padding), and the count of
-        real tokens per sequence [B]."""
-        if new_valid is None:
-            offsets = torch.arange(q_len, device=self.device).expand(self.real_seen.shape[0], q_len)
-            counts = q_len
-        else:
-            offsets = new_valid.long().cumsum(dim=1) - 1
-            counts = new_valid.sum(dim=1)
-        token_index = self.real_seen.unsqueeze(1) + offsets
-        positions = self.next_position.unsqueeze(1) + offsets
-        if new_valid is not None:
-            token_index = token_index.masked_fill(~new_valid, -1)
-            positions = positions.masked_fill(~new_valid, -1)
-        return token_index, positions, counts
-
-    def _insert(self, key, value, new_scores, new_valid) -> None:
+    def _insert(self, key, value, new_scores, new_valid, step: "StepNumbers") -> None:
         q_len = key.shape[2]
         value_norm = value.float().norm(dim=-1) if self.value_norm is not None else None
         decoding = q_len == 1 and new_valid is None
-        # (static_shapes is read first: a compiled step must not read, hence guard on, self.used)
-        if decoding and (self.owner.static_shapes or self.used == self.capacity or self.rows.spare_slots):
+        # (static_shapes is read first: a compiled step must not read, hence guard on, slots_in_use)
+        if decoding and (self.owner.static_shapes or self.slots_in_use == self.capacity or self.rows.spare_slots):
             # steady state: the lowest-priority slot of each (sequence, head) is overwritten in place;
-            # an empty slot ranks lowest, so a cache that is not full yet fills its next slot. The new
-            # token's index and position are each row's counters as they stand.
-            self._evict_one(key, value, new_scores[:, :, 0], self.real_seen, self.next_position,
-                            value_norm[:, :, 0] if value_norm is not None else None)
-            self.real_seen += 1
-            self.next_position += 1
-            if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.count_decoded
-                self.used = min(self.used + 1, self.capacity)
-                self.seen += 1
+            # an empty slot ranks lowest, so a cache that is not full yet fills its next slot
+            self.evict_one(key, value, new_scores[:, :, 0], step.token_index[:, 0], step.positions[:, 0],
+                           value_norm[:, :, 0] if value_norm is not None else None)
+            if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.compiled_decode
+                self.count_decoded()
             return
-        token_index, positions, counts = self._new_token_indices(new_valid, q_len)
-        used, capacity = self.used, self.capacity
+        used, capacity = self.slots_in_use, self.capacity
         if self.rows.spare_slots and not decoding and used + q_len > self.rows.smallest_slots:
             raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
         if used + q_len <= capacity:
@@ -249,16 +253,19 @@ class H2OLayer(CacheLayerMixin):
             self.keys[:, :, used:end] = key
             self.values[:, :, used:end] = value
             self.scores[:, :, used:end] = new_scores
-            self.token_index[:, :, used:end] = token_index.unsqueeze(1)
-            self.positions[:, :, used:end] = positions.unsqueeze(1)
+            self.token_index[:, :, used:end] = step.token_index.unsqueeze(1)
+            self.positions[:, :, used:end] = step.positions.unsqueeze(1)
             if value_norm is not None:
                 self.value_norm[:, :, used:end] = value_norm
-            self.used = end
+            self.slots_in_use = end
         else:
-            self._select(key, value, new_scores, token_index, positions, value_norm)
-        self.real_seen += counts
-        self.next_position += counts
-        self.seen += q_len
+            self._select(key, value, new_scores, step.token_index, step.positions, value_norm)
+        self.tokens_fed_with_padding += q_len
+
+    def count_decoded(self) -> None:
+        """The host counters after one decode step (one token per row, evicted in place)."""
+        self.slots_in_use = min(self.slots_in_use + 1, self.capacity)
+        self.tokens_fed_with_padding += 1
 
     def priority(self, scores, token_index, newest, value_norm) -> torch.Tensor:
         """Keep priority [B, Hkv, S] of every slot (higher = keep): each row by its policy."""
@@ -269,25 +276,42 @@ class H2OLayer(CacheLayerMixin):
             priority = priority.masked_fill((token_index < 0) & full, float("inf"))
         return priority
 
-    def _evict_one(self, key, value, new_score, token_index, position, value_norm) -> None:
-        """Steady decoding: overwrite the lowest-priority slot of each (sequence, head) in place."""
-        fused = self.owner.fused_eviction_parameters
-        state = (self.keys, self.values, self.scores, self.token_index, self.positions)
-        new = (key, value, new_score, token_index, position)
-        # empty and padding slots hold score 0 (no attention ever reaches them), so the mass needs no mask
+    # -- steady decoding: overwrite the lowest-priority slot of each (sequence, head) in place ---------
+    def evict_one(self, key, value, new_score, token_index, position, value_norm) -> None:
+        """Put the new token [B, Hkv, 1, D] in place of each (sequence, head)'s lowest-priority slot,
+        by the route ``allocate`` chose for this device and policy."""
+        self.evictor(key, value, new_score, token_index, position, value_norm)
+
+    def _evict_by_torch_priority(self, key, value, new_score, token_index, position, value_norm) -> None:
+        """The torch route: the policy's priority (the kernels' rules), then ``_overwrite_lowest``."""
+        mass = self.scores.sum(dim=-1)  # before the overwrite (see _count_one_eviction)
+        priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+        dropped, dropped_score = self._overwrite_lowest(priority, key, value, new_score, token_index, position,
+                                                        value_norm)
+        self._count_one_eviction(dropped, dropped_score, mass)
+
+    def _evict_fused(self, key, value, new_score, token_index, position, value_norm) -> None:
+        """Triton: the policy's rank, the priority, argmin and the overwrite in one launch."""
         mass = self.scores.sum(dim=-1)
-        if kernels.kernel_backend(self.keys.device) == "torch":
-            # the torch path: the policy's priority (the kernels' rules), then _overwrite_lowest
-            priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
-            dropped, dropped_score = self._overwrite_lowest(priority, *new, value_norm)
-        elif fused is not None and not self.rows.spare_slots:
-            dropped, dropped_score = kernels.evict_by_policy(
-                *state, *new, self.value_norm, value_norm, recent=self.rows.recent, sinks=self.rows.sinks, **fused)
-        else:
-            priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
-            dropped, dropped_score = kernels.evict_and_insert(priority, *state, *new, self.value_norm, value_norm)
-        # _count_evictions for one slot in fewer ops: scores are >= 0, an empty slot dropped held 0 and
-        # a (sequence, head) of mass 0 dropped 0, so neither needs a branch
+        dropped, dropped_score = kernels.evict_by_policy(
+            self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score, token_index,
+            position, self.value_norm, value_norm, recent=self.rows.recent, sinks=self.rows.sinks,
+            **self.owner.fused_eviction_parameters)
+        self._count_one_eviction(dropped, dropped_score, mass)
+
+    def _evict_by_kernel_priority(self, key, value, new_score, token_index, position, value_norm) -> None:
+        """Triton eviction of a priority computed in torch (per-row policies, or rows of different budgets)."""
+        mass = self.scores.sum(dim=-1)
+        priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+        dropped, dropped_score = kernels.evict_and_insert(
+            priority, self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score,
+            token_index, position, self.value_norm, value_norm)
+        self._count_one_eviction(dropped, dropped_score, mass)
+
+    def _count_one_eviction(self, dropped, dropped_score, mass) -> None:
+        """``_count_evictions`` for one slot in fewer ops: scores are >= 0 and empty and padding slots
+        hold score 0 (no attention reaches them), so an empty slot dropped held 0 and a (sequence,
+        head) of mass 0 dropped 0: neither needs a mask or a branch."""
         self.evicted += dropped >= 0
         self.evicted_share += dropped_score / mass.clamp_min(1e-30)
 
@@ -315,7 +339,7 @@ class H2OLayer(CacheLayerMixin):
     def _select(self, key, value, new_scores, token_index, positions, value_norm) -> None:
         """Several new tokens (a prefill chunk, or padding): keep the best C of slots + new."""
         batch, heads, q_len, head_dim = key.shape
-        used, capacity = self.used, self.capacity
+        used, capacity = self.slots_in_use, self.capacity
         expand = (batch, heads, q_len)
         candidates = {
             "keys": torch.cat([self.keys[:, :, :used], key], dim=2),
@@ -326,7 +350,7 @@ class H2OLayer(CacheLayerMixin):
         }
         if value_norm is not None:
             candidates["value_norm"] = torch.cat([self.value_norm[:, :, :used], value_norm], dim=2)
-        newest = torch.maximum(self.real_seen - 1, token_index.max(dim=1).values)
+        newest = self.owner.tokens_fed - 1  # the step's tokens are counted already
         priority = self.priority(candidates["scores"], candidates["token_index"], newest, candidates.get("value_norm"))
         keep = priority.topk(capacity, dim=-1).indices.sort(dim=-1).values
         valid = candidates["token_index"] >= 0
@@ -337,7 +361,7 @@ class H2OLayer(CacheLayerMixin):
             index = keep if candidate.dim() == 3 else keep.unsqueeze(-1).expand(-1, -1, -1, candidate.shape[-1])
             getattr(self, name)[:, :, :capacity] = candidate.gather(2, index)
         self._count_evictions(valid.sum(-1) - kept_valid.sum(-1), dropped_score, mass)
-        self.used = capacity
+        self.slots_in_use = capacity
 
     def _grow(self, needed: int) -> None:
         """The full policy: reallocate to at least ``needed`` slots (doubling, so growth is rare)."""
@@ -355,52 +379,10 @@ class H2OLayer(CacheLayerMixin):
             self.value_norm = widen(self.value_norm, 0)
         self.capacity = capacity
 
-    def _attend_ring(self, query, key, value, new_valid, scale) -> torch.Tensor:
-        """The timing baseline (``bookkeeping=False``): the new token overwrites the oldest slot in
-        place, then plain sdpa runs over the slots: no scores, no policy. Decode steps only."""
-        batch, q_heads, q_len, head_dim = query.shape
-        if q_len != 1 or new_valid is not None:
-            raise ValueError("a cache without bookkeeping times decode steps only (one token, no padding)")
-        kv_heads = key.shape[1]
-        if self.owner.compiled_step or self.used == self.capacity:
-            # full: the oldest slot, found from the token count on the device (no Python int in a compiled step)
-            slot = self.real_seen[:1] % self.capacity
-            self.keys.index_copy_(2, slot, key)
-            self.values.index_copy_(2, slot, value)
-        else:
-            self.keys[:, :, self.used] = key[:, :, 0]
-            self.values[:, :, self.used] = value[:, :, 0]
-        if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.count_decoded
-            self.used = min(self.used + 1, self.capacity)
-            self.seen += 1
-        self.real_seen += 1
-        self.next_position += 1
-        # one new token: the G query heads of a KV group are G query rows over the group's keys
-        grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-        keys, values = self.keys, self.values
-        if self.used < self.capacity:
-            keys, values = keys[:, :, : self.used], values[:, :, : self.used]
-        out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, scale=scale)
-        return out.unsqueeze(3)
-
-    # -- positions ------------------------------------------------------------------------------
-    def renumber(self, rotary: Rotary | None) -> None:
-        """Give each (sequence, head)'s cached tokens the positions 0..n-1 in their order."""
-        valid = self.token_index >= 0
-        order = self.positions.masked_fill(~valid, torch.iinfo(torch.long).max)
-        rank = order.argsort(dim=-1, stable=True).argsort(dim=-1)
-        new_positions = rank.masked_fill(~valid, -1)
-        if rotary is not None:
-            delta = (new_positions - self.positions).masked_fill(~valid, 0)
-            rotate_keys(self.keys, delta, rotary)
-        # in place: a compiled (CUDA-graph) step keeps reading the same buffers
-        self.positions.copy_(new_positions)
-        self.next_position.copy_(valid[:, 0].sum(dim=-1))
-
     # -- statistics -----------------------------------------------------------------------------
     def protected(self, newest: torch.Tensor | None = None) -> torch.Tensor:
         """[B, Hkv, C] bool: the slots the policy never evicts (recent window and sinks) now."""
-        newest = self.real_seen - 1 if newest is None else newest
+        newest = self.owner.tokens_fed - 1 if newest is None else newest
         return kernels.protected_slots(self.token_index, newest, self.rows.recent, self.rows.sinks)
 
     def stats(self) -> LayerStats:
@@ -412,10 +394,22 @@ class H2OLayer(CacheLayerMixin):
         heavy = kept_on_merit.sum(-1).float().mean().item()
         evicted = int(self.evicted.sum().item())
         share = float(self.evicted_share.sum().item()) / evicted if evicted else 0.0
-        ages = (self.real_seen.view(-1, 1, 1) - self.token_index)[kept_on_merit].float()
+        ages = (self.owner.tokens_fed.view(-1, 1, 1) - self.token_index)[kept_on_merit].float()
         median = float(ages.median().item()) if ages.numel() else None
         oldest = int(ages.max().item()) if ages.numel() else None
         return LayerStats(self.capacity, held, held - heavy, heavy, evicted, share, median, oldest)
+
+
+@dataclass
+class StepNumbers:
+    """What one step's new tokens are, handed out once per step by the cache and recorded as is by
+    every layer: token index and position [B, Q] (-1 for padding), and the position ids the model
+    encodes them at (padding borrows its neighbour's)."""
+
+    token_index: torch.Tensor
+    positions: torch.Tensor
+    position_ids: torch.Tensor
+    last_layer: int = -1  # the deepest layer that has taken them (a shallower one asking starts a new step)
 
 
 @dataclass
@@ -437,13 +431,21 @@ class H2OCache(Cache):
     """Fixed-budget KV cache for a whole model; pass it to ``model(...)`` or ``generate(cache=...)``.
 
     ``slots`` is the budget per layer (the policy may shape it by depth, keeping the total).
-    positions: "compact" re-numbers cached tokens 0..n-1 (rotating RoPE keys to match) whenever the
-    next token would pass the model's position limit; "absolute" keeps the positions tokens were
-    encoded at and refuses to go past the limit (the paper's behaviour).
+    positions: "compact" re-numbers cached tokens (rotating RoPE keys to match) whenever the next
+    tokens would pass the model's position limit; "absolute" keeps the positions tokens were encoded
+    at and refuses to go past the limit (the paper's behaviour).
     static_shapes: decode steps attend over all C slots (empty ones masked) and always evict in place,
     so every step has the same shapes (for torch.compile / CUDA graphs).
-    bookkeeping=False: the timing baseline of ``h2ochat bench`` (the same slots, no scores or policy).
+
+    Counters, one source each: ``tokens_fed`` [B] (real tokens fed per row; a token's index is its
+    count before it), ``next_position`` [B] (the position the next real token of each row gets) and
+    ``largest_next_position`` (their maximum, a host int: deciding on a re-numbering reads nothing
+    back from the device). A step's token indices and positions are handed out once (``position_ids``,
+    or the first layer to attend when nobody asked: transformers' ``generate()``) and every layer
+    records exactly those.
     """
+
+    layer_type = H2OLayer
 
     def __init__(
         self,
@@ -456,7 +458,6 @@ class H2OCache(Cache):
         rotary: Rotary | None = None,
         seed: int | None = None,
         static_shapes: bool = False,
-        bookkeeping: bool = True,
         rows: Sequence[RowSpec] | None = None,
     ):
         if positions not in ("compact", "absolute"):
@@ -465,23 +466,39 @@ class H2OCache(Cache):
         self.slots = slots
         self.row_specs = list(rows) if rows else [RowSpec(self.policy, slots, seed)]
         self.max_positions, self.position_mode, self.rotary = max_positions, positions, rotary
-        self.static_shapes, self.bookkeeping = static_shapes, bookkeeping
+        self.static_shapes = static_shapes
         self.generators = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in self.row_specs]
         self.generator = self.generators[0]
         self.uses_value_norm = any(r.policy.uses_value_norm for r in self.row_specs)
         self.grows = any(r.policy.grows for r in self.row_specs)
         self._layer_budgets = [r.policy.layer_budgets(r.slots, num_layers) for r in self.row_specs]
-        self.compactions = 0
-        self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
-        self.position_bound = 0  # the largest next position over the rows (a host int: no sync)
-        # True while a compiled decode step runs (h2ochat.compiled): the layers' Python counters
-        # (used, seen) wait for count_decoded, so the traced graph reads none that changes per step
-        self.compiled_step = False
-        super().__init__(layers=[H2OLayer(self, index) for index in range(num_layers)])
         # the one-launch eviction's parameters, when every row ranks by the same built-in formula
         # (looked up once, not per layer and step)
         same_rank = len({repr(r.policy.fused_eviction) for r in self.row_specs}) == 1
         self.fused_eviction_parameters = self.policy.fused_eviction if same_rank else None
+        super().__init__(layers=[self.layer_type(self, index) for index in range(num_layers)])
+        self._clear_counters()
+
+    def _clear_counters(self) -> None:
+        """The cache-level state an empty cache starts from (``__init__`` and ``reset``)."""
+        self.tokens_fed: torch.Tensor | None = None  # [B] real tokens fed per row
+        self.next_position: torch.Tensor | None = None  # [B] the next real token's position per row
+        self.largest_next_position = 0
+        self.compactions = 0  # re-numberings so far
+        self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
+        self.step: StepNumbers | None = None  # the current step's token indices and positions
+        # True inside ``compiled_decode()``: see there which fields it leaves stale
+        self.compiled_step = False
+
+    def compile_blocker(self) -> str | None:
+        """Why the compiled decode step (``h2ochat.compiled``) cannot take this cache, or None."""
+        if self.grows:
+            return "the full policy grows its slots (shapes change)"
+        if self.mixed:
+            return "rows with different policies (eval) rank row by row"
+        if self.fused_eviction_parameters is None:
+            return f"the {self.policy.name} policy ranks with its own code (e.g. a seeded random draw on the host)"
+        return None
 
     @classmethod
     def for_rows(cls, num_layers: int, rows: Sequence[RowSpec], **kwargs) -> "H2OCache":
@@ -571,27 +588,47 @@ class H2OCache(Cache):
         self.pending = self.layers[layer_idx]
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def count_decoded(self) -> None:
-        """After a compiled decode step of one token: advance the layers' Python counters as the
-        eager step does (the step itself evicted in place, or wrote the ring's next slot)."""
+    def reset(self) -> None:
+        """Empty the cache: every layer's slots are dropped (their memory goes back) and the counters,
+        the re-numbering count and any step in progress start over."""
         for layer in self.layers:
-            layer.used = min(layer.used + 1, layer.capacity)
-            layer.seen += 1
+            layer.reset()
+        self._clear_counters()
+
+    @contextlib.contextmanager
+    def compiled_decode(self):
+        """The mode of a compiled decode step (``h2ochat.compiled``), one token per row. Inside it the
+        layers leave stale what a traced graph must not read as a Python value that changes per step:
+        ``H2OLayer.slots_in_use`` and ``tokens_fed_with_padding`` (advanced on a clean exit, as the
+        eager step does), and transformers' size queries answer with the capacity
+        (``get_seq_length``/``get_mask_sizes``: the h2o mask function and our position ids ignore
+        them). The step's token indices and positions must be handed out (``position_ids``) before."""
+        self.compiled_step = True
+        try:
+            yield
+        finally:
+            self.compiled_step = False
+        for layer in self.layers:
+            layer.count_decoded()
 
     # -- one batch row at a time ---------------------------------------------------------------------
     def allocate(self, batch: int, kv_heads: int, head_dim: int, *, dtype, device, value_dim: int | None = None) -> None:
         """Initialise every layer with empty slots for ``batch`` rows, without a forward."""
+        self._clear_counters()
         for layer in self.layers:
             layer.allocate(batch, kv_heads, head_dim, value_dim or head_dim, dtype, device)
-        self.pending = None
-        self.position_bound = 0
 
     def export_row(self, row: int, device="cpu") -> RowState:
         """A copy of batch row ``row``'s state in every layer (on ``device``)."""
         if not self.initialized:
             raise CacheShapeError("the cache holds nothing yet: nothing to export")
-        return RowState([{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()}
-                         for layer in self.layers])
+        layers = [{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()}
+                  for layer in self.layers]
+        counters = {name: tensor[row].to(device, copy=True) for name, tensor in self._row_counters().items()}
+        return RowState(layers, counters)
+
+    def _row_counters(self) -> dict[str, torch.Tensor]:
+        return {"tokens_fed": self.tokens_fed, "next_position": self.next_position}
 
     def import_row(self, row: int, state: RowState) -> None:
         """Overwrite batch row ``row`` with ``state`` (exported from a cache of the same layer count,
@@ -602,26 +639,27 @@ class H2OCache(Cache):
             raise CacheShapeError("allocate the cache (H2OCache.allocate) before importing a row into it")
         if len(state.layers) != len(self.layers):
             raise CacheShapeError(f"the row state has {len(state.layers)} layers, the cache {len(self.layers)}")
-        for index, (layer, saved) in enumerate(zip(self.layers, state.layers)):
-            mine = layer.state_tensors()
+        targets = [(f"layer {index}", layer.state_tensors(), saved)
+                   for index, (layer, saved) in enumerate(zip(self.layers, state.layers))]
+        targets.append(("counters", self._row_counters(), state.counters))
+        for where, mine, saved in targets:
             if set(saved) != set(mine):
-                raise CacheShapeError(f"layer {index}: the row state holds {sorted(saved)}, the cache {sorted(mine)}")
+                raise CacheShapeError(f"{where}: the row state holds {sorted(saved)}, the cache {sorted(mine)}")
             for name, tensor in mine.items():
                 if saved[name].shape != tensor.shape[1:] or saved[name].dtype != tensor.dtype:
-                    raise CacheShapeError(f"layer {index} {name}: the row state's {tuple(saved[name].shape)} "
+                    raise CacheShapeError(f"{where} {name}: the row state's {tuple(saved[name].shape)} "
                                           f"{saved[name].dtype} does not fit the cache's {tuple(tensor.shape[1:])} "
                                           f"{tensor.dtype}")
-        with torch.inference_mode():  # the slots may have been made under inference mode
-            for layer, saved in zip(self.layers, state.layers):
-                for name, tensor in layer.state_tensors().items():
+        with torch.inference_mode():  # the slots were made under inference mode
+            for _, mine, saved in targets:
+                for name, tensor in mine.items():
                     tensor[row].copy_(saved[name])
-        # the host counters: slot columns in use and tokens fed cover every row, so take the larger
+        # the host counters cover every row: slot columns in use and columns fed take the larger
         for layer, saved in zip(self.layers, state.layers):
             occupied = (saved["token_index"] >= 0).any(dim=0).nonzero()
-            columns = int(occupied.max()) + 1 if occupied.numel() else 0
-            layer.used = max(layer.used, columns)
-            layer.seen = max(layer.seen, int(saved["real_seen"]))
-        self.position_bound = max(self.position_bound, *(int(saved["next_position"]) for saved in state.layers))
+            layer.slots_in_use = max(layer.slots_in_use, int(occupied.max()) + 1 if occupied.numel() else 0)
+            layer.tokens_fed_with_padding = max(layer.tokens_fed_with_padding, state.tokens_fed)
+        self.largest_next_position = max(self.largest_next_position, int(state.counters["next_position"]))
 
     def reset_row(self, row: int) -> None:
         """Empty batch row ``row`` (no tokens, scores and counters 0) without touching the others."""
@@ -630,33 +668,89 @@ class H2OCache(Cache):
         with torch.inference_mode():
             for layer in self.layers:
                 layer.reset_row(row)
+            for tensor in self._row_counters().values():
+                tensor[row] = 0
         # one read-back (rows are reset rarely): the bound is the largest next position left
-        self.position_bound = max(int(layer.next_position.max()) for layer in self.layers)
+        self.largest_next_position = int(self.next_position.max())
+
+    def assume_seen(self, tokens: int, generator: torch.Generator) -> None:
+        """Make an initialised cache look as if every row had been fed ``tokens`` tokens (a benchmark's
+        synthetic context: a decode step costs the same whatever the values it reads): each layer
+        holds its most recent ``min(capacity, tokens)`` tokens with random keys, values and scores,
+        drawn by ``generator`` (on the slots' device)."""
+        device = self.layers[0].keys.device
+        with torch.inference_mode():
+            for layer in self.layers:
+                held = min(layer.capacity, tokens)
+                batch, heads = layer.keys.shape[:2]
+                for buffer in (layer.keys, layer.values):
+                    part = buffer[:, :, :held]
+                    part.copy_(torch.randn(part.shape, generator=generator, device=device, dtype=part.dtype))
+                numbers = torch.arange(tokens - held, tokens, device=device).expand(batch, heads, held)
+                layer.token_index[:, :, :held] = numbers
+                layer.positions[:, :, :held] = numbers
+                layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator, device=device)
+                layer.slots_in_use, layer.tokens_fed_with_padding = held, tokens
+            self.tokens_fed.fill_(tokens)
+            self.next_position.fill_(tokens)
+        self.largest_next_position = tokens
 
     # -- what the generation loop asks -----------------------------------------------------------
     @property
     def initialized(self) -> bool:
         return bool(self.layers) and self.layers[0].is_initialized
 
-    def position_ids(self, batch: int, q_len: int, new_valid: torch.Tensor | None = None, device=None) -> torch.Tensor:
-        """Position ids [B, Q] for the next Q tokens, re-numbering the cache first when they
-        would pass the model's limit (compact mode). Reads nothing back from the device."""
-        if self.initialized:
-            start = self.layers[0].next_position
-        else:
-            start = torch.zeros(batch, dtype=torch.long, device=device)
-        if self.position_bound + q_len > self.max_positions:
-            start = self._make_room(q_len)
-        if new_valid is None:
-            offsets = torch.arange(q_len, device=start.device).expand(batch, q_len)
-            self.position_bound += q_len
-        else:  # real tokens count on from the last one; padding borrows its neighbour's position
-            offsets = (new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
-            # a prompt step, not the decode step: one read-back is fine here
-            self.position_bound = int((start + new_valid.sum(dim=1)).max().item())
-        return start.unsqueeze(1) + offsets
+    def counters_for(self, batch: int, device) -> None:
+        """Allocate the per-row counters for ``batch`` rows, if not yet (the first step, or ``allocate``)."""
+        if self.tokens_fed is None or self.tokens_fed.shape[0] != batch:
+            self.tokens_fed = torch.zeros(batch, dtype=torch.long, device=device)
+            self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+            self.largest_next_position = 0
 
-    def _make_room(self, q_len: int) -> torch.Tensor:
+    def position_ids(self, batch: int, q_len: int, new_valid: torch.Tensor | None = None, device=None) -> torch.Tensor:
+        """Position ids [B, Q] for the next Q tokens, re-numbering the cache first when they would
+        pass the model's limit (compact mode). Every layer records these positions for these tokens.
+        Reads nothing back from the device for a step without padding."""
+        if self.largest_next_position + q_len > self.max_positions:
+            self._make_room(q_len)
+        return self._begin_step(batch, q_len, new_valid, device).position_ids
+
+    def step_numbers(self, layer_idx: int, batch: int, q_len: int, new_valid, device) -> StepNumbers:
+        """The current step's numbers for layer ``layer_idx``: the ones ``position_ids`` handed out,
+        or, for a step nobody asked positions for (transformers' ``generate()`` passes its own
+        position ids, a test driving layers by hand), the same numbers made once for all layers."""
+        step = self.step
+        if step is None or layer_idx <= step.last_layer or step.token_index.shape != (batch, q_len):
+            step = self._begin_step(batch, q_len, new_valid, device)
+        step.last_layer = layer_idx
+        return step
+
+    def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device) -> StepNumbers:
+        """Number the next Q tokens of every row from the counters, and advance the counters."""
+        device = device if device is not None else (self.layers[0].device if self.initialized else "cpu")
+        self.counters_for(batch, device)
+        with torch.inference_mode():
+            if new_valid is None:
+                offsets = torch.arange(q_len, device=device).expand(batch, q_len)
+                token_index = self.tokens_fed.unsqueeze(1) + offsets
+                positions = position_ids = self.next_position.unsqueeze(1) + offsets
+                self.tokens_fed += q_len
+                self.next_position += q_len
+                self.largest_next_position += q_len
+            else:  # real tokens count on from the last one; padding borrows its neighbour's position id
+                counted = new_valid.long().cumsum(dim=1)
+                offsets = counted - 1
+                token_index = (self.tokens_fed.unsqueeze(1) + offsets).masked_fill(~new_valid, -1)
+                position_ids = self.next_position.unsqueeze(1) + offsets.clamp(min=0)
+                positions = position_ids.masked_fill(~new_valid, -1)
+                self.tokens_fed += counted[:, -1]
+                self.next_position += counted[:, -1]
+                # a step with padding is a prompt chunk, not the decode step: one read-back is fine here
+                self.largest_next_position = int(self.next_position.max())
+        self.step = StepNumbers(token_index, positions, position_ids)
+        return self.step
+
+    def _make_room(self, q_len: int) -> None:
         if self.position_mode == "absolute":
             raise PositionLimitError(
                 f"the conversation reached the model's {self.max_positions}-position limit "
@@ -673,18 +767,47 @@ class H2OCache(Cache):
                 f"{largest} slots + {q_len} new tokens do not fit in {self.max_positions} positions: "
                 "a budget of the whole window can never re-number, use a smaller --budget to go past the limit"
             )
-        with torch.inference_mode():  # the slots were made under inference mode
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.renumber(self.rotary)
+        if self.initialized:
+            self._renumber(span=min(self.max_positions - q_len, max(largest, self.max_positions // 2)))
         self.compactions += 1
-        self.position_bound = max(int(layer.next_position.max().item()) for layer in self.layers if layer.is_initialized)
-        return self.layers[0].next_position
+
+    def _renumber(self, span: int) -> None:
+        """Give the tokens held anywhere in a row new positions below ``span``, the same in every layer
+        and head: numbered by rank among all of the row's held tokens (order kept, gaps closed);
+        when a row holds more than ``span`` distinct ones, the newest span // 2 keep consecutive
+        positions and the older ones share the rest in proportion (some then share a position).
+        A token's new position is a function of its old one, so every layer agrees. RoPE keys are
+        rotated to their new positions; everything is updated in place (a CUDA graph keeps reading
+        the same buffers). One read-back per re-numbering."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        with torch.inference_mode():
+            batch = self.tokens_fed.shape[0]
+            device = self.tokens_fed.device
+            # one sorted list of (row, old position) over every layer and head: row-major keys
+            stride = int(max(int(layer.positions.max()) for layer in layers)) + 1
+            row_base = torch.arange(batch, device=device).view(-1, 1, 1) * stride
+            held = torch.cat([(layer.positions + row_base)[layer.token_index >= 0] for layer in layers])
+            distinct = torch.unique(held)  # sorted
+            first = torch.searchsorted(distinct, torch.arange(batch + 1, device=device) * stride)
+            count = (first[1:] - first[:-1]).view(-1, 1, 1)  # distinct positions per row
+            width = count.clamp(max=span)
+            newest = width // 2
+            for layer in layers:
+                valid = layer.token_index >= 0
+                rank = torch.searchsorted(distinct, (layer.positions + row_base).clamp(min=0)) - first[:-1].view(-1, 1, 1)
+                squeezed = rank * (width - newest) // (count - newest).clamp(min=1)
+                new_positions = torch.where(rank >= count - newest, rank - (count - width), squeezed)
+                new_positions = new_positions.masked_fill(~valid, -1)
+                if self.rotary is not None:
+                    rotate_keys(layer.keys, (new_positions - layer.positions).masked_fill(~valid, 0), self.rotary)
+                layer.positions.copy_(new_positions)
+            self.next_position.copy_(width.view(-1))
+        self.largest_next_position = int(self.next_position.max())
 
     def room_before_renumbering(self) -> int:
         """New tokens that fit before the next re-numbering (prefill caps its chunks to this only
         when a re-numbering is due)."""
-        return self.max_positions - self.position_bound
+        return self.max_positions - self.largest_next_position
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -711,12 +834,12 @@ class H2OCache(Cache):
             if layer.is_initialized:
                 batch, heads, _, head_dim = layer.keys.shape
                 per_token = heads * (head_dim + layer.values.shape[-1]) * layer.keys.element_size()
-                total += batch * layer.seen * per_token
+                total += batch * layer.tokens_fed_with_padding * per_token
         return total
 
-    def tokens_seen(self) -> int:
-        """Real tokens fed so far in the longest sequence."""
-        return int(self.layers[0].real_seen.max().item()) if self.initialized else 0
+    def longest_row_tokens(self) -> int:
+        """Real tokens fed so far to the row that has had the most."""
+        return int(self.tokens_fed.max().item()) if self.tokens_fed is not None else 0
 
     def evicted_tokens(self) -> int:
         """Tokens dropped, summed over layers, sequences and KV heads."""
@@ -728,7 +851,7 @@ class H2OCache(Cache):
     def cached_token_share(self, sequence: int = 0) -> torch.Tensor:
         """For each token index of ``sequence`` seen so far, the share of (layer, head) slots that
         still hold it [tokens_seen] (1.0: kept everywhere, 0.0: evicted everywhere)."""
-        seen = int(self.layers[0].real_seen[sequence].item()) if self.initialized else 0
+        seen = int(self.tokens_fed[sequence].item()) if self.tokens_fed is not None else 0
         counts = torch.zeros(seen + 1, dtype=torch.float32)
         total = 0
         for layer in self.layers:

@@ -397,7 +397,7 @@ class Conversation:
 
     def _account(self, base: int, tokens: list[int], text: str) -> None:
         """Record what the cache now holds after feeding (part of) ``tokens`` on top of ``base``."""
-        seen = {layer.seen for layer in self.cache.layers if layer.is_initialized} or {base}
+        seen = {layer.tokens_fed_with_padding for layer in self.cache.layers if layer.is_initialized} or {base}
         fed = seen.pop() - base if len(seen) == 1 and not self._hard_stop else -1
         if not 0 <= fed <= len(tokens):
             # stopped in the middle of a forward: layers disagree; start over at the next turn

@@ -1,6 +1,7 @@
 """The decode step compiled with ``torch.compile``: one token per row through the model and its cache.
 
-``CompiledDecode(model)(cache, tokens)`` is ``generation.forward(model, cache, tokens[:, None])[:, -1]``
+``CompiledDecode(model)(cache, tokens)`` is ``forward_step.EagerDecode(model)(cache, tokens)`` (the same
+logits)
 as one compiled graph (inductor; on CUDA ``mode="reduce-overhead"``, i.e. CUDA graphs). Prefill
 stays eager: its chunks change shape, and it runs once per prompt.
 
@@ -10,11 +11,12 @@ What keeps the graph to one per (model, batch, slots), traced once, without a gr
 - static shapes: the cache is switched to ``static_shapes`` (every step attends over all C slots,
   empty ones masked by their token index, and evicts one slot per (sequence, KV head) in place), so
   a growing cache and a full one run the same graph;
-- nothing that changes per step is a Python value inside the graph: position ids come in as a
-  tensor (computed outside, where the cache's host counter decides on a re-numbering), and while
-  the step runs ``cache.compiled_step`` makes the layers leave their Python counters (slots used,
-  tokens seen) to ``cache.count_decoded()`` afterwards and answer transformers' size queries with
-  a constant (the h2o mask function and our position ids ignore them);
+- nothing that changes per step is a Python value inside the graph: the step's token indices and
+  position ids are handed out before it (``cache.position_ids``, eager, where the cache's host
+  counter decides on a re-numbering) and come in as tensors, and the step runs inside
+  ``with cache.compiled_decode():``, which leaves the layers' host counters (slots in use, columns
+  fed) to its exit and answers transformers' size queries with a constant (the h2o mask function
+  and our position ids ignore them);
 - no host read inside the step (no ``.item()``, no branch on a tensor's value).
 
 In place: the eviction writes the new token with ``index_put_`` (``H2OLayer._overwrite_lowest``),
@@ -22,17 +24,17 @@ which inductor keeps in place, and inductor's ``reorder_for_locality`` pass is o
 the attention's read of the value slots after that write, forcing a copy of the whole K/V buffer
 out and back every step.
 
-Caches the step does not cover run the eager forward instead (``unsupported`` says why): the
-``full`` policy (its slots grow), ``random`` (a seeded generator draws on the host), a batch mixing
-row policies (eval), and the bookkeeping-free bench ring before it is full.
+Caches the step does not cover run the eager forward instead (``H2OCache.compile_blocker`` says
+why): the ``full`` policy (its slots grow), ``random`` (a seeded generator draws on the host), a batch
+mixing row policies (eval), and the bench's slots-only ring before it is full.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import NAME as H2O_ATTENTION
-from .cache import AttentionMismatchError, H2OCache
+from .cache import H2OCache
+from .forward_step import EagerDecode, cache_argument, require_h2o_attention
 
 # one compiled graph per (model class, batch, slots, dtype, device, variant): a bench over several
 # contexts and batches needs more than dynamo's default of 8 per function
@@ -42,15 +44,7 @@ BACKEND = "inductor"  # tests use "aot_eager": the same capture (fullgraph, guar
 
 def unsupported(cache: H2OCache) -> str | None:
     """Why ``cache`` cannot take the compiled step, or None when it can."""
-    if cache.grows:
-        return "the full policy grows its slots (shapes change)"
-    if cache.mixed:
-        return "rows with different policies (eval) rank row by row"
-    if cache.bookkeeping and cache.fused_eviction_parameters is None:
-        return f"the {cache.policy.name} policy ranks with its own code (e.g. a seeded random draw on the host)"
-    if not cache.bookkeeping and any(layer.used < layer.capacity for layer in cache.layers):
-        return "the bookkeeping-free ring is compiled once full"
-    return None
+    return cache.compile_blocker()
 
 
 def _decode(model, cache, argument: str, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -67,19 +61,15 @@ class CompiledDecode:
     """
 
     def __init__(self, model, *, mode: str | None = "auto", backend: str | None = None):
-        implementation = getattr(model.config, "_attn_implementation", None)
-        if implementation != H2O_ATTENTION:
-            raise AttentionMismatchError(f"the model runs {implementation!r} attention; the compiled decode step "
-                                         "needs attn_implementation='h2o'")
-        from .generation import _cache_argument
-
+        require_h2o_attention(model)
         self.model = model
+        self.eager = EagerDecode(model)
         self.device = next(model.parameters()).device
         backend = backend or BACKEND
         if mode == "auto":
             mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
         self.mode, self.backend = mode, backend
-        self.argument = _cache_argument(model)
+        self.argument = cache_argument(model)
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         options = None
@@ -110,21 +100,14 @@ class CompiledDecode:
 
     def __call__(self, cache: H2OCache, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``tokens`` [B] or [B, 1]); returns the next-token logits [B, V]."""
-        from .generation import forward
-
         input_ids = tokens.view(-1, 1)
         if not cache.initialized or not self.prepare(cache):
-            return forward(self.model, cache, input_ids, logits_to_keep=1)[:, -1]
+            return self.eager(cache, input_ids)
         # may re-number the cache first (compact positions): eager, and reads no device value
         position_ids = cache.position_ids(input_ids.shape[0], 1)
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-        cache.compiled_step = True
-        try:
-            with torch.inference_mode():
-                logits = self.step(self.model, cache, self.argument, input_ids, position_ids)
-        finally:
-            cache.compiled_step = False
-        cache.count_decoded()
+        with cache.compiled_decode(), torch.inference_mode():
+            logits = self.step(self.model, cache, self.argument, input_ids, position_ids)
         # a CUDA graph's output buffer is overwritten by its next replay
         return logits.clone() if self.mode == "reduce-overhead" else logits

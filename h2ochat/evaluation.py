@@ -23,7 +23,8 @@ import torch
 
 from .budget import parse_budget
 from .cache import H2OCache, RowSpec
-from .generation import forward, max_positions
+from .forward_step import forward
+from .generation import max_positions
 from .policies import Policy, get_policy
 from .rotary import find_rotary
 

@@ -9,7 +9,6 @@ position limit.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
@@ -17,8 +16,9 @@ from typing import Callable, Iterator
 import torch
 
 from .budget import parse_budget
-from .attention import NAME as H2O_ATTENTION
-from .cache import AttentionMismatchError, H2OCache
+from .cache import H2OCache
+from .compiled import CompiledDecode
+from .forward_step import Decode, EagerDecode, forward
 from .policies import DEFAULT_POLICY, Policy, get_policy
 from .repetition import RecentTokens
 from .rotary import find_rotary
@@ -121,35 +121,10 @@ class Sampling:
         return replace(self, seed=base, row_generators=generators)
 
 
-def _cache_argument(model) -> str:
-    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def forward(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            logits_to_keep: int = 0) -> torch.Tensor:
-    """One forward of ``input_ids`` [B, Q] through the cache; returns logits [B, Q or kept, V]."""
-    batch, q_len = input_ids.shape
-    new_valid = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        new_valid = attention_mask.to(torch.bool)
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation != H2O_ATTENTION:
-        raise AttentionMismatchError(f"the model runs {implementation!r} attention; an H2OCache needs "
-                                     "attn_implementation='h2o' (h2ochat.attention.use_h2o_attention(model))")
-    position_ids = cache.position_ids(batch, q_len, new_valid, device=input_ids.device)
-    kwargs = {_cache_argument(model): cache, "h2o_cache": cache}
-    with torch.inference_mode():
-        out = model(
-            input_ids=input_ids,
-            attention_mask=new_valid.long() if new_valid is not None else None,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
-    return out.logits
+def decoder(model, compile: bool = False) -> Decode:
+    """The decode step for ``model``: compiled (``h2ochat.compiled``; caches it does not cover run
+    eagerly) or eager. One decoder serves every turn of a chat and every cache of the model."""
+    return CompiledDecode(model) if compile else EagerDecode(model)
 
 
 def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -232,6 +207,10 @@ class Timing:
     prefill_s: float = 0.0
     generated_tokens: int = 0
     decode_s: float = 0.0
+    # tokens the cache was fed after the last one yielded was generated (stream with
+    # stop_check_every > 1 learns of a stop only at its next read-back): in the cache's counts and
+    # statistics, not in the text
+    fed_past_stop: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -257,6 +236,7 @@ def stream(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     timing: Timing | None = None,
     compile: bool = False,
+    decode: Decode | None = None,
     stop_check_every: int = 1,
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[Step]:
@@ -266,21 +246,20 @@ def stream(
     back (nothing would read its keys), so the cache has seen prompt + generated - 1 tokens.
     A caller that continues the conversation feeds it first.
 
-    ``compile``: decode steps run as one compiled graph (``h2ochat.compiled``; the cache switches
-    to static shapes; caches it does not cover, the random and full policies, stay eager).
+    ``decode``: the decode step (``decoder(model, compile)``; a chat keeps one for all its turns);
+    without one, ``decoder(model, compile)``: ``compile`` runs decode steps as one compiled graph
+    (``h2ochat.compiled``; the cache switches to static shapes; caches it does not cover, the
+    random and full policies, stay eager).
     ``stop_check_every`` = k > 1 reads the stop check back once per k tokens instead of after each
     one, so the host does not wait for the device between steps: the steps are yielded in bursts of
     k, the same tokens as with k = 1, but the cache may have been fed up to k - 1 tokens past the
-    last one yielded. Only for a generation whose cache is not reused (generate, story); a chat keeps 1.
+    last one yielded (counted in ``timing.fed_past_stop``). Only for a generation whose cache is not
+    reused (generate, story); a chat keeps 1.
     """
     sampling.validate()
     if stop_check_every < 1:
         raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
-    decode = None
-    if compile:
-        from .compiled import CompiledDecode
-
-        decode = CompiledDecode(model)
+    decode = decode if decode is not None else decoder(model, compile)
     timing = timing if timing is not None else Timing()
     generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed) if sampling.seed is not None else None
     started = time.perf_counter()
@@ -293,14 +272,12 @@ def stream(
     if sampling.repetition_penalty != 1.0:  # the last repeat_last_n tokens of the text, padding excluded
         seen = RecentTokens(input_ids, attention_mask, logits.shape[-1], sampling.repeat_last_n)
     decode_started = time.perf_counter()
+    fed_before = timing.fed_past_stop
     tokens = None
     held: list[tuple[Step, torch.Tensor]] = []  # steps waiting for the next read-back of the stop check
     for index in range(max_new_tokens):
         if tokens is not None:  # feed the previous token; the last one is never fed
-            if decode is not None:
-                logits = decode(cache, tokens)
-            else:
-                logits = forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
+            logits = decode(cache, tokens)
         tokens = sample(logits, sampling, generator, seen)
         if seen is not None:
             seen.push(tokens)
@@ -326,6 +303,9 @@ def stream(
             for (step, _), stop in zip(held, done):
                 timing.generated_tokens += 1
                 timing.decode_s = step.elapsed_s
+                # the steps after this one in the burst each fed their previous token: set before
+                # the yield, so it is right wherever the caller stops reading
+                timing.fed_past_stop = fed_before + index - step.index
                 yield step
                 if stop:
                     return

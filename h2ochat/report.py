@@ -83,8 +83,10 @@ def cache_stats_record(cache: H2OCache, parts: list[tuple[str, int, int]] | None
 
 
 def run_record(loaded, cache: H2OCache, timing: Timing, budget: str, text: str) -> dict:
-    seen = cache.tokens_seen()
-    parts = [("prompt", 0, timing.prompt_tokens), ("generated", timing.prompt_tokens, seen)]
+    # the generated tokens the cache holds are the text's, less the last (never fed); tokens fed past
+    # a stop (stream's read-back bursts) are in the cache's counts but not in the text
+    generated_fed = timing.prompt_tokens + max(timing.generated_tokens - 1, 0)
+    parts = [("prompt", 0, timing.prompt_tokens), ("generated", timing.prompt_tokens, generated_fed)]
     return {
         "text": text,
         "model": loaded.name,
@@ -93,6 +95,8 @@ def run_record(loaded, cache: H2OCache, timing: Timing, budget: str, text: str) 
         "cache_stats": cache_stats_record(cache, parts),
         "prompt_tokens": timing.prompt_tokens,
         "generated_tokens": timing.generated_tokens,
+        "tokens_fed": cache.longest_row_tokens(),
+        "tokens_fed_past_stop": timing.fed_past_stop,
         "prefill_tokens_per_s": round(timing.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(timing.decode_tokens_per_s, 2),
         "peak_memory_bytes": peak_memory_bytes(loaded.device),

@@ -68,7 +68,7 @@ def summarize(cache: H2OCache) -> CacheSummary:
         recent=sum(s.recent for s in stats) / count,
         evicted=evicted_per_head(cache, sum(s.evicted for s in stats)),  # the count read above, not again
         evicted_share=mean_evicted_share(stats),
-        seen=cache.tokens_seen(),
+        seen=cache.longest_row_tokens(),
         kv_bytes=cache.kv_bytes(),
         full_bytes=cache.full_kv_bytes(),
         layers=stats,

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import build_model, random_ids
 from h2ochat import benchmark as bm
+from h2ochat.bench_baseline import SlotsOnlyCache
 from h2ochat.cli import app
 from h2ochat.generation import CacheSettings, forward
 
@@ -22,7 +23,7 @@ def test_slots_only_baseline_is_a_sliding_window(family):
     model = build_model(family)
     slots = 7
     ring = bm.build_cache(model, "slots", slots, context=0, extra=0)
-    assert not ring.bookkeeping
+    assert isinstance(ring, SlotsOnlyCache)
     window = CacheSettings(policy="local", budget=str(slots - 1), positions="absolute").build(model)
     ids = random_ids(2, 30)
     for i in range(ids.shape[1]):
@@ -38,13 +39,13 @@ def test_synthetic_context_looks_fed(variant):
     cache = bm.build_cache(model, variant, slots, context, extra=5)
     ids = random_ids(batch, 1)
     forward(model, cache, ids)
-    bm.fill_synthetic(cache, context, torch.Generator().manual_seed(0))
+    cache.assume_seen(context, torch.Generator().manual_seed(0))
     held = slots if variant != "full" else context
     assert cache.get_seq_length() == context
-    assert cache.tokens_seen() == context
+    assert cache.longest_row_tokens() == context
     assert int(cache.position_ids(batch, 1)[0, 0]) == context
     for layer in cache.layers:
-        assert layer.used == held
+        assert layer.slots_in_use == held
         assert bool((layer.token_index[:, :, :held] == torch.arange(context - held, context)).all())
     logits = forward(model, cache, random_ids(batch, 1))
     assert torch.isfinite(logits).all()
@@ -165,7 +166,7 @@ def test_compiled_step_equals_eager_after_a_synthetic_context(aot_eager, variant
     torch.testing.assert_close(logits[False], logits[True], atol=1e-5, rtol=1e-5)
     for eager, compiled in zip(caches[False].layers, caches[True].layers):
         assert torch.equal(eager.token_index.sort(-1).values, compiled.token_index.sort(-1).values)
-        assert (eager.used, eager.seen) == (compiled.used, compiled.seen)
+        assert (eager.slots_in_use, eager.tokens_fed_with_padding) == (compiled.slots_in_use, compiled.tokens_fed_with_padding)
 
 
 def test_ops_per_layer_counted_from_the_profiler():

@@ -173,3 +173,34 @@ def test_full_policy_grows_and_never_evicts():
         _drive(cache, 0, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, 0.3)
     assert cache.evicted_tokens() == 0
     assert _kept(cache.layers[0], 0, 0) == list(range(15))
+
+
+@pytest.mark.parametrize("policy", ["h2o:layer_shape=-0.6", "mean:sinks=1:layer_shape=0.5", "h2o"])
+def test_one_position_per_token_in_every_layer_and_head_across_renumberings(policy, seed):
+    """Layers of different budgets (and heads holding different tokens) past the position limit: every
+    re-numbering gives a token one new position everywhere it is held, in token order, and every
+    new token's position id (one for all layers) comes after every held key's, in every layer."""
+    pol = get_policy(policy)
+    batch, kv_heads, group, dim, slots, layers = 2, 2, 2, 8, 6, 3
+    largest = max(pol.layer_slots(slots, layers))
+    cache = H2OCache(layers, pol, slots, max_positions=largest + 5)
+    for step in range(40):
+        position_ids = cache.position_ids(batch, 1)
+        for layer_idx in range(layers):
+            layer = cache.layers[layer_idx]
+            for b in range(batch if layer.is_initialized else 0):
+                held = layer.token_index[b] >= 0
+                assert bool((layer.positions[b][held] < position_ids[b, 0]).all()), f"step {step} layer {layer_idx}"
+            _drive(cache, layer_idx, torch.randn(batch, kv_heads * group, 1, dim) * 3,
+                   torch.randn(batch, kv_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim), None, dim ** -0.5)
+        for b in range(batch):
+            position_of: dict[int, set[int]] = {}
+            for layer in cache.layers:
+                for t, p in zip(layer.token_index[b].flatten().tolist(), layer.positions[b].flatten().tolist()):
+                    if t >= 0:
+                        position_of.setdefault(t, set()).add(p)
+            assert all(len(p) == 1 for p in position_of.values()), f"step {step} row {b}: {position_of}"
+            in_order = [next(iter(position_of[t])) for t in sorted(position_of)]
+            assert in_order == sorted(in_order), f"step {step} row {b}: positions out of token order"
+            assert position_of[step] == {int(position_ids[b, 0])}  # the new token: the position handed out
+    assert cache.compactions >= 3

@@ -39,7 +39,7 @@ def conversation(loaded, budget="1.0", **settings):
 
 def assert_consistent(conv: Conversation) -> None:
     """The cache holds exactly ``ids`` and the tokens spell the rendered conversation."""
-    assert all(layer.seen == len(conv.ids) for layer in conv.cache.layers if layer.is_initialized)
+    assert all(layer.tokens_fed_with_padding == len(conv.ids) for layer in conv.cache.layers if layer.is_initialized)
     assert conv.tokenizer.decode(conv.ids + conv.pending, skip_special_tokens=False) == conv.fed_text
     assert conv.render(add_generation_prompt=False).startswith(conv.fed_text)
 
@@ -149,7 +149,7 @@ def test_json_round_trip_restores_messages_settings_and_cache(loaded):
     assert other.messages == conv.messages
     assert other.settings.to_json() == conv.settings.to_json()
     assert other.cache.budget.slots == 20
-    assert fed == len(other.encode(other.render(add_generation_prompt=False))) == other.cache.tokens_seen()
+    assert fed == len(other.encode(other.render(add_generation_prompt=False))) == other.cache.longest_row_tokens()
     assert_consistent(other)
     other.send("and then?")
     assert_consistent(other)
@@ -170,7 +170,7 @@ def test_rebuild_with_a_new_budget_refeeds_the_conversation(loaded):
     conv.settings.cache.budget = "12"
     conv.rebuild()
     assert conv.cache.budget.slots == 12
-    assert conv.cache.tokens_seen() == len(conv.ids) >= total - 1
+    assert conv.cache.longest_row_tokens() == len(conv.ids) >= total - 1
     assert all(layer.stats().held == 12 for layer in conv.cache.layers)
     assert_consistent(conv)
 

@@ -57,10 +57,10 @@ def assert_same_run(a, b):
     assert torch.equal(tokens_a, tokens_b)
     for layer_a, layer_b, held_a, held_b in zip(cache_a.layers, cache_b.layers, kept(cache_a), kept(cache_b)):
         assert torch.equal(held_a, held_b)
-        assert (layer_a.used, layer_a.seen) == (layer_b.used, layer_b.seen)
+        assert (layer_a.slots_in_use, layer_a.tokens_fed_with_padding) == (layer_b.slots_in_use, layer_b.tokens_fed_with_padding)
         assert torch.equal(layer_a.evicted, layer_b.evicted)
         torch.testing.assert_close(layer_a.evicted_share, layer_b.evicted_share)
-    assert cache_a.position_bound == cache_b.position_bound
+    assert cache_a.largest_next_position == cache_b.largest_next_position
 
 
 # -- static shapes ---------------------------------------------------------------------------------

@@ -112,11 +112,11 @@ def test_the_first_ctrl_c_during_a_long_prompt_stops_it_between_chunks(tmp_path,
     result = conv.send(long_message)
     assert forwards == [8, 8] and result.interrupted and result.text == ""
     assert conv.messages[-1] == {"role": "assistant", "content": "", "interrupted": True}
-    assert len(conv.ids) == 16 and all(layer.seen == 16 for layer in conv.cache.layers if layer.is_initialized)
+    assert len(conv.ids) == 16 and all(layer.tokens_fed_with_padding == 16 for layer in conv.cache.layers if layer.is_initialized)
     # the rest of the prompt waits as pending tokens; the next turn feeds it first, then goes on
     monkeypatch.setattr(generation, "forward", real_forward)
     conv.send("short")
-    assert all(layer.seen == len(conv.ids) for layer in conv.cache.layers if layer.is_initialized)
+    assert all(layer.tokens_fed_with_padding == len(conv.ids) for layer in conv.cache.layers if layer.is_initialized)
     assert loaded.tokenizer.decode(conv.ids + conv.pending, skip_special_tokens=False) == conv.fed_text
 
 

@@ -57,14 +57,14 @@ class EvictionRecorder:
 
     def __init__(self, monkeypatch):
         self.by_cache: dict[int, dict[int, list]] = {}
-        evict = H2OLayer._evict_one
+        evict = H2OLayer.evict_one
 
         def recording(layer, *args, **kwargs):
             self.by_cache.setdefault(id(layer.owner), {}).setdefault(layer.layer_idx, []).append(
                 (layer.token_index.clone(), layer.scores.clone()))
             return evict(layer, *args, **kwargs)
 
-        monkeypatch.setattr(H2OLayer, "_evict_one", recording)
+        monkeypatch.setattr(H2OLayer, "evict_one", recording)
 
 
 def run(model, ids, recorder):

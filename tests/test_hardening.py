@@ -162,7 +162,7 @@ def test_a_prompt_far_from_the_limit_is_fed_in_full_chunks(family, budget, forwa
     cache = CacheSettings(budget=budget).build(model)
     prefill(model, cache, random_ids(1, 300), chunk=64)
     assert len(sizes) == math.ceil(300 / 64) and sizes == [64, 64, 64, 64, 44]
-    assert cache.compactions == 0 and cache.tokens_seen() == 300
+    assert cache.compactions == 0 and cache.longest_row_tokens() == 300
 
 
 @pytest.mark.parametrize("length,chunk,expected,compactions", [
@@ -178,7 +178,7 @@ def test_a_chunk_is_split_where_a_renumbering_is_due(family, length, chunk, expe
     cache = CacheSettings(budget="16").build(model)
     prefill(model, cache, random_ids(1, length), chunk=chunk)
     assert sizes == expected and sum(sizes) == length
-    assert cache.compactions == compactions and cache.tokens_seen() == length
+    assert cache.compactions == compactions and cache.longest_row_tokens() == length
     for layer in cache.layers:
         assert int(layer.positions.max()) < 64
 
@@ -191,7 +191,7 @@ def test_a_budget_of_the_whole_window_stops_at_the_limit(family, seed):
     with pytest.raises(PositionLimitError, match="use a smaller --budget"):
         for _ in range(20):
             token = forward(model, cache, token)[:, -1:].argmax(-1)
-    assert cache.tokens_seen() == 64  # it went right up to the limit
+    assert cache.longest_row_tokens() == 64  # it went right up to the limit
     with pytest.raises(PositionLimitError, match="use a smaller --budget"):
         prefill(model, CacheSettings(budget="1.0").build(model), random_ids(1, 100), chunk=30)
 

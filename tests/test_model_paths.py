@@ -74,7 +74,7 @@ def test_compacted_cache_equals_full_attention_with_evicted_keys_masked(family, 
             visible = torch.zeros(2, model.config.num_key_value_heads if family == "llama" else
                                   model.config.num_attention_heads, t + 1, dtype=torch.bool)
             if layer.is_initialized:
-                held = layer.token_index[:, :, : layer.used]
+                held = layer.token_index[:, :, : layer.slots_in_use]
                 visible.scatter_(2, held.clamp(min=0), held >= 0)
             visible[:, :, t] = True
             VISIBLE[layer_idx] = visible
@@ -138,7 +138,7 @@ def test_generation_runs_past_the_position_limit(family):
     prefill(model, cache, random_ids(1, 10))
     for _ in range(300):
         token = forward(model, cache, token)[:, -1:].argmax(-1)
-    assert cache.tokens_seen() == 310 and cache.compactions >= 5
+    assert cache.longest_row_tokens() == 310 and cache.compactions >= 5
     assert int(cache.layers[0].positions.max()) < 64
 
     absolute = CacheSettings(budget="16", positions="absolute").build(model)

@@ -4,7 +4,11 @@ tests/test_cache_rules.py, over random shapes: batch 1-3 with left padding, KV g
 full (their invariants are tested in test_cache_rules) plus knob variants, static shapes or not.
 
 Each example checks at every step: the attention output of every real query row, the tokens each
-(sequence, KV head) keeps, and their scores. Two candidates whose merits tie within float rounding
+(sequence, KV head) keeps, their scores, and the position each layer records for each token. The
+position limit is drawn small enough that re-numbering happens: every step's position ids come from
+``cache.position_ids`` (as in the model's forward), every layer must record exactly those for the new
+tokens, and after a re-numbering every layer and head must hold the same new position for the same
+token (``renumbered`` restates the rule), all below the limit and before the next query's. Two candidates whose merits tie within float rounding
 (the cache ranks fp32 scores, the reference float64 sums) may be chosen either way: the test then
 checks the tie and follows the cache's choice; anything else must match exactly.
 
@@ -26,6 +30,8 @@ from h2ochat.cache import H2OCache
 from h2ochat.policies import POLICIES, get_policy
 
 from test_cache_rules import SlowReference, _drive, _kept
+
+NO_LIMIT = 10_000
 
 POLICY_SPECS = sorted(name for name in POLICIES if name not in ("random", "full")) + [
     "h2o:heavy_ratio=0.25",
@@ -70,6 +76,20 @@ class TieAwareReference(SlowReference):
         self.entries = sorted((by_token[t] for t in theirs), key=lambda e: e["token"])
 
 
+def renumbered(position_of: dict[int, int], held: set[int], span: int) -> tuple[dict[int, int], int]:
+    """The re-numbering rule, restated: the tokens still held anywhere in the row (any layer, any
+    head) keep their order; numbered by rank they take 0..U-1, and when U passes ``span`` the newest
+    span // 2 keep consecutive positions below ``span`` while the older ones share the rest in
+    proportion. Returns each held token's new position and the row's next position."""
+    old = sorted({position_of[t] for t in held})
+    count, width = len(old), min(len(old), span)
+    newest = width // 2
+    new_of_old = {}
+    for rank, position in enumerate(old):
+        new_of_old[position] = rank - (count - width) if rank >= count - newest else rank * (width - newest) // (count - newest)
+    return {t: new_of_old[position_of[t]] for t in held}, width
+
+
 def _hypothesis_seed(test):
     value = os.environ.get("H2OCHAT_TEST_SEED", "").strip()
     return hypothesis.seed(int(value))(test) if value.isdigit() else test
@@ -88,7 +108,13 @@ def test_cache_rules_match_the_slow_reference(data):
     kv_heads = data.draw(st.integers(1, 2), label="kv_heads")
     group = data.draw(st.integers(1, 4), label="group")
     head_dim = data.draw(st.integers(8, 80), label="head_dim")
-    total = data.draw(st.integers(1, slots + 24), label="tokens")
+    per_layer = policy.layer_slots(slots, num_layers)
+    largest = max(per_layer)
+    if data.draw(st.booleans(), label="past the position limit"):  # at least one re-numbering
+        total = data.draw(st.integers(largest + 9, largest + 40), label="tokens")
+        limit = data.draw(st.integers(largest + 8, total - 1), label="max_positions")
+    else:
+        total, limit = data.draw(st.integers(1, slots + 24), label="tokens"), NO_LIMIT
     pads = [data.draw(st.integers(0, min(total - 1, 10)), label=f"padding of row {b}") for b in range(batch)]
     chunks = []
     while sum(chunks) < total:
@@ -103,15 +129,30 @@ def test_cache_rules_match_the_slow_reference(data):
         return torch.randn(*shape, generator=generator)
 
     scale = head_dim**-0.5
-    cache = H2OCache(num_layers, policy, slots, max_positions=10_000, static_shapes=static)
-    per_layer = policy.layer_slots(slots, num_layers)
+    cache = H2OCache(num_layers, policy, slots, max_positions=limit, static_shapes=static)
     refs = [[[TieAwareReference(policy, per_layer[layer]) for _ in range(kv_heads)] for _ in range(batch)]
             for layer in range(num_layers)]
+    position_of = [{} for _ in range(batch)]  # token -> position, per row, as the reference has it
+    next_position = [0] * batch
     pad = torch.tensor(pads)
     fed = 0
     for step, q_len in enumerate(chunks):
         real = torch.arange(fed, fed + q_len).unsqueeze(0) >= pad.unsqueeze(1)  # [B, Q]
         new_valid = None if bool(real.all()) else real
+        compactions = cache.compactions
+        position_ids = cache.position_ids(batch, q_len, new_valid)
+        if cache.compactions != compactions:
+            span = min(limit - q_len, max(largest, limit // 2))
+            for b in range(batch):
+                held = {e["token"] for layer_refs in refs for ref in layer_refs[b] for e in ref.entries}
+                position_of[b], next_position[b] = renumbered(position_of[b], held, span)
+        for b in range(batch):
+            first = refs[0][b][0].next_token
+            for offset, column in enumerate(torch.nonzero(real[b]).flatten().tolist()):
+                assert int(position_ids[b, column]) == next_position[b] + offset, f"step {step} row {b}: position ids"
+                position_of[b][first + offset] = next_position[b] + offset
+            next_position[b] += int(real[b].sum())
+            assert next_position[b] <= limit
         for layer_idx in range(num_layers):
             query = randn(batch, kv_heads * group, q_len, head_dim) * sharpness
             key, value = randn(batch, kv_heads, q_len, head_dim), randn(batch, kv_heads, q_len, head_dim)
@@ -134,4 +175,8 @@ def test_cache_rules_match_the_slow_reference(data):
                         assert scores[e["token"]] == pytest.approx(e["score"], rel=1e-4, abs=1e-5), (
                             f"{where}: token {e['token']} score {scores[e['token']]} != {e['score']}")
                     assert len(kept) == min(ref.next_token, per_layer[layer_idx])
+                    positions = {int(t): int(p) for t, p in zip(layer.token_index[b, h], layer.positions[b, h]) if t >= 0}
+                    want = {t: position_of[b][t] for t in positions}
+                    assert positions == want, f"{where}: recorded positions {positions}, every layer should hold {want}"
+                    assert all(p < next_position[b] for p in positions.values()), f"{where}: a key after the query"
         fed += q_len

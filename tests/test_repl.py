@@ -90,7 +90,7 @@ def test_chat_cache_hh_save_clear_load_round_trip(loaded, tmp_path):
     assert data["messages"][2]["content"] == "two lines\nof text"  # the multi-line block is one message
     assert data["settings"]["system"] == "be brief" and data["settings"]["cache"]["budget"] == "32"
     assert repl.conv.messages == data["messages"]  # /load brought back what /clear dropped
-    assert repl.conv.cache.tokens_seen() == len(repl.conv.ids) > 0
+    assert repl.conv.cache.longest_row_tokens() == len(repl.conv.ids) > 0
     assert "KV cache · policy h2o" in out and "heavy hitter" in out
     assert "2 turns" in out
     assert not ANSI.search(out)  # not a terminal: plain text

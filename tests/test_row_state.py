@@ -65,10 +65,10 @@ def test_an_imported_row_continues_as_its_own_cache_and_leaves_the_others_alone(
     single = settings.build(model)
     prefill(model, single, random_ids(1, 20))
     state = single.export_row(0)
-    assert state.tokens_seen == 20 and state.nbytes > 0
-    assert all(t.device.type == "cpu" for layer in state.layers for t in layer.values())
+    assert state.tokens_fed == 20 and state.nbytes > 0
+    assert all(t.device.type == "cpu" for part in [*state.layers, state.counters] for t in part.values())
     target.import_row(ROW, state)
-    assert target.position_bound == max(int(layer.next_position.max()) for layer in target.layers) == 20
+    assert target.largest_next_position == int(target.next_position.max()) == 20
     _assert_same_held(_held(target, ROW), _held(single, 0), "after the import")
 
     steps = random_ids(BATCH, 8)
@@ -97,9 +97,9 @@ def test_allocate_then_import_into_a_one_row_cache_and_reset_a_row(seed):
     head_dim = config.hidden_size // config.num_attention_heads
     alone = settings.build(model)
     alone.allocate(1, config.num_key_value_heads, head_dim, dtype=torch.float32, device="cpu")
-    assert alone.initialized and alone.tokens_seen() == 0
+    assert alone.initialized and alone.longest_row_tokens() == 0
     alone.import_row(0, batch.export_row(ROW))
-    assert alone.tokens_seen() == 14 and alone.position_bound == 14
+    assert alone.longest_row_tokens() == 14 and alone.largest_next_position == 14
     for step in range(4):
         token = random_ids(BATCH, 1)
         got = forward(model, batch, token, logits_to_keep=1)[:, -1]
@@ -112,9 +112,11 @@ def test_allocate_then_import_into_a_one_row_cache_and_reset_a_row(seed):
     empty.allocate(1, config.num_key_value_heads, head_dim, dtype=torch.float32, device="cpu")
     for row in range(BATCH):
         want = empty.export_row(0) if row == ROW else before[row]
-        for got_layer, want_layer in zip(batch.export_row(row).layers, want.layers):
-            for name, tensor in want_layer.items():
-                assert torch.equal(got_layer[name], tensor), f"row {row} {name}"
+        got = batch.export_row(row)
+        for got_part, want_part in zip([*got.layers, got.counters], [*want.layers, want.counters]):
+            for name, tensor in want_part.items():
+                assert torch.equal(got_part[name], tensor), f"row {row} {name}"
+    assert batch.largest_next_position == max(before[row].counters["next_position"] for row in range(BATCH) if row != ROW)
 
 
 def test_a_row_state_that_does_not_fit_is_refused(seed):

@@ -79,7 +79,7 @@ def test_story_goes_past_the_position_limit_in_flat_memory(loaded, seed):
         pieces.append(piece)
         memory.append(cache.kv_bytes())
     assert len(pieces) == tokens  # no stop ids: it keeps going
-    assert cache.tokens_seen() == 20 + tokens - 1 > 2 * limit
+    assert cache.longest_row_tokens() == 20 + tokens - 1 > 2 * limit
     assert cache.compactions >= 2
     assert set(memory) == {kv_bytes(16)}  # allocated once, never grown
     assert all(layer.stats().held == 16 for layer in cache.layers)

@@ -398,7 +398,7 @@ def summary_line(cache, rows: list[Row], checks, read_tokens: int, read_s: float
     parts.append(f"{what} in {format_duration(gen_s)} at {rate:.1f} tok/s" + (" (all stories together)" if count > 1 else ""))
     parts.append(f"KV {format_bytes(cache.kv_bytes())} for {cache.budget.slots} slots (a full cache would now hold "
                  f"{format_bytes(cache.full_kv_bytes())})")
-    parts.append(f"{cache.tokens_seen()} tokens seen · positions re-numbered {cache.compactions}×")
+    parts.append(f"{cache.longest_row_tokens()} tokens seen · positions re-numbered {cache.compactions}×")
     share = evicted_share(cache)
     if share is not None:
         parts.append(f"evicted tokens held {percent(share)} of the attention when dropped")
@@ -430,7 +430,7 @@ def story_record(loaded, cache, budget: str, rows: list[Row], checks, timing: Ti
         "generated_tokens": sum(len(row.tokens) for row in rows),
         "generate_s": round(gen_s, 3),
         "decode_tokens_per_s": round(rate, 2),
-        "tokens_seen": cache.tokens_seen(),
+        "tokens_seen": cache.longest_row_tokens(),
         "peak_memory_bytes": peak_memory_bytes(loaded.device),
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
