@@ -115,7 +115,7 @@ def _pairs_switching(model, real_run, masked_run, trial, follow):
 def long_checkpoint(tmp_path_factory):
     from checkpoints import write_checkpoint
 
-    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama-256"), max_position_embeddings=256)
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama-512"), max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
