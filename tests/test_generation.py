@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h2ochat.detokenize import TextStream
-from h2ochat.generation import CacheSettings, Sampling, penalize_repeats, sample, stream
+from h2ochat.generation import CacheSettings, Sampling, Timing, penalize_repeats, prefill, sample, stream
 
 from checkpoints import _tokenizer
 from conftest import build_model, random_ids
@@ -97,3 +97,51 @@ def test_generate_with_an_evicting_cache_matches_h2ochats_loop(family, temperatu
         order_a, order_b = a.token_index.argsort(-1), b.token_index.argsort(-1)
         assert torch.equal(a.token_index.gather(2, order_a), b.token_index.gather(2, order_b)), f"layer {layer_idx}"
         torch.testing.assert_close(a.scores.gather(2, order_a), b.scores.gather(2, order_b), rtol=1e-5, atol=1e-6)
+
+
+def test_stream_counts_the_tokens_it_fed_past_a_stop(seed):
+    """With stop_check_every = k > 1 the stop is read back once per k tokens, so the cache has been fed
+    the tokens after the stop in that burst: the timing counts them, and the run record reports them
+    as fed past the stop, not as generated text (the "generated" part ends at the last token fed
+    before the stop)."""
+    from types import SimpleNamespace
+
+    from h2ochat.report import run_record
+
+    model = build_model("llama")
+    prompt = random_ids(1, 6)
+    settings = CacheSettings(policy="h2o", budget="8")
+    free = [int(s.tokens[0]) for s in stream(model, settings.build(model), prompt, max_new_tokens=12)]
+    stop_token = free[5]
+    stop_at = free.index(stop_token)
+    burst_end = min((stop_at // 4 + 1) * 4 - 1, 11)  # the last step of the burst holding the stop
+    timing, cache = Timing(), settings.build(model)
+    got = [int(s.tokens[0]) for s in stream(model, cache, prompt, max_new_tokens=12, stop_ids={stop_token},
+                                            timing=timing, stop_check_every=4)]
+    assert got == free[: stop_at + 1]
+    assert timing.generated_tokens == stop_at + 1
+    assert timing.fed_past_stop == burst_end - stop_at
+    assert cache.longest_row_tokens() == 6 + burst_end  # every step up to the burst's end fed its previous token
+    loaded = SimpleNamespace(name="tiny", device=torch.device("cpu"), dtype=torch.float32)
+    record = run_record(loaded, cache, timing, "8", "")
+    assert record["tokens_fed"] == 6 + burst_end and record["tokens_fed_past_stop"] == burst_end - stop_at
+    generated = next(p for p in record["cache_stats"]["parts"] if p["name"] == "generated")
+    assert generated["tokens"] == stop_at  # the stop token itself is never fed
+
+
+def test_reset_leaves_nothing_of_the_last_conversation(family, seed):
+    """After reset() the cache behaves as a new one: same logits, and the cache-level state (the
+    re-numbering count, the position bound, the row counters, a step in progress) starts over."""
+    model = build_model(family)
+    settings = CacheSettings(policy="h2o", budget="8")
+    used = settings.build(model)
+    prefill(model, used, random_ids(2, 90), chunk=16)  # past the 64-position limit: re-numbered
+    assert used.compactions > 0 and used.largest_next_position > 0
+    used.reset()
+    assert (used.compactions, used.largest_next_position, used.tokens_fed, used.step, used.pending) == (0, 0, None, None, None)
+    assert not used.initialized and used.kv_bytes() == 0
+    fresh = settings.build(model)
+    ids = random_ids(1, 70)
+    torch.testing.assert_close(prefill(model, used, ids, chunk=16), prefill(model, fresh, ids, chunk=16))
+    assert (used.compactions, used.largest_next_position, used.longest_row_tokens()) == (
+        fresh.compactions, fresh.largest_next_position, fresh.longest_row_tokens())
