@@ -1,22 +1,34 @@
 """One GPU acceptance run, no network: the kernel tests compiled on CUDA, the kernel benchmark's
-short table, and OPT-6.7B decode (its shipped configuration, random weights, fp16) with h2o at a
-20% budget against a full cache and stock transformers, then a verdict against the targets.
+short table, a bf16 decode against fp32, OPT-6.7B decode (its shipped configuration, random
+weights, fp16) with h2o at a 20% budget against a full cache and stock transformers, the compiled
+decode step on each kernel path, then a verdict against the targets.
 
-    python benchmarks/gpu_check.py --out DIR             # about 8 minutes at most on one H200
+    python benchmarks/gpu_check.py --out DIR             # about 9 minutes at most on one H200
     python benchmarks/gpu_check.py --out DIR --dry-run   # the same code path on the CPU, tiny shapes
+    python benchmarks/gpu_check.py --out DIR --steps compiled_triton,compiled_torch   # a rerun of some
 
 Writes DIR/gpu_check.json and DIR/gpu_check.md after every step, so whatever ran survives a later
 failure or a kill. Each step is timed and isolated: an exception or a timeout is recorded and the
 next step runs. Steps:
 
-1. kernels/tests: ``pytest tests/test_kernels.py`` in a subprocess with TRITON_INTERPRET=0 and
-   H2OCHAT_TEST_DEVICE=cuda (fp16 and bf16 cases are in the file); its summary and output tail.
-2. kernel benchmark: ``benchmarks/bench_kernels.py --quick`` (batch 1 and 16 x 512 and 4096 slots:
+1. kernel_tests: ``pytest tests/test_kernels.py tests/test_kernel_ops.py`` in a subprocess with
+   TRITON_INTERPRET=0 and H2OCHAT_TEST_DEVICE=cuda (the kernels against the reference in fp32,
+   fp16 and bf16; the custom ops through ``torch.library.opcheck``); its counts and output tail.
+2. kernel_bench: ``benchmarks/bench_kernels.py --quick`` (batch 1 and 16 x 512 and 4096 slots:
    decode bandwidth against the measured copy bandwidth, scoring cost, SDPA + a separate score
    pass, eviction and a prefill chunk) in a subprocess; its JSON and Markdown table.
-3. decode: ``h2ochat.benchmark.run`` on OPT-6.7B at batch 1, 8, 32 and contexts 2048, 4096 for
-   h2o / full / hf (eager, and compiled where ``BenchPlan`` has a ``compile`` field), peak GPU
-   memory, and the largest batch each variant fits in a fixed KV memory cap with its tokens/s.
+3. bf16_vs_fp32: SmolLM2-135M's configuration (random weights, GQA) decoding through h2o in fp32
+   and, with the same weights, in bf16 fed the same tokens: per-step logits (relative error, top-1
+   agreement) and the tokens each layer keeps (overlap of the kept sets).
+4. decode: ``h2ochat.benchmark.run`` on OPT-6.7B at batch 1, 8, 32 and contexts 2048, 4096 for
+   h2o / full / hf (eager), peak GPU memory, and the largest batch each variant fits in a fixed
+   KV memory cap with its tokens/s.
+5. compiled_triton / compiled_torch: the compiled decode step (``--compile``: inductor, CUDA graphs)
+   with ``H2OCHAT_KERNELS=triton`` (the Triton launchers as the custom ops a GPU traces) and
+   ``=torch``, as separate steps so a failure of one keeps the other's numbers: first a small model
+   decoding eagerly and compiled on the same tokens (agreement of tokens and kept slots, ms/step,
+   compile time), then OPT-6.7B timed compiled next to eager at context 4096. Dynamo does not
+   guard on the environment: each step resets dynamo before and after.
 
 Imports only what it needs (torch, transformers, h2ochat.models, h2ochat.benchmark): the GPU
 machine has no prompt-toolkit, gguf or matplotlib, and pytest only if installed there.
@@ -25,6 +37,7 @@ machine has no prompt-toolkit, gguf or matplotlib, and pytest only if installed 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -32,6 +45,7 @@ import os
 import platform
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +59,8 @@ import torch
 from h2ochat import benchmark as bm
 from h2ochat.budget import parse_budget
 from h2ochat.models import build_random, check_memory, config_parameters, pick_dtype, shipped_config
+
+SMALL_MODEL = "smollm2-135m"  # the small model of the agreement checks: a Llama with GQA, head_dim 64
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB, MIB = 2**30, 2**20
@@ -78,9 +94,12 @@ class Profile:
     warmup: int
     kv_cap: int
     max_batch: int
-    compiled_batches: tuple
+    compiled_batches: tuple  # OPT-6.7B timed compiled at the target context (empty: not timed)
     target_point: tuple  # (context, batch) the step-time target is read at
-    budget_s: int  # the whole run's time limit; the decode step stops starting measurements past it
+    budget_s: int  # the whole run's time limit; the decode steps stop starting measurements past it
+    small_layers: int  # layers of the small model (SmolLM2-135M's configuration) of the agreement checks
+    small_shape: tuple  # (batch, prompt tokens, slots, decode steps) of the agreement checks
+    compile_backend: str | None  # torch.compile backend of the compiled steps (None: the app's, inductor)
 
 
 GPU = Profile(
@@ -92,19 +111,22 @@ GPU = Profile(
     budget="0.2", steps=8, warmup=2,
     # 16 GiB of KV at 0.5 MiB a token: h2o (819 slots) fits 40 sequences of 4096 tokens, full 7
     kv_cap=16 * GIB, max_batch=64,
-    compiled_batches=(1, 32), target_point=(4096, 32), budget_s=450,
+    compiled_batches=(32,), target_point=(4096, 32), budget_s=540,
+    small_layers=30, small_shape=(4, 512, 128, 48), compile_backend=None,
 )
 DRY = Profile(
     name="dry-run", device="cpu",
     kernel_env={"TRITON_INTERPRET": "1", "H2OCHAT_TEST_DEVICE": "cpu"},
-    kernel_test_args=("-k", "test_decode_empty_cache_and_no_scoring or test_evict_strided_buffers"),
-    kernel_test_note="dry run: two kernel tests under the Triton interpreter (a -k subset), not compiled",
+    kernel_test_args=("-k", "test_decode_empty_cache_and_no_scoring or test_evict_strided_buffers or "
+                            "test_evict_and_insert_op"),
+    kernel_test_note="dry run: three kernel tests under the Triton interpreter (a -k subset), not compiled",
     kernel_test_timeout=100,
     kernel_bench_args=("--quick", "--device", "cpu", "--reps", "2"), kernel_bench_timeout=100,
     model="opt-125m", dtype="float32", contexts=(64,), batches=(1, 2), variants=("h2o", "full", "hf"),
     budget="0.2", steps=1, warmup=0,
     kv_cap=8 * MIB, max_batch=2,  # h2o fits 8 sequences of 64 tokens, full 1
     compiled_batches=(), target_point=(64, 2), budget_s=300,  # ~1 min on 2 idle cores; a loaded machine must not skip
+    small_layers=2, small_shape=(2, 24, 16, 6), compile_backend="aot_eager",  # inductor's C++ takes minutes here
 )
 
 
@@ -208,7 +230,7 @@ def junit_counts(path: Path) -> dict:
 
 def kernel_tests(report: Report, profile: Profile) -> None:
     with timed_step(report, "kernel_tests") as entry:
-        args = ["tests/test_kernels.py", "-q", *profile.kernel_test_args]
+        args = ["tests/test_kernels.py", "tests/test_kernel_ops.py", "-q", *profile.kernel_test_args]
         entry["command"] = " ".join([*(f"{k}={v}" for k, v in profile.kernel_env.items()),
                                      shlex.join(["python", "-m", "pytest", *args])])
         if profile.kernel_test_note:
@@ -258,76 +280,246 @@ def plan_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(bm.BenchPlan)}
 
 
-def decode(report: Report, profile: Profile) -> None:
-    with timed_step(report, "decode") as entry:
-        entry.update(model=profile.model, weights="random (shipped configuration)", dtype=profile.dtype,
-                     device=profile.device, budget=profile.budget, steps=profile.steps, warmup=profile.warmup,
-                     kv_memory_cap_bytes=profile.kv_cap, results=[], comparisons=[], capacity=[], skipped=[], errors=[])
-        config = shipped_config(profile.model)
-        needed = max(profile.contexts) + profile.steps + profile.warmup + 1  # what bm.run checks
-        if config.max_position_embeddings < needed:
-            # OPT learns 2048 positions: more table rows let 4096-token contexts be timed; a decode
-            # step reads one row, so its cost is the same (the table grows by a few tens of MB)
-            entry["positions_extended"] = f"max_position_embeddings {config.max_position_embeddings} -> {needed}"
-            config.max_position_embeddings = needed
+_BUILT: dict = {}  # the benchmark model, built once for the decode and compiled steps
+
+
+def benchmark_model(profile: Profile, entry: dict):
+    """The profile's model (random weights, its shipped configuration), built on the first call;
+    its description goes into ``entry``."""
+    key = (profile.model, profile.dtype, profile.device)
+    config = shipped_config(profile.model)
+    needed = max(profile.contexts) + profile.steps + profile.warmup + 2  # what bm.run checks, compiled too
+    if config.max_position_embeddings < needed:
+        # OPT learns 2048 positions: more table rows let 4096-token contexts be timed; a decode
+        # step reads one row, so its cost is the same (the table grows by a few tens of MB)
+        entry["positions_extended"] = f"max_position_embeddings {config.max_position_embeddings} -> {needed}"
+        config.max_position_embeddings = needed
+    if key not in _BUILT:
+        _BUILT.clear()  # one model at a time in GPU memory
         dtype = pick_dtype(profile.dtype, profile.device)
         check_memory(config_parameters(config), dtype, profile.device, profile.model)
         started = time.monotonic()
-        model = build_random(config, dtype, profile.device)
+        _BUILT[key] = build_random(config, dtype, profile.device)
         entry["build_seconds"] = round(time.monotonic() - started, 1)
-        entry["weight_bytes"] = bm.weight_bytes(model)
-        entry["kv_bytes_per_token"] = bm.kv_bytes_per_slot(model)
+    model = _BUILT[key]
+    entry.update(model=profile.model, weights="random (shipped configuration)", dtype=profile.dtype,
+                 device=profile.device, budget=profile.budget, steps=profile.steps, warmup=profile.warmup,
+                 weight_bytes=bm.weight_bytes(model), kv_bytes_per_token=bm.kv_bytes_per_slot(model))
+    return model
+
+
+def bench_point(report: Report, profile: Profile, entry: dict, model, label: str, reserve_s: float, **plan) -> dict | None:
+    """One bm.run; skipped (and said so in entry["skipped"]) once the run's time is nearly spent,
+    an error (out of memory at one point) noted in entry["errors"] without losing the rest."""
+    if report.elapsed() > profile.budget_s - reserve_s:
+        entry["skipped"].append(f"{label}: the run's {profile.budget_s}s time limit is near")
+        return None
+
+    def slots(context: int) -> int:
+        return min(parse_budget(profile.budget, context), context)
+
+    try:
+        return bm.run(model, bm.BenchPlan(budget_slots=slots, **plan))
+    except Exception as exc:
+        entry["errors"].append(f"{label}: {first_line(exc)}")
+        return None
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         report.write()
 
-        def slots(context: int) -> int:
-            return min(parse_budget(profile.budget, context), context)
 
-        def measure(label: str, reserve_s: float, **plan) -> dict | None:
-            """One bm.run; skipped (and said so) once the run's time is nearly spent."""
-            if report.elapsed() > profile.budget_s - reserve_s:
-                entry["skipped"].append(f"{label}: the run's {profile.budget_s}s time limit is near")
-                return None
-            try:
-                return bm.run(model, bm.BenchPlan(budget_slots=slots, **plan))
-            except Exception as exc:  # out of memory at one point must not lose the rest
-                entry["errors"].append(f"{label}: {first_line(exc)}")
-                return None
-            finally:
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                report.write()
-
+def decode(report: Report, profile: Profile) -> None:
+    with timed_step(report, "decode") as entry:
+        entry.update(kv_memory_cap_bytes=profile.kv_cap, results=[], comparisons=[], capacity=[], skipped=[], errors=[])
+        model = benchmark_model(profile, entry)
+        report.write()
         common = dict(steps=profile.steps, warmup=profile.warmup, variants=profile.variants)
         for context in profile.contexts:
             for batch in profile.batches:
-                result = measure(f"context {context} batch {batch}", 20, contexts=[context], batches=[batch],
-                                 kv_memory=None, **common)
+                result = bench_point(report, profile, entry, model, f"context {context} batch {batch}", 20,
+                                     contexts=[context], batches=[batch], kv_memory=None, **common)
                 if result:
                     entry["peak_memory_scope"] = result["peak_memory_scope"]
                     entry["results"] += result["results"]
                     entry["comparisons"] += result["comparisons"]
         capacity_context = profile.target_point[0]
-        result = measure(f"capacity at context {capacity_context}", 20, contexts=[capacity_context], batches=[],
-                         kv_memory=profile.kv_cap, max_batch=profile.max_batch, **common)
+        result = bench_point(report, profile, entry, model, f"capacity at context {capacity_context}", 20,
+                             contexts=[capacity_context], batches=[], kv_memory=profile.kv_cap,
+                             max_batch=profile.max_batch, **common)
         if result:
             entry["capacity"] = result["capacity"]
-
-        compiled = entry["compiled"] = {"results": [], "comparisons": []}
-        if "compile" not in plan_fields():
-            compiled["status"] = "skipped: h2ochat.benchmark.BenchPlan has no compile field in this version"
-        elif not profile.compiled_batches:
-            compiled["status"] = "skipped: the dry run does not time compiled decode"
-        else:
-            for batch in profile.compiled_batches:
-                result = measure(f"compiled context {capacity_context} batch {batch}", 60, contexts=[capacity_context],
-                                 batches=[batch], kv_memory=None, compile=True, steps=profile.steps,
-                                 warmup=profile.warmup, variants=[v for v in profile.variants if v != "hf"])
-                if result:
-                    compiled["results"] += result["results"]
-                    compiled["comparisons"] += result["comparisons"]
-            compiled["status"] = "ok" if compiled["results"] else "no compiled measurement finished"
         if entry["errors"] or entry["skipped"]:
             entry["status"] = "partial"
+
+
+# -- step 3: bf16 against fp32 ------------------------------------------------------------------------
+
+def small_model(profile: Profile, dtype: torch.dtype = torch.float32):
+    """SmolLM2-135M's configuration with ``profile.small_layers`` layers, random weights (seed 0)."""
+    config = shipped_config(SMALL_MODEL)
+    config.num_hidden_layers = profile.small_layers
+    torch.manual_seed(0)
+    return build_random(config, dtype, profile.device)
+
+
+def small_prompt(profile: Profile, model) -> torch.Tensor:
+    batch, prompt_len, _, _ = profile.small_shape
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(profile.device)
+
+
+def teacher_forced(model, cache, prompt: torch.Tensor, steps: int, tokens=None, step_fn=None):
+    """Feed ``prompt``, then ``steps`` tokens one at a time: ``tokens`` [steps, B] when given (the
+    other run's, so both see the same text), else each step's argmax. Returns (the fed tokens,
+    logits per step [steps + 1, B, V] in fp32, ms per decode step)."""
+    from h2ochat.generation import forward
+
+    device = prompt.device
+    logits = [forward(model, cache, prompt, logits_to_keep=1)[:, -1].float()]
+    fed, step_ms = [], []
+    for index in range(steps):
+        token = logits[-1].argmax(-1) if tokens is None else tokens[index]
+        fed.append(token)
+        bm._sync(device)
+        started = time.perf_counter()
+        out = step_fn(token) if step_fn else forward(model, cache, token[:, None], logits_to_keep=1)[:, -1]
+        bm._sync(device)
+        step_ms.append((time.perf_counter() - started) * 1000)
+        logits.append(out.float())
+    return torch.stack(fed), torch.stack(logits), step_ms
+
+
+def kept_overlap(cache_a, cache_b) -> dict:
+    """How alike the tokens two caches keep are: per (layer, sequence, KV head) the Jaccard overlap
+    of the kept token sets; their mean and minimum, and the share of sets that are identical."""
+    overlaps = []
+    for layer_a, layer_b in zip(cache_a.layers, cache_b.layers):
+        a, b = layer_a.token_index.cpu(), layer_b.token_index.cpu()
+        for row_a, row_b in zip(a.reshape(-1, a.shape[-1]).tolist(), b.reshape(-1, b.shape[-1]).tolist()):
+            set_a, set_b = {t for t in row_a if t >= 0}, {t for t in row_b if t >= 0}
+            overlaps.append(len(set_a & set_b) / max(1, len(set_a | set_b)))
+    return {"mean": round(sum(overlaps) / len(overlaps), 4), "min": round(min(overlaps), 4),
+            "identical_share": round(sum(o == 1.0 for o in overlaps) / len(overlaps), 4), "sets": len(overlaps)}
+
+
+def logits_agreement(want: torch.Tensor, got: torch.Tensor) -> dict:
+    """[steps, B, V] logits of two runs: norm-wise relative error (worst step) and top-1 agreement."""
+    errors = ((got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)).tolist()
+    return {"max_rel_err": float(f"{max(errors):.3g}"), "mean_rel_err": float(f"{sum(errors) / len(errors):.3g}"),
+            "top1_agreement": round(float((got.argmax(-1) == want.argmax(-1)).float().mean()), 4)}
+
+
+def bf16_vs_fp32(report: Report, profile: Profile) -> None:
+    with timed_step(report, "bf16_vs_fp32") as entry:
+        from h2ochat.generation import CacheSettings
+        from h2ochat_kernels import kernel_backend
+
+        batch, prompt_len, slots, steps = profile.small_shape
+        entry.update(model=f"{SMALL_MODEL} ({profile.small_layers} layers, random weights)", batch=batch,
+                     prompt=prompt_len, slots=slots, steps=steps, policy="h2o",
+                     kernels=kernel_backend(profile.device))
+        model32 = small_model(profile)
+        model16 = copy.deepcopy(model32).to(torch.bfloat16)  # the same weights, rounded
+        prompt = small_prompt(profile, model32)
+        caches, logits, tokens = {}, {}, None
+        for name, model in (("float32", model32), ("bfloat16", model16)):
+            caches[name] = CacheSettings(policy="h2o", budget=str(slots)).build(model)
+            tokens, logits[name], _ = teacher_forced(model, caches[name], prompt, steps, tokens)
+        entry["logits"] = logits_agreement(logits["float32"], logits["bfloat16"])
+        entry["kept_tokens"] = kept_overlap(caches["float32"], caches["bfloat16"])
+        entry["evicted_tokens"] = caches["float32"].evicted_tokens()
+        entry["note"] = ("bf16 keeps ~3 significant digits: logits differ by ~1e-2 relative; a kept set differs "
+                         "where two scores were within bf16's rounding of each other")
+
+
+# -- step 5: the compiled decode step on each kernel path ------------------------------------------------
+
+@contextmanager
+def kernels_forced(kernels: str):
+    """H2OCHAT_KERNELS=kernels with dynamo's compiled graphs dropped before and after (dynamo does not
+    guard on the environment: a graph traced on one path would be reused on the other)."""
+    before = os.environ.get("H2OCHAT_KERNELS")
+    torch._dynamo.reset()
+    os.environ["H2OCHAT_KERNELS"] = kernels
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("H2OCHAT_KERNELS", None)
+        else:
+            os.environ["H2OCHAT_KERNELS"] = before
+        torch._dynamo.reset()
+
+
+def compiled_agreement(profile: Profile) -> dict:
+    """The small model (fp32) decoding eagerly and compiled on the same tokens: top-1 agreement,
+    logits error, the kept slots, ms per step of each, and the compilation (first compiled step)."""
+    from h2ochat.compiled import CompiledDecode
+    from h2ochat.generation import CacheSettings
+
+    _, _, slots, steps = profile.small_shape
+    model = small_model(profile)
+    prompt = small_prompt(profile, model)
+    decoder = CompiledDecode(model, backend=profile.compile_backend)
+    caches = {name: CacheSettings(policy="h2o", budget=str(slots)).build(model, static_shapes=True)
+              for name in ("eager", "compiled")}
+    tokens, eager_logits, eager_ms = teacher_forced(model, caches["eager"], prompt, steps)
+    _, compiled_logits, compiled_ms = teacher_forced(model, caches["compiled"], prompt, steps, tokens,
+                                                     step_fn=lambda token: decoder(caches["compiled"], token))
+    same_slots = all(torch.equal(a.token_index, b.token_index)
+                     for a, b in zip(caches["eager"].layers, caches["compiled"].layers))
+    return {"model": f"{SMALL_MODEL} ({profile.small_layers} layers, random weights, fp32)",
+            "backend": profile.compile_backend or "inductor", "mode": decoder.mode, "steps": steps,
+            **logits_agreement(eager_logits, compiled_logits), "same_kept_slots": same_slots,
+            "kept_tokens": kept_overlap(caches["eager"], caches["compiled"]),
+            "compile_s": round(compiled_ms[0] / 1000, 2),
+            "eager_ms_per_step": round(statistics.median(eager_ms[1:]), 3),
+            "compiled_ms_per_step": round(statistics.median(compiled_ms[1:]), 3)}
+
+
+def compiled(report: Report, profile: Profile, kernels: str) -> None:
+    with timed_step(report, f"compiled_{kernels}") as entry:
+        entry.update(environment=f"H2OCHAT_KERNELS={kernels}", results=[], comparisons=[], skipped=[], errors=[])
+        if kernels == "triton" and profile.device != "cuda":
+            entry.update(status="skipped", note="the Triton path runs compiled kernels only on CUDA (on the CPU only "
+                                                "under the interpreter: tests/test_kernel_ops.py compiles it there)")
+            return
+        agreement = None
+        with kernels_forced(kernels):
+            try:
+                agreement = entry["agreement"] = compiled_agreement(profile)
+            except Exception as exc:  # the timing below still runs (and says whether it fails the same way)
+                entry["errors"].append(f"agreement: {first_line(exc)}")
+                entry["agreement_traceback_tail"] = traceback.format_exc()[-3000:]
+            report.write()
+            if not profile.compiled_batches:
+                entry["skipped"].append(f"{profile.model}: the dry run does not time compiled decode")
+            else:
+                model = benchmark_model(profile, entry)
+                context = profile.target_point[0]
+                for batch in profile.compiled_batches:
+                    result = bench_point(report, profile, entry, model, f"compiled context {context} batch {batch}", 60,
+                                         contexts=[context], batches=[batch], kv_memory=None, compile=True,
+                                         count_ops=False, steps=profile.steps, warmup=profile.warmup,
+                                         variants=[v for v in profile.variants if v != "hf"])
+                    if result:
+                        entry["results"] += result["results"]
+                        entry["comparisons"] += result["comparisons"]
+        if agreement and (agreement["top1_agreement"] < 1.0 or not agreement["same_kept_slots"]):
+            entry["status"] = "mismatch"  # compiled and eager disagree on the small model: look first
+        elif entry["errors"] and not entry["results"] and not agreement:
+            entry["status"] = "error"
+        elif entry["errors"] or (entry["skipped"] and profile is GPU):
+            entry["status"] = "partial"
+
+
+def compiled_triton(report: Report, profile: Profile) -> None:
+    compiled(report, profile, "triton")
+
+
+def compiled_torch(report: Report, profile: Profile) -> None:
+    compiled(report, profile, "torch")
 
 
 # -- verdicts -------------------------------------------------------------------------------------
@@ -423,8 +615,17 @@ def markdown(data: dict) -> str:
     elif bench.get("stderr_tail") or bench.get("error"):
         lines += ["", "```", (bench.get("error") or bench["stderr_tail"])[-1500:].strip(), "```"]
 
+    cmp = steps.get("bf16_vs_fp32", {})
+    lines += ["", "## 3. bf16 against fp32", "", _status(cmp)]
+    if cmp.get("logits"):
+        lines.append(f"{cmp['model']}, batch {cmp['batch']}, {cmp['prompt']}-token prompt, {cmp['slots']} slots, "
+                     f"{cmp['steps']} decode steps on the same tokens, kernels {cmp['kernels']}; "
+                     f"{cmp['evicted_tokens']} tokens evicted (fp32)")
+        lines += [""] + _agreement_table([("bf16 vs fp32", {**cmp["logits"], "kept_tokens": cmp["kept_tokens"]})])
+    lines += _errors(cmp)
+
     dec = steps.get("decode", {})
-    lines += ["", "## 3. Decode", "", _status(dec)]
+    lines += ["", "## 4. Decode", "", _status(dec)]
     if "model" in dec:
         lines.append(f"{dec['model']} ({dec['weights']}), {dec['dtype']} on {dec['device']}, budget {dec['budget']}, "
                      f"{dec['steps']} timed steps after {dec['warmup']}; built in {dec.get('build_seconds', '-')} s; "
@@ -432,19 +633,7 @@ def markdown(data: dict) -> str:
                      f"KiB per token; peak memory = {dec.get('peak_memory_scope', '-')}")
         if dec.get("positions_extended"):
             lines.append(f"positions extended for the longer contexts: {dec['positions_extended']}")
-    for title, block in (("eager", dec), ("compiled", dec.get("compiled") or {})):
-        if block.get("results"):
-            lines += ["", f"### {title}: ms per decode step (one new token per sequence)", ""]
-            lines += _table(["context", "batch", "policy", "KV slots", "ms/step", "tokens/s", "KV GiB", "peak GiB"],
-                            [[r["context"], r["batch"], r["policy"], r["kv_slots"], f"{r['ms_per_step']:.2f}",
-                              f"{r['decode_tokens_per_s']:.0f}", f"{r['kv_bytes'] / GIB:.2f}",
-                              f"{r['peak_memory_bytes'] / GIB:.2f}"] for r in block["results"]])
-            fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
-            lines += [""] + _table(["context", "batch", "ideal", "h2o vs full", "h2o vs hf"],
-                                       [[c["context"], c["batch"], fmt(c.get("ideal_speedup")), fmt(c.get("speedup_vs_full")),
-                                         fmt(c.get("speedup_vs_hf"))] for c in block.get("comparisons", [])])
-        elif title == "compiled" and block.get("status"):
-            lines += ["", f"compiled: {block['status']}"]
+    lines += _timing_tables(dec, "eager")
     if dec.get("capacity"):
         lines += ["", f"### Largest batch under a {dec.get('kv_memory_cap_bytes', 0) / GIB:.3g} GiB KV cap", ""]
         lines += _table(["context", "policy", "fits", "run at", "tokens/s", "peak GiB"],
@@ -452,21 +641,75 @@ def markdown(data: dict) -> str:
                           "-" if c.get("decode_tokens_per_s") is None else f"{c['decode_tokens_per_s']:.0f}",
                           "-" if c.get("peak_memory_bytes") is None else f"{c['peak_memory_bytes'] / GIB:.2f}"]
                          for c in dec["capacity"]])
-    for key in ("skipped", "errors"):
-        for item in dec.get(key) or []:
-            lines.append(f"- {key[:-1] if key == 'errors' else 'skipped'}: {item}")
-    if dec.get("error"):
-        lines += ["", "```", dec["error"], dec.get("traceback_tail", "")[-1500:].strip(), "```"]
+    lines += _errors(dec)
+
+    for number, kernels in ((5, "triton"), (6, "torch")):
+        block = steps.get(f"compiled_{kernels}", {})
+        lines += ["", f"## {number}. Compiled decode, H2OCHAT_KERNELS={kernels}", "", _status(block)]
+        if block.get("note"):
+            lines.append(block["note"])
+        agreement = block.get("agreement")
+        if agreement:
+            lines.append(f"{agreement['model']}, {agreement['backend']} (mode {agreement['mode']}): compiled in "
+                         f"{agreement['compile_s']} s; ms/step eager {agreement['eager_ms_per_step']}, compiled "
+                         f"{agreement['compiled_ms_per_step']}; same kept slots: {agreement['same_kept_slots']}")
+            lines += [""] + _agreement_table([("compiled vs eager", agreement)])
+        lines += _timing_tables(block, "compiled")
+        lines += _errors(block)
     return "\n".join(lines)
 
 
+def _agreement_table(rows: list[tuple[str, dict]]) -> list[str]:
+    return _table(["runs", "logits max rel err", "mean rel err", "top-1 agreement", "kept sets: mean overlap",
+                   "min overlap", "identical"],
+                  [[label, r["max_rel_err"], r["mean_rel_err"], r["top1_agreement"], r["kept_tokens"]["mean"],
+                    r["kept_tokens"]["min"], r["kept_tokens"]["identical_share"]] for label, r in rows])
+
+
+def _timing_tables(block: dict, title: str) -> list[str]:
+    if not block.get("results"):
+        return []
+    lines = ["", f"### {title}: ms per decode step (one new token per sequence)", ""]
+    lines += _table(["context", "batch", "policy", "compiled", "KV slots", "ms/step", "tokens/s", "KV GiB", "peak GiB"],
+                    [[r["context"], r["batch"], r["policy"], r.get("compiled", False), r["kv_slots"],
+                      f"{r['ms_per_step']:.2f}", f"{r['decode_tokens_per_s']:.0f}", f"{r['kv_bytes'] / GIB:.2f}",
+                      f"{r['peak_memory_bytes'] / GIB:.2f}"] for r in block["results"]])
+    fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    return lines + [""] + _table(["context", "batch", "ideal", "h2o vs full", "h2o vs hf"],
+                                 [[c["context"], c["batch"], fmt(c.get("ideal_speedup")), fmt(c.get("speedup_vs_full")),
+                                   fmt(c.get("speedup_vs_hf"))] for c in block.get("comparisons", [])])
+
+
+def _errors(block: dict) -> list[str]:
+    lines = []
+    for key in ("skipped", "errors"):
+        for item in block.get(key) or []:
+            lines.append(f"- {key[:-1] if key == 'errors' else 'skipped'}: {item}")
+    if block.get("error"):
+        lines += ["", "```", block["error"], block.get("traceback_tail", "")[-1500:].strip(), "```"]
+    return lines
+
+
 # -- main ------------------------------------------------------------------------------------------
+
+# the steps in the order a full run takes them: the cheap checks first, the model timings last
+STEPS = {"kernel_tests": kernel_tests, "kernel_bench": kernel_bench, "bf16_vs_fp32": bf16_vs_fp32, "decode": decode,
+         "compiled_triton": compiled_triton, "compiled_torch": compiled_torch}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for gpu_check.json and gpu_check.md")
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny shapes (< 2 min)")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"comma-separated steps to run, in this order (default: all: {','.join(STEPS)})")
     args = parser.parse_args(argv)
+    wanted = [name.strip() for name in args.steps.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in STEPS]
+    if unknown or not wanted:
+        print(f"gpu_check: error: unknown step(s) {', '.join(unknown) or '(none given)'}; steps: {', '.join(STEPS)}",
+              file=sys.stderr)
+        return 2
     profile = DRY if args.dry_run else GPU
     if profile is GPU and not torch.cuda.is_available():
         print("gpu_check: error: torch sees no CUDA device (use --dry-run on a CPU machine)", file=sys.stderr)
@@ -474,8 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = Report(args.out, profile)
     report.write()
-    for step in (kernel_tests, kernel_bench, decode):
-        step(report, profile)
+    for name in wanted:
+        STEPS[name](report, profile)
     evaluate(report, profile)
     print(f"gpu_check: {report.elapsed():.0f} s; results in {args.out / 'gpu_check.json'} and {args.out / 'gpu_check.md'}",
           file=sys.stderr)

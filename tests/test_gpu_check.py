@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py: its dry run (the GPU run's code path on the CPU, tiny shapes) writes a
 JSON and a Markdown file holding every section, without prompt-toolkit, gguf or matplotlib (the GPU
 machine has none of them); a failing step is recorded and the next one runs; the verdicts follow
-the targets' thresholds."""
+the targets' thresholds; --steps runs the steps named; the agreement measures compare what they say."""
 
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert data["dry_run"] is True
     steps = data["steps"]
-    assert set(steps) == {"kernel_tests", "kernel_bench", "decode"}
+    assert list(steps) == ["kernel_tests", "kernel_bench", "bf16_vs_fp32", "decode", "compiled_triton",
+                           "compiled_torch"]
     for name, step in steps.items():
-        assert step["status"] == "ok" and step["seconds"] > 0, (name, step)
+        want = "skipped" if name == "compiled_triton" else "ok"  # Triton compiled needs CUDA
+        assert step["status"] == want and step["seconds"] >= 0, (name, step)
 
     counts = steps["kernel_tests"]["counts"]
     assert counts["passed"] >= 1 and counts["failed"] == counts["errors"] == 0
@@ -60,7 +62,18 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     assert fits == {"h2o": cap // (per_token * 13), "full": cap // (per_token * (64 + extra)),
                     "hf": cap // (per_token * (64 + extra))}
     assert all(c["decode_tokens_per_s"] > 0 for c in decode["capacity"])
-    assert decode["compiled"]["status"]  # measured, or why not
+
+    # bf16 rounds: its logits differ from fp32's (0 would mean both ran in one dtype), not wildly
+    bf16 = steps["bf16_vs_fp32"]
+    assert 1e-4 < bf16["logits"]["max_rel_err"] < 0.5 and 0 <= bf16["logits"]["top1_agreement"] <= 1
+    assert 0 < bf16["kept_tokens"]["mean"] <= 1 and bf16["kept_tokens"]["sets"] == 2 * 2 * 3  # layers x batch x heads
+    assert bf16["evicted_tokens"] > 0 and bf16["kernels"] == "torch"
+    # the compiled step (aot_eager on the CPU, the torch path) agrees with eager exactly
+    agreement = steps["compiled_torch"]["agreement"]
+    assert agreement["top1_agreement"] == 1.0 and agreement["same_kept_slots"] and agreement["max_rel_err"] < 1e-5
+    assert agreement["compile_s"] > 0 and agreement["compiled_ms_per_step"] > 0
+    assert steps["compiled_torch"]["environment"] == "H2OCHAT_KERNELS=torch"
+    assert "CUDA" in steps["compiled_triton"]["note"]
 
     targets = data["targets"]
     assert targets["kernel_bandwidth"]["verdict"] == "N/A"  # no Triton timing on the CPU
@@ -68,8 +81,9 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
         assert targets[name]["verdict"] in ("PASS", "MISS") and targets[name]["value"] > 0
         assert "dry run" in targets[name]["note"]
 
-    for section in ("## Targets", "## 1. Kernel tests", "## 2. Kernel benchmark", "## 3. Decode",
-                    "ms per decode step", "Largest batch under"):
+    for section in ("## Targets", "## 1. Kernel tests", "## 2. Kernel benchmark", "## 3. bf16 against fp32",
+                    "## 4. Decode", "ms per decode step", "Largest batch under", "## 5. Compiled decode",
+                    "## 6. Compiled decode, H2OCHAT_KERNELS=torch", "compiled vs eager", "bf16 vs fp32"):
         assert section in markdown, section
     for target in targets.values():
         assert target["target"] in markdown and f"**{target['verdict']}**" in markdown
@@ -138,3 +152,36 @@ def test_decode_stops_starting_measurements_when_the_time_is_spent(tmp_path):
     assert decode["status"] == "partial" and decode["results"] == [] and decode["capacity"] == []
     assert len(decode["skipped"]) == 2 + 1  # two (context, batch) points and the capacity run
     assert all("time limit" in line for line in decode["skipped"])
+
+
+def test_steps_option_runs_the_named_steps_only(tmp_path, capsys):
+    module = gpu_check()
+    assert module.main(["--dry-run", "--out", str(tmp_path), "--steps", "bf16_vs_fp32"]) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(data["steps"]) == ["bf16_vs_fp32"] and data["steps"]["bf16_vs_fp32"]["status"] == "ok"
+    assert module.main(["--dry-run", "--out", str(tmp_path), "--steps", "decode,bogus"]) == 2
+    assert "unknown step(s) bogus" in capsys.readouterr().err
+
+
+def test_agreement_measures():
+    """kept_overlap and logits_agreement on hand-made inputs: identical, disjoint and partial sets;
+    equal and scaled logits."""
+    import types
+
+    import torch
+
+    module = gpu_check()
+
+    def cache(*rows):
+        return types.SimpleNamespace(layers=[types.SimpleNamespace(token_index=torch.tensor([[list(rows)]]))])
+
+    same = module.kept_overlap(cache(1, 2, 3, -1), cache(3, 2, 1, -1))  # order and empty slots aside
+    assert same == {"mean": 1.0, "min": 1.0, "identical_share": 1.0, "sets": 1}
+    assert module.kept_overlap(cache(1, 2), cache(3, 4))["mean"] == 0.0
+    assert module.kept_overlap(cache(1, 2, 3), cache(1, 2, 4))["mean"] == 0.5  # 2 shared of 4
+    logits = torch.randn(3, 2, 10)
+    assert module.logits_agreement(logits, logits.clone()) == {"max_rel_err": 0.0, "mean_rel_err": 0.0,
+                                                               "top1_agreement": 1.0}
+    scaled = module.logits_agreement(logits, logits * 1.1)
+    assert scaled["max_rel_err"] == pytest.approx(0.1, rel=1e-3) and scaled["top1_agreement"] == 1.0
+    assert module.logits_agreement(logits, -logits)["top1_agreement"] < 1.0
