@@ -281,3 +281,62 @@ def test_compiled_torch_decode_writes_only_state_tensors(seed, monkeypatch, fres
     _, cache, _ = decode_run(model, random_ids(2, 6), "mean:value_eps=0.1", 3, monkeypatch, decoder, kernels="torch")
     assert len(recorder.aot) == 1
     assert_writes_only_state_tensors(recorder, cache, f"seed={seed}")
+
+
+def call_arguments(code: str, op: str) -> list[list[str]]:
+    """The arguments (as source text) of every call of ``op`` in inductor's generated wrapper."""
+    calls = []
+    for line in code.splitlines():
+        start = line.find(f"{op}.default(")
+        if start < 0:
+            continue
+        text, depth, args, current = line[start + len(op) + len(".default("):], 0, [], ""
+        for char in text:
+            if char == "," and depth == 0:
+                args.append(current.strip())
+                current = ""
+                continue
+            if char == ")" and depth == 0:
+                break
+            depth += (char in "([") - (char in ")]")
+            current += char
+        calls.append(args + [current.strip()])
+    return calls
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="compiles on the CPU, the kernels under the Triton interpreter")
+@runs_kernels
+def test_inductor_writes_the_cache_in_place(seed, monkeypatch, fresh_dynamo):
+    """Inductor (what --compile runs) hands the cache's own buffers to the eviction and attention ops:
+    the declared writes land in place, no copy of the K/V slots in and out every step (which would
+    cost a whole cache's bandwidth per token on a GPU). One layer of Llama (GQA); the compiled
+    steps give eager's tokens and kept slots."""
+    from torch._inductor.utils import run_and_get_code
+
+    from h2ochat import compiled
+
+    model = build_model("llama", num_hidden_layers=1)
+    ids = random_ids(2, 6)
+    decoder = compiled.CompiledDecode(model, backend="inductor")
+    eager_tokens, eager_cache, _ = decode_run(model, ids, "h2o", 4, monkeypatch)
+    codes = []
+
+    def first_step_with_code(cache, token):
+        if codes:
+            return decoder(cache, token)
+        logits, generated = run_and_get_code(decoder, cache, token)
+        codes.extend(generated)
+        return logits
+
+    tokens, cache, _ = decode_run(model, ids, "h2o", 4, monkeypatch, first_step_with_code)
+    msg = f"seed={seed}"
+    assert len(codes) == 1, msg
+    evictions = call_arguments(codes[0], "torch.ops.h2ochat.evict_by_policy")
+    attentions = call_arguments(codes[0], "torch.ops.h2ochat.decode_attend")
+    assert len(evictions) == len(attentions) == 1, (msg, codes[0])
+    # keys, values, scores, token index, positions: graph inputs themselves (argN_1), not copies (bufN)
+    written = evictions[0][:5]
+    assert all(arg.startswith("arg") and arg.endswith("_1") for arg in written), (msg, written)
+    assert attentions[0][1:3] == written[:2] and attentions[0][8] == written[2], (msg, attentions[0], written)
+    assert torch.equal(tokens, eager_tokens), msg
+    assert torch.equal(cache.layers[0].token_index, eager_cache.layers[0].token_index), msg
