@@ -10,7 +10,10 @@ last bit differently (1e-7 on logits some 0.1 apart).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 import threading
 
 import httpx2 as httpx
@@ -377,3 +380,15 @@ def test_a_full_queue_is_429_with_retry_after(strict, seed):
     waiter.join(timeout=60)
     assert waiting["response"].status_code == 200
     assert post(strict, body, headers=auth).status_code == 200
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--parked-bytes", "lots"], "--parked-bytes must be a size"),
+    (["--model", "no-such-model"], "unknown model"),
+    (["--budget", "many"], "--budget must be"),
+])
+def test_bad_options_are_one_line_before_listening(args, fragment):
+    result = subprocess.run([sys.executable, "-m", "h2ochat.cli", "serve", "--port", "1", *args], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("h2ochat: error: ") and fragment in result.stderr

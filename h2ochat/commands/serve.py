@@ -8,7 +8,8 @@ import typer
 
 from .. import options as o
 from ..benchmark import parse_size
-from ..errors import user_errors
+from ..errors import UserError, strict_user_errors
+from ..models import resolve
 from .common import RepeatLastN
 
 SERVER = "Server"
@@ -20,10 +21,10 @@ def _size(text: str | None, option: str) -> int | None:
     try:
         return parse_size(text)
     except ValueError:
-        raise ValueError(f"{option} must be a size like 2GiB, 512MiB or 1.5GB, got {text!r}") from None
+        raise UserError(f"{option} must be a size like 2GiB, 512MiB or 1.5GB, got {text!r}") from None
 
 
-@user_errors
+@strict_user_errors
 def serve(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
@@ -62,6 +63,8 @@ def serve(
     """Serve the OpenAI API (chat and text completions, streaming) with every sequence in a fixed KV budget."""
     from ..serve.server import ServeConfig, serve as run_server
 
+    if not random_weights:
+        resolve(model)  # an unknown model is refused before the server starts listening
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, None, decay)
     o.sampling(0.0, 1.0, 0, None, repetition_penalty)
     config = ServeConfig(model=model, settings=settings, device=device, dtype=dtype, random_weights=random_weights,

@@ -117,6 +117,12 @@ class ModelBackend:
                 logits = forward(self.model, self.cache, input_ids, logits_to_keep=1)[:, -1]
         return logits
 
+    def warm_up(self) -> None:
+        """One decode step of dummy tokens (a compiled step is built here), then every row reset."""
+        self.decode([0] * self.rows)
+        for row in range(self.rows):
+            self.cache.reset_row(row)
+
     def decoded(self, free: list[int]) -> None:
         """After a decode step: the free rows were fed one more dummy token."""
         for row in free:

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .errors import APIError, queue_full, server_error
@@ -37,7 +37,6 @@ class Loaded:
     row_bytes: int = 0
     layers: int = 0
     kv_heads: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 class Engine:
@@ -48,6 +47,8 @@ class Engine:
         self.max_queue, self.retry_after_s = max_queue, retry_after_s
         self.loaded: Loaded | None = None
         self.load_error: str | None = None
+        self.load_exception: BaseException | None = None  # what loading raised, for the command to report
+        self.load_finished = threading.Event()
         self.scheduler: Scheduler | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -106,10 +107,12 @@ class Engine:
     def _run(self) -> None:
         try:
             self.loaded = self._load()
-        except Exception as exc:  # noqa: BLE001  reported by /health and the log; the server stays up to say so
+        except Exception as exc:  # noqa: BLE001  reported by /health, and by the command, which then stops
             self.load_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            log.error("loading the model failed: %s", self.load_error)
+            self.load_exception = exc
             return
+        finally:
+            self.load_finished.set()
         self.scheduler = Scheduler(self.loaded.backend)
         self._update_gauges()
         while True:

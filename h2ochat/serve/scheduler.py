@@ -62,7 +62,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.job = None  # the prefill job of the request being admitted
         self.admitting: Request | None = None
-        self.steps = 0
 
     # -- what the engine asks ------------------------------------------------------------------
     @property
@@ -109,7 +108,6 @@ class Scheduler:
         if self.rows_in_use:
             self._decode_step()
             worked = True
-        self.steps += worked
         return worked
 
     def _prefill_step(self) -> bool:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 
 from ..chat import stop_token_ids
+from ..errors import UserError
 from ..generation import CacheSettings, max_positions
 from ..models import available_memory, load
 from .app import build_app
@@ -72,6 +74,9 @@ def loader(config: ServeConfig, store: ParkedStore):
         rows, source = choose_rows(config, row_bytes, loaded.device)
         backend = ModelBackend(loaded.model, settings, rows, store=store, prefill_chunk=config.prefill_chunk,
                                compile=config.compile, compile_backend=config.compile_backend)
+        if config.compile:  # compile now, while /health says loading, not in the first request
+            log.info("compiling the decode step for %d rows…", rows)
+            backend.warm_up()
         model_config = loaded.model.config
         positions = max_positions(model_config)
         policy = settings.resolved_policy()
@@ -99,11 +104,25 @@ def serve(config: ServeConfig) -> None:
     store = ParkedStore(config.parked_bytes)
     engine = Engine(loader(config, store), store=store, metrics=Metrics(), max_queue=config.max_queue)
     app = build_app(engine, api_key=config.api_key)
-    engine.start()
-    log.info("listening on http://%s:%d (GET /health says 503 until the model is loaded)", config.host, config.port)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
+
+    def stop_if_loading_failed():
+        engine.load_finished.wait()
+        if engine.load_exception is not None:
+            server.should_exit = True
+
+    engine.start()
+    threading.Thread(target=stop_if_loading_failed, daemon=True).start()
+    log.info("listening on http://%s:%d (GET /health says 503 until the model is loaded)", config.host, config.port)
     try:
         server.run()
+    except SystemExit:  # uvicorn's answer to an address it cannot bind: said below in one line
+        if server.started:
+            raise
     finally:
         engine.stop()
+    if engine.load_exception is not None:
+        raise engine.load_exception  # the command turns a user's mistake into one line
+    if not server.started:
+        raise UserError(f"could not listen on {config.host}:{config.port} (is the port in use?)")
