@@ -185,3 +185,25 @@ def test_agreement_measures():
     scaled = module.logits_agreement(logits, logits * 1.1)
     assert scaled["max_rel_err"] == pytest.approx(0.1, rel=1e-3) and scaled["top1_agreement"] == 1.0
     assert module.logits_agreement(logits, -logits)["top1_agreement"] < 1.0
+
+
+def test_compiled_step_times_the_benchmark_model_when_asked(tmp_path, monkeypatch):
+    """The GPU branch of a compiled step (the benchmark model timed compiled beside eager), run on the
+    CPU with aot_eager in place of inductor: the same bm.run call the GPU run makes, so a wrong
+    argument cannot first show on the device."""
+    import dataclasses
+
+    from h2ochat import compiled
+
+    module = gpu_check()
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    profile = dataclasses.replace(module.DRY, compiled_batches=(1,))
+    report = module.Report(tmp_path, profile)
+    before = os.environ.get("H2OCHAT_KERNELS")
+    module.compiled_torch(report, profile)
+    assert os.environ.get("H2OCHAT_KERNELS") == before  # restored
+    entry = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["compiled_torch"]
+    assert entry["status"] == "ok", entry
+    runs = {(r["policy"], r["compiled"]) for r in entry["results"]}
+    assert runs == {("h2o", False), ("full", False), ("h2o", True)}, runs
+    assert all(r["context"] == 64 and r["batch"] == 1 for r in entry["results"])
