@@ -22,7 +22,7 @@ import torch
 from .cache import H2OCache
 from .detokenize import CONTEXT_IDS, TextStream, decode_in_context
 from .errors import UserError, user_input
-from .generation import CacheSettings, Sampling, Timing, max_positions, prefill, stream
+from .generation import CacheSettings, Sampling, Timing, decoder, max_positions, prefill, stream
 from .prompting import has_chat_template
 
 FORMAT_VERSION = 1
@@ -235,6 +235,7 @@ class Conversation:
         check_fits(self.settings.cache, model)
         self.prefill_chunk = prefill_chunk
         self.compile = compile  # decode steps through h2ochat.compiled (the cache is reused: exact stops)
+        self._decode = None  # the decode step, made at the first turn and kept for all (a compiled one compiles once)
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.messages: list[dict] = []
         self.stop_requested = False  # set (by a Ctrl-C handler) to end the reply after this token
@@ -357,10 +358,12 @@ class Conversation:
             context = (self.ids + new_ids)[-CONTEXT_IDS:]  # the reply's first word joins the prompt as it should
             pieces = TextStream(self.tokenizer, context=context)
             reply = ReplyText(STOP_MARK if self.plain_transcript else None, on_piece)
+            if self._decode is None:
+                self._decode = decoder(self.model, self.compile)
             steps = stream(self.model, self.cache, torch.tensor([new_ids], device=self.device),
                            max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
                            stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing,
-                           compile=self.compile, should_stop=lambda: self.stop_requested)
+                           decode=self._decode, should_stop=lambda: self.stop_requested)
             try:
                 for step in inference_steps(steps):
                     generated.append(int(step.tokens[0]))
