@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from h2ochat.cache import H2OCache
 from h2ochat.policies import POLICIES, get_policy
 
-from test_cache_rules import SlowReference, _drive, _kept
+from test_cache_rules import TieAwareReference, _drive, _kept
 
 NO_LIMIT = 10_000
 
@@ -45,37 +45,6 @@ POLICY_SPECS = sorted(name for name in POLICIES if name not in ("random", "full"
     "h2o:layer_shape=0.5",
     "decay:layer_shape=-0.4:sinks=1",
 ]
-# merits this close are a tie: fp32 sums of a few dozen probabilities carry ~1e-6 relative error
-TIE_RTOL, TIE_ATOL = 1e-4, 1e-6
-
-
-class TieAwareReference(SlowReference):
-    """The slow reference, remembering the candidates of its last choice so a tie can be checked
-    and the cache's side of it followed."""
-
-    def _keep(self, candidates):
-        self.candidates = list(candidates)
-        return super()._keep(candidates)
-
-    def follow(self, kept_tokens: list[int], where: str) -> None:
-        """The cache kept ``kept_tokens`` where this reference kept others: allowed only between
-        unprotected candidates whose merits tie."""
-        mine = {e["token"] for e in self.entries}
-        theirs = set(kept_tokens)
-        by_token = {e["token"]: e for e in self.candidates}
-        assert theirs <= set(by_token), f"{where}: the cache holds tokens that were never candidates"
-        newest = max(by_token)
-        differing = (mine - theirs) | (theirs - mine)
-        for token in differing:
-            assert not (token > newest - self.recent or token < self.sinks), f"{where}: protected token {token} differs"
-        merits = [self._merit(by_token[t], newest) for t in differing]
-        assert not self.policy.oldest_first, f"{where}: kept {sorted(theirs)}, reference {sorted(mine)}"
-        spread = max(merits) - min(merits)
-        assert spread <= TIE_ATOL + TIE_RTOL * max(abs(m) for m in merits), (
-            f"{where}: kept {sorted(theirs)}, reference {sorted(mine)}; merits {merits} do not tie")
-        self.entries = sorted((by_token[t] for t in theirs), key=lambda e: e["token"])
-
-
 def renumbered(position_of: dict[int, int], held: set[int], span: int) -> tuple[dict[int, int], int]:
     """The re-numbering rule, restated: the tokens still held anywhere in the row (any layer, any
     head) keep their order; numbered by rank they take 0..U-1, and when U passes ``span`` the newest
