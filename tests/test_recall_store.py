@@ -186,3 +186,29 @@ def test_device_digest_picks_the_pages_a_slow_loop_over_the_store_picks(seed, bi
             want += [-1] * (2 - len(want))
             assert got[b, h].tolist() == want
     assert bool((digest.valid.sum(-1) == store.held_tokens()).all())
+
+
+def test_recall_slots_hold_the_pages_their_frames_name(seed):
+    """After steps of changing wishes, every frame's slots hold exactly its page's tokens as the
+    cold store gives them back; frames that kept their page were not rewritten."""
+    from h2ochat.recall.step import RecallSlots, fill_recall_slots
+
+    page, frames = 4, 3
+    rng = random.Random(seed)
+    store = ColdStore(B, H, D, D, page, torch.float32)
+    for event in _evictions(16, rng):
+        store.append(*event)
+    lru = RecallFrames(B, H, frames)
+    slots = RecallSlots(torch.zeros(B, H, frames * page, D), torch.zeros(B, H, frames * page, D),
+                        torch.full((B, H, frames * page), -1), torch.full((B, H, frames * page), -1))
+    held = int(store.held()[1].min())
+    for _ in range(6):
+        wanted = torch.tensor([[rng.sample(range(held), 2) for _ in range(H)] for _ in range(B)])
+        before = slots.keys.clone()
+        plan = lru.update(wanted)
+        fill_recall_slots(slots, store, plan)
+        keys, values, token_index, positions = store.pages(plan.frame_page)
+        assert torch.equal(slots.token_index, token_index) and torch.equal(slots.positions, positions)
+        assert torch.equal(slots.keys, keys) and torch.equal(slots.values, values)
+        untouched = ~plan.load.repeat_interleave(page, dim=-1)
+        assert torch.equal(slots.keys[untouched], before[untouched])

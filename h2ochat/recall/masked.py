@@ -20,13 +20,13 @@ chosen selector found (steps where every page fits in the recall slots are left 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..forward_step import cache_argument
 from ..policies import Policy, get_policy, keep_priority
 from .selectors import Selector, exact_score, get_selector, top_pages
 
@@ -92,7 +92,7 @@ class MaskedRecall:
         try:
             with torch.inference_mode():
                 out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1,
-                            **{_cache_keyword(model): self.cache})
+                            **{cache_argument(model): self.cache})
         finally:
             _active.pop()
         self.seen += q_len
@@ -221,7 +221,3 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 def _no_mask(*args, **kwargs):
     return None
 
-
-def _cache_keyword(model) -> str:
-    # transformers renamed past_key_values to cache; TODO: use forward_step.cache_argument once committed
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -165,7 +165,7 @@ def _selectors() -> dict[str, Selector]:
     for sub in (2, 4, 8):
         table[f"quest{sub}"] = Selector(f"quest{sub}", quest_sub_digest(sub), quest_sub_score,
                                         lambda p, d, s=sub: 2 / s)
-    for bits in (1, 2, 3, 4):
+    for bits in (1, 2, 3, 4, 6, 8):
         # codes of b bits plus a 16-bit scale and offset per token
         table[f"int{bits}"] = Selector(f"int{bits}", quant_digest(bits), quant_score,
                                        lambda p, d, b=bits: (b * d + 32) / (16 * d))

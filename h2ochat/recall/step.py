@@ -62,3 +62,29 @@ class RecallFrames:
         self.last_used = torch.where(kept | load, self.clock, self.last_used)
         self.copied += load.sum(dim=-1)
         return RecallPlan(self.frame_page.clone(), load)
+
+
+@dataclass
+class RecallSlots:
+    """The R recall slots of one layer: keys, values, token index and position per (sequence, KV
+    head), frame f covering slots [f*P, (f+1)*P). On the CPU these can be views of the layer's last R
+    slot columns, so the attention reads them with the hot slots in one softmax."""
+
+    keys: torch.Tensor  # [B, H, R, D]
+    values: torch.Tensor  # [B, H, R, Dv]
+    token_index: torch.Tensor  # [B, H, R] (-1: empty)
+    positions: torch.Tensor  # [B, H, R]
+
+
+def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None) -> None:
+    """Copy the pages the plan loads from the cold store into their frames (frames that keep their
+    page are not touched). Keys come back rotated to the tokens' current positions."""
+    page = store.page
+    wanted = plan.frame_page.masked_fill(~plan.load, -1)  # [B, H, F]: only the frames that change
+    keys, values, token_index, positions = store.pages(wanted.cpu(), rotary)  # [B, H, F*P, ...]
+    change = plan.load.repeat_interleave(page, dim=-1).to(slots.token_index.device)  # [B, H, F*P]
+    device = slots.keys.device
+    slots.keys.copy_(torch.where(change.unsqueeze(-1), keys.to(device, slots.keys.dtype), slots.keys))
+    slots.values.copy_(torch.where(change.unsqueeze(-1), values.to(device, slots.values.dtype), slots.values))
+    slots.token_index.copy_(torch.where(change, token_index.to(device), slots.token_index))
+    slots.positions.copy_(torch.where(change, positions.to(device), slots.positions))
