@@ -105,7 +105,7 @@ class Repl:
         self.conv, self.console, self.read_line = conversation, console, read_line
         self.model_name = model_name
         self.log = log  # where the conversation is kept after every turn (None: not kept)
-        self.status = ui.StatusLine(conversation)
+        self.status = ui.StatusLine.of_conversation(conversation)
         self.turns = 0
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.commands: dict[str, Callable[[str], None]] = {

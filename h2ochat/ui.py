@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from rich.console import Console, Group
@@ -104,34 +105,34 @@ def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = Fals
 
 
 class StatusLine:
-    """The status line of a conversation, its figures read from the device once per step.
+    """A status line whose figures are read from the device once per step, not once per render.
 
     prompt-toolkit redraws the bottom toolbar at every keystroke and the reply printer a few times a
-    second; the cache only changes when a token is fed. The figures are kept under the conversation's
-    cache and its count of tokens fed (and generated in the turn under way), and read again only when
+    second; the cache only changes when a token is fed. The figures are kept under the cache and a
+    ``progress`` key (what has been fed or generated so far, host counts), and read again only when
     one of these moves."""
 
-    def __init__(self, conversation):
-        self.conversation = conversation
-        self._cache = None
-        self._key: tuple | None = None
+    def __init__(self, cache: Callable[[], H2OCache], progress: Callable[[], object],
+                 timing: Callable[[], Timing | None] = lambda: None):
+        self.cache, self.progress, self.timing = cache, progress, timing
+        self._seen: tuple | None = None  # (cache, progress) of the figures kept
         self._summary: CacheSummary | None = None
 
-    def _progress(self) -> tuple:
-        conv = self.conversation
-        current = conv.current
-        return (len(conv.ids) + len(conv.pending), conv.cache.compactions,
-                -1 if current is None else current.generated_tokens)
+    @classmethod
+    def of_conversation(cls, conv) -> "StatusLine":
+        """A chat's: tokens fed between turns, tokens generated in the turn under way."""
+        return cls(lambda: conv.cache,
+                   lambda: (len(conv.ids) + len(conv.pending), -1 if conv.current is None else conv.current.generated_tokens),
+                   lambda: conv.current)
 
     def summary(self) -> CacheSummary:
-        cache, key = self.conversation.cache, self._progress()
-        if cache is not self._cache or key != self._key or self._summary is None:
-            self._cache, self._key, self._summary = cache, key, summarize(cache)
+        cache, progress = self.cache(), self.progress()
+        if self._summary is None or self._seen is None or self._seen[0] is not cache or self._seen[1] != progress:
+            self._seen, self._summary = (cache, progress), summarize(cache)
         return self._summary
 
     def __call__(self, live: bool = False) -> str:
-        conv = self.conversation
-        return status_line(conv.cache, conv.current, live=live, summary=self.summary())
+        return status_line(self.cache(), self.timing(), live=live, summary=self.summary())
 
 
 def turn_summary(result: TurnResult) -> str:

@@ -44,7 +44,7 @@ from ..models import load
 from ..prompting import encode
 from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
 from ..textstats import repetition
-from ..ui import ReplyPrinter, TokenProgress, format_bytes, format_duration, make_console, percent, status_line
+from ..ui import ReplyPrinter, StatusLine, TokenProgress, format_bytes, format_duration, make_console, percent
 from .common import RepeatLastN, loading
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
@@ -286,7 +286,9 @@ def story(
         rows = [Row(tokenizer, path, keep_text=not streaming, context=input_ids[0].tolist()) for path in paths]
         embedded = streaming and console.is_terminal
         progress = TokenProgress(console if embedded else err, embedded=embedded)
-        status = lambda: Group(progress.renderable, Text(status_line(cache, None), style="dim"))  # noqa: E731
+        read_so_far = 0  # tokens of the opening read: the status figures are read again when it or the story moves
+        figures = StatusLine(lambda: cache, lambda: (read_so_far, sum(len(row.tokens) for row in rows)))
+        status = lambda: Group(progress.renderable, Text(figures(), style="dim"))  # noqa: E731
         timing = Timing()
         total = input_ids.shape[1]
         # the repetition window must see the text's last tokens, so they go through `stream`
@@ -295,6 +297,13 @@ def story(
         interrupted = False
         read_s = gen_s = 0.0
         printer = ReplyPrinter(console, status) if streaming else None
+
+        def on_read(done: int) -> None:
+            nonlocal read_so_far
+            read_so_far = done
+            progress.update(done)
+            shown.tick()
+
         try:
             for row in rows:
                 if story_file is not None:
@@ -311,8 +320,7 @@ def story(
                 try:
                     if total > keep:
                         progress.phase("reading", total)
-                        tail = read_long_text(loaded.model, cache, input_ids, keep, prefill_chunk,
-                                              lambda done: (progress.update(done), shown.tick()))
+                        tail = read_long_text(loaded.model, cache, input_ids, keep, prefill_chunk, on_read)
                     else:
                         tail = input_ids
                     every = stop_check_interval(loaded.device)
