@@ -169,6 +169,10 @@ def check_fits(settings: CacheSettings, model) -> None:
         settings.validate()
         slots = settings.slots(model.config)
         policy = settings.resolved_policy()
+        window = max_positions(model.config)
+        if slots > window and not policy.grows:  # never filled: the positions run out first
+            raise UserError(f"budget {settings.budget} is {slots} slots, more than this model's {window}-position "
+                            f"context window (1.0 is the whole window)")
         policy.split(slots)
         policy.layer_budgets(slots, model.config.num_hidden_layers)
 

@@ -52,7 +52,7 @@ def snapshot(conv: Conversation) -> dict:
 
 
 @pytest.mark.parametrize("command", ["/budget 2", "/policy mean:sinks=40", "/set sinks 30", "/budget 0.001",
-                                     "/policy nonsense", "/set budget lots"])
+                                     "/policy nonsense", "/set budget lots", "/budget 300"])
 def test_a_failed_cache_command_leaves_the_chat_as_it_was(loaded, command):
     """`run --policy mean --budget 16`, `/budget 2`: mean keeps 4 sinks, 2 slots cannot hold them. The
     command is refused in one line before anything changes, and the next turn goes on in the same cache."""
