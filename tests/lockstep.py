@@ -28,14 +28,20 @@ TIE_RTOL, TIE_ATOL = 1e-4, 1e-6
 class EvictionRecorder:
     """Every steady-state eviction of one (eager) cache's layers: the slots' token indices and the
     priorities the policy gives them at the moment of the choice (this step's attention added).
-    It wraps the layers' ``evict_one`` of that cache only: a compiled step never traces it."""
+    It wraps the layers' ``evict_one`` of that cache only: a compiled step never traces it. A policy
+    with its own rank (random) is not recorded: asking its priority would draw from its generator
+    (and its draws are the same numbers in both runs)."""
 
     def __init__(self, cache: H2OCache):
         self.cache = cache
         self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.near_tie = False  # some choice so far was between candidates whose priorities tie
 
     @contextlib.contextmanager
     def recording(self):
+        if self.cache.fused_eviction_parameters is None:  # a custom rank (random): asking for it would draw
+            yield self
+            return
         for layer in self.cache.layers:
             layer.evict_one = self._wrap(layer)
         try:
@@ -48,9 +54,22 @@ class EvictionRecorder:
         def evict_one(key, value, new_score, token_index, position, value_norm):
             priority = layer.priority(layer.scores, layer.token_index, token_index, layer.value_norm)
             self.snapshots[layer.layer_idx] = (layer.token_index.clone(), priority.clone())
+            self.near_tie |= choice_ties(priority)
             return H2OLayer.evict_one(layer, key, value, new_score, token_index, position, value_norm)
 
         return evict_one
+
+
+def is_tie(a: float, b: float) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= TIE_ATOL + TIE_RTOL * max(abs(a), abs(b))
+
+
+def choice_ties(priority: torch.Tensor) -> bool:
+    """Whether the lowest priority of some (sequence, head) [.., S] ties the next lowest (the slot
+    to drop could round either way). Empty slots (-inf) are alike, and protected ones (+inf) never go."""
+    lowest = priority.topk(2, dim=-1, largest=False).values
+    first, second = lowest[..., 0].flatten().tolist(), lowest[..., 1].flatten().tolist()
+    return any(is_tie(a, b) for a, b in zip(first, second))
 
 
 def held(layer, b: int, h: int) -> set[int]:
@@ -81,8 +100,7 @@ def kept_agree_or_tie(a: H2OCache, b: H2OCache, recorder: EvictionRecorder | Non
                 slots = tokens[row_a, head].tolist()
                 # a kept only_a and dropped only_b, b the other way round: a tie in a's priorities
                 p_a, p_b = (float(priority[row_a, head, slots.index(t)]) for t in (only_a, only_b))
-                tie = math.isfinite(p_a) and math.isfinite(p_b) and abs(p_a - p_b) <= TIE_ATOL + TIE_RTOL * max(abs(p_a), abs(p_b))
-                assert tie, f"{here}: priorities {p_a} vs {p_b}, no tie"  # (inf: protected, never a tie)
+                assert is_tie(p_a, p_b), f"{here}: priorities {p_a} vs {p_b}, no tie"  # (inf: protected, never)
                 same = False
     return same
 
