@@ -84,6 +84,9 @@ async def turn(http: httpx.AsyncClient, history: list[dict] | str, args, record:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    record.append({"turn": turn_number, "status": "error event", "error": chunk["error"]["message"]})
+                    return ""
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices", []):
@@ -105,7 +108,8 @@ def history_text(rng: random.Random, chars: int) -> str:
     return source[start: start + chars]
 
 
-async def chat(url: str, args, rng: random.Random, record: list[dict], turns: int) -> None:
+async def chat(url: str, args, rng: random.Random, record: list[dict], turns: int,
+               server: ServerProcess | None = None) -> None:
     """One conversation, turn after turn: a chat, or with ``--completions`` one growing text (models
     without a chat template, e.g. ``--random-weights``)."""
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
@@ -116,7 +120,10 @@ async def chat(url: str, args, rng: random.Random, record: list[dict], turns: in
                 said = history_text(rng, args.user_chars)
                 messages.append({"role": "user", "content": said})
                 text += "\n" + said
+            cpu = server.cpu_seconds() if server else 0.0
             reply = await turn(http, text if args.completions else messages, args, record, number)
+            if server:  # the server's CPU time for this turn (one thread: its compute, whatever the load)
+                record[-1]["cpu_s"] = server.cpu_seconds() - cpu
             if not reply:
                 return
             messages.append({"role": "assistant", "content": reply})
@@ -193,22 +200,28 @@ def parked_phase(args, log_dir: Path) -> dict:
         server.wait_ready()
         records: list[dict] = []
         started = time.perf_counter()
-        asyncio.run(chat(server.url, args, random.Random(args.seed), records, args.parked_turns))
+        asyncio.run(chat(server.url, args, random.Random(args.seed), records, args.parked_turns, server))
         wall = time.perf_counter() - started
         served = [r for r in records if r.get("status") == 200]
         per_turn = [{"turn": r["turn"], "latency_s": round(r["latency_s"], 3), "ttft_s": round(r["ttft_s"], 3),
+                     "server_cpu_s": round(r.get("cpu_s", 0.0), 3),
                      "prompt_tokens": r["usage"]["prompt_tokens"],
                      "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"]} for r in served]
         by_turn = {r["turn"]: r for r in per_turn}
         last = max(by_turn)
         early = [by_turn[t]["latency_s"] for t in range(2, 7) if t in by_turn]
         late = [by_turn[t]["latency_s"] for t in range(last - 4, last + 1) if t in by_turn]
+        early_cpu = [by_turn[t]["server_cpu_s"] for t in range(2, 7) if t in by_turn]
+        late_cpu = [by_turn[t]["server_cpu_s"] for t in range(last - 4, last + 1) if t in by_turn]
         return {
             "command": server.command, "turns": last, "wall_s": round(wall, 1), "per_turn": per_turn,
             "turn_2_latency_s": by_turn[2]["latency_s"], f"turn_{last}_latency_s": by_turn[last]["latency_s"],
             "ratio_last_to_turn_2": round(by_turn[last]["latency_s"] / by_turn[2]["latency_s"], 3),
             "median_turns_2_6_s": statistics.median(early), f"median_turns_{last - 4}_{last}_s": statistics.median(late),
             "ratio_medians": round(statistics.median(late) / statistics.median(early), 3),
+            "server_cpu_median_turns_2_6_s": statistics.median(early_cpu),
+            f"server_cpu_median_turns_{last - 4}_{last}_s": statistics.median(late_cpu),
+            "server_cpu_ratio_medians": round(statistics.median(late_cpu) / max(statistics.median(early_cpu), 1e-9), 3),
             "peak_rss_bytes": server.peak_rss(),
         }
     finally:

@@ -138,3 +138,18 @@ def test_the_preparer_holds_requests_to_the_context(tmp_path):
     with pytest.raises(APIError) as caught:
         prepare(False, 101)
     assert caught.value.param == "max_tokens"
+
+
+def test_the_full_policy_serves_any_number_of_steps_in_its_reserved_slots(seed):
+    """Each row reserves --budget slots; many requests one after another (more decode steps in all
+    than the slots) neither grow the batch nor fail a request."""
+    rng = random.Random(seed)
+    scheduler, _ = engine(build_model("llama"), "full", "20")
+    requests = [make_request([rng.randrange(3, VOCAB) for _ in range(6)], max_tokens=12, stop_ids=())
+                for _ in range(8)]
+    for request in requests:
+        scheduler.submit(request)
+    drain(scheduler)
+    assert all(request.events[-1][0] == "done" for request in requests)
+    assert {layer.capacity for layer in scheduler.backend.cache.layers} == {20}
+    assert scheduler.backend.cache.evicted_tokens() == 0

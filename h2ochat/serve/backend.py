@@ -15,7 +15,7 @@ exactly as ``Conversation.send`` does on its next turn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,10 +50,15 @@ class ModelBackend:
         config = model.config
         self.max_positions = max_positions(config)
         self.policy = settings.resolved_policy()
-        # the full policy never evicts: each row reserves --budget slots up front (it cannot grow inside
-        # a batch of fixed shape) and a conversation longer than that is refused, as llama.cpp's server
-        # divides its context among its slots
+        # the full policy never evicts: each row reserves --budget slots up front and a conversation
+        # longer than that is refused (the preparer), as llama.cpp's server divides its context among
+        # its slots. Its rows are kept in a sliding window of those slots, which a conversation never
+        # fills, so it never slides: the same attention over every token, and no cache that grows
+        # (a growing cache sizes itself by a counter of the batch's steps, not by what a row holds)
         self.slots = settings.slots(config)
+        if self.policy.grows:
+            settings = replace(settings, policy="local", heavy_ratio=None, sinks=None, decay=None)
+            self.settings = settings
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = self._new_cache(rows, static_shapes=True)
@@ -67,7 +72,7 @@ class ModelBackend:
         self.free_step_limit = max(1, self.max_positions // 2)
 
     def _new_cache(self, batch: int, *, static_shapes: bool) -> H2OCache:
-        cache = self.settings.build(self.model, initial_slots=self.slots, static_shapes=static_shapes)
+        cache = self.settings.build(self.model, static_shapes=static_shapes)
         cache.allocate(batch, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         return cache
 

@@ -101,6 +101,7 @@ class Engine:
             self.metrics.finished(request.choices[0].finish_reason or "stop")
         elif kind == "error":
             self.metrics.finished("error")
+            log.warning("request %s failed: %s", request.id, event[1].message)
         emit(event)
 
     # -- the thread ------------------------------------------------------------------------------------

@@ -82,6 +82,15 @@ class ServerProcess:
             pass
         return 0
 
+    def cpu_seconds(self) -> float:
+        """CPU time the process has used so far (Linux; user + system), 0 where unknown: a cost that
+        does not depend on how busy the machine is."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
     def log(self) -> str:
         if not self._log.closed:
             self._log.flush()
