@@ -489,6 +489,8 @@ class H2OCache(Cache):
         self.step: StepNumbers | None = None  # the current step's token indices and positions
         # True inside ``compiled_decode()``: see there which fields it leaves stale
         self.compiled_step = False
+        # the slots are marked as fixed addresses for CUDA graphs (h2ochat.compiled); new slots are not
+        self.static_addresses_marked = False
 
     def compile_blocker(self) -> str | None:
         """Why the compiled decode step (``h2ochat.compiled``) cannot take this cache, or None."""

@@ -89,13 +89,13 @@ class CompiledDecode:
         if unsupported(cache) is not None:
             return False
         cache.static_shapes = True
-        if self.mode == "reduce-overhead" and not getattr(cache, "_static_addresses", False) and cache.initialized:
+        if self.mode == "reduce-overhead" and not cache.static_addresses_marked and cache.initialized:
             # CUDA graphs replay fixed addresses: the slots are updated in place, never replaced
             # (every tensor a step writes is in state_tensors: tests/test_kernel_ops.py checks the graph)
             for layer in cache.layers:
                 for tensor in layer.state_tensors().values():
                     torch._dynamo.mark_static_address(tensor)
-            cache._static_addresses = True
+            cache.static_addresses_marked = True
         return True
 
     def __call__(self, cache: H2OCache, tokens: torch.Tensor) -> torch.Tensor:

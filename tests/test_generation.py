@@ -137,8 +137,10 @@ def test_reset_leaves_nothing_of_the_last_conversation(family, seed):
     used = settings.build(model)
     prefill(model, used, random_ids(2, 90), chunk=16)  # past the 64-position limit: re-numbered
     assert used.compactions > 0 and used.largest_next_position > 0
+    used.static_addresses_marked = True  # as a CUDA-graph step would have left it: the new slots are not marked
     used.reset()
     assert (used.compactions, used.largest_next_position, used.tokens_fed, used.step, used.pending) == (0, 0, None, None, None)
+    assert not used.static_addresses_marked
     assert not used.initialized and used.kv_bytes() == 0
     fresh = settings.build(model)
     ids = random_ids(1, 70)
