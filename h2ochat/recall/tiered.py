@@ -1,0 +1,167 @@
+"""The two-tier cache: ``H2OCache`` whose layers keep R extra device slots for recalled tokens.
+
+``RecallCache(num_layers, policy, hot_slots, recall=RecallConfig(R, ...))``: every layer allocates
+hot_slots + R slot columns; the policy lives in the first hot_slots (its budget split, its evictions:
+the priority of a recall column is +inf, so no eviction ever picks one), the last R hold recalled
+pages. A token the policy evicts goes to the layer's cold store and its device digest (captured
+before its slot is overwritten; a chunk's evictions in token order). Before each attention (every
+prefill chunk, and every ``every``-th decode step) each (sequence, KV head) scores its pages with the
+step's queries (the group's query heads times the step's tokens) and the top R / P pages are brought
+into the recall columns (``RecallFrames``: pages already there are not copied again). The attention
+already attends every slot whose token index is >= 0, so hot and recalled tokens share one softmax;
+the recall columns' scores are cleared before each eviction (they rank nothing).
+
+Eager, torch route only for now (``compile_blocker`` says so): the Triton eviction kernels see all
+columns, and the compiled step would need the recall step inside its graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import H2OCache, H2OLayer
+from .cold_store import ColdStore
+from .digests import KeyCodes
+from .step import RecallFrames, RecallSlots, fill_recall_slots
+
+
+@dataclass(frozen=True)
+class RecallConfig:
+    slots: int  # R device slots per (layer, sequence, KV head) for recalled tokens
+    page: int = 16
+    selector: str = "int4"  # exact, or int1..int8 (keys kept as b-bit codes on the device for scoring)
+    cold_dtype: str = "same"
+    cold_limit: int | None = None  # tokens per (layer, sequence, KV head) kept in the cold store
+    every: int = 1  # decode steps between recalls (prefill chunks always recall)
+
+    def __post_init__(self):
+        if self.slots < self.page or self.slots % self.page:
+            raise ValueError(f"--recall {self.slots} must be a whole number (>= 1) of --page {self.page} pages")
+        if self.every < 1:
+            raise ValueError(f"--recall-every must be >= 1, got {self.every}")
+        self.bits  # validates the selector
+
+    @property
+    def frames(self) -> int:
+        return self.slots // self.page
+
+    @property
+    def bits(self) -> int | None:
+        if self.selector == "exact":
+            return None
+        if self.selector.startswith("int") and self.selector[3:].isdigit() and 1 <= int(self.selector[3:]) <= 8:
+            return int(self.selector[3:])
+        raise ValueError(f"the two-tier cache scores pages with exact or int1..int8 keys, not {self.selector!r}")
+
+
+class RecallLayer(H2OLayer):
+    def allocate(self, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        config: RecallConfig = self.owner.recall
+        hot = self.capacity
+        self.capacity = hot + config.slots  # the base allocates every column ...
+        try:
+            super().allocate(batch, heads, head_dim, value_dim, dtype, device)
+        finally:
+            self.capacity = hot  # ... and its policy works on the first ``hot``
+        cuda = self.device.type == "cuda"
+        self.cold = ColdStore(batch, heads, head_dim, value_dim, config.page, dtype, cold_dtype=config.cold_dtype,
+                              limit=config.cold_limit, pin=cuda)
+        self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
+                               device=self.device, dtype=dtype)
+        self.frames = RecallFrames(batch, heads, config.frames, self.device)
+        self.recall_slots = RecallSlots(self.keys[:, :, hot:], self.values[:, :, hot:], self.token_index[:, :, hot:],
+                                        self.positions[:, :, hot:])
+        self.decode_steps = 0
+
+    def _choose_eviction(self):
+        return self._evict_by_torch_priority
+
+    # -- recall before the attention ---------------------------------------------------------------
+    def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
+        batch, q_heads, q_len, head_dim = query.shape
+        kv_heads = key.shape[1]
+        due = q_len > 1 or self.decode_steps % self.owner.recall.every == 0
+        if q_len == 1:
+            self.decode_steps += 1
+        if due and bool(self.cold.count.any()):
+            queries = query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, head_dim)
+            self.recall(queries)
+        return super().attend(query, key, value, new_valid, scale)
+
+    def recall(self, queries: torch.Tensor) -> None:
+        """The best pages for these queries [B, H, M, D] into the recall columns."""
+        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1])
+        plan = self.frames.update(wanted)
+        # the newest page may have grown since it was brought in: bring it again
+        newest = ((self.cold.count - 1) // self.cold.page).to(plan.frame_page.device)
+        plan.load |= (plan.frame_page == newest.unsqueeze(-1)) & (plan.frame_page >= 0)
+        fill_recall_slots(self.recall_slots, self.cold, plan, self.owner.rotary)
+
+    # -- the policy never sees the recall columns ----------------------------------------------------
+    def _insert(self, key, value, new_scores, new_valid, step) -> None:
+        self.scores[:, :, self.capacity:] = 0  # what recalled tokens drew this step ranks nothing
+        super()._insert(key, value, new_scores, new_valid, step)
+
+    # -- evicted tokens go to the cold tier ------------------------------------------------------------
+    def _to_cold(self, keys, values, token_index, positions) -> None:
+        self.cold.append(keys, values, token_index, positions)
+        self.digest.append(keys, token_index)
+
+    def _overwrite_lowest(self, priority, key, value, new_score, token_index, position, value_norm):
+        priority = priority.clone()
+        priority[:, :, self.capacity:] = float("inf")  # a recall column is never evicted
+        where = (self.batch_rows, self.head_columns, priority.argmin(dim=-1))  # the slot the base overwrites
+        self._to_cold(self.keys[where].unsqueeze(2), self.values[where].unsqueeze(2),
+                      self.token_index[where].unsqueeze(2), self.positions[where].unsqueeze(2))
+        return super()._overwrite_lowest(priority, key, value, new_score, token_index, position, value_norm)
+
+    def _select(self, key, value, new_scores, token_index, positions, value_norm) -> None:
+        batch, heads, q_len, _ = key.shape
+        used = self.slots_in_use
+        expand = (batch, heads, q_len)
+        cand_index = torch.cat([self.token_index[:, :, :used], token_index.unsqueeze(1).expand(expand)], dim=2)
+        cand_keys = torch.cat([self.keys[:, :, :used], key.to(self.keys.dtype)], dim=2)
+        cand_values = torch.cat([self.values[:, :, :used], value.to(self.values.dtype)], dim=2)
+        cand_positions = torch.cat([self.positions[:, :, :used], positions.unsqueeze(1).expand(expand)], dim=2)
+        super()._select(key, value, new_scores, token_index, positions, value_norm)
+        kept = self.token_index[:, :, : self.capacity]
+        dropped = (cand_index >= 0) & ~(cand_index.unsqueeze(-1) == kept.unsqueeze(-2)).any(-1)
+        # in token order, as a cache fed one token at a time would have evicted them
+        order = cand_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
+
+        def take(t):
+            return t.gather(2, order if t.dim() == 3 else order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
+
+        self._to_cold(take(cand_keys), take(cand_values), take(cand_index.masked_fill(~dropped, -1)),
+                      take(cand_positions))
+
+
+class RecallCache(H2OCache):
+    """``H2OCache`` with a cold tier and R recall slots per layer (see the module's docstring)."""
+
+    layer_type = RecallLayer
+
+    def __init__(self, num_layers, policy, slots, *, recall: RecallConfig, **kwargs):
+        if kwargs.get("rows"):
+            raise ValueError("recall serves one policy for every row (not eval's mixed rows)")
+        self.recall = recall
+        super().__init__(num_layers, policy, slots, **kwargs)
+        if self.grows:
+            raise ValueError("the full policy evicts nothing: recall needs an evicting policy")
+
+    def compile_blocker(self) -> str | None:
+        return "recall runs eagerly for now (the recall step is not in the compiled graph)"
+
+    def _renumber(self, span: int) -> None:
+        raise NotImplementedError("recall with a compact re-numbering of positions is not built yet: "
+                                  "use --positions absolute, or stay below the model's position limit")
+
+    def cold_bytes(self) -> int:
+        """Host bytes of the cold stores."""
+        return sum(layer.cold.nbytes() for layer in self.layers if layer.is_initialized)
+
+    def digest_bytes(self) -> int:
+        """Device bytes of the page digests."""
+        return sum(layer.digest.nbytes() for layer in self.layers if layer.is_initialized)

@@ -1,0 +1,70 @@
+"""The two-tier cache (RecallCache) against the masked reference (MaskedRecall), all families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, build_model
+
+from h2ochat.attention import use_h2o_attention
+from h2ochat.forward_step import forward
+from h2ochat.generation import max_positions
+from h2ochat.recall.masked import MaskedRecall
+from h2ochat.recall.tiered import RecallCache, RecallConfig
+from h2ochat.rotary import find_rotary
+
+HOT, RECALL, PAGE = 12, 8, 4
+
+
+def _caches(model, policy, selector):
+    layers = model.config.num_hidden_layers
+    real = RecallCache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=max_positions(model.config),
+                       positions="absolute", rotary=find_rotary(model))
+    masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction")
+    return real, masked
+
+
+@pytest.mark.parametrize("policy,selector", [("h2o", "exact"), ("h2o", "int4"), ("mean", "exact")])
+def test_recall_cache_is_the_masked_reference(family, seed, policy, selector):
+    """Chunked prefill then decode: the same logits at every step as a full cache whose mask admits
+    the policy's hot tokens plus the selector's top pages of evicted tokens."""
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+    real, masked = _caches(model, policy, selector)
+    ids = torch.randint(3, VOCAB, (1, 70))
+    pieces = [ids[:, :20], ids[:, 20:45], *[ids[:, i : i + 1] for i in range(45, 70)]]
+    for piece in pieces:
+        MaskedRecall.attach(model)
+        want = masked.forward(model, piece)
+        use_h2o_attention(model)
+        got = forward(model, real, piece, logits_to_keep=1)[:, -1]
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    for layer in real.layers:
+        assert int(layer.frames.copied.sum()) > 0  # pages were recalled
+
+
+def test_cold_store_holds_exactly_the_evicted_tokens(family, seed):
+    """Every token fed is either in a hot slot or in the cold store of each (layer, head), once."""
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+    real, _ = _caches(model, "h2o", "exact")
+    ids = torch.randint(3, VOCAB, (1, 50))
+    use_h2o_attention(model)
+    for piece in [ids[:, :30], *[ids[:, i : i + 1] for i in range(30, 50)]]:
+        forward(model, real, piece)
+    for layer in real.layers:
+        first, end = layer.cold.held()
+        pages = torch.arange(int(end.max())).expand(1, layer.keys.shape[1], -1)
+        _, _, cold_index, _ = layer.cold.pages(pages)
+        for head in range(layer.keys.shape[1]):
+            hot = layer.token_index[0, head, :HOT]
+            cold = cold_index[0, head]
+            tokens = sorted(hot[hot >= 0].tolist() + cold[cold >= 0].tolist())
+            assert tokens == list(range(50))
+            recalled = layer.token_index[0, head, HOT:]
+            assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
+
+
+def test_recall_settings_are_checked():
+    with pytest.raises(ValueError, match="whole number"):
+        RecallConfig(10, 4)
+    with pytest.raises(ValueError, match="exact or int"):
+        RecallConfig(8, 4, "quest")
