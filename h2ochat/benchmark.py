@@ -458,14 +458,25 @@ def run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None = None
         return _run(model, plan, on_measured)
 
 
-def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> dict:
-    device = next(model.parameters()).device
-    memory = PeakMemory(device)
-    limit = max_positions(model.config)
-    extra = plan.steps + plan.warmup + 1 + int(plan.compile)  # + the untimed compiling step
+def decode_steps(plan: BenchPlan) -> int:
+    """Tokens a measurement feeds after its context: the timed and warm-up steps, the first token,
+    and the untimed compiling step."""
+    return plan.steps + plan.warmup + 1 + int(plan.compile)
+
+
+def check_contexts(model, plan: BenchPlan) -> None:
+    """Every context plus its decode steps within the model's position limit (a ValueError)."""
+    limit, extra = max_positions(model.config), decode_steps(plan)
     for context in plan.contexts:
         if context + extra > limit:
             raise ValueError(f"--context {context} + {extra} decode steps pass the model's {limit}-position limit")
+
+
+def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> dict:
+    device = next(model.parameters()).device
+    memory = PeakMemory(device)
+    check_contexts(model, plan)
+    extra = decode_steps(plan)
     weights, per_slot = weight_bytes(model), kv_bytes_per_slot(model)
     results, comparisons, capacity, ops = [], [], [], []
 

@@ -190,3 +190,27 @@ def test_smollm2_in_a_64_slot_cache():
     assert record["kv_bytes"] < record["full_kv_bytes"] / 2
     words = record["text"].split()
     assert len(words) > 20 and sum(w.isalpha() for w in words) > len(words) / 2  # prose, not noise
+
+
+@pytest.mark.parametrize("command, target", [
+    (["generate", "--raw", "-n", "3", "hello"], "h2ochat.commands.generate.stream"),
+    (["eval", "--tokens", "20", "--budget", "8", "--policies", "full,h2o"], "h2ochat.evaluation.evaluate_rows"),
+    (["bench", "--context", "16", "--batch", "1", "--steps", "1", "--kv-memory", "0"], "h2ochat.benchmark.run"),
+])
+def test_an_internal_error_keeps_its_traceback(tiny_checkpoint, tmp_path, monkeypatch, command, target):
+    """A ValueError from inside the computation is a bug, not the user's mistake: it is not turned
+    into a one-line 'h2ochat: error:' with exit 2 (options the user got wrong still are)."""
+    from typer.testing import CliRunner
+
+    from h2ochat.cli import app
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(target, broken)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    extra = ["--text", str(text)] if command[0] == "eval" else []
+    result = CliRunner().invoke(app, [*command, *extra, "--model", str(tiny_checkpoint)])
+    assert result.exit_code != 2 and isinstance(result.exception, ValueError), result.output
+    assert "h2ochat: error:" not in result.output

@@ -14,13 +14,13 @@ from rich.table import Table
 from .. import benchmark as bm
 from .. import options as o
 from ..budget import parse_budget
-from ..errors import user_errors
+from ..errors import strict_user_errors, user_input
 from ..models import load
 
 MIB = 2**20
 
 
-@user_errors
+@strict_user_errors
 def bench(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
@@ -54,18 +54,21 @@ def bench(
     """Decode tokens/s, latency and memory: h2o vs its own slots without bookkeeping vs a full
     cache vs stock transformers, at each context length and batch size, and under a KV memory cap;
     and the operations one decode step runs per layer (torch.profiler)."""
-    contexts = bm.parse_ints(context, "--context")
-    batches = bm.parse_ints(batch, "--batch")
-    cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
-    chosen = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay).resolved_policy()
-    for length in contexts:
-        chosen.split(parse_budget(budget, length))  # bad syntax fails before the model loads
+    with user_input():  # the options as typed
+        contexts = bm.parse_ints(context, "--context")
+        batches = bm.parse_ints(batch, "--batch")
+        cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
+        chosen = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay).resolved_policy()
+        for length in contexts:
+            chosen.split(parse_budget(budget, length))  # bad syntax fails before the model loads
     err = Console(stderr=True)
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
         loaded = load(model, device, dtype, random_weights=random_weights)
     plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
                         steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch, policy=chosen,
                         compile=compile)
+    with user_input():
+        bm.check_contexts(loaded.model, plan)  # against this model's position limit
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
                   disable=not err.is_terminal) as progress:

@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from .. import options as o
-from ..chat import stop_token_ids
-from ..errors import EXIT_INTERRUPTED, user_errors
+from ..chat import check_fits, stop_token_ids
+from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
 from ..detokenize import TextStream
 from ..generation import Timing, stop_check_interval, stream
 from ..models import load
@@ -20,7 +20,7 @@ from ..report import run_record
 from .common import RepeatLastN
 
 
-@user_errors
+@strict_user_errors
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; '-' reads standard input.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", rich_help_panel=o.OUTPUT,
@@ -57,11 +57,15 @@ def generate(
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
-    sampling.validate()
+    with user_input():
+        sampling.validate()
     loaded = load(model, device, dtype, device_map, random_weights=random_weights,
                   kv_slots=settings.kv_slots_needed(prefill_chunk))
+    check_fits(settings, loaded.model)  # the budget against this model's window, in one line
     tokenizer = loaded.tokenizer
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
+    if input_ids.shape[1] == 0:
+        raise UserError("the prompt is empty once tokenized")
     cache = settings.build(loaded.model)
     timing, pieces = Timing(), TextStream(tokenizer, context=input_ids[0].tolist())  # the first word joins the prompt
     # the same rule as run and story --stop-at-eos
