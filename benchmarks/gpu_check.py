@@ -13,7 +13,8 @@ next step runs. Steps:
 
 1. kernel_tests: ``pytest tests/test_kernels.py tests/test_kernel_ops.py`` in a subprocess with
    TRITON_INTERPRET=0 and H2OCHAT_TEST_DEVICE=cuda (the kernels against the reference in fp32,
-   fp16 and bf16; the custom ops through ``torch.library.opcheck``); its counts and output tail.
+   fp16 and bf16; the custom ops through ``torch.library.opcheck``); its counts, the counts per
+   dtype (from the tests' ids) and the output tail.
 2. kernel_bench: ``benchmarks/bench_kernels.py --quick`` (batch 1 and 16 x 512 and 4096 slots:
    decode bandwidth against the measured copy bandwidth, scoring cost, SDPA + a separate score
    pass, eviction and a prefill chunk) in a subprocess; its JSON and Markdown table.
@@ -228,6 +229,26 @@ def junit_counts(path: Path) -> dict:
             "failed": total["failures"], "errors": total["errors"], "skipped": total["skipped"]}
 
 
+DTYPE_TAGS = ("fp16", "bf16", "fp32")
+
+
+def junit_by_dtype(path: Path) -> dict:
+    """Outcomes per dtype, from the dtype tag (fp16, bf16, fp32) in each kernel test's parameter id;
+    tests without one (no dtype, or several) count under "other"."""
+    if not path.is_file():
+        return {}
+    counts: dict[str, dict[str, int]] = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "")
+        params = name[name.find("[") + 1:-1] if "[" in name else ""
+        tags = [tag for tag in DTYPE_TAGS if tag in params.split("-")]
+        outcome = next((o for o, tag in (("failed", "failure"), ("errors", "error"), ("skipped", "skipped"))
+                        if case.find(tag) is not None), "passed")
+        group = counts.setdefault(tags[0] if len(tags) == 1 else "other", {})
+        group[outcome] = group.get(outcome, 0) + 1
+    return counts
+
+
 def kernel_tests(report: Report, profile: Profile) -> None:
     with timed_step(report, "kernel_tests") as entry:
         args = ["tests/test_kernels.py", "tests/test_kernel_ops.py", "-q", *profile.kernel_test_args]
@@ -244,6 +265,7 @@ def kernel_tests(report: Report, profile: Profile) -> None:
                                       f"--junitxml={junit}"], profile.kernel_env, profile.kernel_test_timeout)
         entry["exit_code"] = code
         entry["counts"] = junit_counts(junit)
+        entry["by_dtype"] = junit_by_dtype(junit)
         entry["output_tail"] = (out + err)[-4000:]
         if code is None:
             entry["status"] = f"timeout after {profile.kernel_test_timeout}s"
@@ -602,6 +624,9 @@ def markdown(data: dict) -> str:
     lines += ["", "## 1. Kernel tests", "", _status(test) + (f": `{test['command']}`" if "command" in test else "")]
     if test.get("counts"):
         lines.append("counts: " + ", ".join(f"{v} {k}" for k, v in test["counts"].items()))
+    if test.get("by_dtype"):
+        lines.append("by dtype: " + "; ".join(f"{dtype} " + ", ".join(f"{v} {k}" for k, v in outcomes.items())
+                                              for dtype, outcomes in sorted(test["by_dtype"].items())))
     for key in ("note", "error"):
         if test.get(key):
             lines.append(f"{key}: {test[key]}")

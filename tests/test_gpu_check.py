@@ -48,6 +48,8 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
 
     counts = steps["kernel_tests"]["counts"]
     assert counts["passed"] >= 1 and counts["failed"] == counts["errors"] == 0
+    # the -k subset: two fp32 kernel tests without a dtype in their id, the given-priority op in fp16 (twice)
+    assert steps["kernel_tests"]["by_dtype"] == {"other": {"passed": 2}, "fp16": {"passed": 2}}
     assert steps["kernel_bench"]["result"]["backend"] == "torch" and steps["kernel_bench"]["result"]["decode"]
 
     decode = steps["decode"]
@@ -207,3 +209,20 @@ def test_compiled_step_times_the_benchmark_model_when_asked(tmp_path, monkeypatc
     runs = {(r["policy"], r["compiled"]) for r in entry["results"]}
     assert runs == {("h2o", False), ("full", False), ("h2o", True)}, runs
     assert all(r["context"] == 64 and r["batch"] == 1 for r in entry["results"])
+
+
+def test_kernel_test_outcomes_per_dtype(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" tests="5" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.test_kernels" name="test_decode_matches_reference[bf16-G2-D80-padding]"/>'
+        '<testcase classname="tests.test_kernels" name="test_decay_matches_reference[Q6-perrow-bf16]">'
+        '<failure message="x"/></testcase>'
+        '<testcase classname="tests.test_kernels" name="test_chunk_matches_reference[fp16-G2-D80-strided]"/>'
+        '<testcase classname="tests.test_kernels" name="test_evict_strided_buffers"><skipped/></testcase>'
+        '<testcase classname="tests.test_kernels" name="test_x[fp32-vs-fp16]"/>'
+        '</testsuite></testsuites>')
+    module = gpu_check()
+    assert module.junit_by_dtype(xml) == {"bf16": {"passed": 1, "failed": 1}, "fp16": {"passed": 1},
+                                          "other": {"skipped": 1, "passed": 1}}
+    assert module.junit_counts(xml) == {"passed": 3, "failed": 1, "errors": 0, "skipped": 1}

@@ -55,10 +55,10 @@ def opcheck(op, args):
 
 @runs_kernels
 @pytest.mark.parametrize("name,q_len,decay,dtype", [
-    ("decode_attend", 1, 0.5, torch.float32),
-    ("decode_attend", 1, "rows", torch.float16),
-    ("chunk_attend", 5, 1.0, torch.float32),
-    ("chunk_attend", 4, "rows", torch.bfloat16),
+    pytest.param("decode_attend", 1, 0.5, torch.float32, id="decode-fp32-decay0.5"),
+    pytest.param("decode_attend", 1, "rows", torch.float16, id="decode-fp16-decayperrow"),
+    pytest.param("chunk_attend", 5, 1.0, torch.float32, id="chunk-fp32"),
+    pytest.param("chunk_attend", 4, "rows", torch.bfloat16, id="chunk-bf16-decayperrow"),
 ])
 def test_attention_ops_pass_opcheck_and_match_the_reference(seed, name, q_len, decay, dtype):
     inputs, _ = make_inputs(2, 2, 2, q_len, 19, 32, dtype, padding=True, strided=True)
@@ -80,7 +80,7 @@ def compare_eviction(seed, run_op, run_reference, state):
 
 
 @runs_kernels
-@pytest.mark.parametrize("value_norm", [False, True])
+@pytest.mark.parametrize("value_norm", [pytest.param(False, id="fp16"), pytest.param(True, id="fp16-valuenorm")])
 def test_evict_and_insert_op(seed, value_norm):
     state, new = make_evict_inputs(2, 2, 21, 32, torch.float16, ties=True, value_norm=value_norm)
     norms = (state[6], new[5]) if value_norm else (None, None)
@@ -95,9 +95,10 @@ def test_evict_and_insert_op(seed, value_norm):
 
 @runs_kernels
 @pytest.mark.parametrize("policy", [
-    dict(recent=4, sinks=0),  # h2o
-    dict(recent=3, sinks=4, oldest_first=True),  # sink
-    dict(recent=per_seq(2, 5), sinks=per_seq(4, 1), by_age=True, value_eps=0.25),  # mean with value norms, per row
+    pytest.param(dict(recent=4, sinks=0), id="bf16-h2o"),
+    pytest.param(dict(recent=3, sinks=4, oldest_first=True), id="bf16-sink"),
+    pytest.param(dict(recent=per_seq(2, 5), sinks=per_seq(4, 1), by_age=True, value_eps=0.25),
+                 id="bf16-mean-valueeps-perrow"),
 ])
 def test_evict_by_policy_op(seed, policy):
     state, new = make_policy_state(2, 2, 24, 32, torch.bfloat16, ties=True, recent=policy["recent"],

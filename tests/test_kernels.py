@@ -352,9 +352,9 @@ def make_evict_inputs(batch, kv_heads, slots, head_dim, dtype, ties, value_norm=
 
 
 @pytest.mark.parametrize("dtype,slots,head_dim,ties,block_s,value_norm", [
-    (torch.float32, 37, 80, False, None, False),
-    (torch.bfloat16, 40, 64, True, 16, True),
-    (torch.float16, 21, 64, True, 16, False),
+    pytest.param(torch.float32, 37, 80, False, None, False, id="fp32-S37-D80"),
+    pytest.param(torch.bfloat16, 40, 64, True, 16, True, id="bf16-ties-valuenorm"),
+    pytest.param(torch.float16, 21, 64, True, 16, False, id="fp16-ties"),
 ])
 @runs_kernels
 def test_evict_matches_reference(dtype, slots, head_dim, ties, block_s, value_norm):
