@@ -154,6 +154,10 @@ def test_decode_stops_starting_measurements_when_the_time_is_spent(tmp_path):
     assert decode["status"] == "partial" and decode["results"] == [] and decode["capacity"] == []
     assert len(decode["skipped"]) == 2 + 1  # two (context, batch) points and the capacity run
     assert all("time limit" in line for line in decode["skipped"])
+    module.compiled_torch(report, spent)
+    compiled = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["compiled_torch"]
+    assert "agreement" not in compiled and any("time limit" in line for line in compiled["skipped"])
+    assert compiled["status"] == "partial"
 
 
 def test_steps_option_runs_the_named_steps_only(tmp_path, capsys):
