@@ -236,7 +236,6 @@ def decode_run(model, ids, policy, steps, monkeypatch, decoder=None, kernels="tr
 @pytest.mark.parametrize("family,policy", [
     ("llama", "h2o"),  # the default policy, GQA
     ("neox", "h2o"),
-    ("llama", "sink"),  # oldest-first rank, sinks
     ("opt", "mean:decay=0.5:value_eps=0.1"),  # decayed scores in the decode kernel, value norms in the eviction
 ])
 def test_compiled_triton_decode_is_one_graph_of_opaque_ops(seed, monkeypatch, fresh_dynamo, family, policy):
