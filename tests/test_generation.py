@@ -96,6 +96,8 @@ def test_generate_with_an_evicting_cache_matches_h2ochats_loop(family, temperatu
     for layer_idx, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
         order_a, order_b = a.token_index.argsort(-1), b.token_index.argsort(-1)
         assert torch.equal(a.token_index.gather(2, order_a), b.token_index.gather(2, order_b)), f"layer {layer_idx}"
+        # under generate() the cache numbers each step when its first layer attends: the same positions
+        assert torch.equal(a.positions.gather(2, order_a), b.positions.gather(2, order_b)), f"layer {layer_idx}"
         torch.testing.assert_close(a.scores.gather(2, order_a), b.scores.gather(2, order_b), rtol=1e-5, atol=1e-6)
 
 
