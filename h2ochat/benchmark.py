@@ -86,7 +86,8 @@ def _drawn_where_used(generator: torch.Generator, device: torch.device) -> torch
 
 
 def fill_synthetic_dynamic(cache, context: int, generator: torch.Generator) -> None:
-    """The same for a transformers ``DynamicCache`` already holding one token per layer."""
+    """``H2OCache.assume_seen`` for a transformers ``DynamicCache`` already holding one token per layer:
+    ``context`` random keys and values per layer."""
     generator = _drawn_where_used(generator, cache.layers[0].keys.device)
     for layer in cache.layers:
         for name in ("keys", "values"):
