@@ -13,6 +13,10 @@ before its attention function. ``update`` records the new keys as pending and th
 ``h2o`` attention function (attention.py) attends them through ``H2OLayer.attend``. A pending step
 nobody attended (the model runs another attention implementation) raises at the next ``update``.
 
+Positions and token indices have one source: the cache numbers each step's new tokens once
+(``H2OCache.position_ids``) and every layer records exactly those numbers; a re-numbering maps each
+row's held tokens to new positions as a function of their old ones, so every layer and head agrees.
+
 One cache can serve a batch whose rows follow different policies and budgets (``H2OCache.for_rows``,
 used by ``h2ochat eval``): each layer then allocates the largest row's slots, and a row with fewer
 slots leaves its spare ones unused once it holds its own number of tokens, so it evicts exactly as
