@@ -171,7 +171,10 @@ class Repl:
                 if command is None:
                     self.say(f"unknown command {name}; /help lists the commands", style="yellow")
                     return
-                command(argument.strip())
+                try:
+                    command(argument.strip())
+                except KeyboardInterrupt:  # e.g. a long re-read: every command is all or nothing
+                    self.say("(cancelled: the conversation is as it was)", style="yellow")
             else:
                 self.reply(line[1:] if line.startswith("//") else line)
         except Exception as exc:

@@ -89,6 +89,20 @@ def test_a_refeed_that_fails_half_way_keeps_the_old_cache(loaded, monkeypatch):
     assert repl.conv.cache is before["cache"] and len(repl.conv.messages) == 4
 
 
+def test_ctrl_c_during_a_re_read_cancels_the_command_and_keeps_the_session(loaded, monkeypatch):
+    repl, out = chat(loaded)
+    type_lines(repl, ["hello there"])
+    before = snapshot(repl.conv)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("h2ochat.chat.prefill", interrupted)
+    assert type_lines(repl, ["/budget 20"]) == 0  # the session goes on to /bye
+    monkeypatch.undo()
+    assert snapshot(repl.conv) == before and "cancelled" in out.getvalue()
+
+
 def test_a_failed_turn_leaves_no_unanswered_turn_in_the_file(loaded, tmp_path, monkeypatch):
     log = ConversationLog("tiny", tmp_path)
     repl, out = chat(loaded, log=log)
