@@ -108,26 +108,55 @@ def history_text(rng: random.Random, chars: int) -> str:
     return source[start: start + chars]
 
 
-async def chat(url: str, args, rng: random.Random, record: list[dict], turns: int,
-               server: ServerProcess | None = None) -> None:
+class Dialogue:
     """One conversation, turn after turn: a chat, or with ``--completions`` one growing text (models
     without a chat template, e.g. ``--random-weights``)."""
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+
+    def __init__(self, args, rng: random.Random):
+        self.args, self.rng, self.turns = args, rng, 0
         opening = "Read this and answer my questions about it.\n\n" + history_text(rng, args.history_chars)
-        messages, text = [{"role": "user", "content": opening}], opening
-        for number in range(1, turns + 1):
-            if number > 1:
-                said = history_text(rng, args.user_chars)
-                messages.append({"role": "user", "content": said})
-                text += "\n" + said
-            cpu = server.cpu_seconds() if server else 0.0
-            reply = await turn(http, text if args.completions else messages, args, record, number)
-            if server:  # the server's CPU time for this turn (one thread: its compute, whatever the load)
-                record[-1]["cpu_s"] = server.cpu_seconds() - cpu
-            if not reply:
+        self.messages, self.text = [{"role": "user", "content": opening}], opening
+
+    async def turn(self, http: httpx.AsyncClient, record: list[dict], server: ServerProcess | None = None) -> bool:
+        """The next turn; False when it was refused or failed. With ``server``, the turn's record
+        gets the server's CPU seconds for it (one thread: its compute)."""
+        self.turns += 1
+        if self.turns > 1:
+            said = history_text(self.rng, self.args.user_chars)
+            self.messages.append({"role": "user", "content": said})
+            self.text += "\n" + said
+        cpu = server.cpu_seconds() if server else 0.0
+        reply = await turn(http, self.text if self.args.completions else self.messages, self.args, record, self.turns)
+        if server:
+            record[-1]["cpu_s"] = server.cpu_seconds() - cpu
+        self.messages.append({"role": "assistant", "content": reply})
+        self.text += reply
+        return bool(reply)
+
+
+async def chat(url: str, args, rng: random.Random, record: list[dict], turns: int,
+               server: ServerProcess | None = None) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        dialogue = Dialogue(args, rng)
+        for _ in range(turns):
+            if not await dialogue.turn(http, record, server):
                 return
-            messages.append({"role": "assistant", "content": reply})
-            text += reply
+
+
+async def old_against_new(url: str, args, old: Dialogue, server: ServerProcess, pairs: int) -> dict:
+    """The long chat's next turns against the second turns of new chats, alternating, so both see
+    the same load: (latency, server CPU) of each."""
+    records = {"old": [], "new": []}
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        for number in range(pairs):
+            young = Dialogue(args, random.Random(args.seed + 1000 + number))
+            await young.turn(http, [], server)  # its opening history: not measured
+            await young.turn(http, records["new"], server)
+            await old.turn(http, records["old"], server)
+    return {side: [{"turn": r["turn"], "latency_s": round(r["latency_s"], 3), "server_cpu_s": round(r["cpu_s"], 3),
+                    "prompt_tokens": r["usage"]["prompt_tokens"],
+                    "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"]} for r in rows]
+            for side, rows in records.items()}
 
 
 async def watch(server: ServerProcess, stop: asyncio.Event, seen: dict) -> None:
@@ -199,9 +228,18 @@ def parked_phase(args, log_dir: Path) -> dict:
     try:
         server.wait_ready()
         records: list[dict] = []
+        long_chat = Dialogue(args, random.Random(args.seed))
+
+        async def grow():
+            async with httpx.AsyncClient(base_url=server.url, timeout=3600) as http:
+                for _ in range(args.parked_turns):
+                    if not await long_chat.turn(http, records, server):
+                        return
+
         started = time.perf_counter()
-        asyncio.run(chat(server.url, args, random.Random(args.seed), records, args.parked_turns, server))
+        asyncio.run(grow())
         wall = time.perf_counter() - started
+        paired = asyncio.run(old_against_new(server.url, args, long_chat, server, args.pairs))
         served = [r for r in records if r.get("status") == 200]
         per_turn = [{"turn": r["turn"], "latency_s": round(r["latency_s"], 3), "ttft_s": round(r["ttft_s"], 3),
                      "server_cpu_s": round(r.get("cpu_s", 0.0), 3),
@@ -222,6 +260,13 @@ def parked_phase(args, log_dir: Path) -> dict:
             "server_cpu_median_turns_2_6_s": statistics.median(early_cpu),
             f"server_cpu_median_turns_{last - 4}_{last}_s": statistics.median(late_cpu),
             "server_cpu_ratio_medians": round(statistics.median(late_cpu) / max(statistics.median(early_cpu), 1e-9), 3),
+            "alternating": paired,
+            "alternating_latency_ratio_old_to_new": round(
+                statistics.median(r["latency_s"] for r in paired["old"])
+                / statistics.median(r["latency_s"] for r in paired["new"]), 3),
+            "alternating_cpu_ratio_old_to_new": round(
+                statistics.median(r["server_cpu_s"] for r in paired["old"])
+                / max(statistics.median(r["server_cpu_s"] for r in paired["new"]), 1e-9), 3),
             "peak_rss_bytes": server.peak_rss(),
         }
     finally:
@@ -242,6 +287,8 @@ def main() -> None:
     parser.add_argument("--user-chars", type=int, default=80)
     parser.add_argument("--reply", type=int, default=16, help="tokens per reply")
     parser.add_argument("--parked-turns", type=int, default=50)
+    parser.add_argument("--pairs", type=int, default=5, help="then the long chat's next turns against new chats' "
+                        "second turns, alternating, this many of each")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--phases", default="load,parked")
     parser.add_argument("--completions", action="store_true",
@@ -253,6 +300,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--text", type=Path, default=TEXT, help="where histories and user turns are cut from")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--merge", action="store_true", help="keep what --out holds of the phases not run")
     args = parser.parse_args()
     SOURCE_TEXT.append(args.text.read_text(encoding="utf-8"))
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "h2ochat_serve_load"
@@ -275,6 +323,8 @@ def main() -> None:
         results["parked"] = parked_phase(args, log_dir)
         print(json.dumps({k: v for k, v in results["parked"].items() if k != "per_turn"}), flush=True)
     results["load_average_after"] = os.getloadavg()
+    if args.out and args.out.exists() and args.merge:  # keep the phases not run this time
+        results = {**json.loads(args.out.read_text()), **results}
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
