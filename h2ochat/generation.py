@@ -47,6 +47,22 @@ class CacheSettings:
     decay: float | None = None
     positions: str = "compact"
     seed: int | None = None
+    # two tiers (h2ochat.recall): R of the budget's slots hold tokens recalled from the cold store
+    recall: str | None = None  # slots (64) or a share of the budget (0.5); None: no recall
+    page: int = 16
+    selector: str = "int4"
+    cold_dtype: str = "same"
+    cold_limit: int | None = None
+    recall_every: int = 1
+
+    def recall_config(self, slots: int):
+        """The recall settings for a budget of ``slots``, or None without --recall."""
+        if not self.recall:
+            return None
+        from .recall.tiered import RecallConfig, recall_slots
+
+        return RecallConfig(recall_slots(self.recall, slots), self.page, self.selector, self.cold_dtype,
+                            self.cold_limit, self.recall_every)
 
     def resolved_policy(self) -> Policy:
         """The policy with the knobs given on the command line applied."""
@@ -58,7 +74,8 @@ class CacheSettings:
         if self.positions not in ("compact", "absolute"):
             raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
         slots = parse_budget(self.budget, 1 << 30)
-        self.resolved_policy().split(slots)
+        recall = self.recall_config(slots)
+        self.resolved_policy().split(slots - (recall.slots if recall else 0))
 
     def slots(self, config) -> int:
         return parse_budget(self.budget, max_positions(config))
@@ -77,6 +94,13 @@ class CacheSettings:
         policy = self.resolved_policy()
         if policy.grows and initial_slots:
             slots = initial_slots
+        recall = self.recall_config(slots) if not policy.grows else None
+        if recall is not None:
+            from .recall.tiered import RecallCache
+
+            return RecallCache(config.num_hidden_layers, policy, slots - recall.slots, recall=recall,
+                               max_positions=max_positions(config), positions=self.positions,
+                               rotary=find_rotary(model), seed=self.seed)
         return H2OCache(
             config.num_hidden_layers,
             policy,

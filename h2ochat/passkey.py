@@ -23,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
+from .recall.tiered import recall_slots
 
 KEY_SENTENCE = " The {which}pass key is {key}. Remember it. {key} is the {which}pass key."
 QUESTION = "\nWhat is the {which}pass key? The {which}pass key is"
@@ -116,13 +117,18 @@ class CacheRow:
     label: str
     settings: CacheSettings
     chunk: int = DEFAULT_PREFILL_CHUNK
+    question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: questions token by token (each token recalls for itself)
 
     def runner(self, model, trial: Trial) -> Runner:
         cache = self.settings.build(model, initial_slots=trial.context.shape[1] + trial.question.shape[1] + ANSWER_TOKENS)
-        chunk = self.chunk
+        row = self
 
         class _Run:
+            fed = 0
+
             def feed(self, ids):
+                chunk = row.chunk if self.fed == 0 else row.question_chunk
+                self.fed += 1
                 if ids.shape[1] == 1:
                     return forward(model, cache, ids, logits_to_keep=1)[:, -1]
                 return prefill(model, cache, ids, chunk=chunk)
@@ -225,19 +231,12 @@ def parse_numbers(text: str, kind, name: str) -> list:
     return values
 
 
-def recall_slots(spec: str, slots: int) -> int:
-    """--recall: a count of slots (64) or a fraction of the budget (0.5)."""
-    value = float(spec) if "." in spec else int(spec)
-    count = round(value * slots) if isinstance(value, float) else value
-    if not 0 < count < slots:
-        raise ValueError(f"--recall {spec} must leave the policy some of the {slots} slots and take at least one")
-    return count
-
-
 def build_rows(policies: Sequence[str], budgets: Sequence[int], recalls: Sequence[str], *, page: int = 16,
-               selector: str = "exact", recall_chunk: int = 1, settings: dict | None = None) -> list:
+               selector: str = "int4", recall_chunk: int = 1, masked: bool = False,
+               settings: dict | None = None) -> list:
     """Rows: each policy at each budget through the real cache (``full`` once), then each evicting
-    policy with each --recall through the masked reference simulation."""
+    policy with each --recall through the two-tier cache (``masked``: through the masked reference
+    simulation as well). Recall rows feed the question token by token (``recall_chunk``)."""
     from .policies import get_policy
 
     extra = settings or {}
@@ -252,11 +251,14 @@ def build_rows(policies: Sequence[str], budgets: Sequence[int], recalls: Sequenc
             rows.append(CacheRow(f"{policy.label} {slots}", CacheSettings(policy=spec, budget=str(slots), **extra)))
             for spec_r in recalls:
                 recall = recall_slots(spec_r, slots)
-                if recall % page:
-                    raise ValueError(f"--recall {recall} slots is not a whole number of --page {page} pages")
-                rows.append(MaskedRow(f"{policy.label} {slots} = {slots - recall} hot + {recall} recall ({selector}, "
-                                      f"pages of {page}; masked reference)", spec, slots - recall, recall, page, selector,
-                                      question_chunk=recall_chunk))
+                name = f"{policy.label} {slots} = {slots - recall} hot + {recall} recall ({selector}, pages of {page})"
+                settings_r = CacheSettings(policy=spec, budget=str(slots), recall=str(recall), page=page,
+                                           selector=selector, **extra)
+                settings_r.recall_config(slots)  # bad recall settings fail before the model loads
+                rows.append(CacheRow(name, settings_r, question_chunk=recall_chunk))
+                if masked:
+                    rows.append(MaskedRow(f"{name}; masked reference", spec, slots - recall, recall, page, selector,
+                                          grouping="eviction", question_chunk=recall_chunk))
     return rows
 
 

@@ -57,11 +57,11 @@ def eval_command(
         help="passkey: 2 plants a first and a second key (at depth 1 - d) and asks for both in order.")] = 1,
     recall: Annotated[str, typer.Option("--recall", rich_help_panel=o.CACHE,
         help="passkey: comma-separated recall shares of each budget (64 slots, or 0.5 of it): adds rows with "
-             "evicted tokens recallable, run through the masked reference simulation for now.")] = "",
+             "evicted tokens recallable (the two-tier cache).")] = "",
     page: Annotated[int, typer.Option("--page", min=1, rich_help_panel=o.CACHE,
         help="passkey --recall: tokens per cold page.")] = 16,
     selector: Annotated[str, typer.Option("--selector", rich_help_panel=o.CACHE,
-        help="passkey --recall: how pages are scored (exact, quest, int4, ...).")] = "exact",
+        help="passkey --recall: how pages are scored (int4: keys as 4-bit codes on the device; exact).")] = "int4",
     plot: Annotated[Optional[Path], typer.Option("--plot", rich_help_panel=o.OUTPUT,
         help="Write a PNG of perplexity against budget, one line per policy.")] = None,
 ):

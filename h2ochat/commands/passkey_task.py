@@ -49,9 +49,8 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
     report = {"task": "passkey", "model": loaded.name, "text": Path(text).name, "lengths": length_list,
               "depths": depth_list, "keys": keys, "facts": facts, "budgets": budgets, "seed": seed, "results": results,
               "summary": summary}
-    masked = [r for r in rows if isinstance(r, pk.MaskedRow)]
-    if masked:
-        report["selector"] = {"name": selector, "page": page}
+    if recalls:
+        report["recall"] = {"selector": selector, "page": page, "question": "token by token"}
     if as_json:
         print(json.dumps(report, indent=2))
         return

@@ -56,6 +56,19 @@ class RecallConfig:
         raise ValueError(f"the two-tier cache scores pages with exact or int1..int8 keys, not {self.selector!r}")
 
 
+def recall_slots(spec: str, slots: int) -> int:
+    """--recall: a count of slots (64) or a share of the budget written with a point (0.5)."""
+    text = str(spec).strip()
+    try:
+        value = float(text) if "." in text else int(text)
+    except ValueError:
+        raise ValueError(f"--recall takes a slot count (64) or a share of the budget (0.5), got {text!r}") from None
+    count = round(value * slots) if isinstance(value, float) else value
+    if not 0 < count < slots:
+        raise ValueError(f"--recall {text} must leave the policy some of the {slots} slots and take at least one")
+    return count
+
+
 class RecallLayer(H2OLayer):
     def allocate(self, batch, heads, head_dim, value_dim, dtype, device) -> None:
         config: RecallConfig = self.owner.recall
