@@ -103,6 +103,16 @@ class ChatSettings:
         return asdict(self)
 
     @classmethod
+    def from_options(cls, options: dict) -> "ChatSettings":
+        """Settings from a command's options named as the fields (``run``'s: every field is one; the
+        sampling seed is the cache's too). UserError for a bad value."""
+        own = {f.name: options[f.name] for f in fields(cls) if f.name != "cache" and f.name in options}
+        cache = CacheSettings(**{f.name: options[f.name] for f in fields(CacheSettings) if f.name in options})
+        settings = cls(**own, cache=cache)
+        settings.validate()
+        return settings
+
+    @classmethod
     def from_json(cls, data: dict) -> "ChatSettings":
         known = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "cache"}
         names = {f.name for f in fields(CacheSettings)}
@@ -173,8 +183,10 @@ def check_fits(settings: CacheSettings, model) -> None:
         if slots > window and not policy.grows:  # never filled: the positions run out first
             raise UserError(f"budget {settings.budget} is {slots} slots, more than this model's {window}-position "
                             f"context window (1.0 is the whole window)")
-        policy.split(slots)
-        policy.layer_budgets(slots, model.config.num_hidden_layers)
+        recall = settings.recall_config(slots)  # recall slots (--recall) are not the policy's
+        hot = slots - (recall.slots if recall else 0)
+        policy.split(hot)
+        policy.layer_budgets(hot, model.config.num_hidden_layers)
 
 
 @dataclass

@@ -37,6 +37,20 @@ Decay = Annotated[Optional[float], typer.Option("--decay", rich_help_panel=CACHE
 Positions = Annotated[str, typer.Option("--positions", rich_help_panel=CACHE,
     help="compact: re-number cached tokens when the model's position limit is reached, so generation goes on "
          "forever; absolute: keep original positions and stop at the limit (the paper's behaviour).")]
+Recall = Annotated[Optional[str], typer.Option("--recall", rich_help_panel=CACHE,
+    help="Two tiers: R of the budget's slots hold evicted tokens recalled from a cold store when the query wants "
+         "them (a slot count, 64, or a share of the budget written with a point, 0.5). Default: no recall.")]
+Page = Annotated[int, typer.Option("--page", min=1, rich_help_panel=CACHE,
+    help="With --recall: evicted tokens move to the cold store and back in pages of this many tokens.")]
+Selector = Annotated[str, typer.Option("--selector", rich_help_panel=CACHE,
+    help="With --recall: how the pages to recall are chosen: exact (the best q.k of each page) or int1..int8 "
+         "(the keys kept on the device as b-bit codes for scoring).")]
+ColdDtype = Annotated[str, typer.Option("--cold-dtype", rich_help_panel=CACHE,
+    help="With --recall: the cold store keeps keys and values as the model does (same) or as int8.")]
+ColdLimit = Annotated[Optional[int], typer.Option("--cold-limit", min=1, rich_help_panel=CACHE,
+    help="With --recall: tokens per layer and KV head the cold store keeps (the oldest go). Default: all.")]
+RecallEvery = Annotated[int, typer.Option("--recall-every", min=1, rich_help_panel=CACHE,
+    help="With --recall: decode steps between two recalls (prompt chunks always recall).")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, rich_help_panel=CACHE,
     help="Prompt tokens fed per forward; peak KV memory is slots + chunk whatever the prompt length.")]
 

@@ -38,6 +38,12 @@ SAMPLE = {
     "sinks": ("2", 2),
     "decay": ("0.9", 0.9),
     "positions": ("absolute", "absolute"),
+    "page": ("4", 4),  # before recall: 8 recall slots are two pages of 4, not half of one of 16
+    "recall": ("8", "8"),
+    "selector": ("exact", "exact"),
+    "cold_dtype": ("int8", "int8"),
+    "cold_limit": ("64", 64),
+    "recall_every": ("2", 2),
 }
 
 
@@ -60,7 +66,8 @@ def test_every_setting_round_trips_through_set_its_listing_and_the_file(tiny_che
     assert "error" not in out.getvalue(), out.getvalue()
     for name, (_, value) in SAMPLE.items():
         assert conv.settings.get(name) == value, name
-    assert conv.cache.budget.slots == 24 and conv.cache.policy.name == "mean" and conv.cache.position_mode == "absolute"
+    # 24 slots: 8 for recalled tokens, 16 the policy's
+    assert conv.cache.budget.slots == 24 - 8 and conv.cache.policy.name == "mean" and conv.cache.position_mode == "absolute"
     assert conv.settings.cache.seed == 5  # the random policy draws from the same seed
     shown = dict(line.split(None, 1) for line in out.getvalue().splitlines()[-len(SETTINGS):])  # `/set` alone
     assert list(shown) == list(SETTINGS), out.getvalue()

@@ -59,6 +59,12 @@ def run(
     sinks: o.Sinks = None,
     decay: o.Decay = None,
     positions: o.Positions = "compact",
+    recall: o.Recall = None,
+    page: o.Page = 16,
+    selector: o.Selector = "int4",
+    cold_dtype: o.ColdDtype = "same",
+    cold_limit: o.ColdLimit = None,
+    recall_every: o.RecallEvery = 1,
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     system: Annotated[Optional[str], typer.Option("--system", "-s", envvar="H2OCHAT_SYSTEM", rich_help_panel=o.SAMPLING,
         help="System prompt: text, or the name of a file in prompts/ (e.g. 'concise').")] = None,
@@ -78,12 +84,9 @@ def run(
     compile: o.Compile = False,
 ):
     """Chat with a model through the H2O cache. /help inside lists the commands."""
-    settings = ChatSettings(system=h2ochat_prompts.system_prompt(system) if system else None,
-                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
-                            max_new_tokens=max_new_tokens,
-                            cache=o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay))
-    settings.validate()  # bad values fail before the model loads
+    # every setting is an option of the same name (tests/test_settings_fields.py); bad values fail here,
+    # before the model loads
+    settings = ChatSettings.from_options({**ctx.params, "system": h2ochat_prompts.system_prompt(system) if system else None})
     log, messages = None, []
     if resume_last or conversation_id is not None:
         if resume_last and conversation_id is not None:
