@@ -68,3 +68,16 @@ def test_recall_settings_are_checked():
         RecallConfig(10, 4)
     with pytest.raises(ValueError, match="exact or int"):
         RecallConfig(8, 4, "quest")
+
+
+def test_recall_refuses_to_renumber_for_now(seed):
+    """Until re-numbering maps the cold tier too, passing the position limit stops with a clear error."""
+    from h2ochat.cache import PositionLimitError
+
+    model = build_model("llama", seed=seed)  # 64 positions
+    cache = RecallCache(model.config.num_hidden_layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, "exact"),
+                        max_positions=64, positions="compact", rotary=find_rotary(model))
+    use_h2o_attention(model)
+    forward(model, cache, torch.randint(3, VOCAB, (1, 60)))
+    with pytest.raises(PositionLimitError, match="not built yet"):
+        forward(model, cache, torch.randint(3, VOCAB, (1, 10)))

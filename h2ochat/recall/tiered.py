@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import H2OCache, H2OLayer
+from ..cache import H2OCache, H2OLayer, PositionLimitError
 from .cold_store import ColdStore
 from .digests import KeyCodes
 from .step import RecallFrames, RecallSlots, fill_recall_slots
@@ -168,8 +168,8 @@ class RecallCache(H2OCache):
         return "recall runs eagerly for now (the recall step is not in the compiled graph)"
 
     def _renumber(self, span: int) -> None:
-        raise NotImplementedError("recall with a compact re-numbering of positions is not built yet: "
-                                  "use --positions absolute, or stay below the model's position limit")
+        raise PositionLimitError("recall with a compact re-numbering of positions is not built yet: the "
+                                 "conversation reached the model's position limit")
 
     def cold_bytes(self) -> int:
         """Host bytes of the cold stores."""
