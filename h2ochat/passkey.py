@@ -126,6 +126,14 @@ class CacheRow:
         class _Run:
             fed = 0
 
+            def memory(self) -> dict:
+                """Device KV bytes and, with recall, the digest's device bytes and the cold store's host bytes."""
+                figures = {"device_kv_bytes": cache.kv_bytes()}
+                if hasattr(cache, "cold_bytes"):
+                    figures.update(digest_device_bytes=cache.digest_bytes(), cold_host_bytes=cache.cold_bytes(),
+                                   pages_copied=sum(int(layer.frames.copied.sum()) for layer in cache.layers))
+                return figures
+
             def feed(self, ids):
                 chunk = row.chunk if self.fed == 0 else row.question_chunk
                 self.fed += 1
@@ -164,6 +172,14 @@ class MaskedRow:
         class _Run:
             fed = 0
 
+            def memory(self) -> dict:
+                """Device KV bytes and, with recall, the digest's device bytes and the cold store's host bytes."""
+                figures = {"device_kv_bytes": cache.kv_bytes()}
+                if hasattr(cache, "cold_bytes"):
+                    figures.update(digest_device_bytes=cache.digest_bytes(), cold_host_bytes=cache.cold_bytes(),
+                                   pages_copied=sum(int(layer.frames.copied.sum()) for layer in cache.layers))
+                return figures
+
             def feed(self, ids):
                 chunk = row.chunk if self.fed == 0 else row.question_chunk
                 self.fed += 1
@@ -197,7 +213,8 @@ def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Cal
     for row in rows:
         for trial in trials:
             started = time.perf_counter()
-            texts = answer(row.runner(model, trial), trial, tokenizer)
+            runner = row.runner(model, trial)
+            texts = answer(runner, trial, tokenizer)
             if model.config._attn_implementation != H2O:
                 model.set_attn_implementation(H2O)
             each = [recalled(key, text) for key, text in zip(trial.keys, texts)]
@@ -206,6 +223,8 @@ def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Cal
                             "recalled": all(each), "seconds": round(time.perf_counter() - started, 2)})
             if trial.more:
                 results[-1].update(keys=trial.keys, answers=texts, recalled_each=each)
+            if hasattr(runner, "memory"):
+                results[-1].update(runner.memory())
             if on_trial is not None:
                 on_trial(results[-1])
     return results

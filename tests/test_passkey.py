@@ -147,6 +147,9 @@ def test_passkey_command_json_has_every_row_and_trial(long_checkpoint, filler_fi
     assert len(report["results"]) == 3 * 4
     for result in report["results"]:
         assert result["recalled"] == pk.recalled(result["key"], result["answer"])
+        assert result["device_kv_bytes"] > 0
+        if "recall" in result["row"]:  # the two-tier rows report the digest (device) and the cold store (host)
+            assert result["digest_device_bytes"] > 0 and result["cold_host_bytes"] > 0 and result["pages_copied"] > 0
     assert {(s["length"], s["depth"]) for s in report["summary"]} == {(40, 0.1), (40, 0.9), (60, 0.1), (60, 0.9)}
 
 
