@@ -224,9 +224,10 @@ def test_2n_concurrent_streams_are_served_or_refused_and_equal_each_alone(server
 def test_a_request_joining_mid_batch_does_not_change_the_others(server, client, seed):
     rng = random.Random(seed)
     first, second = words(rng, 5), words(rng, 9)
-    alone = ask(client, server, first, max_tokens=300, extra_body=IGNORE_EOS).choices[0].message.content
+    # long enough (900 steps) that the second request comes and goes while it runs, even on a busy machine
+    alone = ask(client, server, first, max_tokens=900, extra_body=IGNORE_EOS).choices[0].message.content
     stream = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": first}],
-                                            temperature=0, max_tokens=300, stream=True, extra_body=IGNORE_EOS)
+                                            temperature=0, max_tokens=900, stream=True, extra_body=IGNORE_EOS)
     chunks = iter(stream)
     text = "".join(next(chunks).choices[0].delta.content or "" for _ in range(5))
     joined = ask(client, server, second, max_tokens=8, extra_body=IGNORE_EOS)

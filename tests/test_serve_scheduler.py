@@ -29,7 +29,9 @@ def test_admission_waits_for_a_free_row_and_each_request_equals_itself_alone(see
     rng = random.Random(seed)
     backend = FakeBackend(rows=2)
     scheduler = Scheduler(backend)
-    requests = [make_request(random_prompt(rng), max_tokens=rng.randint(1, 6)) for _ in range(5)]
+    # the first runs long enough for the second to join it (its prompt is read in 3 steps at most)
+    requests = [make_request(random_prompt(rng), max_tokens=20 if number == 0 else rng.randint(1, 6))
+                for number in range(5)]
     for request in requests:
         scheduler.submit(request)
     busiest = 0
@@ -117,8 +119,9 @@ def test_cancelling_a_running_request_frees_its_row_and_leaves_the_others_alone(
     requests = [make_request(random_prompt(rng), max_tokens=30) for _ in range(3)]
     for request in requests:
         scheduler.submit(request)
-    for _ in range(8):
+    while scheduler.rows_in_use < 3:  # all three running (each prompt takes up to 3 steps to read)
         scheduler.step()
+    scheduler.step()
     victim = requests[1]
     row = victim.choices[0].row
     assert scheduler.rows[row] is victim.choices[0]
