@@ -81,3 +81,30 @@ def test_recall_refuses_to_renumber_for_now(seed):
     forward(model, cache, torch.randint(3, VOCAB, (1, 60)))
     with pytest.raises(PositionLimitError, match="not built yet"):
         forward(model, cache, torch.randint(3, VOCAB, (1, 10)))
+
+
+def test_a_left_padded_batch_recalls_as_each_row_alone(family, seed):
+    """Two rows of different prompt lengths, left-padded into one batch: each row's logits are those
+    of the row run alone (the padding is never evicted into the cold store, nor recalled)."""
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+    use_h2o_attention(model)
+    prompts = [torch.randint(3, VOCAB, (30,)), torch.randint(3, VOCAB, (22,))]
+    follow = torch.randint(3, VOCAB, (2, 12))
+
+    def fresh():
+        return _caches(model, "h2o", "exact")[0]
+
+    batch_cache = fresh()
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    mask = torch.zeros(2, 30, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, 30 - len(prompt):], mask[row, 30 - len(prompt):] = prompt, 1
+    got = [forward(model, batch_cache, ids, mask)[:, -1]]
+    got += [forward(model, batch_cache, follow[:, i : i + 1])[:, -1] for i in range(12)]
+    assert all(bool((layer.frames.copied > 0).all()) for layer in batch_cache.layers)  # both rows recalled
+    for row, prompt in enumerate(prompts):
+        alone = fresh()
+        want = [forward(model, alone, prompt.view(1, -1))[:, -1]]
+        want += [forward(model, alone, follow[row : row + 1, i : i + 1])[:, -1] for i in range(12)]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[row : row + 1], w, atol=2e-4, rtol=2e-4)
