@@ -27,7 +27,7 @@ def clean_checkpoint(folder: Path, **config) -> Path:
     vocab = tokenizer.get_vocab()
     keep = {vocab[name] for name in STOP_TOKENS}
     for token in range(model.config.vocab_size):
-        text = tokenizer.decode([token])
+        text = tokenizer.decode([token], skip_special_tokens=True)  # <s>, <pad>: "" (never chosen)
         if token not in keep and not (text and text.isascii() and text.isprintable()):
             with torch.no_grad():
                 model.lm_head.weight[token].zero_()
