@@ -5,11 +5,13 @@ H2OCHAT_KERNELS=triton (the kernels under the Triton interpreter, on the CPU). E
 whichever entry the cache uses (``evict_by_policy``, fused, or ``evict_and_insert`` with a priority). The prompt is fed in
 chunks (the chunk kernel, with and without cached slots, with left padding), then tokens are decoded
 greedily past the cache budget, so the decode kernel and the eviction kernel run too. Both runs
-must pick the same tokens, with close logits and close accumulated scores in every layer.
+are fed the same tokens and must give close logits, the same kept tokens (up to an eviction whose
+candidates tie within rounding) and close accumulated scores in every layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -20,6 +22,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from conftest import triton_interpreter_ready  # noqa: E402
+from lockstep import EvictionRecorder, lockstep  # noqa: E402
 
 in_process = pytest.mark.skipif(not triton_interpreter_ready(), reason="triton was imported before TRITON_INTERPRET=1 "
                                 "(conftest.py sets it first: run through pytest from the repository)")
@@ -39,22 +42,31 @@ def _tiny_llama(seed: int):
     return LlamaForCausalLM._from_config(config, attn_implementation="h2o", dtype=torch.float32).eval()
 
 
-def _run(model, backend: str, prompt, mask, new_tokens: int, policy: str):
-    from h2ochat.generation import CacheSettings, forward, prefill
-
+@contextlib.contextmanager
+def _kernels(backend: str):
     os.environ["H2OCHAT_KERNELS"] = backend
     try:
-        cache = CacheSettings(policy=policy, budget="12", heavy_ratio=0.5).build(model)
-        logits = prefill(model, cache, prompt, mask, chunk=4)
-        tokens, all_logits = [], [logits]
-        for _ in range(new_tokens):
-            nxt = logits.argmax(dim=-1)
-            tokens.append(nxt)
-            logits = forward(model, cache, nxt.unsqueeze(1), logits_to_keep=1)[:, -1]
-            all_logits.append(logits)
-        return torch.stack(tokens, 1), torch.stack(all_logits, 1), cache
+        yield
     finally:
         del os.environ["H2OCHAT_KERNELS"]
+
+
+def _prefilled(model, backend: str, prompt, mask, policy: str):
+    from h2ochat.generation import CacheSettings, prefill
+
+    with _kernels(backend):
+        cache = CacheSettings(policy=policy, budget="12", heavy_ratio=0.5).build(model)
+        return cache, prefill(model, cache, prompt, mask, chunk=4)
+
+
+def _decoder(model, cache, backend: str):
+    from h2ochat.forward_step import forward
+
+    def decode(tokens):
+        with _kernels(backend):
+            return forward(model, cache, tokens.unsqueeze(1), logits_to_keep=1)[:, -1]
+
+    return decode
 
 
 @in_process
@@ -84,18 +96,24 @@ def test_triton_and_torch_decode_the_same(monkeypatch, policy):
         monkeypatch.setattr(dispatch, name, spy)
         monkeypatch.setattr(sys.modules["h2ochat_kernels"], name, spy)
 
-    want_tokens, want_logits, want_cache = _run(model, "torch", prompt, mask, new_tokens=8, policy=policy)
+    want_cache, want_logits = _prefilled(model, "torch", prompt, mask, policy)
     assert {b for _, b in calls} == {"torch"}
     calls.clear()
-    got_tokens, got_logits, got_cache = _run(model, "triton", prompt, mask, new_tokens=8, policy=policy)
-    assert {b for _, b in calls} == {"triton"}
+    got_cache, got_logits = _prefilled(model, "triton", prompt, mask, policy)
+    msg = f"seed={seed} policy={policy}"
+    assert torch.allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4), msg
+    # both fed the torch run's greedy tokens; where two slots' priorities tie within rounding the
+    # runs may keep different tokens, and the comparison stops there (tests/lockstep.py)
+    recorder = EvictionRecorder(want_cache)
+    with recorder.recording():
+        compared = lockstep(_decoder(model, want_cache, "torch"), _decoder(model, got_cache, "triton"), want_logits, 8,
+                            atol=1e-4, rtol=1e-4, recorder=recorder, caches=(want_cache, got_cache), where=msg)
+    assert ("attend_with_scores", "triton") in calls, msg  # the triton run's decode steps took the kernels
     evictions = {name for name, backend in calls if name.startswith("evict") and backend == "triton"}
     assert evictions, "the run never evicted: raise new_tokens"
-
-    msg = f"seed={seed} policy={policy} evictions={sorted(evictions)}"
-    assert torch.equal(got_tokens, want_tokens), msg
-    assert torch.allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4), msg
     assert want_cache.evicted_tokens() > 0, msg
+    if compared < 8:
+        return  # a legitimate near-tie; everything up to it agreed
     for mine, ref in zip(got_cache.layers, want_cache.layers):
         assert torch.equal(mine.token_index, ref.token_index), msg
         assert torch.equal(mine.positions, ref.positions), msg
