@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -55,10 +54,13 @@ def test_history_lists_date_model_turns_and_first_line_newest_first(home):
     folder = history.conversations_dir()
     older = history.ConversationLog("opt-125m", folder, id="20240101-000000-aaaa")
     older.save(conversation([("user", "old question"), ("assistant", "old answer")]))
-    time.sleep(0.01)
     newer = history.ConversationLog("smollm2-135m", folder, id="20240202-000000-bbbb")
     newer.save(conversation([("user", "\n  what is a heavy hitter?\nsecond line"), ("assistant", "a token"),
                              ("user", "thanks"), ("assistant", "welcome")]))
+    # the order by modification time, set rather than waited for (a sleep can fall within the clock's step)
+    older_file = next(folder.glob("20240101-000000-aaaa*.json"))
+    stamp = older_file.stat().st_mtime
+    os.utime(older_file, (stamp - 60, stamp - 60))
     (folder / "20240303-000000-cccc.json").write_text("not json")
     os.utime(folder / "20240303-000000-cccc.json", (0, 0))  # the oldest file
     result = runner.invoke(app, ["history"])
