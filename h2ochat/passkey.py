@@ -172,14 +172,6 @@ class MaskedRow:
         class _Run:
             fed = 0
 
-            def memory(self) -> dict:
-                """Device KV bytes and, with recall, the digest's device bytes and the cold store's host bytes."""
-                figures = {"device_kv_bytes": cache.kv_bytes()}
-                if hasattr(cache, "cold_bytes"):
-                    figures.update(digest_device_bytes=cache.digest_bytes(), cold_host_bytes=cache.cold_bytes(),
-                                   pages_copied=sum(int(layer.frames.copied.sum()) for layer in cache.layers))
-                return figures
-
             def feed(self, ids):
                 chunk = row.chunk if self.fed == 0 else row.question_chunk
                 self.fed += 1

@@ -109,6 +109,21 @@ def _pairs_switching(model, real_run, masked_run, trial, follow):
     return _logits_along(Switching(masked_run, MaskedRecall.attach), Switching(real_run, use_h2o_attention), trial, follow)
 
 
+def test_run_records_both_row_kinds_and_the_real_cache_memory(seed):
+    """passkey.run over a real-cache row and a masked-reference row: one record per (row, trial),
+    the real row with its device KV bytes (the masked row keeps a full cache: it reports none)."""
+    model = build_model("llama", seed=seed, max_position_embeddings=512)
+    tok = CharTokenizer()
+    trials = pk.make_trials(tok, FILLER, [80], [0.5], 1, seed=seed)
+    rows = [pk.CacheRow("h2o 24", CacheSettings(policy="h2o", budget="24"), chunk=40),
+            pk.MaskedRow("masked h2o 24", "h2o", 24, 0, chunk=40)]
+    results = pk.run(model, tok, trials, rows)
+    assert [r["row"] for r in results] == ["h2o 24", "masked h2o 24"]
+    layers, kv_heads, head_dim = 2, 2, 16
+    assert results[0]["device_kv_bytes"] == layers * 2 * 24 * kv_heads * head_dim * 4
+    assert "device_kv_bytes" not in results[1]
+
+
 # -- the command ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
