@@ -335,10 +335,15 @@ def test_bad_input_gets_openai_errors_and_the_server_goes_on(server, client):
 KEY = "sekrit"
 
 
+STRICT_POSITIONS = 8192  # room for a request that holds the one row for thousands of steps
+
+
 @pytest.fixture(scope="module")
-def strict(checkpoint, tmp_path_factory):
+def strict(tmp_path_factory):
+    fresh("serve-strict-model")
+    checkpoint = clean_checkpoint(tmp_path_factory.mktemp("strict-llama"), max_position_embeddings=STRICT_POSITIONS)
     with running(checkpoint, "--budget", str(BUDGET), "--positions", "absolute", "--max-sequences", "1",
-                 "--max-queue", "1", "--api-key", KEY, log_dir=tmp_path_factory.mktemp("strict-log")) as process:
+                 "--max-queue", "1", "--max-tokens", "10000", "--api-key", KEY, log_dir=tmp_path_factory.mktemp("strict-log")) as process:
         yield process
 
 
@@ -353,12 +358,12 @@ def test_an_api_key_is_required_when_set(strict):
 def test_a_prompt_past_the_position_limit_is_context_length_exceeded(strict, seed):
     rng = random.Random(seed)
     client = openai.OpenAI(base_url=strict.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    long_text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz,.;") for _ in range(3000))  # > 1024 tokens
+    long_text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz,.;") for _ in range(12000))  # > 8192 tokens
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, strict, long_text, max_tokens=5)
     assert caught.value.status_code == 400 and caught.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as caught:
-        ask(client, strict, "hello there", max_tokens=1020)
+        ask(client, strict, "hello there", max_tokens=STRICT_POSITIONS - 4)
     assert caught.value.code == "context_length_exceeded"
     assert ask(client, strict, "hello there", max_tokens=4).usage.completion_tokens >= 1
 
@@ -367,14 +372,15 @@ def test_a_full_queue_is_429_with_retry_after(strict, seed):
     client = openai.OpenAI(base_url=strict.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"model": strict.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    holder = ask(client, strict, "hold the row", max_tokens=900, stream=True, extra_body=IGNORE_EOS)
+    holder = ask(client, strict, "hold the row", max_tokens=8000, stream=True, extra_body=IGNORE_EOS)
     for chunk in holder:  # the role chunk comes at once; the first text comes from the row
         if chunk.choices and chunk.choices[0].delta.content:
             break
     waiting = {}
     waiter = threading.Thread(target=lambda: waiting.update(response=post(strict, body, headers=auth)))
     waiter.start()
-    values = strict.wait_metrics(lambda v: v["requests_waiting"] == 1)
+    # (the gauges are refreshed after each engine step: wait for both to be seen)
+    values = strict.wait_metrics(lambda v: v["requests_waiting"] == 1 and v["rows_in_use"] == 1)
     assert values["requests_waiting"] == 1 and values["rows_in_use"] == 1
     refused = post(strict, body, headers=auth)
     assert_error(refused, 429, code="rate_limit_exceeded")
