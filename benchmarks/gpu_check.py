@@ -30,6 +30,10 @@ next step runs. Steps:
    decoding eagerly and compiled on the same tokens (agreement of tokens and kept slots, ms/step,
    compile time), then OPT-6.7B timed compiled next to eager at context 4096. Dynamo does not
    guard on the environment: each step resets dynamo before and after.
+7. serve_load: ``benchmarks/serve_load.py``'s load phase in a subprocess: long chats sent turn after
+   turn through ``h2ochat serve``, h2o at the budget against the full-cache server under the same KV
+   memory (rows, chats at once, output tokens/s, TTFT, inter-token latency); skipped where the
+   server's packages (starlette, uvicorn, httpx2) are missing.
 
 Imports only what it needs (torch, transformers, h2ochat.models, h2ochat.benchmark): the GPU
 machine has no prompt-toolkit, gguf or matplotlib, and pytest only if installed there.
@@ -101,6 +105,8 @@ class Profile:
     small_layers: int  # layers of the small model (SmolLM2-135M's configuration) of the agreement checks
     small_shape: tuple  # (batch, prompt tokens, slots, decode steps) of the agreement checks
     compile_backend: str | None  # torch.compile backend of the compiled steps (None: the app's, inductor)
+    serve_args: tuple  # benchmarks/serve_load.py's arguments: h2o and full-cache servers under one KV cap
+    serve_timeout: int
 
 
 GPU = Profile(
@@ -114,6 +120,10 @@ GPU = Profile(
     kv_cap=16 * GIB, max_batch=64,
     compiled_batches=(32,), target_point=(4096, 32), budget_s=540,
     small_layers=8, small_shape=(4, 512, 128, 48), compile_backend=None,  # 8 of 30 layers: a shorter inductor compile
+    serve_args=("--model", "opt-6.7b", "--random-weights", "--completions", "--device", "cuda", "--dtype", "float16",
+                "--budget", "0.2", "--full-budget", "1.0", "--kv-memory", "16GiB", "--chats", "48", "--turns", "2",
+                "--history-chars", "12000", "--reply", "32", "--phases", "load"),
+    serve_timeout=240,
 )
 DRY = Profile(
     name="dry-run", device="cpu",
@@ -128,6 +138,10 @@ DRY = Profile(
     kv_cap=8 * MIB, max_batch=2,  # h2o fits 8 sequences of 64 tokens, full 1
     compiled_batches=(), target_point=(64, 2), budget_s=300,  # ~1 min on 2 idle cores; a loaded machine must not skip
     small_layers=2, small_shape=(2, 24, 16, 6), compile_backend="aot_eager",  # inductor's C++ takes minutes here
+    serve_args=("--model", "opt-125m", "--random-weights", "--completions", "--device", "cpu", "--dtype", "float32",
+                "--budget", "16", "--full-budget", "64", "--kv-memory", "1MiB", "--chats", "2", "--turns", "2",
+                "--history-chars", "300", "--user-chars", "20", "--reply", "4", "--phases", "load"),
+    serve_timeout=200,
 )
 
 
@@ -547,6 +561,34 @@ def compiled_torch(report: Report, profile: Profile) -> None:
     compiled(report, profile, "torch")
 
 
+# -- step 7: the server under load ----------------------------------------------------------------
+
+SERVER_MODULES = ("starlette", "uvicorn", "httpx2")  # h2ochat serve and the load generator need them
+
+
+def serve_load(report: Report, profile: Profile) -> None:
+    """``benchmarks/serve_load.py``'s load phase: many long chats through the HTTP API, h2o against
+    the full-cache server under the same KV memory (concurrent chats, tokens/s, TTFT, inter-token)."""
+    with timed_step(report, "serve_load") as entry:
+        out = report.out / "serve_load.json"
+        args = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), *profile.serve_args, "--out", str(out)]
+        entry["command"] = shlex.join(["python", "benchmarks/serve_load.py", *args[2:]])
+        missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+        if missing:
+            entry.update(status="skipped", note=f"not installed here: {', '.join(missing)} (carry their wheels)")
+            return
+        code, _, err = run_process(args, {}, profile.serve_timeout)
+        entry["exit_code"] = code
+        entry["stderr_tail"] = err[-2000:]
+        if code is None:
+            entry["status"] = f"timeout after {profile.serve_timeout}s"
+        elif code != 0 or not out.is_file():
+            entry["status"] = "failed"
+        else:
+            data = json.loads(out.read_text())
+            entry["result"] = {name: data[name] for name in ("h2o", "full", "h2o_vs_full") if name in data}
+
+
 # -- verdicts -------------------------------------------------------------------------------------
 
 def verdict(value: float | None, threshold: float, why_missing: str) -> dict:
@@ -684,6 +726,26 @@ def markdown(data: dict) -> str:
             lines += [""] + _agreement_table([("compiled vs eager", agreement)])
         lines += _timing_tables(block, "compiled")
         lines += _errors(block)
+
+    served = steps.get("serve_load", {})
+    lines += ["", "## 7. The server under load", "", _status(served) + (f": `{served['command']}`" if "command" in served else "")]
+    if served.get("note"):
+        lines.append(served["note"])
+    result = served.get("result") or {}
+    runs = [(name, result[name]) for name in ("h2o", "full") if name in result]
+    if runs:
+        fmt = lambda v, unit="": "-" if v is None else f"{v:.3g}{unit}"  # noqa: E731
+        lines += [""] + _table(["server", "budget", "rows", "chats at once", "turns served", "output tok/s",
+                                "TTFT p50", "inter-token p50"],
+                               [[name, r.get("budget"), r.get("rows"), r.get("max_concurrent_chats"), r.get("turns_served"),
+                                 fmt(r.get("output_tokens_per_s")), fmt(r.get("ttft_p50_s"), " s"),
+                                 fmt(r.get("itl_p50_s"), " s")] for name, r in runs])
+        ratios = result.get("h2o_vs_full") or {}
+        lines.append("")
+        lines.append("h2o against full: " + ", ".join(f"{k.replace('_', ' ')} {fmt(v, 'x')}" for k, v in ratios.items()))
+    elif served.get("stderr_tail"):
+        lines += ["", "```", served["stderr_tail"][-1500:].strip(), "```"]
+    lines += _errors(served)
     return "\n".join(lines)
 
 
@@ -722,7 +784,7 @@ def _errors(block: dict) -> list[str]:
 
 # the steps in the order a full run takes them: the cheap checks first, the model timings last
 STEPS = {"kernel_tests": kernel_tests, "kernel_bench": kernel_bench, "bf16_vs_fp32": bf16_vs_fp32, "decode": decode,
-         "compiled_triton": compiled_triton, "compiled_torch": compiled_torch}
+         "compiled_triton": compiled_triton, "compiled_torch": compiled_torch, "serve_load": serve_load}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,7 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     assert data["dry_run"] is True
     steps = data["steps"]
     assert list(steps) == ["kernel_tests", "kernel_bench", "bf16_vs_fp32", "decode", "compiled_triton",
-                           "compiled_torch"]
+                           "compiled_torch", "serve_load"]
     for name, step in steps.items():
         want = "skipped" if name == "compiled_triton" else "ok"  # Triton compiled needs CUDA
         assert step["status"] == want and step["seconds"] >= 0, (name, step)
@@ -76,6 +76,11 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     assert agreement["compile_s"] > 0 and agreement["compiled_ms_per_step"] > 0
     assert steps["compiled_torch"]["environment"] == "H2OCHAT_KERNELS=torch"
     assert "CUDA" in steps["compiled_triton"]["note"]
+    # the server under load: h2o serves the long chats (4-token replies, eos ignored); the full-cache
+    # server, given the same KV memory for a 64-slot window, refuses histories longer than that
+    served = steps["serve_load"]["result"]
+    assert served["h2o"]["turns_served"] > 0 and served["h2o"]["completion_tokens"] == 4 * served["h2o"]["turns_served"]
+    assert served["full"]["turns_served"] < served["h2o"]["turns_served"]
 
     targets = data["targets"]
     assert targets["kernel_bandwidth"]["verdict"] == "N/A"  # no Triton timing on the CPU
@@ -85,7 +90,8 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
 
     for section in ("## Targets", "## 1. Kernel tests", "## 2. Kernel benchmark", "## 3. bf16 against fp32",
                     "## 4. Decode", "ms per decode step", "Largest batch under", "## 5. Compiled decode",
-                    "## 6. Compiled decode, H2OCHAT_KERNELS=torch", "compiled vs eager", "bf16 vs fp32"):
+                    "## 6. Compiled decode, H2OCHAT_KERNELS=torch", "compiled vs eager", "bf16 vs fp32",
+                    "## 7. The server under load", "h2o against full"):
         assert section in markdown, section
     for target in targets.values():
         assert target["target"] in markdown and f"**{target['verdict']}**" in markdown
