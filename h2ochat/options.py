@@ -65,9 +65,10 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Prin
 
 
 def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: int | None, positions: str,
-                   seed: int | None, decay: float | None = None) -> CacheSettings:
+                   seed: int | None, decay: float | None = None, **recall) -> CacheSettings:
+    """``recall``: the two-tier fields (recall, page, selector, cold_dtype, cold_limit, recall_every)."""
     settings = CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
-                             positions=positions, seed=seed)
+                             positions=positions, seed=seed, **recall)
     with user_input():  # these are the options as typed: a bad one is the user's to fix
         settings.validate()
     return settings

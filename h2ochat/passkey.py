@@ -129,9 +129,9 @@ class CacheRow:
             def memory(self) -> dict:
                 """Device KV bytes and, with recall, the digest's device bytes and the cold store's host bytes."""
                 figures = {"device_kv_bytes": cache.kv_bytes()}
-                if hasattr(cache, "cold_bytes"):
-                    figures.update(digest_device_bytes=cache.digest_bytes(), cold_host_bytes=cache.cold_bytes(),
-                                   pages_copied=sum(int(layer.frames.copied.sum()) for layer in cache.layers))
+                if hasattr(cache, "tier_record"):
+                    tier = cache.tier_record()
+                    figures.update({name: tier[name] for name in ("digest_device_bytes", "cold_host_bytes", "pages_copied")})
                 return figures
 
             def feed(self, ids):

@@ -22,9 +22,12 @@ def peak_memory_bytes(device: torch.device | str) -> int:
 
 def cache_record(cache: H2OCache) -> dict:
     budget = cache.budget
+    # --recall: the cold tier beside the device slots (None without it); its recall slots are device
+    # slots of the budget too, beside the policy's hot ones
+    tier = cache.tier_record() if hasattr(cache, "tier_record") else None
     return {
         "policy": cache.policy.name,
-        "kv_slots": cache.layers[0].capacity,
+        "kv_slots": cache.layers[0].capacity + (tier["recall_slots"] if tier else 0),
         "heavy_slots": budget.heavy,
         "recent_slots": budget.recent,
         "sink_slots": budget.sinks,
@@ -35,6 +38,7 @@ def cache_record(cache: H2OCache) -> dict:
         "full_kv_bytes": cache.full_kv_bytes(),
         "evicted_tokens": cache.evicted_tokens(),
         "evicted_tokens_counted": "per layer and KV head, summed over layers, heads and sequences",
+        "recall": tier,
     }
 
 

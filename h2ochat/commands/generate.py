@@ -40,6 +40,12 @@ def generate(
     decay: o.Decay = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    recall: o.Recall = None,
+    page: o.Page = 16,
+    selector: o.Selector = "int4",
+    cold_dtype: o.ColdDtype = "same",
+    cold_limit: o.ColdLimit = None,
+    recall_every: o.RecallEvery = 1,
     max_new_tokens: o.MaxNewTokens = 256,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
@@ -54,7 +60,9 @@ def generate(
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, recall=recall, page=page,
+                                selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
+                                recall_every=recall_every)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
     with user_input():

@@ -228,6 +228,12 @@ def story(
     decay: o.Decay = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    recall: o.Recall = None,
+    page: o.Page = 16,
+    selector: o.Selector = "int4",
+    cold_dtype: o.ColdDtype = "same",
+    cold_limit: o.ColdLimit = None,
+    recall_every: o.RecallEvery = 1,
     temperature: o.Temperature = 0.8,
     top_p: o.TopP = 0.95,
     top_k: o.TopK = 0,
@@ -253,7 +259,9 @@ def story(
                 check_writable(path)  # before the model loads
     if not opening.strip():
         raise UserError("the story opening is empty")
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, recall=recall, page=page,
+                                selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
+                                recall_every=recall_every)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
     with user_input():

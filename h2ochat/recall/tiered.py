@@ -178,3 +178,10 @@ class RecallCache(H2OCache):
     def digest_bytes(self) -> int:
         """Device bytes of the page digests."""
         return sum(layer.digest.nbytes() for layer in self.layers if layer.is_initialized)
+
+    def tier_record(self) -> dict:
+        """What the cold tier holds and did, for ``--json`` records: recall slots per layer (part of the
+        device budget), the digests' device bytes, the cold stores' host bytes, pages copied in."""
+        return {"recall_slots": self.recall.slots, "page": self.recall.page, "selector": self.recall.selector,
+                "digest_device_bytes": self.digest_bytes(), "cold_host_bytes": self.cold_bytes(),
+                "pages_copied": sum(int(layer.frames.copied.sum()) for layer in self.layers if layer.is_initialized)}
