@@ -571,7 +571,12 @@ def serve_load(report: Report, profile: Profile) -> None:
     the full-cache server under the same KV memory (concurrent chats, tokens/s, TTFT, inter-token)."""
     with timed_step(report, "serve_load") as entry:
         out = report.out / "serve_load.json"
-        args = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), *profile.serve_args, "--out", str(out)]
+        # the chats' text: the development text where the checkout has the project's shared/ beside it,
+        # else the README (a device machine or a bare clone has only the repository)
+        text = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+        text = text if text.is_file() else ROOT / "README.md"
+        args = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), *profile.serve_args, "--text", str(text),
+                "--out", str(out)]
         entry["command"] = shlex.join(["python", "benchmarks/serve_load.py", *args[2:]])
         missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
         if missing:
