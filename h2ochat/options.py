@@ -82,7 +82,9 @@ def sampling(temperature: float, top_p: float, top_k: int, seed: int | None, rep
 
 
 DEFAULTS = dict(model=DEFAULT_MODEL, device="auto", dtype="auto", budget="0.2", policy=DEFAULT_POLICY, heavy_ratio=None,
-                sinks=None, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0)
+                sinks=None, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0,
+                # the two-tier options' defaults are CacheSettings' own: one place to change them
+                **{name: getattr(CacheSettings, name) for name in ("page", "selector", "cold_dtype", "recall_every")})
 
 
 RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel=MODEL,
