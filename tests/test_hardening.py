@@ -200,9 +200,10 @@ def test_a_budget_of_the_whole_window_stops_at_the_limit(family, seed):
 def test_budget_one_past_the_limit_is_one_line_through_the_cli(tiny_checkpoint, h2ochat_main, prompt_words,  # noqa: F811
                                                                 new_tokens):
     prompt = " ".join(["the quick brown fox"] * prompt_words)
+    # --ignore-eos: the random model must not end its text before it reaches the limit
     result = h2ochat_main("generate", prompt, "--model", str(tiny_checkpoint), "--budget", "1.0", "--raw",
-                          "-n", str(new_tokens))
+                          "-n", str(new_tokens), "--ignore-eos")
     assert_one_line_error(result, "64 positions", "use a smaller --budget")
     result = h2ochat_main("generate", prompt, "--model", str(tiny_checkpoint), "--budget", "0.5", "--raw",
-                          "-n", str(new_tokens), "--json")
+                          "-n", str(new_tokens), "--json", "--ignore-eos")
     assert result.returncode == 0, result.stderr
