@@ -431,6 +431,60 @@ class RowParameters:
         return self.slots is not None
 
 
+@dataclass
+class Renumbering:
+    """A re-numbering of positions as a function of (row, old position), the same for every layer and
+    head: a row's distinct held positions, sorted, are numbered by rank (gaps closed); when there are
+    more than ``span``, the newest span // 2 keep consecutive numbers and the older ones are squeezed
+    into the rest in proportion. A position that was not among the held ones (a token held elsewhere,
+    e.g. in a cold tier) takes the number of the first held position after it."""
+
+    distinct: torch.Tensor  # sorted keys row * stride + position over every row's held positions
+    first: torch.Tensor  # [B + 1] where each row's keys start in ``distinct``
+    stride: int
+    span: int
+
+    @classmethod
+    def of(cls, batch: int, held: list[tuple[torch.Tensor, torch.Tensor]], span: int) -> "Renumbering":
+        """From ``held`` (positions [B, ...], valid [B, ...]) pairs: every layer's slots."""
+        device = held[0][0].device
+        stride = int(max(int(positions.max()) for positions, _ in held)) + 1
+        keys = []
+        for positions, valid in held:
+            row_base = torch.arange(batch, device=device).view(-1, *([1] * (positions.dim() - 1))) * stride
+            keys.append((positions + row_base)[valid])
+        distinct = torch.unique(torch.cat(keys))  # sorted
+        first = torch.searchsorted(distinct, torch.arange(batch + 1, device=device) * stride)
+        return cls(distinct, first, stride, span)
+
+    def _row_shape(self, like: torch.Tensor) -> tuple[int, ...]:
+        return (-1, *([1] * (like.dim() - 1)))
+
+    def _widths(self, like: torch.Tensor):
+        count = (self.first[1:] - self.first[:-1]).view(self._row_shape(like))  # distinct positions per row
+        width = count.clamp(max=self.span)
+        return count, width, width // 2
+
+    def apply(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """New positions for ``positions`` [B, ...] (-1 where not ``valid``), on the positions' device.
+        Old positions past the row's last held one keep their order after it (stride keeps rows apart)."""
+        device = positions.device
+        distinct, first = self.distinct.to(device), self.first.to(device)
+        row_base = torch.arange(positions.shape[0], device=device).view(self._row_shape(positions)) * self.stride
+        old = positions.clamp(min=0).clamp(max=self.stride - 1) + row_base
+        rank = torch.searchsorted(distinct, old.contiguous()) - first[:-1].view(self._row_shape(positions))
+        count, width, newest = (t.to(device) for t in self._widths(positions))
+        rank = rank.clamp(max=(count - 1).clamp(min=0))
+        squeezed = rank * (width - newest) // (count - newest).clamp(min=1)
+        new_positions = torch.where(rank >= count - newest, rank - (count - width), squeezed)
+        return new_positions.masked_fill(~valid, -1)
+
+    def next_position(self) -> torch.Tensor:
+        """[B]: the position each row's next token gets (one past its newest held token)."""
+        count = self.first[1:] - self.first[:-1]
+        return count.clamp(max=self.span)
+
+
 class H2OCache(Cache):
     """Fixed-budget KV cache for a whole model; pass it to ``model(...)`` or ``generate(cache=...)``.
 
@@ -779,36 +833,28 @@ class H2OCache(Cache):
 
     def _renumber(self, span: int) -> None:
         """Give the tokens held anywhere in a row new positions below ``span``, the same in every layer
-        and head: numbered by rank among all of the row's held tokens (order kept, gaps closed);
-        when a row holds more than ``span`` distinct ones, the newest span // 2 keep consecutive
-        positions and the older ones share the rest in proportion (some then share a position).
-        A token's new position is a function of its old one, so every layer agrees. RoPE keys are
-        rotated to their new positions; everything is updated in place (a CUDA graph keeps reading
-        the same buffers). One read-back per re-numbering."""
+        and head (``Renumbering``: by rank among all of the row's held tokens, order kept, gaps
+        closed; when a row holds more than ``span`` distinct ones, the newest span // 2 keep
+        consecutive positions and the older ones share the rest in proportion). RoPE keys are rotated
+        to their new positions; everything is updated in place (a CUDA graph keeps reading the same
+        buffers). One read-back per re-numbering."""
         layers = [layer for layer in self.layers if layer.is_initialized]
         with torch.inference_mode():
-            batch = self.tokens_fed.shape[0]
-            device = self.tokens_fed.device
-            # one sorted list of (row, old position) over every layer and head: row-major keys
-            stride = int(max(int(layer.positions.max()) for layer in layers)) + 1
-            row_base = torch.arange(batch, device=device).view(-1, 1, 1) * stride
-            held = torch.cat([(layer.positions + row_base)[layer.token_index >= 0] for layer in layers])
-            distinct = torch.unique(held)  # sorted
-            first = torch.searchsorted(distinct, torch.arange(batch + 1, device=device) * stride)
-            count = (first[1:] - first[:-1]).view(-1, 1, 1)  # distinct positions per row
-            width = count.clamp(max=span)
-            newest = width // 2
-            for layer in layers:
-                valid = layer.token_index >= 0
-                rank = torch.searchsorted(distinct, (layer.positions + row_base).clamp(min=0)) - first[:-1].view(-1, 1, 1)
-                squeezed = rank * (width - newest) // (count - newest).clamp(min=1)
-                new_positions = torch.where(rank >= count - newest, rank - (count - width), squeezed)
-                new_positions = new_positions.masked_fill(~valid, -1)
-                if self.rotary is not None:
-                    rotate_keys(layer.keys, (new_positions - layer.positions).masked_fill(~valid, 0), self.rotary)
-                layer.positions.copy_(new_positions)
-            self.next_position.copy_(width.view(-1))
+            renumbering = Renumbering.of(self.tokens_fed.shape[0], [(layer.positions, layer.token_index >= 0)
+                                                                     for layer in layers], span)
+            self._apply_renumbering(renumbering, layers)
         self.largest_next_position = int(self.next_position.max())
+
+    def _apply_renumbering(self, renumbering: "Renumbering", layers: list[H2OLayer]) -> None:
+        """Move every layer's held tokens to their new positions (a subclass holding tokens elsewhere,
+        e.g. a cold tier, moves those too, with the same function)."""
+        for layer in layers:
+            valid = layer.token_index >= 0
+            new_positions = renumbering.apply(layer.positions, valid)
+            if self.rotary is not None:
+                rotate_keys(layer.keys, (new_positions - layer.positions).masked_fill(~valid, 0), self.rotary)
+            layer.positions.copy_(new_positions)
+        self.next_position.copy_(renumbering.next_position())
 
     def room_before_renumbering(self) -> int:
         """New tokens that fit before the next re-numbering (prefill caps its chunks to this only
