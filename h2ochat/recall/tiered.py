@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from h2ochat_kernels.reference import row_weights
 
 from ..cache import H2OCache, H2OLayer, PositionLimitError
 from .cold_store import ColdStore
@@ -69,6 +70,25 @@ def recall_slots(spec: str, slots: int) -> int:
     return count
 
 
+@dataclass(frozen=True)
+class TierStats:
+    """The cold tier of a whole cache (every layer, row and KV head), since it was allocated."""
+
+    cold_pages: int  # pages held in the cold stores
+    cold_tokens: int  # tokens held in the cold stores
+    dropped_tokens: int  # tokens dropped by --cold-limit (oldest pages first)
+    host_bytes: int  # cold stores' host memory (allocated)
+    digest_device_bytes: int  # the page digests' device memory
+    pages_copied: int  # pages brought into recall slots so far
+    recalled_mass: float  # attention probability mass the queries gave to recalled tokens
+    attended_mass: float  # all the attention mass of the same queries (slots + new tokens)
+
+    @property
+    def recalled_share(self) -> float:
+        """The share of attention that went to recalled tokens."""
+        return self.recalled_mass / self.attended_mass if self.attended_mass else 0.0
+
+
 class RecallLayer(H2OLayer):
     def allocate(self, batch, heads, head_dim, value_dim, dtype, device) -> None:
         config: RecallConfig = self.owner.recall
@@ -87,6 +107,19 @@ class RecallLayer(H2OLayer):
         self.recall_slots = RecallSlots(self.keys[:, :, hot:], self.values[:, :, hot:], self.token_index[:, :, hot:],
                                         self.positions[:, :, hot:])
         self.decode_steps = 0
+        # attention statistics since allocation, per (sequence, KV head), weighted as the scores are
+        # (each real query row's probabilities, summed over the group's query heads)
+        self.recalled_mass = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
+        self.attended_mass = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cold = self.digest = self.frames = self.recall_slots = None
+        self.recalled_mass = self.attended_mass = None
+
+    def recalled_token_index(self) -> torch.Tensor:
+        """[B, H, R]: the token index each recall slot holds (-1: empty)."""
+        return self.token_index[:, :, self.capacity:]
 
     def _choose_eviction(self):
         return self._evict_by_torch_priority
@@ -101,6 +134,10 @@ class RecallLayer(H2OLayer):
         if due and bool(self.cold.count.any()):
             queries = query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, head_dim)
             self.recall(queries)
+        # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
+        weights = row_weights(new_valid, batch, q_len, self.rows.decay, query.device)
+        rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
+        self.attended_mass += rows * (q_heads // kv_heads)
         return super().attend(query, key, value, new_valid, scale)
 
     def recall(self, queries: torch.Tensor) -> None:
@@ -114,7 +151,9 @@ class RecallLayer(H2OLayer):
 
     # -- the policy never sees the recall columns ----------------------------------------------------
     def _insert(self, key, value, new_scores, new_valid, step) -> None:
-        self.scores[:, :, self.capacity:] = 0  # what recalled tokens drew this step ranks nothing
+        recall_scores = self.scores[:, :, self.capacity:]  # zero before the attention: this step's mass
+        self.recalled_mass += recall_scores.sum(dim=-1)
+        recall_scores.zero_()  # what recalled tokens drew this step ranks nothing
         super()._insert(key, value, new_scores, new_valid, step)
 
     # -- evicted tokens go to the cold tier ------------------------------------------------------------
@@ -164,6 +203,22 @@ class RecallCache(H2OCache):
         if self.grows:
             raise ValueError("the full policy evicts nothing: recall needs an evicting policy")
 
+    def tier_stats(self) -> "TierStats":
+        """What the cold tier holds and did, summed over layers, rows and KV heads (reads the device)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        pages = tokens = dropped = 0
+        for layer in layers:
+            first, end = layer.cold.held()
+            pages += int((end - first).sum())
+            tokens += int(layer.cold.held_tokens().sum())
+            dropped += int(layer.cold.dropped().sum())
+        return TierStats(
+            cold_pages=pages, cold_tokens=tokens, dropped_tokens=dropped, host_bytes=self.cold_bytes(),
+            digest_device_bytes=self.digest_bytes(),
+            pages_copied=sum(int(layer.frames.copied.sum()) for layer in layers),
+            recalled_mass=sum(float(layer.recalled_mass.sum()) for layer in layers),
+            attended_mass=sum(float(layer.attended_mass.sum()) for layer in layers))
+
     def compile_blocker(self) -> str | None:
         return "recall runs eagerly for now (the recall step is not in the compiled graph)"
 
@@ -182,6 +237,7 @@ class RecallCache(H2OCache):
     def tier_record(self) -> dict:
         """What the cold tier holds and did, for ``--json`` records: recall slots per layer (part of the
         device budget), the digests' device bytes, the cold stores' host bytes, pages copied in."""
+        stats = self.tier_stats()
         return {"recall_slots": self.recall.slots, "page": self.recall.page, "selector": self.recall.selector,
-                "digest_device_bytes": self.digest_bytes(), "cold_host_bytes": self.cold_bytes(),
-                "pages_copied": sum(int(layer.frames.copied.sum()) for layer in self.layers if layer.is_initialized)}
+                "digest_device_bytes": stats.digest_device_bytes, "cold_host_bytes": stats.host_bytes,
+                "pages_copied": stats.pages_copied}
