@@ -10,6 +10,13 @@ Variants, all on the same model weights, at the same batch size and context leng
   context plus the decode steps, so nothing is evicted and nothing grows while timing;
 - ``hf``: stock transformers: the model switched to ``sdpa`` attention with a ``DynamicCache``.
 
+- ``recall`` (with ``BenchPlan.recall``, ``h2ochat bench --recall R``): the same policy through the
+  two-tier ``RecallCache`` at the same device slots (R of them recall slots), its cold tier filled
+  with the context's older tokens (``recall.synthetic.fill_cold_tier``); it takes its turn right
+  after h2o, and ``recall_overhead`` compares the two per context and batch against the issue's
+  targets (``RECALL_TARGETS``). With ``--recall-every k`` every measurement is timed in blocks of k
+  steps (one recall each) and a step's cost is the median block's mean.
+
 With ``BenchPlan.compile`` (``h2ochat bench --compile``), h2o and slots are also timed with the
 decode step compiled (``h2ochat.compiled``), taking turns with their eager runs; the compilation
 happens in one untimed step before the warm-up and is reported as ``compile_s``.
@@ -55,9 +62,12 @@ from .compiled import CompiledDecode
 from .forward_step import cache_argument, forward
 from .generation import max_positions
 from .models import kv_bytes
+from .recall.synthetic import fill_cold_tier
+from .recall.tiered import RecallCache
 from .rotary import find_rotary
 
 VARIANTS = ("h2o", "slots", "full", "hf")
+RECALL = "recall"  # the variant BenchPlan.recall adds: h2o's policy and device slots, two tiers
 CAPACITY_VARIANTS = ("h2o", "full", "hf")
 COMPILABLE_VARIANTS = ("h2o", "slots")  # the others grow (full) or are not ours (hf)
 
@@ -65,13 +75,18 @@ COMPILABLE_VARIANTS = ("h2o", "slots")  # the others grow (full) or are not ours
 # -- building a cache that has seen N tokens ---------------------------------------------------------
 
 def build_cache(model, variant: str, slots: int, context: int, extra: int, policy: str = "h2o",
-                static_shapes: bool = False) -> H2OCache:
-    """A fresh cache of ``variant`` (not hf): ``slots`` for h2o/slots, context + extra for full.
-    ``slots`` is the same slots with bookkeeping off (the cache's own timing baseline)."""
+                static_shapes: bool = False, recall=None) -> H2OCache:
+    """A fresh cache of ``variant`` (not hf): ``slots`` for h2o/slots/recall, context + extra for full.
+    ``slots`` is the same slots with bookkeeping off (the cache's own timing baseline); ``recall`` the
+    same device slots, R of them recall slots (``recall``: the ``CacheSettings`` holding --recall)."""
     config = model.config
     layers, limit, rotary = config.num_hidden_layers, max_positions(config), find_rotary(model)
     if variant == "full":
         return H2OCache(layers, "full", context + extra, max_positions=limit, positions="absolute", rotary=rotary)
+    if variant == RECALL:
+        tier = recall.recall_config(slots)
+        return RecallCache(layers, policy, slots - tier.slots, recall=tier, max_positions=limit, positions="absolute",
+                           rotary=rotary)
     kind = SlotsOnlyCache if variant == "slots" else H2OCache
     return kind(layers, policy, slots, max_positions=limit, positions="absolute", rotary=rotary,
                 static_shapes=static_shapes)
@@ -171,10 +186,17 @@ class Measurement:
     peak_memory_growth_bytes: int | None = None  # peak above what the process held before
     compiled: bool = False  # the decode step ran compiled (h2ochat.compiled)
     compile_s: float | None = None  # the untimed first compiled step (the compilation, when not cached)
+    block: int = 1  # steps timed as one block (--recall-every: one recall per block)
+    recall: dict | None = None  # the recall variant's tier (RecallCache.tier_record) and copies per step
 
     @property
     def median_ms(self) -> float:
-        return statistics.median(self.step_ms)
+        """The median step, or with ``block`` > 1 the median block's mean step: a recall every k
+        steps costs each step its share (a plain median would pick a step without one)."""
+        if self.block == 1:
+            return statistics.median(self.step_ms)
+        blocks = [self.step_ms[i:i + self.block] for i in range(0, len(self.step_ms) - self.block + 1, self.block)]
+        return statistics.median(sum(b) / len(b) for b in blocks)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -183,6 +205,8 @@ class Measurement:
     def record(self) -> dict:
         out = asdict(self)
         out.pop("step_ms")
+        if out["recall"] is None:
+            out.pop("recall")
         out["ms_per_step"] = round(self.median_ms, 3)
         out["decode_tokens_per_s"] = round(self.decode_tokens_per_s, 2)
         if out["compile_s"] is not None:
@@ -211,19 +235,34 @@ def decode_step(model, cache: H2OCache, compile: bool = False) -> tuple[Callable
 
 
 def prepared_cache(model, variant: str, tokens: torch.Tensor, *, context: int, slots: int, extra: int, policy,
-                   generator: torch.Generator) -> H2OCache:
-    """A cache of ``variant`` that has seen ``context`` tokens (``tokens`` [B, 1] initialises it)."""
-    cache = build_cache(model, variant, slots, context, extra, policy)
+                   generator: torch.Generator, recall=None) -> H2OCache:
+    """A cache of ``variant`` that has seen ``context`` tokens (``tokens`` [B, 1] initialises it);
+    the recall variant's cold tier holds every token its hot slots do not."""
+    cache = build_cache(model, variant, slots, context, extra, policy, recall=recall)
     forward(model, cache, tokens, logits_to_keep=1)  # allocates every layer's slots
-    cache.assume_seen(context, _drawn_where_used(generator, cache.layers[0].keys.device))
+    drawn = _drawn_where_used(generator, cache.layers[0].keys.device)
+    cache.assume_seen(context, drawn)
+    if variant == RECALL:
+        fill_cold_tier(cache, context, drawn)
     return cache
 
 
+def device_slots(cache: H2OCache) -> int:
+    """Slots per layer, sequence and KV head on the device: the policy's, and the recall slots."""
+    return cache.layers[0].capacity + (cache.recall.slots if isinstance(cache, RecallCache) else 0)
+
+
+def _pages_copied(cache: H2OCache) -> int:
+    return cache.tier_record()["pages_copied"] if isinstance(cache, RecallCache) else 0
+
+
 def measure(model, variant: str, *, context: int, batch: int, slots: int, steps: int, warmup: int,
-            memory: PeakMemory, policy="h2o", seed: int = 0, compile: bool = False) -> Measurement:
+            memory: PeakMemory, policy="h2o", seed: int = 0, compile: bool = False, recall=None,
+            block: int = 1) -> Measurement:
     """Median decode-step latency of ``variant`` at ``batch`` sequences that have seen ``context``
     tokens, with KV bytes and peak memory. ``compile``: h2o and slots run the compiled step, after
-    one untimed step that compiles it (or finds it compiled)."""
+    one untimed step that compiles it (or finds it compiled). ``recall``: the settings of the recall
+    variant (``CacheSettings`` with --recall). ``block``: steps per timed block (see ``Measurement``)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
@@ -235,25 +274,38 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
         result = _measure_hf(model, tokens[first - 1:], context, generator, warmup)
     else:
         cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=len(tokens) - 1,
-                               policy=policy, generator=generator)
+                               policy=policy, generator=generator, recall=recall)
         step, compiled = decode_step(model, cache, compile and variant in COMPILABLE_VARIANTS)
         if compile:
             started = time.perf_counter()
             step(tokens[1])
             _sync(device)
             compile_s = time.perf_counter() - started if compiled else None
-        step_ms = []
+        step_ms, copied = [], _pages_copied(cache)
         for index in range(first, len(tokens)):
             _sync(device)
             started = time.perf_counter()
             step(tokens[index])
             _sync(device)
             step_ms.append((time.perf_counter() - started) * 1000)
-        result = (cache.layers[0].capacity, cache.kv_bytes(), step_ms[warmup:])
+        tier = recall_record(cache, _pages_copied(cache) - copied, len(step_ms))
+        result = (device_slots(cache), cache.kv_bytes(), step_ms[warmup:])
         cache.reset()  # its slots go back before the next measurement
     kv_slots, kv_bytes, step_ms = result
     return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak(), memory.growth(),
-                       compiled, compile_s)
+                       compiled, compile_s, block, tier if variant == RECALL else None)
+
+
+def recall_record(cache: H2OCache, copied: int, steps: int) -> dict | None:
+    """The two-tier cache's record (``tier_record``: digest device bytes, cold host bytes, ...),
+    its --recall-every, and the pages its decode steps copied into the recall slots, per step and
+    per (layer, sequence, KV head)."""
+    if not isinstance(cache, RecallCache):
+        return None
+    layer = cache.layers[0]
+    per_step = layer.keys.shape[0] * layer.keys.shape[1] * len(cache.layers) * steps
+    return {**cache.tier_record(), "every": cache.recall.every, "cold_dtype": cache.recall.cold_dtype,
+            "pages_copied_per_step": round(copied / per_step, 3)}
 
 
 # -- launches: operations per decode step ----------------------------------------------------------
@@ -313,13 +365,13 @@ def count_ops(events, layers: int) -> dict:
 
 
 def profile_ops(model, variant: str, *, context: int, batch: int, slots: int, policy="h2o", compile: bool = False,
-                seed: int = 0) -> dict:
-    """Operations of one decode step of ``variant`` (h2o or slots), counted from torch.profiler."""
+                seed: int = 0, recall=None) -> dict:
+    """Operations of one decode step of ``variant`` (h2o, slots or recall), counted from torch.profiler."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (3, batch, 1), generator=generator).to(device)
     cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=2, policy=policy,
-                           generator=generator)
+                           generator=generator, recall=recall)
     step, compiled = decode_step(model, cache, compile)
     step(tokens[1])  # compiles, or warms up
     _sync(device)
@@ -410,6 +462,32 @@ def comparison(by_variant: dict[str, Measurement], weights: int, per_slot: int) 
     return out
 
 
+# issue 18: decode cost per step with recall against the same policy without it, same device slots
+RECALL_TARGETS = ((2048, 1.15), (8192, 1.25))  # (up to this many tokens of context, the largest ratio)
+
+
+def recall_target(context: int) -> float | None:
+    """The ratio a context is held to: 1.15 up to 2K tokens, 1.25 up to 8K, none stated beyond."""
+    return next((ratio for length, ratio in RECALL_TARGETS if context <= length), None)
+
+
+def recall_overhead(h2o: Measurement, recall: Measurement) -> dict:
+    """One (context, batch) of ``recall_overhead``: recall's ms per step over h2o's (same policy,
+    same device slots, measured in turns), the target, whether it is met, and the tier's bytes."""
+    tier = recall.recall
+    ratio = recall.median_ms / h2o.median_ms
+    target = recall_target(h2o.context)
+    return {
+        "context": h2o.context, "batch": h2o.batch, "device_slots": recall.kv_slots,
+        "recall_slots": tier["recall_slots"], "page": tier["page"], "selector": tier["selector"],
+        "every": tier["every"], "cold_dtype": tier["cold_dtype"],
+        "ms_per_step": round(h2o.median_ms, 3), "recall_ms_per_step": round(recall.median_ms, 3),
+        "ratio": round(ratio, 3), "target": target, "met": None if target is None else ratio <= target,
+        "kv_bytes": recall.kv_bytes, "digest_device_bytes": tier["digest_device_bytes"],
+        "cold_host_bytes": tier["cold_host_bytes"], "pages_copied_per_step": tier["pages_copied_per_step"],
+    }
+
+
 @dataclass
 class BenchPlan:
     contexts: Sequence[int]
@@ -425,16 +503,30 @@ class BenchPlan:
     policy: object = "h2o"  # a Policy or a policy spec (name:knob=value)
     compile: bool = False  # also time h2o and slots with the decode step compiled (h2ochat.compiled)
     count_ops: bool = True  # profile one decode step of h2o and slots (and compiled) for its operation count
+    recall: object = None  # CacheSettings with --recall: adds the recall variant beside h2o (eager)
+
+    def __post_init__(self):
+        if self.recall is not None and "h2o" not in self.variants:
+            raise ValueError("--recall is measured beside h2o: keep h2o among the variants")
+        # whole blocks of --recall-every steps (one recall each) in every measurement
+        self.steps = -(-self.steps // self.block) * self.block
+
+    @property
+    def block(self) -> int:
+        return self.recall.recall_every if self.recall is not None else 1
 
     def runs(self) -> list[tuple[str, bool]]:
-        """(variant, compiled) in the order they take turns at each context and batch."""
-        runs = [(variant, False) for variant in self.variants]
+        """(variant, compiled) in the order they take turns at each context and batch; recall right
+        after h2o."""
+        variants = [v for name in self.variants for v in ((name, RECALL) if name == "h2o" and self.recall else (name,))]
+        runs = [(variant, False) for variant in variants]
         if self.compile:
             runs += [(variant, True) for variant in self.variants if variant in COMPILABLE_VARIANTS]
         return runs
 
     def profiled(self) -> list[tuple[str, bool]]:
-        return [(v, c) for v, c in self.runs() if v in COMPILABLE_VARIANTS] if self.count_ops else []
+        profiled = (*COMPILABLE_VARIANTS, RECALL)
+        return [(v, c) for v, c in self.runs() if v in profiled] if self.count_ops else []
 
     def measurements(self) -> int:
         count = len(self.contexts) * len(self.batches) * len(self.runs()) * self.repeats + len(self.profiled())
@@ -479,12 +571,12 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
     check_contexts(model, plan)
     extra = decode_steps(plan)
     weights, per_slot = weight_bytes(model), kv_bytes_per_slot(model)
-    results, comparisons, capacity, ops = [], [], [], []
+    results, comparisons, capacity, ops, overhead = [], [], [], [], []
 
     def one(variant, context, batch, steps, warmup, compile=False):
         slots = plan.budget_slots(context)
         measured = measure(model, variant, context=context, batch=batch, slots=slots, steps=steps, warmup=warmup,
-                           memory=memory, policy=plan.policy, compile=compile)
+                           memory=memory, policy=plan.policy, compile=compile, recall=plan.recall, block=plan.block)
         if on_measured:
             on_measured(f"{variant}{COMPILED if compile else ''} context {context} batch {batch}")
         return measured
@@ -509,11 +601,13 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
             results += [m.record() for m in by_variant.values()]
             if "h2o" in by_variant:
                 comparisons.append(comparison(by_variant, weights, per_slot))
+            if RECALL in by_variant:
+                overhead.append(recall_overhead(by_variant["h2o"], by_variant[RECALL]))
             if not ops:  # operations per step: once, at the first context and batch (after its timing compiled)
                 for variant, compiled in plan.profiled():
                     ops.append({"context": context, "batch": batch, **profile_ops(
                         model, variant, context=context, batch=batch, slots=plan.budget_slots(context),
-                        policy=plan.policy, compile=compiled)})
+                        policy=plan.policy, compile=compiled, recall=plan.recall)})
                     if on_measured:
                         on_measured(f"profiled {variant}{COMPILED if compiled else ''}")
         if plan.kv_memory:
@@ -531,7 +625,7 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
                 elif on_measured:
                     on_measured(f"{variant} context {context}: no batch fits")
                 capacity.append(entry)
-    return {
+    report = {
         "weight_bytes": weights,
         "kv_bytes_per_token": per_slot,
         "peak_memory_scope": memory.scope,
@@ -544,6 +638,14 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
                          "attention call, mean over layers (eager only); step_ops_per_layer: the whole step "
                          "(embeddings, norms, MLPs, logits, position ids) / layers"),
     }
+    if plan.recall is not None:
+        report["recall_overhead"] = overhead
+        report["recall_overhead_note"] = (
+            "ratio = recall ms per step / h2o ms per step: the same policy at the same device slots (R of them "
+            "recall slots), measured in turns in one run; a context's older tokens fill the cold tier with random "
+            "keys, so the pages recalled change more from step to step than with text; "
+            f"targets {', '.join(f'<= {r}x up to {n} tokens' for n, r in RECALL_TARGETS)} (issue 18)")
+    return report
 
 
 def parse_size(text: str) -> int:

@@ -3,6 +3,7 @@ the report has the promised shape, and bad inputs are refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -203,3 +204,117 @@ def test_bench_command_compile_json(tiny_checkpoint, aot_eager):
     assert ops[("h2o", True)]["attention_ops_per_layer"] is None  # a compiled step has no per-call range
     assert "ops_counting" in report
     assert bm.BenchPlan([20], [2], lambda n: 4, compile=True).compile
+
+
+# -- --recall: the two-tier cache beside the same policy -------------------------------------------
+
+def recall_settings(recall="8", page=4, selector="exact", every=1):
+    return CacheSettings(policy="h2o", budget="16", recall=recall, page=page, selector=selector, recall_every=every)
+
+
+@pytest.mark.parametrize("selector", ["exact", "int4"])
+def test_synthetic_cold_fill_holds_every_token_the_hot_slots_do_not(family, seed, selector):
+    """After the bench's synthetic context, each layer's cold store and digest hold exactly the
+    context's tokens its hot slots do not (per sequence and KV head: nothing lost, nothing twice),
+    and a decode step recalls from them."""
+    model = build_model(family)
+    generator = torch.Generator().manual_seed(seed)
+    batch, slots, context = 2, 16, int(torch.randint(30, 50, (), generator=generator))
+    settings = recall_settings(selector=selector)
+    cache = bm.prepared_cache(model, bm.RECALL, random_ids(batch, 1, generator), context=context, slots=slots,
+                              extra=3, policy="h2o", generator=generator, recall=settings)
+    hot = 16 - 8
+    for layer in cache.layers:
+        held_hot = layer.token_index[:, :, :hot]
+        assert bool((layer.token_index[:, :, hot:] == -1).all())  # nothing recalled before the first step
+        assert bool((layer.cold.held_tokens() == context - hot).all())
+        assert bool((layer.digest.count == context - hot).all())
+        for row in range(batch):
+            for head in range(layer.keys.shape[1]):
+                cold = layer.cold.token_index[row, head]
+                cold = sorted(cold[cold >= 0].tolist())
+                in_hot = set(held_hot[row, head].tolist())
+                assert cold == [t for t in range(context) if t not in in_hot]  # each exactly once
+        if selector == "exact":  # the digest is the cold keys themselves
+            stored = layer.cold.token_index >= 0
+            torch.testing.assert_close(layer.digest.codes[stored], layer.cold.keys[stored])
+    logits = forward(model, cache, random_ids(batch, 1, generator))
+    assert torch.isfinite(logits).all()
+    for layer in cache.layers:  # two frames of 4: two pages recalled (the newest may be partial), all cold tokens
+        for row in range(batch):
+            for head in range(layer.keys.shape[1]):
+                recalled = layer.token_index[row, head, hot:]
+                cold = layer.cold.token_index[row, head]
+                assert int((recalled >= 0).sum()) >= 4 + 1
+                assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
+
+
+def test_recall_step_time_is_the_median_block_mean():
+    """With --recall-every k a step costs its share of one recall: the median over blocks of k steps
+    of their mean, not the median step (which would miss the recall)."""
+    steps = [10.0, 1.0, 1.0, 1.0] * 3 + [30.0, 1.0, 1.0, 1.0]
+    timed = bm.Measurement("recall", 100, 1, 16, 0, steps, block=4)
+    assert timed.median_ms == pytest.approx(13 / 4)
+    assert dataclasses.replace(timed, block=1).median_ms == 1.0
+    assert bm.BenchPlan([100], [1], lambda n: 16, steps=5, recall=recall_settings(every=4)).steps == 8
+
+
+def test_recall_targets():
+    assert [bm.recall_target(n) for n in (100, 2048, 2049, 8192, 8193)] == [1.15, 1.15, 1.25, 1.25, None]
+
+
+def test_bench_command_recall_rows_and_overhead(tiny_checkpoint):
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "30,40", "--batch", "1,2", "--budget", "16",
+                         "--recall", "0.5", "--page", "4", "--selector", "int4", "--recall-every", "2",
+                         "--variants", "h2o,slots", "--steps", "2", "--warmup", "0", "--kv-memory", "0", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["recall"] == "0.5"
+    by_point = {}
+    for r in report["results"]:
+        by_point.setdefault((r["context"], r["batch"]), {})[r["policy"]] = r
+    assert set(by_point) == {(c, b) for c in (30, 40) for b in (1, 2)}
+    overhead = {(c["context"], c["batch"]): c for c in report["recall_overhead"]}
+    assert set(overhead) == set(by_point)
+    per_token = report["kv_bytes_per_token"]
+    for point, rows in by_point.items():
+        h2o, recall = rows["h2o"], rows["recall"]
+        assert set(rows) == {"h2o", "recall", "slots"}
+        assert h2o["kv_slots"] == recall["kv_slots"] == 16  # the same device slots
+        assert h2o["kv_bytes"] == recall["kv_bytes"] == per_token * point[1] * 16
+        assert "recall" not in h2o and recall["recall"]["recall_slots"] == 8
+        c = overhead[point]
+        for key in ("ms_per_step", "recall_ms_per_step", "ratio", "target", "met", "digest_device_bytes",
+                    "cold_host_bytes", "device_slots", "recall_slots", "selector", "every", "page"):
+            assert key in c, key
+        assert (c["ms_per_step"], c["recall_ms_per_step"]) == (h2o["ms_per_step"], recall["ms_per_step"])
+        assert c["ratio"] == pytest.approx(c["recall_ms_per_step"] / c["ms_per_step"], abs=2e-3)
+        assert c["target"] == 1.15 and c["met"] == (c["ratio"] <= 1.15)
+        assert (c["device_slots"], c["recall_slots"], c["selector"], c["every"], c["page"]) == (16, 8, "int4", 2, 4)
+        assert c["digest_device_bytes"] > 0 and c["cold_host_bytes"] > 0
+    assert [entry["policy"] for entry in report["ops_per_layer"]] == ["h2o", "recall", "slots"]
+
+
+def test_bench_command_recall_table(tiny_checkpoint):
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "40", "--batch", "1", "--budget", "16",
+                         "--recall", "8", "--page", "4", "--variants", "h2o", "--steps", "1", "--warmup", "0",
+                         "--kv-memory", "0")
+    assert code == 0, err
+    assert "Recall overhead" in out and "recall" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recall", "many"], "--recall"),
+    (["--recall", "16"], "--recall 16"),  # all of the budget's slots
+    (["--recall", "8", "--page", "3"], "--page"),
+    (["--recall", "8", "--page", "4", "--selector", "int9"], "int9"),
+    (["--recall", "8", "--page", "4", "--policy", "full"], "evicts"),
+    (["--recall", "8", "--page", "4", "--variants", "slots"], "h2o"),
+    (["--variants", "h2o,bogus"], "--variants"),
+])
+def test_bench_command_refuses_bad_recall_settings(tiny_checkpoint, args, message):
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "40", "--budget", "16", "--steps", "1", *args)
+    assert code == 2, out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("h2ochat: error:") and message in last, last
+    assert "Traceback" not in out + err

@@ -36,6 +36,15 @@ def bench(
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
     decay: o.Decay = None,
+    recall: o.Recall = None,
+    page: o.Page = o.DEFAULTS["page"],
+    selector: o.Selector = o.DEFAULTS["selector"],
+    cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
+    cold_limit: o.ColdLimit = None,
+    recall_every: o.RecallEvery = o.DEFAULTS["recall_every"],
+    variants: Annotated[str, typer.Option("--variants", rich_help_panel=o.CACHE,
+        help="Comma-separated caches to time: h2o, slots, full, hf (--recall adds recall beside h2o).")]
+        = ",".join(bm.VARIANTS),
     kv_memory: Annotated[str, typer.Option("--kv-memory", rich_help_panel=o.CACHE,
         help="KV memory cap for the largest-batch comparison (2GiB, 512MiB); 0 skips it.")] = "2GiB",
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, rich_help_panel=o.CACHE,
@@ -53,21 +62,31 @@ def bench(
 ):
     """Decode tokens/s, latency and memory: h2o vs its own slots without bookkeeping vs a full
     cache vs stock transformers, at each context length and batch size, and under a KV memory cap;
-    and the operations one decode step runs per layer (torch.profiler)."""
+    and the operations one decode step runs per layer (torch.profiler). With --recall, the same
+    policy with recall at the same device slots beside h2o, and the recall overhead per step."""
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay, recall=recall, page=page,
+                                selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
+                                recall_every=recall_every)
     with user_input():  # the options as typed
         contexts = bm.parse_ints(context, "--context")
         batches = bm.parse_ints(batch, "--batch")
+        chosen_variants = parse_variants(variants)
         cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
-        chosen = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay).resolved_policy()
+        chosen = settings.resolved_policy()
+        if recall and chosen.grows:
+            raise ValueError(f"--recall needs a policy that evicts, not {chosen.label}")
         for length in contexts:
-            chosen.split(parse_budget(budget, length))  # bad syntax fails before the model loads
+            slots = parse_budget(budget, length)  # bad syntax fails before the model loads
+            tier = settings.recall_config(min(slots, length))
+            chosen.split(slots - (tier.slots if tier else 0))
     err = Console(stderr=True)
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
         loaded = load(model, device, dtype, random_weights=random_weights)
-    plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
-                        steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch, policy=chosen,
-                        compile=compile)
     with user_input():
+        plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
+                            steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch,
+                            policy=chosen, compile=compile, variants=chosen_variants,
+                            recall=settings if recall else None)
         bm.check_contexts(loaded.model, plan)  # against this model's position limit
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
@@ -76,7 +95,7 @@ def bench(
         report = bm.run(loaded.model, plan, on_measured=lambda what: progress.update(task, advance=1, last=what))
     report = {"model": loaded.name, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget,
-              "policy": chosen.label, **report}
+              "policy": chosen.label, "recall": recall, **report}
     if as_json:
         print(json.dumps(report, indent=2))
         return
@@ -94,6 +113,8 @@ def _print(report: dict) -> None:
         speed.add_row(str(r["context"]), str(r["batch"]), name, str(r["kv_slots"]), f"{r['ms_per_step']:.1f}",
                       f"{r['decode_tokens_per_s']:.1f}", f"{r['kv_bytes'] / MIB:.1f}", _peak(r))
     out.print(speed)
+    if report.get("recall_overhead"):
+        _print_recall(out, report["recall_overhead"])
     compare = Table(title="h2o speed-up: ideal (memory-bound byte ratio) vs measured; bookkeeping = h2o / same slots "
                           "without scoring or eviction", title_justify="left")
     compiled = any("compile_speedup" in c for c in report["comparisons"])
@@ -135,6 +156,34 @@ def _print(report: dict) -> None:
         out.print(table)
     out.print(f"peak memory: {report['peak_memory_scope']}; weights {report['weight_bytes'] / MIB:.0f} MiB, "
               f"KV {report['kv_bytes_per_token'] / 1024:.1f} KiB per token per sequence")
+
+
+def parse_variants(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in bm.VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"--variants takes some of {', '.join(bm.VARIANTS)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def _print_recall(out: Console, overhead: list[dict]) -> None:
+    first = overhead[0]
+    table = Table(title=f"Recall overhead (issue 18: <= 1.15x at 2K tokens, <= 1.25x at 8K): ms per decode step with "
+                        f"recall / the same policy without it at the same device slots; selector {first['selector']}, "
+                        f"pages of {first['page']}, recall every {first['every']} step(s), cold {first['cold_dtype']}",
+                  title_justify="left")
+    for name in ("context", "batch", "slots (recall)", "ms/step", "recall", "ratio", "target", "met",
+                 "digest MiB", "cold MiB", "pages/step"):
+        table.add_column(name, justify="right")
+    for c in overhead:
+        table.add_row(str(c["context"]), str(c["batch"]), f"{c['device_slots']} ({c['recall_slots']})",
+                      f"{c['ms_per_step']:.1f}", f"{c['recall_ms_per_step']:.1f}", f"{c['ratio']:.2f}x",
+                      "-" if c["target"] is None else f"{c['target']:.2f}x",
+                      {True: "yes", False: "NO", None: "-"}[c["met"]], f"{c['digest_device_bytes'] / MIB:.2f}",
+                      f"{c['cold_host_bytes'] / MIB:.1f}", f"{c['pages_copied_per_step']:.2f}")
+    out.print(table)
+    out.print("digest MiB: the page digests on the device; cold MiB: the cold stores in host memory; pages/step: "
+              "pages copied into the recall slots per step and (layer, sequence, KV head)")
 
 
 def _peak(record: dict) -> str:
