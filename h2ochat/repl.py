@@ -89,8 +89,10 @@ HELP = [
     ("/budget B", "KV slots per layer: 0.1 (share of the context) or 256 (slots); re-feeds the conversation"),
     ("/policy P", f"eviction policy ({', '.join(POLICIES)}); re-feeds the conversation"),
     ("/cache", "where the budget hurts: attention the evicted tokens held and heavy-hitter age per layer, "
-               "what is still held of each turn ('/cache layers': the per-layer table for a deep model)"),
-    ("/hh", "the transcript with cached tokens highlighted (heavy hitters bold, evicted dimmed)"),
+               "what is still held of each turn, with --recall the cold tier (pages held, host bytes, recalls "
+               "this turn, attention they drew) ('/cache layers': the per-layer table for a deep model)"),
+    ("/hh", "the transcript with cached tokens highlighted (heavy hitters bold, evicted dimmed, "
+            "recalled underlined)"),
     ("/stats", "totals for this session"),
     ("/save FILE", "write the conversation and settings as JSON (it is also kept by itself: `h2ochat history`)"),
     ("/load FILE", "read a conversation saved with /save (re-feeds it); kept as a new conversation"),
@@ -216,6 +218,7 @@ class Repl:
                 self.keep(partial="".join(partial))
                 saved_at = time.monotonic()
 
+        self.status.begin_turn()  # the cold tier's figures for this turn count from here
         try:
             with ui.ReplyPrinter(self.console, lambda: self.status(live=True)) as printer:
                 with ctrl_c_stops(conv):
@@ -239,6 +242,7 @@ class Repl:
 
     def cmd_clear(self, _: str) -> None:
         self.conv.clear()
+        self.status.cache_replaced()
         if self.log is not None:
             self.log.start_new()  # the old conversation stays in the history
         self.say("new conversation, fresh cache")
@@ -261,6 +265,7 @@ class Repl:
         shown = settings.get(canonical)
         if SETTINGS[canonical].on_cache:
             tokens = conv.reconfigure(settings)
+            self.status.cache_replaced()
             budget = conv.cache.budget
             self.say(f"{canonical} {shown}: new cache of {budget.slots} slots ({budget.heavy} heavy + {budget.recent} "
                      "recent)" + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
@@ -321,6 +326,7 @@ class Repl:
             raise UserError("usage: /load FILE")
         path = Path(argument).expanduser()
         tokens = self.conv.load_json(read_conversation(path))
+        self.status.cache_replaced()
         if self.log is not None:
             self.log.start_new()  # the conversation before /load stays as it was
         self.keep()

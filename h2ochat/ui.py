@@ -25,6 +25,7 @@ from .cache import H2OCache
 from .policies import protected
 from .chat import TurnResult, evicted_per_head
 from .generation import Timing
+from .recall.report import TierSummary, TurnStart, has_cold_tier, recalled_token_indices, summarize_tier
 from .report import mean_evicted_share, part_shares
 
 
@@ -55,11 +56,13 @@ class CacheSummary:
     kv_bytes: int
     full_bytes: int
     layers: list = field(default_factory=list)  # the per-layer statistics it was made of
+    tier: TierSummary | None = None  # the cold tier (--recall), None without one
 
 
-def summarize(cache: H2OCache) -> CacheSummary:
-    """The cache's state in figures. Reads the device several times per layer: compute it once per
-    step (``StatusLine``), not once per render."""
+def summarize(cache: H2OCache, since: TurnStart | None = None) -> CacheSummary:
+    """The cache's state in figures (``since``: the turn's start, for the cold tier's turn figures).
+    Reads the device several times per layer: compute it once per step (``StatusLine``), not once per
+    render."""
     stats = cache.layer_stats()
     count = max(len(stats), 1)
     return CacheSummary(
@@ -73,6 +76,7 @@ def summarize(cache: H2OCache) -> CacheSummary:
         kv_bytes=cache.kv_bytes(),
         full_bytes=cache.full_kv_bytes(),
         layers=stats,
+        tier=summarize_tier(cache, since),
     )
 
 
@@ -80,6 +84,11 @@ def percent(share: float | None) -> str:
     if share is None:
         return "–"
     return f"{share:.1%}" if share >= 0.001 or share == 0 else f"{share:.2%}"
+
+
+def amount(value: float) -> str:
+    """A mean count: whole numbers as such, others with one decimal."""
+    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
 
 
 def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False,
@@ -98,6 +107,8 @@ def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = Fals
         evicted,
         f"{format_bytes(s.kv_bytes)} (full {format_bytes(s.full_bytes)})",
     ]
+    if s.tier is not None:  # this turn's recalls: pages copied in per (layer, KV head), attention they drew
+        parts.append(f"recall: {amount(s.tier.pages_copied_turn)} pages in, {percent(s.tier.recalled_share_turn)} attn")
     if live:
         rate = timing.decode_tokens_per_s if timing is not None else 0.0
         parts.append(f"{rate:.1f} tok/s" if rate else "reading prompt…")
@@ -117,6 +128,18 @@ class StatusLine:
         self.cache, self.progress, self.timing = cache, progress, timing
         self._seen: tuple | None = None  # (cache, progress) of the figures kept
         self._summary: CacheSummary | None = None
+        self._turn_start: TurnStart | None = None  # the cold tier's counters when the turn began
+
+    def begin_turn(self) -> None:
+        """A turn starts: the cold tier's turn figures count from now (reads the device once)."""
+        self._turn_start = TurnStart.of(self.cache())
+        self._summary = None
+
+    def cache_replaced(self) -> None:
+        """A command outside a turn (/budget, /clear, /load, ...) put a new cache in: until the next
+        turn, the cold tier's figures are the new cache's, not a turn's."""
+        self._turn_start = None
+        self._summary = None
 
     @classmethod
     def of_conversation(cls, conv) -> "StatusLine":
@@ -128,7 +151,7 @@ class StatusLine:
     def summary(self) -> CacheSummary:
         cache, progress = self.cache(), self.progress()
         if self._summary is None or self._seen is None or self._seen[0] is not cache or self._seen[1] != progress:
-            self._seen, self._summary = (cache, progress), summarize(cache)
+            self._seen, self._summary = (cache, progress), summarize(cache, self._turn_start)
         return self._summary
 
     def __call__(self, live: bool = False) -> str:
@@ -222,6 +245,8 @@ def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None,
             name = record["name"] if len(record["name"]) <= 40 else record["name"][:39] + "…"
             table.add_row(name, str(record["tokens"]), bar(record["held_share"]), f"{record['held_share']:.0%}")
         lines.append(table)
+    if s.tier is not None:
+        lines.extend(cold_tier_lines(s.tier))
     if all_layers or len(stats) <= LAYER_TABLE_MAX:
         table = Table(title_justify="left", box=None, padding=(0, 1))
         for name in ("layer", "held / slots", "heavy + recent", "evicted held", "heavy age median", "oldest"):
@@ -238,16 +263,38 @@ def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None,
     return Group(*lines)
 
 
+def cold_tier_lines(tier: TierSummary) -> list[Text]:
+    """/cache's cold-tier block (--recall): what the cold store holds, what came back, what it drew."""
+    scope = "this turn" if tier.this_turn else "since this cache was built"
+    limit = ("no --cold-limit" if tier.cold_limit is None else
+             f"--cold-limit {tier.cold_limit}: {amount(tier.dropped_tokens)} tokens dropped")
+    copied = (f"{amount(tier.pages_copied_turn)} pages copied in this turn, {amount(tier.pages_copied)} in all"
+              if tier.this_turn else f"{amount(tier.pages_copied)} pages copied in since this cache was built")
+    turn_share = f"{percent(tier.recalled_share_turn)} of the attention {scope} went to recalled tokens"
+    return [
+        Text(f"cold tier: evicted tokens in host memory, the best pages brought back into {tier.recall_slots} "
+             f"recall slots per layer and KV head (pages of {tier.page}, selector {tier.selector})", style="dim"),
+        Text(f"  cold store  {amount(tier.cold_pages)} pages ({amount(tier.cold_tokens)} tokens) per layer and KV "
+             f"head · {format_bytes(tier.host_bytes)} on the host · {limit}"),
+        Text(f"  digests     {format_bytes(tier.digest_bytes)} on the device (what the pages are scored with)"),
+        Text(f"  recalled    {copied} · {amount(tier.recalled_tokens)} tokens in recall slots now"),
+        Text(f"  attention   {turn_share}" + (f" ({percent(tier.recalled_share)} since this cache was built)"
+                                               if tier.this_turn else "")),
+    ]
+
+
 # -- /hh -----------------------------------------------------------------------------------------
-HEAVY, RECENT, EVICTED, PARTIAL = "heavy", "recent", "evicted", "partial"
-STYLES = {HEAVY: "bold yellow", PARTIAL: "dim", RECENT: "", EVICTED: "dim strike"}
+HEAVY, RECENT, EVICTED, PARTIAL, RECALLED = "heavy", "recent", "evicted", "partial", "recalled"
+STYLES = {HEAVY: "bold yellow", PARTIAL: "dim", RECENT: "", EVICTED: "dim strike", RECALLED: "bold cyan underline"}
 
 
 def token_classes(cache: H2OCache, token_count: int) -> list[str]:
     """For each token index fed so far (plus ``token_count - seen`` pending ones, counted recent):
-    recent (protected window or sinks), heavy (kept on merit in most (layer, head) slots),
+    recent (protected window or sinks), recalled (--recall: in a recall slot of some (layer, head)
+    now, brought back from the cold tier), heavy (kept on merit in most (layer, head) slots),
     partial (kept in some), evicted (kept nowhere)."""
     share = cache.cached_token_share().tolist()
+    recalled = set(recalled_token_indices(cache).tolist())
     seen = len(share)
     budget = cache.budget
     # the policy's own protected set (recent window, sinks), asked of the rule the cache evicts by
@@ -256,6 +303,8 @@ def token_classes(cache: H2OCache, token_count: int) -> list[str]:
     for index in range(token_count):
         if index >= seen or guarded[index] or not budget.evicts:
             classes.append(RECENT if index >= seen or share[index] > 0 else EVICTED)
+        elif index in recalled:  # what the cold tier gave back is the point of it: shown first
+            classes.append(RECALLED)
         elif share[index] >= 0.5:
             classes.append(HEAVY)
         elif share[index] > 0:
@@ -281,7 +330,8 @@ def heavy_hitter_text(tokenizer, ids: list[int], cache: H2OCache) -> Text:
 def heavy_hitter_legend(cache: H2OCache, ids_count: int) -> Text:
     classes = token_classes(cache, ids_count)
     legend = Text()
-    for name, label in ((HEAVY, "heavy hitter (kept by most heads)"), (PARTIAL, "mostly evicted"),
+    recall = [(RECALLED, "recalled (in a recall slot now)")] if has_cold_tier(cache) else []
+    for name, label in ((HEAVY, "heavy hitter (kept by most heads)"), *recall, (PARTIAL, "mostly evicted"),
                         (RECENT, "recent window / sinks"), (EVICTED, "evicted")):
         legend.append(f"{label}: {classes.count(name)}", style=STYLES[name])
         legend.append("   ")

@@ -1,0 +1,100 @@
+"""The cold tier in a few figures for people: the REPL's /cache block and the status line's recall part.
+
+A reading of the cache's public state (``RecallCache.tier_stats()``, the recall slots' token indices),
+nothing changes. Counts are per (layer, sequence, KV head), averaged, like the rest of /cache. "This
+turn" figures are differences from a ``TurnStart`` taken before the turn: the tier's counters only
+grow while one cache lives, so a difference is what the turn did. Reads the device: compute it once
+per step (ui.StatusLine), not once per render.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .tiered import RecallCache, TierStats
+
+
+def has_cold_tier(cache) -> bool:
+    return isinstance(cache, RecallCache)
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """The tier's counters when a turn began, and the cache they are of."""
+
+    cache: weakref.ref  # weak: a snapshot must not keep a replaced cache's tensors alive
+    stats: TierStats
+
+    @classmethod
+    def of(cls, cache) -> "TurnStart | None":
+        return cls(weakref.ref(cache), cache.tier_stats()) if has_cold_tier(cache) else None
+
+
+@dataclass(frozen=True)
+class TierSummary:
+    recall_slots: int  # per (layer, sequence, KV head), part of the device budget
+    page: int
+    selector: str
+    cold_limit: int | None  # tokens per (layer, sequence, KV head); None: no limit
+    rows: int  # (layer, sequence, KV head) triples the means below are over
+    cold_pages: float  # held in the cold store, mean per (layer, sequence, KV head)
+    cold_tokens: float
+    dropped_tokens: float  # lost to --cold-limit
+    recalled_tokens: float  # in recall slots now
+    host_bytes: int  # every cold store (allocated host memory)
+    digest_bytes: int  # every page digest (device memory)
+    pages_copied: float  # into recall slots since the cache was built, mean per (layer, sequence, KV head)
+    pages_copied_turn: float  # of which during this turn
+    recalled_share: float | None  # attention that went to recalled tokens since the cache was built
+    recalled_share_turn: float | None  # ... during this turn (None: nothing attended in it)
+    this_turn: bool  # the turn figures are the turn's (False: no turn on this cache yet; they are since
+    # the cache was built, e.g. the re-read after /budget)
+
+
+def _share(recalled: float, attended: float) -> float | None:
+    return recalled / attended if attended > 0 else None
+
+
+def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
+    """The cold tier's figures (None for a cache without one). Turn figures: since ``since``, the
+    turn's start; when the cache is not the one ``since`` was taken of, the turn built it (a
+    conversation's first turn, a re-read) and they count from zero. ``since`` None: no turn on this
+    cache (whoever replaces the cache outside a turn drops its ``TurnStart``)."""
+    if not has_cold_tier(cache):
+        return None
+    stats = cache.tier_stats()
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    rows = sum(layer.cold.count.numel() for layer in layers)
+    in_recall = sum(int((layer.recalled_token_index() >= 0).sum()) for layer in layers)
+    this_turn = since is not None
+    start = since.stats if this_turn and since.cache() is cache else None
+    copied_before = start.pages_copied if start else 0
+    recalled_before, attended_before = (start.recalled_mass, start.attended_mass) if start else (0.0, 0.0)
+
+    def mean(total: float) -> float:
+        return total / rows if rows else 0.0
+
+    config = cache.recall
+    return TierSummary(
+        recall_slots=config.slots, page=config.page, selector=config.selector, cold_limit=config.cold_limit,
+        rows=rows, cold_pages=mean(stats.cold_pages), cold_tokens=mean(stats.cold_tokens),
+        dropped_tokens=mean(stats.dropped_tokens), recalled_tokens=mean(in_recall),
+        host_bytes=stats.host_bytes, digest_bytes=stats.digest_device_bytes,
+        pages_copied=mean(stats.pages_copied), pages_copied_turn=mean(stats.pages_copied - copied_before),
+        recalled_share=_share(stats.recalled_mass, stats.attended_mass),
+        recalled_share_turn=_share(stats.recalled_mass - recalled_before, stats.attended_mass - attended_before),
+        this_turn=this_turn,
+    )
+
+
+def recalled_token_indices(cache, sequence: int = 0) -> torch.Tensor:
+    """Token indices of ``sequence`` in a recall slot of some layer and KV head now (sorted, unique;
+    empty for a cache without a cold tier)."""
+    if not has_cold_tier(cache):
+        return torch.empty(0, dtype=torch.long)
+    held = [layer.recalled_token_index()[sequence].flatten().cpu() for layer in cache.layers if layer.is_initialized]
+    tokens = torch.cat(held) if held else torch.empty(0, dtype=torch.long)
+    return tokens[tokens >= 0].unique()

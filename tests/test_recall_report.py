@@ -1,0 +1,179 @@
+"""The REPL shows the cold tier (--recall): /cache's cold-tier block, the status line's recall part and
+/hh's recalled tokens, against figures worked out by hand from the layers' tensors.
+
+A chat with a tiny random model, 24 device slots = 16 hot + 8 recall, pages of 4: its first turn
+already evicts, so the second one recalls. The independent references: every token fed is either in
+a hot slot or in the cold store of each (layer, KV head) (so the cold store holds tokens fed - hot
+held, less what --cold-limit dropped in whole pages), and every real query row gives each of its
+group's query heads one unit of attention mass.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+
+import pytest
+import torch
+
+from h2ochat.chat import ChatSettings, Conversation
+from h2ochat.generation import CacheSettings
+from h2ochat.models import load
+from h2ochat.recall.report import recalled_token_indices, summarize_tier
+from h2ochat.recall.tiered import RecallCache
+from h2ochat.repl import Repl
+from h2ochat.ui import RECALLED, STYLES, amount, heavy_hitter_text, make_console, percent, token_classes
+
+from seeds import fresh, seed  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("seed")
+BUDGET, RECALL, PAGE = 24, 8, 4
+HOT = BUDGET - RECALL
+
+
+@pytest.fixture(scope="module", params=["opt", "llama", "neox"])
+def loaded(request, tmp_path_factory):
+    from checkpoints import write_checkpoint
+
+    fresh("model")
+    folder = write_checkpoint(tmp_path_factory.mktemp(f"recall-{request.param}"), request.param,
+                              max_position_embeddings=256)
+    return load(str(folder), device="cpu")
+
+
+def chat(loaded, cold_limit=None, recall=str(RECALL), **settings) -> tuple[Repl, io.StringIO]:
+    cache = CacheSettings(policy="h2o", budget=str(BUDGET), recall=recall, page=PAGE, selector="exact",
+                          cold_limit=cold_limit)
+    conv = Conversation(loaded.model, loaded.tokenizer,
+                        ChatSettings(temperature=0.0, max_new_tokens=20, cache=cache, **settings))
+    conv.stop_ids = set()  # replies run to max_new_tokens whatever the random model writes
+    out = io.StringIO()
+    return Repl(conv, make_console(file=out), lambda prompt: "", model_name="tiny"), out
+
+
+def counters(cache: RecallCache) -> list[dict]:
+    """Each layer's running totals, copied: pages brought in, attention mass recalled and in all."""
+    return [{"copied": layer.frames.copied.clone(), "recalled": layer.recalled_mass.clone(),
+             "attended": layer.attended_mass.clone()} for layer in cache.layers]
+
+
+@pytest.mark.parametrize("cold_limit", [None, 12])
+def test_the_cold_tier_figures_are_the_hand_computed_ones(loaded, cold_limit):
+    repl, out = chat(loaded, cold_limit)
+    conv = repl.conv
+    repl.handle("the quick brown fox jumps over the lazy dog")
+    cache = conv.cache
+    assert isinstance(cache, RecallCache)
+    before, fed_before = counters(cache), len(conv.ids)
+    repl.handle("once upon a time there was a dragon")
+    assert conv.cache is cache  # the turn went on in the same cache
+    after, fed = counters(cache), len(conv.ids)
+    seen = int(cache.tokens_fed[0])
+    assert seen == fed
+
+    rows, pages, tokens, dropped, in_recall = 0, 0, 0, 0, 0
+    frames = math.ceil(cold_limit / PAGE) if cold_limit else None
+    for layer in cache.layers:
+        hot = layer.token_index[0, :, :HOT]
+        for head in range(hot.shape[0]):
+            rows += 1
+            evicted = seen - int((hot[head] >= 0).sum())  # every token fed is hot or went cold
+            written = math.ceil(evicted / PAGE)
+            lost = max(0, written - frames) * PAGE if frames else 0
+            pages += written - max(0, written - frames) if frames else written
+            tokens += evicted - lost
+            dropped += lost
+            in_recall += int((layer.token_index[0, head, HOT:] >= 0).sum())
+    copied = sum(int(a["copied"].sum()) for a in after)
+    copied_turn = copied - sum(int(b["copied"].sum()) for b in before)
+    recalled_turn = sum(float((a["recalled"] - b["recalled"]).sum()) for a, b in zip(after, before))
+    attended_turn = sum(float((a["attended"] - b["attended"]).sum()) for a, b in zip(after, before))
+    group = loaded.model.config.num_attention_heads // cache.layers[0].token_index.shape[1]
+    assert attended_turn == pytest.approx(rows * (fed - fed_before) * group)  # one unit per query row and head
+    assert copied > 0 and recalled_turn > 0  # the second turn attended recalled tokens
+    assert (dropped > 0) == (cold_limit is not None)
+
+    tier = repl.status.summary().tier
+    assert tier.this_turn and tier.rows == rows
+    assert tier.cold_pages == pytest.approx(pages / rows)
+    assert tier.cold_tokens == pytest.approx(tokens / rows)
+    assert tier.dropped_tokens == pytest.approx(dropped / rows)
+    assert tier.recalled_tokens == pytest.approx(in_recall / rows)
+    assert tier.pages_copied == pytest.approx(copied / rows)
+    assert tier.pages_copied_turn == pytest.approx(copied_turn / rows)
+    assert tier.recalled_share_turn == pytest.approx(recalled_turn / attended_turn)
+    assert 0 < tier.recalled_share_turn < 1
+    assert tier.host_bytes == cache.cold_bytes() and tier.digest_bytes == cache.digest_bytes()
+
+    repl.handle("/cache")
+    text = out.getvalue()
+    limit = f"--cold-limit {cold_limit}: {amount(dropped / rows)} tokens dropped" if cold_limit else "no --cold-limit"
+    assert f"cold store  {amount(pages / rows)} pages ({amount(tokens / rows)} tokens) per layer and KV head" in text
+    assert limit in text
+    assert (f"recalled    {amount(copied_turn / rows)} pages copied in this turn, {amount(copied / rows)} in all · "
+            f"{amount(in_recall / rows)} tokens in recall slots now") in text
+    assert f"attention   {percent(recalled_turn / attended_turn)} of the attention this turn went to recalled" in text
+    assert f"recall: {amount(copied_turn / rows)} pages in, {percent(recalled_turn / attended_turn)} attn" in repl.toolbar()
+
+
+def test_hh_marks_exactly_the_tokens_in_recall_slots(loaded):
+    repl, out = chat(loaded)
+    repl.handle("the quick brown fox jumps over the lazy dog")
+    repl.handle("once upon a time there was a dragon")
+    conv = repl.conv
+    by_hand = set()
+    for layer in conv.cache.layers:
+        held = layer.token_index[0, :, HOT:]
+        by_hand |= set(held[held >= 0].tolist())
+    assert by_hand and set(recalled_token_indices(conv.cache).tolist()) == by_hand
+    ids = conv.ids + conv.pending
+    classes = token_classes(conv.cache, len(ids))
+    assert {i for i, c in enumerate(classes) if c == RECALLED} == by_hand
+    # the transcript styles exactly their text: each run of recalled tokens decoded as one piece
+    text = heavy_hitter_text(conv.tokenizer, ids, conv.cache)
+    styled = "".join(text.plain[span.start:span.end] for span in text.spans if span.style == STYLES[RECALLED])
+    runs, start = [], None
+    for index in range(len(ids) + 1):
+        inside = index < len(ids) and classes[index] == RECALLED
+        if inside and start is None:
+            start = index
+        elif not inside and start is not None:
+            runs.append(conv.tokenizer.decode(ids[start:index], skip_special_tokens=False))
+            start = None
+    assert styled == "".join(runs)
+    repl.handle("/hh")
+    legend = out.getvalue().strip().splitlines()[-1]
+    assert f"recalled (in a recall slot now): {len(by_hand)}" in legend
+
+
+def test_turn_figures_count_from_the_turn_start_and_say_so_after_a_new_cache(loaded, monkeypatch):
+    repl, out = chat(loaded)
+    repl.handle("the quick brown fox jumps over the lazy dog")
+    first = repl.status.summary().tier
+    assert first.this_turn and first.pages_copied_turn == first.pages_copied > 0  # the first turn is all of it
+    reads = []
+    original = RecallCache.tier_stats
+    monkeypatch.setattr(RecallCache, "tier_stats", lambda self: reads.append(1) or original(self))
+    shown = repl.toolbar()
+    assert repl.toolbar() == shown and not reads  # redrawn, not read again: nothing was fed
+    repl.handle(f"/budget {BUDGET + 4}")  # a new cache, fed the conversation in one chunk
+    tier = repl.status.summary().tier
+    assert not tier.this_turn and tier.pages_copied_turn == tier.pages_copied
+    assert len(reads) == 1
+    repl.handle("/cache")
+    assert f"{amount(tier.pages_copied)} pages copied in since this cache was built" in out.getvalue()
+    assert "of the attention since this cache was built went to recalled tokens" in out.getvalue()
+
+
+def test_without_recall_nothing_of_the_cold_tier_shows(loaded):
+    repl, out = chat(loaded, recall=None)
+    repl.handle("the quick brown fox jumps over the lazy dog")
+    repl.handle("/cache")
+    repl.handle("/hh")
+    assert summarize_tier(repl.conv.cache) is None and repl.status.summary().tier is None
+    assert recalled_token_indices(repl.conv.cache).numel() == 0
+    text = out.getvalue()
+    assert "cold tier" not in text and "recall" not in text and "recall" not in repl.toolbar()
+    assert torch.tensor([c == RECALLED for c in token_classes(repl.conv.cache, len(repl.conv.ids))]).sum() == 0
+    assert re.search(r"heavy hitter \(kept by most heads\): \d+   mostly evicted: \d+", text.splitlines()[-1])
