@@ -70,19 +70,6 @@ def test_recall_settings_are_checked():
         RecallConfig(8, 4, "quest")
 
 
-def test_recall_refuses_to_renumber_for_now(seed):
-    """Until re-numbering maps the cold tier too, passing the position limit stops with a clear error."""
-    from h2ochat.cache import PositionLimitError
-
-    model = build_model("llama", seed=seed)  # 64 positions
-    cache = RecallCache(model.config.num_hidden_layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, "exact"),
-                        max_positions=64, positions="compact", rotary=find_rotary(model))
-    use_h2o_attention(model)
-    forward(model, cache, torch.randint(3, VOCAB, (1, 60)))
-    with pytest.raises(PositionLimitError, match="not built yet"):
-        forward(model, cache, torch.randint(3, VOCAB, (1, 10)))
-
-
 def test_a_left_padded_batch_recalls_as_each_row_alone(family, seed):
     """Two rows of different prompt lengths, left-padded into one batch: each row's logits are those
     of the row run alone (the padding is never evicted into the cold store, nor recalled)."""

@@ -112,7 +112,7 @@ def test_pages_hold_the_cold_tokens_by_index_or_by_eviction_order(seed, grouping
         members = cold[h].nonzero().flatten()
         evicted_at[h, members[torch.randperm(len(members), generator=g)]] = torch.arange(len(members))
     state = _Layer(~cold, cold, torch.zeros(heads, total), evicted_at, torch.rand(heads, total, generator=g),
-                   cold.sum(1))
+                   cold.sum(1), torch.zeros_like(cold))
     keys = torch.randn(heads, total, D, generator=g)
     sim = MaskedRecall(1, "h2o", 4, 8, page, grouping=grouping)
     paged_keys, valid, importance, token = sim.paged(state, keys)

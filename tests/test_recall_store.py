@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from h2ochat.cache import Renumbering
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.step import RecallFrames
 from h2ochat.rotary import Rotary, rotate_keys
@@ -111,7 +112,7 @@ def test_renumber_keeps_order_and_recalled_keys_sit_at_their_new_position(seed):
     store = ColdStore(1, 1, D, D, 2, torch.float32)
     store.append(keys, keys.clone(), torch.arange(6).view(1, 1, 6), encoded_at)
     hot_before = torch.tensor([[[0, 5, 10, 11, 16, -1]]])  # hot tokens' positions before; re-numbered 0..4
-    store.renumber(hot_before)
+    store.renumber(Renumbering.of(1, [(hot_before, hot_before >= 0)], span=100))
     want = [sum(1 for p in hot_before.flatten().tolist() if 0 <= p < q) for q in encoded_at.flatten().tolist()]
     got_keys, _, _, positions = store.pages(torch.arange(3).view(1, 1, 3), rotary)
     assert positions.flatten().tolist() == want == [1, 1, 2, 2, 4, 4]

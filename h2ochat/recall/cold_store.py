@@ -131,32 +131,40 @@ class ColdStore:
         def take(buffer):
             return buffer.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.shape[-1]) if buffer.dim() == 4 else index)
 
-        keys, values = take(self.keys), take(self.values)
-        if self.quantized:
-            keys = keys.float() * take(self.key_scale).unsqueeze(-1)
-            values = values.float() * take(self.value_scale).unsqueeze(-1)
-        keys, values = keys.to(self.dtype), values.to(self.dtype)
         token_index = take(self.token_index).masked_fill(~present, -1)
         positions = take(self.positions).masked_fill(~present, -1)
-        if rotary is not None:
-            delta = (positions - take(self.encoded)).masked_fill(~present, 0)
-            if bool(delta.any()):
-                rotate_keys(keys, delta, rotary)
+        keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized else None,
+                                               positions, take(self.encoded), present, rotary)
+        values = take(self.values)
+        values = (values.float() * take(self.value_scale).unsqueeze(-1) if self.quantized else values).to(self.dtype)
         keys = keys.masked_fill(~present.unsqueeze(-1), 0)
         values = values.masked_fill(~present.unsqueeze(-1), 0)
         return keys, values, token_index, positions
 
-    # -- positions --------------------------------------------------------------------------------
-    def renumber(self, old_hot: torch.Tensor) -> None:
-        """The cache re-numbered its hot tokens 0..n-1 in position order (``old_hot`` [B, H, C]: their
-        positions before, -1 for empty slots): each cold token takes the new position of the first
-        hot token after it (as if the gap it sat in had closed), so order is kept."""
-        old_hot = old_hot.cpu()
-        big = torch.iinfo(torch.long).max
-        ordered = old_hot.masked_fill(old_hot < 0, big).sort(dim=-1).values
+    def _keys_at_current_positions(self, keys, scale, positions, encoded, present, rotary) -> torch.Tensor:
+        """Stored keys (a copy: gathered) in the compute dtype, RoPE keys rotated from the position
+        they were encoded at to their current one."""
+        keys = (keys.float() * scale.unsqueeze(-1) if scale is not None else keys).to(self.dtype)
+        if rotary is not None:
+            delta = (positions - encoded).masked_fill(~present, 0)
+            if bool(delta.any()):
+                rotate_keys(keys, delta, rotary)
+        return keys
+
+    def keys_by_slot(self, rotary: Rotary | None = None) -> torch.Tensor:
+        """Every storage slot's key [B, H, S, D] at its token's current position (the digest is
+        rebuilt from these after a re-numbering); empty slots hold whatever they held."""
         held = self.token_index >= 0
-        new = torch.searchsorted(ordered.contiguous(), self.positions.clamp(min=0).contiguous())
-        self.positions = torch.where(held, new, self.positions)
+        keys = self.keys.clone() if not self.quantized else self.keys
+        return self._keys_at_current_positions(keys, self.key_scale, self.positions, self.encoded, held, rotary)
+
+    # -- positions --------------------------------------------------------------------------------
+    def renumber(self, renumbering) -> None:
+        """The cache re-numbered its held tokens (``cache.Renumbering``, a function of row and old
+        position): cold tokens move with the same function, so a cold token not held anywhere takes
+        the number of the first held position after it (order kept). ``encoded`` stays: a key is
+        rotated by the difference when it is brought back."""
+        self.positions.copy_(renumbering.apply(self.positions, self.token_index >= 0))
 
     # -- accounting -------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -55,13 +55,26 @@ class KeyCodes:
         target = (slots % ring if ring is not None else slots).masked_fill(~valid, 0)
         b, h, e = torch.nonzero(valid, as_tuple=True)
         where = (b, h, target[b, h, e])
-        chosen = keys[b, h, e]
-        if self.bits is None:
-            self.codes[where] = chosen.to(self.codes.dtype)
-        else:
-            codes, scale, offset = quantize(chosen, self.bits)
-            self.codes[where], self.scale[where], self.offset[where] = codes, scale.squeeze(-1), offset.squeeze(-1)
+        self._encode(where, keys[b, h, e])
         self.number[where] = slots[b, h, e]
+
+    def _encode(self, where, keys: torch.Tensor) -> None:
+        """Write the digest of ``keys`` [N, D] at the slots ``where``."""
+        if self.bits is None:
+            self.codes[where] = keys.to(self.codes.dtype)
+        else:
+            codes, scale, offset = quantize(keys, self.bits)
+            self.codes[where], self.scale[where], self.offset[where] = codes, scale.squeeze(-1), offset.squeeze(-1)
+
+    def rebuild(self, keys_by_slot: torch.Tensor) -> None:
+        """After a re-numbering (RoPE): the digest of every held token again, from its key at its new
+        position (``ColdStore.keys_by_slot``, the same slot numbering: slot n, or n mod the ring),
+        so pages are scored as the keys will be attended. Rare: once per re-numbering."""
+        store_slots = keys_by_slot.shape[2]
+        b, h, s = torch.nonzero(self.number >= 0, as_tuple=True)
+        number = self.number[b, h, s].cpu()
+        source = number % store_slots if self.frames is not None else number
+        self._encode((b, h, s), keys_by_slot[b.cpu(), h.cpu(), source].to(self.codes.device))
 
     @property
     def valid(self) -> torch.Tensor:

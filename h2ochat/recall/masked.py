@@ -13,6 +13,12 @@ Pages group cold tokens by token index (page = index // P) or by eviction order 
 evicted from that head goes to page n // P). A recalled token is attended but stays cold unless
 ``reenter`` is set, in which case it competes for the hot slots with the score it earned.
 
+Compact positions (``max_positions``): when the next tokens would pass the limit, the tokens held
+anywhere (hot or recalled in the last step, any layer or head) are numbered by rank, order kept,
+gaps closed (past ``span`` of them, the newest span // 2 keep consecutive numbers and the older ones
+share the rest in proportion), a token held nowhere takes the number of the first held one after it,
+and every stored key is rotated to its token's new position (``rotary``; OPT has none).
+
 One sequence (batch 1). ``MaskedRecall.attach(model)`` switches the model to this attention; feed it
 with ``forward``. ``stats`` holds, per layer, the share of the exact selector's top pages that the
 chosen selector found (steps where every page fits in the recall slots are left out).
@@ -28,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..forward_step import cache_argument
 from ..policies import Policy, get_policy, keep_priority
+from ..rotary import rotate_keys
 from .selectors import Selector, exact_score, get_selector, top_pages
 
 NAME = "h2o_recall_masked"
@@ -42,6 +49,7 @@ class _Layer:
     evicted_at: torch.Tensor  # [H, T] long: the token's number in its head's eviction order (-1: not evicted)
     importance: torch.Tensor  # [H, T] fp32: the score a token held when evicted
     evictions: torch.Tensor  # [H] long: tokens evicted so far per head
+    recalled: torch.Tensor  # [H, T] bool: the tokens the last step recalled
 
 
 @dataclass
@@ -61,7 +69,8 @@ class OverlapStats:
 class MaskedRecall:
     def __init__(self, num_layers: int, policy: Policy | str, hot_slots: int, recall_slots: int, page: int,
                  selector: Selector | str | None = "exact", *, grouping: str = "index", reenter: bool = False,
-                 measure: bool = True, chunk_queries: str = "all"):
+                 measure: bool = True, chunk_queries: str = "all", max_positions: int | None = None,
+                 rotary=None):
         if grouping not in ("index", "eviction"):
             raise ValueError(f"grouping must be 'index' or 'eviction', got {grouping!r}")
         self.policy = get_policy(policy)
@@ -76,6 +85,10 @@ class MaskedRecall:
         self.cache = DynamicCache()
         self.stats = OverlapStats([0.0] * num_layers, [0] * num_layers, [0.0] * num_layers)
         self.seen = 0
+        self.max_positions, self.rotary = max_positions, rotary
+        self.position: list[int] = []  # each token's position now
+        self.next_position = 0
+        self.compactions = 0
 
     # -- driving the model ------------------------------------------------------------------------
     @staticmethod
@@ -87,7 +100,9 @@ class MaskedRecall:
     def forward(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """Feed ``input_ids`` [1, Q]; returns the logits of the last token [1, V]."""
         q_len = input_ids.shape[1]
-        positions = torch.arange(self.seen, self.seen + q_len).unsqueeze(0)
+        if self.max_positions is not None and self.next_position + q_len > self.max_positions:
+            self._renumber(min(self.max_positions - q_len, max(self.hot_slots, self.max_positions // 2)))
+        positions = torch.arange(self.next_position, self.next_position + q_len).unsqueeze(0)
         _active.append(self)
         try:
             with torch.inference_mode():
@@ -96,20 +111,48 @@ class MaskedRecall:
         finally:
             _active.pop()
         self.seen += q_len
+        self.position += positions[0].tolist()
+        self.next_position += q_len
         return out.logits[:, -1]
+
+    def _renumber(self, span: int) -> None:
+        """Compact positions below ``span`` (the rule in the module's docstring), keys rotated."""
+        held = set()
+        for state in self.layers:
+            if state is not None:
+                held |= set(torch.nonzero((state.hot | state.recalled).any(dim=0)).flatten().tolist())
+        distinct = sorted({self.position[t] for t in held})
+        count = len(distinct)
+        width = min(count, span)
+        newest = width // 2
+
+        def renumbered(position):
+            rank = min(sum(1 for p in distinct if p < position), count - 1)  # the first held at or after it
+            return rank - (count - width) if rank >= count - newest else rank * (width - newest) // (count - newest)
+
+        new = [renumbered(p) for p in self.position]
+        if self.rotary is not None:
+            delta = torch.tensor(new) - torch.tensor(self.position)
+            with torch.inference_mode():  # the keys were made under it
+                for layer in self.cache.layers:
+                    rotate_keys(layer.keys, delta.expand(*layer.keys.shape[:2], -1), self.rotary)
+        self.position, self.next_position = new, width
+        self.compactions += 1
 
     # -- one layer's step ---------------------------------------------------------------------------
     def _grow(self, layer_idx: int, heads: int, total: int, device) -> _Layer:
         state = self.layers[layer_idx]
         if state is None:
             empty = torch.zeros(heads, 0, device=device)
-            state = _Layer(empty.bool(), empty.bool(), empty, empty.long(), empty, torch.zeros(heads, dtype=torch.long))
+            state = _Layer(empty.bool(), empty.bool(), empty, empty.long(), empty, torch.zeros(heads, dtype=torch.long),
+                           empty.bool())
         extra = total - state.hot.shape[1]
         if extra > 0:
             def widen(t, fill):
                 return torch.cat([t, t.new_full((heads, extra), fill)], dim=1)
             state = _Layer(widen(state.hot, False), widen(state.cold, False), widen(state.scores, 0.0),
-                           widen(state.evicted_at, -1), widen(state.importance, 0.0), state.evictions)
+                           widen(state.evicted_at, -1), widen(state.importance, 0.0), state.evictions,
+                           widen(state.recalled, False))
         self.layers[layer_idx] = state
         return state
 
@@ -170,6 +213,7 @@ class MaskedRecall:
         if self.policy.evicts:
             choosing = grouped if self.chunk_queries == "all" else grouped[:, :, -1:]
             recalled = self.recalled(state, keys, choosing.reshape(heads, -1, dim), layer_idx)
+            state.recalled = recalled
             old = state.hot | recalled
         else:
             recalled = torch.zeros_like(state.hot)

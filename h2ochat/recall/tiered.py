@@ -11,6 +11,11 @@ into the recall columns (``RecallFrames``: pages already there are not copied ag
 already attends every slot whose token index is >= 0, so hot and recalled tokens share one softmax;
 the recall columns' scores are cleared before each eviction (they rank nothing).
 
+Compact positions: a re-numbering (``H2OCache._renumber``) counts the recall columns among the held
+tokens and moves them with the hot ones; the cold stores' positions follow with the same function (a
+cold token takes the number of the first held position after it) and the digests are re-encoded
+from the cold keys at their new positions (RoPE), so pages are scored as they will be attended.
+
 Eager, torch route only for now (``compile_blocker`` says so): the Triton eviction kernels see all
 columns, and the compiled step would need the recall step inside its graph.
 """
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from h2ochat_kernels.reference import row_weights
 
-from ..cache import H2OCache, H2OLayer, PositionLimitError
+from ..cache import H2OCache, H2OLayer
 from .cold_store import ColdStore
 from .digests import KeyCodes
 from .step import RecallFrames, RecallSlots, fill_recall_slots
@@ -222,9 +227,16 @@ class RecallCache(H2OCache):
     def compile_blocker(self) -> str | None:
         return "recall runs eagerly for now (the recall step is not in the compiled graph)"
 
-    def _renumber(self, span: int) -> None:
-        raise PositionLimitError("recall with a compact re-numbering of positions is not built yet: the "
-                                 "conversation reached the model's position limit")
+    def _apply_renumbering(self, renumbering, layers) -> None:
+        """The base moves every slot column, the recall columns included (their positions count among
+        the held ones, and their keys are rotated like the hot ones); the cold stores follow with the
+        same function, so a token has one position wherever it sits, and the page digests are rebuilt
+        from the cold keys at their new positions."""
+        super()._apply_renumbering(renumbering, layers)
+        for layer in layers:
+            layer.cold.renumber(renumbering)
+            if self.rotary is not None:  # the digests score keys as they will be attended: at their new positions
+                layer.digest.rebuild(layer.cold.keys_by_slot(self.rotary))
 
     def cold_bytes(self) -> int:
         """Host bytes of the cold stores."""
