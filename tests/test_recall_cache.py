@@ -51,16 +51,7 @@ def test_cold_store_holds_exactly_the_evicted_tokens(family, seed):
     for piece in [ids[:, :30], *[ids[:, i : i + 1] for i in range(30, 50)]]:
         forward(model, real, piece)
     for layer in real.layers:
-        first, end = layer.cold.held()
-        pages = torch.arange(int(end.max())).expand(1, layer.keys.shape[1], -1)
-        _, _, cold_index, _ = layer.cold.pages(pages)
-        for head in range(layer.keys.shape[1]):
-            hot = layer.token_index[0, head, :HOT]
-            cold = cold_index[0, head]
-            tokens = sorted(hot[hot >= 0].tolist() + cold[cold >= 0].tolist())
-            assert tokens == list(range(50))
-            recalled = layer.token_index[0, head, HOT:]
-            assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
+        _assert_each_token_once(layer, 0, 50)
 
 
 def test_recall_settings_are_checked():
@@ -70,28 +61,43 @@ def test_recall_settings_are_checked():
         RecallConfig(8, 4, "quest")
 
 
-def test_a_left_padded_batch_recalls_as_each_row_alone(family, seed):
-    """Two rows of different prompt lengths, left-padded into one batch: each row's logits are those
-    of the row run alone (the padding is never evicted into the cold store, nor recalled)."""
+def _assert_each_token_once(layer, row: int, tokens: int) -> None:
+    """Every token 0..tokens-1 of ``row`` is in a hot slot or in the cold store of each KV head, once;
+    the recall slots hold cold tokens only."""
+    first, end = layer.cold.held()
+    pages = torch.arange(int(end.max())).expand(*layer.keys.shape[:2], -1)
+    _, _, cold_index, _ = layer.cold.pages(pages)
+    for head in range(layer.keys.shape[1]):
+        hot = layer.token_index[row, head, :HOT]
+        cold = cold_index[row, head]
+        assert sorted(hot[hot >= 0].tolist() + cold[cold >= 0].tolist()) == list(range(tokens))
+        recalled = layer.token_index[row, head, HOT:]
+        assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
+
+
+def test_a_left_padded_batch_recalls_as_the_masked_reference(family, seed):
+    """Two rows of different prompt lengths, left-padded into one batch, prefilled in two chunks (the
+    first with padding) then decoded: each row's logits are the masked reference's for that row
+    alone, and its cold store holds exactly its own evicted tokens (padding never goes cold)."""
     model = build_model(family, seed=seed, max_position_embeddings=256)
-    use_h2o_attention(model)
     prompts = [torch.randint(3, VOCAB, (30,)), torch.randint(3, VOCAB, (22,))]
     follow = torch.randint(3, VOCAB, (2, 12))
-
-    def fresh():
-        return _caches(model, "h2o", "exact")[0]
-
-    batch_cache = fresh()
+    batch_cache, _ = _caches(model, "h2o", "exact")
     ids = torch.zeros(2, 30, dtype=torch.long)
     mask = torch.zeros(2, 30, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         ids[row, 30 - len(prompt):], mask[row, 30 - len(prompt):] = prompt, 1
-    got = [forward(model, batch_cache, ids, mask)[:, -1]]
+    use_h2o_attention(model)
+    got = [forward(model, batch_cache, ids[:, :18], mask[:, :18])[:, -1], forward(model, batch_cache, ids[:, 18:])[:, -1]]
     got += [forward(model, batch_cache, follow[:, i : i + 1])[:, -1] for i in range(12)]
     assert all(bool((layer.frames.copied > 0).all()) for layer in batch_cache.layers)  # both rows recalled
     for row, prompt in enumerate(prompts):
-        alone = fresh()
-        want = [forward(model, alone, prompt.view(1, -1))[:, -1]]
-        want += [forward(model, alone, follow[row : row + 1, i : i + 1])[:, -1] for i in range(12)]
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g[row : row + 1], w, atol=2e-4, rtol=2e-4)
+        _, masked = _caches(model, "h2o", "exact")
+        MaskedRecall.attach(model)
+        split = len(prompt) - 12
+        want = [masked.forward(model, prompt[:split].view(1, -1)), masked.forward(model, prompt[split:].view(1, -1))]
+        want += [masked.forward(model, follow[row : row + 1, i : i + 1]) for i in range(12)]
+        for step, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g[row : row + 1], w, atol=2e-4, rtol=2e-4, msg=lambda m: f"row {row} step {step}: {m}")
+        for layer in batch_cache.layers:
+            _assert_each_token_once(layer, row, len(prompt) + 12)

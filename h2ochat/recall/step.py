@@ -36,9 +36,13 @@ class RecallFrames:
         self.last_used = torch.zeros(batch, heads, frames, dtype=torch.long, device=device)
         self.clock = torch.zeros((), dtype=torch.long, device=device)
         self.copied = torch.zeros(batch, heads, dtype=torch.long, device=device)  # pages loaded so far
+        # the frame's page was full when it was loaded (a page still filling is loaded again)
+        self.complete = torch.zeros(batch, heads, frames, dtype=torch.bool, device=device)
 
-    def update(self, wanted: torch.Tensor) -> RecallPlan:
-        """``wanted`` [B, H, k] page numbers, best first (-1: none), k <= F. Returns the plan."""
+    def update(self, wanted: torch.Tensor, complete_pages: torch.Tensor | None = None) -> RecallPlan:
+        """``wanted`` [B, H, k] page numbers, best first (-1: none), k <= F. ``complete_pages`` [B, H]:
+        pages 0..n-1 are full (None: all are); a frame holding a page that was still filling when it
+        was loaded is loaded again (it may have grown). Returns the plan."""
         frames = self.frame_page.shape[-1]
         if wanted.shape[-1] > frames:
             raise ValueError(f"{wanted.shape[-1]} pages wanted but only {frames} recall frames")
@@ -61,6 +65,9 @@ class RecallFrames:
         self.frame_page = torch.where(load, new_page, self.frame_page)
         self.last_used = torch.where(kept | load, self.clock, self.last_used)
         self.copied += load.sum(dim=-1)
+        if complete_pages is not None:
+            load = load | (~self.complete & (self.frame_page >= 0))
+            self.complete = torch.where(load, self.frame_page < complete_pages.unsqueeze(-1), self.complete)
         return RecallPlan(self.frame_page.clone(), load)
 
 

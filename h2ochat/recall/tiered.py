@@ -45,6 +45,8 @@ class RecallConfig:
     def __post_init__(self):
         if self.slots < self.page or self.slots % self.page:
             raise ValueError(f"--recall {self.slots} must be a whole number (>= 1) of --page {self.page} pages")
+        if self.cold_limit is not None and self.cold_limit < self.slots:
+            raise ValueError(f"--cold-limit {self.cold_limit} must hold at least the {self.slots} recall slots")
         if self.every < 1:
             raise ValueError(f"--recall-every must be >= 1, got {self.every}")
         self.bits  # validates the selector
@@ -148,10 +150,7 @@ class RecallLayer(H2OLayer):
     def recall(self, queries: torch.Tensor) -> None:
         """The best pages for these queries [B, H, M, D] into the recall columns."""
         wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1])
-        plan = self.frames.update(wanted)
-        # the newest page may have grown since it was brought in: bring it again
-        newest = ((self.cold.count - 1) // self.cold.page).to(plan.frame_page.device)
-        plan.load |= (plan.frame_page == newest.unsqueeze(-1)) & (plan.frame_page >= 0)
+        plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
         fill_recall_slots(self.recall_slots, self.cold, plan, self.owner.rotary)
 
     # -- the policy never sees the recall columns ----------------------------------------------------
