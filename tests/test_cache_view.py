@@ -110,6 +110,7 @@ def test_cache_view_and_status_line_show_the_hand_computed_figures(uniform_check
     assert f"mean {mean:.1%} · worst layer" in text
     assert f"median {hand['ages'][(len(hand['ages']) - 1) // 2]} · oldest {hand['seen']}" in text
     assert f"held {mean:.1%} attn" in status_line(conv.cache)
+    assert "cold tier" not in text and "recall" not in status_line(conv.cache)  # no --recall: no cold tier
     # the parts: the template's header, then the turn (its prompt and reply)
     (header, start, end), (turn, turn_start, turn_end) = conv.parts()
     assert (start, turn_start, turn_end) == (0, end, len(conv.ids) + len(conv.pending)) and turn == "turn 1: hi"

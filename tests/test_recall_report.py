@@ -157,13 +157,22 @@ def test_turn_figures_count_from_the_turn_start_and_say_so_after_a_new_cache(loa
     monkeypatch.setattr(RecallCache, "tier_stats", lambda self: reads.append(1) or original(self))
     shown = repl.toolbar()
     assert repl.toolbar() == shown and not reads  # redrawn, not read again: nothing was fed
-    repl.handle(f"/budget {BUDGET + 4}")  # a new cache, fed the conversation in one chunk
+    repl.conv.prefill_chunk = 16  # the re-read below recalls between its chunks
+    repl.handle(f"/budget {BUDGET + 4}")  # a new cache, fed the conversation again
     tier = repl.status.summary().tier
-    assert not tier.this_turn and tier.pages_copied_turn == tier.pages_copied
+    assert not tier.this_turn and tier.pages_copied_turn == tier.pages_copied > 0
     assert len(reads) == 1
     repl.handle("/cache")
     assert f"{amount(tier.pages_copied)} pages copied in since this cache was built" in out.getvalue()
     assert "of the attention since this cache was built went to recalled tokens" in out.getvalue()
+    assert len(reads) == 1  # /cache uses the figures the status line read
+    reread = tier
+    repl.handle("and now a second turn")  # on the new cache: its turn figures count from its start
+    reads.clear()
+    tier = repl.status.summary().tier
+    repl.toolbar()
+    assert len(reads) == 1 and tier.this_turn
+    assert tier.pages_copied_turn == pytest.approx(tier.pages_copied - reread.pages_copied)
 
 
 def test_without_recall_nothing_of_the_cold_tier_shows(loaded):

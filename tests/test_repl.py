@@ -113,6 +113,7 @@ def test_hh_counts_match_a_hand_count_for_the_recent_window_policy(loaded):
     assert counts["evicted"] == seen - 32
     assert counts["recent window / sinks"] == 32 + pending
     assert counts["heavy hitter (kept by most heads)"] == 0 and counts["mostly evicted"] == 0
+    assert len(counts) == 4  # no --recall: no recalled tokens in the legend
 
 
 def test_hh_counts_match_the_slots_the_cache_holds(loaded):
