@@ -209,8 +209,10 @@ def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None,
     stats = s.layers
     shares = [st.evicted_share if st.evicted else None for st in stats]
     styles = [share_style(share, st.held) for share, st in zip(shares, stats)]
-    title = Text(f"KV cache · policy {cache.policy.name} · {budget.slots} slots per layer and KV head ({budget.heavy} "
-                 f"heavy + {budget.recent} recent" + (f" + {budget.sinks} sinks" if budget.sinks else "") + f") · "
+    recall = s.tier.recall_slots if s.tier is not None else 0  # device slots too: --budget counts them
+    title = Text(f"KV cache · policy {cache.policy.name} · {budget.slots + recall} slots per layer and KV head "
+                 f"({budget.heavy} heavy + {budget.recent} recent" + (f" + {budget.sinks} sinks" if budget.sinks else "")
+                 + (f" + {recall} recall" if recall else "") + f") · "
                  f"{s.seen} tokens seen, {s.evicted:.0f} evicted per head · KV {format_bytes(s.kv_bytes)} "
                  f"(full {format_bytes(s.full_bytes)})", style="bold")
     lines = [title]
@@ -270,7 +272,8 @@ def cold_tier_lines(tier: TierSummary) -> list[Text]:
              f"--cold-limit {tier.cold_limit}: {amount(tier.dropped_tokens)} tokens dropped")
     copied = (f"{amount(tier.pages_copied_turn)} pages copied in this turn, {amount(tier.pages_copied)} in all"
               if tier.this_turn else f"{amount(tier.pages_copied)} pages copied in since this cache was built")
-    turn_share = f"{percent(tier.recalled_share_turn)} of the attention {scope} went to recalled tokens"
+    turn_share = (f"{percent(tier.recalled_share_turn)} of the attention {scope} went to recalled tokens"
+                  if tier.recalled_share_turn is not None else f"nothing attended {scope}")
     return [
         Text(f"cold tier: evicted tokens in host memory, the best pages brought back into {tier.recall_slots} "
              f"recall slots per layer and KV head (pages of {tier.page}, selector {tier.selector})", style="dim"),

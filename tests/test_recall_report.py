@@ -108,6 +108,7 @@ def test_the_cold_tier_figures_are_the_hand_computed_ones(loaded, cold_limit):
 
     repl.handle("/cache")
     text = out.getvalue()
+    assert f" {BUDGET} slots per layer and KV head ({HOT // 2} heavy + {HOT // 2} recent + {RECALL} recall)" in text
     limit = f"--cold-limit {cold_limit}: {amount(dropped / rows)} tokens dropped" if cold_limit else "no --cold-limit"
     assert f"cold store  {amount(pages / rows)} pages ({amount(tokens / rows)} tokens) per layer and KV head" in text
     assert limit in text
