@@ -9,6 +9,10 @@ order, same random draws: tests compare the two).
 The first tokens, up to the smallest budget, go in as one chunk: nothing is evicted before a cache
 is full, and a chunk's scores equal token-by-token feeding (the decay included), so chunked and
 token-by-token feeding are the same computation.
+
+A recall row (``--recall``: the two-tier cache, ``h2ochat.recall``) is a policy whose budget keeps R
+of its device slots for tokens recalled from the cold tier. The two-tier cache serves one policy for
+all its rows, so each recall row runs as a batch of its own, over the same tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -24,8 +28,9 @@ import torch
 from .budget import parse_budget
 from .cache import H2OCache, RowSpec
 from .forward_step import forward
-from .generation import max_positions
+from .generation import CacheSettings, max_positions
 from .policies import Policy, get_policy
+from .recall.tiered import RecallCache, RecallConfig
 from .rotary import find_rotary
 
 DEFAULT_POLICIES = ("full", "h2o", "local", "sink", "random")
@@ -41,10 +46,23 @@ class Row:
     slots: int  # the budget asked for (for ``full``: the budget its after-fill numbers compare to)
     seed: int | None = None
     window: int = 0  # which of the evaluated stretches of text this row reads
+    recall: RecallConfig | None = None  # the two-tier cache: R of the ``slots`` hold recalled tokens
+    recall_spec: str = ""  # --recall as typed (64, or 0.5 of the budget): names the row across budgets
+
+    @property
+    def hot_slots(self) -> int:
+        """The policy's slots: the budget less the recall slots."""
+        return self.slots - (self.recall.slots if self.recall else 0)
 
     @property
     def budget(self):
-        return self.policy.split(self.slots)
+        return self.policy.split(self.hot_slots)
+
+    @property
+    def label(self) -> str:
+        if self.recall is None:
+            return self.policy.label
+        return f"{self.policy.label} + recall {self.recall_spec} ({self.recall.selector}, pages of {self.recall.page})"
 
     def spec(self) -> RowSpec:
         return RowSpec(self.policy, self.slots, self.seed)
@@ -56,6 +74,7 @@ class Row:
 class RowResult:
     row: Row
     nll: torch.Tensor  # [T - 1] float64: -log p(token j | tokens < j) for j = 1..T-1
+    memory: dict = field(default_factory=dict)  # device KV bytes of the row (with recall: digest and cold bytes)
 
 
 @dataclass
@@ -74,10 +93,11 @@ class Speed:
 
 
 def build_rows(policies: Sequence[str | Policy], budgets: Sequence[int], tokens: int, *, seed: int | None = 0,
-               window: int = 0, **knobs) -> list[Row]:
+               window: int = 0, recalls: Sequence[CacheSettings] = (), **knobs) -> list[Row]:
     """One row per (evicting policy, budget), plus one ``full`` row (its numbers do not depend on
     the budget) when ``full`` is asked for. ``knobs`` (heavy_ratio=, sinks=, ...; None = the
-    policy's own) apply to every policy."""
+    policy's own) apply to every policy. ``recalls``: the recall settings (``CacheSettings`` with
+    recall, page, selector, ... set), each adding a recall row beside every (evicting policy, budget)."""
     rows = []
     for spec in dict.fromkeys(policies):
         policy = get_policy(spec).with_knobs(**knobs)
@@ -87,7 +107,28 @@ def build_rows(policies: Sequence[str | Policy], budgets: Sequence[int], tokens:
         for slots in budgets:
             policy.split(slots)  # a knob that does not fit the budget fails before the model runs
             rows.append(Row(policy, slots=slots, seed=seed, window=window))
+            for settings in recalls:
+                row = Row(policy, slots, seed, window, settings.recall_config(slots), str(settings.recall))
+                row.budget  # the hot slots left must hold the policy's sinks and windows
+                rows.append(row)
     return rows
+
+
+def recall_settings(recalls: str, pages: str, **options) -> list[CacheSettings]:
+    """--recall (comma-separated: slot counts or shares of each budget) times --page (comma-separated
+    page sizes), with the other recall options (selector, cold_dtype, cold_limit, recall_every)."""
+    from .passkey import parse_numbers
+
+    from .recall.cold_store import COLD_DTYPES
+
+    specs = [part.strip() for part in str(recalls).split(",") if part.strip()]
+    if not specs:
+        return []
+    # RecallConfig does not check it: a bad one would fail only when the first cold store is made
+    if options.get("cold_dtype", "same") not in COLD_DTYPES:
+        raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {options['cold_dtype']!r}")
+    return [CacheSettings(recall=spec, page=page, **options)
+            for spec in specs for page in dict.fromkeys(parse_numbers(pages, int, "--page"))]
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -101,24 +142,58 @@ def evaluate_rows(model, token_ids: torch.Tensor | Sequence[torch.Tensor], rows:
     """Per-token NLL of ``token_ids`` [T] (or of ``token_ids[row.window]``, windows of equal length)
     for every row, running up to ``max_rows`` rows per batch."""
     windows = [token_ids] if isinstance(token_ids, torch.Tensor) else list(token_ids)
-    ordered = sorted(rows, key=lambda row: row.slots)  # similar budgets share a batch
     results: dict[int, RowResult] = {}
-    for start in range(0, len(ordered), max_rows):
-        group = ordered[start : start + max_rows]
-        for row, nll in zip(group, _evaluate_batch(model, windows, group, on_step, speed)):
-            results[id(row)] = RowResult(row, nll)
+    for group in batches(rows, max_rows):
+        for row, nll, memory in zip(group, *_evaluate_batch(model, windows, group, on_step, speed)):
+            results[id(row)] = RowResult(row, nll, memory)
     return [results[id(row)] for row in rows]
+
+
+def batches(rows: Sequence[Row], max_rows: int = MAX_ROWS) -> list[list[Row]]:
+    """Rows without recall share batches of up to ``max_rows`` (similar budgets together); each
+    recall row is a batch of its own (the two-tier cache serves one policy)."""
+    ordered = sorted((row for row in rows if row.recall is None), key=lambda row: row.slots)
+    groups = [ordered[start : start + max_rows] for start in range(0, len(ordered), max_rows)]
+    return groups + [[row] for row in rows if row.recall is not None]
+
+
+def _cache_for(model, rows: Sequence[Row]) -> H2OCache:
+    config = model.config
+    common = dict(max_positions=max_positions(config), positions="absolute", rotary=find_rotary(model))
+    if rows[0].recall is not None:
+        [row] = rows
+        return RecallCache(config.num_hidden_layers, row.policy, row.hot_slots, recall=row.recall, seed=row.seed,
+                           **common)
+    return H2OCache.for_rows(config.num_hidden_layers, [row.spec() for row in rows], **common)
+
+
+def row_memory(cache: H2OCache, rows: Sequence[Row]) -> list[dict]:
+    """Per row: the device KV bytes a cache of that row alone allocates (a mixed batch allocates its
+    widest row's slots for every row, so its rows are counted by their own slots per layer), and
+    for a recall row what its cold tier holds (``RecallCache.tier_record``)."""
+    if isinstance(cache, RecallCache):
+        return [{"device_kv_bytes": cache.kv_bytes(), **cache.tier_record()}]
+    out = []
+    for index, _ in enumerate(rows):
+        total = 0
+        for layer in cache.layers:
+            if layer.is_initialized:
+                per_slot = layer.keys[0, :, 0].numel() * layer.keys.element_size() \
+                    + layer.values[0, :, 0].numel() * layer.values.element_size()
+                total += layer.budgets[index].slots * per_slot
+        out.append({"device_kv_bytes": total})
+    return out
 
 
 def _evaluate_batch(model, windows, rows, on_step, speed):
     config = model.config
     total = windows[0].shape[0]
-    cache = H2OCache.for_rows(config.num_hidden_layers, [row.spec() for row in rows],
-                              max_positions=max_positions(config), positions="absolute", rotary=find_rotary(model))
+    cache = _cache_for(model, rows)
     ids = torch.stack([windows[row.window] for row in rows]).to(model.device)
     nll = torch.empty(len(rows), total - 1, dtype=torch.float64)
     started = time.perf_counter()
-    smallest = min(min(row.policy.layer_slots(row.slots, config.num_hidden_layers)) for row in rows)
+    # a recall row's policy evicts once its hot slots are full: the opening chunk must not pass them
+    smallest = min(min(row.policy.layer_slots(row.hot_slots, config.num_hidden_layers)) for row in rows)
     opening = max(1, min(smallest, total - 1))
     logits = forward(model, cache, ids[:, :opening])
     nll[:, :opening] = token_nll(logits, ids[:, 1 : opening + 1]).cpu()
@@ -133,7 +208,7 @@ def _evaluate_batch(model, windows, rows, on_step, speed):
         speed.seconds += time.perf_counter() - started
         speed.steps += 1 + (total - 1 - opening)
         speed.row_tokens += len(rows) * (total - 1)
-    return list(nll)
+    return list(nll), row_memory(cache, rows)
 
 
 def first_evicted_prediction(slots: int) -> int:
@@ -152,7 +227,9 @@ def perplexity(nll: torch.Tensor) -> float | None:
 
 def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
     """JSON records: one per (policy, budget); ``full`` is reported at every budget, with its
-    after-fill perplexity over the same predictions as the evicting policies at that budget."""
+    after-fill perplexity over the same predictions as the evicting policies at that budget. A
+    recall row also gives its ratios to the same policy without recall at the same budget
+    (``*_vs_policy``), over the same predictions."""
     out = []
     for result in results:
         row = result.row
@@ -160,7 +237,7 @@ def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
         grows = row.policy.grows
         for slots in (budgets if grows else [row.slots]):
             out.append({
-                "policy": row.policy.label,
+                "policy": row.label,
                 "budget_slots": slots,
                 "heavy_slots": None if grows else row.budget.heavy,
                 "recent_slots": None if grows else row.budget.recent,
@@ -169,9 +246,24 @@ def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
                 "tokens": tokens,
                 "perplexity": perplexity(result.nll),
                 "perplexity_after_fill": perplexity(result.nll[first_evicted_prediction(slots):]),
+                **({} if grows else result.memory),
             })
+            if row.recall is not None:
+                out[-1].update(without_recall=row.policy.label, hot_slots=row.hot_slots)
+    plain = {(r["policy"], r["budget_slots"]): r for r in out if "without_recall" not in r}
+    for record in out:
+        base = plain.get((record.get("without_recall"), record["budget_slots"]))
+        for field_name in ("perplexity", "perplexity_after_fill") if base else ():
+            if record[field_name] is not None and base[field_name]:
+                record[f"{field_name}_vs_policy"] = record[field_name] / base[field_name]
     out.sort(key=lambda r: (r["budget_slots"], r["policy"] != "full", r["policy"]))
     return out
+
+
+def describe_recalls(recalls: Sequence[CacheSettings]) -> list[dict] | None:
+    """The recall settings of the rows, for the JSON report."""
+    return [{"recall": r.recall, "page": r.page, "selector": r.selector, "cold_dtype": r.cold_dtype,
+             "cold_limit": r.cold_limit, "recall_every": r.recall_every} for r in recalls] or None
 
 
 # -- inputs --------------------------------------------------------------------------------------
@@ -234,15 +326,21 @@ def summarize_windows(per_window: Sequence[Sequence[dict]]) -> list[dict]:
     out = []
     for (policy, slots), pairs in grouped.items():
         entry = {"policy": policy, "budget_slots": slots, "windows": len(pairs)}
-        for field in ("perplexity", "perplexity_after_fill"):
-            values = [r[field] for r, _ in pairs if r[field] is not None]
-            ratios = [r[field] / f[field] for r, f in pairs if f and r[field] is not None and f[field]]
-            entry[field] = statistics.fmean(values) if values else None
+        if "without_recall" in pairs[0][0]:
+            entry["without_recall"] = pairs[0][0]["without_recall"]
+        for field_name in ("perplexity", "perplexity_after_fill"):
+            values = [r[field_name] for r, _ in pairs if r[field_name] is not None]
+            ratios = [r[field_name] / f[field_name] for r, f in pairs if f and r[field_name] is not None and f[field_name]]
+            entry[field_name] = statistics.fmean(values) if values else None
             if ratios:
-                entry[f"{field}_ratio"] = statistics.fmean(ratios)
-                entry[f"{field}_ratio_min"] = min(ratios)
-                entry[f"{field}_ratio_max"] = max(ratios)
-                entry[f"{field}_ratio_std"] = statistics.pstdev(ratios)
+                entry[f"{field_name}_ratio"] = statistics.fmean(ratios)
+                entry[f"{field_name}_ratio_min"] = min(ratios)
+                entry[f"{field_name}_ratio_max"] = max(ratios)
+                entry[f"{field_name}_ratio_std"] = statistics.pstdev(ratios)
+            against = [r[f"{field_name}_vs_policy"] for r, _ in pairs if f"{field_name}_vs_policy" in r]
+            if against:
+                entry[f"{field_name}_vs_policy"] = statistics.fmean(against)
+                entry[f"{field_name}_vs_policy_max"] = max(against)
         out.append(entry)
     out.sort(key=lambda r: (r["budget_slots"], r["policy"] != "full", r["policy"]))
     return out

@@ -23,7 +23,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
-from .recall.tiered import recall_slots
+from .recall.digests import KeyCodes
+from .recall.tiered import RecallCache, RecallLayer
 
 KEY_SENTENCE = " The {which}pass key is {key}. Remember it. {key} is the {which}pass key."
 QUESTION = "\nWhat is the {which}pass key? The {which}pass key is"
@@ -110,29 +111,78 @@ class Runner(Protocol):
         """Feed [1, Q] token ids; returns the last token's logits [1, V]."""
 
 
+class ExactShareLayer(RecallLayer):
+    """A recall layer that keeps the exact selector's digest beside its own selector's and counts, at
+    each recall, the share of the exact top pages its selector picked: the figure the masked
+    reference's ``OverlapStats`` gives, measured on the real two-tier cache. Recalls where every
+    cold page fits in the recall slots are left out (any selector finds them all)."""
+
+    def allocate(self, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        super().allocate(batch, heads, head_dim, value_dim, dtype, device)
+        self.exact = KeyCodes(batch, heads, head_dim, self.cold.page, None, frames=self.cold.frames,
+                              device=self.device, dtype=dtype)
+        self.found, self.recalls_counted = 0.0, 0
+
+    def _to_cold(self, keys, values, token_index, positions) -> None:
+        super()._to_cold(keys, values, token_index, positions)
+        self.exact.append(keys, token_index)
+
+    def recall(self, queries: torch.Tensor) -> None:
+        count = self.frames.frame_page.shape[-1]
+        pages_held = -(-self.cold.held_tokens() // self.cold.page)
+        if int(pages_held.min()) > count:
+            picked = self.digest.top_pages(queries, count)
+            exact = self.exact.top_pages(queries, count)
+            self.found += float((picked.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean())
+            self.recalls_counted += 1
+        super().recall(queries)
+
+    def exact_share(self) -> float | None:
+        return self.found / self.recalls_counted if self.recalls_counted else None
+
+
+def measure_exact_share(cache: RecallCache) -> None:
+    """Swap a fresh two-tier cache's layers for ``ExactShareLayer``s (before anything is fed)."""
+    cache.layers[:] = [ExactShareLayer(cache, index) for index in range(len(cache.layers))]
+
+
+def exact_share_record(cache: RecallCache) -> dict:
+    """The share of the exact top pages found, per layer and its mean over layers (None: no recall
+    had more cold pages than recall frames)."""
+    per_layer = [layer.exact_share() for layer in cache.layers if isinstance(layer, ExactShareLayer)]
+    known = [x for x in per_layer if x is not None]
+    return {"exact_top_pages_found": sum(known) / len(known) if known else None,
+            "exact_top_pages_found_per_layer": per_layer}
+
+
 @dataclass(frozen=True)
 class CacheRow:
-    """A policy at a budget through the real cache."""
+    """A policy at a budget through the real cache. ``measure``: with recall, also measure the share
+    of the exact selector's top pages the row's selector finds (``ExactShareLayer``)."""
 
     label: str
     settings: CacheSettings
     chunk: int = DEFAULT_PREFILL_CHUNK
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: questions token by token (each token recalls for itself)
+    measure: bool = False
+
+    def instrument(self, cache):
+        """A fresh cache of this row's, set to measure its selector where the row asks (the exact
+        selector finds its own pages: nothing to measure)."""
+        if self.measure and isinstance(cache, RecallCache) and cache.recall.selector != "exact":
+            measure_exact_share(cache)
+        return cache
 
     def runner(self, model, trial: Trial) -> Runner:
-        cache = self.settings.build(model, initial_slots=trial.context.shape[1] + trial.question.shape[1] + ANSWER_TOKENS)
+        initial = trial.context.shape[1] + trial.question.shape[1] + ANSWER_TOKENS
+        cache = self.instrument(self.settings.build(model, initial_slots=initial))
         row = self
 
         class _Run:
             fed = 0
 
             def memory(self) -> dict:
-                """Device KV bytes and, with recall, the digest's device bytes and the cold store's host bytes."""
-                figures = {"device_kv_bytes": cache.kv_bytes()}
-                if hasattr(cache, "tier_record"):
-                    tier = cache.tier_record()
-                    figures.update({name: tier[name] for name in ("digest_device_bytes", "cold_host_bytes", "pages_copied")})
-                return figures
+                return cache_memory(cache)
 
             def feed(self, ids):
                 chunk = row.chunk if self.fed == 0 else row.question_chunk
@@ -141,6 +191,18 @@ class CacheRow:
                     return forward(model, cache, ids, logits_to_keep=1)[:, -1]
                 return prefill(model, cache, ids, chunk=chunk)
         return _Run()
+
+
+def cache_memory(cache) -> dict:
+    """Device KV bytes and, with recall, the digest's device bytes, the cold store's host bytes, the
+    pages copied in and (measured rows) the share of the exact top pages found."""
+    figures = {"device_kv_bytes": cache.kv_bytes()}
+    if isinstance(cache, RecallCache):
+        tier = cache.tier_record()
+        figures.update({name: tier[name] for name in ("digest_device_bytes", "cold_host_bytes", "pages_copied")})
+        if any(isinstance(layer, ExactShareLayer) for layer in cache.layers):
+            figures.update(exact_share_record(cache))
+    return figures
 
 
 @dataclass(frozen=True)
@@ -223,12 +285,19 @@ def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Cal
 
 
 def summarize(results: Sequence[dict]) -> list[dict]:
-    """Recalled / trials per (row, length, depth), in the order rows first appear."""
-    groups: dict[tuple, list[bool]] = {}
+    """Recalled / trials per (row, length, depth), in the order rows first appear; with the mean
+    share of the exact top pages found where the row measured it."""
+    groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["row"], r["length"], r["depth"]), []).append(r["recalled"])
-    return [{"row": row, "length": length, "depth": depth, "recalled": sum(hits), "trials": len(hits)}
-            for (row, length, depth), hits in groups.items()]
+        groups.setdefault((r["row"], r["length"], r["depth"]), []).append(r)
+    out = []
+    for (row, length, depth), group in groups.items():
+        out.append({"row": row, "length": length, "depth": depth, "recalled": sum(r["recalled"] for r in group),
+                    "trials": len(group)})
+        shares = [r["exact_top_pages_found"] for r in group if r.get("exact_top_pages_found") is not None]
+        if shares:
+            out[-1]["exact_top_pages_found"] = sum(shares) / len(shares)
+    return out
 
 
 # -- the command's rows and report ----------------------------------------------------------------
@@ -242,12 +311,15 @@ def parse_numbers(text: str, kind, name: str) -> list:
     return values
 
 
-def build_rows(policies: Sequence[str], budgets: Sequence[int], recalls: Sequence[str], *, page: int = 16,
-               selector: str = "int4", recall_chunk: int = 1, masked: bool = False,
-               settings: dict | None = None) -> list:
+def build_rows(policies: Sequence[str], budgets: Sequence[int], recalls: Sequence[CacheSettings] = (), *,
+               recall_chunk: int = 1, masked: bool = False, settings: dict | None = None) -> list:
     """Rows: each policy at each budget through the real cache (``full`` once), then each evicting
-    policy with each --recall through the two-tier cache (``masked``: through the masked reference
-    simulation as well). Recall rows feed the question token by token (``recall_chunk``)."""
+    policy with each recall setting (``CacheSettings`` with recall, page, selector, ... set: see
+    ``evaluation.recall_settings``) through the two-tier cache, measuring its selector's share of the
+    exact top pages (``masked``: through the masked reference simulation as well). Recall rows feed
+    the question token by token (``recall_chunk``)."""
+    from dataclasses import replace
+
     from .policies import get_policy
 
     extra = settings or {}
@@ -260,24 +332,40 @@ def build_rows(policies: Sequence[str], budgets: Sequence[int], recalls: Sequenc
                     rows.append(CacheRow("full", CacheSettings(policy=spec, budget=str(slots), **extra)))
                 continue
             rows.append(CacheRow(f"{policy.label} {slots}", CacheSettings(policy=spec, budget=str(slots), **extra)))
-            for spec_r in recalls:
-                recall = recall_slots(spec_r, slots)
-                name = f"{policy.label} {slots} = {slots - recall} hot + {recall} recall ({selector}, pages of {page})"
-                settings_r = CacheSettings(policy=spec, budget=str(slots), recall=str(recall), page=page,
-                                           selector=selector, **extra)
-                settings_r.recall_config(slots)  # bad recall settings fail before the model loads
-                rows.append(CacheRow(name, settings_r, question_chunk=recall_chunk))
+            for recall_settings in recalls:
+                settings_r = replace(recall_settings, policy=spec, budget=str(slots), **extra)
+                config = settings_r.recall_config(slots)  # bad recall settings fail before the model loads
+                settings_r.validate()
+                name = (f"{policy.label} {slots} = {slots - config.slots} hot + {config.slots} recall "
+                        f"({config.selector}, pages of {config.page})")
+                rows.append(CacheRow(name, settings_r, question_chunk=recall_chunk, measure=True))
                 if masked:
-                    rows.append(MaskedRow(f"{name}; masked reference", spec, slots - recall, recall, page, selector,
-                                          grouping="eviction", question_chunk=recall_chunk))
+                    rows.append(MaskedRow(f"{name}; masked reference", spec, slots - config.slots, config.slots,
+                                          config.page, config.selector, grouping="eviction",
+                                          question_chunk=recall_chunk))
     return rows
 
 
-def table_rows(summary: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
-    """(column titles, rows of cells): one row per cache row, one column per (length, depth)."""
+def table_rows(summary: Sequence[dict], column: Callable[[int, float], str] | None = None
+               ) -> tuple[list[str], list[list[str]]]:
+    """(column titles, rows of cells): one row per cache row, one column per (length, depth), titled
+    by ``column(length, depth)``."""
     columns = list(dict.fromkeys((s["length"], s["depth"]) for s in summary))
     cells: dict[str, dict] = {}
     for s in summary:
         cells.setdefault(s["row"], {})[(s["length"], s["depth"])] = f"{s['recalled']}/{s['trials']}"
-    titles = ["cache"] + [f"{length} tok, depth {depth:g}" for length, depth in columns]
-    return titles, [[row] + [by.get(c, "-") for c in columns] for row, by in cells.items()]
+    shares: dict[str, list[float]] = {}
+    for s in summary:
+        if "exact_top_pages_found" in s:
+            shares.setdefault(s["row"], []).append(s["exact_top_pages_found"])
+    column = column or (lambda length, depth: f"{length} tok, depth {depth:g}")
+    titles = ["cache"] + [column(length, depth) for length, depth in columns]
+    if shares:
+        titles.append("exact top pages found")
+    rows = []
+    for row, by in cells.items():
+        rows.append([row] + [by.get(c, "-") for c in columns])
+        if shares:
+            found = shares.get(row)
+            rows[-1].append(f"{100 * sum(found) / len(found):.1f}%" if found else "-")
+    return titles, rows

@@ -190,7 +190,7 @@ def test_passkey_command_table(long_checkpoint, filler_file):
 @pytest.mark.parametrize("args, message", [
     (["--recall", "40"], "must leave the policy some"),
     (["--recall", "12", "--page", "8"], "whole number (>= 1) of --page 8 pages"),
-    (["--selector", "magic", "--recall", "16"], "unknown selector 'magic'"),
+    (["--selector", "magic", "--recall", "16"], "exact or int1..int8 keys, not 'magic'"),
     (["--selector", "quest", "--recall", "16"], "exact or int1..int8"),
     (["--depths", "1.5"], "depths are shares"),
     (["--lengths", "2000"], "fewer than the 2000"),

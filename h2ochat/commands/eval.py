@@ -56,30 +56,42 @@ def eval_command(
     facts: Annotated[int, typer.Option("--facts", rich_help_panel=o.CACHE,
         help="passkey: 2 plants a first and a second key (at depth 1 - d) and asks for both in order.")] = 1,
     recall: Annotated[str, typer.Option("--recall", rich_help_panel=o.CACHE,
-        help="passkey: comma-separated recall shares of each budget (64 slots, or 0.5 of it): adds rows with "
-             "evicted tokens recallable (the two-tier cache).")] = "",
-    page: Annotated[int, typer.Option("--page", min=1, rich_help_panel=o.CACHE,
-        help="passkey --recall: tokens per cold page.")] = 16,
-    selector: Annotated[str, typer.Option("--selector", rich_help_panel=o.CACHE,
-        help="passkey --recall: how pages are scored (int4: keys as 4-bit codes on the device; exact).")] = "int4",
+        help="Comma-separated recall slots of each budget (64, or a share of it: 0.5): adds, beside each evicting "
+             "policy, a row of the same policy and budget with that many of its slots holding evicted tokens "
+             "recalled from a cold store (the two-tier cache).")] = "",
+    page: Annotated[str, typer.Option("--page", rich_help_panel=o.CACHE,
+        help="With --recall: comma-separated tokens per cold page (a recall row for each).")
+        ] = str(o.DEFAULTS["page"]),
+    selector: o.Selector = o.DEFAULTS["selector"],
+    cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
+    cold_limit: o.ColdLimit = None,
+    recall_every: o.RecallEvery = o.DEFAULTS["recall_every"],
+    chat_turns: Annotated[int, typer.Option("--chat-turns", rich_help_panel=o.CACHE,
+        help="passkey: 0 plants the key in one text; N >= 3 runs a chat of N turns through the chat path: "
+             "turn 1 states the key, turns 2..N-1 are filler (--lengths tokens in all) with short replies, "
+             "turn N asks for it.")] = 0,
     plot: Annotated[Optional[Path], typer.Option("--plot", rich_help_panel=o.OUTPUT,
         help="Write a PNG of perplexity against budget, one line per policy.")] = None,
 ):
     """Perplexity of a text continued token by token through each policy's cache, for each budget
     (--task passkey: whether each cache gives back a key planted in the text)."""
+    with user_input():  # the options as typed
+        if task not in ("perplexity", "passkey"):
+            raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
+        recalls = ev.recall_settings(recall, page, selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
+                                     recall_every=recall_every)
     if task == "passkey":
         from .passkey_task import passkey_task
 
-        # its checks still raise ValueError for bad input (passkey_task's owner: move them to UserError)
-        with user_input():
-            return passkey_task(text=text, model=model, device=device, dtype=dtype, budget=budget, policies=policies,
-                                lengths=lengths, depths=depths, keys=keys, facts=facts, recall=recall, page=page,
-                                selector=selector, seed=seed, as_json=as_json)
-    with user_input():  # the options as typed
-        if task != "perplexity":
-            raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
+        return passkey_task(text=text, model=model, device=device, dtype=dtype, budget=budget, policies=policies,
+                            lengths=lengths, depths=depths, keys=keys, facts=facts, recalls=recalls, seed=seed,
+                            chat_turns=chat_turns, as_json=as_json)
+    with user_input():
+        if chat_turns:
+            raise ValueError("--chat-turns is for --task passkey")
         names = ev.parse_policies(policies)
-        ev.parse_budgets(budget, tokens)  # bad syntax fails before the model loads
+        ev.build_rows(names, ev.parse_budgets(budget, tokens), tokens, recalls=recalls, heavy_ratio=heavy_ratio,
+                      sinks=sinks, decay=decay)  # bad syntax, knobs or recall settings fail before the model loads
         if plot is not None and plot.suffix.lower() != ".png":
             raise ValueError(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
     content = Path(text).read_text(encoding="utf-8")
@@ -93,10 +105,10 @@ def eval_command(
         ev.check_inputs(count, budgets, max_positions(loaded.model.config))
         rows = [row for window in range(windows)
                 for row in ev.build_rows(names, budgets, count, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
-                                         seed=seed, window=window)]
+                                         seed=seed, window=window, recalls=recalls)]
 
     speed = ev.Speed()
-    batches = -(-len(rows) // max_rows)
+    batches = len(ev.batches(rows, max_rows))
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err, transient=True,
                   disable=not err.is_terminal) as progress:
@@ -128,6 +140,7 @@ def eval_command(
         "decay": decay,
         "windows": windows,
         "seed": seed,
+        "recall": ev.describe_recalls(recalls),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "device": str(loaded.device),
         "results": records,  # the first window
@@ -152,7 +165,9 @@ def eval_command(
         return
     out = Console()
     spread = " (lowest-highest over the windows)" if windows > 1 else ""
-    out.print(_table(summary, budgets, "perplexity", f"Perplexity over {over} ({loaded.name}); ratio to full{spread}"))
+    against = "; [ratio to the same policy without recall]" if recalls else ""
+    out.print(_table(summary, budgets, "perplexity",
+                     f"Perplexity over {over} ({loaded.name}); ratio to full{spread}{against}"))
     out.print(_table(summary, budgets, "perplexity_after_fill",
                      f"Perplexity of the predictions made after the first eviction; ratio to full over the same ones{spread}"))
     out.print(f"{len(rows)} rows in {batches} batch(es): {speed.steps} forwards in {speed.seconds:.0f} s "
@@ -180,6 +195,9 @@ def _table(summary: list[dict], budgets: list[int], field: str, title: str) -> T
                 if entry["windows"] > 1:
                     text += f" {entry[f'{field}_ratio_min']:.2f}-{entry[f'{field}_ratio_max']:.2f}"
                 text += ")"
+            against = entry.get(f"{field}_vs_policy")
+            if against is not None:
+                text += f" [{against:.3f}x {entry['without_recall']}]"
             row.append(text)
         table.add_row(*row)
     return table

@@ -11,32 +11,42 @@ from rich.table import Table
 
 from .. import evaluation as ev
 from .. import passkey as pk
+from .. import passkey_chat as chat
+from ..errors import user_input
 from ..generation import max_positions
 from ..models import load
-from ..recall.selectors import get_selector
 
 
 def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str, policies: str, lengths: str,
-                 depths: str, keys: int, facts: int, recall: str, page: int, selector: str, seed: int, as_json: bool) -> None:
-    if facts not in (1, 2):
-        raise ValueError(f"--facts must be 1 or 2, got {facts}")
-    names = ev.parse_policies(policies)
-    length_list = pk.parse_numbers(lengths, int, "--lengths")
-    depth_list = pk.parse_numbers(depths, float, "--depths")
-    recalls = [part.strip() for part in recall.split(",") if part.strip()]
-    get_selector(selector)
-    budgets = ev.parse_budgets(budget, min(length_list))
-    rows = pk.build_rows(names, budgets, recalls, page=page, selector=selector)  # bad settings fail before loading
+                 depths: str, keys: int, facts: int, recalls: list, seed: int, as_json: bool, chat_turns: int = 0) -> None:
+    """``recalls``: the recall settings (``evaluation.recall_settings``), one recall row each beside
+    every evicting policy and budget. ``chat_turns`` >= 3: the chat variant (``passkey_chat``)."""
+    with user_input():  # the options as typed
+        if facts not in (1, 2):
+            raise ValueError(f"--facts must be 1 or 2, got {facts}")
+        if chat_turns and (chat_turns < 3 or facts != 1):
+            raise ValueError(f"--chat-turns needs at least 3 turns (the key, filler, the question) and one fact, "
+                             f"got {chat_turns} turns and --facts {facts}")
+        names = ev.parse_policies(policies)
+        length_list = pk.parse_numbers(lengths, int, "--lengths")
+        depth_list = [0.0] if chat_turns else pk.parse_numbers(depths, float, "--depths")
+        budgets = ev.parse_budgets(budget, min(length_list))
+        rows = pk.build_rows(names, budgets, recalls)  # bad settings fail before loading
     content = Path(text).read_text(encoding="utf-8")
     err = Console(stderr=True)
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
         loaded = load(model, device, dtype)
-    trials = pk.make_trials(loaded.tokenizer, content, length_list, depth_list, keys, seed=seed, facts=facts)
-    longest = max(t.context.shape[1] + sum(q.shape[1] + pk.ANSWER_TOKENS for q in [t.question] + [q for _, q in t.more])
-                  for t in trials)
-    if longest > max_positions(loaded.model.config):
-        raise ValueError(f"{longest} tokens pass the model's {max_positions(loaded.model.config)}-position limit: "
-                         "use shorter --lengths")
+    with user_input():  # the filler and the lengths against this model
+        if chat_turns:
+            trials = chat.make_chat_trials(loaded.tokenizer, content, length_list, chat_turns, keys, seed=seed)
+            longest = max(trial.tokens_upper_bound for trial in trials)
+        else:
+            trials = pk.make_trials(loaded.tokenizer, content, length_list, depth_list, keys, seed=seed, facts=facts)
+            longest = max(t.context.shape[1] + sum(q.shape[1] + pk.ANSWER_TOKENS
+                                                   for q in [t.question] + [q for _, q in t.more]) for t in trials)
+        if longest > max_positions(loaded.model.config):
+            raise ValueError(f"{longest} tokens pass the model's {max_positions(loaded.model.config)}-position limit: "
+                             "use shorter --lengths")
     done = [0]
 
     def progress(result: dict) -> None:
@@ -44,18 +54,28 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         err.print(f"passkey {done[0]}/{len(rows) * len(trials)}: {result['row']}, {result['length']} tokens, "
                   f"depth {result['depth']:g}: {'recalled' if result['recalled'] else 'missed'} ({result['answer'].strip()!r})")
 
-    results = pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
+    if chat_turns:
+        results = chat.run_chats(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
+    else:
+        results = pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
     summary = pk.summarize(results)
     report = {"task": "passkey", "model": loaded.name, "text": Path(text).name, "lengths": length_list,
               "depths": depth_list, "keys": keys, "facts": facts, "budgets": budgets, "seed": seed, "results": results,
               "summary": summary}
+    if chat_turns:
+        report["chat"] = chat.describe(chat_turns)
     if recalls:
-        report["recall"] = {"selector": selector, "page": page, "question": "token by token"}
+        report["recall"] = ev.describe_recalls(recalls)
+        if not chat_turns:
+            report["question"] = "token by token on the recall rows"
     if as_json:
         print(json.dumps(report, indent=2))
         return
-    titles, cells = pk.table_rows(summary)
-    table = Table(title=f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name})", title_justify="left")
+    titles, cells = pk.table_rows(summary, (lambda length, _: f"{length} tok over {chat_turns} turns")
+                                  if chat_turns else None)
+    what = f"a {chat_turns}-turn chat, the key in turn 1" if chat_turns else "the key planted in the filler"
+    table = Table(title=f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})",
+                  title_justify="left")
     for title in titles:
         table.add_column(title, justify="left" if title == "cache" else "right")
     for row in cells:
