@@ -224,6 +224,9 @@ class H2OLayer(CacheLayerMixin):
         batch, q_heads, q_len, head_dim = query.shape
         kv_heads = key.shape[1]
         step = self.owner.step_numbers(self.layer_idx, batch, q_len, new_valid, query.device)
+        # a row left out of a decode step (``StepNumbers.active``) is a padding token to the attention:
+        # it changes no score (no decay either)
+        attend_valid = new_valid if step.active is None else step.active.view(batch, 1)
         if self.owner.grows and self.slots_in_use + q_len > self.capacity:
             self._grow(self.slots_in_use + q_len)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
@@ -232,7 +235,7 @@ class H2OLayer(CacheLayerMixin):
             slots = tuple(tensor[:, :, : self.slots_in_use] for tensor in slots)
         cache_keys, cache_values, token_index, scores = slots
         out, new_scores = kernels.attend_with_scores(
-            grouped, cache_keys, cache_values, token_index, key, value, new_valid, scale, scores, self.rows.decay)
+            grouped, cache_keys, cache_values, token_index, key, value, attend_valid, scale, scores, self.rows.decay)
         self._insert(key, value, new_scores, new_valid, step)
         return out
 
@@ -244,8 +247,10 @@ class H2OLayer(CacheLayerMixin):
         if decoding and (self.owner.static_shapes or self.slots_in_use == self.capacity or self.rows.spare_slots):
             # steady state: the lowest-priority slot of each (sequence, head) is overwritten in place;
             # an empty slot ranks lowest, so a cache that is not full yet fills its next slot
+            # (the mask goes only where there is one: wrappers of evict_one may not take it)
             self.evict_one(key, value, new_scores[:, :, 0], step.token_index[:, 0], step.positions[:, 0],
-                           value_norm[:, :, 0] if value_norm is not None else None)
+                           value_norm[:, :, 0] if value_norm is not None else None,
+                           **({} if step.active is None else {"active": step.active}))
             if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.compiled_decode
                 self.count_decoded()
             return
@@ -254,13 +259,15 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
         if used + q_len <= capacity:
             end = used + q_len
-            self.keys[:, :, used:end] = key
-            self.values[:, :, used:end] = value
-            self.scores[:, :, used:end] = new_scores
-            self.token_index[:, :, used:end] = step.token_index.unsqueeze(1)
-            self.positions[:, :, used:end] = step.positions.unsqueeze(1)
+            writes = [(self.keys, key), (self.values, value), (self.scores, new_scores),
+                      (self.token_index, step.token_index.unsqueeze(1)), (self.positions, step.positions.unsqueeze(1))]
             if value_norm is not None:
-                self.value_norm[:, :, used:end] = value_norm
+                writes.append((self.value_norm, value_norm))
+            for buffer, new in writes:
+                part = buffer[:, :, used:end]
+                if step.active is not None:  # a row left out keeps what its column holds
+                    new = torch.where(step.active.view(-1, *([1] * (part.dim() - 1))), new, part)
+                part.copy_(new.expand_as(part))
             self.slots_in_use = end
         else:
             self._select(key, value, new_scores, step.token_index, step.positions, value_norm)
@@ -281,57 +288,70 @@ class H2OLayer(CacheLayerMixin):
         return priority
 
     # -- steady decoding: overwrite the lowest-priority slot of each (sequence, head) in place ---------
-    def evict_one(self, key, value, new_score, token_index, position, value_norm) -> None:
+    def evict_one(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
         """Put the new token [B, Hkv, 1, D] in place of each (sequence, head)'s lowest-priority slot,
-        by the route ``allocate`` chose for this device and policy."""
-        self.evictor(key, value, new_score, token_index, position, value_norm)
+        by the route ``allocate`` chose for this device and policy. ``active`` [B] bool (None: every
+        row): a row left out writes nothing and counts no eviction."""
+        self.evictor(key, value, new_score, token_index, position, value_norm, active)
 
-    def _evict_by_torch_priority(self, key, value, new_score, token_index, position, value_norm) -> None:
+    def _evict_by_torch_priority(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
         """The torch route: the policy's priority (the kernels' rules), then ``_overwrite_lowest``."""
         mass = self.scores.sum(dim=-1)  # before the overwrite (see _count_one_eviction)
         priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+        # (a subclass's _overwrite_lowest may not take the mask: it only gets it when there is one)
+        mask = {} if active is None else {"active": active}
         dropped, dropped_score = self._overwrite_lowest(priority, key, value, new_score, token_index, position,
-                                                        value_norm)
+                                                        value_norm, **mask)
         self._count_one_eviction(dropped, dropped_score, mass)
 
-    def _evict_fused(self, key, value, new_score, token_index, position, value_norm) -> None:
+    def _evict_fused(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
         """Triton: the policy's rank, the priority, argmin and the overwrite in one launch."""
         mass = self.scores.sum(dim=-1)
         dropped, dropped_score = kernels.evict_by_policy(
             self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score, token_index,
-            position, self.value_norm, value_norm, recent=self.rows.recent, sinks=self.rows.sinks,
+            position, self.value_norm, value_norm, active, recent=self.rows.recent, sinks=self.rows.sinks,
             **self.owner.fused_eviction_parameters)
         self._count_one_eviction(dropped, dropped_score, mass)
 
-    def _evict_by_kernel_priority(self, key, value, new_score, token_index, position, value_norm) -> None:
+    def _evict_by_kernel_priority(self, key, value, new_score, token_index, position, value_norm,
+                                  active=None) -> None:
         """Triton eviction of a priority computed in torch (per-row policies, or rows of different budgets)."""
         mass = self.scores.sum(dim=-1)
         priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
         dropped, dropped_score = kernels.evict_and_insert(
             priority, self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score,
-            token_index, position, self.value_norm, value_norm)
+            token_index, position, self.value_norm, value_norm, active)
         self._count_one_eviction(dropped, dropped_score, mass)
 
     def _count_one_eviction(self, dropped, dropped_score, mass) -> None:
         """``_count_evictions`` for one slot in fewer ops: scores are >= 0 and empty and padding slots
         hold score 0 (no attention reaches them), so an empty slot dropped held 0 and a (sequence,
-        head) of mass 0 dropped 0: neither needs a mask or a branch."""
+        head) of mass 0 dropped 0: neither needs a mask or a branch. A row an active mask left out
+        reports dropped -1 and score 0: its counters add 0."""
         self.evicted += dropped >= 0
         self.evicted_share += dropped_score / mass.clamp_min(1e-30)
 
-    def _overwrite_lowest(self, priority, key, value, new_score, token_index, position, value_norm):
+    def _overwrite_lowest(self, priority, key, value, new_score, token_index, position, value_norm, active=None):
         """``h2ochat_kernels.evict_and_insert`` (the lowest priority of each (sequence, head) goes, ties
         to the lowest slot; returns the token it held and its score) with its writes as index_put_:
-        fewer ops, and an update torch.compile keeps in place where it copies a whole scattered buffer."""
+        fewer ops, and an update torch.compile keeps in place where it copies a whole scattered buffer.
+        A row ``active`` leaves out writes its slot's own content back (the same bits) and reports
+        nothing dropped."""
         where = (self.batch_rows, self.head_columns, priority.argmin(dim=-1))  # each (sequence, head)'s slot
         dropped, dropped_score = self.token_index[where], self.scores[where]
-        for buffer, new in ((self.keys, key[:, :, 0]), (self.values, value[:, :, 0])):
-            buffer.index_put_(where, new if new.dtype == buffer.dtype else new.to(buffer.dtype))
-        self.scores.index_put_(where, new_score)
-        self.token_index.index_put_(where, token_index.view(-1, 1))  # one per sequence, for all its heads
-        self.positions.index_put_(where, position.view(-1, 1))
+        writes = [(self.keys, key[:, :, 0]), (self.values, value[:, :, 0]), (self.scores, new_score),
+                  (self.token_index, token_index.view(-1, 1)),  # one per sequence, for all its heads
+                  (self.positions, position.view(-1, 1))]
         if self.value_norm is not None:
-            self.value_norm.index_put_(where, value_norm.to(self.value_norm.dtype))
+            writes.append((self.value_norm, value_norm))
+        for buffer, new in writes:
+            new = new if new.dtype == buffer.dtype else new.to(buffer.dtype)
+            if active is not None:
+                new = torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, buffer[where])
+            buffer.index_put_(where, new)
+        if active is not None:
+            dropped = dropped.masked_fill(~active.view(-1, 1), -1)
+            dropped_score = dropped_score.masked_fill(~active.view(-1, 1), 0.0)
         return dropped, dropped_score
 
     def _count_evictions(self, evicted: torch.Tensor, dropped_score: torch.Tensor, mass: torch.Tensor) -> None:
@@ -413,7 +433,19 @@ class StepNumbers:
     token_index: torch.Tensor
     positions: torch.Tensor
     position_ids: torch.Tensor
+    # [B] bool for a decode step some rows sit out (None: every row takes part): a row left out writes
+    # nothing anywhere and its counters stand still; its token index and position are -1
+    active: torch.Tensor | None = None
     last_layer: int = -1  # the deepest layer that has taken them (a shallower one asking starts a new step)
+
+
+@dataclass(frozen=True)
+class HostCounters:
+    """The cache's host-side counters at one moment (``H2OCache.host_counters``)."""
+
+    largest_next_position: int
+    compactions: int
+    layers: tuple[tuple[int, int], ...]  # each layer's (slots_in_use, tokens_fed_with_padding)
 
 
 @dataclass
@@ -767,13 +799,47 @@ class H2OCache(Cache):
             self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
             self.largest_next_position = 0
 
-    def position_ids(self, batch: int, q_len: int, new_valid: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    def position_ids(self, batch: int, q_len: int, new_valid: torch.Tensor | None = None, device=None,
+                     active: torch.Tensor | None = None) -> torch.Tensor:
         """Position ids [B, Q] for the next Q tokens, re-numbering the cache first when they would
         pass the model's limit (compact mode). Every layer records these positions for these tokens.
-        Reads nothing back from the device for a step without padding."""
+        Reads nothing back from the device for a step without padding.
+
+        ``active`` [B] bool (a decode step, Q = 1; None: every row): the rows left out sit this step
+        out (finished rows of a burst of decode steps, ``generation.stream``): they write nothing in
+        any layer (no slot, score, decay or eviction count changes) and their ``tokens_fed`` and
+        ``next_position`` stand still; their output is meaningless. Nothing is read back, so the host
+        counters (``largest_next_position``, the layers' ``slots_in_use`` and
+        ``tokens_fed_with_padding``) advance as if every row took part: upper bounds from then on
+        (a re-numbering makes ``largest_next_position`` exact again; ``restore_host_counters`` puts
+        back what they were before steps that, it turned out, fed no row at all)."""
+        if active is not None and not self.masks_inactive_rows:
+            raise ValueError(f"{type(self).__name__} cannot leave rows out of a step (its layers do more than write)")
         if self.largest_next_position + q_len > self.max_positions:
             self._make_room(q_len)
-        return self._begin_step(batch, q_len, new_valid, device).position_ids
+        return self._begin_step(batch, q_len, new_valid, device, active).position_ids
+
+    @property
+    def masks_inactive_rows(self) -> bool:
+        """Whether a decode step can leave rows out (``position_ids(active=...)``). A subclass whose
+        layers do more than write their slots (a cold tier taking evicted tokens) does not, unless it
+        says so."""
+        return type(self).layer_type is H2OLayer
+
+    def host_counters(self) -> "HostCounters":
+        """The host-side counters, to put back with ``restore_host_counters``."""
+        return HostCounters(self.largest_next_position, self.compactions,
+                            tuple((layer.slots_in_use, layer.tokens_fed_with_padding) for layer in self.layers))
+
+    def restore_host_counters(self, saved: "HostCounters") -> None:
+        """Put back the host counters ``saved`` before decode steps that fed no row at all (every row
+        was left out: a burst's steps after its last row finished): those steps changed nothing on
+        the device, so the counters are exact again. A re-numbering since then keeps its own
+        (exact) ``largest_next_position``."""
+        if saved.compactions == self.compactions:
+            self.largest_next_position = saved.largest_next_position
+        for layer, (slots_in_use, fed) in zip(self.layers, saved.layers):
+            layer.slots_in_use, layer.tokens_fed_with_padding = slots_in_use, fed
 
     def step_numbers(self, layer_idx: int, batch: int, q_len: int, new_valid, device) -> StepNumbers:
         """The current step's numbers for layer ``layer_idx``: the ones ``position_ids`` handed out,
@@ -785,12 +851,24 @@ class H2OCache(Cache):
         step.last_layer = layer_idx
         return step
 
-    def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device) -> StepNumbers:
+    def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device,
+                    active: torch.Tensor | None = None) -> StepNumbers:
         """Number the next Q tokens of every row from the counters, and advance the counters."""
         device = device if device is not None else (self.layers[0].device if self.initialized else "cpu")
         self.counters_for(batch, device)
         with torch.inference_mode():
-            if new_valid is None:
+            if active is not None:  # a decode step some rows sit out: they take -1, like padding
+                if q_len != 1 or new_valid is not None:
+                    raise ValueError("rows can sit out a decode step only (one token per row, no padding)")
+                left_out = ~active.view(batch, 1)
+                position_ids = self.next_position.unsqueeze(1).clone()  # (the counter moves on below)
+                token_index = self.tokens_fed.unsqueeze(1).masked_fill(left_out, -1)
+                positions = position_ids.masked_fill(left_out, -1)
+                fed = active.long()
+                self.tokens_fed += fed
+                self.next_position += fed
+                self.largest_next_position += 1  # an upper bound: see position_ids
+            elif new_valid is None:
                 offsets = torch.arange(q_len, device=device).expand(batch, q_len)
                 token_index = self.tokens_fed.unsqueeze(1) + offsets
                 positions = position_ids = self.next_position.unsqueeze(1) + offsets
@@ -807,7 +885,7 @@ class H2OCache(Cache):
                 self.next_position += counted[:, -1]
                 # a step with padding is a prompt chunk, not the decode step: one read-back is fine here
                 self.largest_next_position = int(self.next_position.max())
-        self.step = StepNumbers(token_index, positions, position_ids)
+        self.step = StepNumbers(token_index, positions, position_ids, active)
         return self.step
 
     def _make_room(self, q_len: int) -> None:

@@ -22,7 +22,8 @@ import torch
 from .cache import H2OCache
 from .detokenize import CONTEXT_IDS, TextStream, decode_in_context
 from .errors import UserError, user_input
-from .generation import CacheSettings, Sampling, Timing, decoder, max_positions, prefill, stream
+from .generation import (CacheSettings, Sampling, Timing, decoder, max_positions, prefill, stop_check_interval,
+                         stream)
 from .prompting import has_chat_template
 
 FORMAT_VERSION = 1
@@ -244,13 +245,17 @@ class Conversation:
     """
 
     def __init__(self, model, tokenizer, settings: ChatSettings | None = None, *, prefill_chunk: int = 512,
-                 compile: bool = False):
+                 compile: bool = False, stop_check_every: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.settings = settings or ChatSettings()
         self.settings.validate()
         check_fits(self.settings.cache, model)
         self.prefill_chunk = prefill_chunk
-        self.compile = compile  # decode steps through h2ochat.compiled (the cache is reused: exact stops)
+        self.compile = compile  # decode steps through h2ochat.compiled
+        # tokens per read-back of the stop check (None: stop_check_interval, 1 on the CPU, 8 on an
+        # accelerator): the finished row sits the rest of a burst out, so the cache is fed exactly the
+        # reply (see generation.stream); a cache that cannot leave a row out (recall) reads every token
+        self.stop_check_every = stop_check_every
         self._decode = None  # the decode step, made at the first turn and kept for all (a compiled one compiles once)
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.messages: list[dict] = []
@@ -379,15 +384,18 @@ class Conversation:
             steps = stream(self.model, self.cache, torch.tensor([new_ids], device=self.device),
                            max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
                            stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing,
-                           decode=self._decode, should_stop=lambda: self.stop_requested)
+                           decode=self._decode, stop_check_every=self.burst(),
+                           should_stop=lambda: self.stop_requested)
             try:
                 for step in inference_steps(steps):
                     generated.append(int(step.tokens[0]))
                     if reply.add(pieces.push(generated[-1])):
-                        break  # a base model starts writing the user's part: the reply is over
-                    if self.stop_requested:
-                        interrupted = True
+                        # a base model starts writing the user's part: the reply is over (the cache
+                        # may have read on to the burst's end: the next turn reads it all again)
                         break
+                    # a stop request ends the stream before its next decode step: the tokens of the
+                    # burst read back with this one are the reply's, and the cache has read them
+                    interrupted = interrupted or self.stop_requested
             except KeyboardInterrupt:
                 interrupted = True
             reply.finish()
@@ -414,12 +422,20 @@ class Conversation:
         notices += self.eviction_notices()
         return TurnResult(reply.text, interrupted, timing, evicted_per_head(self.cache) - evicted_before, notices)
 
+    def burst(self) -> int:
+        """Tokens generated per read-back of the stop check this turn (see ``stop_check_every``)."""
+        if not self.cache.masks_inactive_rows:
+            return 1
+        return self.stop_check_every if self.stop_check_every is not None else stop_check_interval(self.device)
+
     def _account(self, base: int, tokens: list[int], text: str) -> None:
         """Record what the cache now holds after feeding (part of) ``tokens`` on top of ``base``."""
         seen = {layer.tokens_fed_with_padding for layer in self.cache.layers if layer.is_initialized} or {base}
         fed = seen.pop() - base if len(seen) == 1 and not self._hard_stop else -1
         if not 0 <= fed <= len(tokens):
-            # stopped in the middle of a forward: layers disagree; start over at the next turn
+            # stopped in the middle of a forward (layers disagree), or the cache read on past the tokens
+            # kept (the rest of a burst after a base model's "User:" or a Ctrl-C raised mid-burst):
+            # start over at the next turn
             self.fed_text = ""
             return
         self.ids += tokens[:fed]

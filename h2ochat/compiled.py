@@ -13,7 +13,9 @@ What keeps the graph to one per (model, batch, slots), traced once, without a gr
   a growing cache and a full one run the same graph;
 - nothing that changes per step is a Python value inside the graph: the step's token indices and
   position ids are handed out before it (``cache.position_ids``, eager, where the cache's host
-  counter decides on a re-numbering) and come in as tensors, and the step runs inside
+  counter decides on a re-numbering) and come in as tensors, and so does the step's row mask
+  (``active``: rows that write nothing; always a tensor for a cache that takes one, all True when
+  the caller gives none, so a step with and one without a mask are the same graph), and the step runs inside
   ``with cache.compiled_decode():``, which leaves the layers' host counters (slots in use, columns
   fed) to its exit and answers transformers' size queries with a constant (the h2o mask function
   and our position ids ignore them);
@@ -98,13 +100,17 @@ class CompiledDecode:
             cache.static_addresses_marked = True
         return True
 
-    def __call__(self, cache: H2OCache, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (``tokens`` [B] or [B, 1]); returns the next-token logits [B, V]."""
+    def __call__(self, cache: H2OCache, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token per row (``tokens`` [B] or [B, 1]); returns the next-token logits [B, V].
+        ``active`` [B] bool: the rows that are False write nothing (see ``H2OCache.position_ids``)."""
         input_ids = tokens.view(-1, 1)
         if not cache.initialized or not self.prepare(cache):
-            return self.eager(cache, input_ids)
+            return self.eager(cache, input_ids, active)
+        batch = input_ids.shape[0]
+        if active is None and cache.masks_inactive_rows:  # one graph whether a mask is given or not
+            active = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         # may re-number the cache first (compact positions): eager, and reads no device value
-        position_ids = cache.position_ids(input_ids.shape[0], 1)
+        position_ids = cache.position_ids(batch, 1, active=active)
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         with cache.compiled_decode(), torch.inference_mode():

@@ -15,8 +15,9 @@ import torch
 from .attention import NAME as H2O_ATTENTION
 from .cache import AttentionMismatchError, H2OCache
 
-# (cache, tokens [B] or [B, 1]) -> next-token logits [B, V]
-Decode = Callable[[H2OCache, torch.Tensor], torch.Tensor]
+# (cache, tokens [B] or [B, 1], active=None) -> next-token logits [B, V]; ``active`` [B] bool leaves
+# the rows that are False out of the step (they write nothing: ``H2OCache.position_ids``)
+Decode = Callable[..., torch.Tensor]
 
 
 def cache_argument(model) -> str:
@@ -33,14 +34,16 @@ def require_h2o_attention(model) -> None:
 
 
 def forward(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            logits_to_keep: int = 0) -> torch.Tensor:
-    """One forward of ``input_ids`` [B, Q] through the cache; returns logits [B, Q or kept, V]."""
+            logits_to_keep: int = 0, active: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward of ``input_ids`` [B, Q] through the cache; returns logits [B, Q or kept, V].
+    ``active`` [B] bool (a decode step): the rows that are False write nothing (their logits are
+    meaningless)."""
     batch, q_len = input_ids.shape
     new_valid = None
     if attention_mask is not None and not bool(attention_mask.all()):
         new_valid = attention_mask.to(torch.bool)
     require_h2o_attention(model)
-    position_ids = cache.position_ids(batch, q_len, new_valid, device=input_ids.device)
+    position_ids = cache.position_ids(batch, q_len, new_valid, device=input_ids.device, active=active)
     kwargs = {cache_argument(model): cache, "h2o_cache": cache}
     with torch.inference_mode():
         out = model(
@@ -55,10 +58,10 @@ def forward(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
 
 
 class EagerDecode:
-    """The decode step as a plain forward: ``EagerDecode(model)(cache, tokens)`` -> logits [B, V]."""
+    """The decode step as a plain forward: ``EagerDecode(model)(cache, tokens, active=None)`` -> logits [B, V]."""
 
     def __init__(self, model):
         self.model = model
 
-    def __call__(self, cache: H2OCache, tokens: torch.Tensor) -> torch.Tensor:
-        return forward(self.model, cache, tokens.view(-1, 1), logits_to_keep=1)[:, -1]
+    def __call__(self, cache: H2OCache, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        return forward(self.model, cache, tokens.view(-1, 1), logits_to_keep=1, active=active)[:, -1]

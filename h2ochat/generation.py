@@ -30,7 +30,7 @@ STOP_CHECK_EVERY = 8
 
 
 def stop_check_interval(device) -> int:
-    """How often a one-shot generation (nothing reuses its cache) reads the stop check back."""
+    """How many tokens ``stream`` generates per read-back of the stop check on ``device``."""
     return 1 if torch.device(device).type == "cpu" else STOP_CHECK_EVERY
 
 
@@ -232,8 +232,9 @@ class Timing:
     generated_tokens: int = 0
     decode_s: float = 0.0
     # tokens the cache was fed after the last one yielded was generated (stream with
-    # stop_check_every > 1 learns of a stop only at its next read-back): in the cache's counts and
-    # statistics, not in the text
+    # stop_check_every > 1 learns of a stop only at its next read-back; a cache that leaves finished
+    # rows out of the decode steps is fed none: only a recall cache counts them): in the cache's
+    # counts and statistics, not in the text
     fed_past_stop: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -274,11 +275,21 @@ def stream(
     without one, ``decoder(model, compile)``: ``compile`` runs decode steps as one compiled graph
     (``h2ochat.compiled``; the cache switches to static shapes; caches it does not cover, the
     random and full policies, stay eager).
+
+    Finished rows sit out: once a row has drawn a stop id, the decode steps leave it out (an
+    ``active`` mask, built on the device and never read back: ``H2OCache.position_ids``), so its
+    cache holds exactly what it held when it finished, whatever the other rows still generate.
     ``stop_check_every`` = k > 1 reads the stop check back once per k tokens instead of after each
     one, so the host does not wait for the device between steps: the steps are yielded in bursts of
-    k, the same tokens as with k = 1, but the cache may have been fed up to k - 1 tokens past the
-    last one yielded (counted in ``timing.fed_past_stop``). Only for a generation whose cache is not
-    reused (generate, story); a chat keeps 1.
+    k, the same tokens as with k = 1, and the same cache: the steps queued after the last row
+    finished feed nobody (their host counters are put back at the read-back), so the cache can be
+    reused (the chat does). A cache whose layers cannot leave rows out
+    (``H2OCache.masks_inactive_rows`` False: the recall tier) keeps feeding finished rows: then up
+    to k - 1 tokens are fed past the last one yielded (counted in ``timing.fed_past_stop``), fine
+    for a generation whose cache is thrown away.
+    ``should_stop`` is asked between prefill chunks and before each decode step: True ends the
+    generation there (with the steps already produced yielded; during the prefill it raises
+    KeyboardInterrupt), with the cache fed every yielded token but the last, as for a stop id.
     """
     sampling.validate()
     if stop_check_every < 1:
@@ -290,18 +301,31 @@ def stream(
     logits = prefill(model, cache, input_ids, attention_mask, prefill_chunk, should_stop)
     timing.prompt_tokens += int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
     timing.prefill_s += time.perf_counter() - started
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    batch = input_ids.shape[0]
+    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     stops = torch.tensor(sorted(stop_ids), device=input_ids.device) if stop_ids else None
+    bursts = stops is not None and stop_check_every > 1
+    # finished rows sit the decode steps out (a single row with k = 1 never decodes once finished)
+    leave_out = stops is not None and cache.masks_inactive_rows and (bursts or batch > 1)
     seen = None
     if sampling.repetition_penalty != 1.0:  # the last repeat_last_n tokens of the text, padding excluded
         seen = RecentTokens(input_ids, attention_mask, logits.shape[-1], sampling.repeat_last_n)
     decode_started = time.perf_counter()
     fed_before = timing.fed_past_stop
     tokens = None
-    held: list[tuple[Step, torch.Tensor]] = []  # steps waiting for the next read-back of the stop check
+    # steps waiting for the next read-back of the stop check: (step, every row finished, the host
+    # counters before the decode step that produced it)
+    held: list[tuple[Step, torch.Tensor, object]] = []
     for index in range(max_new_tokens):
+        counters = None
         if tokens is not None:  # feed the previous token; the last one is never fed
-            logits = decode(cache, tokens)
+            if should_stop is not None and should_stop():
+                break
+            if leave_out:
+                counters = cache.host_counters() if bursts else None
+                logits = decode(cache, tokens, active=~finished)
+            else:
+                logits = decode(cache, tokens)
         tokens = sample(logits, sampling, generator, seen)
         if seen is not None:
             seen.push(tokens)
@@ -311,26 +335,42 @@ def stream(
         else:
             elapsed = time.perf_counter() - decode_started
         step = Step(tokens=tokens, index=index, elapsed_s=elapsed)
-        if stops is None or stop_check_every == 1:
+        if not bursts:
             timing.generated_tokens += 1
             timing.decode_s = elapsed
             yield step
             if stops is not None:
-                finished |= torch.isin(tokens, stops)
+                finished = finished | torch.isin(tokens, stops)
                 if bool(finished.all()):
                     break
             continue
         finished = finished | torch.isin(tokens, stops)  # a new tensor per step: each is read back later
-        held.append((step, finished.all()))
+        held.append((step, finished.all(), counters))
         if len(held) == stop_check_every or index == max_new_tokens - 1:
-            done = torch.stack([flag for _, flag in held]).tolist()  # one read-back for k steps
-            for (step, _), stop in zip(held, done):
-                timing.generated_tokens += 1
-                timing.decode_s = step.elapsed_s
-                # the steps after this one in the burst each fed their previous token: set before
-                # the yield, so it is right wherever the caller stops reading
-                timing.fed_past_stop = fed_before + index - step.index
-                yield step
-                if stop:
-                    return
-            held.clear()
+            if (yield from _read_back(held, timing, cache if leave_out else None, fed_before, index)):
+                return  # every row finished
+    if held:  # ended by should_stop: what was produced before it
+        yield from _read_back(held, timing, cache if leave_out else None, fed_before, held[-1][0].index)
+
+
+def _read_back(held: list, timing: Timing, masked_cache: H2OCache | None, fed_before: int, last: int):
+    """Yield the held steps of a burst (emptying ``held``) after one read-back of their stop flags,
+    up to the first at which every row had finished; returns whether there was one. A cache that
+    left finished rows out gets its host counters back from before the first decode step that fed
+    nobody; otherwise the tokens fed past the stop are counted."""
+    done = torch.stack([flag for _, flag, _ in held]).tolist()  # one read-back for k steps
+    steps = list(held)
+    held.clear()
+    for position, ((step, _, _), stop) in enumerate(zip(steps, done)):
+        timing.generated_tokens += 1
+        timing.decode_s = step.elapsed_s
+        if masked_cache is None:
+            # the steps after this one in the burst each fed their previous token: set before
+            # the yield, so it is right wherever the caller stops reading
+            timing.fed_past_stop = fed_before + last - step.index
+        if stop and masked_cache is not None and position + 1 < len(steps):
+            masked_cache.restore_host_counters(steps[position + 1][2])
+        yield step
+        if stop:
+            return True
+    return False

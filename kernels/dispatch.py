@@ -11,7 +11,8 @@ Triton modules are imported lazily, on the first Triton call, so importing this 
 triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dtypes, non-float
 inputs, an empty cache for eviction, a value-norm rank without the norms) runs the reference instead,
 whatever the backend. The score decay of ``attend_with_scores`` (a float or one per sequence) and the
-policy eviction ``evict_by_policy`` run in the kernels too.
+policy eviction ``evict_by_policy`` run in the kernels too. The evictions take an ``active`` row mask
+([B] bool, None: every row): a row left out writes nothing (a decode step's finished rows).
 
 A Triton call goes through ``ops``: the launcher itself when eager, the ``torch.ops.h2ochat.*``
 custom op inside a ``torch.compile`` trace (one opaque node per launch, its writes declared).
@@ -127,16 +128,16 @@ def _eviction_supported(keys, values, scores, slot_token_index, slot_position, v
 
 
 def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                     new_token_index, new_position, value_norm=None, new_value_norm=None):
+                     new_token_index, new_position, value_norm=None, new_value_norm=None, active=None):
     """``reference.evict_and_insert`` on the chosen backend (see triton_evict for the choice)."""
     if priority.is_floating_point() and _eviction_supported(
         keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm
     ):
         return ops.evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
-                                    new_score, new_token_index, new_position, value_norm, new_value_norm)
+                                    new_score, new_token_index, new_position, value_norm, new_value_norm, active)
     return reference.evict_and_insert(
         priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index,
-        new_position, value_norm, new_value_norm,
+        new_position, value_norm, new_value_norm, active,
     )
 
 
@@ -145,8 +146,8 @@ def _int_or_int_tensor(value) -> bool:
 
 
 def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                    new_token_index, new_position, value_norm=None, new_value_norm=None, *, recent, sinks,
-                    oldest_first=False, by_age=False, value_eps=None):
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *, recent,
+                    sinks, oldest_first=False, by_age=False, value_eps=None):
     """``reference.evict_by_policy`` (priority from the policy's parameters, argmin, in-place write):
     one Triton launch on CUDA (``triton_evict``)."""
     policy = dict(recent=recent, sinks=sinks, oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
@@ -157,6 +158,7 @@ def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_k
         and _eviction_supported(keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm)
     ):
         return ops.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                                   new_token_index, new_position, value_norm, new_value_norm, **policy)
+                                   new_token_index, new_position, value_norm, new_value_norm, active, **policy)
     return reference.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value,
-                                     new_score, new_token_index, new_position, value_norm, new_value_norm, **policy)
+                                     new_score, new_token_index, new_position, value_norm, new_value_norm, active,
+                                     **policy)

@@ -9,7 +9,9 @@ Ops (namespace ``h2ochat``; ``torch.ops.h2ochat.<name>``):
 - ``evict_and_insert`` ``triton_evict.evict_and_insert`` (a priority given);
 - ``evict_by_policy``  ``triton_evict.evict_by_policy`` (the priority from the policy's parameters);
   both evictions write ``keys``, ``values``, ``scores``, ``slot_token_index``, ``slot_position``
-  and ``value_norm`` (when given) in place.
+  and ``value_norm`` (when given) in place, except in the rows an ``active`` mask ([B] bool, last
+  argument, None: every row) leaves out (a finished row of a burst of decode steps). The attention
+  ops take such a row as ``new_valid`` False: a padding token, which changes no score.
 
 Why ops and not plain calls under ``torch.compile``: dynamo would otherwise trace the launch code
 (environment reads, launch plans, the device guard, the kernels' own Python launcher), which breaks
@@ -137,12 +139,12 @@ def _launcher(module: str, name: str):
 def _evict_and_insert(priority: Tensor, keys: Tensor, values: Tensor, scores: Tensor, slot_token_index: Tensor,
                       slot_position: Tensor, new_key: Tensor, new_value: Tensor, new_score: Tensor,
                       new_token_index: Tensor, new_position: Tensor, value_norm: Optional[Tensor],
-                      new_value_norm: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                      new_value_norm: Optional[Tensor], active: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     from . import triton_evict
 
     return triton_evict.evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key,
                                          new_value, new_score, new_token_index, new_position, value_norm,
-                                         new_value_norm)
+                                         new_value_norm, active)
 
 
 @_op("evict_by_policy", mutates_args=_EVICTION_WRITES)
@@ -150,11 +152,12 @@ def _evict_by_policy(keys: Tensor, values: Tensor, scores: Tensor, slot_token_in
                      new_key: Tensor, new_value: Tensor, new_score: Tensor, new_token_index: Tensor,
                      new_position: Tensor, value_norm: Optional[Tensor], new_value_norm: Optional[Tensor],
                      recent: int, recent_rows: Optional[Tensor], sinks: int, sinks_rows: Optional[Tensor],
-                     oldest_first: bool, by_age: bool, value_eps: Optional[float]) -> tuple[Tensor, Tensor]:
+                     oldest_first: bool, by_age: bool, value_eps: Optional[float],
+                     active: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     from . import triton_evict
 
     return triton_evict.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value,
-                                        new_score, new_token_index, new_position, value_norm, new_value_norm,
+                                        new_score, new_token_index, new_position, value_norm, new_value_norm, active,
                                         recent=_join(recent, recent_rows), sinks=_join(sinks, sinks_rows),
                                         oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
 
@@ -176,27 +179,27 @@ def _evict_by_policy_fake(keys, *rest):
 
 
 def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                     new_token_index, new_position, value_norm=None, new_value_norm=None):
+                     new_token_index, new_position, value_norm=None, new_value_norm=None, active=None):
     """The Triton given-priority eviction: the launcher when eager, the op under ``torch.compile``."""
     args = (priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-            new_token_index, new_position, value_norm, new_value_norm)
+            new_token_index, new_position, value_norm, new_value_norm, active)
     if torch.compiler.is_compiling():
         return torch.ops.h2ochat.evict_and_insert(*args)
     return _launcher("triton_evict", "evict_and_insert")(*args)
 
 
 def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                    new_token_index, new_position, value_norm=None, new_value_norm=None, *, recent, sinks,
-                    oldest_first=False, by_age=False, value_eps=None):
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *, recent,
+                    sinks, oldest_first=False, by_age=False, value_eps=None):
     """The Triton policy eviction: the launcher when eager, the op under ``torch.compile``."""
     args = (keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index,
             new_position, value_norm, new_value_norm)
     if torch.compiler.is_compiling():
         return torch.ops.h2ochat.evict_by_policy(
             *args, *_split(recent), *_split(sinks), bool(oldest_first), bool(by_age),
-            None if value_eps is None else float(value_eps))
-    return _launcher("triton_evict", "evict_by_policy")(*args, recent=recent, sinks=sinks, oldest_first=oldest_first,
-                                                        by_age=by_age, value_eps=value_eps)
+            None if value_eps is None else float(value_eps), active)
+    return _launcher("triton_evict", "evict_by_policy")(*args, active, recent=recent, sinks=sinks,
+                                                        oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
 
 
 OPS = ("decode_attend", "chunk_attend", "evict_and_insert", "evict_by_policy")

@@ -137,6 +137,7 @@ def evict_and_insert(
     new_position: torch.Tensor,
     value_norm: torch.Tensor | None = None,
     new_value_norm: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-step eviction: per (sequence, KV head) overwrite the lowest-priority slot in place.
 
@@ -149,21 +150,37 @@ def evict_and_insert(
     value_norm        [B, Hkv, S] float32 or None: ||v|| per slot, kept beside the score when the
                       policy ranks by it; new_value_norm [B, Hkv] is the new token's
 
+    active            [B] bool or None (None: every row): a row that is not active writes nothing
+                      (a finished row of a burst of decode steps) and reports nothing dropped
+
     Ties go to the lowest slot index. Returns the token index each (sequence, head) dropped
-    [B, Hkv] (-1 where the chosen slot held nothing) and the score it held [B, Hkv] float32.
+    [B, Hkv] (-1 where the chosen slot held nothing, or the row is not active) and the score it held
+    [B, Hkv] float32 (0 for a row that is not active).
     """
     batch, kv_heads, _, head_dim = keys.shape
     slot = priority.argmin(dim=-1, keepdim=True)
     dropped = slot_token_index.gather(2, slot).squeeze(2)
     dropped_score = scores.gather(2, slot).squeeze(2)
     row_slot = slot.unsqueeze(-1).expand(batch, kv_heads, 1, head_dim)
-    keys.scatter_(2, row_slot, new_key.to(keys.dtype))
-    values.scatter_(2, row_slot, new_value.to(values.dtype))
-    scores.scatter_(2, slot, new_score.unsqueeze(-1))
-    slot_token_index.scatter_(2, slot, new_token_index.view(batch, 1, 1).expand(batch, kv_heads, 1))
-    slot_position.scatter_(2, slot, new_position.view(batch, 1, 1).expand(batch, kv_heads, 1))
+
+    def written(new: torch.Tensor, buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # an inactive row writes its slot's own content back: the same bits
+        new = new.to(buffer.dtype)
+        if active is None:
+            return new
+        return torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, buffer.gather(2, index))
+
+    keys.scatter_(2, row_slot, written(new_key, keys, row_slot))
+    values.scatter_(2, row_slot, written(new_value, values, row_slot))
+    scores.scatter_(2, slot, written(new_score.unsqueeze(-1), scores, slot))
+    expand = (batch, kv_heads, 1)
+    slot_token_index.scatter_(2, slot, written(new_token_index.view(batch, 1, 1).expand(expand), slot_token_index, slot))
+    slot_position.scatter_(2, slot, written(new_position.view(batch, 1, 1).expand(expand), slot_position, slot))
     if value_norm is not None:
-        value_norm.scatter_(2, slot, new_value_norm.unsqueeze(-1).to(value_norm.dtype))
+        value_norm.scatter_(2, slot, written(new_value_norm.unsqueeze(-1), value_norm, slot))
+    if active is not None:
+        dropped = dropped.masked_fill(~active.view(-1, 1), -1)
+        dropped_score = dropped_score.masked_fill(~active.view(-1, 1), 0.0)
     return dropped, dropped_score
 
 
@@ -216,12 +233,13 @@ def keep_priority(rank, slot_token_index, newest, recent, sinks) -> torch.Tensor
 
 
 def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                    new_token_index, new_position, value_norm=None, new_value_norm=None, *, recent, sinks,
-                    oldest_first=False, by_age=False, value_eps=None):
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *, recent,
+                    sinks, oldest_first=False, by_age=False, value_eps=None):
     """``evict_and_insert`` with the priority computed from the policy's parameters (the work the
-    fused eviction kernel does in one launch). ``new_token_index`` is the newest token."""
+    fused eviction kernel does in one launch). ``new_token_index`` is the newest token (for a row
+    that is not active, whatever it holds: the row writes nothing)."""
     rank = slot_rank(scores, slot_token_index, new_token_index, value_norm, oldest_first=oldest_first,
                      by_age=by_age, value_eps=value_eps)
     priority = keep_priority(rank, slot_token_index, new_token_index, recent, sinks)
     return evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
-                            new_score, new_token_index, new_position, value_norm, new_value_norm)
+                            new_score, new_token_index, new_position, value_norm, new_value_norm, active)

@@ -12,7 +12,8 @@ empty slots) is ~10 more; at ~4-6 us of launch + scheduling each that is tens of
 The kernel does it in one launch with one program per (sequence, KV head): the priority of a block
 of slots (read from the priority tensor, or computed from score / token index / age / value norm,
 the recent window and the sinks: constexpr rank kinds, ``recent``/``sinks`` scalars or per-sequence
-pointers), a blocked argmin (ties to the lowest index, as torch.argmin), then the in-place writes.
+pointers), a blocked argmin (ties to the lowest index, as torch.argmin), then the in-place writes
+(skipped in a row an ``active`` mask leaves out: it reports nothing dropped).
 
 What was measured: no GPU was available when this was written, so neither version has been timed on
 CUDA; the torch paths were timed on the CPU (``benchmarks/bench_kernels.py``, evict section: tens of
@@ -55,7 +56,7 @@ def _policy_priority(sc, tok, norm, newest, recent, sinks, value_eps,
 
 @triton.jit
 def _evict_kernel(
-    PRI, K, V, SC, IDX, POS, NORM, NK, NV, NS, NTI, NPOS, NNORM, RECENT, SINKS, DROPPED, DROPPED_SCORE,
+    PRI, K, V, SC, IDX, POS, NORM, NK, NV, NS, NTI, NPOS, NNORM, RECENT, SINKS, ACTIVE, DROPPED, DROPPED_SCORE,
     S, D, H, recent, sinks, value_eps,
     spb, sph, sps,
     skb, skh, sks, skd,
@@ -68,9 +69,9 @@ def _evict_kernel(
     snvb, snvh, snvd,
     snsb, snsh,
     snnb, snnh,
-    sntb, snpb, srecb, ssinkb,
+    sntb, snpb, srecb, ssinkb, sactb,
     RANK: tl.constexpr, BY_AGE: tl.constexpr, VALUE_EPS: tl.constexpr, HAS_NORM: tl.constexpr,
-    RECENT_PER_ROW: tl.constexpr, SINKS_PER_ROW: tl.constexpr,
+    RECENT_PER_ROW: tl.constexpr, SINKS_PER_ROW: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -109,25 +110,32 @@ def _evict_kernel(
         best = tl.where(better, bmin, best)
 
     slot = best_i
-    tl.store(DROPPED + bh, tl.load(i_base + slot * sis))
-    tl.store(DROPPED_SCORE + bh, tl.load(s_base + slot * scs))
-
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    nk = tl.load(NK + b * snkb + h * snkh + offs_d * snkd, mask=mask_d)
-    tl.store(K + b * skb + h * skh + slot * sks + offs_d * skd, nk.to(K.dtype.element_ty), mask=mask_d)
-    nv = tl.load(NV + b * snvb + h * snvh + offs_d * snvd, mask=mask_d)
-    tl.store(V + b * svb + h * svh + slot * svs + offs_d * svd, nv.to(V.dtype.element_ty), mask=mask_d)
-    tl.store(s_base + slot * scs, tl.load(NS + b * snsb + h * snsh).to(tl.float32))
-    tl.store(i_base + slot * sis, tl.load(NTI + b * sntb).to(tl.int64))
-    tl.store(POS + b * spob + h * spoh + slot * spos, tl.load(NPOS + b * snpb).to(tl.int64))
-    if HAS_NORM:
-        tl.store(NORM + b * snb + h * snh + slot * sns, tl.load(NNORM + b * snnb + h * snnh).to(tl.float32))
+    if HAS_ACTIVE:  # a row left out (finished in a burst of decode steps) writes nothing
+        write = tl.load(ACTIVE + b * sactb).to(tl.int32) != 0
+    else:
+        write = True
+    if write:
+        tl.store(DROPPED + bh, tl.load(i_base + slot * sis))
+        tl.store(DROPPED_SCORE + bh, tl.load(s_base + slot * scs))
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        nk = tl.load(NK + b * snkb + h * snkh + offs_d * snkd, mask=mask_d)
+        tl.store(K + b * skb + h * skh + slot * sks + offs_d * skd, nk.to(K.dtype.element_ty), mask=mask_d)
+        nv = tl.load(NV + b * snvb + h * snvh + offs_d * snvd, mask=mask_d)
+        tl.store(V + b * svb + h * svh + slot * svs + offs_d * svd, nv.to(V.dtype.element_ty), mask=mask_d)
+        tl.store(s_base + slot * scs, tl.load(NS + b * snsb + h * snsh).to(tl.float32))
+        tl.store(i_base + slot * sis, tl.load(NTI + b * sntb).to(tl.int64))
+        tl.store(POS + b * spob + h * spoh + slot * spos, tl.load(NPOS + b * snpb).to(tl.int64))
+        if HAS_NORM:
+            tl.store(NORM + b * snb + h * snh + slot * sns, tl.load(NNORM + b * snnb + h * snnh).to(tl.float32))
+    else:  # as the reference: nothing dropped
+        tl.store(DROPPED + bh, best_i * 0 - 1)
+        tl.store(DROPPED_SCORE + bh, (bh * 0).to(tl.float32))
 
 
 def _launch(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-            new_token_index, new_position, value_norm, new_value_norm, *, rank, by_age=False, value_eps=None,
-            recent=0, sinks=0, block_s=None):
+            new_token_index, new_position, value_norm, new_value_norm, active=None, *, rank, by_age=False,
+            value_eps=None, recent=0, sinks=0, block_s=None):
     batch, kv_heads, slots, head_dim = keys.shape
     if slots == 0:
         raise ValueError("eviction needs at least one slot")
@@ -160,6 +168,9 @@ def _launch(priority, keys, values, scores, slot_token_index, slot_position, new
         norm, sn, new_norm, snn = value_norm, value_norm.stride(), new_value_norm, new_value_norm.stride()
     recent_row, recent_val, recent_ptr, srec = per_row_arg(recent, batch, torch.int64, new_token_index)
     sinks_row, sinks_val, sinks_ptr, ssink = per_row_arg(sinks, batch, torch.int64, new_token_index)
+    if active is not None and active.dtype != torch.bool:
+        raise TypeError("active must be a bool tensor [B]")
+    active_ptr, sact = (active, active.stride(0)) if active is not None else (new_token_index, 0)
 
     dropped = torch.empty(batch, kv_heads, dtype=torch.int64, device=keys.device)
     dropped_score = torch.empty(batch, kv_heads, dtype=torch.float32, device=keys.device)
@@ -169,34 +180,36 @@ def _launch(priority, keys, values, scores, slot_token_index, slot_position, new
     with launch_guard(keys):
         _evict_kernel[(batch * kv_heads,)](
             priority, keys, values, scores, slot_token_index, slot_position, norm,
-            nk, nv, new_score, new_token_index, new_position, new_norm, recent_ptr, sinks_ptr,
+            nk, nv, new_score, new_token_index, new_position, new_norm, recent_ptr, sinks_ptr, active_ptr,
             dropped, dropped_score,
             slots, head_dim, kv_heads, recent_val, sinks_val, float(value_eps or 0.0),
             *sp, *keys.stride(), *values.stride(), *scores.stride(),
             *slot_token_index.stride(), *slot_position.stride(), *sn,
             *nk.stride(), *nv.stride(), *new_score.stride(), *snn,
-            new_token_index.stride(0), new_position.stride(0), srec, ssink,
+            new_token_index.stride(0), new_position.stride(0), srec, ssink, sact,
             RANK=rank, BY_AGE=bool(by_age) and rank == RANK_SCORE,
             VALUE_EPS=value_eps is not None and rank == RANK_SCORE, HAS_NORM=value_norm is not None,
-            RECENT_PER_ROW=recent_row, SINKS_PER_ROW=sinks_row,
+            RECENT_PER_ROW=recent_row, SINKS_PER_ROW=sinks_row, HAS_ACTIVE=active is not None,
             BLOCK_S=block_s, BLOCK_D=max(16, next_pow2(head_dim)),
         )
     return dropped, dropped_score
 
 
 def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                     new_token_index, new_position, value_norm=None, new_value_norm=None, *, block_s=None):
+                     new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *,
+                     block_s=None):
     """Same contract as ``reference.evict_and_insert``; one launch for the whole batch."""
     return _launch(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                   new_token_index, new_position, value_norm, new_value_norm, rank=RANK_GIVEN, block_s=block_s)
+                   new_token_index, new_position, value_norm, new_value_norm, active, rank=RANK_GIVEN,
+                   block_s=block_s)
 
 
 def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                    new_token_index, new_position, value_norm=None, new_value_norm=None, *, recent, sinks,
-                    oldest_first=False, by_age=False, value_eps=None, block_s=None):
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *, recent,
+                    sinks, oldest_first=False, by_age=False, value_eps=None, block_s=None):
     """Same contract as ``reference.evict_by_policy``: the priority is computed in the kernel from
     the policy's parameters (``recent``/``sinks`` ints or [B] integer tensors), one launch."""
     return _launch(None, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                   new_token_index, new_position, value_norm, new_value_norm,
+                   new_token_index, new_position, value_norm, new_value_norm, active,
                    rank=RANK_TOKEN if oldest_first else RANK_SCORE, by_age=by_age, value_eps=value_eps,
                    recent=recent, sinks=sinks, block_s=block_s)

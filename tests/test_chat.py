@@ -242,3 +242,51 @@ def test_repeat_last_n_reaches_the_sampler_and_is_kept(loaded):
     conv = conversation(loaded, repetition_penalty=1.3, repeat_last_n=5)
     assert conv.settings.sampling().repeat_last_n == 5
     assert ChatSettings.from_json(conv.settings.to_json()).repeat_last_n == 5
+
+
+def cache_state(cache) -> dict[str, torch.Tensor]:
+    state = {f"{index}.{name}": t.clone() for index, layer in enumerate(cache.layers)
+             for name, t in layer.state_tensors().items()}
+    return {**state, "tokens_fed": cache.tokens_fed.clone(), "next_position": cache.next_position.clone()}
+
+
+def test_replies_in_bursts_feed_the_cache_exactly_as_token_by_token(loaded, monkeypatch):
+    """A chat reading the stop check once per 4 tokens (what a GPU does, forced on the CPU), its replies
+    ending on a stop id inside a burst: over three turns the same replies, the same cache bit for bit
+    and the same counters as reading it after every token, and no turn reads the conversation again."""
+    probe = conversation(loaded, budget="24", max_new_tokens=12)
+    probe.stop_ids = set()
+    first = probe.send("the quick brown fox").text
+    tokens = probe.ids[-11:] + probe.pending  # the first reply's 12 tokens
+    # a stop id whose first appearance in that reply is not a burst's last step (so steps after it queue)
+    firsts = {token: tokens.index(token) for token in reversed(tokens)}
+    stop = next(token for token, at in sorted(firsts.items(), key=lambda item: -item[1]) if at % 4 != 3)
+    assert first  # (a reply was produced)
+    runs, bursts = {}, []
+    real_stream = chat_module.stream
+
+    def spy(*args, **kwargs):
+        bursts.append(kwargs["stop_check_every"])
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(chat_module, "stream", spy)
+    for every in (1, 4):
+        conv = conversation(loaded, budget="24", max_new_tokens=12)
+        conv.stop_check_every = every
+        conv.stop_ids = {stop}
+        turns = []
+        for text in ("the quick brown fox", "once upon a time", "go on"):
+            result = conv.send(text)
+            assert not any("again" in notice for notice in result.notices), result.notices
+            assert_consistent(conv)
+            if len(turns):
+                assert result.timing.prompt_tokens < len(conv.ids)  # only the new turn was read
+            turns.append((result.text, result.timing.generated_tokens, list(conv.ids), list(conv.pending),
+                          conv.fed_text, cache_state(conv.cache), conv.cache.host_counters()))
+        runs[every] = turns
+    assert bursts == [1] * 3 + [4] * 3
+    assert runs[4][0][1] == firsts[stop] + 1  # the first reply stopped on the stop id, inside a burst
+    for one, four in zip(runs[1], runs[4]):
+        assert one[:5] == four[:5]
+        assert one[5].keys() == four[5].keys() and all(torch.equal(one[5][k], four[5][k]) for k in one[5])
+        assert one[6] == four[6]

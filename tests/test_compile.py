@@ -225,8 +225,9 @@ def test_every_policy_compiles_and_equals_eager(models, policy):
 
 def test_compiled_with_stop_check_every_k(models):
     """Compiled, read back every 4 tokens: the tokens of a compiled run read back every token (the
-    same graph, so the same numbers), stopping at the same step, with the tokens fed past the stop
-    counted; the compiled step itself equals eager in lock step (the tests above)."""
+    same graph, so the same numbers), stopping at the same step, and the same cache bit for bit: the
+    finished rows and the steps queued after the stop feed nothing (the row mask is a graph input);
+    the compiled step itself equals eager in lock step (the tests above)."""
     model = models["neox"]
     ids = random_ids(2, 6, torch.Generator().manual_seed(9))
     sampling = Sampling(temperature=1.0, seed=10)
@@ -240,10 +241,12 @@ def test_compiled_with_stop_check_every_k(models):
         runs[k] = (tokens, cache, timing)
     (tokens_1, cache_1, timing_1), (tokens_4, cache_4, timing_4) = runs[1], runs[4]
     assert torch.equal(tokens_1, tokens_4) and len(tokens_4) <= 10
-    assert cache_4.static_shapes and timing_1.fed_past_stop == 0
-    burst_end = min(-(-len(tokens_4) // 4) * 4, 16)  # steps generated: the stop's burst, to its end
-    assert timing_4.fed_past_stop == burst_end - len(tokens_4)
-    assert cache_4.longest_row_tokens() == cache_1.longest_row_tokens() + timing_4.fed_past_stop
+    assert cache_4.static_shapes and timing_1.fed_past_stop == timing_4.fed_past_stop == 0
+    for layer_1, layer_4 in zip(cache_1.layers, cache_4.layers):
+        state_1, state_4 = layer_1.state_tensors(), layer_4.state_tensors()
+        assert all(torch.equal(state_1[name], state_4[name]) for name in state_1)
+    assert torch.equal(cache_1.tokens_fed, cache_4.tokens_fed) and torch.equal(cache_1.next_position, cache_4.next_position)
+    assert cache_1.host_counters() == cache_4.host_counters()
 
 
 def test_compiled_decode_runs_past_the_position_limit(models):

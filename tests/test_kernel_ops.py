@@ -80,14 +80,17 @@ def compare_eviction(seed, run_op, run_reference, state):
 
 
 @runs_kernels
-@pytest.mark.parametrize("value_norm", [pytest.param(False, id="fp16"), pytest.param(True, id="fp16-valuenorm")])
-def test_evict_and_insert_op(seed, value_norm):
+@pytest.mark.parametrize("value_norm,active", [pytest.param(False, None, id="fp16"),
+                                               pytest.param(True, None, id="fp16-valuenorm"),
+                                               pytest.param(True, [False, True], id="fp16-valuenorm-rowleftout")])
+def test_evict_and_insert_op(seed, value_norm, active):
     state, new = make_evict_inputs(2, 2, 21, 32, torch.float16, ties=True, value_norm=value_norm)
     norms = (state[6], new[5]) if value_norm else (None, None)
-    opcheck(OPS["evict_and_insert"], (*state[:6], *new[:5], *norms))
+    active = on_device(torch.tensor(active)) if active is not None else None
+    opcheck(OPS["evict_and_insert"], (*state[:6], *new[:5], *norms, active))
 
     def call(fn, s):
-        return fn(*s[:6], *new[:5], *(s[6], new[5]) if value_norm else (None, None))
+        return fn(*s[:6], *new[:5], *(s[6], new[5]) if value_norm else (None, None), active)
 
     compare_eviction(seed, lambda s: call(OPS["evict_and_insert"], s), lambda s: call(reference.evict_and_insert, s),
                      state)
@@ -99,10 +102,13 @@ def test_evict_and_insert_op(seed, value_norm):
     pytest.param(dict(recent=3, sinks=4, oldest_first=True), id="bf16-sink"),
     pytest.param(dict(recent=per_seq(2, 5), sinks=per_seq(4, 1), by_age=True, value_eps=0.25),
                  id="bf16-mean-valueeps-perrow"),
+    pytest.param(dict(recent=4, sinks=1, active=[True, False]), id="bf16-h2o-rowleftout"),
 ])
 def test_evict_by_policy_op(seed, policy):
     state, new = make_policy_state(2, 2, 24, 32, torch.bfloat16, ties=True, recent=policy["recent"],
                                    sinks=policy["sinks"])
+    active = policy.pop("active", None)
+    active = on_device(torch.tensor(active)) if active is not None else None
     policy = {k: on_device(v) for k, v in policy.items()}
     flags = (policy.get("oldest_first", False), policy.get("by_age", False), policy.get("value_eps"))
     windows = (*ops._split(policy["recent"]), *ops._split(policy["sinks"]))
@@ -110,10 +116,11 @@ def test_evict_by_policy_op(seed, policy):
     norms = (state[5], new[5])  # kept and new value norms, used when the rank asks for them
 
     def op(s):
-        return OPS["evict_by_policy"](*s[:5], *new_token, s[5], norms[1], *windows, *flags)
+        return OPS["evict_by_policy"](*s[:5], *new_token, s[5], norms[1], *windows, *flags, active)
 
-    opcheck(OPS["evict_by_policy"], (*state[:5], *new_token, *norms, *windows, *flags))
-    compare_eviction(seed, op, lambda s: reference.evict_by_policy(*s[:5], *new_token, s[5], norms[1], **policy), state)
+    opcheck(OPS["evict_by_policy"], (*state[:5], *new_token, *norms, *windows, *flags, active))
+    compare_eviction(seed, op, lambda s: reference.evict_by_policy(*s[:5], *new_token, s[5], norms[1], active,
+                                                                   **policy), state)
 
 
 def test_fake_implementations_give_the_launchers_shapes_without_running_them():

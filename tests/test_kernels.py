@@ -493,6 +493,43 @@ def test_evict_by_policy_empty_slots_go_first():
 
 
 @runs_kernels
+@pytest.mark.parametrize("fused", [True, False], ids=["evict_by_policy", "evict_and_insert"])
+def test_eviction_leaves_rows_that_are_not_active_alone(fused):
+    """An ``active`` mask: the rows left out keep every slot bit for bit and report nothing dropped
+    (-1, score 0); the active rows get exactly the unmasked eviction. The kernel against the
+    reference, the reference against the unmasked call."""
+    seed = fresh_seed()
+    policy = dict(recent=3, sinks=1, by_age=True, value_eps=0.5)
+    state, new = make_policy_state(3, 2, 29, 32, torch.bfloat16, ties=True, recent=3, sinks=1)
+    active = on_device(torch.tensor([False, True, False]))
+    kept, plain, mine = ([t.clone() for t in state] for _ in range(3))
+    if fused:
+        def evict(fn, s, mask):
+            return fn(*s[:5], *new[:5], s[5], new[5], mask, **policy)
+        reference_fn, kernel_fn = reference.evict_by_policy, kernel_evict_by_policy
+    else:
+        priority = reference.keep_priority(reference.slot_rank(state[2], state[3], new[3], state[5], by_age=True,
+                                                               value_eps=0.5), state[3], new[3], 3, 1)
+
+        def evict(fn, s, mask):
+            return fn(priority, *s[:5], *new[:5], s[5], new[5], mask)
+        reference_fn, kernel_fn = reference.evict_and_insert, kernel_evict
+    want = evict(reference_fn, kept, active)
+    unmasked = evict(reference_fn, plain, None)
+    got = evict(kernel_fn, mine, active)
+    msg = f"seed={seed}"
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), msg
+    assert all(torch.equal(a, b) for a, b in zip(mine, kept)), msg
+    left_out, rows = ~active, active
+    assert (want[0][left_out] == -1).all() and (want[1][left_out] == 0).all(), msg
+    assert torch.equal(want[0][rows], unmasked[0][rows]) and torch.equal(want[1][rows], unmasked[1][rows]), msg
+    for a, b, original in zip(kept, plain, state):
+        assert torch.equal(a[left_out], original[left_out]), msg
+        assert torch.equal(a[rows], b[rows]), msg
+    assert not torch.equal(kept[3][rows], state[3][rows]), f"{msg}: nothing was written"
+
+
+@runs_kernels
 @pytest.mark.parametrize("by_age,dropped", [(True, 4), (False, 9)])
 def test_evict_by_policy_age_rank_by_hand(by_age, dropped):
     """A worked case: newest token 10, slots hold tokens 4, 7, 9, 1 (ages 7, 4, 2, 10) with scores

@@ -10,8 +10,10 @@ eviction: the fused ``evict_by_policy`` with its rank flags, recent window and s
 ``evict_and_insert`` with a priority for a policy with its own rank) and its prefill chunk, in fp16
 and bf16 (the GPU default: ``pick_dtype`` takes bf16 where supported), at head_dim 128 (and 64 for
 the default policy) and the default budget (20% of 4096 tokens: 819 slots); the full cache's attention without eviction;
-and the neighbours a GPU also meets: fp32 (the "ieee" dot path), a padded batch (``new_valid``),
-and eval's mixed rows (per-sequence decay, recent window and sinks).
+the decode step of a burst with rows left out (an ``active`` mask: the attention's ``new_valid``, the
+eviction's ``HAS_ACTIVE``), for every policy in bf16; and the neighbours a GPU also meets: fp32 (the
+"ieee" dot path), a padded batch (``new_valid``), and eval's mixed rows (per-sequence decay, recent
+window and sinks).
 
 The interpreter runs code a GPU compile refuses (tl.dot blocks under 16, some type mixes, scalar
 tensors), so the interpreter tests alone cannot tell that the kernels build. Triton compiles to PTX
@@ -63,6 +65,12 @@ def test_kernels_compile_for_sm90():
     assert launched("_chunk_kernel", OUT="*bf16", DECAY=False, HAS_VALID=False)
     assert launched("_decay_scores_kernel")
     assert launched("_decode_split_kernel", K="*fp32", HALF_DOT=False)
+    # a burst's decode step, rows left out: the attention sees them as padding, the eviction skips them
+    assert launched("_decode_combine_kernel", OUT="*bf16", DECAY=False, HAS_VALID=True)
+    assert launched("_decode_combine_kernel", OUT="*bf16", DECAY=True, HAS_VALID=True)
+    assert launched("_evict_kernel", K="*bf16", RANK=1, BY_AGE=False, HAS_ACTIVE=True)
+    assert launched("_evict_kernel", K="*bf16", RANK=2, HAS_ACTIVE=True)
+    assert launched("_evict_kernel", K="*bf16", RANK=0, HAS_ACTIVE=True)
 
 
 # -- the compile, in a fresh process ------------------------------------------------------------------
@@ -91,7 +99,7 @@ def launch_scenarios():
     dev = torch.device("cuda:0")
 
     def step(policy, dtype, head_dim, *, batch=1, kv_heads=8, group=4, slots=DEFAULT_SLOTS, q_len=24, padded=False,
-             per_row=False):
+             per_row=False, masked=False):
         def empty(*shape, dt=dtype):
             return torch.empty(*shape, dtype=dt, device=dev)
 
@@ -104,7 +112,9 @@ def launch_scenarios():
             decay = torch.full((batch,), policy.decay, device=dev)
             recent, sinks = (torch.full((batch,), v, dtype=torch.int64, device=dev) for v in (recent, sinks))
         for q in (1, q_len):  # a decode step, then a prefill chunk
-            valid = torch.ones(batch, q, dtype=torch.bool, device=dev) if padded else None
+            # a decode step with rows left out (an active mask: generation.stream's bursts) sees them
+            # as padding tokens
+            valid = torch.ones(batch, q, dtype=torch.bool, device=dev) if padded or (masked and q == 1) else None
             launcher = triton_decode.decode_attend_with_scores if q == 1 else triton_chunk.chunk_attend_with_scores
             launcher(empty(batch, kv_heads, group, q, head_dim), *kv, index, empty(batch, kv_heads, q, head_dim),
                      empty(batch, kv_heads, q, head_dim), valid, head_dim ** -0.5, scores, decay=decay)
@@ -115,10 +125,13 @@ def launch_scenarios():
         new = (empty(batch, kv_heads, 1, head_dim), empty(batch, kv_heads, 1, head_dim),
                empty(batch, kv_heads, dt=torch.float32), empty(batch, dt=torch.int64), empty(batch, dt=torch.int64))
         state = (*kv, scores, index, empty(batch, kv_heads, slots, dt=torch.int64))
+        active = torch.ones(batch, dtype=torch.bool, device=dev) if masked else None
         if policy.fused_eviction is not None:
-            triton_evict.evict_by_policy(*state, *new, *norm, recent=recent, sinks=sinks, **policy.fused_eviction)
+            triton_evict.evict_by_policy(*state, *new, *norm, active, recent=recent, sinks=sinks,
+                                         **policy.fused_eviction)
         else:  # its own rank (random): the cache computes a priority, the kernel takes it
-            triton_evict.evict_and_insert(empty(batch, kv_heads, slots, dt=torch.float32), *state, *new, *norm)
+            triton_evict.evict_and_insert(empty(batch, kv_heads, slots, dt=torch.float32), *state, *new, *norm,
+                                          active)
 
     scenarios = []
     for name, policy in POLICIES.items():
@@ -127,6 +140,9 @@ def launch_scenarios():
             for head_dim in HEAD_DIMS if name == DEFAULT_POLICY else HEAD_DIMS[-1:]:
                 scenarios.append((f"{name} {dtype} head_dim {head_dim}",
                                   lambda p=policy, d=getattr(torch, dtype), h=head_dim: step(p, d, h)))
+        # the decode step of a burst (chat, generate, story with stop ids; every compiled step): rows left out
+        scenarios.append((f"{name} bfloat16 burst (rows left out)",
+                          lambda p=policy: step(p, torch.bfloat16, 128, batch=2, masked=True)))
     h2o, mean = POLICIES["h2o"], POLICIES["mean"].with_knobs(value_eps=0.1, decay=0.9)
     scenarios += [
         ("h2o float32 (ieee dots)", lambda: step(h2o, torch.float32, 128)),

@@ -347,3 +347,38 @@ def test_a_story_read_in_bursts_is_the_same_story(checkpoint, loaded, tmp_path, 
     else:
         assert (SHORT + expected + "\n").startswith(out.read_bytes().decode().removesuffix("\n"))
     assert " tok/s" in result.stderr
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_story_batch_feeds_no_row_past_its_end(checkpoint, loaded, monkeypatch, every):
+    """`-n 3 --stop-at-eos`, the rows drawing eos at different steps (read back token by token, and
+    in bursts of 4 as on an accelerator): each finished row's cache holds its opening and its story
+    up to the eos (never fed), nothing the other rows went on to generate."""
+    import h2ochat.commands.story as story_module
+    import h2ochat.generation as generation
+
+    eos, plain = loaded.tokenizer.eos_token_id, 50
+    ends = [2, 5, None]  # the step each row draws eos at (None: never)
+    calls, caches = [], []
+
+    def scripted(logits, sampling, generator=None, seen=None):
+        step = len(calls)
+        calls.append(1)
+        return torch.tensor([eos if end is not None and step >= end else plain for end in ends])
+
+    real_stream = story_module.stream
+
+    def keep_cache(model, cache, *args, **kwargs):
+        caches.append(cache)
+        return real_stream(model, cache, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "sample", scripted)
+    monkeypatch.setattr(story_module, "stream", keep_cache)
+    monkeypatch.setattr(story_module, "stop_check_interval", lambda device: every)
+    result = story(checkpoint, "--prompt", SHORT, "--tokens", "12", "-n", "3", "--stop-at-eos", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert [s["generated_tokens"] for s in record["stories"]] == [2, 5, 12]
+    opening = record["prompt_tokens"]  # one opening, read by every row
+    fed = caches[0].tokens_fed.tolist()
+    assert fed == [opening + 2, opening + 5, opening + 11]  # the last token (eos or the 12th) is never fed
