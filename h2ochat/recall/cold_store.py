@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
-from .layout import append_slots, held_pages
+from .layout import Writes, held_pages
 
 COLD_DTYPES = ("same", "int8")
 
@@ -62,6 +62,9 @@ class ColdStore:
         names = ["keys", "values", "token_index", "encoded", "positions"]
         return names + (["key_scale", "value_scale"] if self.quantized else [])
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in [*self._buffers(), "count"]}
+
     def _grow(self, needed: int) -> None:
         size = self.capacity
         while size < needed:
@@ -74,31 +77,35 @@ class ColdStore:
             setattr(self, name, new)
 
     # -- writing ----------------------------------------------------------------------------------
-    def append(self, keys, values, token_index, positions, encoded=None) -> torch.Tensor:
+    def reserve(self, needed: int) -> None:
+        """Room for ``needed`` tokens per (sequence, head), decided on the host before a step (a ring
+        never grows): the cache reserves an upper bound, so appending inside the step reads nothing."""
+        if self.frames is None and needed > self.capacity:
+            self._grow(needed)
+
+    def append(self, keys, values, token_index, positions, encoded=None, *, reserve: bool = True) -> torch.Tensor:
         """Store evicted tokens: keys/values [B, H, E, D], token_index/positions [B, H, E] (token index
-        -1: nothing evicted there). Returns their slot numbers [B, H, E] (-1 where nothing)."""
-        valid = token_index >= 0
-        slots = append_slots(valid.cpu(), self.count)
-        new_count = self.count + valid.sum(dim=-1).cpu()
-        if self.frames is None and int(new_count.max()) > self.capacity:
-            self._grow(int(new_count.max()))
-        ring = self.frames * self.page if self.frames is not None else None
-        target = slots % ring if ring is not None else slots
-        b, h, e = torch.nonzero(valid.cpu(), as_tuple=True)
-        where = (b, h, target[b, h, e])
-        keys, values = keys.detach().to("cpu"), values.detach().to("cpu")
+        -1: nothing evicted there). Returns their slot numbers [B, H, E] (-1 where nothing).
+        ``reserve=False``: the caller reserved room (``reserve``); else growing reads the count back."""
+        device = self.count.device
+        valid = (token_index >= 0).to(device)
+        added = valid.sum(dim=-1)
+        if reserve:
+            self.reserve(int((self.count + added).max()))
+        writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None)
+        keys, values = keys.detach().to(device), values.detach().to(device)
         if self.quantized:
-            (kq, ks), (vq, vs) = _to_int8(keys[b, h, e]), _to_int8(values[b, h, e])
-            self.keys[where], self.key_scale[where] = kq, ks
-            self.values[where], self.value_scale[where] = vq, vs
+            (kq, ks), (vq, vs) = _to_int8(keys), _to_int8(values)
+            for buffer, new in ((self.keys, kq), (self.key_scale, ks), (self.values, vq), (self.value_scale, vs)):
+                writes.write(buffer, new)
         else:
-            self.keys[where] = keys[b, h, e].to(self.dtype)
-            self.values[where] = values[b, h, e].to(self.dtype)
-        self.token_index[where] = token_index.cpu()[b, h, e]
-        self.positions[where] = positions.cpu()[b, h, e]
-        self.encoded[where] = (encoded if encoded is not None else positions).cpu()[b, h, e]
-        self.count = new_count
-        return slots
+            writes.write(self.keys, keys)
+            writes.write(self.values, values)
+        writes.write(self.token_index, token_index.to(device))
+        writes.write(self.positions, positions.to(device))
+        writes.write(self.encoded, (encoded if encoded is not None else positions).to(device))
+        self.count += added
+        return writes.slots
 
     # -- reading ----------------------------------------------------------------------------------
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +128,7 @@ class ColdStore:
         their current one."""
         first, end = self.held()
         ok = (page_ids >= first.unsqueeze(-1)) & (page_ids < end.unsqueeze(-1)) & (page_ids >= 0)
-        offsets = torch.arange(self.page)
+        offsets = torch.arange(self.page, device=self.count.device)
         slot = (page_ids.clamp(min=0).unsqueeze(-1) * self.page + offsets)  # [B, H, k, P]
         present = ok.unsqueeze(-1) & (slot < self.count.view(self.batch, self.heads, 1, 1))
         ring = self.frames * self.page if self.frames is not None else None
@@ -145,10 +152,8 @@ class ColdStore:
         """Stored keys (a copy: gathered) in the compute dtype, RoPE keys rotated from the position
         they were encoded at to their current one."""
         keys = (keys.float() * scale.unsqueeze(-1) if scale is not None else keys).to(self.dtype)
-        if rotary is not None:
-            delta = (positions - encoded).masked_fill(~present, 0)
-            if bool(delta.any()):
-                rotate_keys(keys, delta, rotary)
+        if rotary is not None:  # (no test for a zero move: a rotation by 0 is exact, and a branch reads the host)
+            rotate_keys(keys, (positions - encoded).masked_fill(~present, 0), rotary)
         return keys
 
     def keys_by_slot(self, rotary: Rotary | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import append_slots, held_pages
+from .layout import Writes, held_pages
 from .selectors import quantize, score_tokens_in_pages
 
 
@@ -41,40 +41,49 @@ class KeyCodes:
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
-    def append(self, keys: torch.Tensor, token_index: torch.Tensor) -> None:
-        """The evicted keys [B, H, E, D] (token index -1: nothing evicted there), in eviction order."""
-        valid = token_index >= 0
-        slots = append_slots(valid, self.count)
-        self.count = self.count + valid.sum(dim=-1)
-        if self.frames is None:
-            # growing reads the count back: only when no limit is set (a ring never grows)
-            needed = int(self.count.max())
-            if needed > self.number.shape[2]:
-                self._grow(needed)
-        ring = self.frames * self.page if self.frames is not None else None
-        target = (slots % ring if ring is not None else slots).masked_fill(~valid, 0)
-        b, h, e = torch.nonzero(valid, as_tuple=True)
-        where = (b, h, target[b, h, e])
-        self._encode(where, keys[b, h, e])
-        self.number[where] = slots[b, h, e]
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in ("codes", "scale", "offset", "number", "count")}
 
-    def _encode(self, where, keys: torch.Tensor) -> None:
-        """Write the digest of ``keys`` [N, D] at the slots ``where``."""
+    def reserve(self, needed: int) -> None:
+        """Room for ``needed`` tokens per (sequence, head), decided on the host before a step."""
+        if self.frames is None and needed > self.number.shape[2]:
+            self._grow(needed)
+
+    def append(self, keys: torch.Tensor, token_index: torch.Tensor, *, reserve: bool = True) -> None:
+        """The evicted keys [B, H, E, D] (token index -1: nothing evicted there), in eviction order.
+        ``reserve=False``: the caller reserved room; else growing reads the count back."""
+        valid = token_index >= 0
+        added = valid.sum(dim=-1)
+        if reserve:
+            self.reserve(int((self.count + added).max()))
+        writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None)
         if self.bits is None:
-            self.codes[where] = keys.to(self.codes.dtype)
+            writes.write(self.codes, keys)
         else:
             codes, scale, offset = quantize(keys, self.bits)
-            self.codes[where], self.scale[where], self.offset[where] = codes, scale.squeeze(-1), offset.squeeze(-1)
+            writes.write(self.codes, codes)
+            writes.write(self.scale, scale.squeeze(-1))
+            writes.write(self.offset, offset.squeeze(-1))
+        writes.write(self.number, writes.slots)
+        self.count += added
 
     def rebuild(self, keys_by_slot: torch.Tensor) -> None:
         """After a re-numbering (RoPE): the digest of every held token again, from its key at its new
         position (``ColdStore.keys_by_slot``, the same slot numbering: slot n, or n mod the ring),
         so pages are scored as the keys will be attended. Rare: once per re-numbering."""
-        store_slots = keys_by_slot.shape[2]
-        b, h, s = torch.nonzero(self.number >= 0, as_tuple=True)
-        number = self.number[b, h, s].cpu()
-        source = number % store_slots if self.frames is not None else number
-        self._encode((b, h, s), keys_by_slot[b.cpu(), h.cpu(), source].to(self.codes.device))
+        held = (self.number >= 0).unsqueeze(-1)
+        source = self.number.clamp(min=0).to(keys_by_slot.device)
+        if self.frames is not None:
+            source = source % keys_by_slot.shape[2]
+        keys = keys_by_slot.gather(2, source.unsqueeze(-1).expand(*source.shape, keys_by_slot.shape[-1]))
+        keys = keys.to(self.codes.device)
+        if self.bits is None:
+            self.codes.copy_(torch.where(held, keys.to(self.codes.dtype), self.codes))
+            return
+        codes, scale, offset = quantize(keys, self.bits)
+        self.codes.copy_(torch.where(held, codes, self.codes))
+        self.scale.copy_(torch.where(held[..., 0], scale.squeeze(-1), self.scale))
+        self.offset.copy_(torch.where(held[..., 0], offset.squeeze(-1), self.offset))
 
     @property
     def valid(self) -> torch.Tensor:

@@ -7,6 +7,8 @@ p lives in frame p % frames, and writing the first token of page p drops page p 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -27,3 +29,36 @@ def held_pages(count: torch.Tensor, page: int, frames: int | None) -> tuple[torc
 def frame_of(pages: torch.Tensor, frames: int | None) -> torch.Tensor:
     """Storage frame of absolute page numbers (the page itself without a limit)."""
     return pages % frames if frames is not None else pages
+
+
+@dataclass
+class Writes:
+    """Where E appended entries [B, H, E] are written, with fixed shapes (no host read, no
+    data-dependent shape: a compiled step can hold it): a valid entry at its slot (mod the ring); an
+    invalid one repeats its row's first valid write (same slot, same value), and in a row with no
+    valid entry every entry rewrites slot 0 with what it holds. Duplicate writes are identical."""
+
+    slots: torch.Tensor  # [B, H, E] slot numbers of the valid entries (-1 for the others)
+    target: torch.Tensor  # [B, H, E] storage slot each entry writes
+    source: torch.Tensor  # [B, H, E] entry whose value it writes
+    any_valid: torch.Tensor  # [B, H, 1]
+
+    @classmethod
+    def plan(cls, valid: torch.Tensor, count: torch.Tensor, ring: int | None) -> "Writes":
+        slots = append_slots(valid, count)
+        own = torch.arange(valid.shape[-1], device=valid.device).expand(valid.shape)
+        source = torch.where(valid, own, valid.long().argmax(dim=-1, keepdim=True))
+        any_valid = valid.any(dim=-1, keepdim=True)
+        target = slots.gather(-1, source)
+        target = (target % ring if ring is not None else target).masked_fill(~any_valid, 0)
+        return cls(slots, target, source, any_valid)
+
+    def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        """``buffer`` [B, H, S, ...] <- ``new`` [B, H, E, ...] in place."""
+        def index(t, like):
+            return t.view(*t.shape, *([1] * (like.dim() - 3))).expand(*t.shape, *like.shape[3:])
+
+        picked = new.to(buffer.dtype).gather(2, index(self.source, new))
+        keep = buffer.gather(2, index(self.target, buffer))
+        value = torch.where(index(self.any_valid, buffer).expand_as(keep), picked, keep)
+        buffer.scatter_(2, index(self.target, buffer), value)

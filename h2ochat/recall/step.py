@@ -34,7 +34,7 @@ class RecallFrames:
     def __init__(self, batch: int, heads: int, frames: int, device=None):
         self.frame_page = torch.full((batch, heads, frames), -1, dtype=torch.long, device=device)
         self.last_used = torch.zeros(batch, heads, frames, dtype=torch.long, device=device)
-        self.clock = torch.zeros((), dtype=torch.long, device=device)
+        self.clock = torch.zeros(batch, heads, 1, dtype=torch.long, device=device)  # recalls so far
         self.copied = torch.zeros(batch, heads, dtype=torch.long, device=device)  # pages loaded so far
         # the frame's page was full when it was loaded (a page still filling is loaded again)
         self.complete = torch.zeros(batch, heads, frames, dtype=torch.bool, device=device)
@@ -62,13 +62,18 @@ class RecallFrames:
         load = torch.zeros(spare, dtype=torch.bool, device=kept.device).scatter_(-1, target, missing)[..., :frames]
         new_page = torch.full(spare, -1, dtype=torch.long, device=kept.device)
         new_page = new_page.scatter_(-1, target, wanted)[..., :frames]
-        self.frame_page = torch.where(load, new_page, self.frame_page)
-        self.last_used = torch.where(kept | load, self.clock, self.last_used)
+        # (in place: a compiled step updates these buffers where they are)
+        self.frame_page.copy_(torch.where(load, new_page, self.frame_page))
+        self.last_used.copy_(torch.where(kept | load, self.clock, self.last_used))
         self.copied += load.sum(dim=-1)
         if complete_pages is not None:
             load = load | (~self.complete & (self.frame_page >= 0))
-            self.complete = torch.where(load, self.frame_page < complete_pages.unsqueeze(-1), self.complete)
+            self.complete.copy_(torch.where(load, self.frame_page < complete_pages.unsqueeze(-1), self.complete))
         return RecallPlan(self.frame_page.clone(), load)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"frame_page": self.frame_page, "last_used": self.last_used, "clock": self.clock,
+                "copied": self.copied, "complete": self.complete}
 
 
 @dataclass
@@ -88,8 +93,8 @@ def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None) 
     page are not touched). Keys come back rotated to the tokens' current positions."""
     page = store.page
     wanted = plan.frame_page.masked_fill(~plan.load, -1)  # [B, H, F]: only the frames that change
-    keys, values, token_index, positions = store.pages(wanted.cpu(), rotary)  # [B, H, F*P, ...]
-    change = plan.load.repeat_interleave(page, dim=-1).to(slots.token_index.device)  # [B, H, F*P]
+    keys, values, token_index, positions = store.pages(wanted.to(store.count.device), rotary)  # [B, H, F*P, ...]
+    change = plan.load.unsqueeze(-1).expand(*plan.load.shape, page).flatten(2).to(slots.token_index.device)  # [B, H, F*P]
     device = slots.keys.device
     slots.keys.copy_(torch.where(change.unsqueeze(-1), keys.to(device, slots.keys.dtype), slots.keys))
     slots.values.copy_(torch.where(change.unsqueeze(-1), values.to(device, slots.values.dtype), slots.values))

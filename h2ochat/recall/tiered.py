@@ -16,8 +16,13 @@ tokens and moves them with the hot ones; the cold stores' positions follow with 
 cold token takes the number of the first held position after it) and the digests are re-encoded
 from the cold keys at their new positions (RoPE), so pages are scored as they will be attended.
 
-Eager, torch route only for now (``compile_blocker`` says so): the Triton eviction kernels see all
-columns, and the compiled step would need the recall step inside its graph.
+No host read in the decode step where the cold store shares the model's device (the CPU): no branch
+on its contents, fixed-shape appends (``layout.Writes``), room reserved before the step from host
+counters (``RecallLayer.reserve``, called by ``position_ids``); so the compiled decode step takes it
+(``compile_blocker``; a growth of the store changes shapes: one more graph per doubling). On a GPU the
+cold store is pinned host memory: appends and page copies go through the host, eagerly (the plan for
+an asynchronous copy is in ``step``'s docstring). Torch route only: the Triton eviction kernels see
+every column.
 """
 
 from __future__ import annotations
@@ -96,6 +101,11 @@ class TierStats:
         return self.recalled_mass / self.attended_mass if self.attended_mass else 0.0
 
 
+# state tensors whose empty value is -1 (token indices, positions, slot and page numbers)
+_EMPTY_IS_MINUS_ONE = {"token_index", "positions", "cold_token_index", "cold_positions", "cold_encoded",
+                       "digest_number", "frames_frame_page"}
+
+
 class RecallLayer(H2OLayer):
     def allocate(self, batch, heads, head_dim, value_dim, dtype, device) -> None:
         config: RecallConfig = self.owner.recall
@@ -119,6 +129,21 @@ class RecallLayer(H2OLayer):
         self.recalled_mass = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
         self.attended_mass = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The base's slots plus every tensor the recall step updates in place: the statistics, the
+        cold store, the digest and the recall frames (first dimension: the batch row)."""
+        state = super().state_tensors()
+        if not self.is_initialized:
+            return state
+        state.update(recalled_mass=self.recalled_mass, attended_mass=self.attended_mass)
+        for prefix, part in (("cold", self.cold), ("digest", self.digest), ("frames", self.frames)):
+            state.update({f"{prefix}_{name}": tensor for name, tensor in part.state_tensors().items()})
+        return state
+
+    def reset_row(self, row: int) -> None:
+        for name, tensor in self.state_tensors().items():
+            tensor[row] = -1 if name in _EMPTY_IS_MINUS_ONE else 0
+
     def reset(self) -> None:
         super().reset()
         self.cold = self.digest = self.frames = self.recall_slots = None
@@ -135,10 +160,12 @@ class RecallLayer(H2OLayer):
     def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
         batch, q_heads, q_len, head_dim = query.shape
         kv_heads = key.shape[1]
-        due = q_len > 1 or self.decode_steps % self.owner.recall.every == 0
-        if q_len == 1:
-            self.decode_steps += 1
-        if due and bool(self.cold.count.any()):
+        every = self.owner.recall.every
+        if not self.owner.compiled_step:  # (a compiled step's room is reserved by RecallCache.position_ids)
+            self.reserve(q_len)
+            self.decode_steps += q_len == 1
+        # no branch on the cold store's contents: with no page to recall the plan loads nothing
+        if q_len > 1 or every == 1 or (self.decode_steps - 1) % every == 0:
             queries = query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, head_dim)
             self.recall(queries)
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
@@ -161,9 +188,16 @@ class RecallLayer(H2OLayer):
         super()._insert(key, value, new_scores, new_valid, step)
 
     # -- evicted tokens go to the cold tier ------------------------------------------------------------
+    def reserve(self, q_len: int) -> None:
+        """Room in the cold store and the digest for whatever the next ``q_len`` tokens can evict (an
+        upper bound from host counters: every token fed so far and these), so the step reads nothing back."""
+        needed = self.tokens_fed_with_padding + q_len
+        self.cold.reserve(needed)
+        self.digest.reserve(needed)
+
     def _to_cold(self, keys, values, token_index, positions) -> None:
-        self.cold.append(keys, values, token_index, positions)
-        self.digest.append(keys, token_index)
+        self.cold.append(keys, values, token_index, positions, reserve=False)
+        self.digest.append(keys, token_index, reserve=False)
 
     def _overwrite_lowest(self, priority, key, value, new_score, token_index, position, value_norm):
         priority = priority.clone()
@@ -198,6 +232,7 @@ class RecallCache(H2OCache):
     """``H2OCache`` with a cold tier and R recall slots per layer (see the module's docstring)."""
 
     layer_type = RecallLayer
+    masks_inactive_rows = False  # a step's evictions go to the cold tier: every row takes every step
 
     def __init__(self, num_layers, policy, slots, *, recall: RecallConfig, **kwargs):
         if kwargs.get("rows"):
@@ -224,7 +259,25 @@ class RecallCache(H2OCache):
             attended_mass=sum(float(layer.attended_mass.sum()) for layer in layers))
 
     def compile_blocker(self) -> str | None:
-        return "recall runs eagerly for now (the recall step is not in the compiled graph)"
+        """The compiled decode step takes recall on a CPU with --recall-every 1 (the step reads no host
+        value: room is reserved before it, see ``position_ids``)."""
+        blocker = super().compile_blocker()
+        if blocker is not None:
+            return blocker
+        if self.recall.every > 1:
+            return "--recall-every above 1 decides on the host which steps recall"
+        if self.initialized and self.layers[0].device.type != "cpu":
+            return "recall on an accelerator runs eagerly: its cold store is host memory (see recall/step.py)"
+        return None
+
+    def position_ids(self, batch: int, q_len: int, *args, **kwargs) -> torch.Tensor:
+        """The base's, then room in every layer's cold store and digest for what these tokens can
+        evict (decided here, before the step, from host counters: the step itself grows nothing)."""
+        position_ids = super().position_ids(batch, q_len, *args, **kwargs)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.reserve(q_len)
+        return position_ids
 
     def _apply_renumbering(self, renumbering, layers) -> None:
         """The base moves every slot column, the recall columns included (their positions count among

@@ -1,0 +1,79 @@
+"""The recall decode step without host reads: eager (no value read back, counted op by op) and
+compiled (fullgraph capture with dynamo's aot_eager backend, equal to eager bit for bit over steps
+that evict, recall and re-number)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, VOCAB, build_model
+
+from h2ochat import compiled
+from h2ochat.forward_step import forward
+from h2ochat.recall.tiered import RecallCache, RecallConfig
+from h2ochat.rotary import find_rotary
+from test_compile import HostReads, python_reads
+
+HOT, RECALL, PAGE, LIMIT = 12, 8, 4, 64
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: build_model(family, seed=0) for family in FAMILIES}  # 64 positions
+
+
+def _cache(model, *, selector="int4", every=1, static=True, cold_dtype="same"):
+    return RecallCache(model.config.num_hidden_layers, "h2o", HOT,
+                       recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=cold_dtype, every=every),
+                       max_positions=LIMIT, rotary=find_rotary(model), static_shapes=static)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_eager_recall_decode_step_reads_nothing_back(models, family, seed):
+    model = models[family]
+    cache = _cache(model, static=False)
+    forward(model, cache, torch.randint(3, VOCAB, (2, 30)))
+    forward(model, cache, torch.randint(3, VOCAB, (2, 1)))
+    log: list[str] = []
+    with python_reads(log), HostReads() as mode:
+        forward(model, cache, torch.randint(3, VOCAB, (2, 1)), logits_to_keep=1)
+    assert log == [] and mode.reads == [], (log, mode.reads)
+    assert all(int(layer.frames.copied.sum()) > 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family,selector,cold_dtype", [("opt", "int4", "same"), ("llama", "exact", "int8"),
+                                                        ("neox", "int4", "int8")])
+def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selector, cold_dtype):
+    """Two rows, a 30-token prompt, then 40 decode steps (evicting, recalling, growing the cold
+    store and re-numbering at the 64-position limit): the compiled step's logits and every state
+    tensor equal the eager step's exactly. (Each growth of the cold store is one more graph.)"""
+    model = models[family]
+    caches = [_cache(model, selector=selector, cold_dtype=cold_dtype) for _ in range(2)]
+    prompt = torch.randint(3, VOCAB, (2, 30))
+    for cache in caches:
+        forward(model, cache, prompt)
+    step = compiled.CompiledDecode(model, backend="aot_eager")
+    assert step.prepare(caches[1])
+    recalled_during_decode = 0
+    for index in range(40):
+        tokens = torch.randint(3, VOCAB, (2,))
+        before = int(caches[0].layers[0].frames.copied.sum())
+        want = forward(model, caches[0], tokens.view(-1, 1), logits_to_keep=1)[:, -1]
+        got = step(caches[1], tokens)
+        recalled_during_decode += int(caches[0].layers[0].frames.copied.sum()) - before
+        assert torch.equal(got, want), f"step {index}: {(got - want).abs().max()}"
+    for eager_layer, compiled_layer in zip(*(cache.layers for cache in caches)):
+        eager_state, compiled_state = eager_layer.state_tensors(), compiled_layer.state_tensors()
+        assert eager_state.keys() == compiled_state.keys()
+        for name, tensor in eager_state.items():
+            assert torch.equal(compiled_state[name], tensor), name
+        assert compiled_layer.slots_in_use == eager_layer.slots_in_use
+    assert caches[1].compactions == caches[0].compactions >= 1
+    assert recalled_during_decode > 0
+
+
+def test_what_the_compiled_step_does_not_take(models):
+    model = models["llama"]
+    assert _cache(model).compile_blocker() is None
+    assert "recall-every" in _cache(model, every=2).compile_blocker()
+    assert RecallCache.masks_inactive_rows is False
