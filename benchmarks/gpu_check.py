@@ -34,6 +34,12 @@ next step runs. Steps:
    turn through ``h2ochat serve``, h2o at the budget against the full-cache server under the same KV
    memory (rows, chats at once, output tokens/s, TTFT, inter-token latency); skipped where the
    server's packages (starlette, uvicorn, httpx2) are missing.
+8. recall: ``h2ochat bench --recall``'s comparison on the benchmark model: h2o at the profile's
+   budget against the same policy with R of those device slots recalling from the cold tier
+   (int4 digests, pages of 16), at 2K and 8K tokens of context, recalling every step and every 4th;
+   the ratio of ms per step against issue 18's targets (<= 1.15x at 2K, <= 1.25x at 8K), the digest
+   device bytes and cold host bytes. It has its own time allowance (``recall_budget_s``), so a full
+   run that spent its time still measures it; ``--steps recall`` runs it alone.
 
 Imports only what it needs (torch, transformers, h2ochat.models, h2ochat.benchmark): the GPU
 machine has no prompt-toolkit, gguf or matplotlib, and pytest only if installed there.
@@ -75,6 +81,9 @@ TARGETS = {
     "capacity_throughput": ">= 4x tokens/s at each one's largest batch under the same KV memory",
 }
 THRESHOLDS = {"kernel_bandwidth": 0.80, "h2o_vs_full_step": 1.8, "capacity_throughput": 4.0}
+for _length, _ratio in bm.RECALL_TARGETS:  # issue 18: recall's decode step against the same policy's
+    TARGETS[f"recall_overhead_{_length // 1024}k"] = (f"a decode step with recall <= {_ratio}x the same policy "
+                                                      f"without it at {_length // 1024}K tokens, same device slots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +116,11 @@ class Profile:
     compile_backend: str | None  # torch.compile backend of the compiled steps (None: the app's, inductor)
     serve_args: tuple  # benchmarks/serve_load.py's arguments: h2o and full-cache servers under one KV cap
     serve_timeout: int
+    recall_contexts: tuple  # contexts of the recall step (the issue's targets are read at 2K and 8K)
+    recall_budget: str  # device slots of both the h2o and the recall rows
+    recall_args: dict  # CacheSettings' two-tier fields (recall, page, selector, cold_dtype)
+    recall_every: tuple  # one bench run per --recall-every (the targets are read at the first)
+    recall_budget_s: int  # the recall step's own time: it starts no run past it
 
 
 GPU = Profile(
@@ -124,6 +138,8 @@ GPU = Profile(
                 "--budget", "0.2", "--full-budget", "1.0", "--kv-memory", "16GiB", "--chats", "48", "--turns", "2",
                 "--history-chars", "12000", "--reply", "32", "--phases", "load"),
     serve_timeout=240,
+    recall_contexts=(2048, 8192), recall_budget="0.2", recall_every=(1, 4), recall_budget_s=150,
+    recall_args={"recall": "128", "page": 16, "selector": "int4", "cold_dtype": "same"},
 )
 DRY = Profile(
     name="dry-run", device="cpu",
@@ -142,6 +158,8 @@ DRY = Profile(
                 "--budget", "16", "--full-budget", "64", "--kv-memory", "1MiB", "--chats", "2", "--turns", "2",
                 "--history-chars", "300", "--user-chars", "20", "--reply", "4", "--phases", "load"),
     serve_timeout=200,
+    recall_contexts=(48, 64), recall_budget="16", recall_every=(1, 2), recall_budget_s=100,
+    recall_args={"recall": "8", "page": 4, "selector": "int4", "cold_dtype": "same"},
 )
 
 
@@ -324,7 +342,8 @@ def benchmark_model(profile: Profile, entry: dict):
     its description goes into ``entry``."""
     key = (profile.model, profile.dtype, profile.device)
     config = shipped_config(profile.model)
-    needed = max(profile.contexts) + profile.steps + profile.warmup + 2  # what bm.run checks, compiled too
+    longest = max(*profile.contexts, *profile.recall_contexts)
+    needed = longest + profile.steps + profile.warmup + 2  # what bm.run checks, compiled too
     if config.max_position_embeddings < needed:
         # OPT learns 2048 positions: more table rows let 4096-token contexts be timed; a decode
         # step reads one row, so its cost is the same (the table grows by a few tens of MB)
@@ -344,15 +363,19 @@ def benchmark_model(profile: Profile, entry: dict):
     return model
 
 
-def bench_point(report: Report, profile: Profile, entry: dict, model, label: str, reserve_s: float, **plan) -> dict | None:
-    """One bm.run; skipped (and said so in entry["skipped"]) once the run's time is nearly spent,
-    an error (out of memory at one point) noted in entry["errors"] without losing the rest."""
-    if report.elapsed() > profile.budget_s - reserve_s:
-        entry["skipped"].append(f"{label}: the run's {profile.budget_s}s time limit is near")
+def bench_point(report: Report, profile: Profile, entry: dict, model, label: str, reserve_s: float, *,
+                limit_s: float | None = None, budget: str | None = None, **plan) -> dict | None:
+    """One bm.run; skipped (and said so in entry["skipped"]) once the run's time is nearly spent
+    (``limit_s``: seconds since the run started, default the profile's budget), an error (out of
+    memory at one point) noted in entry["errors"] without losing the rest. ``budget``: the device
+    slots, default the profile's."""
+    limit_s = profile.budget_s if limit_s is None else limit_s
+    if report.elapsed() > limit_s - reserve_s:
+        entry["skipped"].append(f"{label}: the {limit_s:.0f}s time limit is near")
         return None
 
     def slots(context: int) -> int:
-        return min(parse_budget(profile.budget, context), context)
+        return min(parse_budget(budget or profile.budget, context), context)
 
     try:
         return bm.run(model, bm.BenchPlan(budget_slots=slots, **plan))
@@ -594,12 +617,59 @@ def serve_load(report: Report, profile: Profile) -> None:
             entry["result"] = {name: data[name] for name in ("h2o", "full", "h2o_vs_full") if name in data}
 
 
+# -- step 8: recall overhead ---------------------------------------------------------------------------
+
+def recall(report: Report, profile: Profile) -> None:
+    """``h2ochat bench --recall`` on the benchmark model: h2o and the same policy with recall, in turns."""
+    from h2ochat.generation import CacheSettings
+
+    with timed_step(report, "recall") as entry:
+        entry.update(results=[], recall_overhead=[], ops_per_layer=[], skipped=[], errors=[])
+        model = benchmark_model(profile, entry)
+        entry.update(budget=profile.recall_budget, **profile.recall_args)
+        limit = report.elapsed() + profile.recall_budget_s
+        for every in profile.recall_every:
+            settings = CacheSettings(policy="h2o", budget=profile.recall_budget, recall_every=every,
+                                     **profile.recall_args)
+            result = bench_point(report, profile, entry, model, f"recall every {every}", 10, limit_s=limit,
+                                 budget=profile.recall_budget, contexts=list(profile.recall_contexts), batches=[1],
+                                 kv_memory=None, variants=["h2o"], recall=settings, steps=profile.steps,
+                                 warmup=profile.warmup, count_ops=every == 1)
+            if result:
+                entry["results"] += result["results"]
+                entry["recall_overhead"] += result["recall_overhead"]
+                entry["ops_per_layer"] += result["ops_per_layer"]
+        if entry["errors"] and not entry["recall_overhead"]:
+            entry["status"] = "error"
+        elif entry["errors"] or entry["skipped"]:
+            entry["status"] = "partial"
+
+
 # -- verdicts -------------------------------------------------------------------------------------
 
-def verdict(value: float | None, threshold: float, why_missing: str) -> dict:
+def verdict(value: float | None, threshold: float, why_missing: str, at_most: bool = False) -> dict:
+    """PASS when ``value`` reaches ``threshold`` (``at_most``: when it stays at or below it)."""
     if value is None:
         return {"value": None, "threshold": threshold, "verdict": "N/A", "note": why_missing}
-    return {"value": round(value, 3), "threshold": threshold, "verdict": "PASS" if value >= threshold else "MISS"}
+    passed = value <= threshold if at_most else value >= threshold
+    return {"value": round(value, 3), "threshold": threshold, "verdict": "PASS" if passed else "MISS"}
+
+
+def recall_verdicts(step: dict) -> dict:
+    """Issue 18's decode-cost targets from the recall step: at each target's length, the longest
+    context measured within it (and past the shorter target's), batch 1, recall every step."""
+    rows = [c for c in step.get("recall_overhead", []) if c["batch"] == 1 and c["every"] == 1]
+    out, shorter = {}, 0
+    for length, ratio in bm.RECALL_TARGETS:
+        within = [c for c in rows if shorter < c["context"] <= length]
+        point = max(within, key=lambda c: c["context"]) if within else None
+        target = verdict(point and point["ratio"], ratio, f"no context in ({shorter}, {length}] measured", at_most=True)
+        if point:
+            target["at"] = (f"context {point['context']}, batch 1, {point['device_slots']} device slots "
+                            f"({point['recall_slots']} recall), {point['selector']}, every step")
+        out[f"recall_overhead_{length // 1024}k"] = target
+        shorter = length
+    return out
 
 
 def evaluate(report: Report, profile: Profile) -> None:
@@ -633,7 +703,8 @@ def evaluate(report: Report, profile: Profile) -> None:
         notes.append(f"h2o ran below its largest batch (max_batch {profile.max_batch})")
     if notes:
         capacity["note"] = "; ".join(notes)
-    targets = {"kernel_bandwidth": bandwidth, "h2o_vs_full_step": step, "capacity_throughput": capacity}
+    targets = {"kernel_bandwidth": bandwidth, "h2o_vs_full_step": step, "capacity_throughput": capacity,
+               **recall_verdicts(steps.get("recall") or {})}
     for name, target in targets.items():
         target["target"] = TARGETS[name]
         if profile is DRY and target["verdict"] != "N/A":
@@ -751,7 +822,31 @@ def markdown(data: dict) -> str:
     elif served.get("stderr_tail"):
         lines += ["", "```", served["stderr_tail"][-1500:].strip(), "```"]
     lines += _errors(served)
+    lines += _recall_section(steps.get("recall", {}))
     return "\n".join(lines)
+
+
+def _recall_section(block: dict) -> list[str]:
+    lines = ["", "## 8. Recall overhead", "", _status(block)]
+    if "model" in block:
+        lines.append(f"{block['model']} ({block['weights']}), {block['dtype']} on {block['device']}, budget "
+                     f"{block['budget']} with {block['recall']} recall slots, {block['selector']} digests, pages of "
+                     f"{block['page']}; h2o and recall take turns; {block['steps']} timed steps (rounded up to whole blocks of --recall-every)")
+    if block.get("recall_overhead"):
+        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        lines += [""] + _table(["context", "batch", "every", "slots (recall)", "h2o ms/step", "recall ms/step", "ratio",
+                                "target", "met", "digest MiB (device)", "cold MiB (host)", "pages copied/step"],
+                               [[c["context"], c["batch"], c["every"], f"{c['device_slots']} ({c['recall_slots']})",
+                                 f"{c['ms_per_step']:.2f}", f"{c['recall_ms_per_step']:.2f}", fmt(c["ratio"]),
+                                 fmt(c["target"]), {True: "yes", False: "**no**", None: "-"}[c["met"]],
+                                 f"{c['digest_device_bytes'] / MIB:.1f}", f"{c['cold_host_bytes'] / MIB:.1f}",
+                                 c["pages_copied_per_step"]] for c in block["recall_overhead"]])
+    for entry in block.get("ops_per_layer") or []:
+        kernels = entry.get("device_kernels_per_layer")
+        lines.append(f"- {entry['policy']}: {entry['attention_ops_per_layer']} ops per layer in the attention, "
+                     f"{entry['step_ops_per_layer']} per layer in the step"
+                     + (f", {kernels} device kernels per layer" if kernels is not None else ""))
+    return lines + _errors(block)
 
 
 def _agreement_table(rows: list[tuple[str, dict]]) -> list[str]:
@@ -789,7 +884,8 @@ def _errors(block: dict) -> list[str]:
 
 # the steps in the order a full run takes them: the cheap checks first, the model timings last
 STEPS = {"kernel_tests": kernel_tests, "kernel_bench": kernel_bench, "bf16_vs_fp32": bf16_vs_fp32, "decode": decode,
-         "compiled_triton": compiled_triton, "compiled_torch": compiled_torch, "serve_load": serve_load}
+         "compiled_triton": compiled_triton, "compiled_torch": compiled_torch, "serve_load": serve_load,
+         "recall": recall}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,15 +41,18 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     assert data["dry_run"] is True
     steps = data["steps"]
     assert list(steps) == ["kernel_tests", "kernel_bench", "bf16_vs_fp32", "decode", "compiled_triton",
-                           "compiled_torch", "serve_load"]
+                           "compiled_torch", "serve_load", "recall"]
     for name, step in steps.items():
         want = "skipped" if name == "compiled_triton" else "ok"  # Triton compiled needs CUDA
         assert step["status"] == want and step["seconds"] >= 0, (name, step)
 
     counts = steps["kernel_tests"]["counts"]
     assert counts["passed"] >= 1 and counts["failed"] == counts["errors"] == 0
-    # the -k subset: two fp32 kernel tests without a dtype in their id, the given-priority op in fp16 (twice)
-    assert steps["kernel_tests"]["by_dtype"] == {"other": {"passed": 2}, "fp16": {"passed": 2}}
+    # the -k subset: two fp32 kernel tests without a dtype in their id, the custom op's fp16 cases (their
+    # number follows tests/test_kernel_ops.py's parameters)
+    by_dtype = steps["kernel_tests"]["by_dtype"]
+    assert by_dtype["other"] == {"passed": 2} and set(by_dtype) == {"other", "fp16"}
+    assert set(by_dtype["fp16"]) == {"passed"} and by_dtype["fp16"]["passed"] >= 2
     assert steps["kernel_bench"]["result"]["backend"] == "torch" and steps["kernel_bench"]["result"]["decode"]
 
     decode = steps["decode"]
@@ -82,7 +85,20 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     assert served["h2o"]["turns_served"] > 0 and served["h2o"]["completion_tokens"] == 4 * served["h2o"]["turns_served"]
     assert served["full"]["turns_served"] < served["h2o"]["turns_served"]
 
+    # recall beside the same policy, same device slots, at each context and --recall-every
+    recall = steps["recall"]
+    overhead = {(c["context"], c["every"]): c for c in recall["recall_overhead"]}
+    assert set(overhead) == {(n, every) for n in (48, 64) for every in (1, 2)}
+    for c in overhead.values():
+        assert c["device_slots"] == 16 and c["recall_slots"] == 8 and c["target"] == 1.15
+        assert c["ratio"] > 0 and c["met"] == (c["ratio"] <= 1.15) and c["digest_device_bytes"] > 0
+    rows = {(r["context"], r["policy"], r["block"]) for r in recall["results"]}
+    assert rows == {(n, policy, every) for n in (48, 64) for policy in ("h2o", "recall") for every in (1, 2)}
+
     targets = data["targets"]
+    assert targets["recall_overhead_2k"]["value"] == overhead[(64, 1)]["ratio"]  # the longest context up to 2K
+    assert targets["recall_overhead_2k"]["verdict"] == ("PASS" if overhead[(64, 1)]["met"] else "MISS")
+    assert targets["recall_overhead_8k"]["verdict"] == "N/A"  # the dry run measures no context past 2K
     assert targets["kernel_bandwidth"]["verdict"] == "N/A"  # no Triton timing on the CPU
     for name in ("h2o_vs_full_step", "capacity_throughput"):
         assert targets[name]["verdict"] in ("PASS", "MISS") and targets[name]["value"] > 0
@@ -91,7 +107,7 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     for section in ("## Targets", "## 1. Kernel tests", "## 2. Kernel benchmark", "## 3. bf16 against fp32",
                     "## 4. Decode", "ms per decode step", "Largest batch under", "## 5. Compiled decode",
                     "## 6. Compiled decode, H2OCHAT_KERNELS=torch", "compiled vs eager", "bf16 vs fp32",
-                    "## 7. The server under load", "h2o against full"):
+                    "## 7. The server under load", "h2o against full", "## 8. Recall overhead"):
         assert section in markdown, section
     for target in targets.values():
         assert target["target"] in markdown and f"**{target['verdict']}**" in markdown
@@ -236,3 +252,20 @@ def test_kernel_test_outcomes_per_dtype(tmp_path):
     assert module.junit_by_dtype(xml) == {"bf16": {"passed": 1, "failed": 1}, "fp16": {"passed": 1},
                                           "other": {"skipped": 1, "passed": 1}}
     assert module.junit_counts(xml) == {"passed": 3, "failed": 1, "errors": 0, "skipped": 1}
+
+
+def test_recall_verdicts_read_each_target_at_its_longest_context(tmp_path):
+    """At most 1.15x at 2K and 1.25x at 8K: each read at the longest context measured within its length
+    (batch 1, recall every step); a ratio above its threshold is a MISS, none measured is N/A."""
+    module = gpu_check()
+
+    def row(context, ratio, every=1, batch=1):
+        return {"context": context, "batch": batch, "every": every, "ratio": ratio, "device_slots": 409,
+                "recall_slots": 128, "selector": "int4"}
+
+    step = {"recall_overhead": [row(1024, 1.5), row(2048, 1.1), row(2048, 1.0, every=4), row(8192, 1.3),
+                                row(8192, 1.0, batch=4)]}
+    verdicts = module.recall_verdicts(step)
+    assert (verdicts["recall_overhead_2k"]["value"], verdicts["recall_overhead_2k"]["verdict"]) == (1.1, "PASS")
+    assert (verdicts["recall_overhead_8k"]["value"], verdicts["recall_overhead_8k"]["verdict"]) == (1.3, "MISS")
+    assert {v["verdict"] for v in module.recall_verdicts({}).values()} == {"N/A"}
