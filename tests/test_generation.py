@@ -101,15 +101,20 @@ def test_generate_with_an_evicting_cache_matches_h2ochats_loop(family, temperatu
         torch.testing.assert_close(a.scores.gather(2, order_a), b.scores.gather(2, order_b), rtol=1e-5, atol=1e-6)
 
 
-def test_stream_counts_the_tokens_it_fed_past_a_stop(seed):
-    """With stop_check_every = k > 1 the stop is read back once per k tokens, so the cache has been fed
-    the tokens after the stop in that burst: the timing counts them, and the run record reports them
-    as fed past the stop, not as generated text (the "generated" part ends at the last token fed
-    before the stop)."""
+@pytest.mark.parametrize("leaves_rows_out", [True, False], ids=["h2o", "cannot-leave-rows-out"])
+def test_stream_counts_the_tokens_it_fed_past_a_stop(seed, monkeypatch, leaves_rows_out):
+    """With stop_check_every = k > 1 the stop is read back once per k tokens. A cache that cannot leave
+    the finished row out of the steps queued after the stop (``masks_inactive_rows`` False: the recall
+    tier) has been fed the tokens after the stop in that burst: the timing counts them, and the run
+    record reports them as fed past the stop, not as generated text (the "generated" part ends at the
+    last token fed before the stop). An H2OCache is fed nothing past the stop."""
     from types import SimpleNamespace
 
+    from h2ochat.cache import H2OCache
     from h2ochat.report import run_record
 
+    if not leaves_rows_out:
+        monkeypatch.setattr(H2OCache, "masks_inactive_rows", property(lambda self: False))
     model = build_model("llama")
     prompt = random_ids(1, 6)
     settings = CacheSettings(policy="h2o", budget="8")
@@ -117,6 +122,8 @@ def test_stream_counts_the_tokens_it_fed_past_a_stop(seed):
     stop_token = free[5]
     stop_at = free.index(stop_token)
     burst_end = min((stop_at // 4 + 1) * 4 - 1, 11)  # the last step of the burst holding the stop
+    if leaves_rows_out:
+        burst_end = stop_at  # the steps after the stop fed nobody
     timing, cache = Timing(), settings.build(model)
     got = [int(s.tokens[0]) for s in stream(model, cache, prompt, max_new_tokens=12, stop_ids={stop_token},
                                             timing=timing, stop_check_every=4)]
