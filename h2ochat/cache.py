@@ -530,7 +530,7 @@ class H2OCache(Cache):
     Counters, one source each: ``tokens_fed`` [B] (real tokens fed per row; a token's index is its
     count before it), ``next_position`` [B] (the position the next real token of each row gets) and
     ``largest_next_position`` (their maximum, a host int: deciding on a re-numbering reads nothing
-    back from the device). A step's token indices and positions are handed out once (``position_ids``,
+    back from the device; after a step that left rows out, an upper bound: see ``position_ids``). A step's token indices and positions are handed out once (``position_ids``,
     or the first layer to attend when nobody asked: transformers' ``generate()``) and every layer
     records exactly those.
     """

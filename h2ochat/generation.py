@@ -283,7 +283,9 @@ def stream(
     one, so the host does not wait for the device between steps: the steps are yielded in bursts of
     k, the same tokens as with k = 1, and the same cache: the steps queued after the last row
     finished feed nobody (their host counters are put back at the read-back), so the cache can be
-    reused (the chat does). A cache whose layers cannot leave rows out
+    reused (the chat does). A caller that stops reading inside a burst (the chat after a base
+    model's "User:", a stop the device cannot see) leaves the cache fed to the burst's end: the
+    chat then reads the whole conversation again at the next turn. A cache whose layers cannot leave rows out
     (``H2OCache.masks_inactive_rows`` False: the recall tier) keeps feeding finished rows: then up
     to k - 1 tokens are fed past the last one yielded (counted in ``timing.fed_past_stop``), fine
     for a generation whose cache is thrown away.

@@ -290,3 +290,36 @@ def test_replies_in_bursts_feed_the_cache_exactly_as_token_by_token(loaded, monk
         assert one[:5] == four[:5]
         assert one[5].keys() == four[5].keys() and all(torch.equal(one[5][k], four[5][k]) for k in one[5])
         assert one[6] == four[6]
+
+
+def test_a_base_model_reply_cut_inside_a_burst_is_read_again(loaded, monkeypatch):
+    """A base model's reply ends where it writes "\\nUser:", which the device cannot see: in a burst of 4
+    the cache has read on to the burst's end. The next turn reads the conversation again, quietly,
+    and the chat then stands exactly where the token-by-token chat stands (same replies, same cache)."""
+    import copy
+
+    import h2ochat.generation as generation
+
+    tokenizer = copy.deepcopy(loaded.tokenizer)
+    tokenizer.chat_template = None
+    reply = tokenizer(" hi\nUser: more words here and on", add_special_tokens=False).input_ids
+    filler = tokenizer(" ok", add_special_tokens=False).input_ids[-1]
+    mark_at = next(i for i in range(len(reply)) if "\nUser:" in tokenizer.decode(reply[: i + 1]))
+    if mark_at % 4 == 3:  # a burst's last step: one more token before it, so steps queue after the mark
+        reply, mark_at = [filler] + reply, mark_at + 1
+    assert mark_at + 1 < len(reply)
+    runs = {}
+    for every in (1, 4):
+        script = iter(reply + [filler] * 40)
+        monkeypatch.setattr(generation, "sample", lambda logits, *a, **k: torch.full((logits.shape[0],), next(script)))
+        conv = Conversation(loaded.model, tokenizer, ChatSettings(temperature=0.0, max_new_tokens=12),
+                            stop_check_every=every)
+        conv.stop_ids = {tokenizer.eos_token_id}  # never drawn; stop ids make the reads come in bursts
+        first = conv.send("hello")
+        script = iter(reply[::-1] + [filler] * 40)  # each turn its own script, however far the burst drew
+        second = conv.send("again")
+        assert first.text.endswith(" hi") and all("again" not in notice for notice in second.notices)
+        assert_consistent(conv)
+        runs[every] = (first.text, second.text, list(conv.ids), list(conv.pending), cache_state(conv.cache))
+    assert runs[1][:4] == runs[4][:4]
+    assert all(torch.equal(runs[1][4][name], runs[4][4][name]) for name in runs[1][4])
