@@ -20,6 +20,8 @@ from h2ochat import evaluation as ev
 from h2ochat.attention import use_h2o_attention
 from h2ochat.cli import app
 from h2ochat.recall.masked import MaskedRecall
+from test_eval import text_file  # noqa: F401 (fixture)
+from test_passkey import long_checkpoint  # noqa: F401 (fixture)
 
 SLOTS, RECALL, PAGE = 20, 8, 4
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16  # the tiny models' (tests/conftest.py), float32
@@ -78,27 +80,13 @@ def test_recall_rows_hold_the_policys_device_bytes_and_run_alone(seed):
 
 # -- the command ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from checkpoints import write_checkpoint
-
-    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama-256"), max_position_embeddings=256)
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "fox.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. once upon a time there was a dragon. " * 20)
-    return path
-
-
 def run(*args):
     result = CliRunner().invoke(app, ["eval", *args])
     return result.exit_code, result.stdout, result.stderr
 
 
-def test_eval_recall_json_and_table(checkpoint, text_file):
-    common = ("--model", str(checkpoint), "--text", str(text_file), "--tokens", "60", "--budget", "16,24",
+def test_eval_recall_json_and_table(long_checkpoint, text_file):
+    common = ("--model", str(long_checkpoint), "--text", str(text_file), "--tokens", "60", "--budget", "16,24",
               "--policies", "full,h2o", "--recall", "8", "--page", "4")
     code, out, err = run(*common, "--json")
     assert code == 0, err
@@ -128,8 +116,8 @@ def test_eval_recall_json_and_table(checkpoint, text_file):
     (["--recall", "many"], "--recall takes a slot count"),
     (["--chat-turns", "4"], "--chat-turns is for --task passkey"),
 ])
-def test_eval_recall_refuses_bad_arguments_in_one_line(checkpoint, text_file, args, message):
-    code, out, err = run("--model", str(checkpoint), "--text", str(text_file), "--tokens", "40", "--budget", "16",
+def test_eval_recall_refuses_bad_arguments_in_one_line(long_checkpoint, text_file, args, message):
+    code, out, err = run("--model", str(long_checkpoint), "--text", str(text_file), "--tokens", "40", "--budget", "16",
                          "--policies", "h2o", *args)
     assert code == 2, out
     last = err.strip().splitlines()[-1]
