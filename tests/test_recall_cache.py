@@ -68,10 +68,10 @@ def _assert_each_token_once(layer, row: int, tokens: int) -> None:
     pages = torch.arange(int(end.max())).expand(*layer.keys.shape[:2], -1)
     _, _, cold_index, _ = layer.cold.pages(pages)
     for head in range(layer.keys.shape[1]):
-        hot = layer.token_index[row, head, :HOT]
+        hot = layer.token_index[row, head, : layer.capacity]
         cold = cold_index[row, head]
         assert sorted(hot[hot >= 0].tolist() + cold[cold >= 0].tolist()) == list(range(tokens))
-        recalled = layer.token_index[row, head, HOT:]
+        recalled = layer.token_index[row, head, layer.capacity :]
         assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
 
 

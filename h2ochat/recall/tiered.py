@@ -21,14 +21,16 @@ on its contents, fixed-shape appends (``layout.Writes``), room reserved before t
 counters (``RecallLayer.reserve``, called by ``position_ids``); so the compiled decode step takes it
 (``compile_blocker``; a growth of the store changes shapes: one more graph per doubling). On a GPU the
 cold store is pinned host memory: appends and page copies go through the host, eagerly (the plan for
-an asynchronous copy is in ``step``'s docstring). Torch route only: the Triton eviction kernels see
-every column.
+an asynchronous copy is in ``step``'s docstring). On Triton the eviction is the kernel's, of a
+priority computed in torch with +inf on the recall columns (``_lowest_goes_cold``); the attention
+kernels attend every column, and the page scores have their own kernel (``selectors``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import h2ochat_kernels as kernels
 import torch
 from h2ochat_kernels.reference import row_weights
 
@@ -154,7 +156,11 @@ class RecallLayer(H2OLayer):
         return self.token_index[:, :, self.capacity:]
 
     def _choose_eviction(self):
-        return self._evict_by_torch_priority
+        """The torch rules, or on Triton the kernel's eviction of a priority computed in torch; never
+        the fused launch: it ranks every column, and the slot it empties must go cold first."""
+        if kernels.kernel_backend(self.device) == "torch":
+            return self._evict_by_torch_priority
+        return self._evict_by_kernel_priority
 
     # -- recall before the attention ---------------------------------------------------------------
     def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
@@ -199,13 +205,31 @@ class RecallLayer(H2OLayer):
         self.cold.append(keys, values, token_index, positions, reserve=False)
         self.digest.append(keys, token_index, reserve=False)
 
-    def _overwrite_lowest(self, priority, key, value, new_score, token_index, position, value_norm):
+    def _lowest_goes_cold(self, priority: torch.Tensor) -> torch.Tensor:
+        """The priority with the recall columns never evicted (+inf), after sending the slot it evicts
+        (the lowest, ties to the lowest slot, as torch's argmin and the eviction kernel choose) to the
+        cold tier."""
         priority = priority.clone()
-        priority[:, :, self.capacity:] = float("inf")  # a recall column is never evicted
-        where = (self.batch_rows, self.head_columns, priority.argmin(dim=-1))  # the slot the base overwrites
+        priority[:, :, self.capacity:] = float("inf")
+        where = (self.batch_rows, self.head_columns, priority.argmin(dim=-1))
         self._to_cold(self.keys[where].unsqueeze(2), self.values[where].unsqueeze(2),
                       self.token_index[where].unsqueeze(2), self.positions[where].unsqueeze(2))
-        return super()._overwrite_lowest(priority, key, value, new_score, token_index, position, value_norm)
+        return priority
+
+    def _overwrite_lowest(self, priority, key, value, new_score, token_index, position, value_norm):
+        return super()._overwrite_lowest(self._lowest_goes_cold(priority), key, value, new_score, token_index,
+                                         position, value_norm)
+
+    def _evict_by_kernel_priority(self, key, value, new_score, token_index, position, value_norm,
+                                  active=None) -> None:
+        """The base's Triton route with the priority of ``_lowest_goes_cold`` (no row mask: every row
+        takes every step, ``masks_inactive_rows``)."""
+        mass = self.scores.sum(dim=-1)
+        priority = self._lowest_goes_cold(self.priority(self.scores, self.token_index, token_index, self.value_norm))
+        dropped, dropped_score = kernels.evict_and_insert(
+            priority, self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score,
+            token_index, position, self.value_norm, value_norm)
+        self._count_one_eviction(dropped, dropped_score, mass)
 
     def _select(self, key, value, new_scores, token_index, positions, value_norm) -> None:
         batch, heads, q_len, _ = key.shape
