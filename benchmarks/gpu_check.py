@@ -831,7 +831,8 @@ def _recall_section(block: dict) -> list[str]:
     if "model" in block:
         lines.append(f"{block['model']} ({block['weights']}), {block['dtype']} on {block['device']}, budget "
                      f"{block['budget']} with {block['recall']} recall slots, {block['selector']} digests, pages of "
-                     f"{block['page']}; h2o and recall take turns; {block['steps']} timed steps (rounded up to whole blocks of --recall-every)")
+                     f"{block['page']}; h2o and recall take turns; {block['steps']} timed steps (rounded up to whole "
+                     "blocks of --recall-every)")
     if block.get("recall_overhead"):
         fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         lines += [""] + _table(["context", "batch", "every", "slots (recall)", "h2o ms/step", "recall ms/step", "ratio",

@@ -188,15 +188,16 @@ class Measurement:
     compile_s: float | None = None  # the untimed first compiled step (the compilation, when not cached)
     block: int = 1  # steps timed as one block (--recall-every: one recall per block)
     recall: dict | None = None  # the recall variant's tier (RecallCache.tier_record) and copies per step
+    # on a CPU, the process's CPU time per step (all its threads): other jobs' load barely moves it
+    step_cpu_ms: list[float] = field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
-        """The median step, or with ``block`` > 1 the median block's mean step: a recall every k
-        steps costs each step its share (a plain median would pick a step without one)."""
-        if self.block == 1:
-            return statistics.median(self.step_ms)
-        blocks = [self.step_ms[i:i + self.block] for i in range(0, len(self.step_ms) - self.block + 1, self.block)]
-        return statistics.median(sum(b) / len(b) for b in blocks)
+        return _blocked_median(self.step_ms, self.block)
+
+    @property
+    def cpu_ms(self) -> float | None:
+        return _blocked_median(self.step_cpu_ms, self.block) if self.step_cpu_ms else None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -205,6 +206,9 @@ class Measurement:
     def record(self) -> dict:
         out = asdict(self)
         out.pop("step_ms")
+        out.pop("step_cpu_ms")
+        if self.cpu_ms is not None:
+            out["cpu_ms_per_step"] = round(self.cpu_ms, 3)
         if out["recall"] is None:
             out.pop("recall")
         out["ms_per_step"] = round(self.median_ms, 3)
@@ -212,6 +216,15 @@ class Measurement:
         if out["compile_s"] is not None:
             out["compile_s"] = round(out["compile_s"], 2)
         return out
+
+
+def _blocked_median(step_ms: list[float], block: int) -> float:
+    """The median step, or with ``block`` > 1 the median block's mean step: a recall every k steps
+    costs each step its share (a plain median would pick a step without one)."""
+    if block == 1:
+        return statistics.median(step_ms)
+    blocks = [step_ms[i:i + block] for i in range(0, len(step_ms) - block + 1, block)]
+    return statistics.median(sum(b) / len(b) for b in blocks)
 
 
 def _sync(device: torch.device) -> None:
@@ -281,19 +294,21 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
             step(tokens[1])
             _sync(device)
             compile_s = time.perf_counter() - started if compiled else None
-        step_ms, copied = [], _pages_copied(cache)
+        step_ms, cpu_ms, copied = [], [], _pages_copied(cache)
         for index in range(first, len(tokens)):
             _sync(device)
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             step(tokens[index])
             _sync(device)
             step_ms.append((time.perf_counter() - started) * 1000)
+            cpu_ms.append((time.process_time() - started_cpu) * 1000)
         tier = recall_record(cache, _pages_copied(cache) - copied, len(step_ms))
         result = (device_slots(cache), cache.kv_bytes(), step_ms[warmup:])
         cache.reset()  # its slots go back before the next measurement
     kv_slots, kv_bytes, step_ms = result
     return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak(), memory.growth(),
-                       compiled, compile_s, block, tier if variant == RECALL else None)
+                       compiled, compile_s, block, tier if variant == RECALL else None,
+                       cpu_ms[warmup:] if variant != "hf" and device.type == "cpu" else [])
 
 
 def recall_record(cache: H2OCache, copied: int, steps: int) -> dict | None:
@@ -477,6 +492,10 @@ def recall_overhead(h2o: Measurement, recall: Measurement) -> dict:
     tier = recall.recall
     ratio = recall.median_ms / h2o.median_ms
     target = recall_target(h2o.context)
+    cpu = {}
+    if h2o.cpu_ms and recall.cpu_ms:  # on a CPU: the same ratio in CPU time, robust to the machine's load
+        cpu = {"cpu_ms_per_step": round(h2o.cpu_ms, 3), "recall_cpu_ms_per_step": round(recall.cpu_ms, 3),
+               "cpu_ratio": round(recall.cpu_ms / h2o.cpu_ms, 3)}
     return {
         "context": h2o.context, "batch": h2o.batch, "device_slots": recall.kv_slots,
         "recall_slots": tier["recall_slots"], "page": tier["page"], "selector": tier["selector"],
@@ -484,7 +503,7 @@ def recall_overhead(h2o: Measurement, recall: Measurement) -> dict:
         "ms_per_step": round(h2o.median_ms, 3), "recall_ms_per_step": round(recall.median_ms, 3),
         "ratio": round(ratio, 3), "target": target, "met": None if target is None else ratio <= target,
         "kv_bytes": recall.kv_bytes, "digest_device_bytes": tier["digest_device_bytes"],
-        "cold_host_bytes": tier["cold_host_bytes"], "pages_copied_per_step": tier["pages_copied_per_step"],
+        "cold_host_bytes": tier["cold_host_bytes"], "pages_copied_per_step": tier["pages_copied_per_step"], **cpu,
     }
 
 
@@ -592,6 +611,7 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
                     if key in by_variant:
                         kept = by_variant[key]
                         kept.step_ms += measured.step_ms
+                        kept.step_cpu_ms += measured.step_cpu_ms
                         kept.peak_memory_bytes = max(kept.peak_memory_bytes, measured.peak_memory_bytes)
                         if measured.peak_memory_growth_bytes is not None:
                             kept.peak_memory_growth_bytes = max(kept.peak_memory_growth_bytes or 0,
@@ -643,7 +663,8 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
         report["recall_overhead_note"] = (
             "ratio = recall ms per step / h2o ms per step: the same policy at the same device slots (R of them "
             "recall slots), measured in turns in one run; a context's older tokens fill the cold tier with random "
-            "keys, so the pages recalled change more from step to step than with text; "
+            "keys, so the pages recalled change more from step to step than with text; on a CPU cpu_ratio is the "
+            "same ratio in the process's CPU time per step, which other jobs' load barely moves; "
             f"targets {', '.join(f'<= {r}x up to {n} tokens' for n, r in RECALL_TARGETS)} (issue 18)")
     return report
 

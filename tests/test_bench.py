@@ -253,9 +253,10 @@ def test_recall_step_time_is_the_median_block_mean():
     """With --recall-every k a step costs its share of one recall: the median over blocks of k steps
     of their mean, not the median step (which would miss the recall)."""
     steps = [10.0, 1.0, 1.0, 1.0] * 3 + [30.0, 1.0, 1.0, 1.0]
-    timed = bm.Measurement("recall", 100, 1, 16, 0, steps, block=4)
-    assert timed.median_ms == pytest.approx(13 / 4)
+    timed = bm.Measurement("recall", 100, 1, 16, 0, steps, block=4, step_cpu_ms=[2 * ms for ms in steps])
+    assert timed.median_ms == pytest.approx(13 / 4) and timed.cpu_ms == pytest.approx(13 / 2)
     assert dataclasses.replace(timed, block=1).median_ms == 1.0
+    assert bm.Measurement("h2o", 100, 1, 16, 0, steps).cpu_ms is None  # not timed on the CPU
     assert bm.BenchPlan([100], [1], lambda n: 16, steps=5, recall=recall_settings(every=4)).steps == 8
 
 
@@ -292,6 +293,8 @@ def test_bench_command_recall_rows_and_overhead(tiny_checkpoint):
         assert c["target"] == 1.15 and c["met"] == (c["ratio"] <= 1.15)
         assert (c["device_slots"], c["recall_slots"], c["selector"], c["every"], c["page"]) == (16, 8, "int4", 2, 4)
         assert c["digest_device_bytes"] > 0 and c["cold_host_bytes"] > 0
+        assert c["cpu_ratio"] == pytest.approx(c["recall_cpu_ms_per_step"] / c["cpu_ms_per_step"], abs=2e-3)
+        assert (c["cpu_ms_per_step"], c["recall_cpu_ms_per_step"]) == (h2o["cpu_ms_per_step"], recall["cpu_ms_per_step"])
     assert [entry["policy"] for entry in report["ops_per_layer"]] == ["h2o", "recall", "slots"]
 
 

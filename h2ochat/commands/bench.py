@@ -172,18 +172,22 @@ def _print_recall(out: Console, overhead: list[dict]) -> None:
                         f"recall / the same policy without it at the same device slots; selector {first['selector']}, "
                         f"pages of {first['page']}, recall every {first['every']} step(s), cold {first['cold_dtype']}",
                   title_justify="left")
-    for name in ("context", "batch", "slots (recall)", "ms/step", "recall", "ratio", "target", "met",
-                 "digest MiB", "cold MiB", "pages/step"):
+    for name in ("context", "batch", "slots (recall)", "ms/step", "recall", "ratio", "CPU-time ratio", "target",
+                 "met", "digest MiB", "cold MiB", "pages/step"):
         table.add_column(name, justify="right")
     for c in overhead:
+        cpu = c.get("cpu_ratio")
         table.add_row(str(c["context"]), str(c["batch"]), f"{c['device_slots']} ({c['recall_slots']})",
                       f"{c['ms_per_step']:.1f}", f"{c['recall_ms_per_step']:.1f}", f"{c['ratio']:.2f}x",
+                      "-" if cpu is None else f"{cpu:.2f}x",
                       "-" if c["target"] is None else f"{c['target']:.2f}x",
                       {True: "yes", False: "NO", None: "-"}[c["met"]], f"{c['digest_device_bytes'] / MIB:.2f}",
                       f"{c['cold_host_bytes'] / MIB:.1f}", f"{c['pages_copied_per_step']:.2f}")
     out.print(table)
-    out.print("digest MiB: the page digests on the device; cold MiB: the cold stores in host memory; pages/step: "
-              "pages copied into the recall slots per step and (layer, sequence, KV head)")
+    out.print("met: the wall-clock ratio against the target; CPU-time ratio: the same in the process's CPU time "
+              "(on a CPU; other jobs' load barely moves it); digest MiB: the page digests on the device; cold MiB: "
+              "the cold stores in host memory; pages/step: pages copied into the recall slots per step and (layer, "
+              "sequence, KV head)")
 
 
 def _peak(record: dict) -> str:
