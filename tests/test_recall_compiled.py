@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from conftest import FAMILIES, VOCAB, build_model
 
 from h2ochat import compiled
@@ -54,6 +55,7 @@ def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selec
         forward(model, cache, prompt)
     step = compiled.CompiledDecode(model, backend="aot_eager")
     assert step.prepare(caches[1])
+    graphs = counters["stats"]["unique_graphs"]
     recalled_during_decode = 0
     for index in range(40):
         tokens = torch.randint(3, VOCAB, (2,))
@@ -69,6 +71,8 @@ def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selec
             assert torch.equal(compiled_state[name], tensor), name
         assert compiled_layer.slots_in_use == eager_layer.slots_in_use
     assert caches[1].compactions == caches[0].compactions >= 1
+    # the cold store grew (and the digest) without a graph per size
+    assert caches[1].layers[0].cold.capacity > 32 and counters["stats"]["unique_graphs"] - graphs <= 1
     assert recalled_during_decode > 0
 
 

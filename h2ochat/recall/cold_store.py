@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
-from .layout import Writes, held_pages
+from .layout import Writes, growable, held_pages, widened
 
 COLD_DTYPES = ("same", "int8")
 
@@ -52,7 +52,8 @@ class ColdStore:
 
     def _alloc(self, shape, dtype, fill) -> torch.Tensor:
         tensor = torch.full(shape, fill, dtype=dtype)
-        return tensor.pin_memory() if self.pin else tensor
+        tensor = tensor.pin_memory() if self.pin else tensor
+        return growable(tensor) if self.frames is None else tensor
 
     @property
     def capacity(self) -> int:
@@ -66,15 +67,9 @@ class ColdStore:
         return {name: getattr(self, name) for name in [*self._buffers(), "count"]}
 
     def _grow(self, needed: int) -> None:
-        size = self.capacity
-        while size < needed:
-            size *= 2
         for name in self._buffers():
             old = getattr(self, name)
-            fill = -1 if old.dtype == torch.long else 0
-            new = self._alloc((*old.shape[:2], size, *old.shape[3:]), old.dtype, fill)
-            new[:, :, : old.shape[2]] = old
-            setattr(self, name, new)
+            setattr(self, name, widened(old, needed, -1 if old.dtype == torch.long else 0, pin=self.pin))
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:

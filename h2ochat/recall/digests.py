@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Writes, held_pages
+from .layout import Writes, growable, held_pages, widened
 from .selectors import quantize, score_tokens_in_pages
 
 
@@ -30,16 +30,13 @@ class KeyCodes:
         # the absolute slot number (n-th evicted token) each ring slot holds, -1: none
         self.number = torch.full((batch, heads, slots), -1, dtype=torch.long, device=device)
         self.count = torch.zeros(batch, heads, dtype=torch.long, device=device)
+        if frames is None:
+            for name in ("codes", "scale", "offset", "number"):
+                growable(getattr(self, name))
 
     def _grow(self, needed: int) -> None:
-        size = self.number.shape[2]
-        while size < needed:
-            size *= 2
         for name in ("codes", "scale", "offset", "number"):
-            old = getattr(self, name)
-            new = old.new_full((*old.shape[:2], size, *old.shape[3:]), -1 if name == "number" else 0)
-            new[:, :, : old.shape[2]] = old
-            setattr(self, name, new)
+            setattr(self, name, widened(getattr(self, name), needed, -1 if name == "number" else 0))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in ("codes", "scale", "offset", "number", "count")}

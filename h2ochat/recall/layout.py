@@ -26,6 +26,27 @@ def held_pages(count: torch.Tensor, page: int, frames: int | None) -> tuple[torc
     return first, end
 
 
+def growable(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark a store's slot dimension (2) as one that grows, so a compiled step traces it as a size
+    (one graph however long the text) instead of compiling again at every doubling."""
+    torch._dynamo.maybe_mark_dynamic(tensor, 2)
+    return tensor
+
+
+def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False) -> torch.Tensor:
+    """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (S doubled until it
+    fits; new slots hold ``fill``), made in the same inference mode as ``old`` (else a compiled step
+    would see a different kind of tensor and compile again) and marked ``growable``."""
+    size = old.shape[2]
+    while size < needed:
+        size *= 2
+    with torch.inference_mode(old.is_inference()):
+        new = torch.full((*old.shape[:2], size, *old.shape[3:]), fill, dtype=old.dtype, device=old.device)
+        new = new.pin_memory() if pin else new
+        new[:, :, : old.shape[2]] = old
+    return growable(new)
+
+
 def frame_of(pages: torch.Tensor, frames: int | None) -> torch.Tensor:
     """Storage frame of absolute page numbers (the page itself without a limit)."""
     return pages % frames if frames is not None else pages
