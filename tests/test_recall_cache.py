@@ -101,3 +101,21 @@ def test_a_left_padded_batch_recalls_as_the_masked_reference(family, seed):
             torch.testing.assert_close(g[row : row + 1], w, atol=2e-4, rtol=2e-4, msg=lambda m: f"row {row} step {step}: {m}")
         for layer in batch_cache.layers:
             _assert_each_token_once(layer, row, len(prompt) + 12)
+
+
+def test_recalling_every_page_is_the_full_cache(family, seed):
+    """Recall slots for every evicted token (and the exact selector): each step attends every token
+    fed, so the logits are the full cache's, through chunks and decode steps."""
+    from h2ochat.cache import H2OCache
+
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+    layers, rotary = model.config.num_hidden_layers, find_rotary(model)
+    real = RecallCache(layers, "h2o", 8, recall=RecallConfig(48, PAGE, "exact"), max_positions=256, rotary=rotary)
+    full = H2OCache(layers, "full", 8, max_positions=256, rotary=rotary)
+    ids = torch.randint(3, VOCAB, (2, 50))
+    use_h2o_attention(model)
+    for piece in [ids[:, :14], ids[:, 14:30], *[ids[:, i : i + 1] for i in range(30, 50)]]:
+        torch.testing.assert_close(forward(model, real, piece, logits_to_keep=1), forward(model, full, piece, logits_to_keep=1),
+                                   atol=2e-4, rtol=2e-4)
+    # (the last step recalled what was cold before it: 49 tokens fed, 8 hot)
+    assert all(int((layer.recalled_token_index() >= 0).sum(-1).min()) == 49 - 8 for layer in real.layers)
