@@ -658,7 +658,7 @@ def verdict(value: float | None, threshold: float, why_missing: str, at_most: bo
 def recall_verdicts(step: dict) -> dict:
     """Issue 18's decode-cost targets from the recall step: at each target's length, the longest
     context measured within it (and past the shorter target's), batch 1, recall every step."""
-    rows = [c for c in step.get("recall_overhead", []) if c["batch"] == 1 and c["every"] == 1]
+    rows = [c for c in step.get("recall_overhead", []) if c["batch"] == 1 and c["every"] == 1 and not c.get("compiled")]
     out, shorter = {}, 0
     for length, ratio in bm.RECALL_TARGETS:
         within = [c for c in rows if shorter < c["context"] <= length]

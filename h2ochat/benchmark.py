@@ -288,7 +288,7 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
     else:
         cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=len(tokens) - 1,
                                policy=policy, generator=generator, recall=recall)
-        step, compiled = decode_step(model, cache, compile and variant in COMPILABLE_VARIANTS)
+        step, compiled = decode_step(model, cache, compile and variant in (*COMPILABLE_VARIANTS, RECALL))
         if compile:
             started = time.perf_counter()
             step(tokens[1])
@@ -497,7 +497,7 @@ def recall_overhead(h2o: Measurement, recall: Measurement) -> dict:
         cpu = {"cpu_ms_per_step": round(h2o.cpu_ms, 3), "recall_cpu_ms_per_step": round(recall.cpu_ms, 3),
                "cpu_ratio": round(recall.cpu_ms / h2o.cpu_ms, 3)}
     return {
-        "context": h2o.context, "batch": h2o.batch, "device_slots": recall.kv_slots,
+        "context": h2o.context, "batch": h2o.batch, "compiled": recall.compiled, "device_slots": recall.kv_slots,
         "recall_slots": tier["recall_slots"], "page": tier["page"], "selector": tier["selector"],
         "every": tier["every"], "cold_dtype": tier["cold_dtype"],
         "ms_per_step": round(h2o.median_ms, 3), "recall_ms_per_step": round(recall.median_ms, 3),
@@ -540,8 +540,12 @@ class BenchPlan:
         variants = [v for name in self.variants for v in ((name, RECALL) if name == "h2o" and self.recall else (name,))]
         runs = [(variant, False) for variant in variants]
         if self.compile:
-            runs += [(variant, True) for variant in self.variants if variant in COMPILABLE_VARIANTS]
+            runs += [(variant, True) for variant in variants if variant in self.compilable()]
         return runs
+
+    def compilable(self) -> tuple[str, ...]:
+        # the compiled step takes recall only when every step recalls (RecallCache.compile_blocker)
+        return COMPILABLE_VARIANTS + ((RECALL,) if self.recall is not None and self.block == 1 else ())
 
     def profiled(self) -> list[tuple[str, bool]]:
         profiled = (*COMPILABLE_VARIANTS, RECALL)
@@ -621,8 +625,9 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
             results += [m.record() for m in by_variant.values()]
             if "h2o" in by_variant:
                 comparisons.append(comparison(by_variant, weights, per_slot))
-            if RECALL in by_variant:
-                overhead.append(recall_overhead(by_variant["h2o"], by_variant[RECALL]))
+            for suffix in ("", COMPILED):  # eager, and with --compile the compiled steps
+                if RECALL + suffix in by_variant and "h2o" + suffix in by_variant:
+                    overhead.append(recall_overhead(by_variant["h2o" + suffix], by_variant[RECALL + suffix]))
             if not ops:  # operations per step: once, at the first context and batch (after its timing compiled)
                 for variant, compiled in plan.profiled():
                     ops.append({"context": context, "batch": batch, **profile_ops(

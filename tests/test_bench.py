@@ -321,3 +321,18 @@ def test_bench_command_refuses_bad_recall_settings(tiny_checkpoint, args, messag
     last = err.strip().splitlines()[-1]
     assert last.startswith("h2ochat: error:") and message in last, last
     assert "Traceback" not in out + err
+
+
+def test_bench_command_recall_compiled(tiny_checkpoint, aot_eager):
+    """--compile with --recall (every step): recall compiled beside h2o compiled, and an overhead entry
+    for the eager pair and one for the compiled pair."""
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "40", "--batch", "1", "--budget", "16",
+                         "--recall", "8", "--page", "4", "--variants", "h2o", "--steps", "2", "--warmup", "0",
+                         "--kv-memory", "0", "--compile", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert {(r["policy"], r["compiled"]) for r in report["results"]} == {
+        ("h2o", False), ("recall", False), ("h2o", True), ("recall", True)}
+    assert [c["compiled"] for c in report["recall_overhead"]] == [False, True]
+    assert not bm.BenchPlan([40], [1], lambda n: 16, compile=True, recall=recall_settings(every=2)).compilable().count(
+        bm.RECALL)  # a recall every k steps decides on the host: eager only

@@ -177,7 +177,8 @@ def _print_recall(out: Console, overhead: list[dict]) -> None:
         table.add_column(name, justify="right")
     for c in overhead:
         cpu = c.get("cpu_ratio")
-        table.add_row(str(c["context"]), str(c["batch"]), f"{c['device_slots']} ({c['recall_slots']})",
+        table.add_row(f"{c['context']}{' compiled' if c.get('compiled') else ''}", str(c["batch"]),
+                      f"{c['device_slots']} ({c['recall_slots']})",
                       f"{c['ms_per_step']:.1f}", f"{c['recall_ms_per_step']:.1f}", f"{c['ratio']:.2f}x",
                       "-" if cpu is None else f"{cpu:.2f}x",
                       "-" if c["target"] is None else f"{c['target']:.2f}x",
