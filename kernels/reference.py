@@ -44,7 +44,8 @@ def attend_with_scores(
                      0 = the last real row's attention only.
 
     New tokens attend causally among themselves. Padding keys receive no attention; padding query
-    rows add nothing to any score. Returns (output [B, Hkv, G, Q, D] in query's dtype,
+    rows add nothing to any score (and do not decay it: a decode step's row left out by an active
+    mask comes here as a padding token, ``H2OLayer.attend``). Returns (output [B, Hkv, G, Q, D] in query's dtype,
     new_scores [B, Hkv, Q] float32: the same column sums for the new tokens).
     """
     batch, kv_heads, group, q_len, head_dim = query.shape

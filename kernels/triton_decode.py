@@ -15,7 +15,8 @@ Equals ``reference.attend_with_scores`` for Q == 1. Flash-decoding layout:
    into normalised probabilities, sums them over G and adds them to ``scores`` (each slot belongs to
    exactly one program: no atomics). With a score decay (``decay`` != 1, a float or one per
    sequence) that same read-modify-write multiplies the old score first: S <- decay * S + p, for
-   real tokens only (a padding token leaves the scores as they were).
+   real tokens only (a padding token, or a decode step's row an active mask leaves out, which comes
+   as one, leaves the scores as they were).
 
 K and V are read once; the scoring costs the workspace write + read (G * 4 bytes each per slot) and
 the read-modify-write of ``scores`` (8 bytes per slot), about 8 % of the K/V bytes at G = 4,

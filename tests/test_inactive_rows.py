@@ -85,7 +85,7 @@ def test_torch_route_static_shapes(policy, seed, monkeypatch):
 
 
 @pytest.mark.skipif(not triton_interpreter_ready(), reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("policy", ["decay:decay=0.7", "mean:value_eps=0.1", "sink", "random"])
+@pytest.mark.parametrize("policy", ["decay:decay=0.7", "mean:value_eps=0.1", "sink", "h2o:layer_shape=0.5", "random"])
 def test_triton_route_left_out_rows_write_nothing(policy, seed, monkeypatch):
     """The kernels' routes (the fused eviction by score with decay, by age and value norm, by token
     index; a priority given: random; the decode attention with its score decay). The slots are
