@@ -285,10 +285,11 @@ def stream(
     finished feed nobody (their host counters are put back at the read-back), so the cache can be
     reused (the chat does). A caller that stops reading inside a burst (the chat after a base
     model's "User:", a stop the device cannot see) leaves the cache fed to the burst's end: the
-    chat then reads the whole conversation again at the next turn. A cache whose layers cannot leave rows out
-    (``H2OCache.masks_inactive_rows`` False: the recall tier) keeps feeding finished rows: then up
-    to k - 1 tokens are fed past the last one yielded (counted in ``timing.fed_past_stop``), fine
-    for a generation whose cache is thrown away.
+    chat then reads the whole conversation again at the next turn. A cache whose layers cannot
+    leave rows out (``H2OCache.masks_inactive_rows`` False: the recall tier) keeps feeding finished
+    rows: then up to k - 1 tokens are fed past the last one yielded (counted in
+    ``timing.fed_past_stop``), fine for a generation whose cache is thrown away (the chat reads
+    such a cache after every token).
     ``should_stop`` is asked between prefill chunks and before each decode step: True ends the
     generation there (with the steps already produced yielded; during the prefill it raises
     KeyboardInterrupt), with the cache fed every yielded token but the last, as for a stop id.

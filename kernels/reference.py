@@ -174,9 +174,10 @@ def evict_and_insert(
     keys.scatter_(2, row_slot, written(new_key, keys, row_slot))
     values.scatter_(2, row_slot, written(new_value, values, row_slot))
     scores.scatter_(2, slot, written(new_score.unsqueeze(-1), scores, slot))
-    expand = (batch, kv_heads, 1)
-    slot_token_index.scatter_(2, slot, written(new_token_index.view(batch, 1, 1).expand(expand), slot_token_index, slot))
-    slot_position.scatter_(2, slot, written(new_position.view(batch, 1, 1).expand(expand), slot_position, slot))
+    per_head = (batch, kv_heads, 1)  # one token index and position per sequence, for all its heads
+    slot_token_index.scatter_(2, slot, written(new_token_index.view(batch, 1, 1).expand(per_head), slot_token_index,
+                                               slot))
+    slot_position.scatter_(2, slot, written(new_position.view(batch, 1, 1).expand(per_head), slot_position, slot))
     if value_norm is not None:
         value_norm.scatter_(2, slot, written(new_value_norm.unsqueeze(-1), value_norm, slot))
     if active is not None:
