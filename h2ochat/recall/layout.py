@@ -76,10 +76,21 @@ class Writes:
 
     def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
         """``buffer`` [B, H, S, ...] <- ``new`` [B, H, E, ...] in place."""
-        def index(t, like):
-            return t.view(*t.shape, *([1] * (like.dim() - 3))).expand(*t.shape, *like.shape[3:])
+        target, source = self._expanded(self.target, buffer), self._expanded(self.source, buffer)
+        picked = new.gather(2, source)
+        picked = picked if picked.dtype == buffer.dtype else picked.to(buffer.dtype)
+        keep = buffer.gather(2, target)
+        row_has_one = self.any_valid.view(*self.any_valid.shape, *([1] * (buffer.dim() - 3)))
+        buffer.scatter_(2, target, torch.where(row_has_one, picked, keep))
 
-        picked = new.to(buffer.dtype).gather(2, index(self.source, new))
-        keep = buffer.gather(2, index(self.target, buffer))
-        value = torch.where(index(self.any_valid, buffer).expand_as(keep), picked, keep)
-        buffer.scatter_(2, index(self.target, buffer), value)
+    def _expanded(self, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``index`` [B, H, E] broadcast over ``like``'s trailing dims (made once per trailing shape:
+        keys and values share theirs, the per-token buffers theirs)."""
+        tail = tuple(like.shape[3:])
+        if not tail:
+            return index
+        key = (id(index), tail)
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = index.view(*index.shape, *([1] * len(tail))).expand(*index.shape, *tail)
+        return memo[key]
