@@ -5,7 +5,10 @@ the policy evicts goes to the cold store (host memory) in pages of P tokens; a s
 page stays on the device, and each step the current queries score the pages through the digest
 (``selectors``) and the best ones are copied into the recall slots (``step``).
 
-Modules: ``selectors`` (page digests and their scores: exact, Quest bounds, quantised keys, ...),
-``cold_store`` (the host tier), ``step`` (top pages into the recall slots, with an LRU),
-``masked`` (the slow reference: a full cache whose attention mask admits hot + recalled tokens).
+Modules: ``tiered`` (the two-tier cache: ``RecallCache``, ``RecallConfig``, ``TierStats``),
+``selectors`` (page digests and their scores: exact, Quest bounds, quantised keys, ...),
+``digests`` (the device digest of the cold keys), ``cold_store`` (the host tier), ``layout`` (where
+appended tokens land, fixed-shape writes, growth), ``step`` (top pages into the recall slots, with
+an LRU), ``masked`` (the slow reference: a full cache whose attention mask admits hot + recalled
+tokens, re-numbering the slow way past the position limit).
 """

@@ -7,12 +7,19 @@ top for a step or two is still there when it comes back). Everything is tensor o
 device: no value is read back to the host, so a step can be queued (or captured in a graph) without
 waiting for the device.
 
-GPU plan (not built yet): the cold store is pinned host memory. The plan ``update`` returns (which
-frames get which pages) is applied by copying those pages' keys and values host -> device on a side
-stream; the step that chose them attends the frames as they stood before (one step late), and the
-next step attends the new ones. The digests and the scoring stay on the device, so the host never
-waits for the device inside a step. On a CPU the cold store is already in the same memory and the
-copy happens inside the step.
+On a CPU the cold store is in the same memory: the copy happens inside the step, which reads
+nothing back (tests/test_recall_compiled.py) and compiles. On a GPU today the step is eager and
+waits for the device twice per layer: the evicted token is copied device -> pinned host
+(``ColdStore.append``) and the plan's frame numbers go to the host to gather the pages
+(``ColdStore.pages``), whose keys and values come back host -> device.
+
+GPU plan (not built yet): the eviction's device -> host copy is queued on a side stream (non-blocking
+into pinned memory; the digest, on the device, is written in the step, so scoring never waits for
+it). The plan ``update`` returns is applied by the host after the step, from the frame numbers
+copied back asynchronously: those pages' keys and values go host -> device on the side stream, so
+the step that chose them attends the frames as they stood before (one step late) and the next step
+attends the new ones. The digests and the scoring stay on the device, so the host never waits for
+the device inside a step.
 """
 
 from __future__ import annotations
