@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from .chat import ChatSettings, Conversation
@@ -21,7 +21,10 @@ from .passkey import CacheRow, cache_memory, filler_stretch, recalled
 
 KEY_MESSAGE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION_MESSAGE = "What is the pass key? The pass key is"
-REPLY_TOKENS = 8  # every reply, the answer's included: enough for five digits, short to keep the run bounded
+REPLY_TOKENS = 8  # each filler turn's reply: short, to keep the run bounded
+# the answer: a chat model answers in a sentence ("The pass key is 12345."), and some tokenizers
+# (SmolLM2's) spell a number one digit per token
+ANSWER_TOKENS = 16
 TURN_OVERHEAD = 32  # tokens a turn's rendering may add around its message (roles, template marks), at most
 
 
@@ -43,7 +46,7 @@ class ChatTrial:
     @property
     def tokens_upper_bound(self) -> int:
         """Tokens the conversation reaches at most (for the position-limit check before running)."""
-        return self.length + self.turns * (TURN_OVERHEAD + REPLY_TOKENS)
+        return self.length + self.turns * (TURN_OVERHEAD + max(REPLY_TOKENS, ANSWER_TOKENS))
 
 
 def make_chat_trials(tokenizer, text: str, lengths: Sequence[int], turns: int, keys: int,
@@ -73,11 +76,12 @@ def run_chat(model, tokenizer, row: CacheRow, trial: ChatTrial) -> dict:
     conversation = Conversation(model, tokenizer, settings)
     first_cache = row.instrument(conversation.cache)  # nothing fed yet
     started = time.perf_counter()
-    replies = [conversation.send(message).text for message in trial.messages]
-    answer = replies[-1]
+    replies = [conversation.send(message).text for message in trial.messages[:-1]]
+    conversation.settings = replace(settings, max_new_tokens=ANSWER_TOKENS)
+    answer = conversation.send(trial.messages[-1]).text
     record = {"row": row.label, "length": trial.length, "depth": 0.0, "turns": trial.turns, "window": trial.window,
               "key": trial.key, "answer": answer, "recalled": recalled(trial.key, answer),
-              "tokens": len(conversation.ids), "replies": replies[:-1],
+              "tokens": len(conversation.ids), "replies": replies,
               # a base model's reply that runs into the next "User:" is cut, and the next turn reads the
               # whole conversation again into a fresh cache (the chat path's own behaviour)
               "fresh_caches": int(conversation.cache is not first_cache),
@@ -102,4 +106,5 @@ def describe(turns: int) -> dict:
     """The protocol, for the report."""
     return {"turns": turns, "turn_1": KEY_MESSAGE, "turns_between": "the filler, --lengths tokens in all, "
             f"as {turns - 2} user messages", f"turn_{turns}": QUESTION_MESSAGE, "reply_tokens": REPLY_TOKENS,
+            "answer_tokens": ANSWER_TOKENS,
             "replies": "greedy, through h2ochat.chat.Conversation"}
