@@ -89,6 +89,8 @@ def test_tier_stats_count_what_the_cold_stores_hold(seed, cold_limit):
                                    for n in ("keys", "values", "token_index", "encoded", "positions"))
     assert stats.digest_device_bytes == layer.digest.nbytes() > 0
     assert stats.pages_copied == int(layer.frames.copied.sum()) > 0
+    layer_stats = layer.stats()
+    assert layer_stats.capacity == HOT + RECALL and HOT < layer_stats.held <= HOT + RECALL
     record = cache.tier_record()
     assert record["cold_host_bytes"] == stats.host_bytes and record["pages_copied"] == stats.pages_copied
 

@@ -28,7 +28,7 @@ kernels attend every column, and the page scores have their own kernel (``select
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import h2ochat_kernels as kernels
 import torch
@@ -150,6 +150,11 @@ class RecallLayer(H2OLayer):
         super().reset()
         self.cold = self.digest = self.frames = self.recall_slots = None
         self.recalled_mass = self.attended_mass = None
+
+    def stats(self):
+        """The base's, over every device slot: capacity counts the recall slots too (the budget), so
+        ``held`` (hot and recalled tokens) never exceeds it."""
+        return replace(super().stats(), capacity=self.capacity + self.owner.recall.slots)
 
     def recalled_token_index(self) -> torch.Tensor:
         """[B, H, R]: the token index each recall slot holds (-1: empty)."""
