@@ -51,8 +51,10 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
 
     def progress(result: dict) -> None:
         done[0] += 1
+        share = result.get("exact_top_pages_found")
         err.print(f"passkey {done[0]}/{len(rows) * len(trials)}: {result['row']}, {result['length']} tokens, "
-                  f"depth {result['depth']:g}: {'recalled' if result['recalled'] else 'missed'} ({result['answer'].strip()!r})")
+                  f"depth {result['depth']:g}: {'recalled' if result['recalled'] else 'missed'} ({result['answer'].strip()!r})"
+                  + (f", exact top pages found {share:.3f}" if share is not None else ""))
 
     if chat_turns:
         results = chat.run_chats(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
