@@ -213,3 +213,31 @@ def test_recall_slots_hold_the_pages_their_frames_name(seed):
         assert torch.equal(slots.keys, keys) and torch.equal(slots.values, values)
         untouched = ~plan.load.repeat_interleave(page, dim=-1)
         assert torch.equal(slots.keys[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("limit", [None, 8])
+def test_digest_rebuilt_after_a_renumbering_is_the_digest_of_the_moved_keys(seed, limit):
+    """Cold store and exact digest (a ring under a limit) re-numbered: the rebuilt digest equals one
+    appended from the start with every key already rotated to its token's new position."""
+    from h2ochat.recall.digests import KeyCodes
+
+    rotary = Rotary(inv_freq=1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), rotary_dim=D)
+    events = list(_evictions(12, random.Random(seed)))
+    store = ColdStore(B, H, D, D, 4, torch.float32, limit=limit, initial_pages=1)
+    digest = KeyCodes(B, H, D, 4, None, frames=store.frames, initial_pages=1)
+    for keys, values, token_index, positions in events:
+        store.append(keys, values, token_index, positions)
+        digest.append(keys, token_index)
+    hot = torch.randint(0, 80, (B, H, 5), generator=torch.Generator().manual_seed(seed))  # held elsewhere
+    renumbering = Renumbering.of(B, [(hot, hot >= 0)], span=100)
+    store.renumber(renumbering)
+    digest.rebuild(store.keys_by_slot(rotary))
+    want = KeyCodes(B, H, D, 4, None, frames=store.frames, initial_pages=1)
+    for keys, _, token_index, positions in events:
+        moved = keys.clone()
+        valid = token_index >= 0
+        rotate_keys(moved, (renumbering.apply(positions, valid) - positions).masked_fill(~valid, 0), rotary)
+        want.append(moved, token_index)
+    assert torch.equal(digest.number, want.number)
+    held = digest.valid.unsqueeze(-1)
+    torch.testing.assert_close(digest.codes * held, want.codes * held, atol=1e-5, rtol=1e-5)
