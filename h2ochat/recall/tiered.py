@@ -40,7 +40,7 @@ import torch
 from h2ochat_kernels.reference import row_weights
 
 from ..cache import H2OCache, H2OLayer
-from .cold_store import ColdStore
+from .cold_store import COLD_DTYPES, ColdStore
 from .digests import KeyCodes
 from .step import RecallFrames, RecallSlots, fill_recall_slots
 
@@ -61,6 +61,8 @@ class RecallConfig:
             raise ValueError(f"--cold-limit {self.cold_limit} must hold at least the {self.slots} recall slots")
         if self.every < 1:
             raise ValueError(f"--recall-every must be >= 1, got {self.every}")
+        if self.cold_dtype not in COLD_DTYPES:  # here, not when the first layer allocates mid-run
+            raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {self.cold_dtype!r}")
         self.bits  # validates the selector
 
     @property
