@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Annotated, Optional
 
 import typer
@@ -85,6 +87,30 @@ DEFAULTS = dict(model=DEFAULT_MODEL, device="auto", dtype="auto", budget="0.2", 
                 sinks=None, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0,
                 # the two-tier options' defaults are CacheSettings' own: one place to change them
                 **{name: getattr(CacheSettings, name) for name in ("page", "selector", "cold_dtype", "recall_every")})
+
+
+# the two-tier options, as CacheSettings names them: (annotation, default)
+RECALL_OPTIONS = {"recall": (Recall, None), "page": (Page, DEFAULTS["page"]), "selector": (Selector, DEFAULTS["selector"]),
+                  "cold_dtype": (ColdDtype, DEFAULTS["cold_dtype"]), "cold_limit": (ColdLimit, None),
+                  "recall_every": (RecallEvery, DEFAULTS["recall_every"])}
+
+
+def takes_recall_options(command):
+    """Give a typer command --recall, --page, --selector, --cold-dtype, --cold-limit and --recall-every
+    without restating them in its signature: it receives them as one ``recall_options`` dict (keyword
+    arguments of ``cache_settings``)."""
+    signature = inspect.signature(command, eval_str=True)  # the command's own annotations, resolved
+    own = [parameter for parameter in signature.parameters.values() if parameter.name != "recall_options"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+             for name, (annotation, default) in RECALL_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def with_recall_options(*args, **kwargs):
+        options = {name: kwargs.pop(name) for name in RECALL_OPTIONS}
+        return command(*args, recall_options=options, **kwargs)
+
+    with_recall_options.__signature__ = signature.replace(parameters=[*own, *added])
+    return with_recall_options
 
 
 RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel=MODEL,

@@ -21,6 +21,7 @@ MIB = 2**20
 
 
 @strict_user_errors
+@o.takes_recall_options
 def bench(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
@@ -36,12 +37,6 @@ def bench(
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
     decay: o.Decay = None,
-    recall: o.Recall = None,
-    page: o.Page = o.DEFAULTS["page"],
-    selector: o.Selector = o.DEFAULTS["selector"],
-    cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
-    cold_limit: o.ColdLimit = None,
-    recall_every: o.RecallEvery = o.DEFAULTS["recall_every"],
     variants: Annotated[str, typer.Option("--variants", rich_help_panel=o.CACHE,
         help="Comma-separated caches to time: h2o, slots, full, hf (--recall adds recall beside h2o).")]
         = ",".join(bm.VARIANTS),
@@ -59,21 +54,20 @@ def bench(
         help="Also time h2o and slots with the decode step compiled (torch.compile), taking turns with their "
              "eager runs; each new shape compiles once, untimed (minutes on a CPU).")] = False,
     as_json: o.Json = False,
+    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Decode tokens/s, latency and memory: h2o vs its own slots without bookkeeping vs a full
     cache vs stock transformers, at each context length and batch size, and under a KV memory cap;
     and the operations one decode step runs per layer (torch.profiler). With --recall, the same
     policy with recall at the same device slots beside h2o, and the recall overhead per step."""
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay, recall=recall, page=page,
-                                selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
-                                recall_every=recall_every)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay, **recall_options)
     with user_input():  # the options as typed
         contexts = bm.parse_ints(context, "--context")
         batches = bm.parse_ints(batch, "--batch")
         chosen_variants = parse_variants(variants)
         cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
         chosen = settings.resolved_policy()
-        if recall and chosen.grows:
+        if recall_options["recall"] and chosen.grows:
             raise ValueError(f"--recall needs a policy that evicts, not {chosen.label}")
         for length in contexts:
             slots = parse_budget(budget, length)  # bad syntax fails before the model loads
@@ -86,7 +80,7 @@ def bench(
         plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
                             steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch,
                             policy=chosen, compile=compile, variants=chosen_variants,
-                            recall=settings if recall else None)
+                            recall=settings if recall_options["recall"] else None)
         bm.check_contexts(loaded.model, plan)  # against this model's position limit
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
@@ -95,7 +89,7 @@ def bench(
         report = bm.run(loaded.model, plan, on_measured=lambda what: progress.update(task, advance=1, last=what))
     report = {"model": loaded.name, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget,
-              "policy": chosen.label, "recall": recall, **report}
+              "policy": chosen.label, "recall": recall_options["recall"], **report}
     if as_json:
         print(json.dumps(report, indent=2))
         return

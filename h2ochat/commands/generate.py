@@ -21,6 +21,7 @@ from .common import RepeatLastN
 
 
 @strict_user_errors
+@o.takes_recall_options
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; '-' reads standard input.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", rich_help_panel=o.OUTPUT,
@@ -40,12 +41,6 @@ def generate(
     decay: o.Decay = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
-    recall: o.Recall = None,
-    page: o.Page = o.DEFAULTS["page"],
-    selector: o.Selector = o.DEFAULTS["selector"],
-    cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
-    cold_limit: o.ColdLimit = None,
-    recall_every: o.RecallEvery = o.DEFAULTS["recall_every"],
     max_new_tokens: o.MaxNewTokens = 256,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
@@ -57,12 +52,11 @@ def generate(
         help="Generate exactly --max-new-tokens tokens: do not stop at end-of-text or end-of-turn tokens.")] = False,
     as_json: o.Json = False,
     compile: o.Compile = False,
+    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, recall=recall, page=page,
-                                selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
-                                recall_every=recall_every)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, **recall_options)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
     with user_input():

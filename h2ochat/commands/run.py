@@ -47,6 +47,7 @@ def model_reference(model: str) -> str:
 
 
 @strict_user_errors
+@o.takes_recall_options
 def run(
     ctx: typer.Context,
     model: o.Model = o.DEFAULTS["model"],
@@ -59,12 +60,6 @@ def run(
     sinks: o.Sinks = None,
     decay: o.Decay = None,
     positions: o.Positions = "compact",
-    recall: o.Recall = None,
-    page: o.Page = o.DEFAULTS["page"],
-    selector: o.Selector = o.DEFAULTS["selector"],
-    cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
-    cold_limit: o.ColdLimit = None,
-    recall_every: o.RecallEvery = o.DEFAULTS["recall_every"],
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     system: Annotated[Optional[str], typer.Option("--system", "-s", envvar="H2OCHAT_SYSTEM", rich_help_panel=o.SAMPLING,
         help="System prompt: text, or the name of a file in prompts/ (e.g. 'concise').")] = None,
@@ -82,6 +77,7 @@ def run(
     no_history: Annotated[bool, typer.Option("--no-history", rich_help_panel=o.OUTPUT,
         help="Do not keep this conversation (by default every turn is written under the h2ochat home).")] = False,
     compile: o.Compile = False,
+    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Chat with a model through the H2O cache. /help inside lists the commands."""
     # every setting is an option of the same name (tests/test_settings_fields.py); bad values fail here,

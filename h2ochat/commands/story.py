@@ -194,6 +194,7 @@ def read_long_text(model, cache, input_ids: torch.Tensor, keep: int, chunk: int,
 
 
 @strict_user_errors
+@o.takes_recall_options
 def story(
     prompt: Annotated[Optional[str], typer.Option("--prompt", rich_help_panel=o.OUTPUT,
         help="The opening of the story.")] = None,
@@ -228,12 +229,6 @@ def story(
     decay: o.Decay = None,
     positions: o.Positions = "compact",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
-    recall: o.Recall = None,
-    page: o.Page = o.DEFAULTS["page"],
-    selector: o.Selector = o.DEFAULTS["selector"],
-    cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
-    cold_limit: o.ColdLimit = None,
-    recall_every: o.RecallEvery = o.DEFAULTS["recall_every"],
     temperature: o.Temperature = 0.8,
     top_p: o.TopP = 0.95,
     top_k: o.TopK = 0,
@@ -241,6 +236,7 @@ def story(
     repetition_penalty: o.RepetitionPenalty = STORY_REPETITION_PENALTY,
     repeat_last_n: RepeatLastN = STORY_REPEAT_LAST_N,
     compile: o.Compile = False,
+    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Stream a long story in constant KV memory, with the cache's state live under it."""
     if sum(x is not None for x in (prompt, prompt_file, continue_from)) > 1:
@@ -259,9 +255,7 @@ def story(
                 check_writable(path)  # before the model loads
     if not opening.strip():
         raise UserError("the story opening is empty")
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, recall=recall, page=page,
-                                selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
-                                recall_every=recall_every)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, **recall_options)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
     with user_input():
