@@ -119,14 +119,9 @@ def recall_settings(recalls: str, pages: str, **options) -> list[CacheSettings]:
     page sizes), with the other recall options (selector, cold_dtype, cold_limit, recall_every)."""
     from .passkey import parse_numbers
 
-    from .recall.cold_store import COLD_DTYPES
-
     specs = [part.strip() for part in str(recalls).split(",") if part.strip()]
     if not specs:
         return []
-    # RecallConfig does not check it: a bad one would fail only when the first cold store is made
-    if options.get("cold_dtype", "same") not in COLD_DTYPES:
-        raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {options['cold_dtype']!r}")
     return [CacheSettings(recall=spec, page=page, **options)
             for spec in specs for page in dict.fromkeys(parse_numbers(pages, int, "--page"))]
 
