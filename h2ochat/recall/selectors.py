@@ -108,6 +108,39 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return codes.float() * scale + offset
 
 
+def spreading_rotation(dim: int, device=None) -> torch.Tensor:
+    """A fixed orthogonal D x D matrix that spreads every channel over all the others: a Walsh-Hadamard
+    matrix with seeded random signs (power-of-two D), else a seeded random orthogonal matrix. Keys
+    have a few outlier channels that set a per-token quantiser's range and flatten every other channel
+    to a level or two; rotated (q R).(k R) = q.k, and the rotated key's channels are all alike (the
+    rotation QuaRot applies before quantising). Same matrix for every call: digests and queries agree."""
+    generator = torch.Generator().manual_seed(0x5EED + dim)
+    if dim & (dim - 1) == 0:
+        matrix = torch.ones(1, 1)
+        while matrix.shape[0] < dim:
+            matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+        signs = torch.randint(0, 2, (dim,), generator=generator) * 2 - 1
+        matrix = signs.float().unsqueeze(1) * matrix / dim ** 0.5
+    else:
+        matrix, _ = torch.linalg.qr(torch.randn(dim, dim, generator=generator))
+    return matrix.to(device)
+
+
+def rotated(keys_or_queries: torch.Tensor) -> torch.Tensor:
+    dim = keys_or_queries.shape[-1]
+    return keys_or_queries.float() @ spreading_rotation(dim, keys_or_queries.device)
+
+
+def rot_digest(bits: int):
+    def digest(keys, valid, importance=None):
+        return quantize(rotated(keys), bits), valid
+    return digest
+
+
+def rot_score(queries, digest):
+    return quant_score(rotated(queries), digest)
+
+
 def quant_digest(bits: int):
     def digest(keys, valid, importance=None):
         return quantize(keys, bits), valid
@@ -168,6 +201,9 @@ def _selectors() -> dict[str, Selector]:
     for bits in (1, 2, 3, 4, 6, 8):
         # codes of b bits plus a 16-bit scale and offset per token
         table[f"int{bits}"] = Selector(f"int{bits}", quant_digest(bits), quant_score,
+                                       lambda p, d, b=bits: (b * d + 32) / (16 * d))
+    for bits in (2, 3, 4):
+        table[f"rot{bits}"] = Selector(f"rot{bits}", rot_digest(bits), rot_score,
                                        lambda p, d, b=bits: (b * d + 32) / (16 * d))
     for bits in (1, 2):
         # codes of b bits per channel plus the page's 16-bit min and max per channel
