@@ -9,6 +9,10 @@ pages) makes the store a ring: the oldest pages are overwritten and counted in `
 Each token also keeps the position it was encoded at (``encoded``: what its key's rotation says)
 and its position in the cache's current numbering (``positions``); the two differ after a compact
 re-numbering (``renumber``), and a key is rotated by their difference when it is brought back.
+
+Every buffer has one column past its slots, the spill slot: a step's appends write the rows and heads
+that evicted nothing there (``layout.Writes``), so an append is one scatter per buffer whatever was
+evicted. It is never read, and its token index stays -1 (only entries with index -1 land there).
 """
 
 from __future__ import annotations
@@ -51,13 +55,13 @@ class ColdStore:
         self.positions = self._alloc((batch, heads, slots), torch.long, -1)
 
     def _alloc(self, shape, dtype, fill) -> torch.Tensor:
-        tensor = torch.full(shape, fill, dtype=dtype)
+        tensor = torch.full((*shape[:2], shape[2] + 1, *shape[3:]), fill, dtype=dtype)  # + the spill slot
         tensor = tensor.pin_memory() if self.pin else tensor
         return growable(tensor) if self.frames is None else tensor
 
     @property
     def capacity(self) -> int:
-        return self.token_index.shape[2]
+        return self.token_index.shape[2] - 1  # less the spill slot
 
     def _buffers(self) -> list[str]:
         names = ["keys", "values", "token_index", "encoded", "positions"]
@@ -69,7 +73,8 @@ class ColdStore:
     def _grow(self, needed: int) -> None:
         for name in self._buffers():
             old = getattr(self, name)
-            setattr(self, name, widened(old, needed, -1 if old.dtype == torch.long else 0, pin=self.pin))
+            setattr(self, name, widened(old, needed, -1 if old.dtype == torch.long else 0, pin=self.pin,
+                                        spill=True))
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:
@@ -87,7 +92,8 @@ class ColdStore:
         added = valid.sum(dim=-1)
         if reserve:
             self.reserve(int((self.count + added).max()))
-        writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None)
+        writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None,
+                             spill=self.capacity)
         keys, values = keys.detach().to(device), values.detach().to(device)
         if self.quantized:
             (kq, ks), (vq, vs) = _to_int8(keys), _to_int8(values)
@@ -154,9 +160,12 @@ class ColdStore:
     def keys_by_slot(self, rotary: Rotary | None = None) -> torch.Tensor:
         """Every storage slot's key [B, H, S, D] at its token's current position (the digest is
         rebuilt from these after a re-numbering); empty slots hold whatever they held."""
-        held = self.token_index >= 0
-        keys = self.keys.clone() if not self.quantized else self.keys
-        return self._keys_at_current_positions(keys, self.key_scale, self.positions, self.encoded, held, rotary)
+        slots = slice(0, self.capacity)
+        held = self.token_index[:, :, slots] >= 0
+        keys = self.keys[:, :, slots].clone() if not self.quantized else self.keys[:, :, slots]
+        scale = self.key_scale[:, :, slots] if self.quantized else None
+        return self._keys_at_current_positions(keys, scale, self.positions[:, :, slots], self.encoded[:, :, slots],
+                                               held, rotary)
 
     # -- positions --------------------------------------------------------------------------------
     def renumber(self, renumbering) -> None:

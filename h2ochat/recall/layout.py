@@ -33,17 +33,19 @@ def growable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False) -> torch.Tensor:
+def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False) -> torch.Tensor:
     """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (S doubled until it
     fits; new slots hold ``fill``), made in the same inference mode as ``old`` (else a compiled step
-    would see a different kind of tensor and compile again) and marked ``growable``."""
-    size = old.shape[2]
+    would see a different kind of tensor and compile again) and marked ``growable``. ``spill``: the
+    last column of ``old`` and of the result is the spill slot (``Writes``), not counted in S."""
+    held = old.shape[2] - spill
+    size = held
     while size < needed:
         size *= 2
     with torch.inference_mode(old.is_inference()):
-        new = torch.full((*old.shape[:2], size, *old.shape[3:]), fill, dtype=old.dtype, device=old.device)
+        new = torch.full((*old.shape[:2], size + spill, *old.shape[3:]), fill, dtype=old.dtype, device=old.device)
         new = new.pin_memory() if pin else new
-        new[:, :, : old.shape[2]] = old
+        new[:, :, :held] = old[:, :, :held]
     return growable(new)
 
 
@@ -55,18 +57,23 @@ def frame_of(pages: torch.Tensor, frames: int | None) -> torch.Tensor:
 @dataclass
 class Writes:
     """Where E appended entries [B, H, E] are written, with fixed shapes (no host read, no
-    data-dependent shape: a compiled step can hold it): a valid entry at its slot (mod the ring); an
-    invalid one repeats its row's first valid write (same slot, same value), and in a row with no
-    valid entry every entry rewrites slot 0 with what it holds. Duplicate writes are identical."""
+    data-dependent shape: a compiled step can hold it). A valid entry goes to its slot (mod the ring).
+    With a ``spill`` column (one slot past the store's slots, never read) every invalid entry is
+    written there: one scatter per buffer. Without one, an invalid entry repeats its row's first valid
+    write (same slot, same value), and in a row with no valid entry every entry rewrites slot 0 with
+    what it holds (a gather, a select and a scatter per buffer)."""
 
     slots: torch.Tensor  # [B, H, E] slot numbers of the valid entries (-1 for the others)
     target: torch.Tensor  # [B, H, E] storage slot each entry writes
-    source: torch.Tensor  # [B, H, E] entry whose value it writes
-    any_valid: torch.Tensor  # [B, H, 1]
+    source: torch.Tensor | None  # [B, H, E] entry whose value it writes (None: its own)
+    any_valid: torch.Tensor | None  # [B, H, 1]
 
     @classmethod
-    def plan(cls, valid: torch.Tensor, count: torch.Tensor, ring: int | None) -> "Writes":
+    def plan(cls, valid: torch.Tensor, count: torch.Tensor, ring: int | None, spill: int | None = None) -> "Writes":
         slots = append_slots(valid, count)
+        if spill is not None:
+            target = (slots % ring if ring is not None else slots).masked_fill(~valid, spill)
+            return cls(slots, target, None, None)
         own = torch.arange(valid.shape[-1], device=valid.device).expand(valid.shape)
         source = torch.where(valid, own, valid.long().argmax(dim=-1, keepdim=True))
         any_valid = valid.any(dim=-1, keepdim=True)
@@ -76,13 +83,15 @@ class Writes:
 
     def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
         """``buffer`` [B, H, S, ...] <- ``new`` [B, H, E, ...] in place."""
-        target, source = self._expanded(self.target, buffer), self._expanded(self.source, buffer)
-        picked = new.gather(2, source)
-        picked = picked if picked.dtype == buffer.dtype else picked.to(buffer.dtype)
+        target = self._expanded(self.target, buffer)
+        new = new if new.dtype == buffer.dtype else new.to(buffer.dtype)
+        if self.source is None:  # invalid entries land in the spill column
+            buffer.scatter_(2, target, new)
+            return
+        picked = new.gather(2, self._expanded(self.source, buffer))
         keep = buffer.gather(2, target)
         row_has_one = self.any_valid.view(*self.any_valid.shape, *([1] * (buffer.dim() - 3)))
         buffer.scatter_(2, target, torch.where(row_has_one, picked, keep))
-
     def _expanded(self, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``index`` [B, H, E] broadcast over ``like``'s trailing dims (made once per trailing shape:
         keys and values share theirs, the per-token buffers theirs)."""
