@@ -10,6 +10,13 @@ Each token also keeps the position it was encoded at (``encoded``: what its key'
 and its position in the cache's current numbering (``positions``); the two differ after a compact
 re-numbering (``renumber``), and a key is rotated by their difference when it is brought back.
 
+On a GPU whose driver maps pinned memory into the device's address space (``zero_copy``, probed once
+by ``triton_rows.zero_copy_works``), appends and page gathers are Triton kernels that write and read
+the host buffers directly on the step's stream (``triton_rows``), and ``count`` lives on the GPU: the
+step never waits for the host. Host-side work on the buffers (growing, re-numbering, a rebuild's
+read) first waits for those kernels (``_settle``). Elsewhere the buffers are read and written by
+ordinary torch ops (a GPU without zero-copy pays a synchronising copy per layer and step).
+
 Every buffer has one column past its slots, the spill slot: a step's appends write the rows and heads
 that evicted nothing there (``layout.Writes``), so an append is one scatter per buffer whatever was
 evicted. It is never read, and its token index stays -1 (only entries with index -1 land there).
@@ -25,6 +32,11 @@ from .layout import Writes, growable, held_pages, widened
 COLD_DTYPES = ("same", "int8")
 
 
+def _zero_copy_works(device: torch.device) -> bool:
+    from h2ochat_kernels.triton_rows import zero_copy_works
+    return zero_copy_works(device)
+
+
 def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
     return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.squeeze(-1)
@@ -32,7 +44,8 @@ def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ColdStore:
     def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, page: int, dtype: torch.dtype,
-                 *, cold_dtype: str = "same", limit: int | None = None, pin: bool = False, initial_pages: int = 4):
+                 *, cold_dtype: str = "same", limit: int | None = None, pin: bool = False, initial_pages: int = 4,
+                 device: torch.device | str | None = None, zero_copy: bool | None = None):
         if cold_dtype not in COLD_DTYPES:
             raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {cold_dtype!r}")
         if page < 1:
@@ -43,7 +56,12 @@ class ColdStore:
         self.quantized = cold_dtype == "int8"
         self.frames = -(-limit // page) if limit is not None else None  # ring size in pages
         self.pin = pin
-        self.count = torch.zeros(batch, heads, dtype=torch.long)  # tokens ever appended
+        device = torch.device(device or "cpu")
+        if zero_copy is None:
+            zero_copy = pin and device.type == "cuda" and _zero_copy_works(device)
+        self.zero_copy, self.device = zero_copy, device
+        # tokens ever appended, where the appends are planned (the GPU under zero-copy)
+        self.count = torch.zeros(batch, heads, dtype=torch.long, device=device if zero_copy else "cpu")
         slots = (self.frames or initial_pages) * page
         store_dtype = torch.int8 if self.quantized else dtype
         self.keys = self._alloc((batch, heads, slots, head_dim), store_dtype, 0)
@@ -53,6 +71,9 @@ class ColdStore:
         self.token_index = self._alloc((batch, heads, slots), torch.long, -1)
         self.encoded = self._alloc((batch, heads, slots), torch.long, -1)
         self.positions = self._alloc((batch, heads, slots), torch.long, -1)
+        # some token's current position differs from its encoded one (host flag, set by a re-numbering or
+        # an explicit ``encoded``): until then a brought-back key needs no rotation, and pages skip it
+        self.moved = False
 
     def _alloc(self, shape, dtype, fill) -> torch.Tensor:
         tensor = torch.full((*shape[:2], shape[2] + 1, *shape[3:]), fill, dtype=dtype)  # + the spill slot
@@ -70,7 +91,27 @@ class ColdStore:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in [*self._buffers(), "count"]}
 
+    def _settle(self) -> None:
+        """Wait for the zero-copy kernels still writing the host buffers (before host code touches them)."""
+        if self.zero_copy and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _write(self, writes: Writes, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        if self.zero_copy:
+            from h2ochat_kernels.triton_rows import scatter_rows_
+            scatter_rows_(buffer, writes.target, new.to(buffer.dtype).contiguous())
+        else:
+            writes.write(buffer, new)
+
+    def _take(self, buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``buffer`` [B, H, S, ...] at slots ``index`` [B, H, K] (on the count's device)."""
+        if self.zero_copy:
+            from h2ochat_kernels.triton_rows import gather_rows
+            return gather_rows(buffer, index)
+        return buffer.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.shape[-1]) if buffer.dim() == 4 else index)
+
     def _grow(self, needed: int) -> None:
+        self._settle()
         for name in self._buffers():
             old = getattr(self, name)
             setattr(self, name, widened(old, needed, -1 if old.dtype == torch.long else 0, pin=self.pin,
@@ -98,13 +139,14 @@ class ColdStore:
         if self.quantized:
             (kq, ks), (vq, vs) = _to_int8(keys), _to_int8(values)
             for buffer, new in ((self.keys, kq), (self.key_scale, ks), (self.values, vq), (self.value_scale, vs)):
-                writes.write(buffer, new)
+                self._write(writes, buffer, new)
         else:
-            writes.write(self.keys, keys)
-            writes.write(self.values, values)
-        writes.write(self.token_index, token_index.to(device))
-        writes.write(self.positions, positions.to(device))
-        writes.write(self.encoded, (encoded if encoded is not None else positions).to(device))
+            self._write(writes, self.keys, keys)
+            self._write(writes, self.values, values)
+        self._write(writes, self.token_index, token_index.to(device))
+        self._write(writes, self.positions, positions.to(device))
+        self._write(writes, self.encoded, (encoded if encoded is not None else positions).to(device))
+        self.moved = self.moved or encoded is not None
         self.count += added
         return writes.slots
 
@@ -137,12 +179,12 @@ class ColdStore:
         present = present.flatten(2)
 
         def take(buffer):
-            return buffer.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.shape[-1]) if buffer.dim() == 4 else index)
+            return self._take(buffer, index)
 
         token_index = take(self.token_index).masked_fill(~present, -1)
         positions = take(self.positions).masked_fill(~present, -1)
         keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized else None,
-                                               positions, take(self.encoded), present, rotary)
+                                               positions, take(self.encoded) if self.moved else None, present, rotary)
         values = take(self.values)
         values = (values.float() * take(self.value_scale).unsqueeze(-1) if self.quantized else values).to(self.dtype)
         keys = keys.masked_fill(~present.unsqueeze(-1), 0)
@@ -151,15 +193,16 @@ class ColdStore:
 
     def _keys_at_current_positions(self, keys, scale, positions, encoded, present, rotary) -> torch.Tensor:
         """Stored keys (a copy: gathered) in the compute dtype, RoPE keys rotated from the position
-        they were encoded at to their current one."""
+        they were encoded at to their current one (``encoded`` None: the same)."""
         keys = (keys.float() * scale.unsqueeze(-1) if scale is not None else keys).to(self.dtype)
-        if rotary is not None:  # (no test for a zero move: a rotation by 0 is exact, and a branch reads the host)
+        if rotary is not None and encoded is not None:
             rotate_keys(keys, (positions - encoded).masked_fill(~present, 0), rotary)
         return keys
 
     def keys_by_slot(self, rotary: Rotary | None = None) -> torch.Tensor:
         """Every storage slot's key [B, H, S, D] at its token's current position (the digest is
         rebuilt from these after a re-numbering); empty slots hold whatever they held."""
+        self._settle()
         slots = slice(0, self.capacity)
         held = self.token_index[:, :, slots] >= 0
         keys = self.keys[:, :, slots].clone() if not self.quantized else self.keys[:, :, slots]
@@ -173,7 +216,9 @@ class ColdStore:
         position): cold tokens move with the same function, so a cold token not held anywhere takes
         the number of the first held position after it (order kept). ``encoded`` stays: a key is
         rotated by the difference when it is brought back."""
+        self._settle()
         self.positions.copy_(renumbering.apply(self.positions, self.token_index >= 0))
+        self.moved = True
 
     # -- accounting -------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -8,18 +8,14 @@ device: no value is read back to the host, so a step can be queued (or captured 
 waiting for the device.
 
 On a CPU the cold store is in the same memory: the copy happens inside the step, which reads
-nothing back (tests/test_recall_compiled.py) and compiles. On a GPU today the step is eager and
-waits for the device twice per layer: the evicted token is copied device -> pinned host
-(``ColdStore.append``) and the plan's frame numbers go to the host to gather the pages
-(``ColdStore.pages``), whose keys and values come back host -> device.
-
-GPU plan (not built yet): the eviction's device -> host copy is queued on a side stream (non-blocking
-into pinned memory; the digest, on the device, is written in the step, so scoring never waits for
-it). The plan ``update`` returns is applied by the host after the step, from the frame numbers
-copied back asynchronously: those pages' keys and values go host -> device on the side stream, so
-the step that chose them attends the frames as they stood before (one step late) and the next step
-attends the new ones. The digests and the scoring stay on the device, so the host never waits for
-the device inside a step.
+nothing back (tests/test_recall_compiled.py) and compiles. On a GPU the cold store is pinned host
+memory, and where the driver maps it into the GPU's address space (``ColdStore.zero_copy``, probed
+once) the eviction's append and the pages' gather are Triton kernels reading and writing it over the
+bus on the step's stream (``kernels/triton_rows.py``): the step still reads nothing back and the
+recalled page is attended by the step that chose it. Where the probe fails, the step falls back to
+ordinary copies and waits for the device twice per layer (the evicted token device -> host, the
+plan's frame numbers to the host). Neither route has run on a GPU yet (tests: the kernels under the
+Triton interpreter, tests/test_recall_zero_copy.py); ``benchmarks/gpu_check.py`` times it.
 """
 
 from __future__ import annotations
