@@ -10,10 +10,11 @@ Modules: ``reference`` (the semantics, plain torch), ``dispatch`` (the choice), 
 launchers as ``torch.ops.h2ochat.*`` custom ops, which a ``torch.compile`` trace calls), ``triton_decode``
 (Q == 1, split-S flash decoding with scores), ``triton_chunk`` (Q > 1, two-pass prefill with column
 scores), ``triton_evict`` (one launch per layer: the priority, from a tensor or from the policy's
-parameters, argmin and in-place overwrite), ``_common`` (what the Triton modules share). The score
-decay of ``attend_with_scores`` (S <- decay * S + a_t, a float or one per sequence) runs inside the
-decode and chunk kernels, and ``evict_by_policy`` (rank by score, score / age, value norm or token
-index; recent window and sinks as ints or per sequence) is one kernel on CUDA.
+parameters, argmin and in-place overwrite), ``recall_reference`` and ``triton_recall`` (the recall
+digest's page scores from packed low-bit codes, and the packing), ``_common`` (what the Triton
+modules share). The score decay of ``attend_with_scores`` (S <- decay * S + a_t, a float or one per
+sequence) runs inside the decode and chunk kernels, and ``evict_by_policy`` (rank by score, score /
+age, value norm or token index; recent window and sinks as ints or per sequence) is one kernel on CUDA.
 
 Every launch is made with the tensors' CUDA device current (``_common.launch_guard``), so layers
 spread over GPUs (device_map auto) launch on their own device and its current stream.
@@ -42,10 +43,11 @@ if _alias is not None:
     sys.modules[__name__] = _alias
 else:
     from .dispatch import attend_with_scores, evict_and_insert, evict_by_policy, kernel_backend
-    from .recall_reference import page_scores, top_pages
+    from .recall_reference import codes_per_byte, pack_codes, packed_width, page_scores, top_pages, unpack_codes
     from .reference import keep_priority, protected_slots, slot_rank, token_age
 
 __all__ = [
     "attend_with_scores", "evict_and_insert", "evict_by_policy", "kernel_backend",
     "keep_priority", "protected_slots", "slot_rank", "token_age", "page_scores", "top_pages",
+    "codes_per_byte", "pack_codes", "packed_width", "unpack_codes",
 ]

@@ -11,7 +11,8 @@ Ops (namespace ``h2ochat``; ``torch.ops.h2ochat.<name>``):
   both evictions write ``keys``, ``values``, ``scores``, ``slot_token_index``, ``slot_position``
   and ``value_norm`` (when given) in place, except in the rows an ``active`` mask ([B] bool, last
   argument, None: every row) leaves out (a finished row of a burst of decode steps). The attention
-  ops take such a row as ``new_valid`` False: a padding token, which changes no score.
+  ops take such a row as ``new_valid`` False: a padding token, which changes no score;
+- ``page_scores``      ``triton_recall.page_scores``: the recall digest's page scores (writes nothing).
 
 Why ops and not plain calls under ``torch.compile``: dynamo would otherwise trace the launch code
 (environment reads, launch plans, the device guard, the kernels' own Python launcher), which breaks
@@ -202,4 +203,28 @@ def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_k
                                                         oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
 
 
-OPS = ("decode_attend", "chunk_attend", "evict_and_insert", "evict_by_policy")
+# -- recall page scores ------------------------------------------------------------------------------
+
+@_op("page_scores", mutates_args=())
+def _page_scores(queries: Tensor, codes: Tensor, scale: Optional[Tensor], offset: Optional[Tensor], valid: Tensor,
+                 page: int, bits: Optional[int]) -> Tensor:
+    from . import triton_recall
+
+    return triton_recall.page_scores(queries, codes, scale, offset, valid, page, bits)
+
+
+@_fake("page_scores")
+def _page_scores_fake(queries, codes, scale, offset, valid, page, bits):
+    batch, heads, tokens, _ = codes.shape
+    return codes.new_empty((batch, heads, tokens // page), dtype=torch.float32)
+
+
+def page_scores(queries, codes, scale, offset, valid, page, bits=None):
+    """The Triton page scoring (``recall_reference.page_scores``'s contract): the launcher when eager,
+    the op under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.h2ochat.page_scores(queries, codes, scale, offset, valid, int(page), bits)
+    return _launcher("triton_recall", "page_scores")(queries, codes, scale, offset, valid, page, bits)
+
+
+OPS = ("decode_attend", "chunk_attend", "evict_and_insert", "evict_by_policy", "page_scores")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import VOCAB, build_model
 
+import h2ochat_kernels as kernels
 from h2ochat.recall import selectors as sel
 from h2ochat.recall.masked import MaskedRecall
 
@@ -53,13 +54,44 @@ def test_quest_bound_is_the_slow_formula_and_bounds_every_key(seed, name):
         assert float(got[h, n]) >= float(exact[h, n]) - 1e-4  # an upper bound of every key's q.k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_low_bit_keys_round_to_the_nearest_level(seed, bits):
+def test_low_bit_keys_round_to_the_nearest_level(seed, bits, dtype):
+    """Within half a step of the stored scale (codes rounded against the fp16 scale and offset as
+    stored; the offset's own rounding is all a 16-bit one adds)."""
     keys = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(seed))
-    codes, scale, offset = sel.quantize(keys, bits)
-    assert int(codes.max()) <= (1 << bits) - 1
+    codes, scale, offset = sel.quantize(keys, bits, dtype)
+    assert int(codes.max()) <= (1 << bits) - 1 and scale.dtype == offset.dtype == dtype
     error = (sel.dequantize(codes, scale, offset) - keys).abs()
-    assert bool((error <= scale / 2 + 1e-6).all())
+    slack = 1e-6 if dtype == torch.float32 else offset.float().abs() * 2.0**-11 + 1e-6
+    assert bool((error <= scale.float() / 2 + slack).all())
+
+
+@pytest.mark.parametrize("name", ["int3", "int4", "rot2", "rot4"])
+def test_low_bit_selectors_score_their_dequantised_keys_exactly(seed, name):
+    """intN / rotN digests hold packed codes; their scores are the exact scores of the keys they
+    dequantise to (rotN: rotated keys against rotated queries)."""
+    g = torch.Generator().manual_seed(seed)
+    keys, valid = _pages(g)
+    queries = torch.randn(H, M, D, generator=g)
+    bits, rotate = int(name[3:]), name.startswith("rot")
+    selector = sel.get_selector(name)
+    (packed, scale, offset), _, _ = digest = selector.digest(keys, valid)
+    assert packed.shape == (H, N, P, -(-D // (8 // bits))) and scale.dtype == torch.float16
+    turned = sel.rotated(keys) if rotate else keys
+    codes, want_scale, want_offset = sel.quantize(turned, bits, torch.float16)
+    assert torch.equal(packed, kernels.pack_codes(codes, bits))
+    approx = sel.dequantize(codes, want_scale, want_offset)
+    want = sel.exact_score(sel.rotated(queries) if rotate else queries, (approx, valid))
+    torch.testing.assert_close(selector.score(queries, digest), want, atol=1e-4, rtol=1e-4)
+
+
+def test_bytes_ratios_are_the_packed_layout():
+    """Device bytes of a token's digest against its 16-bit key (D = 64): int3 packs 2 to a byte."""
+    ratio = {name: sel.get_selector(name).bytes_ratio(16, 64) for name in ("int1", "int2", "int3", "int4", "int8",
+                                                                           "rot3")}
+    assert ratio == {"int1": 12 / 128, "int2": 20 / 128, "int3": 36 / 128, "int4": 36 / 128, "int8": 68 / 128,
+                     "rot3": 36 / 128}
 
 
 def test_representative_keys_are_the_most_important_valid_ones(seed):

@@ -157,17 +157,18 @@ def test_recall_frames_follow_a_slow_lru(seed, frames, want):
     assert int(lru.copied.sum()) == copied
 
 
-@pytest.mark.parametrize("bits", [None, 4, 2])
+@pytest.mark.parametrize("bits,rotate", [(None, False), (4, False), (2, False), (3, True)])
 @pytest.mark.parametrize("limit", [None, 8])
-def test_device_digest_picks_the_pages_a_slow_loop_over_the_store_picks(seed, bits, limit):
+def test_device_digest_picks_the_pages_a_slow_loop_over_the_store_picks(seed, bits, rotate, limit):
     """KeyCodes (appended from the evicted keys on the device) against scoring every page the cold
-    store holds, one by one, from its own copy of the keys."""
+    store holds, one by one, from its own copy of the keys (quantised as the digest stores them:
+    fp16 scale and offset, after the rotation with ``rotate``)."""
     from h2ochat.recall.digests import KeyCodes
-    from h2ochat.recall.selectors import dequantize, quantize
+    from h2ochat.recall.selectors import dequantize, quantize, rotated
 
     page = 4
     store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1)
-    digest = KeyCodes(B, H, D, page, bits, frames=store.frames, initial_pages=1)
+    digest = KeyCodes(B, H, D, page, bits, frames=store.frames, initial_pages=1, rotate=rotate)
     for event in _evictions(14, random.Random(seed)):
         store.append(*event)
         digest.append(event[0], event[2])
@@ -180,9 +181,10 @@ def test_device_digest_picks_the_pages_a_slow_loop_over_the_store_picks(seed, bi
             for number in range(int(first[b, h]), int(end[b, h])):
                 keys, _, token_index, _ = store.pages(torch.full((B, H, 1), number))
                 keys = keys[b, h][token_index[b, h] >= 0]
+                q = rotated(queries[b, h]) if rotate else queries[b, h]
                 if bits is not None:
-                    keys = dequantize(*quantize(keys, bits))
-                scored.append((float((queries[b, h] @ keys.T).max()), number))
+                    keys = dequantize(*quantize(rotated(keys) if rotate else keys, bits, torch.float16))
+                scored.append((float((q @ keys.T).max()), number))
             want = [n for _, n in sorted(scored, reverse=True)[:2]]
             want += [-1] * (2 - len(want))
             assert got[b, h].tolist() == want
@@ -241,3 +243,115 @@ def test_digest_rebuilt_after_a_renumbering_is_the_digest_of_the_moved_keys(seed
     assert torch.equal(digest.number, want.number)
     held = digest.valid.unsqueeze(-1)
     torch.testing.assert_close(digest.codes * held, want.codes * held, atol=1e-5, rtol=1e-5)
+
+
+def _slow_slot_numbers(events, slots, ring):
+    """Per (sequence, head): the slot number each store slot last received (-1: none), appending
+    each valid entry at count (mod the ring)."""
+    held = [[[-1] * slots for _ in range(H)] for _ in range(B)]
+    count = [[0] * H for _ in range(B)]
+    for token_index in events:
+        for b in range(B):
+            for h in range(H):
+                for e in range(token_index.shape[2]):
+                    if token_index[b, h, e] >= 0:
+                        n = count[b][h]
+                        held[b][h][n % ring if ring else n] = n
+                        count[b][h] += 1
+    return torch.tensor(held)
+
+
+@pytest.mark.parametrize("frames", [None, 2, 3])
+def test_derived_slot_numbers_are_what_a_stored_number_would_hold(seed, frames):
+    """``number`` (computed from the count) against a slow model of the slot numbers the digest used
+    to store, over random valid/invalid patterns; a row reset as ``RecallLayer.reset_row`` does
+    (every state tensor 0, so the count) holds nothing, then fills again from slot 0."""
+    from h2ochat.recall.digests import KeyCodes
+
+    page = 2
+    rng = random.Random(seed)
+    digest = KeyCodes(B, H, D, page, 2, frames=frames, initial_pages=1)
+    assert "number" not in digest.state_tensors()
+    events = [token_index for _, _, token_index, _ in _evictions(10, rng)]
+    for token_index in events:
+        digest.append(torch.randn(B, H, token_index.shape[2], D), token_index)
+    ring = frames * page if frames is not None else None
+    slots = digest.number.shape[2]
+    assert torch.equal(digest.number, _slow_slot_numbers(events, slots, ring))
+    for tensor in digest.state_tensors().values():
+        tensor[0] = 0
+    later = [token_index for _, _, token_index, _ in _evictions(3, rng)]
+    for token_index in later:
+        digest.append(torch.randn(B, H, token_index.shape[2], D), token_index)
+    want = _slow_slot_numbers(events + later, digest.number.shape[2], ring)
+    want[0] = _slow_slot_numbers(later, digest.number.shape[2], ring)[0]
+    assert torch.equal(digest.number, want)
+
+
+def _separated_pages(generator, pages, page):
+    """Keys whose pages score far apart for queries along one direction: page p's keys are noise plus
+    a_p times that direction (a_p distinct, 3 apart), with an outlier channel the rotation spreads."""
+    direction = torch.randn(D, generator=generator)
+    direction /= direction.norm()
+    strength = torch.randperm(pages, generator=generator).float() * 3
+    keys = 0.1 * torch.randn(B, H, pages * page, D, generator=generator)
+    keys += strength.repeat_interleave(page).view(1, 1, -1, 1) * direction
+    keys[..., 1] += 8.0  # an outlier channel: sets every token's range without the rotation
+    queries = direction + 0.05 * torch.randn(B, H, 2, D, generator=generator)
+    return keys, queries
+
+
+def test_rotated_int8_digest_picks_the_exact_top_pages_and_scores_q_dot_k(seed):
+    from h2ochat.recall.digests import KeyCodes
+    from h2ochat.recall.selectors import rotated
+
+    g = torch.Generator().manual_seed(seed)
+    page, pages = 4, 6
+    keys, queries = _separated_pages(g, pages, page)
+    index = torch.arange(pages * page).expand(B, H, -1)
+    exact = KeyCodes(B, H, D, page, None, initial_pages=pages)
+    turned = KeyCodes(B, H, D, page, 8, initial_pages=pages, rotate=True)
+    for digest in (exact, turned):
+        digest.append(keys, index)
+    assert torch.equal(turned.top_pages(queries, 3), exact.top_pages(queries, 3))
+    # each page's score is its best q.k within the quantisation error: a code is off by at most
+    # half a step, |q R . error| <= |q R|_1 * scale / 2 (plus the fp16 offset's own rounding)
+    step = turned.scale.float() / 2 + turned.offset.float().abs() * 2.0**-11
+    bound = (rotated(queries).abs().sum(-1, keepdim=True) * step.unsqueeze(2)).amax(dim=2)  # [B, H, T]
+    bound = bound.view(B, H, pages, page).amax(dim=-1)
+    got, want = turned.scores(queries), exact.scores(queries)
+    assert bool(((got - want).abs() <= bound + 1e-4).all())
+    assert not torch.equal(got, want)  # (the codes are not the keys)
+
+
+@pytest.mark.parametrize("limit", [None, 8])
+def test_scoring_up_to_a_bound_is_the_leading_part_of_the_full_scores(seed, limit):
+    from h2ochat.recall.digests import KeyCodes
+
+    page = 4
+    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1)
+    digest = KeyCodes(B, H, D, page, 4, frames=store.frames, initial_pages=1)
+    for keys, _, token_index, _ in _evictions(9, random.Random(seed)):
+        digest.append(keys, token_index)
+    queries = torch.randn(B, H, 3, D, generator=torch.Generator().manual_seed(seed))
+    full, slots = digest.scores(queries), digest.codes.shape[2]
+    in_use = int(digest.count.max())
+    for upto in (1, page, in_use, in_use + 1, slots, 10 * slots):
+        frames = min(-(-upto // page), slots // page)
+        got = digest.scores(queries, upto)
+        assert got.shape == (B, H, frames) and torch.equal(got, full[..., :frames])
+        assert torch.equal(digest.page_numbers(upto), digest.page_numbers()[..., :frames])
+    for upto in (in_use, slots):  # every slot in use is scored: the same pages as scoring all
+        assert torch.equal(digest.top_pages(queries, 2, upto), digest.top_pages(queries, 2))
+
+
+@pytest.mark.parametrize("bits", [None, 1, 2, 3, 4, 6, 8])
+def test_digest_bytes_are_the_packed_layout(bits):
+    from h2ochat.recall.digests import KeyCodes
+
+    dim, page, pages = 64, 4, 3
+    digest = KeyCodes(B, H, dim, page, bits, initial_pages=pages, dtype=torch.float16)
+    per_token = 2 * dim if bits is None else -(-dim // (8 // bits)) + 4  # packed codes, fp16 scale and offset
+    assert digest.nbytes() == B * H * (pages * page * per_token + 8)  # and an int64 count
+    digest.reserve(5 * page)  # (grown: still the formula, over the slots allocated)
+    assert digest.nbytes() == B * H * (digest.codes.shape[2] * per_token + 8)

@@ -4,47 +4,86 @@
 the keys themselves, the exact selector), in the cold store's layout (``layout``: slot n of a
 (sequence, head) is its n-th evicted token; a ring of ``frames`` pages under --cold-limit). The codes
 are made from the evicted keys while they are still on the device, so the digest never needs the
-host copy. Device bytes per token: D * bits / 8 + 8 (scale and offset in fp32) against D * 2 or 4
-for the key itself.
+host copy. ``rotate``: keys (and the queries scoring them) are turned by a fixed spreading rotation
+first, so a few outlier channels no longer set every token's quantiser range.
+
+Device bytes per token: ceil(D / (8 // bits)) for the codes packed 8 // bits to a byte
+(``h2ochat_kernels.pack_codes``) plus 4 for the fp16 scale and offset; int4 at D = 64: 32 + 4 = 36
+bytes, 0.28 of an fp16 key's 128 (int2: 20, 0.16; int3 packs 2 to a byte like int4). Which token a
+slot holds is not stored: it follows from the per-(sequence, head) count (``number``).
 """
 
 from __future__ import annotations
 
 import torch
 
+import h2ochat_kernels as kernels
+
 from .layout import Writes, growable, held_pages, widened
-from .selectors import quantize, score_tokens_in_pages
+from .selectors import packed_quantize, score_tokens_in_pages, spreading_rotation
+
+_rotations: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _rotation(dim: int, device) -> torch.Tensor:
+    """The spreading rotation for ``dim`` on ``device``, one for every digest there (D * D fp32,
+    not a cost per layer)."""
+    key = (dim, torch.device(device if device is not None else "cpu"))
+    if key not in _rotations:
+        _rotations[key] = spreading_rotation(dim, key[1])
+    return _rotations[key]
 
 
 class KeyCodes:
     def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int | None, *,
-                 frames: int | None = None, device=None, dtype=torch.float32, initial_pages: int = 4):
+                 frames: int | None = None, device=None, dtype=torch.float32, initial_pages: int = 4,
+                 rotate: bool = False):
         if bits is not None and not 1 <= bits <= 8:
             raise ValueError(f"digest bits must be 1-8, got {bits}")
         self.page, self.bits, self.frames = page, bits, frames
+        # (the exact digest is the keys themselves: nothing to turn)
+        self.rotation = _rotation(head_dim, device) if rotate and bits is not None else None
         slots = (frames or initial_pages) * page
-        code_dtype = torch.uint8 if bits is not None else dtype
-        self.codes = torch.zeros(batch, heads, slots, head_dim, dtype=code_dtype, device=device)
-        self.scale = torch.ones(batch, heads, slots, device=device)
-        self.offset = torch.zeros(batch, heads, slots, device=device)
-        # the absolute slot number (n-th evicted token) each ring slot holds, -1: none
-        self.number = torch.full((batch, heads, slots), -1, dtype=torch.long, device=device)
-        self.count = torch.zeros(batch, heads, dtype=torch.long, device=device)
+        self.scale = self.offset = None
+        if bits is None:
+            self.codes = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
+        else:
+            width = kernels.packed_width(head_dim, bits)
+            self.codes = torch.zeros(batch, heads, slots, width, dtype=torch.uint8, device=device)
+            self.scale = torch.ones(batch, heads, slots, dtype=torch.float16, device=device)
+            self.offset = torch.zeros(batch, heads, slots, dtype=torch.float16, device=device)
+        self.count = torch.zeros(batch, heads, dtype=torch.long, device=device)  # tokens ever appended
         if frames is None:
-            for name in ("codes", "scale", "offset", "number"):
+            for name in self._per_slot():
                 growable(getattr(self, name))
 
+    def _per_slot(self) -> tuple[str, ...]:
+        return ("codes",) if self.bits is None else ("codes", "scale", "offset")
+
     def _grow(self, needed: int) -> None:
-        for name in ("codes", "scale", "offset", "number"):
-            setattr(self, name, widened(getattr(self, name), needed, -1 if name == "number" else 0))
+        for name in self._per_slot():
+            setattr(self, name, widened(getattr(self, name), needed, 0))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in ("codes", "scale", "offset", "number", "count")}
+        return {name: getattr(self, name) for name in (*self._per_slot(), "count")}
 
     def reserve(self, needed: int) -> None:
         """Room for ``needed`` tokens per (sequence, head), decided on the host before a step."""
-        if self.frames is None and needed > self.number.shape[2]:
+        if self.frames is None and needed > self.codes.shape[2]:
             self._grow(needed)
+
+    def _turned(self, keys_or_queries: torch.Tensor) -> torch.Tensor:
+        return keys_or_queries if self.rotation is None else keys_or_queries.float() @ self.rotation
+
+    def _write_digest(self, keys: torch.Tensor, write) -> None:
+        """``write(buffer, new)`` for each per-slot buffer, ``new`` made from ``keys`` [B, H, S, D]."""
+        if self.bits is None:
+            write(self.codes, keys)
+            return
+        codes, scale, offset = packed_quantize(self._turned(keys), self.bits)
+        write(self.codes, codes)
+        write(self.scale, scale)
+        write(self.offset, offset)
 
     def append(self, keys: torch.Tensor, token_index: torch.Tensor, *, reserve: bool = True) -> None:
         """The evicted keys [B, H, E, D] (token index -1: nothing evicted there), in eviction order.
@@ -54,71 +93,97 @@ class KeyCodes:
         if reserve:
             self.reserve(int((self.count + added).max()))
         writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None)
-        if self.bits is None:
-            writes.write(self.codes, keys)
-        else:
-            codes, scale, offset = quantize(keys, self.bits)
-            writes.write(self.codes, codes)
-            writes.write(self.scale, scale.squeeze(-1))
-            writes.write(self.offset, offset.squeeze(-1))
-        writes.write(self.number, writes.slots)
+        self._write_digest(keys, writes.write)
         self.count += added
 
     def rebuild(self, keys_by_slot: torch.Tensor) -> None:
         """After a re-numbering (RoPE): the digest of every held token again, from its key at its new
         position (``ColdStore.keys_by_slot``, the same slot numbering: slot n, or n mod the ring),
         so pages are scored as the keys will be attended. Rare: once per re-numbering."""
-        held = (self.number >= 0).unsqueeze(-1)
-        source = self.number.clamp(min=0).to(keys_by_slot.device)
+        number = self.number
+        held = number >= 0
+        source = number.clamp(min=0).to(keys_by_slot.device)
         if self.frames is not None:
             source = source % keys_by_slot.shape[2]
         keys = keys_by_slot.gather(2, source.unsqueeze(-1).expand(*source.shape, keys_by_slot.shape[-1]))
-        keys = keys.to(self.codes.device)
-        if self.bits is None:
-            self.codes.copy_(torch.where(held, keys.to(self.codes.dtype), self.codes))
-            return
-        codes, scale, offset = quantize(keys, self.bits)
-        self.codes.copy_(torch.where(held, codes, self.codes))
-        self.scale.copy_(torch.where(held[..., 0], scale.squeeze(-1), self.scale))
-        self.offset.copy_(torch.where(held[..., 0], offset.squeeze(-1), self.offset))
+
+        def write(buffer, new):
+            where = held.view(*held.shape, *([1] * (buffer.dim() - 3)))
+            buffer.copy_(torch.where(where, new.to(buffer.dtype), buffer))
+
+        self._write_digest(keys.to(self.codes.device), write)
+
+    # -- which token each slot holds, from the count -------------------------------------------------
+    def _numbers(self, slots: int) -> torch.Tensor:
+        """[B, H, slots]: the slot number each of the first ``slots`` store slots holds (-1: none):
+        the latest n < count written there, n mod the store's size (a ring's, or a store that never
+        wraps: then n is the slot itself)."""
+        size = self.codes.shape[2]
+        slot = torch.arange(slots, device=self.count.device)
+        latest = (self.count - 1).unsqueeze(-1)
+        number = latest - (latest - slot).remainder(size)
+        return number.masked_fill(number < 0, -1)
+
+    def _held(self, number: torch.Tensor) -> torch.Tensor:
+        first, _ = held_pages(self.count, self.page, self.frames)
+        return number >= (first * self.page).unsqueeze(-1)
+
+    def _page_numbers(self, number: torch.Tensor) -> torch.Tensor:
+        batch, heads, slots = number.shape
+        latest = number.view(batch, heads, slots // self.page, self.page).amax(dim=-1)
+        return torch.where(latest >= 0, latest // self.page, -1)
+
+    def _scored_slots(self, upto: int | None) -> int:
+        """The leading slots to score: all, or ``upto`` rounded up to whole pages (at least one page,
+        at most the store)."""
+        size = self.codes.shape[2]
+        if upto is None:
+            return size
+        return min(max(-(-upto // self.page), 1) * self.page, size)
+
+    @property
+    def number(self) -> torch.Tensor:
+        """[B, H, S]: the absolute slot number (n-th evicted token) each store slot holds, -1: none."""
+        return self._numbers(self.codes.shape[2])
 
     @property
     def valid(self) -> torch.Tensor:
         """[B, H, S] bool: ring slots holding a token of a page still held (an older page's leftovers
         in a frame a newer page has started are not)."""
-        first, _ = held_pages(self.count, self.page, self.frames)
-        return self.number >= (first * self.page).unsqueeze(-1)
+        return self._held(self.number)
 
-    def page_numbers(self) -> torch.Tensor:
-        """[B, H, F]: the absolute page number each frame holds now (-1: none)."""
-        batch, heads, slots = self.number.shape
-        latest = self.number.view(batch, heads, slots // self.page, self.page).amax(dim=-1)
-        return torch.where(latest >= 0, latest // self.page, -1)
+    def page_numbers(self, upto: int | None = None) -> torch.Tensor:
+        """[B, H, F]: the absolute page number each frame holds now (-1: none); the first F frames
+        with ``upto`` (as ``scores``)."""
+        return self._page_numbers(self._numbers(self._scored_slots(upto)))
 
-    def scores(self, queries: torch.Tensor) -> torch.Tensor:
-        """queries [B, H, M, D] -> [B, H, F]: each stored page's best q.k (-inf: no token)."""
-        batch, heads, slots, dim = self.codes.shape
+    # -- scoring --------------------------------------------------------------------------------------
+    def _scores(self, queries: torch.Tensor, number: torch.Tensor) -> torch.Tensor:
+        batch, heads, slots = number.shape
         pages = slots // self.page
 
         def paged(t):
-            return t.reshape(batch * heads, pages, self.page, *t.shape[3:])
+            return None if t is None else t[:, :, :slots].reshape(batch * heads, pages, self.page, *t.shape[3:])
 
-        flat_q = queries.reshape(batch * heads, *queries.shape[2:])
-        scale = paged(self.scale) if self.bits is not None else None
-        offset = paged(self.offset) if self.bits is not None else None
-        out = score_tokens_in_pages(flat_q, paged(self.codes), scale, offset, paged(self.valid))
+        flat_q = self._turned(queries).reshape(batch * heads, *queries.shape[2:])
+        out = score_tokens_in_pages(flat_q, paged(self.codes), paged(self.scale), paged(self.offset),
+                                    paged(self._held(number)), self.bits)
         return out.view(batch, heads, pages)
 
-    def top_pages(self, queries: torch.Tensor, count: int) -> torch.Tensor:
-        """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer pages)."""
-        from .selectors import top_pages
+    def scores(self, queries: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+        """queries [B, H, M, D] -> [B, H, F]: each stored page's best q.k (-inf: no token). ``upto``: a
+        bound known on the host of the slots in use (every row's count, or more); only the first
+        F = ceil(upto / page) frames are scored (without a ring up to half the store is empty)."""
+        return self._scores(queries, self._numbers(self._scored_slots(upto)))
 
-        scores = self.scores(queries)
-        best = top_pages(scores, count)
-        numbers = self.page_numbers()
-        return numbers.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+    def top_pages(self, queries: torch.Tensor, count: int, upto: int | None = None) -> torch.Tensor:
+        """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer pages; k is
+        fewer than ``count`` only where fewer frames are scored)."""
+        number = self._numbers(self._scored_slots(upto))
+        best = kernels.top_pages(self._scores(queries, number), count)
+        return self._page_numbers(number).gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset, self.number))
-
-
+        """The digest's device bytes: codes, scale and offset per slot, and the count (see the module
+        docstring for a token's share)."""
+        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())

@@ -8,7 +8,8 @@ times the step's new tokens, aggregated by max (a page matters when any query ne
 
 ``exact`` is the yardstick: the best q.k among the page's keys (its digest is the keys themselves).
 ``quest`` is Quest's per-channel min/max bound; ``quest_sub`` the same over sub-pages; ``quant``
-keeps each key in b bits (per-token scale and offset) and scores it like ``exact``; ``reps`` keeps the
+keeps each key in b bits (packed, with a 16-bit per-token scale and offset: the device digest's
+layout) and scores it like ``exact``; ``rot`` the same after a spreading rotation; ``reps`` keeps the
 r keys that held the most attention when evicted (InfLLM's representative tokens).
 """
 
@@ -25,20 +26,20 @@ NEG_INF = float("-inf")
 
 
 def score_tokens_in_pages(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
-                          offset: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
-    """The best q.k per page from per-token codes (keys ~ codes * scale + offset; the keys themselves
-    when scale is None): queries [H, M, D], codes [H, N, P, D] -> [H, N]. The Triton kernel on a
-    GPU, its torch reference elsewhere."""
-    heads, pages, size, dim = codes.shape
-    flat = codes.reshape(1, heads, pages * size, dim)
-    if scale is None:
-        scale = torch.ones(1, heads, pages * size, device=codes.device)
-        offset = torch.zeros_like(scale)
-    args = (queries.unsqueeze(0), flat, scale.reshape(1, heads, -1), offset.reshape(1, heads, -1),
-            valid.reshape(1, heads, -1), size)
+                          offset: torch.Tensor | None, valid: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """The best q.k per page from per-token codes (keys ~ codes * scale + offset, ``bits``-bit codes
+    packed as ``kernels.pack_codes`` lays them out; the keys themselves when scale is None):
+    queries [H, M, D], codes [H, N, P, W] -> [H, N]. The Triton kernel on a GPU (through its op, so
+    a compiled step holds it), its torch reference elsewhere."""
+    heads, pages, size = codes.shape[:3]
+
+    def flat(t):
+        return None if t is None else t.reshape(1, heads, pages * size, *t.shape[3:])
+
+    args = (queries.unsqueeze(0), flat(codes), flat(scale), flat(offset), flat(valid), size, bits)
     if kernels.kernel_backend(codes.device) == "triton" and not size & (size - 1):
-        from h2ochat_kernels.triton_recall import page_scores
-        return page_scores(*args)[0]
+        from h2ochat_kernels import ops
+        return ops.page_scores(*args)[0]
     return kernels.page_scores(*args)[0]
 
 
@@ -94,18 +95,22 @@ def quest_sub_score(queries, digest):
 
 
 # -- low-bit keys ------------------------------------------------------------------------------------
-def quantize(keys: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token asymmetric b-bit codes of ``keys`` [..., D]: (codes uint8, scale, offset)."""
+def quantize(keys: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token asymmetric b-bit codes of ``keys`` [..., D]: (codes uint8, scale, offset), scale and
+    offset [..., 1] in ``dtype``. The codes are rounded against the scale and offset as stored, so a
+    16-bit scale and offset add no error beyond their own rounding."""
     levels = (1 << bits) - 1
-    low = keys.float().amin(dim=-1, keepdim=True)
+    low = keys.float().amin(dim=-1, keepdim=True).to(dtype)
     high = keys.float().amax(dim=-1, keepdim=True)
-    scale = ((high - low) / levels).clamp_min(1e-12)
-    codes = ((keys.float() - low) / scale).round().clamp(0, levels).to(torch.uint8)
-    return codes, scale, low
+    scale = ((high - low.float()) / levels).clamp_min(1e-12).to(dtype)
+    # (clamped again: fp16 rounds a tiny scale to 0, where every code dequantises to the offset)
+    codes = ((keys.float() - low.float()) / scale.float().clamp_min(1e-12)).round().clamp(0, levels)
+    return codes.to(torch.uint8), scale, low
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale + offset
+    return codes.float() * scale.float() + offset.float()
 
 
 def spreading_rotation(dim: int, device=None) -> torch.Tensor:
@@ -131,9 +136,15 @@ def rotated(keys_or_queries: torch.Tensor) -> torch.Tensor:
     return keys_or_queries.float() @ spreading_rotation(dim, keys_or_queries.device)
 
 
+def packed_quantize(keys: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize`` as the device digest stores it: codes packed [..., W], scale and offset fp16 [...]."""
+    codes, scale, offset = quantize(keys, bits, torch.float16)
+    return kernels.pack_codes(codes, bits), scale.squeeze(-1), offset.squeeze(-1)
+
+
 def rot_digest(bits: int):
     def digest(keys, valid, importance=None):
-        return quantize(rotated(keys), bits), valid
+        return quant_digest(bits)(rotated(keys), valid)
     return digest
 
 
@@ -143,13 +154,18 @@ def rot_score(queries, digest):
 
 def quant_digest(bits: int):
     def digest(keys, valid, importance=None):
-        return quantize(keys, bits), valid
+        return packed_quantize(keys, bits), bits, valid
     return digest
 
 
 def quant_score(queries, digest):
-    (codes, scale, offset), valid = digest
-    return score_tokens_in_pages(queries, codes, scale.squeeze(-1), offset.squeeze(-1), valid)
+    (codes, scale, offset), bits, valid = digest
+    return score_tokens_in_pages(queries, codes, scale, offset, valid, bits)
+
+
+def quant_bytes_ratio(bits: int):
+    """Packed codes plus a 16-bit scale and offset per token, against the token's 16-bit key."""
+    return lambda page, dim: (kernels.packed_width(dim, bits) + 4) / (2 * dim)
 
 
 # -- codes inside the page's box (Quest's min/max, then b bits per channel within it) ----------------
@@ -199,12 +215,9 @@ def _selectors() -> dict[str, Selector]:
         table[f"quest{sub}"] = Selector(f"quest{sub}", quest_sub_digest(sub), quest_sub_score,
                                         lambda p, d, s=sub: 2 / s)
     for bits in (1, 2, 3, 4, 6, 8):
-        # codes of b bits plus a 16-bit scale and offset per token
-        table[f"int{bits}"] = Selector(f"int{bits}", quant_digest(bits), quant_score,
-                                       lambda p, d, b=bits: (b * d + 32) / (16 * d))
+        table[f"int{bits}"] = Selector(f"int{bits}", quant_digest(bits), quant_score, quant_bytes_ratio(bits))
     for bits in (2, 3, 4):
-        table[f"rot{bits}"] = Selector(f"rot{bits}", rot_digest(bits), rot_score,
-                                       lambda p, d, b=bits: (b * d + 32) / (16 * d))
+        table[f"rot{bits}"] = Selector(f"rot{bits}", rot_digest(bits), rot_score, quant_bytes_ratio(bits))
     for bits in (1, 2):
         # codes of b bits per channel plus the page's 16-bit min and max per channel
         table[f"box{bits}"] = Selector(f"box{bits}", box_digest(bits), box_score, lambda p, d, b=bits: 2 / p + b / 16)

@@ -112,7 +112,7 @@ class TierStats:
 
 # state tensors whose empty value is -1 (token indices, positions, slot and page numbers)
 _EMPTY_IS_MINUS_ONE = {"token_index", "positions", "cold_token_index", "cold_positions", "cold_encoded",
-                       "digest_number", "frames_frame_page"}
+                       "frames_frame_page"}
 
 
 class RecallLayer(H2OLayer):
