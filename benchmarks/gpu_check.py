@@ -36,7 +36,9 @@ next step runs. Steps:
    server's packages (starlette, uvicorn, httpx2) are missing.
 8. recall: ``h2ochat bench --recall``'s comparison on the benchmark model: h2o at the profile's
    budget against the same policy with R of those device slots recalling from the cold tier
-   (int4 digests, pages of 16), at 2K and 8K tokens of context, recalling every step and every 4th;
+   (rot4 digests, pages of 16), at 2K and 8K tokens of context, recalling every step and every 4th,
+   with ``zero_copy``: whether the cold tier's appends and page gathers ran as kernels on pinned
+   memory (``kernels/triton_rows.py``, no host wait) or fell back to synchronising copies;
    the ratio of ms per step against issue 18's targets (<= 1.15x at 2K, <= 1.25x at 8K), the digest
    device bytes and cold host bytes. It has its own time allowance (``recall_budget_s``), so a full
    run that spent its time still measures it; ``--steps recall`` runs it alone.
@@ -139,7 +141,7 @@ GPU = Profile(
                 "--history-chars", "12000", "--reply", "32", "--phases", "load"),
     serve_timeout=240,
     recall_contexts=(2048, 8192), recall_budget="0.2", recall_every=(1, 4), recall_budget_s=150,
-    recall_args={"recall": "128", "page": 16, "selector": "int4", "cold_dtype": "same"},
+    recall_args={"recall": "128", "page": 16, "selector": "rot4", "cold_dtype": "same"},
 )
 DRY = Profile(
     name="dry-run", device="cpu",
@@ -159,7 +161,7 @@ DRY = Profile(
                 "--history-chars", "300", "--user-chars", "20", "--reply", "4", "--phases", "load"),
     serve_timeout=200,
     recall_contexts=(48, 64), recall_budget="16", recall_every=(1, 2), recall_budget_s=100,
-    recall_args={"recall": "8", "page": 4, "selector": "int4", "cold_dtype": "same"},
+    recall_args={"recall": "8", "page": 4, "selector": "rot4", "cold_dtype": "same"},
 )
 
 
@@ -627,6 +629,10 @@ def recall(report: Report, profile: Profile) -> None:
         entry.update(results=[], recall_overhead=[], ops_per_layer=[], skipped=[], errors=[])
         model = benchmark_model(profile, entry)
         entry.update(budget=profile.recall_budget, **profile.recall_args)
+        # whether the cold tier's appends and gathers run as zero-copy kernels on pinned memory (no host
+        # wait in the step) or fall back to synchronising copies: the ratio means different things
+        from h2ochat_kernels.triton_rows import zero_copy_works
+        entry["zero_copy"] = zero_copy_works(profile.device)
         limit = report.elapsed() + profile.recall_budget_s
         for every in profile.recall_every:
             settings = CacheSettings(policy="h2o", budget=profile.recall_budget, recall_every=every,

@@ -116,14 +116,17 @@ def build_rows(policies: Sequence[str | Policy], budgets: Sequence[int], tokens:
 
 def recall_settings(recalls: str, pages: str, **options) -> list[CacheSettings]:
     """--recall (comma-separated: slot counts or shares of each budget) times --page (comma-separated
-    page sizes), with the other recall options (selector, cold_dtype, cold_limit, recall_every)."""
+    page sizes) times --selector (comma-separated), with the other recall options (cold_dtype,
+    cold_limit, recall_every)."""
     from .passkey import parse_numbers
 
     specs = [part.strip() for part in str(recalls).split(",") if part.strip()]
     if not specs:
         return []
-    return [CacheSettings(recall=spec, page=page, **options)
-            for spec in specs for page in dict.fromkeys(parse_numbers(pages, int, "--page"))]
+    selector = options.pop("selector", CacheSettings.selector)
+    selectors = dict.fromkeys(part.strip() for part in str(selector).split(",") if part.strip())
+    return [CacheSettings(recall=spec, page=page, selector=name, **options)
+            for spec in specs for page in dict.fromkeys(parse_numbers(pages, int, "--page")) for name in selectors]
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class CacheSettings:
     # two tiers (h2ochat.recall): R of the budget's slots hold tokens recalled from the cold store
     recall: str | None = None  # slots (64) or a share of the budget (0.5); None: no recall
     page: int = 16
-    selector: str = "int4"
+    selector: str = "rot4"
     cold_dtype: str = "same"
     cold_limit: int | None = None
     recall_every: int = 1

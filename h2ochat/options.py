@@ -12,6 +12,7 @@ from .errors import user_input
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
 from .models import DEFAULT_MODEL
 from .policies import DEFAULT_POLICY, describe_policies
+from .recall.tiered import SELECTOR_HELP
 
 MODEL, CACHE, SAMPLING, OUTPUT = "Model", "Cache", "Sampling", "Output"
 
@@ -45,8 +46,7 @@ Recall = Annotated[Optional[str], typer.Option("--recall", rich_help_panel=CACHE
 Page = Annotated[int, typer.Option("--page", min=1, rich_help_panel=CACHE,
     help="With --recall: evicted tokens move to the cold store and back in pages of this many tokens.")]
 Selector = Annotated[str, typer.Option("--selector", rich_help_panel=CACHE,
-    help="With --recall: how the pages to recall are chosen: exact (the best q.k of each page) or int1..int8 "
-         "(the keys kept on the device as b-bit codes for scoring).")]
+    help="With --recall: how the pages to recall are chosen: " + SELECTOR_HELP + ".")]
 ColdDtype = Annotated[str, typer.Option("--cold-dtype", rich_help_panel=CACHE,
     help="With --recall: the cold store keeps keys and values as the model does (same) or as int8.")]
 ColdLimit = Annotated[Optional[int], typer.Option("--cold-limit", min=1, rich_help_panel=CACHE,

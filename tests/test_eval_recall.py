@@ -123,3 +123,10 @@ def test_eval_recall_refuses_bad_arguments_in_one_line(long_checkpoint, text_fil
     last = err.strip().splitlines()[-1]
     assert last.startswith("h2ochat: error:") and message in last, last
     assert "Traceback" not in err + out
+
+
+def test_recall_settings_multiply_shares_pages_and_selectors():
+    settings = ev.recall_settings("8,0.5", "4,8", selector="rot4, quest,rot4")
+    assert [(s.recall, s.page, s.selector) for s in settings] == [
+        (r, p, sel) for r in ("8", "0.5") for p in (4, 8) for sel in ("rot4", "quest")]
+    assert {s.selector for s in ev.recall_settings("8", "4")} == {ev.CacheSettings.selector}

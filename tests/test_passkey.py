@@ -157,7 +157,7 @@ def test_passkey_command_json_has_every_row_and_trial(long_checkpoint, filler_fi
                           "--recall", "16", "--page", "8", "--json")
     assert code == 0, err
     report = json.loads(out)
-    rows = ["full", "h2o 32", "h2o 32 = 16 hot + 16 recall (int4, pages of 8)"]
+    rows = ["full", "h2o 32", "h2o 32 = 16 hot + 16 recall (rot4, pages of 8)"]
     assert [s["row"] for s in report["summary"]] == [r for r in rows for _ in range(4)]
     assert len(report["results"]) == 3 * 4
     for result in report["results"]:
@@ -190,8 +190,8 @@ def test_passkey_command_table(long_checkpoint, filler_file):
 @pytest.mark.parametrize("args, message", [
     (["--recall", "40"], "must leave the policy some"),
     (["--recall", "12", "--page", "8"], "whole number (>= 1) of --page 8 pages"),
-    (["--selector", "magic", "--recall", "16"], "exact or int1..int8 keys, not 'magic'"),
-    (["--selector", "quest", "--recall", "16"], "exact or int1..int8"),
+    (["--selector", "magic", "--recall", "16"], "--selector 'magic': choose exact"),
+    (["--selector", "int9", "--recall", "16"], "intN (the keys as N-bit codes, N 1-8)"),
     (["--depths", "1.5"], "depths are shares"),
     (["--lengths", "2000"], "fewer than the 2000"),
     (["--task", "quiz"], "--task must be perplexity or passkey"),

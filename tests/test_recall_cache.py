@@ -24,7 +24,7 @@ def _caches(model, policy, selector):
     return real, masked
 
 
-@pytest.mark.parametrize("policy,selector", [("h2o", "exact"), ("h2o", "int4"), ("mean", "exact")])
+@pytest.mark.parametrize("policy,selector", [("h2o", "exact"), ("h2o", "rot4"), ("h2o", "quest"), ("mean", "exact")])
 def test_recall_cache_is_the_masked_reference(family, seed, policy, selector):
     """Chunked prefill then decode: the same logits at every step as a full cache whose mask admits
     the policy's hot tokens plus the selector's top pages of evicted tokens."""
@@ -57,8 +57,12 @@ def test_cold_store_holds_exactly_the_evicted_tokens(family, seed):
 def test_recall_settings_are_checked():
     with pytest.raises(ValueError, match="whole number"):
         RecallConfig(10, 4)
-    with pytest.raises(ValueError, match="exact or int"):
-        RecallConfig(8, 4, "quest")
+    for wrong in ("quest2", "int9", "rot0", "int", "exact4"):
+        with pytest.raises(ValueError, match="--selector .* choose exact .* quest .* intN .* rotN"):
+            RecallConfig(8, 4, wrong)
+    assert (RecallConfig(8, 4, "rot4").bits, RecallConfig(8, 4, "rot4").rotate) == (4, True)
+    assert (RecallConfig(8, 4, "int2").bits, RecallConfig(8, 4, "int2").rotate) == (2, False)
+    assert RecallConfig(8, 4, "quest").bits is None
 
 
 def _assert_each_token_once(layer, row: int, tokens: int) -> None:

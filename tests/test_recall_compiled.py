@@ -71,8 +71,10 @@ def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selec
             assert torch.equal(compiled_state[name], tensor), name
         assert compiled_layer.slots_in_use == eager_layer.slots_in_use
     assert caches[1].compactions == caches[0].compactions >= 1
-    # the cold store grew (and the digest) without a graph per size
-    assert caches[1].layers[0].cold.capacity > 32 and counters["stats"]["unique_graphs"] - graphs <= 1
+    # the cold store grew (and the digest) without a graph per size; with RoPE the first re-numbering
+    # turns on the re-rotation of brought-back keys (ColdStore.moved): one more graph, once
+    more = 2 if caches[1].rotary is not None else 1
+    assert caches[1].layers[0].cold.capacity > 32 and counters["stats"]["unique_graphs"] - graphs <= more
     assert recalled_during_decode > 0
 
 

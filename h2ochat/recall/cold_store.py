@@ -146,7 +146,8 @@ class ColdStore:
         self._write(writes, self.token_index, token_index.to(device))
         self._write(writes, self.positions, positions.to(device))
         self._write(writes, self.encoded, (encoded if encoded is not None else positions).to(device))
-        self.moved = self.moved or encoded is not None
+        if encoded is not None:  # (a compiled step never passes one: no guard on the flag)
+            self.moved = True
         self.count += added
         return writes.slots
 
@@ -184,7 +185,8 @@ class ColdStore:
         token_index = take(self.token_index).masked_fill(~present, -1)
         positions = take(self.positions).masked_fill(~present, -1)
         keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized else None,
-                                               positions, take(self.encoded) if self.moved else None, present, rotary)
+                                               positions, take(self.encoded) if rotary is not None and self.moved else None,
+                                               present, rotary)
         values = take(self.values)
         values = (values.float() * take(self.value_scale).unsqueeze(-1) if self.quantized else values).to(self.dtype)
         keys = keys.masked_fill(~present.unsqueeze(-1), 0)

@@ -65,9 +65,11 @@ def bounds(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def bound_score(queries: torch.Tensor, low: torch.Tensor, high: torch.Tensor, any_valid: torch.Tensor) -> torch.Tensor:
     """sum_c max(q_c low_c, q_c high_c), the largest q.k any key inside the box can reach.
-    queries [H, M, D], low/high [H, N, D] -> [H, M, N]."""
-    q = queries.float().unsqueeze(2)  # [H, M, 1, D]
-    bound = torch.maximum(q * low.unsqueeze(1), q * high.unsqueeze(1)).sum(-1)
+    queries [H, M, D], low/high [H, N, D] -> [H, M, N]. As two matmuls, q.(low+high)/2 +
+    |q|.(high-low)/2 (the same sum), so no [H, M, N, D] tensor: a prefill chunk has M in the thousands."""
+    q = queries.float()
+    low, high = low.float(), high.float()
+    bound = q @ ((low + high) / 2).transpose(-1, -2) + q.abs() @ ((high - low) / 2).transpose(-1, -2)
     return bound.masked_fill(~any_valid.unsqueeze(1), NEG_INF)
 
 

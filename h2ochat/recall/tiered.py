@@ -41,6 +41,7 @@ from h2ochat_kernels.reference import row_weights
 
 from ..cache import H2OCache, H2OLayer
 from .cold_store import COLD_DTYPES, ColdStore
+from .bounds import PageBounds
 from .digests import KeyCodes
 from .step import RecallFrames, RecallSlots, fill_recall_slots
 
@@ -49,7 +50,7 @@ from .step import RecallFrames, RecallSlots, fill_recall_slots
 class RecallConfig:
     slots: int  # R device slots per (layer, sequence, KV head) for recalled tokens
     page: int = 16
-    selector: str = "int4"  # exact, or int1..int8 (keys kept as b-bit codes on the device for scoring)
+    selector: str = "rot4"  # see SELECTOR_HELP
     cold_dtype: str = "same"
     cold_limit: int | None = None  # tokens per (layer, sequence, KV head) kept in the cold store
     every: int = 1  # decode steps between recalls (prefill chunks always recall)
@@ -71,11 +72,27 @@ class RecallConfig:
 
     @property
     def bits(self) -> int | None:
-        if self.selector == "exact":
-            return None
-        if self.selector.startswith("int") and self.selector[3:].isdigit() and 1 <= int(self.selector[3:]) <= 8:
-            return int(self.selector[3:])
-        raise ValueError(f"the two-tier cache scores pages with exact or int1..int8 keys, not {self.selector!r}")
+        """Bits per code of an intN / rotN digest; None for exact (the keys) and quest (page bounds)."""
+        kind, bits = _selector_kind(self.selector)
+        return bits
+
+    @property
+    def rotate(self) -> bool:
+        return _selector_kind(self.selector)[0] == "rot"
+
+
+SELECTOR_HELP = ("exact (the best q.k of each page: the keys kept on the device), quest (Quest's per-channel "
+                 "min/max bound of each page), intN (the keys as N-bit codes, N 1-8) or rotN (the same after a "
+                 "fixed rotation that spreads outlier channels: the better codes)")
+
+
+def _selector_kind(name: str) -> tuple[str, int | None]:
+    if name in ("exact", "quest"):
+        return name, None
+    kind, digits = name[:3], name[3:]
+    if kind in ("int", "rot") and digits.isdigit() and 1 <= int(digits) <= 8:
+        return kind, int(digits)
+    raise ValueError(f"--selector {name!r}: choose {SELECTOR_HELP}")
 
 
 def recall_slots(spec: str, slots: int) -> int:
@@ -126,9 +143,13 @@ class RecallLayer(H2OLayer):
             self.capacity = hot  # ... and its policy works on the first ``hot``
         cuda = self.device.type == "cuda"
         self.cold = ColdStore(batch, heads, head_dim, value_dim, config.page, dtype, cold_dtype=config.cold_dtype,
-                              limit=config.cold_limit, pin=cuda)
-        self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
-                               device=self.device, dtype=dtype)
+                              limit=config.cold_limit, pin=cuda, device=self.device)
+        if config.selector == "quest":
+            self.digest = PageBounds(batch, heads, head_dim, config.page, frames=self.cold.frames, device=self.device,
+                                     dtype=dtype)
+        else:
+            self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
+                                   device=self.device, dtype=dtype, rotate=config.rotate)
         self.frames = RecallFrames(batch, heads, config.frames, self.device)
         self.recall_slots = RecallSlots(self.keys[:, :, hot:], self.values[:, :, hot:], self.token_index[:, :, hot:],
                                         self.positions[:, :, hot:])
