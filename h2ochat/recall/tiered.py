@@ -215,7 +215,10 @@ class RecallLayer(H2OLayer):
 
     def recall(self, queries: torch.Tensor) -> None:
         """The best pages for these queries [B, H, M, D] into the recall columns."""
-        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1])
+        # eager: score only the slots a token can be in (the store grows by doubling: up to half is
+        # empty); a compiled step scores them all (a host count in the graph would compile every step)
+        upto = None if self.owner.compiled_step else self.tokens_fed_with_padding
+        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=upto)
         plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
         fill_recall_slots(self.recall_slots, self.cold, plan, self.owner.rotary)
 
