@@ -43,7 +43,7 @@ class KeyCodes:
         self.page, self.bits, self.frames = page, bits, frames
         # (the exact digest is the keys themselves: nothing to turn)
         self.rotation = _rotation(head_dim, device) if rotate and bits is not None else None
-        slots = (frames or initial_pages) * page
+        slots = (frames or initial_pages) * page + 1  # + the spill slot (``layout.Writes``)
         self.scale = self.offset = None
         if bits is None:
             self.codes = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
@@ -62,15 +62,20 @@ class KeyCodes:
 
     def _grow(self, needed: int) -> None:
         for name in self._per_slot():
-            setattr(self, name, widened(getattr(self, name), needed, 0))
+            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in (*self._per_slot(), "count")}
 
     def reserve(self, needed: int) -> None:
         """Room for ``needed`` tokens per (sequence, head), decided on the host before a step."""
-        if self.frames is None and needed > self.codes.shape[2]:
+        if self.frames is None and needed > self.capacity:
             self._grow(needed)
+
+    @property
+    def capacity(self) -> int:
+        """Slots per (sequence, head), less the spill slot the appends of rows that evicted nothing hit."""
+        return self.codes.shape[2] - 1
 
     def _turned(self, keys_or_queries: torch.Tensor) -> torch.Tensor:
         return keys_or_queries if self.rotation is None else keys_or_queries.float() @ self.rotation
@@ -92,7 +97,8 @@ class KeyCodes:
         added = valid.sum(dim=-1)
         if reserve:
             self.reserve(int((self.count + added).max()))
-        writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None)
+        writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None,
+                             spill=self.capacity)
         self._write_digest(keys, writes.write)
         self.count += added
 
@@ -109,7 +115,8 @@ class KeyCodes:
 
         def write(buffer, new):
             where = held.view(*held.shape, *([1] * (buffer.dim() - 3)))
-            buffer.copy_(torch.where(where, new.to(buffer.dtype), buffer))
+            slots = buffer[:, :, : self.capacity]
+            slots.copy_(torch.where(where, new.to(buffer.dtype), slots))
 
         self._write_digest(keys.to(self.codes.device), write)
 
@@ -118,7 +125,7 @@ class KeyCodes:
         """[B, H, slots]: the slot number each of the first ``slots`` store slots holds (-1: none):
         the latest n < count written there, n mod the store's size (a ring's, or a store that never
         wraps: then n is the slot itself)."""
-        size = self.codes.shape[2]
+        size = self.capacity
         slot = torch.arange(slots, device=self.count.device)
         latest = (self.count - 1).unsqueeze(-1)
         number = latest - (latest - slot).remainder(size)
@@ -136,7 +143,7 @@ class KeyCodes:
     def _scored_slots(self, upto: int | None) -> int:
         """The leading slots to score: all, or ``upto`` rounded up to whole pages (at least one page,
         at most the store)."""
-        size = self.codes.shape[2]
+        size = self.capacity
         if upto is None:
             return size
         return min(max(-(-upto // self.page), 1) * self.page, size)
@@ -144,7 +151,7 @@ class KeyCodes:
     @property
     def number(self) -> torch.Tensor:
         """[B, H, S]: the absolute slot number (n-th evicted token) each store slot holds, -1: none."""
-        return self._numbers(self.codes.shape[2])
+        return self._numbers(self.capacity)
 
     @property
     def valid(self) -> torch.Tensor:

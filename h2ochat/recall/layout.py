@@ -57,41 +57,23 @@ def frame_of(pages: torch.Tensor, frames: int | None) -> torch.Tensor:
 @dataclass
 class Writes:
     """Where E appended entries [B, H, E] are written, with fixed shapes (no host read, no
-    data-dependent shape: a compiled step can hold it). A valid entry goes to its slot (mod the ring).
-    With a ``spill`` column (one slot past the store's slots, never read) every invalid entry is
-    written there: one scatter per buffer. Without one, an invalid entry repeats its row's first valid
-    write (same slot, same value), and in a row with no valid entry every entry rewrites slot 0 with
-    what it holds (a gather, a select and a scatter per buffer)."""
+    data-dependent shape: a compiled step can hold it): a valid entry at its slot (mod the ring),
+    every other entry in the store's spill slot (one column past its slots, never read). One scatter
+    per buffer; duplicate targets are spill writes only, whose value nobody reads."""
 
     slots: torch.Tensor  # [B, H, E] slot numbers of the valid entries (-1 for the others)
     target: torch.Tensor  # [B, H, E] storage slot each entry writes
-    source: torch.Tensor | None  # [B, H, E] entry whose value it writes (None: its own)
-    any_valid: torch.Tensor | None  # [B, H, 1]
 
     @classmethod
-    def plan(cls, valid: torch.Tensor, count: torch.Tensor, ring: int | None, spill: int | None = None) -> "Writes":
+    def plan(cls, valid: torch.Tensor, count: torch.Tensor, ring: int | None, spill: int) -> "Writes":
         slots = append_slots(valid, count)
-        if spill is not None:
-            target = (slots % ring if ring is not None else slots).masked_fill(~valid, spill)
-            return cls(slots, target, None, None)
-        own = torch.arange(valid.shape[-1], device=valid.device).expand(valid.shape)
-        source = torch.where(valid, own, valid.long().argmax(dim=-1, keepdim=True))
-        any_valid = valid.any(dim=-1, keepdim=True)
-        target = slots.gather(-1, source)
-        target = (target % ring if ring is not None else target).masked_fill(~any_valid, 0)
-        return cls(slots, target, source, any_valid)
+        target = (slots % ring if ring is not None else slots).masked_fill(~valid, spill)
+        return cls(slots, target)
 
     def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
-        """``buffer`` [B, H, S, ...] <- ``new`` [B, H, E, ...] in place."""
-        target = self._expanded(self.target, buffer)
-        new = new if new.dtype == buffer.dtype else new.to(buffer.dtype)
-        if self.source is None:  # invalid entries land in the spill column
-            buffer.scatter_(2, target, new)
-            return
-        picked = new.gather(2, self._expanded(self.source, buffer))
-        keep = buffer.gather(2, target)
-        row_has_one = self.any_valid.view(*self.any_valid.shape, *([1] * (buffer.dim() - 3)))
-        buffer.scatter_(2, target, torch.where(row_has_one, picked, keep))
+        """``buffer`` [B, H, S + 1, ...] <- ``new`` [B, H, E, ...] in place."""
+        buffer.scatter_(2, self._expanded(self.target, buffer), new if new.dtype == buffer.dtype else new.to(buffer.dtype))
+
     def _expanded(self, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``index`` [B, H, E] broadcast over ``like``'s trailing dims (made once per trailing shape:
         keys and values share theirs, the per-token buffers theirs)."""
