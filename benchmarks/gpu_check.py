@@ -11,7 +11,8 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md after every step, so whatever ran
 failure or a kill. Each step is timed and isolated: an exception or a timeout is recorded and the
 next step runs. Steps:
 
-1. kernel_tests: ``pytest tests/test_kernels.py tests/test_kernel_ops.py`` in a subprocess with
+1. kernel_tests: ``pytest tests/test_kernels.py tests/test_kernel_ops.py tests/test_zero_copy_gpu.py`` (the
+   cold tier's zero-copy kernels on pinned memory) in a subprocess with
    TRITON_INTERPRET=0 and H2OCHAT_TEST_DEVICE=cuda (the kernels against the reference in fp32,
    fp16 and bf16; the custom ops through ``torch.library.opcheck``); its counts, the counts per
    dtype (from the tests' ids) and the output tail.
@@ -285,7 +286,8 @@ def junit_by_dtype(path: Path) -> dict:
 
 def kernel_tests(report: Report, profile: Profile) -> None:
     with timed_step(report, "kernel_tests") as entry:
-        args = ["tests/test_kernels.py", "tests/test_kernel_ops.py", "-q", *profile.kernel_test_args]
+        args = ["tests/test_kernels.py", "tests/test_kernel_ops.py", "tests/test_zero_copy_gpu.py", "-q",
+                *profile.kernel_test_args]
         entry["command"] = " ".join([*(f"{k}={v}" for k, v in profile.kernel_env.items()),
                                      shlex.join(["python", "-m", "pytest", *args])])
         if profile.kernel_test_note:
