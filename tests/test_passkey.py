@@ -180,11 +180,34 @@ def test_passkey_command_two_facts(long_checkpoint, filler_file):
         assert result["recalled"] == all(pk.recalled(k, a) for k, a in zip(result["keys"], result["answers"]))
 
 
-def test_passkey_command_table(long_checkpoint, filler_file):
+def test_passkey_command_table_and_plot(long_checkpoint, filler_file, tmp_path):
+    plot = tmp_path / "passkey.png"
     code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40",
-                          "--depths", "0.5", "--keys", "1", "--budget", "32", "--policies", "h2o")
+                          "--depths", "0.5,0.9", "--keys", "1", "--budget", "32", "--policies", "full,h2o",
+                          "--plot", str(plot))
     assert code == 0, err
     assert "h2o 32" in out and "40 tok, depth 0.5" in out
+    import matplotlib.image
+
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(plot).shape[2] in (3, 4)
+
+
+def test_passkey_plot_draws_one_bar_per_row_and_cell(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from h2ochat import plotting
+
+    summary = [{"row": row, "length": 40, "depth": depth, "recalled": got, "trials": 2}
+               for row, got in (("full", 2), ("h2o 32", 0)) for depth in (0.1, 0.9)]
+    closed = []
+    real_close = plt.close
+    plt.close = lambda figure: closed.append(figure) or real_close(figure)
+    try:
+        plotting.passkey_plot(summary, tmp_path / "p.png")
+    finally:
+        plt.close = real_close
+    heights = sorted(bar.get_height() for bar in closed[0].axes[0].patches)
+    assert heights == [0.0, 0.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -196,6 +219,7 @@ def test_passkey_command_table(long_checkpoint, filler_file):
     (["--lengths", "2000"], "fewer than the 2000"),
     (["--task", "quiz"], "--task must be perplexity or passkey"),
     (["--facts", "3"], "--facts must be 1 or 2"),
+    (["--plot", "keys.svg"], "--plot writes a PNG file"),
 ])
 def test_passkey_command_refuses_bad_inputs(long_checkpoint, filler_file, args, message):
     code, out, err = _run("--model", str(long_checkpoint), "--text", str(filler_file), "--lengths", "40",

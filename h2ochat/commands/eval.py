@@ -71,7 +71,8 @@ def eval_command(
              "turn 1 states the key, turns 2..N-1 are filler (--lengths tokens in all) with short replies, "
              "turn N asks for it.")] = 0,
     plot: Annotated[Optional[Path], typer.Option("--plot", rich_help_panel=o.OUTPUT,
-        help="Write a PNG of perplexity against budget, one line per policy.")] = None,
+        help="Write a PNG: perplexity against budget, one line per policy (--task passkey: the share of "
+             "trials recalled per length and depth, one bar per cache row).")] = None,
 ):
     """Perplexity of a text continued token by token through each policy's cache, for each budget
     (--task passkey: whether each cache gives back a key planted in the text)."""
@@ -80,20 +81,20 @@ def eval_command(
             raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
         recalls = ev.recall_settings(recall, page, selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
                                      recall_every=recall_every)
+        if plot is not None and plot.suffix.lower() != ".png":
+            raise ValueError(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
     if task == "passkey":
         from .passkey_task import passkey_task
 
         return passkey_task(text=text, model=model, device=device, dtype=dtype, budget=budget, policies=policies,
                             lengths=lengths, depths=depths, keys=keys, facts=facts, recalls=recalls, seed=seed,
-                            chat_turns=chat_turns, as_json=as_json)
+                            chat_turns=chat_turns, as_json=as_json, plot=plot)
     with user_input():
         if chat_turns:
             raise ValueError("--chat-turns is for --task passkey")
         names = ev.parse_policies(policies)
         ev.build_rows(names, ev.parse_budgets(budget, tokens), tokens, recalls=recalls, heavy_ratio=heavy_ratio,
                       sinks=sinks, decay=decay)  # bad syntax, knobs or recall settings fail before the model loads
-        if plot is not None and plot.suffix.lower() != ".png":
-            raise ValueError(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
     content = Path(text).read_text(encoding="utf-8")
     err = Console(stderr=True)
     with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():

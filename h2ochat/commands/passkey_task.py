@@ -18,7 +18,8 @@ from ..models import load
 
 
 def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str, policies: str, lengths: str,
-                 depths: str, keys: int, facts: int, recalls: list, seed: int, as_json: bool, chat_turns: int = 0) -> None:
+                 depths: str, keys: int, facts: int, recalls: list, seed: int, as_json: bool, chat_turns: int = 0,
+                 plot: Path | None = None) -> None:
     """``recalls``: the recall settings (``evaluation.recall_settings``), one recall row each beside
     every evicting policy and budget. ``chat_turns`` >= 3: the chat variant (``passkey_chat``)."""
     with user_input():  # the options as typed
@@ -70,6 +71,11 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         report["recall"] = ev.describe_recalls(recalls)
         if not chat_turns:
             report["question"] = "token by token on the recall rows"
+    if plot is not None:
+        from ..plotting import passkey_plot
+
+        passkey_plot(summary, plot, title=f"pass key, {loaded.name}, filler {Path(text).name}")
+        err.print(f"plot written to {plot}")
     if as_json:
         print(json.dumps(report, indent=2))
         return
