@@ -66,11 +66,16 @@ def page_scores(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor 
     batch, heads, tokens, width = codes.shape
     bits = None if codes.is_floating_point() else bits
     pages = tokens // page
-    queries, codes = queries.contiguous(), codes.contiguous()
+    # strided over batch, head and slot (a store's leading slots are a view, not copied), unit stride
+    # along a row; scale and offset are read with one set of strides
+    queries = queries.contiguous()
+    codes = codes if codes.stride(-1) == 1 else codes.contiguous()
     valid = valid.to(torch.uint8).contiguous()
     scaled = scale is not None
+    if scaled and (scale.stride(-1) != 1 or offset.stride() != scale.stride()):
+        scale, offset = scale.contiguous(), offset.contiguous()
     # (unscaled: any tensor stands in for the pointers the kernel never reads)
-    scale, offset = (scale.contiguous(), offset.contiguous()) if scaled else (valid, valid)
+    scale, offset = (scale, offset) if scaled else (valid, valid)
     out = torch.empty(batch, heads, pages, dtype=torch.float32, device=codes.device)
     grid = (batch * heads, triton.cdiv(pages, pages_per_block))
     with launch_guard(codes):

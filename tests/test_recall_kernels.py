@@ -114,6 +114,29 @@ def test_triton_page_scores_match_the_reference(seed, kind, tokens, page, dim, q
 
 
 @needs_interpreter
+@pytest.mark.parametrize("kind", [4, torch.float32], ids=str)
+def test_triton_page_scores_read_the_leading_slots_of_a_bigger_store_in_place(seed, kind):
+    """A digest scores the first T slots of a store that has more (and a spill slot): a view whose
+    slot stride is not T. The kernel reads it through its strides, as the reference reads a copy."""
+    from h2ochat_kernels import triton_recall
+
+    q, codes, scale, offset, valid, page, bits = _kernel_inputs(seed, kind, 40, 4, 12, 2)
+
+    def view(t):
+        return None if t is None else t[:, :, :32]
+
+    def copy(t):
+        return None if t is None else view(t).contiguous()
+
+    assert not view(codes).is_contiguous()
+    want = ref.page_scores(q, copy(codes), copy(scale), copy(offset), valid[:, :, :32], page, bits)
+    got = triton_recall.page_scores(q, view(codes), view(scale), view(offset), valid[:, :, :32], page, bits)
+    finite = ~torch.isinf(want)
+    assert torch.equal(finite, ~torch.isinf(got))
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=1e-4)
+
+
+@needs_interpreter
 def test_triton_refuses_a_page_size_that_is_not_a_power_of_two():
     from h2ochat_kernels import triton_recall
 

@@ -20,7 +20,7 @@ import torch
 import h2ochat_kernels as kernels
 
 from .layout import Writes, growable, held_pages, widened
-from .selectors import packed_quantize, score_tokens_in_pages, spreading_rotation
+from .selectors import packed_quantize, score_pages, spreading_rotation
 
 _rotations: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -166,16 +166,13 @@ class KeyCodes:
 
     # -- scoring --------------------------------------------------------------------------------------
     def _scores(self, queries: torch.Tensor, number: torch.Tensor) -> torch.Tensor:
-        batch, heads, slots = number.shape
-        pages = slots // self.page
+        slots = number.shape[2]
 
-        def paged(t):
-            return None if t is None else t[:, :, :slots].reshape(batch * heads, pages, self.page, *t.shape[3:])
+        def leading(t):  # the scored slots, a view: the store is not copied per step
+            return None if t is None else t[:, :, :slots]
 
-        flat_q = self._turned(queries).reshape(batch * heads, *queries.shape[2:])
-        out = score_tokens_in_pages(flat_q, paged(self.codes), paged(self.scale), paged(self.offset),
-                                    paged(self._held(number)), self.bits)
-        return out.view(batch, heads, pages)
+        return score_pages(self._turned(queries), leading(self.codes), leading(self.scale), leading(self.offset),
+                           self._held(number), self.page, self.bits)
 
     def scores(self, queries: torch.Tensor, upto: int | None = None) -> torch.Tensor:
         """queries [B, H, M, D] -> [B, H, F]: each stored page's best q.k (-inf: no token). ``upto``: a

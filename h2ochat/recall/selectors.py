@@ -25,22 +25,29 @@ import h2ochat_kernels as kernels
 NEG_INF = float("-inf")
 
 
+def score_pages(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
+                valid: torch.Tensor, page: int, bits: int | None = None) -> torch.Tensor:
+    """The best q.k per page of ``page`` consecutive slots: queries [B, H, M, D], codes [B, H, T, W]
+    (``bits``-bit codes packed as ``kernels.pack_codes`` lays them out, keys ~ codes * scale + offset;
+    the keys themselves when scale is None), valid [B, H, T] -> [B, H, T // page]. Codes, scale and
+    offset may be views into bigger buffers (the leading slots of a store): nothing is copied. The
+    Triton kernel on a GPU (through its op, so a compiled step holds it), its torch reference elsewhere."""
+    if kernels.kernel_backend(codes.device) == "triton" and not page & (page - 1):
+        from h2ochat_kernels import ops
+        return ops.page_scores(queries, codes, scale, offset, valid, page, bits)
+    return kernels.page_scores(queries, codes, scale, offset, valid, page, bits)
+
+
 def score_tokens_in_pages(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
                           offset: torch.Tensor | None, valid: torch.Tensor, bits: int | None = None) -> torch.Tensor:
-    """The best q.k per page from per-token codes (keys ~ codes * scale + offset, ``bits``-bit codes
-    packed as ``kernels.pack_codes`` lays them out; the keys themselves when scale is None):
-    queries [H, M, D], codes [H, N, P, W] -> [H, N]. The Triton kernel on a GPU (through its op, so
-    a compiled step holds it), its torch reference elsewhere."""
+    """``score_pages`` for pages laid out as the selectors here keep them: queries [H, M, D], codes
+    [H, N, P, W] -> [H, N]."""
     heads, pages, size = codes.shape[:3]
 
     def flat(t):
         return None if t is None else t.reshape(1, heads, pages * size, *t.shape[3:])
 
-    args = (queries.unsqueeze(0), flat(codes), flat(scale), flat(offset), flat(valid), size, bits)
-    if kernels.kernel_backend(codes.device) == "triton" and not size & (size - 1):
-        from h2ochat_kernels import ops
-        return ops.page_scores(*args)[0]
-    return kernels.page_scores(*args)[0]
+    return score_pages(queries.unsqueeze(0), flat(codes), flat(scale), flat(offset), flat(valid), size, bits)[0]
 
 
 # -- exact --------------------------------------------------------------------------------------------
