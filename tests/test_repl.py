@@ -274,15 +274,20 @@ class HangingUpFile(io.StringIO):
 def test_a_closed_terminal_ends_the_reply_keeps_it_and_leaves(loaded, tmp_path):
     import signal
 
-    before = signal.getsignal(signal.SIGHUP)  # SIG_DFL, or SIG_IGN under nohup
-    log = SpyLog(tmp_path)
-    repl, _, code = drive(loaded, ["tell me a long story", "this line is never read", "/bye"], max_new_tokens=40,
-                          file=HangingUpFile(after=3), endless=True, log=log)
-    assert code == 128 + signal.SIGHUP
-    kept = json.loads(log.path.read_text())["messages"]
-    assert [m["role"] for m in kept] == ["user", "assistant"] and kept[1]["interrupted"] is True
-    assert kept[1]["content"] and kept[1]["content"] == repl.conv.messages[1]["content"]
-    assert signal.getsignal(signal.SIGHUP) is before  # the handler was only there for the reply
+    # a session on a terminal: SIGHUP at its default, also when the suite itself runs under nohup (then
+    # it is ignored, and the REPL keeps ignoring it on purpose: the next test)
+    outer = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        log = SpyLog(tmp_path)
+        repl, _, code = drive(loaded, ["tell me a long story", "this line is never read", "/bye"], max_new_tokens=40,
+                              file=HangingUpFile(after=3), endless=True, log=log)
+        assert code == 128 + signal.SIGHUP
+        kept = json.loads(log.path.read_text())["messages"]
+        assert [m["role"] for m in kept] == ["user", "assistant"] and kept[1]["interrupted"] is True
+        assert kept[1]["content"] and kept[1]["content"] == repl.conv.messages[1]["content"]
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handler was only there for the reply
+    finally:
+        signal.signal(signal.SIGHUP, outer)
 
 
 def test_under_nohup_a_hangup_neither_ends_the_reply_nor_the_session(loaded, tmp_path):
