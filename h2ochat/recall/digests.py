@@ -22,18 +22,6 @@ import h2ochat_kernels as kernels
 from .layout import Writes, growable, held_pages, widened
 from .selectors import packed_quantize, score_pages, spreading_rotation
 
-_rotations: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _rotation(dim: int, device) -> torch.Tensor:
-    """The spreading rotation for ``dim`` on ``device``, one for every digest there (D * D fp32,
-    not a cost per layer)."""
-    key = (dim, torch.device(device if device is not None else "cpu"))
-    if key not in _rotations:
-        _rotations[key] = spreading_rotation(dim, key[1])
-    return _rotations[key]
-
-
 class KeyCodes:
     def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int | None, *,
                  frames: int | None = None, device=None, dtype=torch.float32, initial_pages: int = 4,
@@ -42,7 +30,7 @@ class KeyCodes:
             raise ValueError(f"digest bits must be 1-8, got {bits}")
         self.page, self.bits, self.frames = page, bits, frames
         # (the exact digest is the keys themselves: nothing to turn)
-        self.rotation = _rotation(head_dim, device) if rotate and bits is not None else None
+        self.rotation = spreading_rotation(head_dim, device) if rotate and bits is not None else None
         slots = (frames or initial_pages) * page + 1  # + the spill slot (``layout.Writes``)
         self.scale = self.offset = None
         if bits is None:

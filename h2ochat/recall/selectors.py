@@ -15,6 +15,7 @@ r keys that held the most attention when evicted (InfLLM's representative tokens
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -127,7 +128,13 @@ def spreading_rotation(dim: int, device=None) -> torch.Tensor:
     matrix with seeded random signs (power-of-two D), else a seeded random orthogonal matrix. Keys
     have a few outlier channels that set a per-token quantiser's range and flatten every other channel
     to a level or two; rotated (q R).(k R) = q.k, and the rotated key's channels are all alike (the
-    rotation QuaRot applies before quantising). Same matrix for every call: digests and queries agree."""
+    rotation QuaRot applies before quantising). Same matrix for every call: digests and queries agree;
+    made once per (D, device) and shared (nobody writes it)."""
+    return _spreading_rotation(dim, torch.device(device if device is not None else "cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def _spreading_rotation(dim: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0x5EED + dim)
     if dim & (dim - 1) == 0:
         matrix = torch.ones(1, 1)
