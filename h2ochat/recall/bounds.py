@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import h2ochat_kernels as kernels
-
-from .layout import append_slots, frame_of, growable, held_pages, widened
+from .layout import append_slots, best_pages, frame_of, growable, held_pages, tensor_bytes, widened
 from .selectors import bound_score, bounds
 
 INF = float("inf")
@@ -135,9 +133,8 @@ class PageBounds:
         """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer pages; k is
         fewer than ``count`` only where fewer frames are scored)."""
         number = self.page_numbers(upto)
-        best = kernels.top_pages(self._scores(queries, number), count)
-        return number.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+        return best_pages(self._scores(queries, number), number, count)
 
     def nbytes(self) -> int:
         """The digest's device bytes: low and high per frame (the spill frame too) and the count."""
-        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+        return tensor_bytes(self.state_tensors().values())

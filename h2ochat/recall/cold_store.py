@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
-from .layout import Writes, growable, held_pages, widened
+from .layout import Writes, growable, held_pages, tensor_bytes, widened
 
 COLD_DTYPES = ("same", "int8")
 
@@ -225,6 +225,6 @@ class ColdStore:
     # -- accounting -------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Host bytes held (allocated)."""
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._buffers())
+        return tensor_bytes(getattr(self, name) for name in self._buffers())
 
 

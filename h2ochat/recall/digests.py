@@ -19,7 +19,7 @@ import torch
 
 import h2ochat_kernels as kernels
 
-from .layout import Writes, growable, held_pages, widened
+from .layout import Writes, best_pages, growable, held_pages, tensor_bytes, widened
 from .selectors import packed_quantize, score_pages, spreading_rotation
 
 class KeyCodes:
@@ -172,10 +172,9 @@ class KeyCodes:
         """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer pages; k is
         fewer than ``count`` only where fewer frames are scored)."""
         number = self._numbers(self._scored_slots(upto))
-        best = kernels.top_pages(self._scores(queries, number), count)
-        return self._page_numbers(number).gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+        return best_pages(self._scores(queries, number), self._page_numbers(number), count)
 
     def nbytes(self) -> int:
         """The digest's device bytes: codes, scale and offset per slot, and the count (see the module
         docstring for a token's share)."""
-        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+        return tensor_bytes(self.state_tensors().values())

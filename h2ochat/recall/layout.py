@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+import h2ochat_kernels as kernels
+
 
 def append_slots(valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Slot numbers [B, H, E] for the valid entries of ``valid`` [B, H, E] appended after ``count``
@@ -47,6 +49,18 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
         new = new.pin_memory() if pin else new
         new[:, :, :held] = old[:, :, :held]
     return growable(new)
+
+
+def best_pages(scores: torch.Tensor, page_numbers: torch.Tensor, count: int) -> torch.Tensor:
+    """The absolute page numbers [B, H, k] of the ``count`` best-scoring frames (scores and page
+    numbers [B, H, F]), best first; -1 where fewer frames hold a page."""
+    best = kernels.top_pages(scores, count)
+    return page_numbers.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes allocated by ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def frame_of(pages: torch.Tensor, frames: int | None) -> torch.Tensor:
