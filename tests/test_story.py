@@ -91,7 +91,7 @@ def test_story_file_holds_the_opening_and_the_models_continuation(checkpoint, lo
     assert result.exit_code == 0, result.output
     expected = reference_tokens(loaded, SHORT, 90, seed)
     continuation = as_text(loaded.tokenizer, expected)
-    assert out.read_bytes().decode() == SHORT + continuation + "\n"
+    assert out.read_bytes().decode() == SHORT + continuation  # nothing of the tool's own after it
     assert result.stdout.startswith(SHORT + continuation)
     summary = result.stderr.strip().splitlines()[-1]
     prompt_tokens = encode(loaded.tokenizer, SHORT, chat=False).shape[1]
@@ -112,7 +112,7 @@ def test_n_stories_run_as_one_batch_each_with_its_own_stream(checkpoint, loaded,
     texts = []
     for k in range(1, 4):  # story k draws from seed + k - 1, as a single story with that seed does
         expected = as_text(loaded.tokenizer, reference_tokens(loaded, SHORT, 40, seed + k - 1))
-        assert (tmp_path / f"tale-{k}.txt").read_bytes().decode() == SHORT + expected + "\n"
+        assert (tmp_path / f"tale-{k}.txt").read_bytes().decode() == SHORT + expected
         assert record["stories"][k - 1]["text"] == expected and record["stories"][k - 1]["file"].endswith(f"tale-{k}.txt")
         texts.append(expected)
     assert len(set(texts)) == 3
@@ -135,7 +135,7 @@ def test_continue_appends_to_a_story_far_longer_than_the_window(checkpoint, load
     appended = record["stories"][0]["text"]
     # the user's bytes stay, trailing blank lines included; the continuation follows them, its own
     # leading whitespace dropped (the file's stands in for it)
-    assert written == text + "\n\n" + appended + "\n" and appended == appended.lstrip()
+    assert written == text + "\n\n" + appended and appended == appended.lstrip()
     read = encode(loaded.tokenizer, text, chat=False).shape[1]
     assert read > 10 * 64 and record["prompt_tokens"] == read
     assert record["tokens_seen"] == read + 12 - 1 and record["kv_bytes"] == kv_bytes(16)
@@ -148,7 +148,7 @@ def test_continue_reads_a_short_story_like_a_new_one(checkpoint, loaded, tmp_pat
     result = story(checkpoint, "--continue", str(path), "--tokens", "30", "--seed", str(seed))
     assert result.exit_code == 0, result.output
     expected = as_text(loaded.tokenizer, reference_tokens(loaded, SHORT, 30, seed))
-    assert path.read_bytes().decode() == SHORT + expected + "\n"
+    assert path.read_bytes().decode() == SHORT + expected
     assert result.stdout.strip() == expected.strip()  # a pipe gets the new text only
 
 
@@ -164,6 +164,56 @@ def test_an_unwritable_out_fails_before_the_model_loads(checkpoint, tmp_path, mo
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("h2ochat: error:") and message in lines[0]
+
+
+def _no_loading(*args, **kwargs):
+    raise AssertionError("the model was loaded before --out was checked")
+
+
+@pytest.mark.parametrize("target", ["/sys/story.txt", "/proc/story.txt"])
+def test_an_out_the_permission_bits_allow_but_the_system_refuses_fails_before_loading(checkpoint, monkeypatch,
+                                                                                        target):
+    """As root, os.access says /sys and /proc are writable; creating a file there fails all the same."""
+    from pathlib import Path
+
+    if not Path(target).parent.is_dir():
+        pytest.skip(f"no {Path(target).parent} here")
+    try:
+        open(target, "ab").close()
+        pytest.skip(f"{target} can be written here")
+    except OSError:
+        pass
+    monkeypatch.setattr("h2ochat.commands.story.load", _no_loading)
+    result = story(checkpoint, "--tokens", "5", "--out", target)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"h2ochat: error: cannot write {target}")
+
+
+def test_checking_out_leaves_no_file_behind_and_an_existing_one_as_it_was(tmp_path):
+    from h2ochat.commands.story import check_writable
+
+    new, old = tmp_path / "new.txt", tmp_path / "old.txt"
+    old.write_bytes(b"kept as it is")
+    check_writable(new)
+    check_writable(old)
+    assert not new.exists() and old.read_bytes() == b"kept as it is"
+
+
+def test_a_continued_story_joins_the_text_as_written(checkpoint, loaded, tmp_path, seed):
+    """`story --out F` then `story --continue F`: the continuation follows the story's last word,
+    with no line break the first run put there of its own."""
+    path = tmp_path / "story.txt"
+    assert story(checkpoint, "--prompt", SHORT, "--tokens", "20", "--out", str(path), "--seed", str(seed)).exit_code == 0
+    first = as_text(loaded.tokenizer, reference_tokens(loaded, SHORT, 20, seed))
+    assert path.read_bytes().decode() == SHORT + first
+    result = story(checkpoint, "--continue", str(path), "--tokens", "20", "--seed", str(seed + 1))
+    assert result.exit_code == 0, result.output
+    told = SHORT + first
+    second = as_text(loaded.tokenizer, reference_tokens(loaded, told.rstrip(), 20, seed + 1))
+    if told != told.rstrip():  # a file ending in whitespace: the continuation's own gives way to it
+        second = second.lstrip()
+    assert path.read_bytes().decode() == told + second
 
 
 def test_continue_of_a_missing_file_is_one_line(checkpoint, tmp_path):
@@ -245,7 +295,7 @@ def test_continue_keeps_every_byte_the_user_wrote(checkpoint, shakespeare, seed)
     written = path.read_bytes()
     appended = json.loads(result.stdout)["stories"][0]["text"]
     assert written.startswith(head)  # "So, " and its space still there
-    assert written == head + appended.encode() + b"\n" and appended == appended.lstrip()
+    assert written == head + appended.encode() and appended == appended.lstrip()
 
 
 def test_continue_that_writes_nothing_leaves_the_file_as_it_was(checkpoint, loaded, shakespeare, monkeypatch):
@@ -343,9 +393,9 @@ def test_a_story_read_in_bursts_is_the_same_story(checkpoint, loaded, tmp_path, 
     assert result.exit_code == 0, result.output
     expected = as_text(loaded.tokenizer, reference_tokens(loaded, SHORT, 30, seed))
     if not stop_at_eos:  # a random model may draw its eos: then the story is a prefix of the reference
-        assert out.read_bytes().decode() == SHORT + expected + "\n"
+        assert out.read_bytes().decode() == SHORT + expected
     else:
-        assert (SHORT + expected + "\n").startswith(out.read_bytes().decode().removesuffix("\n"))
+        assert (SHORT + expected).startswith(out.read_bytes().decode())
     assert " tok/s" in result.stderr
 
 

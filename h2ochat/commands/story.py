@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 from contextlib import ExitStack, contextmanager
 import sys
 import time
@@ -91,8 +90,16 @@ def check_writable(path: Path) -> None:
     parent = path.parent
     if not parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no such directory", str(parent))
-    if not os.access(path if path.exists() else parent, os.W_OK):
-        raise PermissionError(errno.EACCES, "cannot write", str(path))
+    # open it for appending, as writing will: permission bits alone say yes to root on /sys or /proc,
+    # or on a read-only mount (an existing file is not changed; a new one is removed again)
+    existed = path.exists()
+    try:
+        with path.open("ab"):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def read_story(path: Path) -> str:
@@ -139,7 +146,6 @@ class Row:
         # the file already ends in whitespace: the continuation's own leading whitespace is dropped
         # (the model read the text without the trailing whitespace, and picks up after the last word)
         self.trim_leading = False
-        self.wrote = False
 
     def open(self, opening: str) -> None:
         """A new story's file, the opening first."""
@@ -163,15 +169,12 @@ class Row:
         if self.file is not None and piece:
             self.file.write(piece.encode("utf-8") if "b" in self.file.mode else piece)
             self.file.flush()
-            self.wrote = True
         return piece
 
     def close(self) -> None:
-        """End the story with a line break (only after text of its own: a run that wrote nothing
-        leaves the file exactly as it was)."""
+        """The file ends where the story does: no line break of the tool's own, which a later
+        ``--continue`` would have to follow in mid-sentence (a file's bytes are never rewritten)."""
         if self.file is not None:
-            if self.wrote:
-                self.file.write(b"\n" if "b" in self.file.mode else "\n")
             self.file.flush()
             if "b" not in self.file.mode:  # a file of ours; an appended story's file belongs to `appending`
                 self.file.close()
