@@ -11,18 +11,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import APIError, queue_full, server_error
-from .metrics import Metrics
+from .errors import APIError, queue_full, server_error, shutting_down
+from .metrics import Metrics, request_line
 from .parked import ParkedStore
 from .prepare import Preparer
 from .scheduler import Scheduler
 from .sequence import Prepared, Request
 
 log = logging.getLogger("h2ochat.serve")
+request_log = logging.getLogger("h2ochat.serve.requests")  # one line per request (`serve --quiet`: off)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._stopping = False  # stop() was called: submit refuses
         self._submitted = 0  # handed over, not yet taken from the inbox
         self._queued = 0  # waiting or being prefilled (the engine's count after its last step)
         self._gauges: dict[str, tuple[str, float]] = {}
@@ -70,25 +73,34 @@ class Engine:
         """Hand a request to the engine; a full queue raises the 429 ``APIError``."""
         loaded = self.loaded
         stop_ids = frozenset() if prepared.params.ignore_eos else loaded.stop_ids
-        request = Request(prepared, emit=lambda event: self._account(request, event, emit), stop_ids=stop_ids,
-                          tokenizer=loaded.tokenizer)
+        started = time.monotonic()
+        request = Request(prepared, emit=lambda event: self._account(request, event, emit, started),
+                          stop_ids=stop_ids, tokenizer=loaded.tokenizer)
         with self._lock:
+            if self._stopping:
+                raise shutting_down()
             if self._submitted + self._queued >= self.max_queue:
                 raise queue_full(self.retry_after_s)
             self._submitted += 1
-        self._inbox.put(("submit", request))
+            self._inbox.put(("submit", request))  # under the lock: never behind the stop message, never lost
         return request
 
     def cancel(self, request: Request) -> None:
         self._inbox.put(("cancel", request))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        self._inbox.put(("stop", None))
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Fail every request in the engine (their streams end with an error event) and end the thread;
+        True once it has ended, False if it is still loading or in a step after ``timeout`` (0: do not wait)."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._inbox.put(("stop", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- accounting (engine thread) --------------------------------------------------------------------
-    def _account(self, request: Request, event: tuple, emit: Callable[[tuple], None]) -> None:
+    def _account(self, request: Request, event: tuple, emit: Callable[[tuple], None], started: float) -> None:
         kind = event[0]
         if kind == "done":
             usage = event[1]
@@ -99,9 +111,10 @@ class Engine:
             if usage["prompt_tokens_details"]["cached_tokens"]:
                 self.metrics.add("parked_resumed_total")
             self.metrics.finished(request.choices[0].finish_reason or "stop")
+            request_log.info(request_line(request, time.monotonic() - started))
         elif kind == "error":
             self.metrics.finished("error")
-            log.warning("request %s failed: %s", request.id, event[1].message)
+            request_log.warning(request_line(request, time.monotonic() - started, error=event[1].message))
         emit(event)
 
     # -- the thread ------------------------------------------------------------------------------------
@@ -118,7 +131,7 @@ class Engine:
         self._update_gauges()
         while True:
             if not self._drain(block=self.scheduler.idle):
-                self.scheduler.fail_all(server_error("the server is shutting down"))
+                self.scheduler.fail_all(shutting_down())
                 return
             try:
                 self.scheduler.step()

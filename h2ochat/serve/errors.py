@@ -50,3 +50,9 @@ def loading() -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
+
+
+def shutting_down() -> APIError:
+    """A request the server ends (or refuses) because it is stopping (SIGINT, SIGTERM)."""
+    return APIError(503, "The server is shutting down; this request was not finished.", type="server_error",
+                    code="server_shutting_down")

@@ -6,6 +6,8 @@ import threading
 from collections import Counter
 from typing import Callable
 
+from .responses import response_id
+
 PREFIX = "h2ochat"
 
 
@@ -52,6 +54,20 @@ class Metrics:
         for reason in sorted({"stop", "length", "cancelled", "error"} | set(finished)):
             lines.append(f'{PREFIX}_requests_finished_total{{reason="{reason}"}} {_number(finished.get(reason, 0))}')
         return "\n".join(lines) + "\n"
+
+
+def request_line(request, seconds: float, error: str | None = None) -> str:
+    """The server log's line for a finished ``request`` (a sequence.Request), as llama-server and vLLM
+    log each one: the id its client saw, tokens in (cached: from a parked conversation) and out, the
+    tokens its cache evicted (per layer and KV head, summed), how long the engine had it, and each
+    choice's finish reason (or the error)."""
+    usage = request.usage()
+    reasons = ",".join(choice.finish_reason or "?" for choice in request.choices)
+    finish = f"error ({error})" if error is not None else reasons
+    return (f"request {response_id(request.prepared.params.kind, request.id)}: "
+            f"prompt={usage['prompt_tokens']} cached={usage['prompt_tokens_details']['cached_tokens']} "
+            f"generated={usage['completion_tokens']} evicted={usage['evicted_tokens']} time={seconds:.2f}s "
+            f"finish={finish}")
 
 
 def _number(value: float) -> str:

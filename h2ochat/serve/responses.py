@@ -11,7 +11,7 @@ class Shapes:
 
     def __init__(self, kind: str, request_id: str, created: int, model: str):
         self.kind, self.created, self.model = kind, created, model
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.id = response_id(kind, request_id)
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -40,6 +40,11 @@ class Shapes:
         choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
                    for i, (text, reason) in enumerate(zip(texts, reasons))]
         return self._envelope("text_completion", choices, usage=usage)
+
+
+def response_id(kind: str, request_id: str) -> str:
+    """The id a client sees for the engine's request ``request_id`` (the server log names it too)."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
 
 
 def sse(data: dict | str) -> str:
