@@ -64,6 +64,7 @@ from .generation import max_positions
 from .models import kv_bytes
 from .recall.synthetic import fill_cold_tier
 from .recall.tiered import RecallCache
+from .sizes import parse_size  # noqa: F401  (moved to sizes.py; tests/test_bench.py still reads it here)
 from .rotary import find_rotary
 
 VARIANTS = ("h2o", "slots", "full", "hf")
@@ -672,19 +673,6 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
             "same ratio in the process's CPU time per step, which other jobs' load barely moves; "
             f"targets {', '.join(f'<= {r}x up to {n} tokens' for n, r in RECALL_TARGETS)} (issue 18)")
     return report
-
-
-def parse_size(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise ValueError(f"--kv-memory must be a size like 2GiB, 512MiB or 1.5GB, got {text!r}")
-    number, unit, binary = match.groups()
-    base = 1024 if binary or not unit else 1000
-    value = float(number) * base ** "_kmgt".index(unit.lower() or "_")
-    if value <= 0:
-        raise ValueError(f"--kv-memory must be positive, got {text!r}")
-    return int(value)
 
 
 def parse_ints(text: str, option: str) -> list[int]:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import options as o
-from ..benchmark import parse_size
+from ..sizes import parse_size
 from ..errors import UserError, strict_user_errors
 from ..models import resolve
 from .common import RepeatLastN

@@ -23,20 +23,22 @@ import torch
 
 import h2ochat_kernels as kernels
 
+from .selector_names import CODE_BITS
+
 NEG_INF = float("-inf")
 
 
 def score_pages(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
-                valid: torch.Tensor, page: int, bits: int | None = None) -> torch.Tensor:
+                valid: torch.Tensor, page: int, bits: int | None = None,
+                backend: kernels.Backend | None = None) -> torch.Tensor:
     """The best q.k per page of ``page`` consecutive slots: queries [B, H, M, D], codes [B, H, T, W]
     (``bits``-bit codes packed as ``kernels.pack_codes`` lays them out, keys ~ codes * scale + offset;
     the keys themselves when scale is None), valid [B, H, T] -> [B, H, T // page]. Codes, scale and
     offset may be views into bigger buffers (the leading slots of a store): nothing is copied. The
-    Triton kernel on a GPU (through its op, so a compiled step holds it), its torch reference elsewhere."""
-    if kernels.kernel_backend(codes.device) == "triton" and not page & (page - 1):
-        from h2ochat_kernels import ops
-        return ops.page_scores(queries, codes, scale, offset, valid, page, bits)
-    return kernels.page_scores(queries, codes, scale, offset, valid, page, bits)
+    Triton kernel on a GPU (through its op, so a compiled step holds it), its torch reference elsewhere:
+    ``backend``'s choice (a cache layer's, made once), else the codes' device's."""
+    backend = backend if backend is not None else kernels.backend_for(codes.device)
+    return backend.page_scores(queries, codes, scale, offset, valid, page, bits)
 
 
 def score_tokens_in_pages(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
@@ -230,9 +232,9 @@ def _selectors() -> dict[str, Selector]:
     for sub in (2, 4, 8):
         table[f"quest{sub}"] = Selector(f"quest{sub}", quest_sub_digest(sub), quest_sub_score,
                                         lambda p, d, s=sub: 2 / s)
-    for bits in (1, 2, 3, 4, 6, 8):
+    # every intN / rotN the two-tier cache accepts (selector_names: one list for both)
+    for bits in CODE_BITS:
         table[f"int{bits}"] = Selector(f"int{bits}", quant_digest(bits), quant_score, quant_bytes_ratio(bits))
-    for bits in (2, 3, 4):
         table[f"rot{bits}"] = Selector(f"rot{bits}", rot_digest(bits), rot_score, quant_bytes_ratio(bits))
     for bits in (1, 2):
         # codes of b bits per channel plus the page's 16-bit min and max per channel

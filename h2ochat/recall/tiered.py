@@ -40,6 +40,8 @@ import torch
 from h2ochat_kernels.reference import row_weights
 
 from ..cache import H2OCache, H2OLayer
+from ..sizes import parse_share_or_count
+from . import selector_names
 from .cold_store import COLD_DTYPES, ColdStore
 from .bounds import PageBounds
 from .digests import KeyCodes
@@ -56,15 +58,25 @@ class RecallConfig:
     every: int = 1  # decode steps between recalls (prefill chunks always recall)
 
     def __post_init__(self):
+        self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every)
         if self.slots < self.page or self.slots % self.page:
             raise ValueError(f"--recall {self.slots} must be a whole number (>= 1) of --page {self.page} pages")
         if self.cold_limit is not None and self.cold_limit < self.slots:
             raise ValueError(f"--cold-limit {self.cold_limit} must hold at least the {self.slots} recall slots")
-        if self.every < 1:
-            raise ValueError(f"--recall-every must be >= 1, got {self.every}")
-        if self.cold_dtype not in COLD_DTYPES:  # here, not when the first layer allocates mid-run
-            raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {self.cold_dtype!r}")
-        self.bits  # validates the selector
+
+    @staticmethod
+    def check_options(page: int, selector: str, cold_dtype: str, cold_limit: int | None, every: int) -> None:
+        """The options that do not depend on the slot count, so they can be refused while recall is off
+        too (a later --recall would fail on them)."""
+        if isinstance(page, bool) or not isinstance(page, int) or page < 1:  # before any `% page`
+            raise ValueError(f"--page must be a whole number of tokens >= 1, got {page!r}")
+        if cold_limit is not None and cold_limit < 1:
+            raise ValueError(f"--cold-limit must be >= 1 token, got {cold_limit}")
+        if every < 1:
+            raise ValueError(f"--recall-every must be >= 1, got {every}")
+        if cold_dtype not in COLD_DTYPES:  # here, not when the first layer allocates mid-run
+            raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {cold_dtype!r}")
+        _selector_kind(selector)
 
     @property
     def frames(self) -> int:
@@ -81,25 +93,17 @@ class RecallConfig:
         return _selector_kind(self.selector)[0] == "rot"
 
 
-SELECTOR_HELP = ("exact (the best q.k of each page: the keys kept on the device), quest (Quest's per-channel "
-                 "min/max bound of each page), intN (the keys as N-bit codes, N 1-8) or rotN (the same after a "
-                 "fixed rotation that spreads outlier channels: the better codes)")
-
-
-def _selector_kind(name: str) -> tuple[str, int | None]:
-    if name in ("exact", "quest"):
-        return name, None
-    kind, digits = name[:3], name[3:]
-    if kind in ("int", "rot") and digits.isdigit() and 1 <= int(digits) <= 8:
-        return kind, int(digits)
-    raise ValueError(f"--selector {name!r}: choose {SELECTOR_HELP}")
+# the selector names: one list (selector_names.py) for this cache and the masked reference
+SELECTOR_HELP = selector_names.SELECTOR_HELP
+_selector_kind = selector_names.selector_kind
 
 
 def recall_slots(spec: str, slots: int) -> int:
-    """--recall: a count of slots (64) or a share of the budget written with a point (0.5)."""
+    """--recall: a count of slots (64) or a share of the budget written with a point or exponent
+    (0.5, 5e-1), read as --budget is (sizes.parse_share_or_count)."""
     text = str(spec).strip()
     try:
-        value = float(text) if "." in text else int(text)
+        value = parse_share_or_count(text, "--recall")
     except ValueError:
         raise ValueError(f"--recall takes a slot count (64) or a share of the budget (0.5), got {text!r}") from None
     count = round(value * slots) if isinstance(value, float) else value
