@@ -25,29 +25,55 @@ def distinct_ngrams(tokens: Sequence[int], n: int = DEFAULT_N) -> float:
 @dataclass
 class Repetition:
     n: int
-    window: int  # tokens in each stretch compared
-    first: float  # distinct n-gram share over the first `window` generated tokens
-    last: float  # ... and over the last `window`
+    window: int  # tokens in each stretch compared (0: too short to compare)
+    first: float | None  # distinct n-gram share over the first stretch (None: too short)
+    last: float | None  # ... and over the last, never overlapping the first
     tokens: int  # tokens measured
+    halves: bool = False  # shorter than two windows: the two halves were compared
 
     @property
-    def ratio(self) -> float:
-        """last / first: 1.0 = as varied at the end as at the start."""
+    def ratio(self) -> float | None:
+        """last / first: 1.0 = as varied at the end as at the start (None: too short to say)."""
+        if self.first is None or self.last is None:
+            return None
         return self.last / self.first if self.first else 0.0
 
     def to_json(self) -> dict:
-        return {**asdict(self), "ratio": round(self.ratio, 4), "first": round(self.first, 4),
-                "last": round(self.last, 4)}
+        def rounded(value):
+            return None if value is None else round(value, 4)
+
+        return {**asdict(self), "ratio": rounded(self.ratio), "first": rounded(self.first), "last": rounded(self.last)}
 
     def summary(self) -> str:
-        return (f"distinct {self.n}-grams {self.first:.2f} in the first {self.window} tokens, "
+        if self.first is None:
+            return (f"too short for a repetition figure ({self.tokens} tokens: two stretches of at least "
+                    f"{self.n} are compared)")
+        text = (f"distinct {self.n}-grams {self.first:.2f} in the first {self.window} tokens, "
                 f"{self.last:.2f} in the last {self.window}")
+        return text + (" (its two halves: shorter than two windows)" if self.halves else "")
+
+
+def batch_summary(checks: Sequence[Repetition]) -> str:
+    """One line for the figures of several stories (a story too short to compare shows as -)."""
+    def figures(which: str) -> str:
+        return " / ".join("-" if getattr(c, which) is None else f"{getattr(c, which):.2f}" for c in checks)
+
+    windows = {c.window for c in checks if c.first is not None}
+    if len(windows) == 1 and not any(c.halves for c in checks):
+        window = windows.pop()
+        return f"distinct {checks[0].n}-grams in the last {window} tokens: {figures('last')} (first {window}: {figures('first')})"
+    return (f"distinct {checks[0].n}-grams at the end: {figures('last')} (at the start: {figures('first')}; the two "
+            "halves of a story shorter than two windows, - too short)")
 
 
 def repetition(tokens: Sequence[int], window: int = DEFAULT_WINDOW, n: int = DEFAULT_N) -> Repetition:
-    """Distinct n-gram shares of the first and last ``window`` tokens (they overlap in a text shorter
-    than two windows; the whole text when shorter than one)."""
+    """Distinct n-gram shares of the first and last ``window`` tokens. The two never overlap (a
+    stretch compared with itself says nothing): a text shorter than two windows compares its halves,
+    one whose halves hold fewer than ``n`` tokens each gets no figure."""
     tokens = list(tokens)
-    window = max(min(window, len(tokens)), 0)
-    return Repetition(n=n, window=window, first=distinct_ngrams(tokens[:window], n),
-                      last=distinct_ngrams(tokens[len(tokens) - window :], n), tokens=len(tokens))
+    halves = len(tokens) < 2 * window
+    stretch = len(tokens) // 2 if halves else window
+    if stretch < n:
+        return Repetition(n=n, window=0, first=None, last=None, tokens=len(tokens), halves=halves)
+    return Repetition(n=n, window=stretch, first=distinct_ngrams(tokens[:stretch], n),
+                      last=distinct_ngrams(tokens[len(tokens) - stretch :], n), tokens=len(tokens), halves=halves)

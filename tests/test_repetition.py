@@ -109,5 +109,5 @@ def test_repetition_compares_the_first_and_last_windows(seed):
     assert figures.first == 1.0
     assert figures.last == pytest.approx(3 / 297)
     assert figures.ratio == pytest.approx(3 / 297)
-    short = repetition(varied[:50], window=300)  # shorter than a window: the whole text both times
-    assert (short.window, short.first, short.last) == (50, 1.0, 1.0)
+    short = repetition(varied[:50], window=300)  # shorter than two windows: its halves (tests/test_figures_repetition.py)
+    assert (short.window, short.first, short.last, short.halves) == (25, 1.0, 1.0, True)

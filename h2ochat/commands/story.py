@@ -42,7 +42,7 @@ from ..generation import Sampling, Timing, prefill, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode
 from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
-from ..textstats import repetition
+from ..textstats import batch_summary, repetition
 from ..ui import ReplyPrinter, StatusLine, TokenProgress, format_bytes, format_duration, make_console, percent
 from .common import RepeatLastN, loading
 
@@ -418,9 +418,7 @@ def summary_line(cache, rows: list[Row], checks, read_tokens: int, read_s: float
     if count == 1:
         parts.append(checks[0].summary())
     else:
-        parts.append(f"distinct 4-grams in the last {checks[0].window} tokens: "
-                     + " / ".join(f"{c.last:.2f}" for c in checks) + f" (first {checks[0].window}: "
-                     + " / ".join(f"{c.first:.2f}" for c in checks) + ")")
+        parts.append(batch_summary(checks))
     files = [str(row.path) for row in rows if row.path is not None]
     if files:
         parts.append(("appended to " if continued else "written to ") + (files[0] if count == 1 else f"{files[0]} … {files[-1]}"))
