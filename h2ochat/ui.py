@@ -112,6 +112,10 @@ def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = Fals
     if live:
         rate = timing.decode_tokens_per_s if timing is not None else 0.0
         parts.append(f"{rate:.1f} tok/s" if rate else "reading prompt…")
+    from .threads import chosen  # the CPU threads torch computes with (--threads or the rule's choice)
+
+    if chosen() is not None:
+        parts.append(f"{chosen()} thread" + ("s" if chosen() != 1 else ""))
     return " │ ".join(parts)
 
 
