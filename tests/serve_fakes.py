@@ -35,16 +35,29 @@ class FakeJob:
         self.request, self.fed = request, 0
 
 
-class FakeBackend:
-    """Rows hold the list of tokens they have read; prefill feeds ``chunk`` tokens a call."""
+def power_of_two_buckets(rows: int) -> list[int]:
+    """1, 2, 4, ... below ``rows``, then ``rows``: the real backend's default decode sizes."""
+    sizes, size = [], 1
+    while size < rows:
+        sizes.append(size)
+        size *= 2
+    return sizes + [rows]
 
-    def __init__(self, rows: int, chunk: int = 4):
+
+class FakeBackend:
+    """Rows hold the list of tokens they have read; prefill feeds ``chunk`` tokens a call; a decode
+    step runs the smallest of ``buckets`` (default 1, 2, 4, ...) that holds the rows in use."""
+
+    def __init__(self, rows: int, chunk: int = 4, buckets: list[int] | None = None):
         self.rows, self.chunk = rows, chunk
+        self.buckets = buckets or power_of_two_buckets(rows)
         self.state: list[list[int] | None] = [None] * rows
-        self.log: list[tuple] = []  # ("prefill", request id, tokens) / ("decode", rows in use)
+        self.log: list[tuple] = []  # ("prefill", request id, tokens) / ("decode", rows in use) / ("move", from, to)
+        self.ran: list[int] = []  # rows each decode step ran
         self.released: list[tuple[int, object]] = []
         self.aborted: list[object] = []
         self.fail_prefill = self.fail_decode = False
+        self.poisoned: set[int] = set()  # rows whose next logits are NaN (a broken model)
 
     def begin(self, request):
         request.fed_ids = list(request.prompt_ids)
@@ -68,19 +81,31 @@ class FakeBackend:
     def abort(self, job):
         self.aborted.append(job)
 
+    def bucket(self, rows):
+        return min(size for size in self.buckets if size >= rows)
+
+    def move(self, source, target):
+        assert self.state[source] is not None and self.state[target] is None, "a move must fill a free row"
+        self.state[target], self.state[source] = self.state[source], None
+        self.log.append(("move", source, target))
+
     def decode(self, tokens):
         if self.fail_decode:
             raise RuntimeError("decode broke")
-        self.log.append(("decode", tuple(row for row, s in enumerate(self.state) if s is not None)))
-        logits = torch.zeros(self.rows, VOCAB)
+        assert len(tokens) == self.rows
         for row, history in enumerate(self.state):
-            if history is not None:
-                history.append(tokens[row])
-                logits[row] = one_hot(next_token(history))
+            assert (tokens[row] is None) == (history is None), "a free row was fed, or a row in use was not"
+        in_use = [row for row, s in enumerate(self.state) if s is not None]
+        size = self.bucket(in_use[-1] + 1)
+        self.log.append(("decode", tuple(in_use)))
+        self.ran.append(size)
+        logits = torch.zeros(size, VOCAB)
+        for row in in_use:
+            self.state[row].append(tokens[row])
+            logits[row] = one_hot(next_token(self.state[row]))
+            if row in self.poisoned:
+                logits[row, 5] = float("nan")
         return logits
-
-    def decoded(self, free_rows):
-        pass
 
     def release(self, row, choice):
         self.released.append((row, choice))

@@ -4,7 +4,9 @@ when it joined, or on whether its conversation was parked and resumed; the compi
 gives the eager tokens; the full policy reserves its slots and the preparer refuses what exceeds them.
 
 References run through the same N-row batch (every row's numbers are bitwise the same whatever the
-other rows hold), so token comparisons cannot turn on a floating-point near-tie."""
+other rows hold), so token comparisons cannot turn on a floating-point near-tie: the tests that
+compare a request in a batch with itself alone run every step on all N rows (``buckets=(ROWS,)``;
+a step of fewer rows rounds the last bit differently). test_serve_rows.py tests the buckets."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def alone(model, prompt, max_tokens, **kwargs):
 def test_tokens_do_not_depend_on_the_batch_or_when_a_request_joins(family, policy, budget, seed):
     rng = random.Random(seed)
     model = build_model(family)
-    scheduler, _ = engine(model, policy, budget)
+    scheduler, _ = engine(model, policy, budget, buckets=(ROWS,))
     requests = [make_request(prompt, max_tokens=rng.randint(1, 20), stop_ids=()) for prompt in prompts(rng, 6)]
     # two at once, the others joining while they run
     for request in requests[:2]:
@@ -70,7 +72,8 @@ def test_tokens_do_not_depend_on_the_batch_or_when_a_request_joins(family, polic
         scheduler.submit(request)
     drain(scheduler)
     for request in requests:
-        expected = alone(model, request.prompt_ids, request.prepared.max_tokens, policy=policy, budget=budget)
+        expected = alone(model, request.prompt_ids, request.prepared.max_tokens, policy=policy, budget=budget,
+                         buckets=(ROWS,))
         assert generated(request) == [expected]
 
 

@@ -1,10 +1,18 @@
 """The scheduler's ``Backend`` on a real model: one ``H2OCache`` of N rows, 1-row prefill caches.
 
-The batch cache has static shapes: every decode step feeds all N rows (free rows a dummy token),
-attends over all C slots of each and evicts in place, so ``--compile`` captures one graph. A
+The batch cache has static shapes. A decode step runs the smallest bucket of rows (1, 2, 4, ... N)
+that holds the rows in use (the scheduler keeps them at the front, ``move``): each bucket is a cache
+over the first rows of the batch cache, sharing its slots (views, so nothing is copied and a
+compiled step captures one graph per bucket, as vLLM captures one per batch size), and the free rows
+inside it are left out of the step by the cache's ``active`` mask: they write nothing, and their
+counters stand still. Every step attends over all C slots of each row and evicts in place. A
 newcomer's prompt is fed in ``prefill_chunk`` pieces into a 1-row cache of the same settings
 (resumed from a parked conversation when one matches), then copied into free rows with
 ``H2OCache.import_row``. A row that ends is exported to the parked store and reset.
+
+A cache that cannot leave rows out of a step (``masks_inactive_rows`` False: a recall tier, whose
+evictions go to its cold store) runs all N rows every step: free rows are fed a placeholder token
+(their output is ignored) and reset before their positions could reach the model's limit.
 
 What a resumed conversation equals: the chat REPL's conversation on one cache that was never
 reset. The parked cache is the row's state when its request ended (the prompt and every
@@ -16,10 +24,11 @@ exactly as ``Conversation.send`` does on its next turn.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 
-from ..cache import H2OCache
+from ..kv import H2OCache
 from ..generation import CacheSettings, forward, max_positions, prefill
 from .parked import Parked, ParkedStore
 from .sequence import Choice, Request
@@ -42,7 +51,7 @@ class ModelBackend:
     """Backend over ``model`` with ``rows`` sequence rows of ``settings``' cache."""
 
     def __init__(self, model, settings: CacheSettings, rows: int, *, store: ParkedStore, prefill_chunk: int,
-                 compile: bool = False, compile_backend: str | None = None):
+                 compile: bool = False, compile_backend: str | None = None, buckets: Sequence[int] | None = None):
         self.model, self.settings, self.rows, self.store = model, settings, rows, store
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -67,7 +76,15 @@ class ModelBackend:
             from ..compiled import CompiledDecode
 
             self.decode_step = CompiledDecode(model, backend=compile_backend)
-        # a free row is fed dummy tokens: reset it before its positions could reach the model's limit
+        self.masks_rows = self.cache.masks_inactive_rows
+        # rows a decode step may run: the caches over the first rows of the batch cache, made at first use
+        self.buckets = sorted(set(buckets)) if buckets else bucket_sizes(rows)
+        if not self.masks_rows or self.buckets[-1] != rows:
+            self.buckets = [rows]
+        self._prefixes: dict[int, H2OCache] = {rows: self.cache}
+        self.steps_by_rows: dict[int, int] = {}  # decode steps run per bucket (what the tests and /metrics see)
+        # a cache that cannot leave rows out feeds its free rows a placeholder: reset one before its
+        # positions could reach the model's limit
         self.free_steps = [0] * rows
         self.free_step_limit = max(1, self.max_positions // 2)
 
@@ -113,28 +130,71 @@ class ModelBackend:
     def abort(self, job: PrefillJob) -> None:
         job.cache.layers.clear()
 
-    def decode(self, tokens: list[int]) -> torch.Tensor:
+    def bucket(self, rows: int) -> int:
+        """The rows a decode step runs when rows 0..rows-1 are in use: the smallest bucket holding them."""
+        return next(size for size in self.buckets if size >= rows)
+
+    def move(self, source: int, target: int) -> None:
+        """Row ``source``'s cache into the free row ``target`` (on the device), ``source`` reset."""
+        self.cache.import_row(target, self.cache.export_row(source, device=self.device))
+        self.cache.reset_row(source)
+        self.free_steps[target] = self.free_steps[source] = 0
+
+    def decode(self, tokens: list[int | None]) -> torch.Tensor:
+        """One step of the rows in use (``tokens[row]``, None for a free row): the logits of the
+        bucket's rows [R, V] (the free rows' are meaningless)."""
+        if not self.masks_rows:
+            return self._decode_every_row(tokens)
+        in_use = [row for row, token in enumerate(tokens) if token is not None]
+        size = self.bucket(in_use[-1] + 1 if in_use else 1)
+        fed = [token if token is not None else 0 for token in tokens[:size]]  # (a row left out reads nothing)
+        return self._step(size, fed, [token is not None for token in tokens[:size]])
+
+    def _step(self, size: int, tokens: list[int], active: list[bool] | None) -> torch.Tensor:
+        """One decode step of the cache over rows 0..size-1 (``active``: the rows taking part; None: all)."""
+        cache = self._prefix(size)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
-        with torch.inference_mode():
-            if self.decode_step is not None:
-                logits = self.decode_step(self.cache, input_ids)
-            else:
-                logits = forward(self.model, self.cache, input_ids, logits_to_keep=1)[:, -1]
+        mask = torch.tensor(active, dtype=torch.bool, device=self.device) if active is not None else None
+        self.steps_by_rows[size] = self.steps_by_rows.get(size, 0) + 1
+        if cache is not self.cache:
+            share_host_counters(self.cache, cache)
+        try:
+            with torch.inference_mode():
+                if self.decode_step is not None:
+                    return self.decode_step(cache, input_ids, mask)
+                return forward(self.model, cache, input_ids, logits_to_keep=1, active=mask)[:, -1]
+        finally:
+            if cache is not self.cache:
+                share_host_counters(cache, self.cache)
+
+    def _decode_every_row(self, tokens: list[int | None]) -> torch.Tensor:
+        """The step of a cache that cannot leave rows out: every row, free ones fed a placeholder."""
+        logits = self._step(self.rows, [token if token is not None else 0 for token in tokens], None)
+        for row, token in enumerate(tokens):
+            if token is None:
+                self.free_steps[row] += 1
+                if self.free_steps[row] >= self.free_step_limit:
+                    self.cache.reset_row(row)
+                    self.free_steps[row] = 0
         return logits
 
-    def warm_up(self) -> None:
-        """One decode step of dummy tokens (a compiled step is built here), then every row reset."""
-        self.decode([0] * self.rows)
-        for row in range(self.rows):
-            self.cache.reset_row(row)
+    def _prefix(self, size: int) -> H2OCache:
+        if size not in self._prefixes:
+            self._prefixes[size] = prefix_cache(self.cache, size, lambda: self._new_cache(size, static_shapes=True))
+        return self._prefixes[size]
 
-    def decoded(self, free: list[int]) -> None:
-        """After a decode step: the free rows were fed one more dummy token."""
-        for row in free:
-            self.free_steps[row] += 1
-            if self.free_steps[row] >= self.free_step_limit:
+    def warm_up(self) -> None:
+        """One decode step of every bucket with every row left out (a compiled step is built here for
+        each): nothing is written, and the host counters are put back."""
+        if not self.masks_rows:
+            self._decode_every_row([None] * self.rows)
+            for row in range(self.rows):
                 self.cache.reset_row(row)
-                self.free_steps[row] = 0
+            return
+        before = self.cache.host_counters()
+        for size in self.buckets:
+            self._step(size, [0] * size, [False] * size)
+        self.cache.restore_host_counters(before)
 
     def release(self, row: int, choice: Choice | None) -> None:
         if choice is not None:
@@ -146,3 +206,40 @@ class ModelBackend:
 
     def evicted(self, row: int) -> int:
         return sum(int(layer.evicted[row].sum()) for layer in self.cache.layers)
+
+
+def bucket_sizes(rows: int) -> list[int]:
+    """1, 2, 4, ... below ``rows``, then ``rows``."""
+    sizes = [1 << power for power in range(max(rows - 1, 0).bit_length())]
+    return [size for size in sizes if size < rows] + [rows]
+
+
+def prefix_cache(cache: H2OCache, rows: int, fresh) -> H2OCache:
+    """A cache over the first ``rows`` rows of ``cache``: ``fresh()`` (an allocated cache of ``rows``
+    rows and the same settings) with every state tensor and per-row counter replaced by a view of
+    ``cache``'s, so both read and write the same slots. Its host counters are its own (see
+    ``share_host_counters``).
+
+    A workaround until the cache offers this itself (``H2OCache.prefix(rows)``): it relies on each
+    layer's ``state_tensors()`` naming attributes of the layer, and on ``tokens_fed`` and
+    ``next_position`` being the only per-row tensors of the cache; it checks that every tensor
+    ends up shared and refuses otherwise."""
+    view = fresh()
+    with torch.inference_mode():
+        for mine, theirs in zip(view.layers, cache.layers):
+            for name, tensor in theirs.state_tensors().items():
+                setattr(mine, name, tensor[:rows])
+        view.tokens_fed, view.next_position = cache.tokens_fed[:rows], cache.next_position[:rows]
+    shared = [tensor.data_ptr() for layer in view.layers for tensor in layer.state_tensors().values()]
+    expected = [tensor.data_ptr() for layer in cache.layers for tensor in layer.state_tensors().values()]
+    if shared != expected:
+        raise RuntimeError("the cache's layers hold state that prefix_cache cannot share")
+    return view
+
+
+def share_host_counters(source: H2OCache, target: H2OCache) -> None:
+    """``target`` takes ``source``'s host counters (the bound on positions, the re-numbering count,
+    each layer's slot columns in use and columns fed): the batch cache and its prefix caches hold
+    the same rows, and whichever ran the last step holds the counters that are right for all."""
+    target.compactions = source.compactions
+    target.restore_host_counters(source.host_counters())

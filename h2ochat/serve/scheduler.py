@@ -1,15 +1,18 @@
 """Continuous batching over a fixed set of N rows, with chunked prefill of newcomers.
 
 Every ``step`` runs at most one prefill chunk of the request being admitted, then one decode step
-of all N rows (free rows are fed a dummy token and their output ignored: the batch keeps its shape,
-which is what lets ``--compile`` capture the step once). A newcomer is prefilled on a cache of its
-own, chunk by chunk between the others' decode steps, and moved into free rows when its prompt is
-read, so it never stalls the batch for more than one chunk. A row is recycled the step after its
-choice finishes, hits a stop or is cancelled: its cache is parked and the row reset. Rows never grow,
-so nothing is ever preempted.
+of the rows in use. Rows in use are kept at the front (a row freed below others is filled by moving
+the highest one down, only when that lets the step run fewer rows): the backend runs the smallest
+of its bucket sizes (1, 2, 4, ... N rows) that holds them and leaves the free rows among them out of
+the step, so one chat on a large server costs what it costs on a 1-row server, and ``--compile``
+captures one graph per bucket. A newcomer is prefilled on a cache of its own, chunk by chunk between
+the others' decode steps, and moved into free rows when its prompt is read, so it never stalls the
+batch for more than one chunk. A row is recycled the step after its choice finishes, hits a stop or
+is cancelled: its cache is parked and the row reset. Rows never grow, so nothing is ever preempted.
 
-The model sits behind ``Backend``; the scheduler only decides what runs when, so it is tested with
-a fake model. It runs on the engine thread only.
+Every step's tokens are sampled in one call (``serve.sampling``); a request whose sampling or text
+fails fails alone, the others go on. The model sits behind ``Backend``; the scheduler only decides
+what runs when, so it is tested with a fake model. It runs on the engine thread only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Protocol
 import torch
 
 from .errors import APIError, server_error
+from .sampling import sample_rows
 from .sequence import Choice, Request
 
 
@@ -39,20 +43,21 @@ class Backend(Protocol):
     def abort(self, job) -> None:
         """Drop a job whose request went away before it had rows."""
 
-    def decode(self, tokens: list[int]) -> torch.Tensor:
-        """Feed one token per row (all N); the next-token logits [N, V]."""
+    def decode(self, tokens: list[int | None]) -> torch.Tensor:
+        """Feed each row in use its token (``tokens[row]``; None: a free row, left out of the step);
+        the next-token logits [R, V] of rows 0..R-1, R above the highest row in use."""
+
+    def bucket(self, rows: int) -> int:
+        """How many rows a decode step runs when rows 0..rows-1 are in use."""
+
+    def move(self, source: int, target: int) -> None:
+        """Move row ``source``'s cache into the free row ``target``; ``source`` is free after."""
 
     def release(self, row: int, choice: Choice | None) -> None:
         """Free ``row``: park its cache as ``choice``'s conversation (None: do not park), reset it."""
 
-    def decoded(self, free_rows: list[int]) -> None:
-        """After a decode step: ``free_rows`` were fed a dummy token."""
-
     def evicted(self, row: int) -> int:
         """Tokens evicted so far in ``row`` (per layer and KV head, summed)."""
-
-
-DUMMY_TOKEN = 0  # what a free row is fed (its output is ignored and its cache reset before reuse)
 
 
 class Scheduler:
@@ -138,16 +143,14 @@ class Scheduler:
             choice.row = row
             choice.evicted_at_start = self.backend.evicted(row)
             self.rows[row] = choice
-        for row, choice in zip(rows, request.choices):
-            self._advance(row, choice, logits)
+        self._advance(list(zip(rows, request.choices)), logits.unsqueeze(0).expand(len(rows), -1))
         return True
 
     def _decode_step(self) -> None:
-        tokens = [choice.last if choice is not None else DUMMY_TOKEN for choice in self.rows]
-        free = self.free_rows
+        self._pack()
+        tokens = [choice.last if choice is not None else None for choice in self.rows]
         try:
             logits = self.backend.decode(tokens)
-            self.backend.decoded(free)
         except Exception as exc:  # noqa: BLE001  the batch's state is unknown: fail its requests, free every row
             error = _as_api_error(exc)
             for row, choice in enumerate(self.rows):
@@ -156,17 +159,61 @@ class Scheduler:
                     if choice.finish_reason is None:
                         choice.request.fail(error)
             return
-        for row, choice in enumerate(self.rows):
-            if choice is not None:
-                self._advance(row, choice, logits[row])
+        running = [(row, choice) for row, choice in enumerate(self.rows) if choice is not None]
+        in_use = [row for row, _ in running]
+        if in_use != list(range(len(in_use))):  # (packed rows need no gather)
+            logits = logits.index_select(0, torch.tensor(in_use, device=logits.device))
+        self._advance(running, logits[: len(in_use)])
 
-    def _advance(self, row: int, choice: Choice, logits: torch.Tensor) -> None:
-        """Sample the row's next token; a choice that is over frees its row first (so the usage
-        counts its evictions) and then says so."""
-        reason = choice.push(choice.sample(logits))
-        if reason is not None:
-            self._free(row, park=True)
-            choice.finish(reason)
+    def _pack(self) -> None:
+        """Move the highest rows in use down into free rows when the rows in use would then fit a
+        smaller bucket (a decode step runs rows 0..bucket-1): a move copies one row's cache."""
+        in_use = [row for row, choice in enumerate(self.rows) if choice is not None]
+        if not in_use:
+            return
+        size = self.backend.bucket(len(in_use))
+        if in_use[-1] < size:
+            return
+        targets = [row for row in self.free_rows if row < size]
+        for source, target in zip(reversed([row for row in in_use if row >= size]), targets):
+            choice = self.rows[source]
+            if choice is None:  # (its request failed on an earlier move)
+                continue
+            try:
+                self.backend.move(source, target)
+            except Exception as exc:  # noqa: BLE001  both rows' state is unknown: its request fails, both are reset
+                self._fail(choice.request, _as_api_error(exc))
+                self.backend.release(target, None)
+                continue
+            self.rows[source], self.rows[target] = None, choice
+            choice.row = target
+
+    def _advance(self, running: list[tuple[int, Choice]], logits: torch.Tensor) -> None:
+        """Sample every running row's next token (``logits`` [R, V], one per entry of ``running``) in
+        one call; a choice that is over frees its row first (so the usage counts its evictions) and
+        then says so. A request whose sampling or text fails fails alone."""
+        tokens = sample_rows(logits, [choice for _, choice in running])
+        for (row, choice), token in zip(running, tokens):
+            if self.rows[row] is not choice:  # its request failed on an earlier row of this step
+                continue
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                reason = choice.push(token)
+            except Exception as exc:  # noqa: BLE001  one request's failure must not stop the others
+                self._fail(choice.request, _as_api_error(exc))
+                continue
+            if reason is not None:
+                self._free(row, park=True)
+                choice.finish(reason)
+
+    def _fail(self, request: Request, error: APIError) -> None:
+        """``request`` fails: every row it holds is freed (nothing parked)."""
+        for row, choice in enumerate(self.rows):
+            if choice is not None and choice.request is request:
+                self._free(row, park=False)
+        if not request.finished:
+            request.fail(error)
 
     def _free(self, row: int, *, park: bool) -> None:
         choice = self.rows[row]

@@ -1,7 +1,8 @@
 """One request as the engine sees it: its prompt tokens, its choices, and the events it sends back.
 
 A ``Choice`` is one sequence being generated (a request with ``n`` = 3 has three, each in its own
-row): it samples its next token with its own settings and random stream, turns tokens into text,
+row): it holds its own settings, random stream and repetition window (``serve.sampling`` draws every
+row's token of a step at once, on the logits' device), turns tokens into text,
 applies stop tokens, stop strings and ``max_tokens``, and emits text as soon as no stop string can
 still begin in it. Events go to the request's ``emit`` callback (the engine thread calls it; the
 server hands each event over to the event loop):
@@ -22,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..detokenize import CONTEXT_IDS, TextStream
-from ..generation import Sampling, sample
+from ..generation import Sampling
 from ..repetition import RecentTokens
 from .api import RequestParams
 
@@ -48,7 +49,8 @@ class Choice:
     def __init__(self, request: "Request", index: int, tokenizer, seed: int):
         self.request, self.index = request, index
         self.sampling = request.prepared.sampling
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generator: torch.Generator | None = None  # made on the logits' device at the first draw
         self.seen: RecentTokens | None = None
         # seeded with the prompt's last ids, as the chat does: the first word joins the prompt as in the whole text
         self.text_stream = TextStream(tokenizer, context=request.prompt_ids[-CONTEXT_IDS:],
@@ -65,17 +67,21 @@ class Choice:
     def last(self) -> int:
         return self.generated[-1]
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """The next token from ``logits`` [V] (its own generator, the repetition window of this request)."""
-        if self.sampling.repetition_penalty != 1.0 and self.seen is None:
-            fed = torch.tensor([self.request.fed_ids], dtype=torch.long)
-            self.seen = RecentTokens(fed, None, logits.shape[-1], self.sampling.repeat_last_n)
-            for token in self.generated:
-                self.seen.push(torch.tensor([token]))
-        token = sample(logits.view(1, -1), self.sampling, self.generator, self.seen)
-        if self.seen is not None:
-            self.seen.push(token)
-        return int(token[0])
+    # -- what the batch sampler asks (serve.sampling.SampledRow) ---------------------------------
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """This choice's random stream, made on ``device`` (the logits') at its first draw and seeded
+        as the request says: on the CPU the same stream as a ``torch.Generator().manual_seed(seed)``."""
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
+
+    def window_on(self, device: torch.device, vocab: int) -> RecentTokens:
+        """The tokens the repetition penalty looks at, on ``device``: made at the first draw from the
+        prompt tokens this request fed; the sampler pushes each token drawn."""
+        if self.seen is None:
+            fed = torch.tensor([self.request.fed_ids], dtype=torch.long, device=device)
+            self.seen = RecentTokens(fed, None, vocab, self.sampling.repeat_last_n)
+        return self.seen
 
     def push(self, token: int) -> str | None:
         """Take the next generated token; the finish reason when the choice is over (the caller
