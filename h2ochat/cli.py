@@ -1,22 +1,97 @@
-"""The `h2ochat` command: sub-commands live in h2ochat/commands/, one module each."""
+"""The `h2ochat` command: sub-commands live in h2ochat/commands/, one module each.
+
+A sub-command's module is imported only when that command runs (or shows its own help): `h2ochat
+--help`, a typo in a command name or `h2ochat history` never import torch or transformers, which take
+seconds. The command list reads each command's summary from its module's source (its docstring).
+"""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import os
 import sys
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 try:  # typer >= 0.24 vendors click
     from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
-from .commands import bench, eval, generate, history, list_models, run, serve, story
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE
+
+# command name -> module in h2ochat/commands/, in the order --help lists them
+COMMANDS = {"generate": "generate", "eval": "eval", "bench": "bench", "run": "run", "story": "story",
+            "history": "history", "models": "list_models", "serve": "serve"}
+# the commands that load a model: they take --threads (options.takes_threads)
+MODEL_COMMANDS = ("generate", "eval", "bench", "run", "story", "serve")
+
+
+def command_summary(name: str) -> str:
+    """The first paragraph of the docstring of the function ``register`` hands to
+    ``app.command(name)``, read from the module's source without importing it."""
+    spec = importlib.util.find_spec(f"{__package__}.commands.{COMMANDS[name]}")
+    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for node in ast.walk(functions["register"]):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Call) and node.args \
+                and isinstance(node.args[0], ast.Name) and node.args[0].id in functions:
+            doc = ast.get_docstring(functions[node.args[0].id]) or ""
+            return " ".join(doc.split("\n\n")[0].split())  # its first paragraph, on one line
+    return ""
+
+
+def build_command(name: str) -> TyperCommand:
+    """The click command of one sub-command (its module imported now)."""
+    from . import options
+
+    module = importlib.import_module(f"{__package__}.commands.{COMMANDS[name]}")
+    single = typer.Typer(pretty_exceptions_enable=False)
+    module.register(single)
+    if name in MODEL_COMMANDS:
+        for info in single.registered_commands:
+            info.callback = options.takes_threads(info.callback)
+    command = typer.main.get_command(single)
+    command.name = name
+    return command
+
+
+class LazyGroup(TyperGroup):
+    """The root command: sub-commands are built on first use; the command list of --help is built
+    from summaries alone."""
+
+    def __init__(self, **attrs):
+        super().__init__(**attrs)
+        self.commands = dict.fromkeys(COMMANDS)  # names for typo suggestions ("Did you mean ...")
+        self._built: dict[str, TyperCommand] = {}
+        self._listing = False
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name not in COMMANDS:
+            return None
+        if self._listing:  # the help's command list: a name and a summary are enough
+            return TyperCommand(cmd_name, help=command_summary(cmd_name))
+        if cmd_name not in self._built:
+            self._built[cmd_name] = build_command(cmd_name)
+        return self._built[cmd_name]
+
+    def format_help(self, ctx, formatter) -> None:
+        self._listing = True
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
 
 app = typer.Typer(
     name="h2ochat",
+    cls=LazyGroup,
     help="Chat and long-form generation in a fixed KV-cache budget (H2O heavy-hitter cache).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -27,10 +102,6 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """Chat and long-form generation in a fixed KV-cache budget (H2O heavy-hitter cache)."""
-
-
-for command_module in (generate, eval, bench, run, story, history, list_models, serve):
-    command_module.register(app)
 
 
 def main() -> None:

@@ -15,8 +15,7 @@ from contextlib import contextmanager
 
 import typer
 
-from .cache import PositionLimitError
-from .models import ModelError
+from .models import ModelError  # models.py imports nothing heavy at import time
 
 
 class UserError(ValueError):
@@ -24,10 +23,19 @@ class UserError(ValueError):
     with ``except ValueError`` keeps working.)"""
 
 
-USER_ERRORS = (UserError, ModelError, PositionLimitError, FileNotFoundError, IsADirectoryError, PermissionError,
-               UnicodeDecodeError, MemoryError)
+USER_ERRORS = (UserError, ModelError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError,
+               MemoryError)
 # commands whose checks still raise plain ValueError for bad input (eval, bench) keep this wider net
 LEGACY_USER_ERRORS = USER_ERRORS + (ValueError,)
+
+
+def position_limit_error() -> tuple[type[BaseException], ...]:
+    """The cache's PositionLimitError, when the cache module is loaded at all (only then can it have
+    been raised): importing it here would import torch with every command, --help included."""
+    module = sys.modules.get(f"{__package__}.kv")
+    return (module.PositionLimitError,) if module is not None and hasattr(module, "PositionLimitError") else ()
+
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -68,7 +76,9 @@ def _one_line_errors(command, expected: tuple[type[BaseException], ...]):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except expected as exc:
+        except Exception as exc:
+            if not isinstance(exc, expected + position_limit_error()):
+                raise
             if debugging():
                 raise
             raise fail(one_line(exc)) from None

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from . import attention
+# torch, transformers and the h2o attention (which imports transformers) are imported where they are
+# used: `h2ochat --help` and option checks read this module, and those imports take seconds
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -156,6 +155,7 @@ def config_parameters(config) -> int:
     """Parameters of the model ``config`` describes, counted on the meta device (nothing allocated;
     tied embeddings counted once)."""
     from transformers import AutoModelForCausalLM
+    import torch
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))  # from_config writes onto the config
@@ -166,7 +166,10 @@ def build_random(config, dtype: torch.dtype, device: str | torch.device):
     """The model ``config`` describes with random weights, allocated on ``device`` in ``dtype`` as it is
     built: built on the CPU in fp32 and then moved, a 6.7B model would take 27 GB of host memory and
     minutes; this way it takes seconds on a GPU."""
+    import torch
     from transformers import AutoModelForCausalLM
+
+    from . import attention
 
     attention.register()
     with torch.device(device):  # default device of every tensor created inside; from_config sets the dtype
@@ -198,6 +201,8 @@ class ByteTokenizer:
 
     def __call__(self, text: str, return_tensors: str = "pt"):
         from types import SimpleNamespace
+
+        import torch
 
         return SimpleNamespace(input_ids=torch.tensor([self.encode(text)], dtype=torch.long))
 
@@ -256,6 +261,7 @@ def parameter_count(source: ModelSource, local_dir: Path | None = None) -> int |
 def available_memory(device: str) -> int:
     """Bytes free for weights on ``device`` ("cpu", "cuda", or "auto" for device_map=auto)."""
     import psutil
+    import torch
 
     cpu = psutil.virtual_memory().available
     if device == "cpu" or not torch.cuda.is_available():
@@ -269,6 +275,8 @@ def kv_bytes(config, slots: int, batch: int, dtype: torch.dtype) -> int:
     layers x KV heads x head_dim x slots x batch x 2 (K and V) x bytes per element, what
     ``H2OCache.kv_bytes()`` reports once allocated (its per-slot score and indices come on top:
     20 bytes against 512 for K and V at head_dim 128 in fp16)."""
+    import torch
+
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers * heads * head_dim * 2 * slots * batch * (torch.finfo(dtype).bits // 8)
@@ -279,6 +287,8 @@ def check_memory(params: int | None, dtype: torch.dtype, device: str, name: str,
     """Refuse in one line a model whose weights (``params``, None = unknown) plus, when ``config`` and
     ``kv_slots`` are given, the KV cache of ``kv_slots`` slots for ``kv_batch`` sequences would not fit
     in 90% of the memory free on ``device``."""
+    import torch
+
     per_param = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
     weights = (params or 0) * per_param
     kv = kv_bytes(config, kv_slots, kv_batch, dtype) if config is not None and kv_slots else 0
@@ -316,6 +326,8 @@ class LoadedModel:
 
 
 def pick_device(device: str) -> str:
+    import torch
+
     if device not in ("auto", "cpu", "cuda"):
         raise ModelError(f"--device must be auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -326,6 +338,8 @@ def pick_device(device: str) -> str:
 
 
 def pick_dtype(dtype: str, device: str) -> torch.dtype:
+    import torch
+
     choices = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype == "auto":
         if device == "cpu":
@@ -395,12 +409,63 @@ def converted_gguf_dir(path: Path, dtype: torch.dtype) -> Path:
     return Path(root) / "gguf" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{str(dtype).removeprefix('torch.')}"
 
 
+def first_load_note(name: str) -> str | None:
+    """What a first load of ``name`` will spend its time on, when it is not just reading weights: a
+    GGUF file not converted yet (in any dtype) is de-quantized in Python, tens of seconds."""
+    try:
+        source = resolve(name)
+    except ModelError:
+        return None
+    if source.kind != "gguf":
+        return None
+    path = Path(source.location)
+    sample = converted_gguf_dir(path, "any")
+    if any(p.is_dir() and (p / "config.json").is_file() for p in sample.parent.glob(sample.name.removesuffix("any") + "*")):
+        return None
+    return "first run: converting the GGUF file once (tens of seconds), later runs load in seconds"
+
+
+PARTIAL = ".partial-"  # a conversion being written: <target>.partial-<pid>, renamed to <target> when done
+STALE_PARTIAL_S = 24 * 3600  # older than this, a partial folder is stale whatever its pid says
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Remove the half-written conversions a killed process left in ``folder`` (each is a whole model,
+    hundreds of MB): those whose writer's pid is gone, and any older than a day (a pid can be reused).
+    A conversion under way in another live process is left alone. Returns what was removed."""
+    import time
+
+    removed = []
+    for partial in folder.glob(f"*{PARTIAL}*") if folder.is_dir() else ():
+        pid = partial.name.rpartition(PARTIAL)[2]
+        try:
+            age = time.time() - partial.stat().st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        if (pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))) or age > STALE_PARTIAL_S:
+            shutil.rmtree(partial, ignore_errors=True)
+            removed.append(partial)
+    return removed
+
+
 def _keep_converted(model, tokenizer, target: Path) -> None:
     """Save a converted GGUF model for next time; any failure only costs speed next time.
 
+    Written to a partial folder renamed when complete, so a reader never sees half a model; the
+    partial folder is removed on any failure and on Ctrl-C (which then goes on interrupting).
     The weights are plain de-quantized tensors by now; transformers still marks the model as
     "quantized with gguf" and refuses to save it, so the mark is lifted for the save."""
-    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    partial = target.with_name(f"{target.name}{PARTIAL}{os.getpid()}")
     quantizer, quant_config = getattr(model, "hf_quantizer", None), getattr(model.config, "quantization_config", None)
     try:
         model.hf_quantizer = None
@@ -409,8 +474,10 @@ def _keep_converted(model, tokenizer, target: Path) -> None:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         partial.rename(target)
-    except Exception:
+    except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: nothing left behind, still raised
+            raise
     finally:
         model.hf_quantizer = quantizer
         if quant_config is not None:
@@ -443,10 +510,14 @@ def _local_config(source: ModelSource, folder: Path):
 
 
 def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | None, kv_slots: KVSlots,
-                 kv_batch: int) -> LoadedModel:
+                 kv_batch: int, check_config: Callable[[object], None] | None = None) -> LoadedModel:
+    import torch
+
     if device_map:
         raise ModelError("--random-weights builds the model on one device: drop --device-map")
     source, config = random_source(name)
+    if check_config is not None:
+        check_config(config)
     params = config_parameters(config)
     check_memory(params, dtype, device, source.name, config=config, kv_slots=_slots_for(kv_slots, config),
                  kv_batch=kv_batch)
@@ -457,19 +528,25 @@ def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | N
 
 
 def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str | None = None, *,
-         random_weights: bool = False, kv_slots: KVSlots = None, kv_batch: int = 1) -> LoadedModel:
+         random_weights: bool = False, kv_slots: KVSlots = None, kv_batch: int = 1,
+         check_config: Callable[[object], None] | None = None) -> LoadedModel:
     """Load ``name`` with the h2o attention implementation, ready for an ``H2OCache``.
 
     ``random_weights``: build it from its shipped configuration (or a directory's config.json) with
     random weights and a byte-level tokenizer, no download. ``kv_slots`` (slots per layer and KV head,
     or a function of the model's configuration returning them) and ``kv_batch`` (sequences) add the
-    KV cache the caller will allocate to the memory check made before loading."""
+    KV cache the caller will allocate to the memory check made before loading. ``check_config`` is
+    called with the model's configuration as soon as it is read (before the memory check and the
+    weights: a budget past the context window is refused in a second, not after the load)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import attention
 
     attention.register()
     if random_weights:
         device = pick_device(device)
-        return _load_random(name, device, pick_dtype(dtype, device), device_map, kv_slots, kv_batch)
+        return _load_random(name, device, pick_dtype(dtype, device), device_map, kv_slots, kv_batch, check_config)
     source = resolve(name)
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
@@ -480,16 +557,20 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     if source.kind == "hub":
         info = hub_info(source.location)
         params = hub_parameter_count(source.location, info)
-        shipped = shipped_config(source.name) if kv_slots is not None or params is None else None
+        shipped = shipped_config(source.name) if kv_slots is not None or check_config or params is None else None
         if params is None and shipped is not None:  # the hub reports no count for *.bin-only repositories
             params = config_parameters(shipped)
+        if shipped is not None and check_config is not None:  # before the download
+            check_config(shipped)
         check_memory(params, torch_dtype, memory_device, source.name, config=shipped,
                      kv_slots=_slots_for(kv_slots, shipped), kv_batch=kv_batch)
         folder = _download(source.location, info)
     else:
         folder = Path(source.location)
     params = parameter_count(source, folder)
-    config = _local_config(source, folder) if kv_slots is not None else None
+    config = _local_config(source, folder) if kv_slots is not None or check_config is not None else None
+    if config is not None and check_config is not None:
+        check_config(config)
     check_memory(params, torch_dtype, memory_device, source.name, config=config,
                  kv_slots=_slots_for(kv_slots, config), kv_batch=kv_batch)
 
@@ -498,6 +579,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     converted = None
     if source.kind == "gguf":
         converted = converted_gguf_dir(folder, torch_dtype)
+        remove_stale_partials(converted.parent)  # a killed conversion's hundreds of MB
         if (converted / "config.json").is_file():
             folder, converted = converted, None
         else:

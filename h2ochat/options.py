@@ -12,7 +12,7 @@ from .errors import user_input
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
 from .models import DEFAULT_MODEL
 from .policies import DEFAULT_POLICY, describe_policies
-from .recall.tiered import SELECTOR_HELP
+from .recall.selector_names import SELECTOR_HELP
 
 MODEL, CACHE, SAMPLING, OUTPUT = "Model", "Cache", "Sampling", "Output"
 
@@ -73,7 +73,32 @@ def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: i
                              positions=positions, seed=seed, **recall)
     with user_input():  # these are the options as typed: a bad one is the user's to fix
         settings.validate()
+    check_recall(settings)
     return settings
+
+
+def check_recall(settings: CacheSettings) -> None:
+    """The recall options of ``settings`` whether or not recall is on (``CacheSettings.validate`` reads
+    them only with --recall, so `--page 0` would wait for a later `/set recall 32`), and recall under a
+    policy that never evicts (it would be dropped without a word: nothing ever goes cold)."""
+    from .recall.tiered import RecallConfig
+
+    with user_input():
+        RecallConfig.check_options(settings.page, settings.selector, settings.cold_dtype, settings.cold_limit,
+                                   settings.recall_every)
+        if settings.recall and settings.resolved_policy().grows:
+            raise ValueError(f"--recall needs a policy that evicts: {settings.policy} keeps every token on the "
+                             "device, so nothing would ever be recalled (drop --recall or choose another --policy)")
+
+
+def fits_window(settings: CacheSettings):
+    """``models.load(check_config=...)``: the budget against the model's context window (and the
+    policy's split against its depth), from the configuration alone, before the weights load."""
+    from types import SimpleNamespace
+
+    from .chat import check_fits
+
+    return lambda config: check_fits(settings, SimpleNamespace(config=config))  # it reads model.config only
 
 
 def sampling(temperature: float, top_p: float, top_k: int, seed: int | None, repetition_penalty: float = 1.0) -> Sampling:
@@ -111,6 +136,29 @@ def takes_recall_options(command):
 
     with_recall_options.__signature__ = signature.replace(parameters=[*own, *added])
     return with_recall_options
+
+
+Threads = Annotated[Optional[int], typer.Option("--threads", min=1, envvar="H2OCHAT_THREADS", rich_help_panel=MODEL,
+    show_default="the idle physical cores",
+    help="CPU threads torch computes with. Default: OMP_NUM_THREADS if set, else the physical cores less those "
+         "other jobs keep busy (the load average), at least 1: a thread whose core is taken stalls every step.")]
+
+
+def takes_threads(command):
+    """Give a typer command --threads and set the thread count (h2ochat.threads.apply) before its body
+    runs; the command's own signature stays as it is."""
+    signature = inspect.signature(command, eval_str=True)
+    threads_parameter = inspect.Parameter("threads", inspect.Parameter.KEYWORD_ONLY, annotation=Threads, default=None)
+
+    @functools.wraps(command)
+    def with_threads(*args, **kwargs):
+        from . import threads
+
+        threads.apply(kwargs.pop("threads"))
+        return command(*args, **kwargs)
+
+    with_threads.__signature__ = signature.replace(parameters=[*signature.parameters.values(), threads_parameter])
+    return with_threads
 
 
 RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel=MODEL,

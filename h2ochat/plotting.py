@@ -6,6 +6,30 @@ from pathlib import Path
 from typing import Sequence
 
 
+def check_plot_path(path: str | Path) -> None:
+    """Refuse before any work a --plot that is not a PNG name or cannot be written there: an evaluation
+    that ran for an hour must not end on a bad path (ValueError)."""
+    import tempfile
+
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"--plot writes a PNG file: give a name ending in .png, not {path.name!r}")
+    if path.is_dir():
+        raise ValueError(f"--plot {path} is a directory: give a file name ending in .png")
+    try:
+        if path.exists():
+            open(path, "ab").close()  # writable, and left as it is
+        elif path.parent.is_dir():
+            open(path, "xb").close()
+            path.unlink()
+        else:  # _save makes the missing folders: the nearest existing one must take a new folder
+            existing = next(parent for parent in path.absolute().parents if parent.exists())
+            tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except (OSError, StopIteration) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ValueError(f"--plot {path} cannot be written ({reason}): give a writable path") from None
+
+
 def _axes(path: str | Path):
     """A figure for a PNG at ``path`` (refused before any work if it is not one)."""
     import matplotlib

@@ -5,17 +5,42 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from .errors import UserError
 
 
+def decode_text(data: bytes, where: str) -> str:
+    """``data`` as UTF-8, or a UserError naming ``where`` and the first byte that is not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{where} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+                        f"({exc.reason}); convert it first, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def read_text_file(path: Path | str) -> str:
+    """A text file the user named, as UTF-8 (a UserError naming the file otherwise)."""
+    return decode_text(Path(path).read_bytes(), str(path))
+
+
+def read_stdin() -> str:
+    """Standard input as UTF-8. Read as bytes: Python decodes stdin with ``surrogateescape``, so a
+    stray byte would reach the tokenizer as a lone surrogate and fail there, after the model loads."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is not None:
+        return decode_text(stream.read(), "standard input")
+    text = sys.stdin.read()  # already text (a test's StringIO): refuse what surrogateescape let in
+    return decode_text(text.encode("utf-8", errors="surrogateescape"), "standard input")
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None = None) -> str:
-    """The prompt text from the argument, '-' (standard input) or a file; refuses an empty one."""
+    """The prompt text from the argument, '-' (standard input) or a file; refuses an empty one, and
+    both a prompt and --prompt-file (one of them would be ignored)."""
+    if prompt is not None and prompt_file is not None:
+        raise UserError("give the prompt as text (or '-' for standard input) or --prompt-file, not both")
     if prompt_file is not None:
-        text = Path(prompt_file).read_text(encoding="utf-8")
+        text = read_text_file(prompt_file)
     elif prompt == "-":
-        text = sys.stdin.read()
+        text = read_stdin()
     elif prompt is None:
         raise UserError("no prompt given (pass text, '-' for standard input, or --prompt-file)")
     else:
@@ -31,6 +56,8 @@ def has_chat_template(tokenizer) -> bool:
 
 def encode(tokenizer, text: str, chat: bool | None = None, system: str | None = None) -> torch.Tensor:
     """Token ids [1, T]: through the chat template when ``chat`` (None: when the tokenizer has one)."""
+    import torch
+
     if chat is None:
         chat = has_chat_template(tokenizer)
     if chat:

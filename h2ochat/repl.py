@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.text import Text
 
 from . import ui
-from .cache import PositionLimitError
+from .kv import PositionLimitError
 from .chat import SETTINGS, Conversation, ctrl_c_stops
 from .errors import UserError, debugging, one_line
+from .options import check_recall
 from .history import ConversationLog, home, read_conversation, write_atomic
 from .models import ModelError
 from .policies import POLICIES, describe_policies
@@ -262,6 +263,7 @@ class Repl:
         changes unless all of it works (the chat stays as it was on a bad value)."""
         conv = self.conv
         settings, canonical = conv.settings.with_value(name, value)
+        check_recall(settings.cache)  # /set page 0 while recall is off would only fail at a later /set recall
         shown = settings.get(canonical)
         if SETTINGS[canonical].on_cache:
             tokens = conv.reconfigure(settings)

@@ -70,3 +70,10 @@ def apply(requested: int | None) -> int:
 def chosen() -> int | None:
     """The count ``apply`` set (None before: a library caller's torch default stands)."""
     return _chosen
+
+
+def current() -> int:
+    """The threads torch computes with now (what --json records report)."""
+    import torch
+
+    return torch.get_num_threads()

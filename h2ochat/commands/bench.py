@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from typing import Annotated
 
 import typer
@@ -11,11 +10,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import benchmark as bm
+from .. import benchmark as bm  # its variants shape the options
 from .. import options as o
 from ..budget import parse_budget
 from ..errors import strict_user_errors, user_input
-from ..models import load
+from ..sizes import parse_size
+from .common import loading
 
 MIB = 2**20
 
@@ -65,7 +65,7 @@ def bench(
         contexts = bm.parse_ints(context, "--context")
         batches = bm.parse_ints(batch, "--batch")
         chosen_variants = parse_variants(variants)
-        cap = None if kv_memory.strip() in ("0", "") else bm.parse_size(kv_memory)
+        cap = None if kv_memory.strip() in ("0", "") else parse_size(kv_memory)
         chosen = settings.resolved_policy()
         if recall_options["recall"] and chosen.grows:
             raise ValueError(f"--recall needs a policy that evicts, not {chosen.label}")
@@ -73,8 +73,11 @@ def bench(
             slots = parse_budget(budget, length)  # bad syntax fails before the model loads
             tier = settings.recall_config(min(slots, length))
             chosen.split(slots - (tier.slots if tier else 0))
+    from .. import threads
+    from ..models import load
+
     err = Console(stderr=True)
-    with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
+    with loading(err, model):
         loaded = load(model, device, dtype, random_weights=random_weights)
     with user_input():
         plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
@@ -89,7 +92,7 @@ def bench(
         report = bm.run(loaded.model, plan, on_measured=lambda what: progress.update(task, advance=1, last=what))
     report = {"model": loaded.name, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget,
-              "policy": chosen.label, "recall": recall_options["recall"], **report}
+              "policy": chosen.label, "recall": recall_options["recall"], "threads": threads.current(), **report}
     if as_json:
         print(json.dumps(report, indent=2))
         return

@@ -15,5 +15,13 @@ RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", min=-1, rich_help_p
 
 
 def loading(console, name: str):
-    """A spinner while the model loads (a terminal only)."""
-    return console.status(f"loading {name}…") if console.is_terminal else nullcontext()
+    """Say what happens while the model loads, from the first second (imports and a first GGUF
+    conversion take tens of seconds): on a terminal, a line naming the model and, unless a
+    conversion will print its own progress bars, a spinner under it. Nothing in a pipe."""
+    if not console.is_terminal:
+        return nullcontext()
+    from ..models import first_load_note
+
+    note = first_load_note(name)
+    console.print(f"loading {name}…" + (f" ({note})" if note else ""), style="dim", markup=False, highlight=False)
+    return nullcontext() if note else console.status(f"loading {name}…")

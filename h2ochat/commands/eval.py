@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,11 +11,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .. import evaluation as ev
+from .. import evaluation as ev  # its defaults shape the options
 from .. import options as o
-from ..errors import strict_user_errors, user_input
-from ..generation import max_positions
-from ..models import load
+from ..errors import UserError, one_line, strict_user_errors, user_input
+from ..plotting import check_plot_path
+from .common import loading
 
 
 @strict_user_errors
@@ -81,8 +80,8 @@ def eval_command(
             raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
         recalls = ev.recall_settings(recall, page, selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
                                      recall_every=recall_every)
-        if plot is not None and plot.suffix.lower() != ".png":
-            raise ValueError(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
+        if plot is not None:
+            check_plot_path(plot)  # before the model loads: a run must not end on a bad path
     if task == "passkey":
         from .passkey_task import passkey_task
 
@@ -95,9 +94,14 @@ def eval_command(
         names = ev.parse_policies(policies)
         ev.build_rows(names, ev.parse_budgets(budget, tokens), tokens, recalls=recalls, heavy_ratio=heavy_ratio,
                       sinks=sinks, decay=decay)  # bad syntax, knobs or recall settings fail before the model loads
-    content = Path(text).read_text(encoding="utf-8")
+    from .. import threads
+    from ..generation import max_positions
+    from ..models import load
+    from ..prompting import read_text_file
+
+    content = read_text_file(text)
     err = Console(stderr=True)
-    with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
+    with loading(err, model):
         loaded = load(model, device, dtype)
     with user_input():  # the text and the budgets against this model
         stretches = ev.text_windows(loaded.tokenizer, content, tokens, windows)
@@ -144,6 +148,7 @@ def eval_command(
         "recall": ev.describe_recalls(recalls),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "device": str(loaded.device),
+        "threads": threads.current(),
         "results": records,  # the first window
         "window_results": per_window if windows > 1 else None,
         "summary": summary,
@@ -157,23 +162,30 @@ def eval_command(
         },
     }
     over = f"{count} tokens of {Path(text).name}" + (f", mean of {windows} windows" if windows > 1 else "")
+    plot_failed = None
     if plot is not None:
         from ..plotting import perplexity_plot
 
-        perplexity_plot(summary, plot, title=f"{loaded.name} on {over}")
+        try:
+            perplexity_plot(summary, plot, title=f"{loaded.name} on {over}")
+        except OSError as exc:  # checked before the model loaded, so rare: the results still print below
+            plot_failed = exc
     if as_json:
         print(json.dumps(report, indent=2))
-        return
-    out = Console()
-    spread = " (lowest-highest over the windows)" if windows > 1 else ""
-    against = "; [ratio to the same policy without recall]" if recalls else ""
-    out.print(_table(summary, budgets, "perplexity",
-                     f"Perplexity over {over} ({loaded.name}); ratio to full{spread}{against}"))
-    out.print(_table(summary, budgets, "perplexity_after_fill",
-                     f"Perplexity of the predictions made after the first eviction; ratio to full over the same ones{spread}"))
-    out.print(f"{len(rows)} rows in {batches} batch(es): {speed.steps} forwards in {speed.seconds:.0f} s "
-              f"({speed.steps_per_s:.1f} forwards/s, {speed.row_tokens_per_s:.1f} predictions/s)"
-              + (f"; plot written to {plot}" if plot else ""))
+    else:
+        out = Console()
+        spread = " (lowest-highest over the windows)" if windows > 1 else ""
+        against = "; [ratio to the same policy without recall]" if recalls else ""
+        out.print(_table(summary, budgets, "perplexity",
+                         f"Perplexity over {over} ({loaded.name}); ratio to full{spread}{against}"))
+        out.print(_table(summary, budgets, "perplexity_after_fill",
+                         f"Perplexity of the predictions made after the first eviction; ratio to full over the same "
+                         f"ones{spread}"))
+        out.print(f"{len(rows)} rows in {batches} batch(es): {speed.steps} forwards in {speed.seconds:.0f} s "
+                  f"({speed.steps_per_s:.1f} forwards/s, {speed.row_tokens_per_s:.1f} predictions/s)"
+                  + (f"; plot written to {plot}" if plot and not plot_failed else ""))
+    if plot_failed is not None:
+        raise UserError(f"could not write the plot {plot}: {one_line(plot_failed)} (the results are above)")
 
 
 def _table(summary: list[dict], budgets: list[int], field: str, title: str) -> Table:

@@ -10,14 +10,11 @@ from typing import Annotated, Optional
 import typer
 
 from .. import options as o
-from ..chat import check_fits, stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
-from ..detokenize import TextStream
-from ..generation import Timing, stop_check_interval, stream
-from ..models import load
-from ..prompting import encode, read_prompt
-from ..report import run_record
-from .common import RepeatLastN
+from ..prompting import read_prompt
+from .common import RepeatLastN, loading
+
+# the model, generation and report modules are imported when the command runs (--help stays fast)
 
 
 @strict_user_errors
@@ -55,14 +52,23 @@ def generate(
     recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
-    text = read_prompt(prompt, prompt_file)
+    text = read_prompt(prompt, prompt_file)  # a bad prompt or option fails here, before the model loads
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, **recall_options)
     sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
     sampling.repeat_last_n = repeat_last_n
     with user_input():
         sampling.validate()
-    loaded = load(model, device, dtype, device_map, random_weights=random_weights,
-                  kv_slots=settings.kv_slots_needed(prefill_chunk))
+    from .. import models, threads
+    from ..chat import check_fits, stop_token_ids
+    from ..detokenize import TextStream
+    from ..generation import Timing, stop_check_interval, stream
+    from ..prompting import encode
+    from ..report import run_record
+    from ..ui import make_console
+
+    with loading(make_console(stderr=True), model):
+        loaded = models.load(model, device, dtype, device_map, random_weights=random_weights,
+                             kv_slots=settings.kv_slots_needed(prefill_chunk), check_config=o.fits_window(settings))
     check_fits(settings, loaded.model)  # the budget against this model's window, in one line
     tokenizer = loaded.tokenizer
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
@@ -86,6 +92,7 @@ def generate(
     if as_json:
         record = run_record(loaded, cache, timing, budget, pieces.text)
         record["interrupted"] = interrupted
+        record["threads"] = threads.current()
         print(json.dumps(record, indent=2))
     else:
         sys.stdout.write("\n")

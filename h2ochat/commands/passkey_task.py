@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -12,9 +11,12 @@ from rich.table import Table
 from .. import evaluation as ev
 from .. import passkey as pk
 from .. import passkey_chat as chat
-from ..errors import user_input
+from .. import threads
+from ..errors import UserError, one_line, user_input
 from ..generation import max_positions
 from ..models import load
+from ..prompting import read_text_file
+from .common import loading
 
 
 def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str, policies: str, lengths: str,
@@ -33,9 +35,9 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         depth_list = [0.0] if chat_turns else pk.parse_numbers(depths, float, "--depths")
         budgets = ev.parse_budgets(budget, min(length_list))
         rows = pk.build_rows(names, budgets, recalls)  # bad settings fail before loading
-    content = Path(text).read_text(encoding="utf-8")
+    content = read_text_file(text)
     err = Console(stderr=True)
-    with err.status(f"loading {model}", spinner="dots") if err.is_terminal else nullcontext():
+    with loading(err, model):
         loaded = load(model, device, dtype)
     with user_input():  # the filler and the lengths against this model
         if chat_turns:
@@ -63,29 +65,35 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         results = pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
     summary = pk.summarize(results)
     report = {"task": "passkey", "model": loaded.name, "text": Path(text).name, "lengths": length_list,
-              "depths": depth_list, "keys": keys, "facts": facts, "budgets": budgets, "seed": seed, "results": results,
-              "summary": summary}
+              "depths": depth_list, "keys": keys, "facts": facts, "budgets": budgets, "seed": seed,
+              "threads": threads.current(), "results": results, "summary": summary}
     if chat_turns:
         report["chat"] = chat.describe(chat_turns)
     if recalls:
         report["recall"] = ev.describe_recalls(recalls)
         if not chat_turns:
             report["question"] = "token by token on the recall rows"
+    plot_failed = None
     if plot is not None:
         from ..plotting import passkey_plot
 
-        passkey_plot(summary, plot, title=f"pass key, {loaded.name}, filler {Path(text).name}")
-        err.print(f"plot written to {plot}")
+        try:
+            passkey_plot(summary, plot, title=f"pass key, {loaded.name}, filler {Path(text).name}")
+            err.print(f"plot written to {plot}")
+        except OSError as exc:  # checked before the model loaded, so rare: the results still print below
+            plot_failed = exc
     if as_json:
         print(json.dumps(report, indent=2))
-        return
-    titles, cells = pk.table_rows(summary, (lambda length, _: f"{length} tok over {chat_turns} turns")
-                                  if chat_turns else None)
-    what = f"a {chat_turns}-turn chat, the key in turn 1" if chat_turns else "the key planted in the filler"
-    table = Table(title=f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})",
-                  title_justify="left")
-    for title in titles:
-        table.add_column(title, justify="left" if title == "cache" else "right")
-    for row in cells:
-        table.add_row(*row)
-    Console().print(table)
+    else:
+        titles, cells = pk.table_rows(summary, (lambda length, _: f"{length} tok over {chat_turns} turns")
+                                      if chat_turns else None)
+        what = f"a {chat_turns}-turn chat, the key in turn 1" if chat_turns else "the key planted in the filler"
+        table = Table(title=f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})",
+                      title_justify="left")
+        for title in titles:
+            table.add_column(title, justify="left" if title == "cache" else "right")
+        for row in cells:
+            table.add_row(*row)
+        Console().print(table)
+    if plot_failed is not None:
+        raise UserError(f"could not write the plot {plot}: {one_line(plot_failed)} (the results are above)")

@@ -8,16 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
-import h2ochat_prompts
-
 from .. import options as o
-from .. import history
-from ..chat import SETTINGS, ChatSettings, Conversation
 from ..errors import UserError, strict_user_errors
-from ..models import load
-from ..repl import PromptReader, Repl, StreamReader, history_path
-from ..ui import make_console
 from .common import RepeatLastN, loading
+
+# the chat, the model loader and the REPL are imported when the command runs (--help stays fast)
 
 
 def given(ctx: typer.Context, name: str) -> bool:
@@ -29,6 +24,8 @@ def given(ctx: typer.Context, name: str) -> bool:
 def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> ChatSettings:
     """The stored conversation's settings, with the options given on this command line on top (every
     setting is a run() option of the same name: tests/test_settings_fields.py holds them to it)."""
+    from ..chat import SETTINGS, ChatSettings
+
     settings = ChatSettings.from_json(stored)
     for name, setting in SETTINGS.items():
         if given(ctx, name):
@@ -37,6 +34,7 @@ def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> C
     if given(ctx, "seed"):  # the cache's seed follows the sampling's
         settings.cache.seed = typed.cache.seed
     settings.validate()
+    o.check_recall(settings.cache)
     return settings
 
 
@@ -80,9 +78,21 @@ def run(
     recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Chat with a model through the H2O cache. /help inside lists the commands."""
+    import h2ochat_prompts
+
+    from .. import history
+    from ..chat import ChatSettings, Conversation
+    from ..models import load
+    from ..repl import PromptReader, Repl, StreamReader, history_path
+    from ..ui import make_console
+
+    if no_history and (resume_last or conversation_id is not None):
+        raise UserError(f"--no-history starts a conversation that is not kept; {'--continue' if resume_last else '--conversation'} "
+                        "resumes a kept one and keeps its new turns: give one or the other")
     # every setting is an option of the same name (tests/test_settings_fields.py); bad values fail here,
     # before the model loads
     settings = ChatSettings.from_options({**ctx.params, "system": h2ochat_prompts.system_prompt(system) if system else None})
+    o.check_recall(settings.cache)
     log, messages = None, []
     if resume_last or conversation_id is not None:
         if resume_last and conversation_id is not None:
