@@ -103,7 +103,8 @@ def test_streams_plain_text_without_json(tiny_checkpoint):
     (["--policy", "sink", "--budget", "4", "--sinks", "4"], "--sinks"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment, h2ochat_main):
-    assert_one_line_error(h2ochat_main("generate", "hi", *args), fragment)
+    prompt = [] if "--prompt-file" in args else ["hi"]  # a prompt and --prompt-file together are refused too
+    assert_one_line_error(h2ochat_main("generate", *prompt, *args), fragment)
 
 
 @pytest.mark.parametrize("command", ["generate", "story", "run"])
@@ -193,7 +194,7 @@ def test_smollm2_in_a_64_slot_cache():
 
 
 @pytest.mark.parametrize("command, target", [
-    (["generate", "--raw", "-n", "3", "hello"], "h2ochat.commands.generate.stream"),
+    (["generate", "--raw", "-n", "3", "hello"], "h2ochat.generation.stream"),  # generate imports it when it runs
     (["eval", "--tokens", "20", "--budget", "8", "--policies", "full,h2o"], "h2ochat.evaluation.evaluate_rows"),
     (["bench", "--context", "16", "--batch", "1", "--steps", "1", "--kv-memory", "0"], "h2ochat.benchmark.run"),
 ])
