@@ -233,7 +233,7 @@ class Scheduler:
         self.job = self.admitting = None
         for row in range(len(self.rows)):
             self._free(row, park=False)
-        for request in dict.fromkeys(requests):
+        for request in requests:  # (a Request is a dataclass, unhashable; one of n rows fails it for all)
             if not request.finished:
                 request.fail(error)
 
