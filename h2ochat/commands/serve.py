@@ -59,6 +59,9 @@ def serve(
         help="Requests waiting for a row at most; more are answered 429 with Retry-After.")] = 64,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, rich_help_panel=SERVER,
         help="Tokens one request may generate at most (also the default when it gives no max_tokens).")] = 4096,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=SERVER,
+        help="No line per request on stderr (id, tokens in and out, cached and evicted tokens, time, finish "
+             "reason); start-up lines and failed requests are still logged.")] = False,
 ):
     """Serve the OpenAI API (chat and text completions, streaming) with every sequence in a fixed KV budget."""
     from ..serve.server import ServeConfig, serve as run_server
@@ -72,8 +75,10 @@ def serve(
                          kv_memory=_size(kv_memory, "--kv-memory"), parked_bytes=_size(parked_bytes, "--parked-bytes"),
                          max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                          repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, compile=compile,
-                         host=host, port=port, api_key=api_key)
-    run_server(config)
+                         host=host, port=port, api_key=api_key, quiet=quiet)
+    status = run_server(config)  # 130 when stopped by SIGINT, 0 by SIGTERM
+    if status:
+        raise typer.Exit(status)
 
 
 def register(app: typer.Typer) -> None:

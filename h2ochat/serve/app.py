@@ -78,7 +78,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, started: int | None
         prepared = await run_in_threadpool(loaded.preparer, params)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        handle = engine.submit(prepared, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        handle = engine.submit(prepared, _deliver_to(loop, events))
         shapes = Shapes(kind, handle.id, handle.created, loaded.model_id)
         if params.stream:
             return StreamingResponse(_stream(engine, handle, events, shapes, params.include_usage),
@@ -118,6 +118,20 @@ def build_app(engine: Engine, *, api_key: str | None = None, started: int | None
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
     return app
+
+
+def _deliver_to(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+    """The engine thread's ``emit`` for one request: its events go onto ``events`` in ``loop``. Once
+    the loop has closed (the server stopped) nobody waits for them: they are dropped, not raised in
+    the engine thread."""
+
+    def deliver(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # "Event loop is closed"
+            pass
+
+    return deliver
 
 
 class _BearerAuth:

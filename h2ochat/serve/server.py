@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
 
 from ..chat import stop_token_ids
-from ..errors import UserError
+from ..errors import EXIT_INTERRUPTED, UserError
 from ..generation import CacheSettings, max_positions
-from ..models import available_memory, load
+from ..models import available_memory, load, random_source, shipped_config, shipped_config_path
+from ..ui import format_bytes
 from .app import build_app
 from .backend import ModelBackend
 from .engine import Engine, Loaded
@@ -22,6 +30,8 @@ log = logging.getLogger("h2ochat.serve")
 
 AUTO_MEMORY_SHARE = 0.5  # of the memory free after loading, for the batch rows when --max-sequences is not given
 AUTO_MAX_ROWS = 64
+GRACEFUL_SHUTDOWN_S = 10  # for the responses the engine failed to be sent (its last step must end first)
+ENGINE_STOP_S = 10  # for the engine thread to end its step after the server stopped
 
 
 @dataclass
@@ -45,20 +55,76 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    quiet: bool = False  # no line per request on stderr
 
 
 def choose_rows(config: ServeConfig, row_bytes: int, device) -> tuple[int, str]:
-    """N, and where it came from (the start-up log says which)."""
+    """N, and where it came from (the start-up log says which). A memory that holds no row is refused:
+    a row over the cap would break the cap it was given."""
     if config.max_sequences:
         return config.max_sequences, "--max-sequences"
     if config.kv_memory:
-        budget, source = config.kv_memory, f"--kv-memory {config.kv_memory / 2**20:.0f} MiB"
+        budget, source = config.kv_memory, f"--kv-memory {format_bytes(config.kv_memory)}"
     else:
         budget = int(AUTO_MEMORY_SHARE * available_memory(str(device)))
         source = f"half the free memory, {budget / 2**20:.0f} MiB"
-    rows = max(1, min(budget // row_bytes, AUTO_MAX_ROWS))
+    if budget < row_bytes:
+        raise UserError(_no_row(source, row_bytes))
+    rows = min(budget // row_bytes, AUTO_MAX_ROWS)
     return rows, f"{source} / {row_bytes / 2**20:.2f} MiB per row" + (f", at most {AUTO_MAX_ROWS}" if
                                                                        budget // row_bytes > AUTO_MAX_ROWS else "")
+
+
+def _no_row(source: str, row_bytes: int) -> str:
+    return (f"{source} holds no sequence row: one row of this cache takes {format_bytes(row_bytes)} "
+            "(give more --kv-memory, a smaller --budget, or --max-sequences)")
+
+
+def row_bytes_before_loading(config: ServeConfig) -> int | None:
+    """One row's bytes, from the model's configuration alone (the model built on the meta device:
+    no weights read, nothing allocated), so a --kv-memory too small is refused before the model
+    loads; None where the configuration is not at hand without loading (a hub model, a GGUF file)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .. import attention
+    from ..models import pick_device, pick_dtype
+
+    model_config = _config_before_loading(config)
+    if model_config is None:
+        return None
+    attention.register()
+    dtype = pick_dtype(config.dtype, pick_device(config.device))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attention.NAME, dtype=dtype)
+    return ModelBackend(model, config.settings, 1, store=ParkedStore(0),
+                        prefill_chunk=config.prefill_chunk).row_bytes()
+
+
+def _config_before_loading(config: ServeConfig):
+    from transformers import AutoConfig
+
+    if config.random_weights:
+        return random_source(config.model)[1]
+    if shipped_config_path(config.model) is not None:
+        return shipped_config(config.model)
+    folder = Path(config.model).expanduser()
+    if (folder / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError):
+            return None  # loading the model says what is wrong with it
+    return None
+
+
+def check_kv_memory(config: ServeConfig) -> None:
+    """Refuse a --kv-memory that holds no row before the model loads (where its configuration says
+    how big a row is; otherwise choose_rows refuses it once the model is loaded)."""
+    if config.max_sequences or not config.kv_memory:
+        return
+    row_bytes = row_bytes_before_loading(config)
+    if row_bytes is not None and config.kv_memory < row_bytes:
+        raise UserError(_no_row(f"--kv-memory {format_bytes(config.kv_memory)}", row_bytes))
 
 
 def loader(config: ServeConfig, store: ParkedStore):
@@ -96,33 +162,109 @@ def loader(config: ServeConfig, store: ParkedStore):
     return load_engine
 
 
-def serve(config: ServeConfig) -> None:
-    """Listen on ``config.host:config.port`` until interrupted; the model loads in the background."""
-    import uvicorn
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound and listening on ``host:port``, or a UserError that names the cause: bound
+    before anything is said to be listening and before the model loads, so a bad address costs
+    nothing and is reported as what it is."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"cannot listen on {host}:{port}: --host {host!r} is not an address of this machine "
+                        f"or a name it can resolve ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse the port
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = BIND_HINTS.get(exc.errno, "")
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sock
 
+
+BIND_HINTS = {
+    errno.EADDRINUSE: " (another process listens there: stop it or pick another --port)",
+    errno.EACCES: " (ports below 1024 need privileges: pick a --port above 1023)",
+    errno.EADDRNOTAVAIL: " (no interface of this machine has that --host address)",
+}
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, stopped by SIGINT or SIGTERM the way a client can follow: first the engine fails
+    every request it holds (a stream ends with an error event and [DONE], a whole response is a 503),
+    then uvicorn waits for those responses to close. (uvicorn alone waits for the streams to finish,
+    then cancels them mid-event after its timeout.) The signal is not raised again afterwards: the
+    command exits 130 for SIGINT, 0 for SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+        self.stopped_by: int | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: do not wait for the responses
+        self.stopped_by = self.stopped_by or sig
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.stopped_by is not None:
+            log.info("%s: stopping (the requests running end with an error)", signal.Signals(self.stopped_by).name)
+        self.engine.stop(timeout=0)
+        await super().shutdown(sockets)
+
+
+def serve(config: ServeConfig) -> int:
+    """Listen on ``config.host:config.port`` until SIGINT or SIGTERM (the model loads in the
+    background); the exit status. A bad address or KV memory raises a UserError before loading."""
     logging.basicConfig(level=logging.INFO, format="h2ochat serve: %(message)s", stream=sys.stderr)
+    logging.getLogger("h2ochat.serve.requests").setLevel(logging.WARNING if config.quiet else logging.INFO)
+    check_kv_memory(config)
+    sock = listen_socket(config.host, config.port)
     store = ParkedStore(config.parked_bytes)
     engine = Engine(loader(config, store), store=store, metrics=Metrics(), max_queue=config.max_queue)
     app = build_app(engine, api_key=config.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+                     engine)
 
     def stop_if_loading_failed():
         engine.load_finished.wait()
         if engine.load_exception is not None:
             server.should_exit = True
 
-    engine.start()
-    threading.Thread(target=stop_if_loading_failed, daemon=True).start()
-    log.info("listening on http://%s:%d (GET /health says 503 until the model is loaded)", config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d (GET /health says 503 until the model is loaded)",
+             f"[{host}]" if ":" in host else host, port)
+    interrupted = False
     try:
-        server.run()
-    except SystemExit:  # uvicorn's answer to an address it cannot bind: said below in one line
-        if server.started:
-            raise
+        engine.start()
+        threading.Thread(target=stop_if_loading_failed, daemon=True).start()
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # before uvicorn took the signals over
+        interrupted = True
     finally:
-        engine.stop()
+        sock.close()
+    status = EXIT_INTERRUPTED if interrupted or server.stopped_by == signal.SIGINT else 0
+    _end_engine(engine, status)
     if engine.load_exception is not None:
         raise engine.load_exception  # the command turns a user's mistake into one line
-    if not server.started:
-        raise UserError(f"could not listen on {config.host}:{config.port} (is the port in use?)")
+    return status
+
+
+def _end_engine(engine: Engine, status: int) -> None:
+    """Wait for the engine thread to end its step; one still loading the model cannot be stopped,
+    and an interpreter that exits around it aborts in torch's C++ teardown ("terminate called
+    without an active exception"), so the process ends at once instead, its output flushed."""
+    try:
+        ended = engine.load_finished.is_set() and engine.stop(timeout=ENGINE_STOP_S)
+    except KeyboardInterrupt:  # Ctrl-C again while the step ends
+        ended, status = False, EXIT_INTERRUPTED
+    if not ended:
+        log.info("stopped while the model was loading" if not engine.load_finished.is_set() else
+                 "stopped without waiting for the engine's step to end")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
