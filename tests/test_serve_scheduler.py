@@ -1,5 +1,6 @@
 """The serve scheduler with a fake model: admission, one prefill chunk per step, recycling rows,
-cancelling waiting, prefilling and running requests, failures that leave the engine serving."""
+cancelling waiting, prefilling and running requests, failures that leave the engine serving, rows in
+use moved down so a decode step runs the smallest bucket that holds them."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def test_cancelling_a_waiting_request_never_starts_it():
 
 def test_cancelling_a_running_request_frees_its_row_and_leaves_the_others_alone(seed):
     rng = random.Random(seed)
-    backend = FakeBackend(rows=3)
+    backend = FakeBackend(rows=3, buckets=[3])  # every step runs all rows: nothing moves into the freed row
     scheduler = Scheduler(backend)
     requests = [make_request(random_prompt(rng), max_tokens=30) for _ in range(3)]
     for request in requests:
@@ -213,3 +214,30 @@ def test_a_failing_decode_fails_the_batch_and_frees_every_row():
     scheduler.submit(after)
     run_until_idle(scheduler)
     assert generated(after) == [greedy_alone([7, 8], 4)]
+
+
+def test_a_decode_step_runs_the_smallest_bucket_holding_the_rows_in_use(seed):
+    """Rows in use are moved down into free rows whenever that lets the step run fewer rows (buckets
+    1, 2, 4, 8): every step runs the smallest bucket that holds as many rows as are in use, and the
+    moved requests go on as if never moved."""
+    rng = random.Random(seed)
+    backend = FakeBackend(rows=8, chunk=4)
+    scheduler = Scheduler(backend)
+    # the first ends before the second (whose row is then moved down), the others at random
+    requests = [make_request(random_prompt(rng, 1, 4), max_tokens=8), make_request(random_prompt(rng, 1, 4), max_tokens=30)]
+    requests += [make_request(random_prompt(rng), max_tokens=rng.randint(1, 25)) for _ in range(8)]
+    for request in requests[:2]:
+        scheduler.submit(request)
+    while not requests[0].finished:
+        scheduler.step()
+    scheduler.step()
+    assert backend.log[-2:] == [("move", 1, 0), ("decode", (0,))] and backend.ran[-1] == 1
+    for request in requests[2:]:
+        for _ in range(rng.randint(0, 5)):
+            scheduler.step()
+        scheduler.submit(request)
+    run_until_idle(scheduler)
+    decodes = [entry for entry in backend.log if entry[0] == "decode"]
+    assert [backend.bucket(len(entry[1])) for entry in decodes] == backend.ran
+    for request in requests:
+        assert generated(request) == [greedy_alone(request.prompt_ids, request.prepared.max_tokens)]
