@@ -77,11 +77,15 @@ class ModelBackend:
 
             self.decode_step = CompiledDecode(model, backend=compile_backend)
         self.masks_rows = self.cache.masks_inactive_rows
-        # rows a decode step may run: the caches over the first rows of the batch cache, made at first use
+        # rows a decode step may run, and the caches over the first rows of the batch cache for each,
+        # made now: each is allocated before its slots become views (smallest first, so the memory
+        # taken at once is the batch cache's and half of it at most), not while requests run
         self.buckets = sorted(set(buckets)) if buckets else bucket_sizes(rows)
         if not self.masks_rows or self.buckets[-1] != rows:
             self.buckets = [rows]
         self._prefixes: dict[int, H2OCache] = {rows: self.cache}
+        for size in self.buckets[:-1]:
+            self._prefixes[size] = prefix_cache(self.cache, size, self._new_cache(size, static_shapes=True))
         self.steps_by_rows: dict[int, int] = {}  # decode steps run per bucket (what the tests and /metrics see)
         # a cache that cannot leave rows out feeds its free rows a placeholder: reset one before its
         # positions could reach the model's limit
@@ -152,7 +156,7 @@ class ModelBackend:
 
     def _step(self, size: int, tokens: list[int], active: list[bool] | None) -> torch.Tensor:
         """One decode step of the cache over rows 0..size-1 (``active``: the rows taking part; None: all)."""
-        cache = self._prefix(size)
+        cache = self._prefixes[size]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
         mask = torch.tensor(active, dtype=torch.bool, device=self.device) if active is not None else None
         self.steps_by_rows[size] = self.steps_by_rows.get(size, 0) + 1
@@ -177,11 +181,6 @@ class ModelBackend:
                     self.cache.reset_row(row)
                     self.free_steps[row] = 0
         return logits
-
-    def _prefix(self, size: int) -> H2OCache:
-        if size not in self._prefixes:
-            self._prefixes[size] = prefix_cache(self.cache, size, lambda: self._new_cache(size, static_shapes=True))
-        return self._prefixes[size]
 
     def warm_up(self) -> None:
         """One decode step of every bucket with every row left out (a compiled step is built here for
@@ -214,17 +213,16 @@ def bucket_sizes(rows: int) -> list[int]:
     return [size for size in sizes if size < rows] + [rows]
 
 
-def prefix_cache(cache: H2OCache, rows: int, fresh) -> H2OCache:
-    """A cache over the first ``rows`` rows of ``cache``: ``fresh()`` (an allocated cache of ``rows``
+def prefix_cache(cache: H2OCache, rows: int, view: H2OCache) -> H2OCache:
+    """A cache over the first ``rows`` rows of ``cache``: ``view`` (an allocated cache of ``rows``
     rows and the same settings) with every state tensor and per-row counter replaced by a view of
-    ``cache``'s, so both read and write the same slots. Its host counters are its own (see
-    ``share_host_counters``).
+    ``cache``'s, so both read and write the same slots (``view``'s own go back). Its host counters
+    are its own (see ``share_host_counters``).
 
     A workaround until the cache offers this itself (``H2OCache.prefix(rows)``): it relies on each
     layer's ``state_tensors()`` naming attributes of the layer, and on ``tokens_fed`` and
     ``next_position`` being the only per-row tensors of the cache; it checks that every tensor
     ends up shared and refuses otherwise."""
-    view = fresh()
     with torch.inference_mode():
         for mine, theirs in zip(view.layers, cache.layers):
             for name, tensor in theirs.state_tensors().items():
