@@ -86,7 +86,7 @@ class ModelBackend:
         self._prefixes: dict[int, H2OCache] = {rows: self.cache}
         for size in self.buckets[:-1]:
             self._prefixes[size] = prefix_cache(self.cache, size, self._new_cache(size, static_shapes=True))
-        self.steps_by_rows: dict[int, int] = {}  # decode steps run per bucket (what the tests and /metrics see)
+        self.steps_by_rows: dict[int, int] = {}  # decode steps run per bucket size
         # a cache that cannot leave rows out feeds its free rows a placeholder: reset one before its
         # positions could reach the model's limit
         self.free_steps = [0] * rows
@@ -219,20 +219,24 @@ def prefix_cache(cache: H2OCache, rows: int, view: H2OCache) -> H2OCache:
     ``cache``'s, so both read and write the same slots (``view``'s own go back). Its host counters
     are its own (see ``share_host_counters``).
 
-    A workaround until the cache offers this itself (``H2OCache.prefix(rows)``): it relies on each
-    layer's ``state_tensors()`` naming attributes of the layer, and on ``tokens_fed`` and
-    ``next_position`` being the only per-row tensors of the cache; it checks that every tensor
+    A workaround until the cache offers this itself (``H2OCache.prefix(rows)``): it relies on the
+    names of each layer's ``state_tensors()`` and of the cache's per-row counters (``tokens_fed``,
+    ``next_position``: what ``export_row`` copies) being attributes; it checks that every tensor
     ends up shared and refuses otherwise."""
     with torch.inference_mode():
         for mine, theirs in zip(view.layers, cache.layers):
             for name, tensor in theirs.state_tensors().items():
                 setattr(mine, name, tensor[:rows])
-        view.tokens_fed, view.next_position = cache.tokens_fed[:rows], cache.next_position[:rows]
-    shared = [tensor.data_ptr() for layer in view.layers for tensor in layer.state_tensors().values()]
-    expected = [tensor.data_ptr() for layer in cache.layers for tensor in layer.state_tensors().values()]
-    if shared != expected:
-        raise RuntimeError("the cache's layers hold state that prefix_cache cannot share")
+        for name, tensor in cache._row_counters().items():
+            setattr(view, name, tensor[:rows])
+    if _addresses(view) != _addresses(cache):
+        raise RuntimeError("the cache holds per-row state that prefix_cache cannot share")
     return view
+
+
+def _addresses(cache: H2OCache) -> list[int]:
+    tensors = [*(t for layer in cache.layers for t in layer.state_tensors().values()), *cache._row_counters().values()]
+    return [tensor.data_ptr() for tensor in tensors]
 
 
 def share_host_counters(source: H2OCache, target: H2OCache) -> None:
