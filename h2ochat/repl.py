@@ -22,6 +22,7 @@ from .options import check_recall
 from .history import ConversationLog, home, read_conversation, write_atomic
 from .models import ModelError
 from .policies import POLICIES, describe_policies
+from .split import describe_slots, planned_split
 
 # failures reported in one line (the user can fix them, or the machine ran out of something);
 # anything else is a bug: its traceback is shown and the session goes on
@@ -268,9 +269,8 @@ class Repl:
         if SETTINGS[canonical].on_cache:
             tokens = conv.reconfigure(settings)
             self.status.cache_replaced()
-            budget = conv.cache.budget
-            self.say(f"{canonical} {shown}: new cache of {budget.slots} slots ({budget.heavy} heavy + {budget.recent} "
-                     "recent)" + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
+            self.say(f"{canonical} {shown}: new cache of {describe_slots(planned_split(conv.cache))}"
+                     + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
         else:
             conv.settings = settings
             self.say(f"{canonical} = {shown!r}")
@@ -280,9 +280,8 @@ class Repl:
 
     def cmd_budget(self, argument: str) -> None:
         if not argument:
-            budget = self.conv.cache.budget
-            self.say(f"budget {self.conv.settings.cache.budget}: {budget.slots} slots per layer and KV head "
-                     f"({budget.heavy} heavy + {budget.recent} recent)")
+            self.say(f"budget {self.conv.settings.cache.budget}: "
+                     f"{describe_slots(planned_split(self.conv.cache), ' per layer and KV head')}")
             return
         self.change("budget", argument)
 

@@ -8,7 +8,9 @@ import sys
 import torch
 
 from .cache import H2OCache
+from .chat import evicted_per_head
 from .generation import Timing
+from .split import amount, cache_split, kv_memory, layer_splits, split_record
 
 
 def peak_memory_bytes(device: torch.device | str) -> int:
@@ -21,25 +23,29 @@ def peak_memory_bytes(device: torch.device | str) -> int:
 
 
 def cache_record(cache: H2OCache) -> dict:
-    budget = cache.budget
     # --recall: the cold tier beside the device slots (None without it); its recall slots are device
-    # slots of the budget too, beside the policy's hot ones
+    # slots of the budget too, beside the policy's hot ones (the split counts them so)
     tier = cache.tier_record() if hasattr(cache, "tier_record") else None
+    splits = layer_splits(cache)
     return {
         "policy": cache.policy.name,
-        "kv_slots": cache.layers[0].capacity + (tier["recall_slots"] if tier else 0),
-        "heavy_slots": budget.heavy,
-        "recent_slots": budget.recent,
-        "sink_slots": budget.sinks,
+        **split_record(cache_split(cache, splits), kv_memory(cache, splits)),
         "positions": cache.position_mode,
         "position_renumberings": cache.compactions,
-        "kv_bytes": cache.kv_bytes(),
         "bookkeeping_bytes": cache.bookkeeping_bytes(),
-        "full_kv_bytes": cache.full_kv_bytes(),
         "evicted_tokens": cache.evicted_tokens(),
         "evicted_tokens_counted": "per layer and KV head, summed over layers, heads and sequences",
         "recall": tier,
     }
+
+
+def evictions(cache: H2OCache) -> str:
+    """Evictions with their unit: each (layer, KV head) of each sequence evicts on its own, so the
+    total over them is many times the tokens generated; the mean per (layer, KV head) is the count of
+    tokens gone."""
+    total = cache.evicted_tokens()
+    return (f"{amount(round(evicted_per_head(cache, total), 1))} tokens evicted per layer and KV head ({total} "
+            "evictions, summed over layers, KV heads and sequences)")
 
 
 def evicted_share(cache: H2OCache) -> float | None:

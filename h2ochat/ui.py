@@ -25,8 +25,10 @@ from .cache import H2OCache
 from .policies import protected
 from .chat import TurnResult, evicted_per_head
 from .generation import Timing
-from .recall.report import TierSummary, TurnStart, has_cold_tier, recalled_token_indices, summarize_tier
+from .recall.report import TierSummary, TurnStart, has_cold_tier, recall_slot_counts, summarize_tier
 from .report import mean_evicted_share, part_shares
+from .split import (Memory, Split, amount, cache_split, describe_memory, describe_slots, describe_use, format_bytes,
+                    kv_memory, layer_splits)
 
 
 def make_console(stderr: bool = False, file=None) -> Console:
@@ -37,26 +39,21 @@ def make_console(stderr: bool = False, file=None) -> Console:
     return console
 
 
-def format_bytes(count: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.2f} {unit}"
-    return f"{int(count)} B"
-
-
 @dataclass
 class CacheSummary:
-    held: float  # tokens held per (layer, KV head), averaged
-    capacity: int
-    heavy: float
-    recent: float
+    split: Split  # slots per part (sinks, heavy, recent, recall): capacity and in use, averaged (split.py)
+    memory: Memory  # KV bytes reserved, in use, and what a full cache would hold
     evicted: float  # tokens evicted per (layer, KV head), averaged
     evicted_share: float | None  # attention an evicted token held when dropped (see report.evicted_share)
     seen: int
-    kv_bytes: int
-    full_bytes: int
     layers: list = field(default_factory=list)  # the per-layer statistics it was made of
+    layer_splits: list = field(default_factory=list)  # the per-layer splits it was made of
     tier: TierSummary | None = None  # the cold tier (--recall), None without one
+
+    @property
+    def held(self) -> float:
+        """Tokens held per (layer, KV head), averaged, every device slot counted."""
+        return self.split.held.total
 
 
 def summarize(cache: H2OCache, since: TurnStart | None = None) -> CacheSummary:
@@ -64,18 +61,15 @@ def summarize(cache: H2OCache, since: TurnStart | None = None) -> CacheSummary:
     Reads the device several times per layer: compute it once per step (``StatusLine``), not once per
     render."""
     stats = cache.layer_stats()
-    count = max(len(stats), 1)
+    splits = layer_splits(cache)
     return CacheSummary(
-        held=sum(s.held for s in stats) / count,
-        capacity=max((s.capacity for s in stats), default=0),
-        heavy=sum(s.heavy for s in stats) / count,
-        recent=sum(s.recent for s in stats) / count,
+        split=cache_split(cache, splits),
+        memory=kv_memory(cache, splits),
         evicted=evicted_per_head(cache, sum(s.evicted for s in stats)),  # the count read above, not again
         evicted_share=mean_evicted_share(stats),
         seen=cache.longest_row_tokens(),
-        kv_bytes=cache.kv_bytes(),
-        full_bytes=cache.full_kv_bytes(),
         layers=stats,
+        layer_splits=splits,
         tier=summarize_tier(cache, since),
     )
 
@@ -86,27 +80,18 @@ def percent(share: float | None) -> str:
     return f"{share:.1%}" if share >= 0.001 or share == 0 else f"{share:.2%}"
 
 
-def amount(value: float) -> str:
-    """A mean count: whole numbers as such, others with one decimal."""
-    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
-
-
 def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False,
                 summary: CacheSummary | None = None) -> str:
-    """`KV 410/410 slots │ 205 heavy + 205 recent │ 1234/1644 evicted, held 0.8% attn │ 26 MiB (full 105 MiB) │ 14.8 tok/s`
+    """`410/410 slots held: 205/205 heavy + 205/205 recent │ 1234/1644 tok evicted per layer and KV head, held
+    0.8% attn │ KV 26.00 MiB in use of 26.00 MiB reserved (a full cache: 105.00 MiB) │ 14.8 tok/s`
 
     ``live``: a reply is being produced (``timing`` None means its prompt is still being read).
     ``summary``: the cache's figures when already at hand (else read now)."""
     s = summary or summarize(cache)
-    evicted = f"{s.evicted:.0f}/{s.seen} tok evicted"
+    evicted = f"{amount(s.evicted)}/{s.seen} tok evicted per layer and KV head"
     if s.evicted_share is not None:  # the one figure of where the budget hurts (see /cache)
         evicted += f", held {percent(s.evicted_share)} attn"
-    parts = [
-        f"KV {s.held:.0f}/{s.capacity} slots",
-        f"{s.heavy:.0f} heavy + {s.recent:.0f} recent",
-        evicted,
-        f"{format_bytes(s.kv_bytes)} (full {format_bytes(s.full_bytes)})",
-    ]
+    parts = [describe_use(s.split), evicted, describe_memory(s.memory)]
     if s.tier is not None:  # this turn's recalls: pages copied in per (layer, KV head), attention they drew
         parts.append(f"recall: {amount(s.tier.pages_copied_turn)} pages in, {percent(s.tier.recalled_share_turn)} attn")
     if live:
@@ -166,7 +151,8 @@ def turn_summary(result: TurnResult) -> str:
     t = result.timing
     return (f"{t.prompt_tokens} prompt tok at {t.prefill_tokens_per_s:.0f} tok/s · "
             f"{t.generated_tokens} generated at {t.decode_tokens_per_s:.1f} tok/s · "
-            f"{result.evicted:.0f} evicted this turn" + (" · interrupted" if result.interrupted else ""))
+            f"{amount(result.evicted)} tokens evicted this turn per layer and KV head (averaged)"
+            + (" · interrupted" if result.interrupted else ""))
 
 
 # -- /cache ----------------------------------------------------------------------------------------
@@ -208,18 +194,15 @@ def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None,
                width: int = 80, summary: CacheSummary | None = None):
     """The /cache view: where the budget hurts, per layer (as strips that fit any depth, and as a table
     for a few layers) and per part of the conversation. ``summary``: the figures when at hand."""
-    budget = cache.budget
     s = summary or summarize(cache)
     stats = s.layers
     shares = [st.evicted_share if st.evicted else None for st in stats]
     styles = [share_style(share, st.held) for share, st in zip(shares, stats)]
-    recall = s.tier.recall_slots if s.tier is not None else 0  # device slots too: --budget counts them
-    title = Text(f"KV cache · policy {cache.policy.name} · {budget.slots + recall} slots per layer and KV head "
-                 f"({budget.heavy} heavy + {budget.recent} recent" + (f" + {budget.sinks} sinks" if budget.sinks else "")
-                 + (f" + {recall} recall" if recall else "") + f") · "
-                 f"{s.seen} tokens seen, {s.evicted:.0f} evicted per head · KV {format_bytes(s.kv_bytes)} "
-                 f"(full {format_bytes(s.full_bytes)})", style="bold")
-    lines = [title]
+    # the recall slots are device slots of the budget too, as --budget counts them
+    title = Text(f"KV cache · policy {cache.policy.name} · {describe_slots(s.split, ' per layer and KV head')} · "
+                 f"{s.seen} tokens seen, {amount(s.evicted)} evicted per layer and KV head · "
+                 f"{describe_memory(s.memory)}", style="bold")
+    lines = [title, Text(f"  now {describe_use(s.split)} (per layer and KV head, averaged)")]
     label = f"L0–L{len(stats) - 1}"
     span = max(16, width - len(label) - 4)  # one strip fits the terminal however deep the model
     if s.evicted_share is None:
@@ -252,13 +235,16 @@ def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None,
             table.add_row(name, str(record["tokens"]), bar(record["held_share"]), f"{record['held_share']:.0%}")
         lines.append(table)
     if s.tier is not None:
-        lines.extend(cold_tier_lines(s.tier))
+        lines.extend(cold_tier_lines(s.tier, s.split))
     if all_layers or len(stats) <= LAYER_TABLE_MAX:
         table = Table(title_justify="left", box=None, padding=(0, 1))
-        for name in ("layer", "held / slots", "heavy + recent", "evicted held", "heavy age median", "oldest"):
+        shown = [name for name, value in s.split.slots.items() if value or name in ("heavy", "recent")]
+        for name in ("layer", "held / slots", " + ".join(shown) + " held", "evicted held", "heavy age median", "oldest"):
             table.add_column(name, justify="right")
-        for index, (st, share, style) in enumerate(zip(stats, shares, styles)):
-            table.add_row(str(index), f"{st.held:.0f} / {st.capacity}", f"{st.heavy:.0f} + {st.recent:.0f}",
+        for index, (st, split, share, style) in enumerate(zip(stats, s.layer_splits, shares, styles)):
+            held = split.held
+            table.add_row(str(index), f"{amount(held.total)} / {amount(split.slots.total)}",
+                          " + ".join(amount(getattr(held, name)) for name in shown),
                           Text(percent(share), style=style),
                           "–" if st.heavy_age_median is None else f"{st.heavy_age_median:.0f}",
                           "–" if st.heavy_age_oldest is None else str(st.heavy_age_oldest))
@@ -269,8 +255,9 @@ def cache_view(cache: H2OCache, parts: list[tuple[str, int, int]] | None = None,
     return Group(*lines)
 
 
-def cold_tier_lines(tier: TierSummary) -> list[Text]:
-    """/cache's cold-tier block (--recall): what the cold store holds, what came back, what it drew."""
+def cold_tier_lines(tier: TierSummary, split: Split) -> list[Text]:
+    """/cache's cold-tier block (--recall): what the cold store holds, what came back (the recall
+    slots in use: ``split``'s), what it drew."""
     scope = "this turn" if tier.this_turn else "since this cache was built"
     limit = ("no --cold-limit" if tier.cold_limit is None else
              f"--cold-limit {tier.cold_limit}: {amount(tier.dropped_tokens)} tokens dropped")
@@ -284,7 +271,7 @@ def cold_tier_lines(tier: TierSummary) -> list[Text]:
         Text(f"  cold store  {amount(tier.cold_pages)} pages ({amount(tier.cold_tokens)} tokens) per layer and KV "
              f"head · {format_bytes(tier.host_bytes)} on the host · {limit}"),
         Text(f"  digests     {format_bytes(tier.digest_bytes)} on the device (what the pages are scored with)"),
-        Text(f"  recalled    {copied} · {amount(tier.recalled_tokens)} tokens in recall slots now"),
+        Text(f"  recalled    {copied} · {amount(split.held.recall)} tokens in recall slots now"),
         Text(f"  attention   {turn_share}" + (f" ({percent(tier.recalled_share)} since this cache was built)"
                                                if tier.this_turn else "")),
     ]
@@ -301,7 +288,7 @@ def token_classes(cache: H2OCache, token_count: int) -> list[str]:
     now, brought back from the cold tier), heavy (kept on merit in most (layer, head) slots),
     partial (kept in some), evicted (kept nowhere)."""
     share = cache.cached_token_share().tolist()
-    recalled = set(recalled_token_indices(cache).tolist())
+    recalled = set(recall_slot_counts(cache).nonzero().flatten().tolist())
     seen = len(share)
     budget = cache.budget
     # the policy's own protected set (recent window, sinks), asked of the rule the cache evicts by
@@ -335,11 +322,20 @@ def heavy_hitter_text(tokenizer, ids: list[int], cache: H2OCache) -> Text:
 
 
 def heavy_hitter_legend(cache: H2OCache, ids_count: int) -> Text:
+    """What each mark counts, in tokens of the conversation. A token is held, or not, in each
+    (layer, KV head) cache separately: the marks say in how many of them."""
     classes = token_classes(cache, ids_count)
-    legend = Text()
-    recall = [(RECALLED, "recalled (in a recall slot now)")] if has_cold_tier(cache) else []
-    for name, label in ((HEAVY, "heavy hitter (kept by most heads)"), *recall, (PARTIAL, "mostly evicted"),
-                        (RECENT, "recent window / sinks"), (EVICTED, "evicted")):
+    caches = sum(layer.token_index.shape[1] for layer in cache.layers if layer.is_initialized)
+    recall = []
+    if has_cold_tier(cache):
+        counts = recall_slot_counts(cache)
+        mean = float(counts[counts > 0].float().mean()) if bool((counts > 0).any()) else 0.0
+        recall = [(RECALLED, f"recalled (in a recall slot of at least one of them now, {amount(round(mean, 1))} "
+                             "of them on average; marked before heavy)")]
+    legend = Text(f"{ids_count} tokens, each held or not in each of the {caches} layer × KV head caches:   ")
+    for name, label in ((HEAVY, "heavy hitter (held on merit in at least half of them)"), *recall,
+                        (PARTIAL, "partly evicted (held in fewer than half)"),
+                        (RECENT, "recent window / sinks (never evicted)"), (EVICTED, "evicted (held in none)")):
         legend.append(f"{label}: {classes.count(name)}", style=STYLES[name])
         legend.append("   ")
     return legend

@@ -100,7 +100,7 @@ def test_the_cold_tier_figures_are_the_hand_computed_ones(loaded, cold_limit):
     assert tier.cold_pages == pytest.approx(pages / rows)
     assert tier.cold_tokens == pytest.approx(tokens / rows)
     assert tier.dropped_tokens == pytest.approx(dropped / rows)
-    assert tier.recalled_tokens == pytest.approx(in_recall / rows)
+    assert repl.status.summary().split.held.recall == pytest.approx(in_recall / rows)  # the split's (h2ochat/split.py)
     assert tier.pages_copied == pytest.approx(copied / rows)
     assert tier.pages_copied_turn == pytest.approx(copied_turn / rows)
     assert tier.recalled_share_turn == pytest.approx(recalled_turn / attended_turn)
@@ -147,7 +147,16 @@ def test_hh_marks_exactly_the_tokens_in_recall_slots(loaded):
     assert styled == "".join(runs)
     repl.handle("/hh")
     legend = out.getvalue().strip().splitlines()[-1]
-    assert f"recalled (in a recall slot now): {len(by_hand)}" in legend
+    in_slots = [0] * len(ids)  # how many (layer, KV head) recall slots hold each token
+    for layer in conv.cache.layers:
+        for token in layer.token_index[0, :, HOT:].flatten().tolist():
+            if token >= 0:
+                in_slots[token] += 1
+    mean = sum(in_slots) / len(by_hand)
+    caches = sum(layer.token_index.shape[1] for layer in conv.cache.layers)
+    assert legend.startswith(f"{len(ids)} tokens, each held or not in each of the {caches} layer × KV head caches:")
+    assert (f"recalled (in a recall slot of at least one of them now, {amount(round(mean, 1))} of them on average; "
+            f"marked before heavy): {len(by_hand)}") in legend
 
 
 def test_turn_figures_count_from_the_turn_start_and_say_so_after_a_new_cache(loaded, monkeypatch):
@@ -188,4 +197,5 @@ def test_without_recall_nothing_of_the_cold_tier_shows(loaded):
     text = out.getvalue()
     assert "cold tier" not in text and "recall" not in text and "recall" not in repl.toolbar()
     assert torch.tensor([c == RECALLED for c in token_classes(repl.conv.cache, len(repl.conv.ids))]).sum() == 0
-    assert re.search(r"heavy hitter \(kept by most heads\): \d+   mostly evicted: \d+", text.splitlines()[-1])
+    assert re.search(r"heavy hitter \(held on merit in at least half of them\): \d+   partly evicted \(held in fewer "
+                     r"than half\): \d+", text.splitlines()[-1])

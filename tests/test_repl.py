@@ -110,9 +110,10 @@ def test_hh_counts_match_a_hand_count_for_the_recent_window_policy(loaded):
     seen, pending = len(conv.ids), len(conv.pending)
     counts = legend_counts(out)
     assert seen > 32
-    assert counts["evicted"] == seen - 32
-    assert counts["recent window / sinks"] == 32 + pending
-    assert counts["heavy hitter (kept by most heads)"] == 0 and counts["mostly evicted"] == 0
+    assert counts["evicted (held in none)"] == seen - 32
+    assert counts["recent window / sinks (never evicted)"] == 32 + pending
+    assert counts["heavy hitter (held on merit in at least half of them)"] == 0
+    assert counts["partly evicted (held in fewer than half)"] == 0
     assert len(counts) == 4  # no --recall: no recalled tokens in the legend
 
 
@@ -134,9 +135,9 @@ def test_hh_counts_match_the_slots_the_cache_holds(loaded):
     recent = conv.cache.budget.recent
     old = range(0, seen - recent)
     counts = legend_counts(out)
-    assert counts["evicted"] == sum(holders[t] == 0 for t in range(seen)) > 0
-    assert counts["heavy hitter (kept by most heads)"] == sum(2 * holders[t] >= total for t in old)
-    assert counts["mostly evicted"] == sum(0 < 2 * holders[t] < total for t in old)
+    assert counts["evicted (held in none)"] == sum(holders[t] == 0 for t in range(seen)) > 0
+    assert counts["heavy hitter (held on merit in at least half of them)"] == sum(2 * holders[t] >= total for t in old)
+    assert counts["partly evicted (held in fewer than half)"] == sum(0 < 2 * holders[t] < total for t in old)
 
 
 class InterruptingFile(io.StringIO):

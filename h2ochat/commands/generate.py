@@ -63,7 +63,7 @@ def generate(
     from ..detokenize import TextStream
     from ..generation import Timing, stop_check_interval, stream
     from ..prompting import encode
-    from ..report import run_record
+    from ..report import evictions, run_record
     from ..ui import make_console
 
     with loading(make_console(stderr=True), model):
@@ -99,7 +99,7 @@ def generate(
         if sys.stderr.isatty():
             print(f"[{timing.prompt_tokens} prompt tokens at {timing.prefill_tokens_per_s:.1f} tok/s, "
                   f"{timing.generated_tokens} generated at {timing.decode_tokens_per_s:.1f} tok/s, "
-                  f"{cache.evicted_tokens()} evictions]", file=sys.stderr)
+                  f"{evictions(cache)}]", file=sys.stderr)
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
 

@@ -115,9 +115,10 @@ def run(
         log.model = model_reference(model)
     interactive = sys.stdin.isatty()
     if interactive:
-        budget_split = conversation.cache.budget
-        console.print(f"[bold]h2ochat[/] · {loaded.name} · {settings.cache.policy} cache of {budget_split.slots} slots "
-                      f"({budget_split.heavy} heavy + {budget_split.recent} recent) of a "
+        from ..split import describe_slots, planned_split
+
+        console.print(f"[bold]h2ochat[/] · {loaded.name} · {settings.cache.policy} cache of "
+                      f"{describe_slots(planned_split(conversation.cache))} of a "
                       f"{conversation.max_positions}-token context · [dim]/help for commands, /bye to leave[/]")
     if messages:
         conversation.messages = [dict(m) for m in messages]

@@ -43,7 +43,8 @@ from ..models import load
 from ..prompting import encode
 from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
 from ..textstats import batch_summary, repetition
-from ..ui import ReplyPrinter, StatusLine, TokenProgress, format_bytes, format_duration, make_console, percent
+from ..split import cache_split, describe_memory, describe_slots, kv_memory, layer_splits
+from ..ui import ReplyPrinter, StatusLine, TokenProgress, format_duration, make_console, percent
 from .common import RepeatLastN, loading
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
@@ -409,8 +410,9 @@ def summary_line(cache, rows: list[Row], checks, read_tokens: int, read_s: float
         parts.append(f"read {read_tokens} tokens in {format_duration(read_s)}")
     what = f"{written} tokens" if count == 1 else f"{count} stories, {written} tokens"
     parts.append(f"{what} in {format_duration(gen_s)} at {rate:.1f} tok/s" + (" (all stories together)" if count > 1 else ""))
-    parts.append(f"KV {format_bytes(cache.kv_bytes())} for {cache.budget.slots} slots (a full cache would now hold "
-                 f"{format_bytes(cache.full_kv_bytes())})")
+    splits = layer_splits(cache)
+    parts.append(f"{describe_slots(cache_split(cache, splits), ' per layer and KV head')}: "
+                 f"{describe_memory(kv_memory(cache, splits))}")
     parts.append(f"{cache.longest_row_tokens()} tokens seen · positions re-numbered {cache.compactions}×")
     share = evicted_share(cache)
     if share is not None:

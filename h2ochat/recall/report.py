@@ -43,7 +43,6 @@ class TierSummary:
     cold_pages: float  # held in the cold store, mean per (layer, sequence, KV head)
     cold_tokens: float
     dropped_tokens: float  # lost to --cold-limit
-    recalled_tokens: float  # in recall slots now
     host_bytes: int  # every cold store (allocated host memory)
     digest_bytes: int  # every page digest (device memory)
     pages_copied: float  # into recall slots since the cache was built, mean per (layer, sequence, KV head)
@@ -68,7 +67,6 @@ def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
     stats = cache.tier_stats()
     layers = [layer for layer in cache.layers if layer.is_initialized]
     rows = sum(layer.cold.count.numel() for layer in layers)
-    in_recall = sum(int((layer.recalled_token_index() >= 0).sum()) for layer in layers)
     this_turn = since is not None
     start = since.stats if this_turn and since.cache() is cache else None
     copied_before = start.pages_copied if start else 0
@@ -81,7 +79,7 @@ def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
     return TierSummary(
         recall_slots=config.slots, page=config.page, selector=config.selector, cold_limit=config.cold_limit,
         rows=rows, cold_pages=mean(stats.cold_pages), cold_tokens=mean(stats.cold_tokens),
-        dropped_tokens=mean(stats.dropped_tokens), recalled_tokens=mean(in_recall),
+        dropped_tokens=mean(stats.dropped_tokens),
         host_bytes=stats.host_bytes, digest_bytes=stats.digest_device_bytes,
         pages_copied=mean(stats.pages_copied), pages_copied_turn=mean(stats.pages_copied - copied_before),
         recalled_share=_share(stats.recalled_mass, stats.attended_mass),
@@ -90,11 +88,20 @@ def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
     )
 
 
+def recall_slot_counts(cache, sequence: int = 0) -> torch.Tensor:
+    """[tokens seen] for each token index of ``sequence``: how many (layer, KV head) recall slots hold
+    it now (all 0 for a cache without a cold tier)."""
+    seen = int(cache.tokens_fed[sequence]) if cache.tokens_fed is not None else 0
+    counts = torch.zeros(seen, dtype=torch.long)
+    if has_cold_tier(cache):
+        for layer in cache.layers:
+            if layer.is_initialized:
+                tokens = layer.recalled_token_index()[sequence].flatten().cpu()
+                counts += torch.bincount(tokens[tokens >= 0], minlength=seen)[:seen]
+    return counts
+
+
 def recalled_token_indices(cache, sequence: int = 0) -> torch.Tensor:
     """Token indices of ``sequence`` in a recall slot of some layer and KV head now (sorted, unique;
     empty for a cache without a cold tier)."""
-    if not has_cold_tier(cache):
-        return torch.empty(0, dtype=torch.long)
-    held = [layer.recalled_token_index()[sequence].flatten().cpu() for layer in cache.layers if layer.is_initialized]
-    tokens = torch.cat(held) if held else torch.empty(0, dtype=torch.long)
-    return tokens[tokens >= 0].unique()
+    return recall_slot_counts(cache, sequence).nonzero().flatten()
