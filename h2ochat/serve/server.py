@@ -95,10 +95,13 @@ def row_bytes_before_loading(config: ServeConfig) -> int | None:
         return None
     attention.register()
     dtype = pick_dtype(config.dtype, pick_device(config.device))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attention.NAME, dtype=dtype)
-    return ModelBackend(model, config.settings, 1, store=ParkedStore(0),
-                        prefill_chunk=config.prefill_chunk).row_bytes()
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attention.NAME, dtype=dtype)
+        return ModelBackend(model, config.settings, 1, store=ParkedStore(0),
+                            prefill_chunk=config.prefill_chunk).row_bytes()
+    except Exception:  # noqa: BLE001  a model the meta device cannot build: choose_rows checks once it is loaded
+        return None
 
 
 def _config_before_loading(config: ServeConfig):
@@ -211,7 +214,8 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         if self.stopped_by is not None:
-            log.info("%s: stopping (the requests running end with an error)", signal.Signals(self.stopped_by).name)
+            log.info("%s: stopping%s", signal.Signals(self.stopped_by).name,
+                     " (the requests running end with an error)" if self.engine.ready else "")
         self.engine.stop(timeout=0)
         await super().shutdown(sockets)
 
