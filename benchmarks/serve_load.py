@@ -9,6 +9,13 @@ Two measurements (issue 16):
    once, peak memory of the server process, requests refused.
 2. ``parked``: one chat of many turns on an h2o server: per-turn latency against the turn number
    (a parked chat should cost its new tokens, not its history).
+3. ``one_chat`` (issue 23): the README's request (one chat, ``--one-chat-tokens`` tokens) on a server
+   of ``--one-chat-rows`` rows against the same request on a 1-row server, both with the default
+   budget: the decode time per token of each (the first token excluded: it comes with the prefill)
+   and the server's CPU seconds per generated token (one thread: its compute, whatever else loads
+   the machine), and their ratios (a decode step runs only the rows in use: close to 1):
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_load.py --phases one_chat --out benchmarks/results_serve_one_chat.json
 
 Replies have a fixed length (``ignore_eos``) and come back with their special tokens
 (``skip_special_tokens: false``), so each turn's history is exactly what the model read and both
@@ -273,6 +280,49 @@ def parked_phase(args, log_dir: Path) -> dict:
         server.stop()
 
 
+def one_chat_phase(args, log_dir: Path) -> dict:
+    """The README's chat request, alone, on a server of ``--one-chat-rows`` rows and on a 1-row
+    server (default budget and policy): seconds per decoded token and server CPU seconds per
+    generated token, best of ``--one-chat-repeats`` (the least disturbed by other work on the machine)."""
+    prompt = [{"role": "user", "content": "Hello!"}]
+    body = {"model": "m", "messages": prompt, "max_tokens": args.one_chat_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    sides = {}
+    for rows in (args.one_chat_rows, 1):
+        server = start_server(args, ["--max-sequences", str(rows)], log_dir / f"serve_one_chat_{rows}.log")
+        try:
+            server.wait_ready()
+            per_token, cpu_per_token = [], []
+
+            async def once():
+                async with httpx.AsyncClient(base_url=server.url, timeout=3600) as http:
+                    stamps = []
+                    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: {") and '"content"' in line:
+                                stamps.append(time.perf_counter())
+                    return stamps
+
+            for _ in range(args.one_chat_repeats):
+                cpu = server.cpu_seconds()
+                stamps = asyncio.run(once())
+                cpu_per_token.append((server.cpu_seconds() - cpu) / len(stamps))
+                per_token.append((stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1))
+            metrics = server.metrics()
+            sides[rows] = {"command": server.command, "rows": int(metrics["rows"]),
+                           "kv_bytes_reserved": int(metrics["kv_bytes_reserved"]),
+                           "decode_s_per_token": [round(value, 5) for value in per_token],
+                           "best_decode_s_per_token": round(min(per_token), 5),
+                           "server_cpu_s_per_token": [round(value, 5) for value in cpu_per_token],
+                           "best_server_cpu_s_per_token": round(min(cpu_per_token), 5)}
+        finally:
+            server.stop()
+    many, one = sides[args.one_chat_rows], sides[1]
+    return {"tokens": args.one_chat_tokens, f"rows_{args.one_chat_rows}": many, "rows_1": one,
+            "ratio_many_to_one": round(many["best_decode_s_per_token"] / one["best_decode_s_per_token"], 3),
+            "cpu_ratio_many_to_one": round(many["best_server_cpu_s_per_token"] / one["best_server_cpu_s_per_token"], 3)}
+
+
 def ratio(h2o: float, full: float) -> float | None:
     """h2o against full; None where the full-cache server served nothing (it refuses chats longer
     than its reserved window: that is the comparison's point, not a crash)."""
@@ -295,6 +345,9 @@ def main() -> None:
     parser.add_argument("--parked-turns", type=int, default=50)
     parser.add_argument("--pairs", type=int, default=5, help="then the long chat's next turns against new chats' "
                         "second turns, alternating, this many of each")
+    parser.add_argument("--one-chat-rows", type=int, default=64, help="rows of the large server in one_chat")
+    parser.add_argument("--one-chat-tokens", type=int, default=64)
+    parser.add_argument("--one-chat-repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--phases", default="load,parked")
     parser.add_argument("--completions", action="store_true",
@@ -328,6 +381,9 @@ def main() -> None:
     if "parked" in phases:
         results["parked"] = parked_phase(args, log_dir)
         print(json.dumps({k: v for k, v in results["parked"].items() if k != "per_turn"}), flush=True)
+    if "one_chat" in phases:
+        results["one_chat"] = one_chat_phase(args, log_dir)
+        print(json.dumps(results["one_chat"]), flush=True)
     results["load_average_after"] = os.getloadavg()
     if args.out and args.out.exists() and args.merge:  # keep the phases not run this time
         results = {**json.loads(args.out.read_text()), **results}
