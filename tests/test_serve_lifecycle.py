@@ -6,6 +6,7 @@ No run may print a traceback or abort."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import pytest
 
 from h2ochat.generation import CacheSettings
 from h2ochat.models import load
+from h2ochat.serve.app import _deliver_to
 from h2ochat.serve.backend import ModelBackend
 from h2ochat.serve.parked import ParkedStore
 from h2ochat.serve.errors import shutting_down
@@ -95,6 +97,18 @@ def test_stopping_fails_every_request_once_running_prefilling_or_waiting():
         assert [event for event in request.events if event[0] in ("error", "done")] == [("error", request.events[-1][1])]
         assert request.events[-1][1].code == "server_shutting_down" and request.finished
     assert scheduler.idle and scheduler.rows_in_use == 0
+
+
+def test_an_event_for_a_loop_that_has_closed_is_dropped_not_raised_in_the_engine_thread():
+    loop = asyncio.new_event_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    deliver = _deliver_to(loop, events)
+    deliver(("text", 0, "a"))
+    loop.run_until_complete(asyncio.sleep(0))
+    assert events.get_nowait() == ("text", 0, "a")
+    loop.close()
+    deliver(("text", 0, "b"))  # was: RuntimeError: Event loop is closed, in thread h2ochat-engine
+    assert events.empty()
 
 
 def hold_stream(server: ServerProcess, events: list[str], started: threading.Event) -> None:
