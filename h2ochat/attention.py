@@ -27,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import cache as cache_module
+from .kv import last_update
 
 NAME = "h2o"
 
@@ -52,8 +52,8 @@ def _pending_layer(module, key, h2o_cache, h2o_layer):
         return h2o_cache.layers[module.layer_idx]
     if h2o_layer is not None:
         return h2o_layer
-    layer = getattr(cache_module._last_update, "layer", None)
-    cache_module._last_update.layer = None
+    layer = getattr(last_update, "layer", None)
+    last_update.layer = None
     if layer is not None and layer.pending_key is None:  # already attended: not this step's
         return None
     return layer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import H2OCache, H2OLayer
+from .kv import H2OCache, H2OLayer
 
 
 class SlotsOnlyLayer(H2OLayer):

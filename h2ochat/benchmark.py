@@ -11,7 +11,7 @@ Variants, all on the same model weights, at the same batch size and context leng
 - ``hf``: stock transformers: the model switched to ``sdpa`` attention with a ``DynamicCache``.
 
 - ``recall`` (with ``BenchPlan.recall``, ``h2ochat bench --recall R``): the same policy through the
-  two-tier ``RecallCache`` at the same device slots (R of them recall slots), its cold tier filled
+  two-tier cache (``kv.make_cache`` with a recall tier) at the same device slots (R of them recall slots), its cold tier filled
   with the context's older tokens (``recall.synthetic.fill_cold_tier``); it takes its turn right
   after h2o, and ``recall_overhead`` compares the two per context and batch against the issue's
   targets (``RECALL_TARGETS``). With ``--recall-every k`` every measurement is timed in blocks of k
@@ -57,13 +57,12 @@ import torch
 from .attention import NAME as H2O_ATTENTION
 from .attention import h2o_attention
 from .bench_baseline import SlotsOnlyCache
-from .cache import H2OCache
+from .kv import H2OCache, make_cache
 from .compiled import CompiledDecode
 from .forward_step import cache_argument, forward
 from .generation import max_positions
 from .models import kv_bytes
 from .recall.synthetic import fill_cold_tier
-from .recall.tiered import RecallCache
 from .sizes import parse_size  # noqa: F401  (moved to sizes.py; tests/test_bench.py still reads it here)
 from .rotary import find_rotary
 
@@ -85,9 +84,8 @@ def build_cache(model, variant: str, slots: int, context: int, extra: int, polic
     if variant == "full":
         return H2OCache(layers, "full", context + extra, max_positions=limit, positions="absolute", rotary=rotary)
     if variant == RECALL:
-        tier = recall.recall_config(slots)
-        return RecallCache(layers, policy, slots - tier.slots, recall=tier, max_positions=limit, positions="absolute",
-                           rotary=rotary)
+        return make_cache(layers, policy, slots, recall=recall.recall_config(slots), max_positions=limit,
+                          positions="absolute", rotary=rotary)
     kind = SlotsOnlyCache if variant == "slots" else H2OCache
     return kind(layers, policy, slots, max_positions=limit, positions="absolute", rotary=rotary,
                 static_shapes=static_shapes)
@@ -188,7 +186,7 @@ class Measurement:
     compiled: bool = False  # the decode step ran compiled (h2ochat.compiled)
     compile_s: float | None = None  # the untimed first compiled step (the compilation, when not cached)
     block: int = 1  # steps timed as one block (--recall-every: one recall per block)
-    recall: dict | None = None  # the recall variant's tier (RecallCache.tier_record) and copies per step
+    recall: dict | None = None  # the recall variant's tier (H2OCache.tier_record) and copies per step
     # on a CPU, the process's CPU time per step (all its threads): other jobs' load barely moves it
     step_cpu_ms: list[float] = field(default_factory=list)
 
@@ -261,13 +259,9 @@ def prepared_cache(model, variant: str, tokens: torch.Tensor, *, context: int, s
     return cache
 
 
-def device_slots(cache: H2OCache) -> int:
-    """Slots per layer, sequence and KV head on the device: the policy's, and the recall slots."""
-    return cache.layers[0].capacity + (cache.recall.slots if isinstance(cache, RecallCache) else 0)
-
-
 def _pages_copied(cache: H2OCache) -> int:
-    return cache.tier_record()["pages_copied"] if isinstance(cache, RecallCache) else 0
+    record = cache.tier_record()
+    return record["pages_copied"] if record is not None else 0
 
 
 def measure(model, variant: str, *, context: int, batch: int, slots: int, steps: int, warmup: int,
@@ -304,7 +298,7 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
             step_ms.append((time.perf_counter() - started) * 1000)
             cpu_ms.append((time.process_time() - started_cpu) * 1000)
         tier = recall_record(cache, _pages_copied(cache) - copied, len(step_ms))
-        result = (device_slots(cache), cache.kv_bytes(), step_ms[warmup:])
+        result = (cache.device_slots(), cache.kv_bytes(), step_ms[warmup:])
         cache.reset()  # its slots go back before the next measurement
     kv_slots, kv_bytes, step_ms = result
     return Measurement(variant, context, batch, kv_slots, kv_bytes, step_ms, memory.peak(), memory.growth(),
@@ -316,12 +310,12 @@ def recall_record(cache: H2OCache, copied: int, steps: int) -> dict | None:
     """The two-tier cache's record (``tier_record``: digest device bytes, cold host bytes, ...),
     its --recall-every, and the pages its decode steps copied into the recall slots, per step and
     per (layer, sequence, KV head)."""
-    if not isinstance(cache, RecallCache):
+    record = cache.tier_record()
+    if record is None:
         return None
     layer = cache.layers[0]
     per_step = layer.keys.shape[0] * layer.keys.shape[1] * len(cache.layers) * steps
-    return {**cache.tier_record(), "every": cache.recall.every, "cold_dtype": cache.recall.cold_dtype,
-            "pages_copied_per_step": round(copied / per_step, 3)}
+    return {**record, "pages_copied_per_step": round(copied / per_step, 3)}
 
 
 # -- launches: operations per decode step ----------------------------------------------------------
@@ -545,7 +539,7 @@ class BenchPlan:
         return runs
 
     def compilable(self) -> tuple[str, ...]:
-        # the compiled step takes recall only when every step recalls (RecallCache.compile_blocker)
+        # the compiled step takes recall only when every step recalls (RecallSpec.compile_blocker)
         return COMPILABLE_VARIANTS + ((RECALL,) if self.recall is not None and self.block == 1 else ())
 
     def profiled(self) -> list[tuple[str, bool]]:

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, get_args, get_type_hints
 
 import torch
 
-from .cache import H2OCache
+from .kv import H2OCache
 from .detokenize import CONTEXT_IDS, TextStream, decode_in_context
 from .errors import UserError, user_input
 from .generation import (CacheSettings, Sampling, Timing, decoder, max_positions, prefill, stop_check_interval,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import H2OCache
+from .kv import H2OCache
 from .forward_step import EagerDecode, cache_argument, require_h2o_attention
 
 # one compiled graph per (model class, batch, slots, dtype, device, variant): a bench over several

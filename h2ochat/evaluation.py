@@ -26,11 +26,11 @@ from typing import Callable, Sequence
 import torch
 
 from .budget import parse_budget
-from .cache import H2OCache, RowSpec
+from .kv import H2OCache, RowSpec, make_cache, policy_slots
 from .forward_step import forward
 from .generation import CacheSettings, max_positions
 from .policies import Policy, get_policy
-from .recall.tiered import RecallCache, RecallConfig
+from .recall.tiered import RecallConfig
 from .rotary import find_rotary
 
 DEFAULT_POLICIES = ("full", "h2o", "local", "sink", "random")
@@ -52,7 +52,7 @@ class Row:
     @property
     def hot_slots(self) -> int:
         """The policy's slots: the budget less the recall slots."""
-        return self.slots - (self.recall.slots if self.recall else 0)
+        return policy_slots(self.slots, self.recall)
 
     @property
     def budget(self):
@@ -160,17 +160,17 @@ def _cache_for(model, rows: Sequence[Row]) -> H2OCache:
     common = dict(max_positions=max_positions(config), positions="absolute", rotary=find_rotary(model))
     if rows[0].recall is not None:
         [row] = rows
-        return RecallCache(config.num_hidden_layers, row.policy, row.hot_slots, recall=row.recall, seed=row.seed,
-                           **common)
+        return make_cache(config.num_hidden_layers, row.policy, row.slots, recall=row.recall, seed=row.seed, **common)
     return H2OCache.for_rows(config.num_hidden_layers, [row.spec() for row in rows], **common)
 
 
 def row_memory(cache: H2OCache, rows: Sequence[Row]) -> list[dict]:
     """Per row: the device KV bytes a cache of that row alone allocates (a mixed batch allocates its
     widest row's slots for every row, so its rows are counted by their own slots per layer), and
-    for a recall row what its cold tier holds (``RecallCache.tier_record``)."""
-    if isinstance(cache, RecallCache):
-        return [{"device_kv_bytes": cache.kv_bytes(), **cache.tier_record()}]
+    for a recall row what its cold tier holds (``H2OCache.tier_record``)."""
+    tier = cache.tier_record()
+    if tier is not None:
+        return [{"device_kv_bytes": cache.kv_bytes(), **tier}]
     out = []
     for index, _ in enumerate(rows):
         total = 0

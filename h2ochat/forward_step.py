@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .attention import NAME as H2O_ATTENTION
-from .cache import AttentionMismatchError, H2OCache
+from .kv import AttentionMismatchError, H2OCache
 
 # (cache, tokens [B] or [B, 1], active=None) -> next-token logits [B, V]; ``active`` [B] bool leaves
 # the rows that are False out of the step (they write nothing: ``H2OCache.position_ids``)

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from .budget import parse_budget
-from .cache import H2OCache
+from .kv import H2OCache, make_cache, policy_slots
 from .compiled import CompiledDecode
 from .forward_step import Decode, EagerDecode, forward
 from .policies import DEFAULT_POLICY, Policy, get_policy
@@ -75,7 +75,7 @@ class CacheSettings:
             raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
         slots = parse_budget(self.budget, 1 << 30)
         recall = self.recall_config(slots)
-        self.resolved_policy().split(slots - (recall.slots if recall else 0))
+        self.resolved_policy().split(policy_slots(slots, recall))
 
     def slots(self, config) -> int:
         return parse_budget(self.budget, max_positions(config))
@@ -87,30 +87,19 @@ class CacheSettings:
             return lambda config: max_positions(config)
         return lambda config: self.slots(config) + prefill_chunk
 
-    def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False) -> H2OCache:
-        """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
+    def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False,
+              recall_tier=None) -> H2OCache:
+        """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation;
+        ``recall_tier``: a ``RecallTier`` subclass for every layer (one that measures more)."""
         config = model.config
         slots = self.slots(config)
         policy = self.resolved_policy()
         if policy.grows and initial_slots:
             slots = initial_slots
         recall = self.recall_config(slots) if not policy.grows else None
-        if recall is not None:
-            from .recall.tiered import RecallCache
-
-            return RecallCache(config.num_hidden_layers, policy, slots - recall.slots, recall=recall,
-                               max_positions=max_positions(config), positions=self.positions,
-                               rotary=find_rotary(model), seed=self.seed)
-        return H2OCache(
-            config.num_hidden_layers,
-            policy,
-            slots,
-            max_positions=max_positions(config),
-            positions=self.positions,
-            rotary=find_rotary(model),
-            seed=self.seed,
-            static_shapes=static_shapes,
-        )
+        return make_cache(config.num_hidden_layers, policy, slots, recall=recall, recall_tier=recall_tier,
+                          max_positions=max_positions(config), positions=self.positions, rotary=find_rotary(model),
+                          seed=self.seed, static_shapes=static_shapes)
 
 
 @dataclass

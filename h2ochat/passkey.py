@@ -24,7 +24,7 @@ import torch
 
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
 from .recall.digests import KeyCodes
-from .recall.tiered import RecallCache, RecallLayer
+from .recall.tier import RecallTier
 
 KEY_SENTENCE = " The {which}pass key is {key}. Remember it. {key} is the {which}pass key."
 QUESTION = "\nWhat is the {which}pass key? The {which}pass key is"
@@ -111,23 +111,23 @@ class Runner(Protocol):
         """Feed [1, Q] token ids; returns the last token's logits [1, V]."""
 
 
-class ExactShareLayer(RecallLayer):
-    """A recall layer that keeps the exact selector's digest beside its own selector's and counts, at
+class ExactShareTier(RecallTier):
+    """A recall tier that keeps the exact selector's digest beside its own selector's and counts, at
     each recall, the share of the exact top pages its selector picked: the figure the masked
     reference's ``OverlapStats`` gives, measured on the real two-tier cache. Recalls where every
     cold page fits in the recall slots are left out (any selector finds them all)."""
 
-    def allocate(self, batch, heads, head_dim, value_dim, dtype, device) -> None:
-        super().allocate(batch, heads, head_dim, value_dim, dtype, device)
+    def allocate(self, layer, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        super().allocate(layer, batch, heads, head_dim, value_dim, dtype, device)
         self.exact = KeyCodes(batch, heads, head_dim, self.cold.page, None, frames=self.cold.frames,
-                              device=self.device, dtype=dtype)
+                              device=device, dtype=dtype)
         self.found, self.recalls_counted = 0.0, 0
 
-    def _to_cold(self, keys, values, token_index, positions) -> None:
-        super()._to_cold(keys, values, token_index, positions)
+    def to_cold(self, keys, values, token_index, positions) -> None:
+        super().to_cold(keys, values, token_index, positions)
         self.exact.append(keys, token_index)
 
-    def recall(self, queries: torch.Tensor) -> None:
+    def recall(self, layer, queries: torch.Tensor) -> None:
         count = self.frames.frame_page.shape[-1]
         pages_held = -(-self.cold.held_tokens() // self.cold.page)
         if int(pages_held.min()) > count:
@@ -135,21 +135,19 @@ class ExactShareLayer(RecallLayer):
             exact = self.exact.top_pages(queries, count)
             self.found += float((picked.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean())
             self.recalls_counted += 1
-        super().recall(queries)
+        super().recall(layer, queries)
 
     def exact_share(self) -> float | None:
         return self.found / self.recalls_counted if self.recalls_counted else None
 
 
-def measure_exact_share(cache: RecallCache) -> None:
-    """Swap a fresh two-tier cache's layers for ``ExactShareLayer``s (before anything is fed)."""
-    cache.layers[:] = [ExactShareLayer(cache, index) for index in range(len(cache.layers))]
-
-
-def exact_share_record(cache: RecallCache) -> dict:
+def exact_share_record(cache) -> dict | None:
     """The share of the exact top pages found, per layer and its mean over layers (None: no recall
-    had more cold pages than recall frames)."""
-    per_layer = [layer.exact_share() for layer in cache.layers if isinstance(layer, ExactShareLayer)]
+    had more cold pages than recall frames); None for a cache whose tiers do not measure it."""
+    tiers = [layer.tier for layer in cache.layers if isinstance(layer.tier, ExactShareTier)]
+    if not tiers:
+        return None
+    per_layer = [tier.exact_share() for tier in tiers]
     known = [x for x in per_layer if x is not None]
     return {"exact_top_pages_found": sum(known) / len(known) if known else None,
             "exact_top_pages_found_per_layer": per_layer}
@@ -158,7 +156,7 @@ def exact_share_record(cache: RecallCache) -> dict:
 @dataclass(frozen=True)
 class CacheRow:
     """A policy at a budget through the real cache. ``measure``: with recall, also measure the share
-    of the exact selector's top pages the row's selector finds (``ExactShareLayer``)."""
+    of the exact selector's top pages the row's selector finds (``ExactShareTier``)."""
 
     label: str
     settings: CacheSettings
@@ -166,16 +164,15 @@ class CacheRow:
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: questions token by token (each token recalls for itself)
     measure: bool = False
 
-    def instrument(self, cache):
-        """A fresh cache of this row's, set to measure its selector where the row asks (the exact
-        selector finds its own pages: nothing to measure)."""
-        if self.measure and isinstance(cache, RecallCache) and cache.recall.selector != "exact":
-            measure_exact_share(cache)
-        return cache
+    def recall_tier(self) -> type[RecallTier] | None:
+        """The recall tier that measures the row's selector where the row asks (the exact selector
+        finds its own pages: nothing to measure)."""
+        measured = self.measure and self.settings.recall and self.settings.selector != "exact"
+        return ExactShareTier if measured else None
 
     def runner(self, model, trial: Trial) -> Runner:
         initial = trial.context.shape[1] + trial.question.shape[1] + ANSWER_TOKENS
-        cache = self.instrument(self.settings.build(model, initial_slots=initial))
+        cache = self.settings.build(model, initial_slots=initial, recall_tier=self.recall_tier())
         row = self
 
         class _Run:
@@ -197,11 +194,10 @@ def cache_memory(cache) -> dict:
     """Device KV bytes and, with recall, the digest's device bytes, the cold store's host bytes, the
     pages copied in and (measured rows) the share of the exact top pages found."""
     figures = {"device_kv_bytes": cache.kv_bytes()}
-    if isinstance(cache, RecallCache):
-        tier = cache.tier_record()
+    tier = cache.tier_record()
+    if tier is not None:
         figures.update({name: tier[name] for name in ("digest_device_bytes", "cold_host_bytes", "pages_copied")})
-        if any(isinstance(layer, ExactShareLayer) for layer in cache.layers):
-            figures.update(exact_share_record(cache))
+        figures.update(exact_share_record(cache) or {})
     return figures
 
 

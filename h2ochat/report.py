@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .cache import H2OCache
+from .kv import H2OCache
 from .chat import evicted_per_head
 from .generation import Timing
 from .split import amount, cache_split, kv_memory, layer_splits, split_record

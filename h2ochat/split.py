@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .recall.report import has_cold_tier
 
 PART_NAMES = ("sinks", "heavy", "recent", "recall")
 
@@ -75,7 +74,7 @@ class Split:
 
 def _capacity(cache, layer) -> Parts:
     """A layer's slots, from its budget (no device read)."""
-    recall = cache.recall.slots if has_cold_tier(cache) else 0
+    recall = cache.tier.columns  # the tier's own slot columns (0 without one)
     if cache.grows:  # the full cache: what is allocated now (it grows), no split
         return Parts(recent=layer.capacity)
     budget = layer.budget

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .cache import H2OCache
+from .kv import H2OCache
 from .policies import protected
 from .chat import TurnResult, evicted_per_head
 from .generation import Timing

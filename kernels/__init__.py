@@ -6,7 +6,8 @@ Hugging Face's package of that name, which transformers imports when it finds it
 ``H2OCHAT_KERNELS=torch`` forces the torch path, ``=triton`` forces Triton (an error without it),
 ``auto`` (default) takes Triton for CUDA tensors when it is importable.
 
-Modules: ``reference`` (the semantics, plain torch), ``dispatch`` (the choice), ``ops`` (the
+Modules: ``reference`` (the semantics, plain torch: what the CPU runs), ``dispatch`` (the choice:
+``backend_for(device)``, the ``Backend`` a cache layer keeps from its allocation on), ``ops`` (the
 launchers as ``torch.ops.h2ochat.*`` custom ops, which a ``torch.compile`` trace calls), ``triton_decode``
 (Q == 1, split-S flash decoding with scores), ``triton_chunk`` (Q > 1, two-pass prefill with column
 scores), ``triton_evict`` (one launch per layer: the priority, from a tensor or from the policy's
@@ -42,12 +43,12 @@ if __name__ != _CANONICAL:
 if _alias is not None:
     sys.modules[__name__] = _alias
 else:
-    from .dispatch import attend_with_scores, evict_and_insert, evict_by_policy, kernel_backend
+    from .dispatch import Backend, attend_with_scores, backend_for, evict_and_insert, evict_by_policy, kernel_backend
     from .recall_reference import codes_per_byte, pack_codes, packed_width, page_scores, top_pages, unpack_codes
     from .reference import keep_priority, protected_slots, slot_rank, token_age
 
 __all__ = [
-    "attend_with_scores", "evict_and_insert", "evict_by_policy", "kernel_backend",
+    "Backend", "attend_with_scores", "backend_for", "evict_and_insert", "evict_by_policy", "kernel_backend",
     "keep_priority", "protected_slots", "slot_rank", "token_age", "page_scores", "top_pages",
     "codes_per_byte", "pack_codes", "packed_width", "unpack_codes",
 ]

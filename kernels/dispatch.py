@@ -1,6 +1,7 @@
-"""Choose, per call, the Triton kernel or its torch reference.
+"""Choose the Triton kernels or their torch references: once per cache layer (``backend_for``), or
+per call (the module-level functions, for callers without a layer: tests, the simulation).
 
-``H2OCHAT_KERNELS`` (read on every call):
+``H2OCHAT_KERNELS`` (read when a backend is chosen):
 
 - ``auto`` (default): Triton when the tensors are on CUDA and ``triton`` imports, else torch;
 - ``torch``: always the reference;
@@ -27,7 +28,7 @@ import os
 
 import torch
 
-from . import ops, reference
+from . import ops, recall_reference, reference
 
 _CHOICES = ("auto", "torch", "triton")
 
@@ -100,23 +101,71 @@ def _attention_supported(query, cache_keys, cache_values, new_keys, new_values, 
     )
 
 
-def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
-                       decay=1.0):
-    """``reference.attend_with_scores`` on the chosen backend (same arguments, same results)."""
-    if kernel_backend(query.device) == "triton" and _attention_supported(
-        query, cache_keys, cache_values, new_keys, new_values, scores
-    ):
-        return ops.attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid,
-                                      scale, scores, decay)
-    return reference.attend_with_scores(
-        query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay
-    )
+class Backend:
+    """The kernels one cache layer runs, chosen once when it allocates (``backend_for``): attention
+    with scores, the decode-step evictions and the recall digest's page scores. ``name`` is "torch"
+    (the references in ``reference``/``recall_reference``, what the CPU runs) or "triton" (the
+    kernels through ``ops``; a call they do not cover runs the reference instead). A compiled step
+    keeps the backend its layer chose: Dynamo reads no environment variable in the step."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.triton = name == "triton"
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+    def attend_with_scores(self, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid,
+                           scale, scores, decay=1.0):
+        """``reference.attend_with_scores`` (same arguments, same results)."""
+        args = (query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay)
+        if self.triton and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores):
+            return ops.attend_with_scores(*args)
+        return reference.attend_with_scores(*args)
+
+    def evict_and_insert(self, priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
+                         new_score, new_token_index, new_position, value_norm=None, new_value_norm=None, active=None,
+                         *, coordinates=None):
+        """``reference.evict_and_insert`` (see triton_evict for the kernel). ``coordinates`` are the
+        reference's (``reference.slot_coordinates``): the kernel addresses slots itself."""
+        args = (priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                new_token_index, new_position, value_norm, new_value_norm, active)
+        if self.triton and priority.is_floating_point() and _eviction_supported(
+                keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm):
+            return ops.evict_and_insert(*args)
+        return reference.evict_and_insert(*args, coordinates=coordinates)
+
+    def evict_by_policy(self, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                        new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *, recent,
+                        sinks, oldest_first=False, by_age=False, value_eps=None, coordinates=None):
+        """``reference.evict_by_policy`` (priority from the policy's parameters, argmin, in-place
+        write): one Triton launch on CUDA (``triton_evict``)."""
+        args = (keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                new_token_index, new_position, value_norm, new_value_norm, active)
+        policy = dict(recent=recent, sinks=sinks, oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
+        if (self.triton and _int_or_int_tensor(recent) and _int_or_int_tensor(sinks)
+                and (value_eps is None or oldest_first or value_norm is not None)
+                and _eviction_supported(keys, values, scores, slot_token_index, slot_position, value_norm,
+                                        new_value_norm)):
+            return ops.evict_by_policy(*args, **policy)
+        return reference.evict_by_policy(*args, **policy, coordinates=coordinates)
+
+    def page_scores(self, queries, codes, scale, offset, valid, page, bits=None):
+        """``recall_reference.page_scores``: the best q.k per page from packed codes (the Triton
+        kernel for power-of-two pages)."""
+        if self.triton and not page & (page - 1):
+            return ops.page_scores(queries, codes, scale, offset, valid, page, bits)
+        return recall_reference.page_scores(queries, codes, scale, offset, valid, page, bits)
+
+
+def backend_for(device: torch.device | str) -> Backend:
+    """The backend for tensors on ``device``, honouring H2OCHAT_KERNELS (read here, once)."""
+    return Backend(kernel_backend(device))
 
 
 def _eviction_supported(keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm) -> bool:
     return (
-        kernel_backend(keys.device) == "triton"
-        and keys.shape[2] > 0
+        keys.shape[2] > 0
         and keys.shape[3] <= 1024
         and keys.dtype in _FLOATS
         and values.dtype in _FLOATS
@@ -127,38 +176,18 @@ def _eviction_supported(keys, values, scores, slot_token_index, slot_position, v
     )
 
 
-def evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                     new_token_index, new_position, value_norm=None, new_value_norm=None, active=None):
-    """``reference.evict_and_insert`` on the chosen backend (see triton_evict for the choice)."""
-    if priority.is_floating_point() and _eviction_supported(
-        keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm
-    ):
-        return ops.evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
-                                    new_score, new_token_index, new_position, value_norm, new_value_norm, active)
-    return reference.evict_and_insert(
-        priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score, new_token_index,
-        new_position, value_norm, new_value_norm, active,
-    )
-
-
 def _int_or_int_tensor(value) -> bool:
     return not value.is_floating_point() if isinstance(value, torch.Tensor) else isinstance(value, numbers.Integral)
 
 
-def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                    new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *, recent,
-                    sinks, oldest_first=False, by_age=False, value_eps=None):
-    """``reference.evict_by_policy`` (priority from the policy's parameters, argmin, in-place write):
-    one Triton launch on CUDA (``triton_evict``)."""
-    policy = dict(recent=recent, sinks=sinks, oldest_first=oldest_first, by_age=by_age, value_eps=value_eps)
-    if (
-        _int_or_int_tensor(recent)
-        and _int_or_int_tensor(sinks)
-        and (value_eps is None or oldest_first or value_norm is not None)
-        and _eviction_supported(keys, values, scores, slot_token_index, slot_position, value_norm, new_value_norm)
-    ):
-        return ops.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
-                                   new_token_index, new_position, value_norm, new_value_norm, active, **policy)
-    return reference.evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value,
-                                     new_score, new_token_index, new_position, value_norm, new_value_norm, active,
-                                     **policy)
+# -- per call: the backend of the tensors' device, chosen anew each time --------------------------------
+def attend_with_scores(query, *args, **kwargs):
+    return backend_for(query.device).attend_with_scores(query, *args, **kwargs)
+
+
+def evict_and_insert(priority, keys, *args, **kwargs):
+    return backend_for(keys.device).evict_and_insert(priority, keys, *args, **kwargs)
+
+
+def evict_by_policy(keys, *args, **kwargs):
+    return backend_for(keys.device).evict_by_policy(keys, *args, **kwargs)

@@ -124,6 +124,48 @@ def _new_key_mask(new_valid: torch.Tensor | None, batch: int, q_len: int, device
     return mask
 
 
+def lowest_slots(priority: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv] the slot each (sequence, KV head) evicts: the lowest priority, ties to the lowest slot
+    index (torch's argmin and the eviction kernel choose alike). The one place a victim is chosen:
+    a caller that must see the victim before it is overwritten (a cold tier) asks this, then
+    ``write_slots`` writes exactly there."""
+    return priority.argmin(dim=-1)
+
+
+def slot_coordinates(batch: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (sequence, head) index tensors that address one slot per (sequence, KV head) with
+    ``write_slots``; a layer makes them once and passes them on every step (two ops saved)."""
+    return (torch.arange(batch, device=device).view(-1, 1), torch.arange(kv_heads, device=device).view(1, -1))
+
+
+def write_slots(slot, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *,
+                coordinates=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Overwrite slot ``slot`` [B, Hkv] of each (sequence, KV head) with the new token, in place
+    (``evict_and_insert``'s write, for a victim already chosen). The writes are ``index_put_``:
+    fewer ops than gather/scatter, and torch.compile keeps them in place where it would copy a whole
+    scattered buffer. ``coordinates``: ``slot_coordinates(B, Hkv)``, made here when not given.
+    Returns what ``evict_and_insert`` returns."""
+    batch, kv_heads = slot.shape
+    rows, heads = coordinates if coordinates is not None else slot_coordinates(batch, kv_heads, slot.device)
+    where = (rows, heads, slot)
+    dropped, dropped_score = slot_token_index[where], scores[where]
+    writes = [(keys, new_key[:, :, 0]), (values, new_value[:, :, 0]), (scores, new_score),
+              (slot_token_index, new_token_index.view(-1, 1)),  # one per sequence, for all its heads
+              (slot_position, new_position.view(-1, 1))]
+    if value_norm is not None:
+        writes.append((value_norm, new_value_norm))
+    for buffer, new in writes:
+        new = new if new.dtype == buffer.dtype else new.to(buffer.dtype)
+        if active is not None:  # an inactive row writes its slot's own content back: the same bits
+            new = torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, buffer[where])
+        buffer.index_put_(where, new)
+    if active is not None:
+        dropped = dropped.masked_fill(~active.view(-1, 1), -1)
+        dropped_score = dropped_score.masked_fill(~active.view(-1, 1), 0.0)
+    return dropped, dropped_score
+
+
 def evict_and_insert(
     priority: torch.Tensor,
     keys: torch.Tensor,
@@ -139,6 +181,8 @@ def evict_and_insert(
     value_norm: torch.Tensor | None = None,
     new_value_norm: torch.Tensor | None = None,
     active: torch.Tensor | None = None,
+    *,
+    coordinates=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-step eviction: per (sequence, KV head) overwrite the lowest-priority slot in place.
 
@@ -156,34 +200,12 @@ def evict_and_insert(
 
     Ties go to the lowest slot index. Returns the token index each (sequence, head) dropped
     [B, Hkv] (-1 where the chosen slot held nothing, or the row is not active) and the score it held
-    [B, Hkv] float32 (0 for a row that is not active).
+    [B, Hkv] float32 (0 for a row that is not active). This is what the CPU runs (``H2OLayer``'s
+    torch route calls it directly), so the kernel tests that hold Triton to it cover the CPU path.
     """
-    batch, kv_heads, _, head_dim = keys.shape
-    slot = priority.argmin(dim=-1, keepdim=True)
-    dropped = slot_token_index.gather(2, slot).squeeze(2)
-    dropped_score = scores.gather(2, slot).squeeze(2)
-    row_slot = slot.unsqueeze(-1).expand(batch, kv_heads, 1, head_dim)
-
-    def written(new: torch.Tensor, buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        # an inactive row writes its slot's own content back: the same bits
-        new = new.to(buffer.dtype)
-        if active is None:
-            return new
-        return torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, buffer.gather(2, index))
-
-    keys.scatter_(2, row_slot, written(new_key, keys, row_slot))
-    values.scatter_(2, row_slot, written(new_value, values, row_slot))
-    scores.scatter_(2, slot, written(new_score.unsqueeze(-1), scores, slot))
-    per_head = (batch, kv_heads, 1)  # one token index and position per sequence, for all its heads
-    slot_token_index.scatter_(2, slot, written(new_token_index.view(batch, 1, 1).expand(per_head), slot_token_index,
-                                               slot))
-    slot_position.scatter_(2, slot, written(new_position.view(batch, 1, 1).expand(per_head), slot_position, slot))
-    if value_norm is not None:
-        value_norm.scatter_(2, slot, written(new_value_norm.unsqueeze(-1), value_norm, slot))
-    if active is not None:
-        dropped = dropped.masked_fill(~active.view(-1, 1), -1)
-        dropped_score = dropped_score.masked_fill(~active.view(-1, 1), 0.0)
-    return dropped, dropped_score
+    return write_slots(lowest_slots(priority), keys, values, scores, slot_token_index, slot_position, new_key,
+                       new_value, new_score, new_token_index, new_position, value_norm, new_value_norm, active,
+                       coordinates=coordinates)
 
 
 # -- which slot goes: the policy rules every caller shares ------------------------------------------
@@ -236,7 +258,7 @@ def keep_priority(rank, slot_token_index, newest, recent, sinks) -> torch.Tensor
 
 def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
                     new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *, recent,
-                    sinks, oldest_first=False, by_age=False, value_eps=None):
+                    sinks, oldest_first=False, by_age=False, value_eps=None, coordinates=None):
     """``evict_and_insert`` with the priority computed from the policy's parameters (the work the
     fused eviction kernel does in one launch). ``new_token_index`` is the newest token (for a row
     that is not active, whatever it holds: the row writes nothing)."""
@@ -244,4 +266,5 @@ def evict_by_policy(keys, values, scores, slot_token_index, slot_position, new_k
                      by_age=by_age, value_eps=value_eps)
     priority = keep_priority(rank, slot_token_index, new_token_index, recent, sinks)
     return evict_and_insert(priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
-                            new_score, new_token_index, new_position, value_norm, new_value_norm, active)
+                            new_score, new_token_index, new_position, value_norm, new_value_norm, active,
+                            coordinates=coordinates)

@@ -106,3 +106,12 @@ def tiny_checkpoint(tmp_path_factory):
     from checkpoints import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def recall_cache(num_layers: int, policy, hot_slots: int, *, recall, **kwargs):
+    """An H2OCache of ``hot_slots`` policy slots per layer with a recall tier of ``recall.slots`` more
+    (``kv.make_cache`` takes the device total instead)."""
+    from h2ochat.kv import H2OCache
+    from h2ochat.recall.tier import RecallSpec
+
+    return H2OCache(num_layers, policy, hot_slots, tier=RecallSpec(recall), **kwargs)

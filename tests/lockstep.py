@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from h2ochat.cache import H2OCache, H2OLayer
+from h2ochat.kv import H2OCache, H2OLayer
 
 # merits this close are a tie: fp32 sums of a few dozen probabilities carry ~1e-6 relative error
 TIE_RTOL, TIE_ATOL = 1e-4, 1e-6

@@ -227,25 +227,25 @@ def test_synthetic_cold_fill_holds_every_token_the_hot_slots_do_not(family, seed
     for layer in cache.layers:
         held_hot = layer.token_index[:, :, :hot]
         assert bool((layer.token_index[:, :, hot:] == -1).all())  # nothing recalled before the first step
-        assert bool((layer.cold.held_tokens() == context - hot).all())
-        assert bool((layer.digest.count == context - hot).all())
+        assert bool((layer.tier.cold.held_tokens() == context - hot).all())
+        assert bool((layer.tier.digest.count == context - hot).all())
         for row in range(batch):
             for head in range(layer.keys.shape[1]):
-                cold = layer.cold.token_index[row, head]
+                cold = layer.tier.cold.token_index[row, head]
                 cold = sorted(cold[cold >= 0].tolist())
                 in_hot = set(held_hot[row, head].tolist())
                 assert cold == [t for t in range(context) if t not in in_hot]  # each exactly once
         if selector == "exact":  # the digest is the cold keys themselves
-            slots = slice(0, layer.cold.capacity)  # (the cold store's spill slot is not a slot)
-            stored = layer.cold.token_index[:, :, slots] >= 0
-            torch.testing.assert_close(layer.digest.codes[:, :, slots][stored], layer.cold.keys[:, :, slots][stored])
+            slots = slice(0, layer.tier.cold.capacity)  # (the cold store's spill slot is not a slot)
+            stored = layer.tier.cold.token_index[:, :, slots] >= 0
+            torch.testing.assert_close(layer.tier.digest.codes[:, :, slots][stored], layer.tier.cold.keys[:, :, slots][stored])
     logits = forward(model, cache, random_ids(batch, 1, generator))
     assert torch.isfinite(logits).all()
     for layer in cache.layers:  # two frames of 4: two pages recalled (the newest may be partial), all cold tokens
         for row in range(batch):
             for head in range(layer.keys.shape[1]):
                 recalled = layer.token_index[row, head, hot:]
-                cold = layer.cold.token_index[row, head]
+                cold = layer.tier.cold.token_index[row, head]
                 assert int((recalled >= 0).sum()) >= 4 + 1
                 assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from h2ochat.cache import H2OCache
+from h2ochat.kv import H2OCache
 from h2ochat.policies import Policy, get_policy
 
 from lockstep import TIE_ATOL, TIE_RTOL

@@ -110,7 +110,7 @@ def test_stream_counts_the_tokens_it_fed_past_a_stop(seed, monkeypatch, leaves_r
     last token fed before the stop). An H2OCache is fed nothing past the stop."""
     from types import SimpleNamespace
 
-    from h2ochat.cache import H2OCache
+    from h2ochat.kv import H2OCache
     from h2ochat.report import run_record
 
     if not leaves_rows_out:

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 
-from h2ochat.cache import H2OLayer
+from h2ochat.kv import H2OLayer
 from h2ochat.generation import CacheSettings, forward, prefill
 
 from conftest import FAMILIES, build_model, random_ids

@@ -19,7 +19,7 @@ import torch
 from transformers import AttentionInterface
 
 from h2ochat.attention import h2o_attention
-from h2ochat.cache import AttentionMismatchError, H2OCache, PositionLimitError
+from h2ochat.kv import AttentionMismatchError, H2OCache, PositionLimitError
 from h2ochat.generation import CacheSettings, forward, prefill
 
 from conftest import FAMILIES, build_model, random_ids

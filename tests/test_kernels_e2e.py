@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import pytest
 
@@ -85,16 +84,15 @@ def test_triton_and_torch_decode_the_same(monkeypatch, policy):
     mask = torch.ones_like(prompt)
     mask[1, :3] = 0  # left padding on the second sequence
 
-    calls = []
+    calls = []  # (kernel, the backend the layer chose at allocation)
     for name in ("attend_with_scores", "evict_and_insert", "evict_by_policy"):
-        original = getattr(dispatch, name)
+        original = getattr(dispatch.Backend, name)
 
-        def spy(*args, _name=name, _fn=original, **kwargs):
-            calls.append((_name, dispatch.kernel_backend(args[1].device)))
-            return _fn(*args, **kwargs)
+        def spy(backend, *args, _name=name, _fn=original, **kwargs):
+            calls.append((_name, backend.name))
+            return _fn(backend, *args, **kwargs)
 
-        monkeypatch.setattr(dispatch, name, spy)
-        monkeypatch.setattr(sys.modules["h2ochat_kernels"], name, spy)
+        monkeypatch.setattr(dispatch.Backend, name, spy)
 
     want_cache, want_logits = _prefilled(model, "torch", prompt, mask, policy)
     assert {b for _, b in calls} == {"torch"}

@@ -15,7 +15,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from typer.testing import CliRunner
 
 import h2ochat_kernels
-from h2ochat.cache import PositionLimitError
+from h2ochat.kv import PositionLimitError
 from h2ochat.generation import CacheSettings, forward, prefill
 from h2ochat import models
 from h2ochat.cli import app
@@ -114,13 +114,13 @@ def test_left_padded_batch_equals_each_sequence_alone(family):
 def test_long_prompt_is_prefilled_in_bounded_memory(family, monkeypatch):
     model = build_model(family, max_position_embeddings=2048)
     widest = []
-    attend = h2ochat_kernels.attend_with_scores
+    attend = h2ochat_kernels.Backend.attend_with_scores  # what every layer's kernels run
 
-    def recording(query, cache_keys, *args):
+    def recording(backend, query, cache_keys, *args):
         widest.append(cache_keys.shape[2] + query.shape[3])
-        return attend(query, cache_keys, *args)
+        return attend(backend, query, cache_keys, *args)
 
-    monkeypatch.setattr(h2ochat_kernels, "attend_with_scores", recording)
+    monkeypatch.setattr(h2ochat_kernels.Backend, "attend_with_scores", recording)
     cache = CacheSettings(budget="16").build(model)
     prefill(model, cache, random_ids(1, 160), chunk=8)  # 10x the budget
     assert max(widest) <= 16 + 8

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from h2ochat.cache import H2OCache
+from h2ochat.kv import H2OCache
 from h2ochat.policies import POLICIES, get_policy
 
 from test_cache_rules import TieAwareReference, _drive, _kept

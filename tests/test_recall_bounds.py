@@ -164,7 +164,7 @@ def test_reserve_grows_without_losing_anything_and_a_reset_row_starts_clean(seed
     assert digest.low.shape[2] - 1 == 4 * before
     assert digest.state_tensors()["low"] is digest.low  # the state is the grown buffers
     _check(digest, ref, torch.randn(B, H, 2, D))
-    # a row reset writes zeros (RecallLayer.reset_row); the next page's first token resets its frame
+    # a row reset writes zeros (H2OLayer.reset_row (the recall tier's state too)); the next page's first token resets its frame
     for tensor in digest.state_tensors().values():
         tensor[1] = 0
     ref.keys[1] = [[] for _ in range(H)]

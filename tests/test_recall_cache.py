@@ -1,4 +1,4 @@
-"""The two-tier cache (RecallCache) against the masked reference (MaskedRecall), all families."""
+"""The two-tier cache (an H2OCache with a recall tier) against the masked reference (MaskedRecall), all families."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from h2ochat.attention import use_h2o_attention
 from h2ochat.forward_step import forward
 from h2ochat.generation import max_positions
 from h2ochat.recall.masked import MaskedRecall
-from h2ochat.recall.tiered import RecallCache, RecallConfig
+from conftest import recall_cache
+from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
 HOT, RECALL, PAGE = 12, 8, 4
@@ -18,7 +19,7 @@ HOT, RECALL, PAGE = 12, 8, 4
 
 def _caches(model, policy, selector):
     layers = model.config.num_hidden_layers
-    real = RecallCache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=max_positions(model.config),
+    real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=max_positions(model.config),
                        positions="absolute", rotary=find_rotary(model))
     masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction")
     return real, masked
@@ -39,7 +40,7 @@ def test_recall_cache_is_the_masked_reference(family, seed, policy, selector):
         got = forward(model, real, piece, logits_to_keep=1)[:, -1]
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     for layer in real.layers:
-        assert int(layer.frames.copied.sum()) > 0  # pages were recalled
+        assert int(layer.tier.frames.copied.sum()) > 0  # pages were recalled
 
 
 def test_cold_store_holds_exactly_the_evicted_tokens(family, seed):
@@ -68,9 +69,9 @@ def test_recall_settings_are_checked():
 def _assert_each_token_once(layer, row: int, tokens: int) -> None:
     """Every token 0..tokens-1 of ``row`` is in a hot slot or in the cold store of each KV head, once;
     the recall slots hold cold tokens only."""
-    first, end = layer.cold.held()
+    first, end = layer.tier.cold.held()
     pages = torch.arange(int(end.max())).expand(*layer.keys.shape[:2], -1)
-    _, _, cold_index, _ = layer.cold.pages(pages)
+    _, _, cold_index, _ = layer.tier.cold.pages(pages)
     for head in range(layer.keys.shape[1]):
         hot = layer.token_index[row, head, : layer.capacity]
         cold = cold_index[row, head]
@@ -94,7 +95,7 @@ def test_a_left_padded_batch_recalls_as_the_masked_reference(family, seed):
     use_h2o_attention(model)
     got = [forward(model, batch_cache, ids[:, :18], mask[:, :18])[:, -1], forward(model, batch_cache, ids[:, 18:])[:, -1]]
     got += [forward(model, batch_cache, follow[:, i : i + 1])[:, -1] for i in range(12)]
-    assert all(bool((layer.frames.copied > 0).all()) for layer in batch_cache.layers)  # both rows recalled
+    assert all(bool((layer.tier.frames.copied > 0).all()) for layer in batch_cache.layers)  # both rows recalled
     for row, prompt in enumerate(prompts):
         _, masked = _caches(model, "h2o", "exact")
         MaskedRecall.attach(model)
@@ -110,11 +111,11 @@ def test_a_left_padded_batch_recalls_as_the_masked_reference(family, seed):
 def test_recalling_every_page_is_the_full_cache(family, seed):
     """Recall slots for every evicted token (and the exact selector): each step attends every token
     fed, so the logits are the full cache's, through chunks and decode steps."""
-    from h2ochat.cache import H2OCache
+    from h2ochat.kv import H2OCache
 
     model = build_model(family, seed=seed, max_position_embeddings=256)
     layers, rotary = model.config.num_hidden_layers, find_rotary(model)
-    real = RecallCache(layers, "h2o", 8, recall=RecallConfig(48, PAGE, "exact"), max_positions=256, rotary=rotary)
+    real = recall_cache(layers, "h2o", 8, recall=RecallConfig(48, PAGE, "exact"), max_positions=256, rotary=rotary)
     full = H2OCache(layers, "full", 8, max_positions=256, rotary=rotary)
     ids = torch.randint(3, VOCAB, (2, 50))
     use_h2o_attention(model)
@@ -122,4 +123,4 @@ def test_recalling_every_page_is_the_full_cache(family, seed):
         torch.testing.assert_close(forward(model, real, piece, logits_to_keep=1), forward(model, full, piece, logits_to_keep=1),
                                    atol=2e-4, rtol=2e-4)
     # (the last step recalled what was cold before it: 49 tokens fed, 8 hot)
-    assert all(int((layer.recalled_token_index() >= 0).sum(-1).min()) == 49 - 8 for layer in real.layers)
+    assert all(int((layer.tier.recalled_token_index(layer) >= 0).sum(-1).min()) == 49 - 8 for layer in real.layers)

@@ -11,7 +11,8 @@ from conftest import FAMILIES, VOCAB, build_model
 
 from h2ochat import compiled
 from h2ochat.forward_step import forward
-from h2ochat.recall.tiered import RecallCache, RecallConfig
+from conftest import recall_cache
+from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 from test_compile import HostReads, python_reads
 
@@ -24,7 +25,7 @@ def models():
 
 
 def _cache(model, *, selector="int4", every=1, static=True, cold_dtype="same"):
-    return RecallCache(model.config.num_hidden_layers, "h2o", HOT,
+    return recall_cache(model.config.num_hidden_layers, "h2o", HOT,
                        recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=cold_dtype, every=every),
                        max_positions=LIMIT, rotary=find_rotary(model), static_shapes=static)
 
@@ -39,7 +40,7 @@ def test_an_eager_recall_decode_step_reads_nothing_back(models, family, seed):
     with python_reads(log), HostReads() as mode:
         forward(model, cache, torch.randint(3, VOCAB, (2, 1)), logits_to_keep=1)
     assert log == [] and mode.reads == [], (log, mode.reads)
-    assert all(int(layer.frames.copied.sum()) > 0 for layer in cache.layers)
+    assert all(int(layer.tier.frames.copied.sum()) > 0 for layer in cache.layers)
 
 
 @pytest.mark.parametrize("family,selector,cold_dtype", [("opt", "int4", "same"), ("llama", "exact", "int8"),
@@ -59,10 +60,10 @@ def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selec
     recalled_during_decode = 0
     for index in range(40):
         tokens = torch.randint(3, VOCAB, (2,))
-        before = int(caches[0].layers[0].frames.copied.sum())
+        before = int(caches[0].layers[0].tier.frames.copied.sum())
         want = forward(model, caches[0], tokens.view(-1, 1), logits_to_keep=1)[:, -1]
         got = step(caches[1], tokens)
-        recalled_during_decode += int(caches[0].layers[0].frames.copied.sum()) - before
+        recalled_during_decode += int(caches[0].layers[0].tier.frames.copied.sum()) - before
         assert torch.equal(got, want), f"step {index}: {(got - want).abs().max()}"
     for eager_layer, compiled_layer in zip(*(cache.layers for cache in caches)):
         eager_state, compiled_state = eager_layer.state_tensors(), compiled_layer.state_tensors()
@@ -74,7 +75,7 @@ def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selec
     # the cold store grew (and the digest) without a graph per size; with RoPE the first re-numbering
     # turns on the re-rotation of brought-back keys (ColdStore.moved): one more graph, once
     more = 2 if caches[1].rotary is not None else 1
-    assert caches[1].layers[0].cold.capacity > 32 and counters["stats"]["unique_graphs"] - graphs <= more
+    assert caches[1].layers[0].tier.cold.capacity > 32 and counters["stats"]["unique_graphs"] - graphs <= more
     assert recalled_during_decode > 0
 
 
@@ -82,4 +83,6 @@ def test_what_the_compiled_step_does_not_take(models):
     model = models["llama"]
     assert _cache(model).compile_blocker() is None
     assert "recall-every" in _cache(model, every=2).compile_blocker()
-    assert RecallCache.masks_inactive_rows is False
+    from h2ochat.recall.tier import RecallSpec
+
+    assert RecallSpec.masks_inactive_rows is False and not _cache(model).masks_inactive_rows

@@ -199,15 +199,15 @@ def test_selector_scoring_takes_the_triton_launcher_on_the_triton_backend(monkey
 @needs_interpreter
 @pytest.mark.parametrize("family,policy", [("llama", "sink"), ("neox", "h2o")])
 def test_recall_on_triton_is_the_torch_route(monkeypatch, seed, family, policy):
-    """A RecallCache decoding with H2OCHAT_KERNELS=triton (attention and eviction kernels, page
+    """A two-tier cache decoding with H2OCHAT_KERNELS=triton (attention and eviction kernels, page
     scores) against the same with torch: close logits at every step, the same tokens hot, recalled
     and cold, and the eviction kernel never empties a recall column. (``sink`` evicts by age: no
     near-tie between scores can split the routes; ``h2o`` over a few steps, where its float sums
     differ in rounding only.)"""
-    from conftest import VOCAB, build_model
+    from conftest import VOCAB, build_model, recall_cache
 
     from h2ochat.forward_step import forward
-    from h2ochat.recall.tiered import RecallCache, RecallConfig
+    from h2ochat.recall.tiered import RecallConfig
     from h2ochat.rotary import find_rotary
     from test_recall_cache import _assert_each_token_once
 
@@ -217,18 +217,20 @@ def test_recall_on_triton_is_the_torch_route(monkeypatch, seed, family, policy):
     caches, logits, evictors = [], [], []
     for backend in ("torch", "triton"):
         monkeypatch.setenv("H2OCHAT_KERNELS", backend)
-        cache = RecallCache(model.config.num_hidden_layers, policy, 8, recall=RecallConfig(8, 4, "exact"),
+        cache = recall_cache(model.config.num_hidden_layers, policy, 8, recall=RecallConfig(8, 4, "exact"),
                             max_positions=64, rotary=find_rotary(model))
         steps = [forward(model, cache, prompt, logits_to_keep=1)[:, -1]]
         steps += [forward(model, cache, follow[:, i : i + 1], logits_to_keep=1)[:, -1] for i in range(8)]
         caches.append(cache)
         logits.append(torch.stack(steps))
         evictors.append(cache.layers[0].evictor.__name__)
-    assert evictors == ["_evict_by_torch_priority", "_evict_by_kernel_priority"]
+    # the victim is chosen once, in torch, and archived before it is overwritten, on either backend
+    assert evictors == ["_evict_to_tier", "_evict_to_tier"]
+    assert [cache.layers[0].kernels.name for cache in caches] == ["torch", "triton"]
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
     for want, got in zip(*(cache.layers for cache in caches)):
         assert torch.equal(got.token_index, want.token_index)  # hot and recalled columns
-        assert torch.equal(got.cold.token_index, want.cold.token_index)
-        assert torch.equal(got.frames.copied, want.frames.copied) and int(want.frames.copied.sum()) > 0
+        assert torch.equal(got.tier.cold.token_index, want.tier.cold.token_index)
+        assert torch.equal(got.tier.frames.copied, want.tier.frames.copied) and int(want.tier.frames.copied.sum()) > 0
         for row in range(2):
             _assert_each_token_once(got, row, 28)

@@ -11,20 +11,21 @@ from conftest import VOCAB, build_model
 from h2ochat.attention import use_h2o_attention
 from h2ochat.forward_step import forward
 from h2ochat.recall.masked import MaskedRecall
-from h2ochat.recall.tiered import RecallCache, RecallConfig
+from conftest import recall_cache
+from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
 HOT, RECALL, PAGE, LIMIT = 12, 8, 4, 40
 
 
-def _positions_everywhere(cache: RecallCache) -> dict[int, set[int]]:
+def _positions_everywhere(cache) -> dict[int, set[int]]:
     """token -> every position it has in any layer's hot or recall slots or cold store (row 0)."""
     found: dict[int, set[int]] = {}
     for layer in cache.layers:
-        first, end = layer.cold.held()
+        first, end = layer.tier.cold.held()
         pages = torch.arange(int(end.max())).expand(1, layer.keys.shape[1], -1)
         pages = pages.masked_fill(pages < first.unsqueeze(-1), -1)
-        _, _, cold_index, cold_positions = layer.cold.pages(pages)
+        _, _, cold_index, cold_positions = layer.tier.cold.pages(pages)
         for index, positions in ((layer.token_index, layer.positions), (cold_index, cold_positions)):
             for t, p in zip(index[0].flatten().tolist(), positions[0].flatten().tolist()):
                 if t >= 0:
@@ -40,7 +41,7 @@ def test_recall_past_the_position_limit_is_the_masked_reference(family, seed, se
     order, and each recalled key is the reference's key of that token at its current position."""
     model = build_model(family, seed=seed, max_position_embeddings=LIMIT)
     layers, rotary = model.config.num_hidden_layers, find_rotary(model)
-    real = RecallCache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=LIMIT,
+    real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=LIMIT,
                        positions="compact", rotary=rotary)
     masked = MaskedRecall(layers, "h2o", HOT, RECALL, PAGE, selector, grouping="eviction", measure=False,
                           max_positions=LIMIT, rotary=rotary)
@@ -62,11 +63,11 @@ def test_recall_past_the_position_limit_is_the_masked_reference(family, seed, se
         assert sorted(found) == list(range(masked.seen))  # nothing lost
         assert [found[t] for t in sorted(found)] == [{p} for p in masked.position]
         for layer, reference in zip(real.layers, masked.cache.layers):
-            recalled = layer.recalled_token_index()[0]  # [H, R]
+            recalled = layer.tier.recalled_token_index(layer)[0]  # [H, R]
             for head in range(recalled.shape[0]):
                 tokens = recalled[head]
                 held = tokens >= 0
                 torch.testing.assert_close(layer.keys[0, head, HOT:][held], reference.keys[0, head, tokens[held]],
                                            atol=1e-5, rtol=1e-5)
     assert real.compactions >= 3
-    assert all(int(layer.frames.copied.sum()) > 0 for layer in real.layers)
+    assert all(int(layer.tier.frames.copied.sum()) > 0 for layer in real.layers)

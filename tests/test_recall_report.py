@@ -21,8 +21,9 @@ from rich.control import strip_control_codes
 from h2ochat.chat import ChatSettings, Conversation
 from h2ochat.generation import CacheSettings
 from h2ochat.models import load
-from h2ochat.recall.report import recalled_token_indices, summarize_tier
-from h2ochat.recall.tiered import RecallCache
+from h2ochat.kv import H2OCache
+from h2ochat.recall.report import has_cold_tier, recalled_token_indices, summarize_tier
+from conftest import recall_cache
 from h2ochat.repl import Repl
 from h2ochat.ui import RECALLED, STYLES, amount, heavy_hitter_text, make_console, percent, token_classes
 
@@ -53,10 +54,10 @@ def chat(loaded, cold_limit=None, recall=str(RECALL), **settings) -> tuple[Repl,
     return Repl(conv, make_console(file=out), lambda prompt: "", model_name="tiny"), out
 
 
-def counters(cache: RecallCache) -> list[dict]:
+def counters(cache) -> list[dict]:
     """Each layer's running totals, copied: pages brought in, attention mass recalled and in all."""
-    return [{"copied": layer.frames.copied.clone(), "recalled": layer.recalled_mass.clone(),
-             "attended": layer.attended_mass.clone()} for layer in cache.layers]
+    return [{"copied": layer.tier.frames.copied.clone(), "recalled": layer.tier.recalled_mass.clone(),
+             "attended": layer.tier.attended_mass.clone()} for layer in cache.layers]
 
 
 @pytest.mark.parametrize("cold_limit", [None, 12])
@@ -65,7 +66,7 @@ def test_the_cold_tier_figures_are_the_hand_computed_ones(loaded, cold_limit):
     conv = repl.conv
     repl.handle("the quick brown fox jumps over the lazy dog")
     cache = conv.cache
-    assert isinstance(cache, RecallCache)
+    assert has_cold_tier(cache)
     before, fed_before = counters(cache), len(conv.ids)
     repl.handle("once upon a time there was a dragon")
     assert conv.cache is cache  # the turn went on in the same cache
@@ -105,7 +106,8 @@ def test_the_cold_tier_figures_are_the_hand_computed_ones(loaded, cold_limit):
     assert tier.pages_copied_turn == pytest.approx(copied_turn / rows)
     assert tier.recalled_share_turn == pytest.approx(recalled_turn / attended_turn)
     assert 0 < tier.recalled_share_turn < 1
-    assert tier.host_bytes == cache.cold_bytes() and tier.digest_bytes == cache.digest_bytes()
+    assert tier.host_bytes == sum(layer.tier.cold.nbytes() for layer in cache.layers)
+    assert tier.digest_bytes == sum(layer.tier.digest.nbytes() for layer in cache.layers)
 
     repl.handle("/cache")
     text = out.getvalue()
@@ -165,8 +167,8 @@ def test_turn_figures_count_from_the_turn_start_and_say_so_after_a_new_cache(loa
     first = repl.status.summary().tier
     assert first.this_turn and first.pages_copied_turn == first.pages_copied > 0  # the first turn is all of it
     reads = []
-    original = RecallCache.tier_stats
-    monkeypatch.setattr(RecallCache, "tier_stats", lambda self: reads.append(1) or original(self))
+    original = H2OCache.tier_stats
+    monkeypatch.setattr(H2OCache, "tier_stats", lambda self: reads.append(1) or original(self))
     shown = repl.toolbar()
     assert repl.toolbar() == shown and not reads  # redrawn, not read again: nothing was fed
     repl.conv.prefill_chunk = 16  # the re-read below recalls between its chunks

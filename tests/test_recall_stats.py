@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat.recall.tiered import RecallCache, RecallConfig
+from conftest import recall_cache
+from h2ochat.recall.tiered import RecallConfig
 
 HOT, RECALL, PAGE = 8, 4, 2
 BATCH, KV_HEADS, GROUP, DIM = 2, 2, 2, 8
@@ -14,7 +15,7 @@ SCALE = 0.35
 
 
 def _cache(policy="h2o", cold_limit=None):
-    return RecallCache(1, policy, HOT, recall=RecallConfig(RECALL, PAGE, "exact", cold_limit=cold_limit),
+    return recall_cache(1, policy, HOT, recall=RecallConfig(RECALL, PAGE, "exact", cold_limit=cold_limit),
                        max_positions=10_000, positions="absolute")
 
 
@@ -46,7 +47,7 @@ def test_attention_mass_on_recalled_tokens_is_the_softmax_by_hand(seed):
     cache = _cache()
     _step(cache, 12, generator)  # 4 tokens per (sequence, head) go cold
     layer = cache.layers[0]
-    assert layer.recalled_mass.abs().sum() == 0  # nothing was cold when the chunk attended
+    assert layer.tier.recalled_mass.abs().sum() == 0  # nothing was cold when the chunk attended
     want_recalled = torch.zeros(BATCH, KV_HEADS)
     steps = [3, *[1] * 8]
     for q_len in steps:
@@ -54,12 +55,12 @@ def test_attention_mass_on_recalled_tokens_is_the_softmax_by_hand(seed):
         query, key = _step(cache, q_len, generator)
         # the recall columns as the step attended them (its eviction only overwrites hot columns)
         slot_keys = torch.cat([hot_keys, layer.keys[:, :, HOT:]], dim=2)
-        slot_index = torch.cat([hot_index, layer.recalled_token_index()], dim=2)
-        assert bool((layer.recalled_token_index() >= 0).any())
+        slot_index = torch.cat([hot_index, layer.tier.recalled_token_index(layer)], dim=2)
+        assert bool((layer.tier.recalled_token_index(layer) >= 0).any())
         want_recalled += _recalled_mass_by_hand(query, key, slot_keys, slot_index)
-    torch.testing.assert_close(layer.recalled_mass, want_recalled, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.tier.recalled_mass, want_recalled, atol=1e-5, rtol=1e-5)
     every_query_row = GROUP * (12 + sum(steps))
-    torch.testing.assert_close(layer.attended_mass, torch.full((BATCH, KV_HEADS), float(every_query_row)))
+    torch.testing.assert_close(layer.tier.attended_mass, torch.full((BATCH, KV_HEADS), float(every_query_row)))
     stats = cache.tier_stats()
     assert stats.recalled_mass == pytest.approx(float(want_recalled.sum()), rel=1e-5)
     assert stats.attended_mass == pytest.approx(every_query_row * BATCH * KV_HEADS)
@@ -76,7 +77,7 @@ def test_tier_stats_count_what_the_cold_stores_hold(seed, cold_limit):
     evicted = 21 - HOT  # per (sequence, head): every token the hot slots no longer hold
     stats = cache.tier_stats()
     layer = cache.layers[0]
-    cold = layer.cold
+    cold = layer.tier.cold
     if cold_limit is None:
         dropped = 0
     else:  # a ring of ceil(6 / 2) = 3 pages: the newest page holds the last odd token
@@ -87,8 +88,8 @@ def test_tier_stats_count_what_the_cold_stores_hold(seed, cold_limit):
     assert stats.cold_pages == -(-(evicted - dropped) // PAGE) * BATCH * KV_HEADS
     assert stats.host_bytes == sum(getattr(cold, n).numel() * getattr(cold, n).element_size()
                                    for n in ("keys", "values", "token_index", "encoded", "positions"))
-    assert stats.digest_device_bytes == layer.digest.nbytes() > 0
-    assert stats.pages_copied == int(layer.frames.copied.sum()) > 0
+    assert stats.digest_device_bytes == layer.tier.digest.nbytes() > 0
+    assert stats.pages_copied == int(layer.tier.frames.copied.sum()) > 0
     layer_stats = layer.stats()
     assert layer_stats.capacity == HOT + RECALL and HOT < layer_stats.held <= HOT + RECALL
     record = cache.tier_record()
@@ -102,7 +103,7 @@ def test_stats_start_over_with_the_layer(seed):
     _step(cache, 1, generator)
     assert cache.tier_stats().attended_mass > 0
     cache.reset()
-    assert cache.layers[0].recalled_mass is None
+    assert cache.layers[0].tier.recalled_mass is None
     _step(cache, 3, generator)
     stats = cache.tier_stats()
     assert (stats.attended_mass, stats.recalled_mass, stats.cold_tokens) == (GROUP * 3 * BATCH * KV_HEADS, 0.0, 0)

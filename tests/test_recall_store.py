@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from h2ochat.cache import Renumbering
+from h2ochat.kv import Renumbering
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.step import RecallFrames
 from h2ochat.rotary import Rotary, rotate_keys
@@ -265,7 +265,7 @@ def _slow_slot_numbers(events, slots, ring):
 @pytest.mark.parametrize("frames", [None, 2, 3])
 def test_derived_slot_numbers_are_what_a_stored_number_would_hold(seed, frames):
     """``number`` (computed from the count) against a slow model of the slot numbers the digest used
-    to store, over random valid/invalid patterns; a row reset as ``RecallLayer.reset_row`` does
+    to store, over random valid/invalid patterns; a row reset as ``H2OLayer.reset_row (the recall tier's state too)`` does
     (every state tensor 0, so the count) holds nothing, then fills again from slot 0."""
     from h2ochat.recall.digests import KeyCodes
 

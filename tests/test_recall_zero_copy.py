@@ -8,13 +8,13 @@ import functools
 
 import pytest
 import torch
-from conftest import VOCAB, build_model, triton_interpreter_ready
+from conftest import VOCAB, build_model, recall_cache, triton_interpreter_ready
 
 from h2ochat.attention import use_h2o_attention
 from h2ochat.forward_step import forward
 from h2ochat.generation import max_positions
 from h2ochat.recall import cold_store as cs
-from h2ochat.recall import tiered
+from h2ochat.recall import tier, tiered
 from h2ochat.rotary import Rotary, find_rotary
 
 pytestmark = pytest.mark.skipif(not triton_interpreter_ready(), reason="needs TRITON_INTERPRET=1 before triton's import")
@@ -57,14 +57,14 @@ def test_a_cache_on_the_zero_copy_route_gives_the_same_logits(monkeypatch, famil
     use_h2o_attention(model)
 
     def run(zero_copy: bool):
-        monkeypatch.setattr(tiered, "ColdStore", functools.partial(cs.ColdStore, zero_copy=zero_copy))
-        cache = tiered.RecallCache(model.config.num_hidden_layers, "h2o", 12, recall=tiered.RecallConfig(8, 4, "int4"),
-                                   max_positions=max_positions(model.config), rotary=find_rotary(model))
+        monkeypatch.setattr(tier, "ColdStore", functools.partial(cs.ColdStore, zero_copy=zero_copy))
+        cache = recall_cache(model.config.num_hidden_layers, "h2o", 12, recall=tiered.RecallConfig(8, 4, "int4"),
+                             max_positions=max_positions(model.config), rotary=find_rotary(model))
         pieces = [ids[:, :20], *[ids[:, i : i + 1] for i in range(20, 40)]]
         return torch.cat([forward(model, cache, piece, logits_to_keep=1)[:, -1] for piece in pieces]), cache
 
     want, plain = run(False)
     got, zero = run(True)
-    assert zero.layers[0].cold.zero_copy and not plain.layers[0].cold.zero_copy
+    assert zero.layers[0].tier.cold.zero_copy and not plain.layers[0].tier.cold.zero_copy
     torch.testing.assert_close(got, want)
     assert plain.tier_stats().cold_tokens == zero.tier_stats().cold_tokens > 0

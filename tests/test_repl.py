@@ -312,7 +312,7 @@ def test_under_nohup_a_hangup_neither_ends_the_reply_nor_the_session(loaded, tmp
 def test_the_toolbar_reads_the_cache_once_per_step_not_per_keystroke(loaded, monkeypatch):
     """prompt-toolkit redraws the toolbar at every keystroke; the cache's figures come from the device
     (several reads per layer) and only change when a token is fed."""
-    from h2ochat.cache import H2OCache
+    from h2ochat.kv import H2OCache
 
     repl, _, _ = drive(loaded, ["hello there", "/bye"])
     reads = []

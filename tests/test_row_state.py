@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat.cache import CacheShapeError, H2OCache
+from h2ochat.kv import CacheShapeError, H2OCache
 from h2ochat.generation import CacheSettings, forward, prefill
 
 from conftest import build_model, random_ids

@@ -74,14 +74,15 @@ def test_no_module_writes_another_objects_private_fields():
 
 def test_the_eviction_route_is_chosen_once_per_layer(monkeypatch):
     """The kernel backend (H2OCHAT_KERNELS, the device) is looked up when a layer allocates its slots,
-    not on every eviction: decoding asks the cache's kernels module nothing more."""
-    import h2ochat_kernels
+    not on every attention or eviction: decoding asks the kernels' dispatch nothing more (the layer
+    keeps its ``Backend``)."""
+    from h2ochat_kernels import dispatch
 
-    from h2ochat.cache import H2OCache
+    from h2ochat.kv import H2OCache
 
     asked = []
-    original = h2ochat_kernels.kernel_backend
-    monkeypatch.setattr(h2ochat_kernels, "kernel_backend", lambda device: asked.append(device) or original(device))
+    original = dispatch.kernel_backend
+    monkeypatch.setattr(dispatch, "kernel_backend", lambda device: asked.append(device) or original(device))
     cache = H2OCache(2, "h2o", 4, max_positions=100)
     for _ in range(10):  # 4 fill the slots, 6 evict
         cache.position_ids(1, 1)

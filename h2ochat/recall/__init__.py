@@ -5,7 +5,8 @@ the policy evicts goes to the cold store (host memory) in pages of P tokens; a s
 page stays on the device, and each step the current queries score the pages through the digest
 (``selectors``) and the best ones are copied into the recall slots (``step``).
 
-Modules: ``tiered`` (the two-tier cache: ``RecallCache``, ``RecallConfig``, ``TierStats``),
+Modules: ``tier`` (the tier of each cache layer: ``RecallTier``, and ``RecallSpec`` for a cache),
+``tiered`` (its settings and figures: ``RecallConfig``, ``recall_slots``, ``TierStats``),
 ``selectors`` (page digests and their scores: exact, Quest bounds, quantised keys, ...),
 ``digests`` (the device digest of the cold keys), ``cold_store`` (the host tier), ``layout`` (where
 appended tokens land, fixed-shape writes, growth), ``step`` (top pages into the recall slots, with

@@ -25,10 +25,11 @@ from .selectors import packed_quantize, score_pages, spreading_rotation
 class KeyCodes:
     def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int | None, *,
                  frames: int | None = None, device=None, dtype=torch.float32, initial_pages: int = 4,
-                 rotate: bool = False):
+                 rotate: bool = False, backend: kernels.Backend | None = None):
         if bits is not None and not 1 <= bits <= 8:
             raise ValueError(f"digest bits must be 1-8, got {bits}")
         self.page, self.bits, self.frames = page, bits, frames
+        self.backend = backend  # the page-score kernels (a cache layer's choice; None: the device's, per call)
         # (the exact digest is the keys themselves: nothing to turn)
         self.rotation = spreading_rotation(head_dim, device) if rotate and bits is not None else None
         slots = (frames or initial_pages) * page + 1  # + the spill slot (``layout.Writes``)
@@ -160,7 +161,7 @@ class KeyCodes:
             return None if t is None else t[:, :, :slots]
 
         return score_pages(self._turned(queries), leading(self.codes), leading(self.scale), leading(self.offset),
-                           self._held(number), self.page, self.bits)
+                           self._held(number), self.page, self.bits, backend=self.backend)
 
     def scores(self, queries: torch.Tensor, upto: int | None = None) -> torch.Tensor:
         """queries [B, H, M, D] -> [B, H, F]: each stored page's best q.k (-inf: no token). ``upto``: a

@@ -1,6 +1,6 @@
 """The cold tier in a few figures for people: the REPL's /cache block and the status line's recall part.
 
-A reading of the cache's public state (``RecallCache.tier_stats()``, the recall slots' token indices),
+A reading of the cache's public state (``H2OCache.tier_stats()``, the recall slots' token indices),
 nothing changes. Counts are per (layer, sequence, KV head), averaged, like the rest of /cache. "This
 turn" figures are differences from a ``TurnStart`` taken before the turn: the tier's counters only
 grow while one cache lives, so a difference is what the turn did. Reads the device: compute it once
@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiered import RecallCache, TierStats
+from .tier import RecallSpec
+from .tiered import TierStats
 
 
 def has_cold_tier(cache) -> bool:
-    return isinstance(cache, RecallCache)
+    return isinstance(cache.tier, RecallSpec)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
         return None
     stats = cache.tier_stats()
     layers = [layer for layer in cache.layers if layer.is_initialized]
-    rows = sum(layer.cold.count.numel() for layer in layers)
+    rows = sum(layer.tier.cold.count.numel() for layer in layers)
     this_turn = since is not None
     start = since.stats if this_turn and since.cache() is cache else None
     copied_before = start.pages_copied if start else 0
@@ -75,7 +76,7 @@ def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
     def mean(total: float) -> float:
         return total / rows if rows else 0.0
 
-    config = cache.recall
+    config = cache.tier.config
     return TierSummary(
         recall_slots=config.slots, page=config.page, selector=config.selector, cold_limit=config.cold_limit,
         rows=rows, cold_pages=mean(stats.cold_pages), cold_tokens=mean(stats.cold_tokens),
@@ -96,7 +97,7 @@ def recall_slot_counts(cache, sequence: int = 0) -> torch.Tensor:
     if has_cold_tier(cache):
         for layer in cache.layers:
             if layer.is_initialized:
-                tokens = layer.recalled_token_index()[sequence].flatten().cpu()
+                tokens = layer.tier.recalled_token_index(layer)[sequence].flatten().cpu()
                 counts += torch.bincount(tokens[tokens >= 0], minlength=seen)[:seen]
     return counts
 

@@ -15,7 +15,7 @@ import torch
 
 
 def fill_cold_tier(cache, tokens: int, generator: torch.Generator) -> None:
-    """After ``cache.assume_seen(tokens, generator)`` on a ``RecallCache``: every layer's cold store
+    """After ``cache.assume_seen(tokens, generator)`` on a cache with a recall tier: every layer's cold store
     and digest hold the ``tokens - held`` tokens its hot slots do not (per sequence and KV head)."""
     with torch.inference_mode():
         for layer in cache.layers:
@@ -29,5 +29,5 @@ def fill_cold_tier(cache, tokens: int, generator: torch.Generator) -> None:
             keys = torch.randn((batch, heads, cold, head_dim), generator=generator, device=device, dtype=dtype)
             values = torch.randn((batch, heads, cold, value_dim), generator=generator, device=device, dtype=dtype)
             numbers = torch.arange(cold, device=device).expand(batch, heads, cold)
-            layer.cold.append(keys, values, numbers, numbers)  # positions: absolute, the token index
-            layer.digest.append(keys, numbers)
+            layer.tier.cold.append(keys, values, numbers, numbers)  # positions: absolute, the token index
+            layer.tier.digest.append(keys, numbers)

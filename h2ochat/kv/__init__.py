@@ -1,0 +1,17 @@
+"""The KV cache, composed: a transformers ``Cache`` adapter (``cache``) over layers (``layer``), each
+made of slots, its rows' policy parameters (``rows``), a kernel backend and a tier (``tier``: none,
+or ``h2ochat.recall``'s); step numbering and re-numbering (``numbering``); one factory from the
+command's settings (``h2ochat.generation.CacheSettings.build``)."""
+
+from .cache import H2OCache
+from .factory import make_cache, policy_slots
+from .layer import AttentionMismatchError, H2OLayer, LayerStats, last_update
+from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
+from .rows import CacheShapeError, RowParameters, RowPolicies, RowSpec, RowState
+from .tier import NO_TIER, NoTier, Tier, TierSpec
+
+__all__ = [
+    "H2OCache", "make_cache", "policy_slots", "H2OLayer", "LayerStats", "AttentionMismatchError", "last_update", "HostCounters",
+    "PositionLimitError", "Renumbering", "StepNumbers", "CacheShapeError", "RowParameters", "RowPolicies",
+    "RowSpec", "RowState", "NO_TIER", "NoTier", "Tier", "TierSpec",
+]

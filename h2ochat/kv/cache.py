@@ -1,0 +1,487 @@
+"""The transformers ``Cache`` of h2ochat: a fixed number of preallocated KV slots per layer, evicting
+by policy (``kv.layer.H2OLayer`` does the work of a step), and the one owner of the per-row counters.
+
+How the model reaches a layer: every attention module calls ``cache.update(k, v, layer_idx)`` just
+before its attention function. ``update`` records the new keys as pending and the registered
+``h2o`` attention function (attention.py) attends them through ``H2OLayer.attend``. A pending step
+nobody attended (the model runs another attention implementation) raises at the next ``update``.
+
+Positions and token indices have one source: the cache numbers each step's new tokens once
+(``H2OCache.position_ids``) and every layer records exactly those numbers; a re-numbering maps each
+row's held tokens to new positions as a function of their old ones, so every layer and head agrees.
+
+One cache can serve a batch whose rows follow different policies and budgets (``H2OCache.for_rows``,
+used by ``h2ochat eval``): each layer then allocates the largest row's slots, and a row with fewer
+slots leaves its spare ones unused once it holds its own number of tokens, so it evicts exactly as
+a cache of its own size would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..policies import Policy, SlotBudget, get_policy
+from ..rotary import Rotary, rotate_keys
+from .layer import AttentionMismatchError, H2OLayer, LayerStats
+from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
+from .rows import CacheShapeError, RowPolicies, RowSpec, RowState
+from .tier import NO_TIER, TierSpec
+
+
+class H2OCache(Cache):
+    """Fixed-budget KV cache for a whole model; pass it to ``model(...)`` or ``generate(cache=...)``.
+
+    ``slots`` is the budget per layer (the policy may shape it by depth, keeping the total).
+    positions: "compact" re-numbers cached tokens (rotating RoPE keys to match) whenever the next
+    tokens would pass the model's position limit; "absolute" keeps the positions tokens were encoded
+    at and refuses to go past the limit (the paper's behaviour).
+    static_shapes: decode steps attend over all C slots (empty ones masked) and always evict in place,
+    so every step has the same shapes (for torch.compile / CUDA graphs).
+
+    Counters, one source each: ``tokens_fed`` [B] (real tokens fed per row; a token's index is its
+    count before it), ``next_position`` [B] (the position the next real token of each row gets) and
+    ``largest_next_position`` (their maximum, a host int: deciding on a re-numbering reads nothing
+    back from the device; after a step that left rows out, an upper bound: see ``position_ids``). A step's token indices and positions are handed out once (``position_ids``,
+    or the first layer to attend when nobody asked: transformers' ``generate()``) and every layer
+    records exactly those.
+
+    ``tier``: a second home for evicted tokens (``kv.tier``; ``recall.tier.RecallSpec`` keeps them in
+    a cold store and recalls pages of them into ``tier.columns`` extra slots per layer). ``slots``
+    are the policy's, the tier's columns come on top.
+    """
+
+    layer_type = H2OLayer
+
+    def __init__(
+        self,
+        num_layers: int,
+        policy: Policy | str,
+        slots: int,
+        *,
+        max_positions: int,
+        positions: str = "compact",
+        rotary: Rotary | None = None,
+        seed: int | None = None,
+        static_shapes: bool = False,
+        rows: Sequence[RowSpec] | None = None,
+        tier: TierSpec = NO_TIER,
+    ):
+        if positions not in ("compact", "absolute"):
+            raise ValueError(f"positions must be 'compact' or 'absolute', got {positions!r}")
+        self.slots = slots
+        self.row_policies = RowPolicies(list(rows) if rows else [RowSpec(get_policy(policy), slots, seed)], num_layers)
+        self.policy = self.row_policies.policy
+        self.max_positions, self.position_mode, self.rotary = max_positions, positions, rotary
+        self.static_shapes = static_shapes
+        self.tier = tier
+        tier.check(self)
+        super().__init__(layers=[self.layer_type(self, index) for index in range(num_layers)])
+        self._clear_counters()
+
+    # -- the rows' policies (``RowPolicies``), as the layers and the views read them ----------------
+    @property
+    def row_specs(self) -> list[RowSpec]:
+        return self.row_policies.specs
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The first row's generator (a policy with its own draws: random)."""
+        return self.row_policies.generators[0]
+
+    @property
+    def uses_value_norm(self) -> bool:
+        return self.row_policies.uses_value_norm
+
+    @property
+    def grows(self) -> bool:
+        return self.row_policies.grows
+
+    @property
+    def fused_eviction_parameters(self) -> dict | None:
+        return self.row_policies.fused_eviction_parameters
+
+    def _clear_counters(self) -> None:
+        """The cache-level state an empty cache starts from (``__init__`` and ``reset``)."""
+        self.tokens_fed: torch.Tensor | None = None  # [B] real tokens fed per row
+        self.next_position: torch.Tensor | None = None  # [B] the next real token's position per row
+        self.largest_next_position = 0
+        self.compactions = 0  # re-numberings so far
+        self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
+        self.step: StepNumbers | None = None  # the current step's token indices and positions
+        # True inside ``compiled_decode()``: see there which fields it leaves stale
+        self.compiled_step = False
+        # the slots are marked as fixed addresses for CUDA graphs (h2ochat.compiled); new slots are not
+        self.static_addresses_marked = False
+
+    def compile_blocker(self) -> str | None:
+        """Why the compiled decode step (``h2ochat.compiled``) cannot take this cache, or None."""
+        if self.grows:
+            return "the full policy grows its slots (shapes change)"
+        if self.mixed:
+            return "rows with different policies (eval) rank row by row"
+        if self.fused_eviction_parameters is None:
+            return f"the {self.policy.name} policy ranks with its own code (e.g. a seeded random draw on the host)"
+        return self.tier.compile_blocker(self)
+
+    @classmethod
+    def for_rows(cls, num_layers: int, rows: Sequence[RowSpec], **kwargs) -> "H2OCache":
+        """A cache whose batch row i follows ``rows[i]``'s policy and budget (a ``full`` row gets
+        its slots up front: give it as many as the text has tokens)."""
+        return cls(num_layers, rows[0].policy, max(r.slots for r in rows), rows=rows, **kwargs)
+
+    # -- the policy, per row ---------------------------------------------------------------------
+    @property
+    def mixed(self) -> bool:
+        return self.row_policies.mixed
+
+    @property
+    def evicts(self) -> bool:
+        return not self.grows
+
+    @property
+    def budget(self) -> SlotBudget:
+        """The first layer's share-out of the first row (what the UI shows)."""
+        return self.row_policies.layer_budgets[0][0]
+
+    # -- transformers' interface ------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.pending is not None:
+            raise AttentionMismatchError(
+                f"layer {self.pending.layer_idx}'s new keys never reached the h2o attention: an H2OCache needs the "
+                "model loaded with attn_implementation='h2o' (h2ochat.attention.use_h2o_attention(model))"
+            )
+        self.pending = self.layers[layer_idx]
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def reset(self) -> None:
+        """Empty the cache: every layer's slots are dropped (their memory goes back) and the counters,
+        the re-numbering count and any step in progress start over."""
+        for layer in self.layers:
+            layer.reset()
+        self._clear_counters()
+
+    @contextlib.contextmanager
+    def compiled_decode(self):
+        """The mode of a compiled decode step (``h2ochat.compiled``), one token per row. Inside it the
+        layers leave stale what a traced graph must not read as a Python value that changes per step:
+        ``H2OLayer.slots_in_use`` and ``tokens_fed_with_padding`` (advanced on a clean exit, as the
+        eager step does), and transformers' size queries answer with the capacity
+        (``get_seq_length``/``get_mask_sizes``: the h2o mask function and our position ids ignore
+        them). The step's token indices and positions must be handed out (``position_ids``) before."""
+        self.compiled_step = True
+        try:
+            yield
+        finally:
+            self.compiled_step = False
+        for layer in self.layers:
+            layer.count_decoded()
+
+    # -- one batch row at a time ---------------------------------------------------------------------
+    def allocate(self, batch: int, kv_heads: int, head_dim: int, *, dtype, device, value_dim: int | None = None) -> None:
+        """Initialise every layer with empty slots for ``batch`` rows, without a forward."""
+        self._clear_counters()
+        for layer in self.layers:
+            layer.allocate(batch, kv_heads, head_dim, value_dim or head_dim, dtype, device)
+
+    def export_row(self, row: int, device="cpu") -> RowState:
+        """A copy of batch row ``row``'s state in every layer (on ``device``)."""
+        if not self.initialized:
+            raise CacheShapeError("the cache holds nothing yet: nothing to export")
+        layers = [{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()}
+                  for layer in self.layers]
+        counters = {name: tensor[row].to(device, copy=True) for name, tensor in self._row_counters().items()}
+        return RowState(layers, counters)
+
+    def _row_counters(self) -> dict[str, torch.Tensor]:
+        return {"tokens_fed": self.tokens_fed, "next_position": self.next_position}
+
+    def import_row(self, row: int, state: RowState) -> None:
+        """Overwrite batch row ``row`` with ``state`` (exported from a cache of the same layer count,
+        capacities, heads and dtype), in place: the other rows, mid-generation or not, are untouched
+        and a compiled step's buffers keep their addresses. The row then continues exactly as its
+        own cache would have (until a re-numbering, which every row of a batch takes together)."""
+        if not self.initialized:
+            raise CacheShapeError("allocate the cache (H2OCache.allocate) before importing a row into it")
+        if len(state.layers) != len(self.layers):
+            raise CacheShapeError(f"the row state has {len(state.layers)} layers, the cache {len(self.layers)}")
+        targets = [(f"layer {index}", layer.state_tensors(), saved)
+                   for index, (layer, saved) in enumerate(zip(self.layers, state.layers))]
+        targets.append(("counters", self._row_counters(), state.counters))
+        for where, mine, saved in targets:
+            if set(saved) != set(mine):
+                raise CacheShapeError(f"{where}: the row state holds {sorted(saved)}, the cache {sorted(mine)}")
+            for name, tensor in mine.items():
+                if saved[name].shape != tensor.shape[1:] or saved[name].dtype != tensor.dtype:
+                    raise CacheShapeError(f"{where} {name}: the row state's {tuple(saved[name].shape)} "
+                                          f"{saved[name].dtype} does not fit the cache's {tuple(tensor.shape[1:])} "
+                                          f"{tensor.dtype}")
+        with torch.inference_mode():  # the slots were made under inference mode
+            for _, mine, saved in targets:
+                for name, tensor in mine.items():
+                    tensor[row].copy_(saved[name])
+        # the host counters cover every row: slot columns in use and columns fed take the larger
+        for layer, saved in zip(self.layers, state.layers):
+            occupied = (saved["token_index"] >= 0).any(dim=0).nonzero()
+            layer.slots_in_use = max(layer.slots_in_use, int(occupied.max()) + 1 if occupied.numel() else 0)
+            layer.tokens_fed_with_padding = max(layer.tokens_fed_with_padding, state.tokens_fed)
+        self.largest_next_position = max(self.largest_next_position, int(state.counters["next_position"]))
+
+    def reset_row(self, row: int) -> None:
+        """Empty batch row ``row`` (no tokens, scores and counters 0) without touching the others."""
+        if not self.initialized:
+            return
+        with torch.inference_mode():
+            for layer in self.layers:
+                layer.reset_row(row)
+            for tensor in self._row_counters().values():
+                tensor[row] = 0
+        # one read-back (rows are reset rarely): the bound is the largest next position left
+        self.largest_next_position = int(self.next_position.max())
+
+    def assume_seen(self, tokens: int, generator: torch.Generator) -> None:
+        """Make an initialised cache look as if every row had been fed ``tokens`` tokens (a benchmark's
+        synthetic context: a decode step costs the same whatever the values it reads): each layer
+        holds its most recent ``min(capacity, tokens)`` tokens with random keys, values and scores,
+        drawn by ``generator`` (on the slots' device)."""
+        device = self.layers[0].keys.device
+        with torch.inference_mode():
+            for layer in self.layers:
+                held = min(layer.capacity, tokens)
+                batch, heads = layer.keys.shape[:2]
+                for buffer in (layer.keys, layer.values):
+                    part = buffer[:, :, :held]
+                    part.copy_(torch.randn(part.shape, generator=generator, device=device, dtype=part.dtype))
+                numbers = torch.arange(tokens - held, tokens, device=device).expand(batch, heads, held)
+                layer.token_index[:, :, :held] = numbers
+                layer.positions[:, :, :held] = numbers
+                layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator, device=device)
+                layer.slots_in_use, layer.tokens_fed_with_padding = held, tokens
+            self.tokens_fed.fill_(tokens)
+            self.next_position.fill_(tokens)
+        self.largest_next_position = tokens
+
+    # -- what the generation loop asks -----------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return bool(self.layers) and self.layers[0].is_initialized
+
+    def counters_for(self, batch: int, device) -> None:
+        """Allocate the per-row counters for ``batch`` rows, if not yet (the first step, or ``allocate``)."""
+        if self.tokens_fed is None or self.tokens_fed.shape[0] != batch:
+            self.tokens_fed = torch.zeros(batch, dtype=torch.long, device=device)
+            self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+            self.largest_next_position = 0
+
+    def position_ids(self, batch: int, q_len: int, new_valid: torch.Tensor | None = None, device=None,
+                     active: torch.Tensor | None = None) -> torch.Tensor:
+        """Position ids [B, Q] for the next Q tokens, re-numbering the cache first when they would
+        pass the model's limit (compact mode). Every layer records these positions for these tokens.
+        Reads nothing back from the device for a step without padding.
+
+        ``active`` [B] bool (a decode step, Q = 1; None: every row): the rows left out sit this step
+        out (finished rows of a burst of decode steps, ``generation.stream``): they write nothing in
+        any layer (no slot, score, decay or eviction count changes) and their ``tokens_fed`` and
+        ``next_position`` stand still; their output is meaningless. Nothing is read back, so the host
+        counters (``largest_next_position``, the layers' ``slots_in_use`` and
+        ``tokens_fed_with_padding``) advance as if every row took part: upper bounds from then on
+        (a re-numbering makes ``largest_next_position`` exact again; ``restore_host_counters`` puts
+        back what they were before steps that, it turned out, fed no row at all)."""
+        if active is not None and not self.masks_inactive_rows:
+            raise ValueError(f"{type(self).__name__} cannot leave rows out of a step (its layers do more than write)")
+        if self.largest_next_position + q_len > self.max_positions:
+            self._make_room(q_len)
+        position_ids = self._begin_step(batch, q_len, new_valid, device, active).position_ids
+        for layer in self.layers:  # room the tiers need for what these tokens can evict (host counters)
+            if layer.is_initialized:
+                layer.tier.reserve(layer, q_len)
+        return position_ids
+
+    @property
+    def masks_inactive_rows(self) -> bool:
+        """Whether a decode step can leave rows out (``position_ids(active=...)``): the tier says (a
+        cold tier taking evicted tokens does not); a subclass whose layers do more than write their
+        slots does not either."""
+        return self.tier.masks_inactive_rows and type(self).layer_type is H2OLayer
+
+    def host_counters(self) -> HostCounters:
+        """The host-side counters, to put back with ``restore_host_counters``."""
+        return HostCounters(self.largest_next_position, self.compactions,
+                            tuple((layer.slots_in_use, layer.tokens_fed_with_padding) for layer in self.layers))
+
+    def restore_host_counters(self, saved: HostCounters) -> None:
+        """Put back the host counters ``saved`` before decode steps that fed no row at all (every row
+        was left out: a burst's steps after its last row finished): those steps changed nothing on
+        the device, so the counters are exact again. A re-numbering since then keeps its own
+        (exact) ``largest_next_position``."""
+        if saved.compactions == self.compactions:
+            self.largest_next_position = saved.largest_next_position
+        for layer, (slots_in_use, fed) in zip(self.layers, saved.layers):
+            layer.slots_in_use, layer.tokens_fed_with_padding = slots_in_use, fed
+
+    def step_numbers(self, layer_idx: int, batch: int, q_len: int, new_valid, device) -> StepNumbers:
+        """The current step's numbers for layer ``layer_idx``: the ones ``position_ids`` handed out,
+        or, for a step nobody asked positions for (transformers' ``generate()`` passes its own
+        position ids, a test driving layers by hand), the same numbers made once for all layers."""
+        step = self.step
+        if step is None or layer_idx <= step.last_layer or step.token_index.shape != (batch, q_len):
+            step = self._begin_step(batch, q_len, new_valid, device)
+        step.last_layer = layer_idx
+        return step
+
+    def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device,
+                    active: torch.Tensor | None = None) -> StepNumbers:
+        """Number the next Q tokens of every row from the counters, and advance the counters."""
+        device = device if device is not None else (self.layers[0].device if self.initialized else "cpu")
+        self.counters_for(batch, device)
+        with torch.inference_mode():
+            if active is not None:  # a decode step some rows sit out: they take -1, like padding
+                if q_len != 1 or new_valid is not None:
+                    raise ValueError("rows can sit out a decode step only (one token per row, no padding)")
+                left_out = ~active.view(batch, 1)
+                position_ids = self.next_position.unsqueeze(1).clone()  # (the counter moves on below)
+                token_index = self.tokens_fed.unsqueeze(1).masked_fill(left_out, -1)
+                positions = position_ids.masked_fill(left_out, -1)
+                fed = active.long()
+                self.tokens_fed += fed
+                self.next_position += fed
+                self.largest_next_position += 1  # an upper bound: see position_ids
+            elif new_valid is None:
+                offsets = torch.arange(q_len, device=device).expand(batch, q_len)
+                token_index = self.tokens_fed.unsqueeze(1) + offsets
+                positions = position_ids = self.next_position.unsqueeze(1) + offsets
+                self.tokens_fed += q_len
+                self.next_position += q_len
+                self.largest_next_position += q_len
+            else:  # real tokens count on from the last one; padding borrows its neighbour's position id
+                counted = new_valid.long().cumsum(dim=1)
+                offsets = counted - 1
+                token_index = (self.tokens_fed.unsqueeze(1) + offsets).masked_fill(~new_valid, -1)
+                position_ids = self.next_position.unsqueeze(1) + offsets.clamp(min=0)
+                positions = position_ids.masked_fill(~new_valid, -1)
+                self.tokens_fed += counted[:, -1]
+                self.next_position += counted[:, -1]
+                # a step with padding is a prompt chunk, not the decode step: one read-back is fine here
+                self.largest_next_position = int(self.next_position.max())
+        self.step = StepNumbers(token_index, positions, position_ids, active)
+        return self.step
+
+    def _make_room(self, q_len: int) -> None:
+        if self.position_mode == "absolute":
+            raise PositionLimitError(
+                f"the conversation reached the model's {self.max_positions}-position limit "
+                "(use --positions compact to keep going)"
+            )
+        if not self.evicts:
+            raise PositionLimitError(
+                f"the full cache reached the model's {self.max_positions}-position limit; "
+                "pick a policy that evicts to keep going"
+            )
+        largest = max(layer.capacity for layer in self.layers)
+        if largest + q_len > self.max_positions:
+            raise PositionLimitError(
+                f"{largest} slots + {q_len} new tokens do not fit in {self.max_positions} positions: "
+                "a budget of the whole window can never re-number, use a smaller --budget to go past the limit"
+            )
+        if self.initialized:
+            self._renumber(span=min(self.max_positions - q_len, max(largest, self.max_positions // 2)))
+        self.compactions += 1
+
+    def _renumber(self, span: int) -> None:
+        """Give the tokens held anywhere in a row new positions below ``span``, the same in every layer
+        and head (``Renumbering``: by rank among all of the row's held tokens, order kept, gaps
+        closed; when a row holds more than ``span`` distinct ones, the newest span // 2 keep
+        consecutive positions and the older ones share the rest in proportion). RoPE keys are rotated
+        to their new positions; everything is updated in place (a CUDA graph keeps reading the same
+        buffers). One read-back per re-numbering."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        with torch.inference_mode():
+            renumbering = Renumbering.of(self.tokens_fed.shape[0], [(layer.positions, layer.token_index >= 0)
+                                                                     for layer in layers], span)
+            self._apply_renumbering(renumbering, layers)
+        self.largest_next_position = int(self.next_position.max())
+
+    def _apply_renumbering(self, renumbering: Renumbering, layers: list[H2OLayer]) -> None:
+        """Move every layer's held tokens to their new positions (every slot column, the tier's
+        included), then the tokens each tier holds elsewhere (a cold store), with the same function."""
+        for layer in layers:
+            valid = layer.token_index >= 0
+            new_positions = renumbering.apply(layer.positions, valid)
+            if self.rotary is not None:
+                rotate_keys(layer.keys, (new_positions - layer.positions).masked_fill(~valid, 0), self.rotary)
+            layer.positions.copy_(new_positions)
+            layer.tier.renumber(layer, renumbering, self.rotary)
+        self.next_position.copy_(renumbering.next_position())
+
+    def room_before_renumbering(self) -> int:
+        """New tokens that fit before the next re-numbering (prefill caps its chunks to this only
+        when a re-numbering is due)."""
+        return self.max_positions - self.largest_next_position
+
+    # -- accounting ------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of key and value slots actually allocated."""
+        return sum(
+            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+        )
+
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of scores, token indices, positions (and value norms) beside the slots."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                extra = (layer.scores, layer.token_index, layer.positions, layer.value_norm)
+                total += sum(t.numel() * t.element_size() for t in extra if t is not None)
+        return total
+
+    def full_kv_bytes(self) -> int:
+        """Bytes a cache without eviction would hold for the tokens seen so far."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                batch, heads, _, head_dim = layer.keys.shape
+                per_token = heads * (head_dim + layer.values.shape[-1]) * layer.keys.element_size()
+                total += batch * layer.tokens_fed_with_padding * per_token
+        return total
+
+    def longest_row_tokens(self) -> int:
+        """Real tokens fed so far to the row that has had the most."""
+        return int(self.tokens_fed.max().item()) if self.tokens_fed is not None else 0
+
+    def evicted_tokens(self) -> int:
+        """Tokens dropped, summed over layers, sequences and KV heads."""
+        return sum(int(layer.evicted.sum().item()) for layer in self.layers if layer.is_initialized)
+
+    def device_slots(self) -> int:
+        """Slot columns per (layer, sequence, KV head) of the first layer: the policy's and the tier's."""
+        return self.layers[0].capacity + self.tier.columns
+
+    def tier_stats(self):
+        """The tier's figures (``recall.tiered.TierStats``; None: no tier). Reads the device."""
+        return self.tier.stats(self)
+
+    def tier_record(self) -> dict | None:
+        """What the tier holds and did, for ``--json`` records and the views (None: no tier)."""
+        return self.tier.record(self)
+
+    def layer_stats(self) -> list[LayerStats]:
+        return [layer.stats() for layer in self.layers]
+
+    def cached_token_share(self, sequence: int = 0) -> torch.Tensor:
+        """For each token index of ``sequence`` seen so far, the share of (layer, head) slots that
+        still hold it [tokens_seen] (1.0: kept everywhere, 0.0: evicted everywhere)."""
+        seen = int(self.tokens_fed[sequence].item()) if self.tokens_fed is not None else 0
+        counts = torch.zeros(seen + 1, dtype=torch.float32)
+        total = 0
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            tokens = layer.token_index[sequence].flatten().cpu()
+            counts += torch.bincount(tokens[tokens >= 0], minlength=seen + 1)[: seen + 1].float()
+            total += layer.token_index.shape[1]
+        return counts[:seen] / max(total, 1)

@@ -1,0 +1,375 @@
+"""One layer of the H2O cache: transformers' ``CacheLayerMixin`` over a fixed number of slot columns,
+composed of the slots (keys, values and, per slot, the fp32 score, the token's index in the text
+(-1: empty or padding), the position it was encoded at and, for policies that rank by it, its
+value norm), the policy's per-row parameters (``kv.rows.RowParameters``), a kernel backend chosen
+once at allocation (``h2ochat_kernels.Backend``: attention, evictions, page scores) and a tier
+(``kv.tier``: none, or recall).
+
+A step with Q new tokens: the tier runs first (``before_attention``), the attention runs over the
+occupied slots plus the new tokens (``Backend.attend_with_scores``) and updates the scores as the
+policy says (S <- decay * S + attention), then the layer keeps C = ``capacity`` of the candidates: the
+protected ones (recent window, sinks) and the policy's best among the rest. A decode step overwrites
+each (sequence, head)'s lowest-priority slot in place; a tier that archives sees that victim first.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+import h2ochat_kernels as kernels
+from h2ochat_kernels import reference
+
+from ..policies import SlotBudget
+from .numbering import StepNumbers
+
+# GPT-NeoX calls ``update`` without the keyword arguments it later gives the attention function, so
+# under transformers' own generate() the attention function finds its layer here (the only case).
+last_update = threading.local()
+
+
+class AttentionMismatchError(RuntimeError):
+    """The H2OCache was driven by something other than the ``h2o`` attention function."""
+
+
+@dataclass
+class LayerStats:
+    capacity: int  # slots allocated per (sequence, head)
+    held: float  # tokens held, averaged over sequences and heads
+    recent: float  # of which protected (recent window and sinks)
+    heavy: float  # of which kept on merit
+    evicted: int  # tokens dropped, summed over sequences and heads
+    evicted_share: float  # mean share of its (sequence, head)'s score mass a token held when dropped
+    heavy_age_median: float | None  # age in tokens of the tokens kept on merit
+    heavy_age_oldest: int | None
+
+
+class H2OLayer(CacheLayerMixin):
+    """One layer: its slots, its policy's parameters (``rows``), its kernels (``kernels``, a
+    ``Backend`` chosen once at allocation) and its tier (``tier``, see ``kv.tier``). The policy works
+    on the first ``capacity`` slot columns; the tier owns ``tier.columns`` more after them, which the
+    policy never ranks. Counters: ``slots_in_use`` (slot columns holding a token or padding, the
+    same for every row and head) and ``tokens_fed_with_padding`` (columns fed, padding included) are
+    host ints; the per-row counts of real tokens and positions live in the cache (``H2OCache.tokens_fed``,
+    ``H2OCache.next_position``), one source for every layer."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: "H2OCache", layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.budgets = owner.row_policies.budgets(layer_idx)  # one per row group
+        self.capacity = max(budget.slots for budget in self.budgets)  # the policy's columns
+        self.tier = owner.tier.make()
+        self.slots_in_use = 0
+        self.tokens_fed_with_padding = 0
+        self.pending_key = self.pending_value = None
+
+    @property
+    def budget(self) -> SlotBudget:
+        """This layer's share-out (the first row's, for a mixed batch)."""
+        return self.budgets[0]
+
+    # -- transformers' layer interface -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        self.allocate(batch, heads, head_dim, value_states.shape[-1], key_states.dtype, key_states.device)
+
+    def allocate(self, batch: int, heads: int, head_dim: int, value_dim: int, dtype, device) -> None:
+        """Empty slots for ``batch`` rows of ``heads`` KV heads (what the first ``update`` does), the
+        kernels and the eviction route for this device and policy, chosen once here, and the tier's
+        own state."""
+        self.device, self.dtype = torch.device(device), dtype
+        self.kernels = kernels.backend_for(self.device)  # H2OCHAT_KERNELS is read here, once
+        shape = (batch, heads, self.columns)
+        self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=self.device)
+        self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=self.device)
+        self.scores = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.value_norm = (torch.zeros(shape, dtype=torch.float32, device=self.device)
+                           if self.owner.uses_value_norm else None)
+        self.token_index = torch.full(shape, -1, dtype=torch.long, device=self.device)
+        self.positions = torch.full(shape, -1, dtype=torch.long, device=self.device)
+        self.evicted = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
+        self.evicted_share = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
+        # (sequence, head) coordinates of a per-(sequence, head) slot index, for in-place writes
+        self.coordinates = reference.slot_coordinates(batch, heads, self.device)
+        self.rows = self.owner.row_policies.parameters(self.layer_idx, batch, self.device)
+        self.evictor = self._choose_eviction()
+        self.slots_in_use = self.tokens_fed_with_padding = 0
+        self.owner.counters_for(batch, self.device)
+        self.tier.allocate(self, batch, heads, head_dim, value_dim, dtype, self.device)
+        self.is_initialized = True
+
+    @property
+    def columns(self) -> int:
+        """Slot columns allocated per (sequence, KV head): the policy's and the tier's."""
+        return self.capacity + self.tier.columns
+
+    def _choose_eviction(self):
+        """The steady-state eviction for this layer's kernels, policy and tier: a tier that archives
+        sees the victim before it is overwritten (``_evict_to_tier``, on every backend); otherwise the
+        torch rules (``reference.evict_and_insert``, what the kernel tests hold Triton to), Triton's
+        one launch from the policy's parameters, or Triton's eviction of a priority computed in torch
+        (per-row policies, rows of different budgets)."""
+        if self.tier.archives:
+            return self._evict_to_tier
+        if not self.kernels.triton:
+            return self._evict_by_priority
+        if self.owner.fused_eviction_parameters is not None and not self.rows.spare_slots:
+            return self._evict_fused
+        return self._evict_by_priority
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor this layer updates in place, by name (first dimension: the batch row). A
+        compiled step's CUDA graph reads and writes exactly these; ``H2OCache.export_row`` copies them."""
+        if not self.is_initialized:
+            return {}
+        names = ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share")
+        state = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return {**state, **self.tier.state_tensors()}
+
+    def reset_row(self, row: int) -> None:
+        """Empty batch row ``row`` (no tokens, scores and counters 0), leaving the other rows alone."""
+        for name, tensor in self.state_tensors().items():
+            tensor[row] = -1 if name in ("token_index", "positions") else self.tier.empty_value(name)
+
+    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **_):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending_key, self.pending_value = key_states, value_states
+        if isinstance(kwargs, dict):  # OPT and Llama hand this same dict to the attention function
+            kwargs["h2o_layer"] = self
+        last_update.layer = self
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        # inside a compiled decode step nothing uses the answer (positions come from the cache, the
+        # h2o mask function ignores sizes): a constant keeps the per-step counter out of the graph's guards
+        return self.capacity if self.owner.compiled_step else self.tokens_fed_with_padding
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.owner.compiled_step:
+            return self.capacity + query_length, 0
+        return self.slots_in_use + query_length, self.tokens_fed_with_padding - self.slots_in_use
+
+    def get_max_length(self) -> int:
+        return -1 if not self.owner.evicts else self.capacity
+
+    def reset(self) -> None:
+        """Drop the slots (their memory goes back): the layer allocates again on its next update."""
+        self.is_initialized = False
+        for name in ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share"):
+            setattr(self, name, None)
+        self.slots_in_use = self.tokens_fed_with_padding = 0
+        self.pending_key = self.pending_value = None
+        self.tier.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by the H2O cache")
+
+    # -- the step -----------------------------------------------------------------------------
+    def take_pending(self, key: torch.Tensor) -> None:
+        """The attention picks up the keys ``update`` recorded: they must be the same tensor."""
+        if key is not self.pending_key:
+            raise AttentionMismatchError(
+                f"layer {self.layer_idx}: the keys given to the attention are not the ones cache.update received "
+                "(a forward hook or a copy between them?); the H2O cache would attend the wrong tokens"
+            )
+        self.pending_key = self.pending_value = None
+        self.owner.pending = None
+
+    def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
+        """Attention for Q new tokens, then scoring and eviction. Returns [B, Hkv, G, Q, D]."""
+        self.take_pending(key)
+        batch, q_heads, q_len, head_dim = query.shape
+        kv_heads = key.shape[1]
+        step = self.owner.step_numbers(self.layer_idx, batch, q_len, new_valid, query.device)
+        # a row left out of a decode step (``StepNumbers.active``) is a padding token to the attention:
+        # it changes no score (no decay either)
+        attend_valid = new_valid if step.active is None else step.active.view(batch, 1)
+        self.tier.before_attention(self, query, new_valid)
+        if self.owner.grows and self.slots_in_use + q_len > self.capacity:
+            self._grow(self.slots_in_use + q_len)
+        grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
+        slots = (self.keys, self.values, self.token_index, self.scores)
+        if not self.owner.static_shapes and self.slots_in_use < self.capacity:
+            slots = tuple(tensor[:, :, : self.slots_in_use] for tensor in slots)
+        cache_keys, cache_values, token_index, scores = slots
+        out, new_scores = self.kernels.attend_with_scores(
+            grouped, cache_keys, cache_values, token_index, key, value, attend_valid, scale, scores, self.rows.decay)
+        self._insert(key, value, new_scores, new_valid, step)
+        return out
+
+    def _insert(self, key, value, new_scores, new_valid, step: StepNumbers) -> None:
+        self.tier.before_insert(self)
+        q_len = key.shape[2]
+        value_norm = value.float().norm(dim=-1) if self.value_norm is not None else None
+        decoding = q_len == 1 and new_valid is None
+        # (static_shapes is read first: a compiled step must not read, hence guard on, slots_in_use)
+        if decoding and (self.owner.static_shapes or self.slots_in_use == self.capacity or self.rows.spare_slots):
+            # steady state: the lowest-priority slot of each (sequence, head) is overwritten in place;
+            # an empty slot ranks lowest, so a cache that is not full yet fills its next slot
+            # (the mask goes only where there is one: wrappers of evict_one may not take it)
+            self.evict_one(key, value, new_scores[:, :, 0], step.token_index[:, 0], step.positions[:, 0],
+                           value_norm[:, :, 0] if value_norm is not None else None,
+                           **({} if step.active is None else {"active": step.active}))
+            if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.compiled_decode
+                self.count_decoded()
+            return
+        used, capacity = self.slots_in_use, self.capacity
+        if self.rows.spare_slots and not decoding and used + q_len > self.rows.smallest_slots:
+            raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
+        if used + q_len <= capacity:
+            end = used + q_len
+            writes = [(self.keys, key), (self.values, value), (self.scores, new_scores),
+                      (self.token_index, step.token_index.unsqueeze(1)), (self.positions, step.positions.unsqueeze(1))]
+            if value_norm is not None:
+                writes.append((self.value_norm, value_norm))
+            for buffer, new in writes:
+                part = buffer[:, :, used:end]
+                if step.active is not None:  # a row left out keeps what its column holds
+                    new = torch.where(step.active.view(-1, *([1] * (part.dim() - 1))), new, part)
+                part.copy_(new.expand_as(part))
+            self.slots_in_use = end
+        else:
+            self._select(key, value, new_scores, step.token_index, step.positions, value_norm)
+        self.tokens_fed_with_padding += q_len
+
+    def count_decoded(self) -> None:
+        """The host counters after one decode step (one token per row, evicted in place)."""
+        self.slots_in_use = min(self.slots_in_use + 1, self.capacity)
+        self.tokens_fed_with_padding += 1
+
+    def priority(self, scores, token_index, newest, value_norm) -> torch.Tensor:
+        """Keep priority [B, Hkv, S] of every slot (higher = keep): each row by its policy."""
+        rank = self.owner.row_policies.rank(scores, token_index, newest, value_norm, self.rows)
+        priority = kernels.keep_priority(rank, token_index, newest, self.rows.recent, self.rows.sinks)
+        if self.rows.spare_slots:  # a row holding its own budget leaves the spare slots alone
+            full = (token_index >= 0).sum(dim=-1, keepdim=True) >= self.rows.slots.view(-1, 1, 1)
+            priority = priority.masked_fill((token_index < 0) & full, float("inf"))
+        return priority
+
+    # -- steady decoding: overwrite the lowest-priority slot of each (sequence, head) in place ---------
+    def evict_one(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
+        """Put the new token [B, Hkv, 1, D] in place of each (sequence, head)'s lowest-priority slot,
+        by the route ``allocate`` chose for this device and policy. ``active`` [B] bool (None: every
+        row): a row left out writes nothing and counts no eviction."""
+        self.evictor(key, value, new_score, token_index, position, value_norm, active)
+
+    def _evict_by_priority(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
+        """The policy's priority computed in torch (the kernels' rules), then the backend's
+        ``evict_and_insert``: the reference on the CPU, the kernel on Triton."""
+        mass = self.scores.sum(dim=-1)  # before the overwrite (see _count_one_eviction)
+        priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+        dropped, dropped_score = self.kernels.evict_and_insert(
+            priority, self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score,
+            token_index, position, self.value_norm, value_norm, active, coordinates=self.coordinates)
+        self._count_one_eviction(dropped, dropped_score, mass)
+
+    def _evict_fused(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
+        """Triton: the policy's rank, the priority, argmin and the overwrite in one launch."""
+        mass = self.scores.sum(dim=-1)
+        dropped, dropped_score = self.kernels.evict_by_policy(
+            self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score, token_index,
+            position, self.value_norm, value_norm, active, recent=self.rows.recent, sinks=self.rows.sinks,
+            **self.owner.fused_eviction_parameters)
+        self._count_one_eviction(dropped, dropped_score, mass)
+
+    def _evict_to_tier(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
+        """The victim chosen once (``reference.lowest_slots``: the tier's columns never go), handed to
+        the tier, then overwritten (``reference.write_slots``): the tier archives exactly the token
+        the slot held. The tier's layers take every row every step (``masks_inactive_rows``)."""
+        mass = self.scores.sum(dim=-1)
+        priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
+        slot = reference.lowest_slots(priority[:, :, : self.capacity])
+        self.tier.archive(self, slot)
+        dropped, dropped_score = reference.write_slots(
+            slot, self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score,
+            token_index, position, self.value_norm, value_norm, active, coordinates=self.coordinates)
+        self._count_one_eviction(dropped, dropped_score, mass)
+
+    def _count_one_eviction(self, dropped, dropped_score, mass) -> None:
+        """``_count_evictions`` for one slot in fewer ops: scores are >= 0 and empty and padding slots
+        hold score 0 (no attention reaches them), so an empty slot dropped held 0 and a (sequence,
+        head) of mass 0 dropped 0: neither needs a mask or a branch. A row an active mask left out
+        reports dropped -1 and score 0: its counters add 0."""
+        self.evicted += dropped >= 0
+        self.evicted_share += dropped_score / mass.clamp_min(1e-30)
+
+    def _count_evictions(self, evicted: torch.Tensor, dropped_score: torch.Tensor, mass: torch.Tensor) -> None:
+        """``evicted`` [B, Hkv] (bool, or a count), ``dropped_score`` their summed score, ``mass`` the
+        score mass of the (sequence, head) at that moment."""
+        self.evicted += evicted
+        self.evicted_share += torch.where(mass > 0, dropped_score / mass.clamp_min(1e-30), 0.0) * (evicted > 0)
+
+    def _select(self, key, value, new_scores, token_index, positions, value_norm) -> None:
+        """Several new tokens (a prefill chunk, or padding): keep the best C of slots + new."""
+        batch, heads, q_len, head_dim = key.shape
+        used, capacity = self.slots_in_use, self.capacity
+        expand = (batch, heads, q_len)
+        candidates = {
+            "keys": torch.cat([self.keys[:, :, :used], key], dim=2),
+            "values": torch.cat([self.values[:, :, :used], value], dim=2),
+            "scores": torch.cat([self.scores[:, :, :used], new_scores], dim=2),
+            "token_index": torch.cat([self.token_index[:, :, :used], token_index.unsqueeze(1).expand(expand)], dim=2),
+            "positions": torch.cat([self.positions[:, :, :used], positions.unsqueeze(1).expand(expand)], dim=2),
+        }
+        if value_norm is not None:
+            candidates["value_norm"] = torch.cat([self.value_norm[:, :, :used], value_norm], dim=2)
+        newest = self.owner.tokens_fed - 1  # the step's tokens are counted already
+        priority = self.priority(candidates["scores"], candidates["token_index"], newest, candidates.get("value_norm"))
+        keep = priority.topk(capacity, dim=-1).indices.sort(dim=-1).values
+        valid = candidates["token_index"] >= 0
+        mass = candidates["scores"].masked_fill(~valid, 0).sum(dim=-1)
+        kept_valid = valid.gather(2, keep)
+        dropped_score = mass - candidates["scores"].gather(2, keep).masked_fill(~kept_valid, 0).sum(dim=-1)
+        if self.tier.archives:  # the candidates that are not kept, for the tier to take
+            dropped = valid & ~torch.zeros_like(valid).scatter_(2, keep, True)
+            self.tier.archive_dropped(self, candidates, dropped)
+        for name, candidate in candidates.items():
+            index = keep if candidate.dim() == 3 else keep.unsqueeze(-1).expand(-1, -1, -1, candidate.shape[-1])
+            getattr(self, name)[:, :, :capacity] = candidate.gather(2, index)
+        self._count_evictions(valid.sum(-1) - kept_valid.sum(-1), dropped_score, mass)
+        self.slots_in_use = capacity
+
+    def _grow(self, needed: int) -> None:
+        """The full policy: reallocate to at least ``needed`` slots (doubling, so growth is rare)."""
+        capacity = max(needed, 2 * self.capacity)
+        extra = capacity - self.capacity
+
+        def widen(tensor, fill):
+            pad = tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]), fill)
+            return torch.cat([tensor, pad], dim=2)
+
+        self.keys, self.values = widen(self.keys, 0), widen(self.values, 0)
+        self.scores = widen(self.scores, 0)
+        self.token_index, self.positions = widen(self.token_index, -1), widen(self.positions, -1)
+        if self.value_norm is not None:
+            self.value_norm = widen(self.value_norm, 0)
+        self.capacity = capacity
+
+    # -- statistics -----------------------------------------------------------------------------
+    def protected(self, newest: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, Hkv, C] bool: the slots the policy never evicts (recent window and sinks) now."""
+        newest = self.owner.tokens_fed - 1 if newest is None else newest
+        return kernels.protected_slots(self.token_index, newest, self.rows.recent, self.rows.sinks)
+
+    def stats(self) -> LayerStats:
+        """Over every device slot column: ``capacity`` counts the tier's columns too (the budget), so
+        ``held`` (the policy's tokens and the tier's) never exceeds it."""
+        if not self.is_initialized:
+            return LayerStats(self.columns, 0.0, 0.0, 0.0, 0, 0.0, None, None)
+        valid = self.token_index >= 0
+        kept_on_merit = valid & ~self.protected() if self.owner.evicts else valid & False
+        held = valid.sum(-1).float().mean().item()
+        heavy = kept_on_merit.sum(-1).float().mean().item()
+        evicted = int(self.evicted.sum().item())
+        share = float(self.evicted_share.sum().item()) / evicted if evicted else 0.0
+        ages = (self.owner.tokens_fed.view(-1, 1, 1) - self.token_index)[kept_on_merit].float()
+        median = float(ages.median().item()) if ages.numel() else None
+        oldest = int(ages.max().item()) if ages.numel() else None
+        return LayerStats(self.columns, held, held - heavy, heavy, evicted, share, median, oldest)

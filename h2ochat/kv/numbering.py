@@ -1,0 +1,95 @@
+"""How a step's new tokens are numbered: their token indices and positions (``StepNumbers``), the
+host-side counters a decode step reads instead of the device (``HostCounters``), and the re-numbering
+of held tokens when the next ones would pass the model's position limit (``Renumbering``). The cache
+(``kv.cache.H2OCache``) owns the per-row counters and hands these out; every layer and tier records
+exactly what it is handed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class PositionLimitError(RuntimeError):
+    """The next tokens would need positions the model was not trained for."""
+
+
+
+@dataclass
+class StepNumbers:
+    """What one step's new tokens are, handed out once per step by the cache and recorded as is by
+    every layer: token index and position [B, Q] (-1 for padding), and the position ids the model
+    encodes them at (padding borrows its neighbour's)."""
+
+    token_index: torch.Tensor
+    positions: torch.Tensor
+    position_ids: torch.Tensor
+    # [B] bool for a decode step some rows sit out (None: every row takes part): a row left out writes
+    # nothing anywhere and its counters stand still; its token index and position are -1
+    active: torch.Tensor | None = None
+    last_layer: int = -1  # the deepest layer that has taken them (a shallower one asking starts a new step)
+
+
+@dataclass(frozen=True)
+class HostCounters:
+    """The cache's host-side counters at one moment (``H2OCache.host_counters``)."""
+
+    largest_next_position: int
+    compactions: int
+    layers: tuple[tuple[int, int], ...]  # each layer's (slots_in_use, tokens_fed_with_padding)
+
+
+@dataclass
+class Renumbering:
+    """A re-numbering of positions as a function of (row, old position), the same for every layer and
+    head: a row's distinct held positions, sorted, are numbered by rank (gaps closed); when there are
+    more than ``span``, the newest span // 2 keep consecutive numbers and the older ones are squeezed
+    into the rest in proportion. A position that was not among the held ones (a token held elsewhere,
+    e.g. in a cold tier) takes the number of the first held position after it."""
+
+    distinct: torch.Tensor  # sorted keys row * stride + position over every row's held positions
+    first: torch.Tensor  # [B + 1] where each row's keys start in ``distinct``
+    stride: int
+    span: int
+
+    @classmethod
+    def of(cls, batch: int, held: list[tuple[torch.Tensor, torch.Tensor]], span: int) -> "Renumbering":
+        """From ``held`` (positions [B, ...], valid [B, ...]) pairs: every layer's slots."""
+        device = held[0][0].device
+        stride = int(max(int(positions.max()) for positions, _ in held)) + 1
+        keys = []
+        for positions, valid in held:
+            row_base = torch.arange(batch, device=device).view(-1, *([1] * (positions.dim() - 1))) * stride
+            keys.append((positions + row_base)[valid])
+        distinct = torch.unique(torch.cat(keys))  # sorted
+        first = torch.searchsorted(distinct, torch.arange(batch + 1, device=device) * stride)
+        return cls(distinct, first, stride, span)
+
+    def _row_shape(self, like: torch.Tensor) -> tuple[int, ...]:
+        return (-1, *([1] * (like.dim() - 1)))
+
+    def _widths(self, like: torch.Tensor):
+        count = (self.first[1:] - self.first[:-1]).view(self._row_shape(like))  # distinct positions per row
+        width = count.clamp(max=self.span)
+        return count, width, width // 2
+
+    def apply(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """New positions for ``positions`` [B, ...] (-1 where not ``valid``), on the positions' device.
+        Old positions past the row's last held one keep their order after it (stride keeps rows apart)."""
+        device = positions.device
+        distinct, first = self.distinct.to(device), self.first.to(device)
+        row_base = torch.arange(positions.shape[0], device=device).view(self._row_shape(positions)) * self.stride
+        old = positions.clamp(min=0).clamp(max=self.stride - 1) + row_base
+        rank = torch.searchsorted(distinct, old.contiguous()) - first[:-1].view(self._row_shape(positions))
+        count, width, newest = (t.to(device) for t in self._widths(positions))
+        rank = rank.clamp(max=(count - 1).clamp(min=0))
+        squeezed = rank * (width - newest) // (count - newest).clamp(min=1)
+        new_positions = torch.where(rank >= count - newest, rank - (count - width), squeezed)
+        return new_positions.masked_fill(~valid, -1)
+
+    def next_position(self) -> torch.Tensor:
+        """[B]: the position each row's next token gets (one past its newest held token)."""
+        count = self.first[1:] - self.first[:-1]
+        return count.clamp(max=self.span)
+

@@ -1,0 +1,118 @@
+"""The tier contract: what a layer's slots hand to a second home for tokens, and what it may add.
+
+A layer (``kv.layer.H2OLayer``) is its slots, its policy's parameters, its kernels and a tier. The
+policy works on the first ``capacity`` slot columns; a tier may own ``columns`` more after them (the
+recall tier's recall slots), which the policy never ranks and never evicts. The layer calls the tier
+at fixed points of a step, always with the layer itself (the tier reads the slots, never writes the
+layer's own fields):
+
+- ``reserve(layer, q_len)``: before the step (from ``H2OCache.position_ids``, host counters only),
+  room for whatever these tokens can evict;
+- ``before_attention(layer, query, new_valid)``: e.g. bring recalled pages into its columns;
+- ``before_insert(layer)``: after the attention, before this step's scores rank anything;
+- ``archive(layer, slot)``: a decode step evicts ``slot`` [B, Hkv] of each (sequence, KV head); called
+  before the slot is overwritten, with exactly the victim the eviction then writes over;
+- ``archive_dropped(layer, candidates, dropped)``: a multi-token step dropped these candidates;
+- ``renumber(layer, renumbering, rotary)``: the layer's tokens moved to new positions.
+
+A tier reports its own device bytes, host bytes and statistics (``record``, ``stats``); nothing
+outside the cache package asks which kind of tier a cache has. ``NO_TIER`` is the tier of a plain
+H2O cache: no columns, nothing archived, every hook a no-op. A new tier is one class with these
+methods and a spec (``TierSpec``) that makes one per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Tier(Protocol):
+    columns: int  # slot columns the tier owns after the policy's
+    archives: bool  # whether evicted tokens must be seen before they are overwritten
+
+    def allocate(self, layer, batch: int, heads: int, head_dim: int, value_dim: int, dtype, device) -> None: ...
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+    def empty_value(self, name: str) -> int: ...
+    def reset(self) -> None: ...
+    def reserve(self, layer, q_len: int) -> None: ...
+    def before_attention(self, layer, query: torch.Tensor, new_valid: torch.Tensor | None) -> None: ...
+    def before_insert(self, layer) -> None: ...
+    def archive(self, layer, slot: torch.Tensor) -> None: ...
+    def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
+    def renumber(self, layer, renumbering, rotary) -> None: ...
+
+
+class TierSpec(Protocol):
+    """What a cache is told about its tier: it makes one ``Tier`` per layer and speaks for them all."""
+
+    columns: int
+    masks_inactive_rows: bool  # whether a decode step may leave rows out (``H2OCache.position_ids``)
+
+    def make(self) -> Tier: ...
+    def check(self, cache) -> None: ...
+    def compile_blocker(self, cache) -> str | None: ...
+    def record(self, cache) -> dict | None: ...
+    def stats(self, cache): ...
+
+
+class NoTier:
+    """The tier of a plain cache: evicted tokens are gone for good."""
+
+    columns = 0
+    archives = False
+
+    def allocate(self, layer, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        pass
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def empty_value(self, name: str) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def reserve(self, layer, q_len: int) -> None:
+        pass
+
+    def before_attention(self, layer, query, new_valid) -> None:
+        pass
+
+    def before_insert(self, layer) -> None:
+        pass
+
+    def archive(self, layer, slot) -> None:
+        pass
+
+    def archive_dropped(self, layer, candidates, dropped) -> None:
+        pass
+
+    def renumber(self, layer, renumbering, rotary) -> None:
+        pass
+
+
+class NoTierSpec:
+    columns = 0
+    masks_inactive_rows = True
+
+    def make(self) -> NoTier:
+        return _NO_TIER_LAYER
+
+    def check(self, cache) -> None:
+        pass
+
+    def compile_blocker(self, cache) -> str | None:
+        return None
+
+    def record(self, cache) -> dict | None:
+        return None
+
+    def stats(self, cache) -> None:
+        return None
+
+
+_NO_TIER_LAYER = NoTier()  # stateless: one serves every layer
+NO_TIER = NoTierSpec()

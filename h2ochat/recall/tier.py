@@ -1,0 +1,226 @@
+"""The recall tier of one layer (``RecallTier``, the ``kv.tier.Tier`` contract) and its spec for a
+whole cache (``RecallSpec``): the layer's R extra slot columns hold recalled pages, evicted tokens go
+to a cold store and its device digest.
+
+A token the policy evicts is archived before its slot is overwritten (``archive``: exactly the
+victim the layer's eviction then writes over; ``archive_dropped``: a chunk's dropped candidates, in
+token order). Before each attention (every prefill chunk, and every ``every``-th decode step) each
+(sequence, KV head) scores its pages with the step's queries (the group's query heads times the
+step's tokens) and the top R / P pages are brought into the recall columns (``RecallFrames``: pages
+already there are not copied again). The attention already attends every slot whose token index is
+>= 0, so hot and recalled tokens share one softmax; the recall columns' scores are cleared before
+each eviction (they rank nothing).
+
+Compact positions: a re-numbering moves the recall columns with the hot ones (the layer's slots);
+the cold store's positions follow with the same function (a cold token takes the number of the first
+held position after it) and the digest is re-encoded from the cold keys at their new positions
+(RoPE), so pages are scored as they will be attended. (Letting cold positions join the distinct set
+instead, for exact distances between cold tokens, changed SmolLM2's perplexity past a 256-position
+limit by 0.1%: 41.42 against 41.47, 40.74 with no re-numbering at all; not worth the extra compaction.)
+
+No host read in the decode step where the cold store shares the model's device (the CPU): no branch
+on its contents, fixed-shape appends (``layout.Writes``), room reserved before the step from host
+counters (``reserve``, called by ``H2OCache.position_ids``); so the compiled decode step takes it
+(the stores' slot dimension is traced as a size, ``layout.growable``, so their growth compiles nothing
+again; --recall-every above 1 stays eager). On a GPU the cold store is pinned host memory (see
+``step``'s docstring and ``cold_store``'s zero-copy route).
+"""
+
+from __future__ import annotations
+
+import torch
+from h2ochat_kernels.reference import row_weights
+
+from .bounds import PageBounds
+from .cold_store import ColdStore
+from .digests import KeyCodes
+from .step import RecallFrames, RecallSlots, fill_recall_slots
+from .tiered import RecallConfig, TierStats
+
+# state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
+_EMPTY_IS_MINUS_ONE = {"cold_token_index", "cold_positions", "cold_encoded", "frames_frame_page"}
+
+
+class RecallTier:
+    """One layer's cold store, digest, recall frames and attention statistics."""
+
+    archives = True
+
+    def __init__(self, config: RecallConfig):
+        self.config = config
+        self.columns = config.slots
+        self.reset()
+
+    # -- the layer's allocation and state -----------------------------------------------------------
+    def allocate(self, layer, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        config = self.config
+        self.cold = ColdStore(batch, heads, head_dim, value_dim, config.page, dtype, cold_dtype=config.cold_dtype,
+                              limit=config.cold_limit, pin=device.type == "cuda", device=device)
+        if config.selector == "quest":
+            self.digest = PageBounds(batch, heads, head_dim, config.page, frames=self.cold.frames, device=device,
+                                     dtype=dtype)
+        else:
+            self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
+                                   device=device, dtype=dtype, rotate=config.rotate, backend=layer.kernels)
+        self.frames = RecallFrames(batch, heads, config.frames, device)
+        hot = layer.capacity  # the recall columns are the layer's last R: views, attended with the hot ones
+        self.slots = RecallSlots(layer.keys[:, :, hot:], layer.values[:, :, hot:], layer.token_index[:, :, hot:],
+                                 layer.positions[:, :, hot:])
+        self.recall_scores = layer.scores[:, :, hot:]
+        self.decode_steps = 0
+        # attention statistics since allocation, per (sequence, KV head), weighted as the scores are
+        # (each real query row's probabilities, summed over the group's query heads)
+        self.recalled_mass = torch.zeros(batch, heads, dtype=torch.float32, device=device)
+        self.attended_mass = torch.zeros(batch, heads, dtype=torch.float32, device=device)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the recall step updates in place (first dimension: the batch row), beside the
+        layer's slots (which hold the recall columns): a compiled step's graph and a parked row take them."""
+        if self.cold is None:
+            return {}
+        state = {"recalled_mass": self.recalled_mass, "attended_mass": self.attended_mass}
+        for prefix, part in (("cold", self.cold), ("digest", self.digest), ("frames", self.frames)):
+            state.update({f"{prefix}_{name}": tensor for name, tensor in part.state_tensors().items()})
+        return state
+
+    def empty_value(self, name: str) -> int:
+        return -1 if name in _EMPTY_IS_MINUS_ONE else 0
+
+    def reset(self) -> None:
+        self.cold = self.digest = self.frames = self.slots = self.recall_scores = None
+        self.recalled_mass = self.attended_mass = None
+
+    def recalled_token_index(self, layer) -> torch.Tensor:
+        """[B, H, R]: the token index each recall slot holds (-1: empty)."""
+        return self.slots.token_index
+
+    # -- the step -------------------------------------------------------------------------------------
+    def reserve(self, layer, q_len: int) -> None:
+        """Room in the cold store and the digest for whatever the next ``q_len`` tokens can evict (an
+        upper bound from host counters: every token fed so far and these), so the step reads nothing back."""
+        needed = layer.tokens_fed_with_padding + q_len
+        self.cold.reserve(needed)
+        self.digest.reserve(needed)
+
+    def before_attention(self, layer, query, new_valid) -> None:
+        batch, q_heads, q_len, head_dim = query.shape
+        group = q_heads // layer.keys.shape[1]
+        if not layer.owner.compiled_step:  # (a compiled step's room is reserved by position_ids)
+            self.reserve(layer, q_len)
+            self.decode_steps += q_len == 1
+        # no branch on the cold store's contents: with no page to recall the plan loads nothing
+        every = self.config.every
+        if q_len > 1 or every == 1 or (self.decode_steps - 1) % every == 0:
+            self.recall(layer, query.reshape(batch, layer.keys.shape[1], group * q_len, head_dim))
+        # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
+        weights = row_weights(new_valid, batch, q_len, layer.rows.decay, query.device)
+        rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
+        self.attended_mass += rows * group
+
+    def recall(self, layer, queries: torch.Tensor) -> None:
+        """The best pages for these queries [B, H, M, D] into the recall columns."""
+        # eager: score only the slots a token can be in (the store grows by doubling: up to half is
+        # empty); a compiled step scores them all (a host count in the graph would compile every step)
+        upto = None if layer.owner.compiled_step else layer.tokens_fed_with_padding
+        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=upto)
+        plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
+        fill_recall_slots(self.slots, self.cold, plan, layer.owner.rotary)
+
+    def before_insert(self, layer) -> None:
+        """The recall columns' scores are this step's attention to recalled tokens: counted, then
+        cleared (what recalled tokens drew ranks nothing)."""
+        self.recalled_mass += self.recall_scores.sum(dim=-1)
+        self.recall_scores.zero_()
+
+    def archive(self, layer, slot: torch.Tensor) -> None:
+        where = (*layer.coordinates, slot)
+        self.to_cold(layer.keys[where].unsqueeze(2), layer.values[where].unsqueeze(2),
+                     layer.token_index[where].unsqueeze(2), layer.positions[where].unsqueeze(2))
+
+    def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
+        # in token order, as a cache fed one token at a time would have evicted them
+        token_index = candidates["token_index"].masked_fill(~dropped, -1)
+        order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
+
+        def take(t):
+            return t.gather(2, order if t.dim() == 3 else order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
+
+        keys, values = candidates["keys"], candidates["values"]
+        self.to_cold(take(keys.to(layer.keys.dtype)), take(values.to(layer.values.dtype)), take(token_index),
+                     take(candidates["positions"]))
+
+    def to_cold(self, keys, values, token_index, positions) -> None:
+        """Evicted tokens [B, H, N, ...] (token index -1: none) into the cold store and the digest."""
+        self.cold.append(keys, values, token_index, positions, reserve=False)
+        self.digest.append(keys, token_index, reserve=False)
+
+    def renumber(self, layer, renumbering, rotary) -> None:
+        self.cold.renumber(renumbering)
+        if rotary is not None:  # the digest scores keys as they will be attended: at their new positions
+            self.digest.rebuild(self.cold.keys_by_slot(rotary))
+
+
+class RecallSpec:
+    """The recall tier of a whole cache: R recall columns per layer, one ``RecallTier`` each."""
+
+    masks_inactive_rows = False  # a step's evictions go to the cold tier: every row takes every step
+
+    def __init__(self, config: RecallConfig, tier_type: type[RecallTier] = RecallTier):
+        self.config, self.tier_type = config, tier_type
+        self.columns = config.slots
+
+    def make(self) -> RecallTier:
+        return self.tier_type(self.config)
+
+    def check(self, cache) -> None:
+        if cache.mixed:
+            raise ValueError("recall serves one policy for every row (not eval's mixed rows)")
+        if cache.grows:
+            raise ValueError("the full policy evicts nothing: recall needs an evicting policy")
+
+    def compile_blocker(self, cache) -> str | None:
+        """The compiled decode step takes recall on a CPU with --recall-every 1 (the step reads no host
+        value: room is reserved before it)."""
+        if self.config.every > 1:
+            return "--recall-every above 1 decides on the host which steps recall"
+        if cache.initialized and cache.layers[0].device.type != "cpu":
+            return "recall on an accelerator runs eagerly: its cold store is host memory (see recall/step.py)"
+        return None
+
+    @staticmethod
+    def _tiers(cache) -> list[RecallTier]:
+        return [layer.tier for layer in cache.layers if layer.is_initialized]
+
+    def stats(self, cache) -> TierStats:
+        """What the cold tier holds and did, summed over layers, rows and KV heads (reads the device)."""
+        tiers = self._tiers(cache)
+        pages = tokens = dropped = 0
+        for tier in tiers:
+            first, end = tier.cold.held()
+            pages += int((end - first).sum())
+            tokens += int(tier.cold.held_tokens().sum())
+            dropped += int(tier.cold.dropped().sum())
+        return TierStats(
+            cold_pages=pages, cold_tokens=tokens, dropped_tokens=dropped, host_bytes=self.cold_bytes(cache),
+            digest_device_bytes=self.digest_bytes(cache),
+            pages_copied=sum(int(tier.frames.copied.sum()) for tier in tiers),
+            recalled_mass=sum(float(tier.recalled_mass.sum()) for tier in tiers),
+            attended_mass=sum(float(tier.attended_mass.sum()) for tier in tiers))
+
+    def cold_bytes(self, cache) -> int:
+        """Host bytes of the cold stores."""
+        return sum(tier.cold.nbytes() for tier in self._tiers(cache))
+
+    def digest_bytes(self, cache) -> int:
+        """Device bytes of the page digests."""
+        return sum(tier.digest.nbytes() for tier in self._tiers(cache))
+
+    def record(self, cache) -> dict:
+        """What the cold tier holds and did, for ``--json`` records: recall slots per layer (part of the
+        device budget), the digests' device bytes, the cold stores' host bytes, pages copied in."""
+        stats = self.stats(cache)
+        config = self.config
+        return {"recall_slots": config.slots, "page": config.page, "selector": config.selector,
+                "every": config.every, "cold_dtype": config.cold_dtype, "cold_limit": config.cold_limit,
+                "digest_device_bytes": stats.digest_device_bytes, "cold_host_bytes": stats.host_bytes,
+                "pages_copied": stats.pages_copied}
