@@ -72,7 +72,10 @@ import torch
 
 from h2ochat import benchmark as bm
 from h2ochat.budget import parse_budget
-from h2ochat.models import build_random, check_memory, config_parameters, pick_dtype, shipped_config
+from h2ochat.model_memory import check_memory, config_parameters
+from h2ochat.model_sources import shipped_config
+from h2ochat.models import pick_dtype
+from h2ochat.random_weights import build_random
 
 SMALL_MODEL = "smollm2-135m"  # the small model of the agreement checks: a Llama with GQA, head_dim 64
 
@@ -158,7 +161,7 @@ DRY = Profile(
     compiled_batches=(), target_point=(64, 2), budget_s=300,  # ~1 min on 2 idle cores; a loaded machine must not skip
     small_layers=2, small_shape=(2, 24, 16, 6), compile_backend="aot_eager",  # inductor's C++ takes minutes here
     serve_args=("--model", "opt-125m", "--random-weights", "--completions", "--device", "cpu", "--dtype", "float32",
-                "--budget", "16", "--full-budget", "64", "--kv-memory", "1MiB", "--chats", "2", "--turns", "2",
+                "--budget", "16", "--full-budget", "64", "--kv-memory", "12MiB", "--chats", "2", "--turns", "2",
                 "--history-chars", "300", "--user-chars", "20", "--reply", "4", "--phases", "load"),
     serve_timeout=200,
     recall_contexts=(48, 64), recall_budget="16", recall_every=(1, 2), recall_budget_s=100,
