@@ -115,16 +115,15 @@ def _sample_group(logits: torch.Tensor, draws: list[_Draw], results: list) -> li
     """The tokens of rows sharing their settings, in one ``generation.sample``; when it raises, row
     by row from the generator states the group started with (a failing row gets its exception)."""
     drawing = draws[0].generator is not None
-    states = [draw.generator.get_state() for draw in draws] if drawing and len(draws) > 1 else None
+    states = [draw.generator.get_state() for draw in draws] if drawing and len(draws) > 1 else []
     try:
         return _sample_together(logits, draws)
     except Exception as exc:  # noqa: BLE001
         if len(draws) == 1:
             results[draws[0].index] = exc
             return []
-    for draw, state in zip(draws, states or [None] * len(draws)):
-        if state is not None:
-            draw.generator.set_state(state)
+    for draw, state in zip(draws, states):  # (rows drawn before the failure drew once already)
+        draw.generator.set_state(state)
     sampled = []
     for draw in draws:
         try:
