@@ -52,11 +52,7 @@ def _pending_layer(module, key, h2o_cache, h2o_layer):
         return h2o_cache.layers[module.layer_idx]
     if h2o_layer is not None:
         return h2o_layer
-    layer = getattr(last_update, "layer", None)
-    last_update.layer = None
-    if layer is not None and layer.pending_key is None:  # already attended: not this step's
-        return None
-    return layer
+    return last_update.take()
 
 
 def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, h2o_cache=None,

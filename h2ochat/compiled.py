@@ -90,14 +90,9 @@ class CompiledDecode:
         """Switch ``cache`` to static shapes for the compiled step; False when it cannot take it."""
         if unsupported(cache) is not None:
             return False
-        cache.static_shapes = True
-        if self.mode == "reduce-overhead" and not cache.static_addresses_marked and cache.initialized:
-            # CUDA graphs replay fixed addresses: the slots are updated in place, never replaced
-            # (every tensor a step writes is in state_tensors: tests/test_kernel_ops.py checks the graph)
-            for layer in cache.layers:
-                for tensor in layer.state_tensors().values():
-                    torch._dynamo.mark_static_address(tensor)
-            cache.static_addresses_marked = True
+        cache.use_static_shapes()
+        if self.mode == "reduce-overhead":  # CUDA graphs replay fixed addresses
+            cache.mark_static_addresses()
         return True
 
     def __call__(self, cache: H2OCache, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:

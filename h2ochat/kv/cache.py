@@ -157,6 +157,24 @@ class H2OCache(Cache):
         self.pending = self.layers[layer_idx]
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
+    def attended(self, layer: H2OLayer) -> None:
+        """``layer``'s parked keys reached the attention: the next ``update`` may park more."""
+        self.pending = None
+
+    def use_static_shapes(self) -> None:
+        """Decode steps from now on attend over all C slots and evict in place (the compiled step's shapes)."""
+        self.static_shapes = True
+
+    def mark_static_addresses(self) -> None:
+        """Mark every tensor a step writes as a fixed address for CUDA graphs (once; the slots are
+        updated in place, never replaced: tests/test_kernel_ops.py checks the graph)."""
+        if self.static_addresses_marked or not self.initialized:
+            return
+        for layer in self.layers:
+            for tensor in layer.state_tensors().values():
+                torch._dynamo.mark_static_address(tensor)
+        self.static_addresses_marked = True
+
     def reset(self) -> None:
         """Empty the cache: every layer's slots are dropped (their memory goes back) and the counters,
         the re-numbering count and any step in progress start over."""
@@ -226,8 +244,9 @@ class H2OCache(Cache):
         # the host counters cover every row: slot columns in use and columns fed take the larger
         for layer, saved in zip(self.layers, state.layers):
             occupied = (saved["token_index"] >= 0).any(dim=0).nonzero()
-            layer.slots_in_use = max(layer.slots_in_use, int(occupied.max()) + 1 if occupied.numel() else 0)
-            layer.tokens_fed_with_padding = max(layer.tokens_fed_with_padding, state.tokens_fed)
+            in_use, fed = layer.host_counters()
+            layer.set_host_counters(max(in_use, int(occupied.max()) + 1 if occupied.numel() else 0),
+                                    max(fed, state.tokens_fed))
         self.largest_next_position = max(self.largest_next_position, int(state.counters["next_position"]))
 
     def reset_row(self, row: int) -> None:
@@ -259,7 +278,7 @@ class H2OCache(Cache):
                 layer.token_index[:, :, :held] = numbers
                 layer.positions[:, :, :held] = numbers
                 layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator, device=device)
-                layer.slots_in_use, layer.tokens_fed_with_padding = held, tokens
+                layer.set_host_counters(held, tokens)
             self.tokens_fed.fill_(tokens)
             self.next_position.fill_(tokens)
         self.largest_next_position = tokens
@@ -310,7 +329,7 @@ class H2OCache(Cache):
     def host_counters(self) -> HostCounters:
         """The host-side counters, to put back with ``restore_host_counters``."""
         return HostCounters(self.largest_next_position, self.compactions,
-                            tuple((layer.slots_in_use, layer.tokens_fed_with_padding) for layer in self.layers))
+                            tuple(layer.host_counters() for layer in self.layers))
 
     def restore_host_counters(self, saved: HostCounters) -> None:
         """Put back the host counters ``saved`` before decode steps that fed no row at all (every row
@@ -319,8 +338,8 @@ class H2OCache(Cache):
         (exact) ``largest_next_position``."""
         if saved.compactions == self.compactions:
             self.largest_next_position = saved.largest_next_position
-        for layer, (slots_in_use, fed) in zip(self.layers, saved.layers):
-            layer.slots_in_use, layer.tokens_fed_with_padding = slots_in_use, fed
+        for layer, counters in zip(self.layers, saved.layers):
+            layer.set_host_counters(*counters)
 
     def step_numbers(self, layer_idx: int, batch: int, q_len: int, new_valid, device) -> StepNumbers:
         """The current step's numbers for layer ``layer_idx``: the ones ``position_ids`` handed out,
@@ -329,7 +348,7 @@ class H2OCache(Cache):
         step = self.step
         if step is None or layer_idx <= step.last_layer or step.token_index.shape != (batch, q_len):
             step = self._begin_step(batch, q_len, new_valid, device)
-        step.last_layer = layer_idx
+        step.taken_by(layer_idx)
         return step
 
     def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device,

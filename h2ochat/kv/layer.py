@@ -26,9 +26,23 @@ from h2ochat_kernels import reference
 from ..policies import SlotBudget
 from .numbering import StepNumbers
 
-# GPT-NeoX calls ``update`` without the keyword arguments it later gives the attention function, so
-# under transformers' own generate() the attention function finds its layer here (the only case).
-last_update = threading.local()
+class LastUpdate(threading.local):
+    """The layer ``update`` last parked keys in, on this thread. GPT-NeoX calls ``update`` without the
+    keyword arguments it later gives the attention function, so under transformers' own generate()
+    the attention function finds its layer here (the only case)."""
+
+    layer: "H2OLayer | None" = None
+
+    def record(self, layer: "H2OLayer") -> None:
+        self.layer = layer
+
+    def take(self) -> "H2OLayer | None":
+        """The layer recorded, once: None when nothing was, or when its keys were attended already."""
+        layer, self.layer = self.layer, None
+        return layer if layer is not None and layer.pending_key is not None else None
+
+
+last_update = LastUpdate()
 
 
 class AttentionMismatchError(RuntimeError):
@@ -111,14 +125,12 @@ class H2OLayer(CacheLayerMixin):
 
     def _choose_eviction(self):
         """The steady-state eviction for this layer's kernels, policy and tier: a tier that archives
-        sees the victim before it is overwritten (``_evict_to_tier``, on every backend); otherwise the
-        torch rules (``reference.evict_and_insert``, what the kernel tests hold Triton to), Triton's
-        one launch from the policy's parameters, or Triton's eviction of a priority computed in torch
-        (per-row policies, rows of different budgets)."""
+        sees the victim before it is overwritten (``_evict_to_tier``, on every backend); a built-in
+        rank goes through ``evict_by_policy`` (one Triton launch on CUDA; on the CPU the reference the
+        kernel is tested against: the same rank, priority and write); a rank of its own (random) or
+        rows of different budgets through a priority computed here (``_evict_by_priority``)."""
         if self.tier.archives:
             return self._evict_to_tier
-        if not self.kernels.triton:
-            return self._evict_by_priority
         if self.owner.fused_eviction_parameters is not None and not self.rows.spare_slots:
             return self._evict_fused
         return self._evict_by_priority
@@ -143,7 +155,7 @@ class H2OLayer(CacheLayerMixin):
         self.pending_key, self.pending_value = key_states, value_states
         if isinstance(kwargs, dict):  # OPT and Llama hand this same dict to the attention function
             kwargs["h2o_layer"] = self
-        last_update.layer = self
+        last_update.record(self)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -180,7 +192,7 @@ class H2OLayer(CacheLayerMixin):
                 "(a forward hook or a copy between them?); the H2O cache would attend the wrong tokens"
             )
         self.pending_key = self.pending_value = None
-        self.owner.pending = None
+        self.owner.attended(self)
 
     def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
         """Attention for Q new tokens, then scoring and eviction. Returns [B, Hkv, G, Q, D]."""
@@ -244,9 +256,22 @@ class H2OLayer(CacheLayerMixin):
         self.slots_in_use = min(self.slots_in_use + 1, self.capacity)
         self.tokens_fed_with_padding += 1
 
+    def host_counters(self) -> tuple[int, int]:
+        """(slot columns in use, columns fed with padding): what ``set_host_counters`` puts back."""
+        return self.slots_in_use, self.tokens_fed_with_padding
+
+    def set_host_counters(self, slots_in_use: int, tokens_fed_with_padding: int) -> None:
+        """The host counters as the cache knows them to be (a restored, imported or synthetic state)."""
+        self.slots_in_use, self.tokens_fed_with_padding = slots_in_use, tokens_fed_with_padding
+
     def priority(self, scores, token_index, newest, value_norm) -> torch.Tensor:
-        """Keep priority [B, Hkv, S] of every slot (higher = keep): each row by its policy."""
-        rank = self.owner.row_policies.rank(scores, token_index, newest, value_norm, self.rows)
+        """Keep priority [B, Hkv, S] of every slot (higher = keep): each row by its policy (a built-in
+        rank every row shares straight from the kernels' reference, as the fused eviction computes it)."""
+        parameters = self.owner.fused_eviction_parameters
+        if parameters is not None:
+            rank = reference.slot_rank(scores, token_index, newest, value_norm, **parameters)
+        else:
+            rank = self.owner.row_policies.rank(scores, token_index, newest, value_norm, self.rows)
         priority = kernels.keep_priority(rank, token_index, newest, self.rows.recent, self.rows.sinks)
         if self.rows.spare_slots:  # a row holding its own budget leaves the spare slots alone
             full = (token_index >= 0).sum(dim=-1, keepdim=True) >= self.rows.slots.view(-1, 1, 1)
@@ -271,12 +296,13 @@ class H2OLayer(CacheLayerMixin):
         self._count_one_eviction(dropped, dropped_score, mass)
 
     def _evict_fused(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
-        """Triton: the policy's rank, the priority, argmin and the overwrite in one launch."""
+        """The policy's rank, the priority, argmin and the overwrite from the policy's parameters: one
+        launch on Triton, ``reference.evict_by_policy`` on the CPU."""
         mass = self.scores.sum(dim=-1)
         dropped, dropped_score = self.kernels.evict_by_policy(
             self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score, token_index,
             position, self.value_norm, value_norm, active, recent=self.rows.recent, sinks=self.rows.sinks,
-            **self.owner.fused_eviction_parameters)
+            coordinates=self.coordinates, **self.owner.fused_eviction_parameters)
         self._count_one_eviction(dropped, dropped_score, mass)
 
     def _evict_to_tier(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:

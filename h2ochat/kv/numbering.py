@@ -30,6 +30,9 @@ class StepNumbers:
     active: torch.Tensor | None = None
     last_layer: int = -1  # the deepest layer that has taken them (a shallower one asking starts a new step)
 
+    def taken_by(self, layer_idx: int) -> None:
+        self.last_layer = layer_idx
+
 
 @dataclass(frozen=True)
 class HostCounters:

@@ -1,0 +1,77 @@
+"""How many project files one decoded token of the chat crosses (issue 23: the route a newcomer follows).
+
+The REPL's second turn is traced with ``sys.setprofile``: every call into a file of h2ochat/ or
+kernels/ between two draws of ``generation.sample`` is one token's route (its decode step, its
+sampling, its text and the status line). The most common route of the steady tokens is counted, so
+a route that grows (a new layer of indirection, a tier hook in its own file) fails here; the README's
+"route of one token" names the same files.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import h2ochat
+import h2ochat_kernels
+
+ROOTS = {Path(h2ochat.__file__).parent: "h2ochat", Path(h2ochat_kernels.__file__).parent: "kernels"}
+# the ceilings today (the issue's targets were 8 and 11: see the README's route section for why not)
+CEILING = {None: 12, "8": 15}
+
+
+def _project_file(filename: str) -> str | None:
+    path = Path(filename)
+    for root, name in ROOTS.items():
+        if path.is_relative_to(root):
+            return f"{name}/{path.relative_to(root)}"
+    return None
+
+
+def token_routes(repl, text: str) -> list[frozenset[str]]:
+    """The project files each token of the reply to ``text`` entered (one set per token)."""
+    routes: list[set[str]] = [set()]
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_name == "sample" and code.co_filename.endswith("generation.py"):
+            routes.append(set())
+        name = _project_file(code.co_filename)
+        if name is not None:
+            routes[-1].add(name)
+
+    sys.setprofile(profile)
+    try:
+        repl.handle(text)
+    finally:
+        sys.setprofile(None)
+    return [frozenset(route) for route in routes[2:-1]]  # the steady tokens: not the prefill, not the end
+
+
+@pytest.mark.parametrize("recall", [None, "8"])
+def test_one_decoded_token_crosses_few_files(tmp_path, recall):
+    from checkpoints import write_checkpoint
+
+    from h2ochat.chat import ChatSettings, Conversation
+    from h2ochat.generation import CacheSettings
+    from h2ochat.models import load
+    from h2ochat.repl import Repl
+    from h2ochat.ui import make_console
+
+    loaded = load(str(write_checkpoint(tmp_path, "llama", max_position_embeddings=256)), device="cpu")
+    cache = CacheSettings(policy="h2o", budget="16", recall=recall, page=4, selector="rot4")
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=24, cache=cache))
+    conv.stop_ids = set()  # every reply runs to max_new_tokens
+    repl = Repl(conv, make_console(file=io.StringIO()), lambda prompt: "", model_name="tiny")
+    repl.handle("the quick brown fox jumps over the lazy dog, twice: the quick brown fox")  # fills and evicts
+    routes = token_routes(repl, "tell me more")
+    route, _ = Counter(routes).most_common(1)[0]
+    assert {"h2ochat/kv/layer.py", "kernels/reference.py", "h2ochat/generation.py"} <= route  # it was traced
+    assert ("h2ochat/recall/tier.py" in route) == (recall is not None)
+    assert len(route) <= CEILING[recall], sorted(route)
