@@ -44,7 +44,7 @@ next step runs. Steps:
    device bytes and cold host bytes. It has its own time allowance (``recall_budget_s``), so a full
    run that spent its time still measures it; ``--steps recall`` runs it alone.
 
-Imports only what it needs (torch, transformers, h2ochat.models, h2ochat.benchmark): the GPU
+Imports only what it needs (torch, transformers, h2ochat's model and benchmark modules): the GPU
 machine has no prompt-toolkit, gguf or matplotlib, and pytest only if installed there.
 """
 
@@ -71,6 +71,7 @@ from pathlib import Path
 import torch
 
 from h2ochat import benchmark as bm
+from h2ochat.bench_measure import sync
 from h2ochat.budget import parse_budget
 from h2ochat.model_memory import check_memory, config_parameters
 from h2ochat.model_sources import shipped_config
@@ -447,10 +448,10 @@ def teacher_forced(model, cache, prompt: torch.Tensor, steps: int, tokens=None, 
     for index in range(steps):
         token = logits[-1].argmax(-1) if tokens is None else tokens[index]
         fed.append(token)
-        bm._sync(device)
+        sync(device)
         started = time.perf_counter()
         out = step_fn(token) if step_fn else forward(model, cache, token[:, None], logits_to_keep=1)[:, -1]
-        bm._sync(device)
+        sync(device)
         step_ms.append((time.perf_counter() - started) * 1000)
         logits.append(out.float())
     return torch.stack(fed), torch.stack(logits), step_ms

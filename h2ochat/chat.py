@@ -1,10 +1,15 @@
-"""A multi-turn conversation on one H2O cache: messages, settings, and feeding only what is new.
+"""A multi-turn conversation on one H2O cache: messages, and feeding only what is new.
 
 The cache keeps what the model has read, so a new user turn must not re-read the dialogue. The
 conversation remembers the text (rendered chat template) its cache has been fed; for a new turn
 it renders the whole conversation again and feeds only the suffix past that text. When the
 rendered history no longer starts with what was fed (system prompt changed, a template that
 rewrites earlier turns), it starts a fresh cache and feeds everything: correct, just slower.
+
+Its settings (``ChatSettings``, ``SETTINGS``, ``check_fits``) live in chat_settings.py, how a reply
+ends and streams (stop ids, the base model's stop mark) in replies.py: other commands use those
+without a conversation. Saving (``to_json``/``load_json``) and Ctrl-C (``ctrl_c_stops``) stay here:
+both reach into the conversation's own state.
 
 This module knows nothing about terminals: the REPL (repl.py) and the renderers (ui.py) sit on top.
 """
@@ -14,180 +19,21 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Callable, Iterator, get_args, get_type_hints
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from .chat_settings import ChatSettings, check_fits
 from .kv import H2OCache
 from .detokenize import CONTEXT_IDS, TextStream, decode_in_context
-from .errors import UserError, user_input
-from .generation import (CacheSettings, Sampling, Timing, decoder, max_positions, prefill, stop_check_interval,
-                         stream)
+from .errors import UserError
+from .generation import Timing, decoder, max_positions, prefill, stop_check_interval, stream
 from .prompting import has_chat_template
+from .replies import STOP_MARK, ReplyText, inference_steps, stop_token_ids
+
 
 FORMAT_VERSION = 1
-
-# tokens that end an assistant turn in common chat templates, besides the tokenizer's eos
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
-
-# extra names `/set` accepts besides each field's own (and its spelling with dashes)
-ALIASES: dict[str, tuple[str, ...]] = {
-    "temperature": ("temp", "t"),
-    "top_p": ("topp",),
-    "top_k": ("topk",),
-    "repetition_penalty": ("repeat_penalty", "repeat-penalty"),
-    "repeat_last_n": ("last_n", "last-n"),
-    "max_new_tokens": ("max_tokens", "max-tokens", "num_predict"),
-    "system": ("system_prompt",),
-}
-NONE_WORDS = ("none", "off", "default", "random", "")
-
-
-@dataclass
-class ChatSettings:
-    """Everything that shapes a reply; saved with the conversation.
-
-    The list of settings is this class's fields and CacheSettings' (see ``SETTINGS``): `/set`,
-    its listing, the conversation file and `run --continue`'s overrides all derive from them, so
-    a new field is wired everywhere or a test says where it is not."""
-
-    system: str | None = None
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None  # the sampling's seed; the cache's (random policy) follows it
-    repetition_penalty: float = 1.0
-    repeat_last_n: int = 64  # the penalty looks at this many recent tokens (0 = the whole text)
-    max_new_tokens: int = 512
-    cache: CacheSettings = field(default_factory=CacheSettings)
-
-    def sampling(self) -> Sampling:
-        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                        repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n)
-
-    def validate(self) -> None:
-        """Refuse bad values (a UserError in one line); the budget against a model's context
-        window is checked by ``check_fits``."""
-        with user_input():
-            self.sampling().validate()
-            if self.max_new_tokens < 1:
-                raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-            self.cache.validate()
-
-    def copy(self) -> "ChatSettings":
-        return replace(self, cache=replace(self.cache))
-
-    def get(self, name: str):
-        return getattr(self.cache if SETTINGS[name].on_cache else self, name)
-
-    def with_value(self, name: str, value: str) -> tuple["ChatSettings", str]:
-        """A copy with one setting changed from text (``/set temperature 0.7``) and the setting's
-        canonical name; self is left as it is. UserError for an unknown name or a bad value."""
-        setting = find_setting(name)
-        try:
-            parsed = setting.parse(value.strip())
-        except ValueError:
-            raise UserError(f"{setting.name} needs {setting.kind} value, got {value.strip()!r}") from None
-        changed = self.copy()
-        setattr(changed.cache if setting.on_cache else changed, setting.name, parsed)
-        if setting.name == "seed":  # one seed: sampling and the random policy
-            changed.cache.seed = parsed
-        changed.validate()
-        return changed, setting.name
-
-    def listing(self) -> list[tuple[str, object]]:
-        """Every setting and its value, in field order (what `/set` alone shows)."""
-        return [(name, self.get(name)) for name in SETTINGS]
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_options(cls, options: dict) -> "ChatSettings":
-        """Settings from a command's options named as the fields (``run``'s: every field is one; the
-        sampling seed is the cache's too). UserError for a bad value."""
-        own = {f.name: options[f.name] for f in fields(cls) if f.name != "cache" and f.name in options}
-        cache = CacheSettings(**{f.name: options[f.name] for f in fields(CacheSettings) if f.name in options})
-        settings = cls(**own, cache=cache)
-        settings.validate()
-        return settings
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ChatSettings":
-        known = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "cache"}
-        names = {f.name for f in fields(CacheSettings)}
-        stored = data.get("cache") if isinstance(data.get("cache"), dict) else {}
-        cache = CacheSettings(**{k: v for k, v in stored.items() if k in names})
-        settings = cls(**known, cache=cache)
-        try:
-            settings.validate()
-        except TypeError as exc:  # a hand-edited file: "temperature": "hot"
-            raise UserError(f"the stored settings do not read: {exc}") from None
-        return settings
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One setting as `/set` and `run --continue` see it."""
-
-    name: str
-    on_cache: bool  # a field of ChatSettings.cache (changing it means a new cache)
-    type: type
-    optional: bool  # None is a value ("default", "off")
-
-    @property
-    def kind(self) -> str:
-        return {int: "an integer", float: "a number"}.get(self.type, "a")
-
-    @property
-    def aliases(self) -> tuple[str, ...]:
-        return (self.name.replace("_", "-"), *ALIASES.get(self.name, ()))
-
-    def parse(self, text: str):
-        if self.optional and text.lower() in NONE_WORDS:
-            return None
-        return self.type(text)
-
-
-def _settings_from_fields() -> dict[str, Setting]:
-    table: dict[str, Setting] = {}
-    for owner, on_cache in ((ChatSettings, False), (CacheSettings, True)):
-        hints = get_type_hints(owner)
-        for f in fields(owner):
-            if f.name == "cache" or f.name in table:  # the cache's seed follows the sampling's
-                continue
-            kinds = [t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
-            table[f.name] = Setting(f.name, on_cache, kinds[0], type(None) in get_args(hints[f.name]))
-    return table
-
-
-SETTINGS: dict[str, Setting] = _settings_from_fields()
-
-
-def find_setting(name: str) -> Setting:
-    key = name.strip().lower()
-    for setting in SETTINGS.values():
-        if key == setting.name or key in setting.aliases:
-            return setting
-    raise UserError(f"cannot set {name!r}; settable: {', '.join(SETTINGS)}")
-
-
-def check_fits(settings: CacheSettings, model) -> None:
-    """The cache settings against this model's real limits (its context window, its depth), before
-    anything is built or dropped: a UserError in one line when they do not fit."""
-    with user_input():
-        settings.validate()
-        slots = settings.slots(model.config)
-        policy = settings.resolved_policy()
-        window = max_positions(model.config)
-        if slots > window and not policy.grows:  # never filled: the positions run out first
-            raise UserError(f"budget {settings.budget} is {slots} slots, more than this model's {window}-position "
-                            f"context window (1.0 is the whole window)")
-        recall = settings.recall_config(slots)  # recall slots (--recall) are not the policy's
-        hot = slots - (recall.slots if recall else 0)
-        policy.split(hot)
-        policy.layer_budgets(hot, model.config.num_hidden_layers)
 
 
 @dataclass
@@ -205,35 +51,6 @@ def evicted_per_head(cache: H2OCache, evicted: int | None = None) -> float:
     rows = sum(layer.evicted.numel() for layer in cache.layers if layer.is_initialized)
     total = cache.evicted_tokens() if evicted is None else evicted
     return total / rows if rows else 0.0
-
-
-def stop_token_ids(tokenizer, model=None) -> set[int]:
-    """Ids that end a reply: eos, the generation config's eos list, end-of-turn markers. The one stopping
-    rule of every command (run, generate, story --stop-at-eos), so a model that closes its turn with
-    <|im_end|> stops everywhere, not only in the chat."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]:
-        if value is not None:
-            ids.add(int(value))
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[name] for name in END_OF_TURN if name in vocab)
-    return ids
-
-
-def inference_steps(steps: Iterator):
-    """Advance a generation stream in inference mode. Each forward already is, but between forwards
-    the cache may re-number positions, rotating its (inference-mode) keys in place, which torch
-    refuses outside inference mode."""
-    while True:
-        with torch.inference_mode():
-            try:
-                item = next(steps)
-            except StopIteration:
-                return
-        yield item
 
 
 class Conversation:
@@ -503,53 +320,6 @@ class Conversation:
                 for m in messages):
             raise UserError("the conversation file has no valid message list")
         return self.reconfigure(ChatSettings.from_json(data.get("settings") or {}), messages)
-
-
-STOP_MARK = "\nUser:"  # where a base model (plain transcript) starts writing the user's next turn
-
-
-class ReplyText:
-    """The reply's text as it streams: pieces go to ``on_piece``, except that with a ``stop_mark``
-    the text that may be its start is held back until it is known not to be, and the mark itself
-    (with what follows) is never shown or kept."""
-
-    def __init__(self, stop_mark: str | None, on_piece: Callable[[str], None] | None):
-        self.stop_mark, self.on_piece = stop_mark, on_piece
-        self.streamed = ""  # all text so far
-        self.shown = 0  # characters of it passed to on_piece
-        self.stopped = False
-
-    @property
-    def text(self) -> str:
-        return self.streamed[: self.shown] if self.stopped else self.streamed
-
-    def _show(self, end: int) -> None:
-        if end > self.shown and self.on_piece is not None:
-            self.on_piece(self.streamed[self.shown : end])
-        self.shown = max(self.shown, end)
-
-    def add(self, piece: str) -> bool:
-        """Take a piece; True when the stop mark has appeared (the reply ends before it)."""
-        if not piece:
-            return False
-        self.streamed += piece
-        if self.stop_mark is None:
-            self._show(len(self.streamed))
-            return False
-        at = self.streamed.find(self.stop_mark, max(0, self.shown - len(self.stop_mark)))
-        if at >= 0:
-            self._show(at)
-            self.stopped = True
-            return True
-        # hold back a tail that could still grow into the mark
-        hold = next((k for k in range(min(len(self.stop_mark) - 1, len(self.streamed)), 0, -1)
-                     if self.stop_mark.startswith(self.streamed[-k:])), 0)
-        self._show(len(self.streamed) - hold)
-        return False
-
-    def finish(self) -> None:
-        if not self.stopped:
-            self._show(len(self.streamed))
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import typer
 
 from .errors import user_input
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
-from .models import DEFAULT_MODEL
+from .model_sources import DEFAULT_MODEL
 from .policies import DEFAULT_POLICY, describe_policies
 from .recall.selector_names import SELECTOR_HELP
 
@@ -96,7 +96,7 @@ def fits_window(settings: CacheSettings):
     policy's split against its depth), from the configuration alone, before the weights load."""
     from types import SimpleNamespace
 
-    from .chat import check_fits
+    from .chat_settings import check_fits
 
     return lambda config: check_fits(settings, SimpleNamespace(config=config))  # it reads model.config only
 

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from .chat import ChatSettings, Conversation
+from .chat import Conversation
+from .chat_settings import ChatSettings
 from .passkey import CacheRow, cache_memory, filler_stretch, recalled
 
 KEY_MESSAGE = "The pass key is {key}. Remember it. {key} is the pass key."

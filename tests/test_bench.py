@@ -12,10 +12,12 @@ from typer.testing import CliRunner
 
 from conftest import build_model, random_ids
 from lockstep import EvictionRecorder, lockstep
+from h2ochat import bench_context, bench_measure, bench_memory, bench_ops
 from h2ochat import benchmark as bm
 from h2ochat.bench_baseline import SlotsOnlyCache
 from h2ochat.cli import app
 from h2ochat.generation import CacheSettings, forward
+from h2ochat.sizes import parse_size
 
 
 
@@ -24,7 +26,7 @@ def test_slots_only_baseline_is_a_sliding_window(family):
     the same as the local policy's C - 1 slots plus the new token."""
     model = build_model(family)
     slots = 7
-    ring = bm.build_cache(model, "slots", slots, context=0, extra=0)
+    ring = bench_context.build_cache(model, "slots", slots, context=0, extra=0)
     assert isinstance(ring, SlotsOnlyCache)
     window = CacheSettings(policy="local", budget=str(slots - 1), positions="absolute").build(model)
     ids = random_ids(2, 30)
@@ -38,7 +40,7 @@ def test_slots_only_baseline_is_a_sliding_window(family):
 def test_synthetic_context_looks_fed(variant):
     model = build_model("llama")
     context, slots, batch = 40, 8, 3
-    cache = bm.build_cache(model, variant, slots, context, extra=5)
+    cache = bench_context.build_cache(model, variant, slots, context, extra=5)
     ids = random_ids(batch, 1)
     forward(model, cache, ids)
     cache.assume_seen(context, torch.Generator().manual_seed(0))
@@ -59,11 +61,11 @@ def test_synthetic_context_looks_fed(variant):
 
 def test_measure_reports_budget_share_and_dynamic_cache():
     model = build_model("neox")
-    memory = bm.PeakMemory(torch.device("cpu"))
+    memory = bench_memory.PeakMemory(torch.device("cpu"))
     per_slot = bm.kv_bytes_per_slot(model)
     common = dict(context=50, batch=2, slots=10, steps=2, warmup=1, memory=memory)
-    h2o = bm.measure(model, "h2o", **common)
-    hf = bm.measure(model, "hf", **common)
+    h2o = bench_measure.measure(model, "h2o", **common)
+    hf = bench_measure.measure(model, "hf", **common)
     assert h2o.kv_bytes == per_slot * 2 * 10
     assert hf.kv_slots == 50 + 3 and hf.kv_bytes == per_slot * 2 * 53
     assert len(h2o.step_ms) == 2 and h2o.decode_tokens_per_s > 0 and h2o.peak_memory_bytes > 0
@@ -78,13 +80,13 @@ def test_ideal_speedup_and_capacity():
 
 
 def test_parse_size_and_lists():
-    assert bm.parse_size("2GiB") == 2 * 2**30
-    assert bm.parse_size("512 MiB") == 512 * 2**20
-    assert bm.parse_size("1.5GB") == 1_500_000_000
-    assert bm.parse_size("1000") == 1000
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("512 MiB") == 512 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("1000") == 1000
     for bad in ("two gigs", "-1GiB", "0"):
         with pytest.raises(ValueError, match="--kv-memory"):
-            bm.parse_size(bad)
+            parse_size(bad)
     assert bm.parse_ints("512, 1024,512", "--context") == [512, 1024]
     with pytest.raises(ValueError, match="--batch"):
         bm.parse_ints("4,x", "--batch")
@@ -157,9 +159,9 @@ def test_compiled_step_equals_eager_after_a_synthetic_context(aot_eager, variant
     tokens = random_ids(2, 6).T.contiguous().unsqueeze(-1)  # [steps, batch, 1]
     caches, steps = [], []
     for compile in (False, True):
-        cache = bm.prepared_cache(model, variant, tokens[0], context=40, slots=8, extra=6, policy="h2o",
+        cache = bench_context.prepared_cache(model, variant, tokens[0], context=40, slots=8, extra=6, policy="h2o",
                                   generator=torch.Generator().manual_seed(0))
-        step, compiled = bm.decode_step(model, cache, compile)
+        step, compiled = bench_context.decode_step(model, cache, compile)
         assert compiled == compile
         caches.append(cache)
         steps.append(lambda ids, step=step: step(ids.view(-1, 1)).reshape(2, -1))
@@ -176,7 +178,7 @@ def test_compiled_step_equals_eager_after_a_synthetic_context(aot_eager, variant
 def test_ops_per_layer_counted_from_the_profiler():
     model = build_model("llama")
     common = dict(context=30, batch=2, slots=8)
-    h2o, slots = bm.profile_ops(model, "h2o", **common), bm.profile_ops(model, "slots", **common)
+    h2o, slots = bench_ops.profile_ops(model, "h2o", **common), bench_ops.profile_ops(model, "slots", **common)
     for entry in (h2o, slots):
         assert entry["layers"] == 2 and not entry["compiled"]
         assert 0 < entry["attention_ops_per_layer"] < entry["step_ops_per_layer"]
@@ -221,7 +223,7 @@ def test_synthetic_cold_fill_holds_every_token_the_hot_slots_do_not(family, seed
     generator = torch.Generator().manual_seed(seed)
     batch, slots, context = 2, 16, int(torch.randint(30, 50, (), generator=generator))
     settings = recall_settings(selector=selector)
-    cache = bm.prepared_cache(model, bm.RECALL, random_ids(batch, 1, generator), context=context, slots=slots,
+    cache = bench_context.prepared_cache(model, bench_context.RECALL, random_ids(batch, 1, generator), context=context, slots=slots,
                               extra=3, policy="h2o", generator=generator, recall=settings)
     hot = 16 - 8
     for layer in cache.layers:
@@ -254,10 +256,10 @@ def test_recall_step_time_is_the_median_block_mean():
     """With --recall-every k a step costs its share of one recall: the median over blocks of k steps
     of their mean, not the median step (which would miss the recall)."""
     steps = [10.0, 1.0, 1.0, 1.0] * 3 + [30.0, 1.0, 1.0, 1.0]
-    timed = bm.Measurement("recall", 100, 1, 16, 0, steps, block=4, step_cpu_ms=[2 * ms for ms in steps])
+    timed = bench_measure.Measurement("recall", 100, 1, 16, 0, steps, block=4, step_cpu_ms=[2 * ms for ms in steps])
     assert timed.median_ms == pytest.approx(13 / 4) and timed.cpu_ms == pytest.approx(13 / 2)
     assert dataclasses.replace(timed, block=1).median_ms == 1.0
-    assert bm.Measurement("h2o", 100, 1, 16, 0, steps).cpu_ms is None  # not timed on the CPU
+    assert bench_measure.Measurement("h2o", 100, 1, 16, 0, steps).cpu_ms is None  # not timed on the CPU
     assert bm.BenchPlan([100], [1], lambda n: 16, steps=5, recall=recall_settings(every=4)).steps == 8
 
 
@@ -336,4 +338,4 @@ def test_bench_command_recall_compiled(tiny_checkpoint, aot_eager):
         ("h2o", False), ("recall", False), ("h2o", True), ("recall", True)}
     assert [c["compiled"] for c in report["recall_overhead"]] == [False, True]
     assert not bm.BenchPlan([40], [1], lambda n: 16, compile=True, recall=recall_settings(every=2)).compilable().count(
-        bm.RECALL)  # a recall every k steps decides on the host: eager only
+        bench_context.RECALL)  # a recall every k steps decides on the host: eager only

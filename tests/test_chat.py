@@ -7,7 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from h2ochat import chat as chat_module
-from h2ochat.chat import ChatSettings, Conversation, stop_token_ids
+from h2ochat.chat import Conversation
+from h2ochat.chat_settings import ChatSettings
+from h2ochat.replies import stop_token_ids
 from h2ochat.errors import UserError
 from h2ochat.generation import CacheSettings
 from h2ochat.models import load

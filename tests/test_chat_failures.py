@@ -9,7 +9,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat.chat import ChatSettings, Conversation
+from h2ochat.chat import Conversation
+from h2ochat.chat_settings import ChatSettings
 from h2ochat.cli import app
 from h2ochat.generation import CacheSettings
 from h2ochat.history import ConversationLog

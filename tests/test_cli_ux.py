@@ -35,7 +35,7 @@ def test_models_lists_aliases_plainly_when_piped():
 
 
 def test_models_json_has_every_alias():
-    from h2ochat.models import ALIASES
+    from h2ochat.model_sources import ALIASES
 
     rows = json.loads(runner.invoke(app, ["models", "--json"]).output)
     assert {row["alias"] for row in rows} == set(ALIASES)

@@ -302,7 +302,8 @@ def _counts(out: str):
 def test_chat_takes_compile(tiny_checkpoint):
     """run --compile: a Conversation decoding through the compiled step, over two turns on the same
     cache (the compiled path taken, the conversation and its cache in step)."""
-    from h2ochat.chat import ChatSettings, Conversation
+    from h2ochat.chat import Conversation
+    from h2ochat.chat_settings import ChatSettings
     from h2ochat.models import load
 
     loaded = load(str(tiny_checkpoint), "cpu", "float32")

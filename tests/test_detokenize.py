@@ -9,10 +9,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from h2ochat.chat import ChatSettings, Conversation
+from h2ochat.chat import Conversation
+from h2ochat.chat_settings import ChatSettings
 from h2ochat.detokenize import TextStream, decode_in_context
 from h2ochat.generation import CacheSettings
-from h2ochat.models import ByteTokenizer
+from h2ochat.random_weights import ByteTokenizer
 
 from conftest import build_model
 from seeds import fresh, seed  # noqa: F401  (fixture)
@@ -127,7 +128,7 @@ def test_the_first_ctrl_c_during_a_long_prompt_stops_it_between_chunks(tmp_path,
     (["a", "\n", "Use"], "a\nUse", False),  # the end of the reply: what was held back is shown
 ])
 def test_reply_text_holds_back_what_may_be_the_stop_mark(pieces, shown, stopped):
-    from h2ochat.chat import STOP_MARK, ReplyText
+    from h2ochat.replies import STOP_MARK, ReplyText
 
     seen = []
     reply = ReplyText(STOP_MARK, seen.append)

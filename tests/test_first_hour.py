@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat import models
+from h2ochat import gguf_conversion, models
 from h2ochat.cli import app
 
 runner = CliRunner()
@@ -268,9 +268,9 @@ def test_an_interrupted_conversion_leaves_no_partial_folder(tmp_path, interrupt)
     target.parent.mkdir()
     if isinstance(interrupt, KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C still stops the program ...
-            models._keep_converted(_SavingModel(interrupt), None, target)
+            gguf_conversion.keep_converted(_SavingModel(interrupt), None, target)
     else:  # ... a failed save only costs speed next time
-        models._keep_converted(_SavingModel(interrupt), None, target)
+        gguf_conversion.keep_converted(_SavingModel(interrupt), None, target)
     assert list(target.parent.iterdir()) == []
 
 
@@ -283,11 +283,11 @@ def test_stale_partial_folders_go_a_live_conversion_stays(tmp_path):
     for folder in (stale, live, done):
         folder.mkdir()
         (folder / "config.json").write_text("{}")
-    assert models.remove_stale_partials(tmp_path) == [stale]
+    assert gguf_conversion.remove_stale_partials(tmp_path) == [stale]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, done.name])
-    old = os.path.getmtime(live) - 2 * models.STALE_PARTIAL_S  # a day old: a reused pid does not keep it
+    old = os.path.getmtime(live) - 2 * gguf_conversion.STALE_PARTIAL_S  # a day old: a reused pid does not keep it
     os.utime(live, (old, old))
-    assert models.remove_stale_partials(tmp_path) == [live]
+    assert gguf_conversion.remove_stale_partials(tmp_path) == [live]
 
 
 # -- issue 23: one share/size reader, one selector list ----------------------------------------------

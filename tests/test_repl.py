@@ -10,7 +10,8 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from h2ochat.chat import ChatSettings, Conversation
+from h2ochat.chat import Conversation
+from h2ochat.chat_settings import ChatSettings
 from h2ochat.generation import CacheSettings
 from h2ochat.history import ConversationLog
 from h2ochat.models import load

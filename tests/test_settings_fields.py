@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from h2ochat import history
-from h2ochat.chat import SETTINGS, ChatSettings, Conversation
+from h2ochat.chat import Conversation
+from h2ochat.chat_settings import SETTINGS, ChatSettings
 from h2ochat.cli import app
 from h2ochat.commands.run import run
 from h2ochat.generation import CacheSettings

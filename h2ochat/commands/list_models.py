@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .. import options as o
 from ..errors import user_errors
-from ..models import ALIASES, DEFAULT_MODEL, bundled_smollm2_gguf, shipped_config_path
+from ..model_sources import ALIASES, DEFAULT_MODEL, bundled_smollm2_gguf, shipped_config_path
 from ..ui import make_console
 
 

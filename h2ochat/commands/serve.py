@@ -9,7 +9,7 @@ import typer
 from .. import options as o
 from ..sizes import parse_size
 from ..errors import UserError, strict_user_errors
-from ..models import resolve
+from ..model_sources import resolve
 from .common import RepeatLastN
 
 SERVER = "Server"
