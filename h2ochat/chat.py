@@ -116,6 +116,12 @@ class Conversation:
         Returns the number of tokens re-fed."""
         return self.reconfigure(self.settings)
 
+    def use_settings(self, settings: ChatSettings) -> None:
+        """Go on with ``settings`` that need no new cache (sampling, the system prompt, reply length;
+        a new seed, which a cache draws from only when it is built): the conversation and its cache
+        stay. Settings that shape the cache go through ``reconfigure``."""
+        self.settings = settings
+
     def reconfigure(self, settings: ChatSettings, messages: list[dict] | None = None) -> int:
         """Go on with ``settings`` (and ``messages``, when given): a new cache fed the whole
         conversation. All or nothing: the settings are checked against the model, and the new

@@ -87,17 +87,15 @@ class CacheSettings:
             return lambda config: max_positions(config)
         return lambda config: self.slots(config) + prefill_chunk
 
-    def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False,
-              recall_tier=None) -> H2OCache:
-        """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation;
-        ``recall_tier``: a ``RecallTier`` subclass for every layer (one that measures more)."""
+    def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False) -> H2OCache:
+        """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
         config = model.config
         slots = self.slots(config)
         policy = self.resolved_policy()
         if policy.grows and initial_slots:
             slots = initial_slots
         recall = self.recall_config(slots) if not policy.grows else None
-        return make_cache(config.num_hidden_layers, policy, slots, recall=recall, recall_tier=recall_tier,
+        return make_cache(config.num_hidden_layers, policy, slots, recall=recall,
                           max_positions=max_positions(config), positions=self.positions, rotary=find_rotary(model),
                           seed=self.seed, static_shapes=static_shapes)
 

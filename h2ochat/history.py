@@ -180,6 +180,10 @@ class ConversationLog:
         self.lock_timeout = lock_timeout
         self._written: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) of our last write
 
+    def for_model(self, model: str) -> None:
+        """The model the conversation goes on with (a resumed one may change it)."""
+        self.model = model
+
     @classmethod
     def resume(cls, path: Path, model: str) -> tuple["ConversationLog", dict]:
         log = cls(model, path.parent, path.stem)

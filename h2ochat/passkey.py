@@ -24,7 +24,7 @@ import torch
 
 from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
 from .recall.digests import KeyCodes
-from .recall.tier import RecallTier
+from .recall.tier import RecallSpec, RecallTier
 
 KEY_SENTENCE = " The {which}pass key is {key}. Remember it. {key} is the {which}pass key."
 QUESTION = "\nWhat is the {which}pass key? The {which}pass key is"
@@ -164,15 +164,16 @@ class CacheRow:
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: questions token by token (each token recalls for itself)
     measure: bool = False
 
-    def recall_tier(self) -> type[RecallTier] | None:
-        """The recall tier that measures the row's selector where the row asks (the exact selector
-        finds its own pages: nothing to measure)."""
-        measured = self.measure and self.settings.recall and self.settings.selector != "exact"
-        return ExactShareTier if measured else None
+    def instrument(self, cache):
+        """A fresh cache of this row's, set to measure its selector where the row asks (the exact
+        selector finds its own pages: nothing to measure): its recall tier becomes ``ExactShareTier``."""
+        if self.measure and self.settings.recall and self.settings.selector != "exact":
+            cache.use_tier(RecallSpec(cache.tier.config, ExactShareTier))
+        return cache
 
     def runner(self, model, trial: Trial) -> Runner:
         initial = trial.context.shape[1] + trial.question.shape[1] + ANSWER_TOKENS
-        cache = self.settings.build(model, initial_slots=initial, recall_tier=self.recall_tier())
+        cache = self.instrument(self.settings.build(model, initial_slots=initial))
         row = self
 
         class _Run:

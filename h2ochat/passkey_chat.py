@@ -78,7 +78,7 @@ def run_chat(model, tokenizer, row: CacheRow, trial: ChatTrial) -> dict:
     first_cache = row.instrument(conversation.cache)  # nothing fed yet
     started = time.perf_counter()
     replies = [conversation.send(message).text for message in trial.messages[:-1]]
-    conversation.settings = replace(settings, max_new_tokens=ANSWER_TOKENS)
+    conversation.use_settings(replace(settings, max_new_tokens=ANSWER_TOKENS))
     answer = conversation.send(trial.messages[-1]).text
     record = {"row": row.label, "length": trial.length, "depth": 0.0, "turns": trial.turns, "window": trial.window,
               "key": trial.key, "answer": answer, "recalled": recalled(trial.key, answer),

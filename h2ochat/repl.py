@@ -16,11 +16,12 @@ from rich.text import Text
 
 from . import ui
 from .kv import PositionLimitError
-from .chat import SETTINGS, Conversation, ctrl_c_stops
+from .chat import Conversation, ctrl_c_stops
+from .chat_settings import SETTINGS
 from .errors import UserError, debugging, one_line
 from .options import check_recall
 from .history import ConversationLog, home, read_conversation, write_atomic
-from .models import ModelError
+from .model_sources import ModelError
 from .policies import POLICIES, describe_policies
 from .split import describe_slots, planned_split
 
@@ -117,6 +118,10 @@ class Repl:
             "/budget": self.cmd_budget, "/policy": self.cmd_policy, "/cache": self.cmd_cache, "/hh": self.cmd_hh,
             "/stats": self.cmd_stats, "/save": self.cmd_save, "/load": self.cmd_load,
         }
+
+    def use_reader(self, read_line: Callable[[str], str]) -> None:
+        """Where the lines come from (a prompt-toolkit session that shows this REPL's toolbar, or stdin)."""
+        self.read_line = read_line
 
     # -- output helpers ---------------------------------------------------------------------------
     def say(self, message: str, style: str = "dim") -> None:
@@ -272,7 +277,7 @@ class Repl:
             self.say(f"{canonical} {shown}: new cache of {describe_slots(planned_split(conv.cache))}"
                      + (f"; re-fed the conversation ({tokens} tokens)" if tokens else ""))
         else:
-            conv.settings = settings
+            conv.use_settings(settings)
             self.say(f"{canonical} = {shown!r}")
             if canonical == "system" and conv.messages:
                 self.say("the conversation will be read again with it at the next turn")

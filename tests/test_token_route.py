@@ -20,8 +20,9 @@ import h2ochat
 import h2ochat_kernels
 
 ROOTS = {Path(h2ochat.__file__).parent: "h2ochat", Path(h2ochat_kernels.__file__).parent: "kernels"}
-# the ceilings today (the targets were 8 and 11: see the README's route section for why not)
-CEILING = {None: 12, "8": 15}
+# the ceilings today, the status line's redraw included (the targets were 8 and 11: see the
+# README's route section for what the route still crosses)
+CEILING = {None: 13, "8": 19}
 
 
 def _project_file(filename: str) -> str | None:

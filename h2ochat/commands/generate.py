@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -54,12 +55,12 @@ def generate(
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)  # a bad prompt or option fails here, before the model loads
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, **recall_options)
-    sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
-    sampling.repeat_last_n = repeat_last_n
+    sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
     with user_input():
         sampling.validate()
     from .. import models, threads
-    from ..chat import check_fits, stop_token_ids
+    from ..chat_settings import check_fits
+    from ..replies import stop_token_ids
     from ..detokenize import TextStream
     from ..generation import Timing, stop_check_interval, stream
     from ..prompting import encode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -24,7 +25,7 @@ def given(ctx: typer.Context, name: str) -> bool:
 def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> ChatSettings:
     """The stored conversation's settings, with the options given on this command line on top (every
     setting is a run() option of the same name: tests/test_settings_fields.py holds them to it)."""
-    from ..chat import SETTINGS, ChatSettings
+    from ..chat_settings import SETTINGS, ChatSettings
 
     settings = ChatSettings.from_json(stored)
     for name, setting in SETTINGS.items():
@@ -32,7 +33,7 @@ def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> C
             source, target = (typed.cache, settings.cache) if setting.on_cache else (typed, settings)
             setattr(target, name, getattr(source, name))
     if given(ctx, "seed"):  # the cache's seed follows the sampling's
-        settings.cache.seed = typed.cache.seed
+        settings = replace(settings, cache=replace(settings.cache, seed=typed.cache.seed))
     settings.validate()
     o.check_recall(settings.cache)
     return settings
@@ -81,7 +82,8 @@ def run(
     import h2ochat_prompts
 
     from .. import history
-    from ..chat import ChatSettings, Conversation
+    from ..chat import Conversation
+    from ..chat_settings import ChatSettings
     from ..models import load
     from ..repl import PromptReader, Repl, StreamReader, history_path
     from ..ui import make_console
@@ -101,7 +103,8 @@ def run(
         log, data = history.ConversationLog.resume(history.find(conversation_id), model)
         settings = resumed_settings(ctx, data.get("settings") or {}, settings)
         if data.get("model") and not given(ctx, "model"):
-            model = log.model = str(data["model"])
+            model = str(data["model"])
+            log.for_model(model)
         messages = data["messages"]
     console, err = make_console(), make_console(stderr=True)
     with loading(err, model):
@@ -112,7 +115,7 @@ def run(
     elif log is None:
         log = history.ConversationLog(model_reference(model))
     else:
-        log.model = model_reference(model)
+        log.for_model(model_reference(model))
     interactive = sys.stdin.isatty()
     if interactive:
         from ..split import describe_slots, planned_split
@@ -121,15 +124,14 @@ def run(
                       f"{describe_slots(planned_split(conversation.cache))} of a "
                       f"{conversation.max_positions}-token context · [dim]/help for commands, /bye to leave[/]")
     if messages:
-        conversation.messages = [dict(m) for m in messages]
-        fed = conversation.rebuild()
+        fed = conversation.reconfigure(conversation.settings, messages)
         last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         console.print(f"resumed conversation {log.id if log else conversation_id} · "
                       f"{sum(m['role'] == 'user' for m in messages)} turns · re-read {fed} tokens · last message: "
                       f"{last.strip().splitlines()[0][:60] if last.strip() else '(none)'}", style="dim", markup=False,
                       highlight=False)
     repl = Repl(conversation, console, read_line=lambda prompt: "", model_name=loaded.name, log=log)
-    repl.read_line = PromptReader(repl.toolbar, history_path()) if interactive else StreamReader(sys.stdin)
+    repl.use_reader(PromptReader(repl.toolbar, history_path()) if interactive else StreamReader(sys.stdin))
     code = repl.run()
     if repl.log is not None and repl.log.path.exists():
         err.print(f"conversation kept as {repl.log.id} (h2ochat run --conversation {repl.log.id})", style="dim",

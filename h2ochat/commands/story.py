@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ from rich.text import Text
 import h2ochat_prompts
 
 from .. import options as o
-from ..chat import check_fits, inference_steps, stop_token_ids
+from ..chat_settings import check_fits
+from ..replies import inference_steps, stop_token_ids
 from ..detokenize import TextStream
 from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
 from ..generation import Sampling, Timing, prefill, stop_check_interval, stream
@@ -260,8 +262,7 @@ def story(
     if not opening.strip():
         raise UserError("the story opening is empty")
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, **recall_options)
-    sampling = o.sampling(temperature, top_p, top_k, seed, repetition_penalty)
-    sampling.repeat_last_n = repeat_last_n
+    sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
     with user_input():
         sampling.validate()
     err = make_console(stderr=True)

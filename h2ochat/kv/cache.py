@@ -26,13 +26,14 @@ from transformers.cache_utils import Cache
 
 from ..policies import Policy, SlotBudget, get_policy
 from ..rotary import Rotary, rotate_keys
-from .layer import AttentionMismatchError, H2OLayer, LayerStats
+from .accounting import CacheAccounting
+from .layer import AttentionMismatchError, H2OLayer
 from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
 from .rows import CacheShapeError, RowPolicies, RowSpec, RowState
 from .tier import NO_TIER, TierSpec
 
 
-class H2OCache(Cache):
+class H2OCache(CacheAccounting, Cache):
     """Fixed-budget KV cache for a whole model; pass it to ``model(...)`` or ``generate(cache=...)``.
 
     ``slots`` is the budget per layer (the policy may shape it by depth, keeping the total).
@@ -112,6 +113,7 @@ class H2OCache(Cache):
         self.compactions = 0  # re-numberings so far
         self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
         self.step: StepNumbers | None = None  # the current step's token indices and positions
+        self.step_layer = -1  # the deepest layer that has taken the current step's numbers
         # True inside ``compiled_decode()``: see there which fields it leaves stale
         self.compiled_step = False
         # the slots are marked as fixed addresses for CUDA graphs (h2ochat.compiled); new slots are not
@@ -156,6 +158,15 @@ class H2OCache(Cache):
             )
         self.pending = self.layers[layer_idx]
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def use_tier(self, tier: TierSpec) -> None:
+        """Give an empty cache another tier (one that measures more, say), before anything is fed."""
+        if self.initialized:
+            raise ValueError("a cache's tier is chosen before anything is fed")
+        tier.check(self)
+        self.tier = tier
+        for layer in self.layers:
+            layer.use_tier(tier.make())
 
     def attended(self, layer: H2OLayer) -> None:
         """``layer``'s parked keys reached the attention: the next ``update`` may park more."""
@@ -346,9 +357,9 @@ class H2OCache(Cache):
         or, for a step nobody asked positions for (transformers' ``generate()`` passes its own
         position ids, a test driving layers by hand), the same numbers made once for all layers."""
         step = self.step
-        if step is None or layer_idx <= step.last_layer or step.token_index.shape != (batch, q_len):
+        if step is None or layer_idx <= self.step_layer or step.token_index.shape != (batch, q_len):
             step = self._begin_step(batch, q_len, new_valid, device)
-        step.taken_by(layer_idx)
+        self.step_layer = layer_idx  # the deepest layer that has taken them (a shallower one asking starts anew)
         return step
 
     def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device,
@@ -386,6 +397,7 @@ class H2OCache(Cache):
                 # a step with padding is a prompt chunk, not the decode step: one read-back is fine here
                 self.largest_next_position = int(self.next_position.max())
         self.step = StepNumbers(token_index, positions, position_ids, active)
+        self.step_layer = -1
         return self.step
 
     def _make_room(self, q_len: int) -> None:
@@ -439,68 +451,3 @@ class H2OCache(Cache):
         """New tokens that fit before the next re-numbering (prefill caps its chunks to this only
         when a re-numbering is due)."""
         return self.max_positions - self.largest_next_position
-
-    # -- accounting ------------------------------------------------------------------------------
-    def kv_bytes(self) -> int:
-        """Bytes of key and value slots actually allocated."""
-        return sum(
-            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-            for layer in self.layers
-            if layer.is_initialized
-        )
-
-    def bookkeeping_bytes(self) -> int:
-        """Bytes of scores, token indices, positions (and value norms) beside the slots."""
-        total = 0
-        for layer in self.layers:
-            if layer.is_initialized:
-                extra = (layer.scores, layer.token_index, layer.positions, layer.value_norm)
-                total += sum(t.numel() * t.element_size() for t in extra if t is not None)
-        return total
-
-    def full_kv_bytes(self) -> int:
-        """Bytes a cache without eviction would hold for the tokens seen so far."""
-        total = 0
-        for layer in self.layers:
-            if layer.is_initialized:
-                batch, heads, _, head_dim = layer.keys.shape
-                per_token = heads * (head_dim + layer.values.shape[-1]) * layer.keys.element_size()
-                total += batch * layer.tokens_fed_with_padding * per_token
-        return total
-
-    def longest_row_tokens(self) -> int:
-        """Real tokens fed so far to the row that has had the most."""
-        return int(self.tokens_fed.max().item()) if self.tokens_fed is not None else 0
-
-    def evicted_tokens(self) -> int:
-        """Tokens dropped, summed over layers, sequences and KV heads."""
-        return sum(int(layer.evicted.sum().item()) for layer in self.layers if layer.is_initialized)
-
-    def device_slots(self) -> int:
-        """Slot columns per (layer, sequence, KV head) of the first layer: the policy's and the tier's."""
-        return self.layers[0].capacity + self.tier.columns
-
-    def tier_stats(self):
-        """The tier's figures (``recall.tiered.TierStats``; None: no tier). Reads the device."""
-        return self.tier.stats(self)
-
-    def tier_record(self) -> dict | None:
-        """What the tier holds and did, for ``--json`` records and the views (None: no tier)."""
-        return self.tier.record(self)
-
-    def layer_stats(self) -> list[LayerStats]:
-        return [layer.stats() for layer in self.layers]
-
-    def cached_token_share(self, sequence: int = 0) -> torch.Tensor:
-        """For each token index of ``sequence`` seen so far, the share of (layer, head) slots that
-        still hold it [tokens_seen] (1.0: kept everywhere, 0.0: evicted everywhere)."""
-        seen = int(self.tokens_fed[sequence].item()) if self.tokens_fed is not None else 0
-        counts = torch.zeros(seen + 1, dtype=torch.float32)
-        total = 0
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            tokens = layer.token_index[sequence].flatten().cpu()
-            counts += torch.bincount(tokens[tokens >= 0], minlength=seen + 1)[: seen + 1].float()
-            total += layer.token_index.shape[1]
-        return counts[:seen] / max(total, 1)

@@ -13,15 +13,13 @@ def policy_slots(device_slots: int, recall=None) -> int:
     return device_slots - (recall.slots if recall is not None else 0)
 
 
-def make_cache(num_layers: int, policy, device_slots: int, *, recall=None, recall_tier=None, **kwargs) -> H2OCache:
+def make_cache(num_layers: int, policy, device_slots: int, *, recall=None, **kwargs) -> H2OCache:
     """A cache of ``device_slots`` slot columns per layer (the policy may shape them by depth):
     ``recall`` (a ``recall.tiered.RecallConfig``, or None) takes R of them for recalled pages and
-    keeps what the policy evicts in a cold tier (``recall_tier``: a ``RecallTier`` subclass for every
-    layer, e.g. one that measures more). ``kwargs`` go to ``H2OCache`` (max_positions, positions,
-    rotary, seed, static_shapes, rows)."""
+    keeps what the policy evicts in a cold tier. ``kwargs`` go to ``H2OCache`` (max_positions,
+    positions, rotary, seed, static_shapes, rows)."""
     if recall is None:
         return H2OCache(num_layers, policy, device_slots, **kwargs)
     from ..recall.tier import RecallSpec  # (recall builds on kv: the tier is named only when asked for)
 
-    spec = RecallSpec(recall, recall_tier) if recall_tier is not None else RecallSpec(recall)
-    return H2OCache(num_layers, policy, policy_slots(device_slots, recall), tier=spec, **kwargs)
+    return H2OCache(num_layers, policy, policy_slots(device_slots, recall), tier=RecallSpec(recall), **kwargs)

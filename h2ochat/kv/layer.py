@@ -118,6 +118,12 @@ class H2OLayer(CacheLayerMixin):
         self.tier.allocate(self, batch, heads, head_dim, value_dim, dtype, self.device)
         self.is_initialized = True
 
+    def use_tier(self, tier) -> None:
+        """This layer's tier, before its slots are allocated (``H2OCache.use_tier``)."""
+        if self.is_initialized:
+            raise ValueError("a layer's tier is chosen before its slots are allocated")
+        self.tier = tier
+
     @property
     def columns(self) -> int:
         """Slot columns allocated per (sequence, KV head): the policy's and the tier's."""

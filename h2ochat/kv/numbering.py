@@ -28,10 +28,6 @@ class StepNumbers:
     # [B] bool for a decode step some rows sit out (None: every row takes part): a row left out writes
     # nothing anywhere and its counters stand still; its token index and position are -1
     active: torch.Tensor | None = None
-    last_layer: int = -1  # the deepest layer that has taken them (a shallower one asking starts a new step)
-
-    def taken_by(self, layer_idx: int) -> None:
-        self.last_layer = layer_idx
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ state as moved between caches (``RowState``: what a server parks, or a prefill c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -58,12 +58,10 @@ class RowParameters:
     decay: float | torch.Tensor
     slots: torch.Tensor | None  # each row's own slots, when some row has fewer than the layer holds
     smallest_slots: int
+    spare_slots: bool = field(init=False)  # some row has fewer slots than the layer holds (read every step)
 
-    @property
-    def spare_slots(self) -> bool:
-        return self.slots is not None
-
-
+    def __post_init__(self):
+        self.spare_slots = self.slots is not None
 
 
 class RowPolicies:
