@@ -138,6 +138,19 @@ def decoder(model, compile: bool = False) -> Decode:
     return CompiledDecode(model) if compile else EagerDecode(model)
 
 
+def inference_steps(steps: Iterator):
+    """Advance a generation stream in inference mode. Each forward already is, but between forwards
+    the cache may re-number positions, rotating its (inference-mode) keys in place, which torch
+    refuses outside inference mode."""
+    while True:
+        with torch.inference_mode():
+            try:
+                item = next(steps)
+            except StopIteration:
+                return
+        yield item
+
+
 def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             chunk: int = DEFAULT_PREFILL_CHUNK, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V].

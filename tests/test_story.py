@@ -50,7 +50,7 @@ def story(checkpoint, *args, env=None):
 
 def reference_tokens(loaded, text: str, tokens: int, seed: int, **sampling) -> list[int]:
     """The library's continuation of ``text`` with the story command's default sampling."""
-    from h2ochat.replies import inference_steps
+    from h2ochat.generation import inference_steps
     from h2ochat.generation import stream
 
     settings = dict(temperature=0.8, top_p=0.95, seed=seed, repetition_penalty=1.1, repeat_last_n=64)

@@ -2,16 +2,15 @@
 
 The REPL's second turn is traced with ``sys.setprofile``: every call into a file of h2ochat/ or
 kernels/ between two draws of ``generation.sample`` is one token's route (its decode step, its
-sampling, its text and the status line). The most common route of the steady tokens is counted, so
-a route that grows (a new layer of indirection, a tier hook in its own file) fails here; the README's
-"route of one token" names the same files.
+sampling, its text and the status line when it is redrawn). The longest route of the steady tokens is
+counted, so a route that grows (a new layer of indirection, a tier hook in its own file) fails here;
+the README's "route of one token" names the same files.
 """
 
 from __future__ import annotations
 
 import io
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import h2ochat_kernels
 ROOTS = {Path(h2ochat.__file__).parent: "h2ochat", Path(h2ochat_kernels.__file__).parent: "kernels"}
 # the ceilings today, the status line's redraw included (the issue's targets were 8 and 11: see the
 # README's route section for what the route still crosses)
-CEILING = {None: 13, "8": 19}
+CEILING = {None: 11, "8": 18}
 
 
 def _project_file(filename: str) -> str | None:
@@ -72,7 +71,8 @@ def test_one_decoded_token_crosses_few_files(tmp_path, recall):
     repl = Repl(conv, make_console(file=io.StringIO()), lambda prompt: "", model_name="tiny")
     repl.handle("the quick brown fox jumps over the lazy dog, twice: the quick brown fox")  # fills and evicts
     routes = token_routes(repl, "tell me more")
-    route, _ = Counter(routes).most_common(1)[0]
+    assert len(routes) > 10
+    route = max(routes, key=len)
     assert {"h2ochat/kv/layer.py", "kernels/reference.py", "h2ochat/generation.py"} <= route  # it was traced
     assert ("h2ochat/recall/tier.py" in route) == (recall is not None)
     assert len(route) <= CEILING[recall], sorted(route)

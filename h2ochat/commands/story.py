@@ -37,10 +37,10 @@ import h2ochat_prompts
 
 from .. import options as o
 from ..chat_settings import check_fits
-from ..replies import inference_steps, stop_token_ids
+from ..replies import stop_token_ids
 from ..detokenize import TextStream
 from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
-from ..generation import Sampling, Timing, prefill, stop_check_interval, stream
+from ..generation import Sampling, Timing, inference_steps, prefill, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode
 from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes

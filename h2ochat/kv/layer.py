@@ -26,6 +26,46 @@ from h2ochat_kernels import reference
 from ..policies import SlotBudget
 from .numbering import StepNumbers
 
+class NoTier:
+    """The tier of a plain cache: evicted tokens are gone for good."""
+
+    columns = 0
+    archives = False
+
+    def allocate(self, layer, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        pass
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def empty_value(self, name: str) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def reserve(self, layer, q_len: int) -> None:
+        pass
+
+    def before_attention(self, layer, query, new_valid) -> None:
+        pass
+
+    def before_insert(self, layer) -> None:
+        pass
+
+    def archive(self, layer, slot) -> None:
+        pass
+
+    def archive_dropped(self, layer, candidates, dropped) -> None:
+        pass
+
+    def renumber(self, layer, renumbering, rotary) -> None:
+        pass
+
+
+NO_TIER_LAYER = NoTier()  # stateless: one serves every layer
+
+
 class LastUpdate(threading.local):
     """The layer ``update`` last parked keys in, on this thread. GPT-NeoX calls ``update`` without the
     keyword arguments it later gives the attention function, so under transformers' own generate()

@@ -17,7 +17,8 @@ layer's own fields):
 
 A tier reports its own device bytes, host bytes and statistics (``record``, ``stats``); nothing
 outside the cache package asks which kind of tier a cache has. ``NO_TIER`` is the tier of a plain
-H2O cache: no columns, nothing archived, every hook a no-op. A new tier is one class with these
+H2O cache: no columns, nothing archived, every hook a no-op (``NoTier``, beside the layer that
+defaults to it: a decoded token's route does not leave the layer for it). A new tier is one class with these
 methods and a spec (``TierSpec``) that makes one per layer.
 """
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from .layer import NO_TIER_LAYER, NoTier
 
 
 class Tier(Protocol):
@@ -57,49 +60,12 @@ class TierSpec(Protocol):
     def stats(self, cache): ...
 
 
-class NoTier:
-    """The tier of a plain cache: evicted tokens are gone for good."""
-
-    columns = 0
-    archives = False
-
-    def allocate(self, layer, batch, heads, head_dim, value_dim, dtype, device) -> None:
-        pass
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def empty_value(self, name: str) -> int:
-        return 0
-
-    def reset(self) -> None:
-        pass
-
-    def reserve(self, layer, q_len: int) -> None:
-        pass
-
-    def before_attention(self, layer, query, new_valid) -> None:
-        pass
-
-    def before_insert(self, layer) -> None:
-        pass
-
-    def archive(self, layer, slot) -> None:
-        pass
-
-    def archive_dropped(self, layer, candidates, dropped) -> None:
-        pass
-
-    def renumber(self, layer, renumbering, rotary) -> None:
-        pass
-
-
 class NoTierSpec:
     columns = 0
     masks_inactive_rows = True
 
     def make(self) -> NoTier:
-        return _NO_TIER_LAYER
+        return NO_TIER_LAYER
 
     def check(self, cache) -> None:
         pass
@@ -114,5 +80,4 @@ class NoTierSpec:
         return None
 
 
-_NO_TIER_LAYER = NoTier()  # stateless: one serves every layer
 NO_TIER = NoTierSpec()
