@@ -1,11 +1,10 @@
 """The shape of the code a newcomer follows: no import cycles between h2ochat's modules (imports
 inside functions included: a lazy import hides a cycle, it does not remove it), no module writing
-another object's private fields, and the eviction route chosen once per layer."""
+another object's fields (public or private), and the kernels and eviction route chosen once per layer."""
 
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import torch
@@ -56,20 +55,59 @@ def test_no_import_cycles_between_modules():
             visit(module, [module])
 
 
-def test_no_module_writes_another_objects_private_fields():
-    """``x._field = ...`` on anything but ``self``/``cls`` reaches into another object's state, unless
-    the module writing it is the one whose class owns that field (assigns ``self._field``)."""
-    write = re.compile(r"\b(?!self\b|cls\b)([A-Za-z_][\w.\[\]]*)\.(_[A-Za-z]\w*)\s*(=|\+=|-=)(?!=)")
-    owned = re.compile(r"\bself\.(_[A-Za-z]\w*)\s*(?::[^=]+)?=(?!=)")
+def _assigned_attributes(tree: ast.AST):
+    """(node, target attribute) for every attribute an assignment in ``tree`` stores to."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for part in ast.walk(target):
+                    if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store):
+                        yield node, part
+
+
+def _owned_fields(tree: ast.AST) -> set[str]:
+    """The attributes this module's own classes hold: assigned as ``self.x``/``cls.x``, or declared
+    in a class body (dataclass fields, class attributes)."""
+    own = {part.attr for _, part in _assigned_attributes(tree)
+           if isinstance(part.value, ast.Name) and part.value.id in ("self", "cls")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    own.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    own.update(target.id for target in item.targets if isinstance(target, ast.Name))
+    return own
+
+
+# Objects of libraries whose documented API is setting an attribute (not h2ochat's state): the file
+# and the attribute written.
+LIBRARY_ATTRIBUTES = {
+    ("cli.py", "name"), ("cli.py", "callback"),  # a click command made lazily
+    ("options.py", "__signature__"),  # what typer reads a command's options from
+    ("ui.py", "soft_wrap"),  # rich.Console
+    ("compiled.py", "recompile_limit"),  # torch._dynamo.config
+    ("models.py", "eos_token_id"), ("models.py", "pad_token"),  # transformers generation config, tokenizer
+    ("gguf_conversion.py", "hf_quantizer"), ("gguf_conversion.py", "quantization_config"),  # transformers model
+    ("serve/server.py", "should_exit"),  # uvicorn.Server
+}
+
+
+def test_no_module_writes_another_objects_fields():
+    """``x.field = ...`` on anything but ``self``/``cls`` reaches into another object's state (public
+    or private), unless the module writing it is the one whose class owns that field: the owner
+    offers a method instead. Library objects set through their documented attributes are listed above."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        lines = path.read_text(encoding="utf-8").splitlines()
-        own_fields = {match.group(1) for line in lines for match in owned.finditer(line)}
-        for number, line in enumerate(lines, 1):
-            for match in write.finditer(line.split("#")[0]):
-                if match.group(2) not in own_fields:
-                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
-    assert not offenders, "\n".join(offenders)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        own = _owned_fields(tree)
+        where = str(path.relative_to(PACKAGE))
+        for node, part in _assigned_attributes(tree):
+            if isinstance(part.value, ast.Name) and part.value.id in ("self", "cls"):
+                continue
+            if part.attr not in own and (where, part.attr) not in LIBRARY_ATTRIBUTES:
+                offenders.append(f"h2ochat/{where}:{node.lineno}: {ast.unparse(node)[:120]}")
+    assert not offenders, "\n".join(sorted(offenders))
 
 
 def test_the_eviction_route_is_chosen_once_per_layer(monkeypatch):
@@ -92,3 +130,12 @@ def test_the_eviction_route_is_chosen_once_per_layer(monkeypatch):
             pending.attend(torch.randn(1, 2, 1, 8), pending.pending_key, pending.pending_value, None, 0.3)
     assert cache.evicted_tokens() == 2 * 2 * 6
     assert len(asked) == 2  # once per layer, at allocation
+
+
+def test_no_module_over_500_lines():
+    """Issue 23: a module is read in one sitting; past 500 lines it holds more than one job (split
+    it along its seams instead, each part with a docstring saying what lives there)."""
+    over = [f"{path.relative_to(PACKAGE.parent)}: {count} lines"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            if (count := len(path.read_text(encoding="utf-8").splitlines())) > 500]
+    assert not over, "\n".join(over)

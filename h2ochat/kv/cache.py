@@ -80,6 +80,10 @@ class H2OCache(CacheAccounting, Cache):
         self.static_shapes = static_shapes
         self.tier = tier
         tier.check(self)
+        # what ``prefix`` makes another cache of the same kind from
+        self.construction = dict(num_layers=num_layers, policy=policy, slots=slots, max_positions=max_positions,
+                                 positions=positions, rotary=rotary, seed=seed, static_shapes=static_shapes,
+                                 rows=rows, tier=tier)
         super().__init__(layers=[self.layer_type(self, index) for index in range(num_layers)])
         self._clear_counters()
 
@@ -341,6 +345,37 @@ class H2OCache(CacheAccounting, Cache):
         """The host-side counters, to put back with ``restore_host_counters``."""
         return HostCounters(self.largest_next_position, self.compactions,
                             tuple(layer.host_counters() for layer in self.layers))
+
+    def prefix(self, rows: int) -> "H2OCache":
+        """A cache over rows [0, rows) of this allocated one, sharing its storage: every layer's slots
+        and per-row counters are views of this cache's first rows (nothing is copied, and a step of
+        the prefix writes this cache's rows), with a step state of its own. A server runs a decode
+        step on the smallest prefix that holds the rows in use. Host counters are not shared: hand
+        them over around each step (``take_host_counters``). A tier keeps state the views do not
+        cover, so only a cache without one has prefixes."""
+        if not self.initialized:
+            raise CacheShapeError("allocate the cache before taking a prefix of its rows")
+        if self.tier.columns or not self.masks_inactive_rows:
+            raise CacheShapeError("a cache with a tier has no prefix caches (its tier state is per cache)")
+        if not 0 < rows <= self.tokens_fed.shape[0]:
+            raise CacheShapeError(f"a prefix of {rows} rows of a {self.tokens_fed.shape[0]}-row cache")
+        view = type(self)(**self.construction)
+        for mine, theirs in zip(view.layers, self.layers):
+            mine.share_rows(theirs, rows)
+        view.share_counters(self, rows)
+        return view
+
+    def share_counters(self, source: "H2OCache", rows: int) -> None:
+        """The per-row counters as views of ``source``'s first ``rows`` (``prefix``), host counters copied."""
+        self.tokens_fed, self.next_position = source.tokens_fed[:rows], source.next_position[:rows]
+        self.take_host_counters(source)
+
+    def take_host_counters(self, source: "H2OCache") -> None:
+        """``source``'s host counters (the bound on positions, the re-numberings, each layer's columns
+        in use and fed): a cache and its prefixes hold the same rows, and whichever ran the last step
+        holds the counters that are right for all."""
+        self.compactions = source.compactions
+        self.restore_host_counters(source.host_counters())
 
     def restore_host_counters(self, saved: HostCounters) -> None:
         """Put back the host counters ``saved`` before decode steps that fed no row at all (every row

@@ -158,6 +158,21 @@ class H2OLayer(CacheLayerMixin):
         self.tier.allocate(self, batch, heads, head_dim, value_dim, dtype, self.device)
         self.is_initialized = True
 
+    def share_rows(self, source: "H2OLayer", rows: int) -> None:
+        """This layer as rows [0, rows) of ``source`` (``H2OCache.prefix``): its state tensors are
+        views of ``source``'s, its kernels and eviction route chosen as ``source``'s were."""
+        if source.rows.spare_slots or not isinstance(source.rows.recent, int):
+            raise ValueError("a prefix of rows with per-row policies is not supported")
+        self.device, self.dtype, self.kernels = source.device, source.dtype, source.kernels
+        for name, tensor in source.state_tensors().items():
+            setattr(self, name, tensor[:rows])
+        self.value_norm = source.value_norm[:rows] if source.value_norm is not None else None
+        self.coordinates = reference.slot_coordinates(rows, source.keys.shape[1], self.device)
+        self.rows = source.rows
+        self.evictor = self._choose_eviction()
+        self.set_host_counters(*source.host_counters())
+        self.is_initialized = True
+
     def use_tier(self, tier) -> None:
         """This layer's tier, before its slots are allocated (``H2OCache.use_tier``)."""
         if self.is_initialized:

@@ -85,7 +85,7 @@ class ModelBackend:
             self.buckets = [rows]
         self._prefixes: dict[int, H2OCache] = {rows: self.cache}
         for size in self.buckets[:-1]:
-            self._prefixes[size] = prefix_cache(self.cache, size, self._new_cache(size, static_shapes=True))
+            self._prefixes[size] = self.cache.prefix(size)
         self.steps_by_rows: dict[int, int] = {}  # decode steps run per bucket size
         # a cache that cannot leave rows out feeds its free rows a placeholder: reset one before its
         # positions could reach the model's limit
@@ -111,9 +111,7 @@ class ModelBackend:
         if parked is not None:
             cache.import_row(0, parked.state)
             start, evicted = parked.fed, row_evictions(parked.state.layers)
-        request.cached_tokens = start
-        request.fed_ids = list(ids[start:])
-        request.kv_slots = self.slots
+        request.began(start, list(ids[start:]), self.slots)
         tensor = torch.tensor([request.fed_ids], dtype=torch.long, device=self.device)
         return PrefillJob(request, cache, tensor, evicted_before=evicted)
 
@@ -129,7 +127,7 @@ class ModelBackend:
         for row in rows:
             self.cache.import_row(row, state)
             self.free_steps[row] = 0
-        job.request.evicted_tokens += job.cache.evicted_tokens() - job.evicted_before
+        job.request.count_evicted(job.cache.evicted_tokens() - job.evicted_before)
 
     def abort(self, job: PrefillJob) -> None:
         job.cache.layers.clear()
@@ -161,7 +159,7 @@ class ModelBackend:
         mask = torch.tensor(active, dtype=torch.bool, device=self.device) if active is not None else None
         self.steps_by_rows[size] = self.steps_by_rows.get(size, 0) + 1
         if cache is not self.cache:
-            share_host_counters(self.cache, cache)
+            cache.take_host_counters(self.cache)
         try:
             with torch.inference_mode():
                 if self.decode_step is not None:
@@ -169,7 +167,7 @@ class ModelBackend:
                 return forward(self.model, cache, input_ids, logits_to_keep=1, active=mask)[:, -1]
         finally:
             if cache is not self.cache:
-                share_host_counters(cache, self.cache)
+                self.cache.take_host_counters(cache)
 
     def _decode_every_row(self, tokens: list[int | None]) -> torch.Tensor:
         """The step of a cache that cannot leave rows out: every row, free ones fed a placeholder."""
@@ -212,36 +210,3 @@ def bucket_sizes(rows: int) -> list[int]:
     sizes = [1 << power for power in range(max(rows - 1, 0).bit_length())]
     return [size for size in sizes if size < rows] + [rows]
 
-
-def prefix_cache(cache: H2OCache, rows: int, view: H2OCache) -> H2OCache:
-    """A cache over the first ``rows`` rows of ``cache``: ``view`` (an allocated cache of ``rows``
-    rows and the same settings) with every state tensor and per-row counter replaced by a view of
-    ``cache``'s, so both read and write the same slots (``view``'s own go back). Its host counters
-    are its own (see ``share_host_counters``).
-
-    A workaround until the cache offers this itself (``H2OCache.prefix(rows)``): it relies on the
-    names of each layer's ``state_tensors()`` and of the cache's per-row counters (``tokens_fed``,
-    ``next_position``: what ``export_row`` copies) being attributes; it checks that every tensor
-    ends up shared and refuses otherwise."""
-    with torch.inference_mode():
-        for mine, theirs in zip(view.layers, cache.layers):
-            for name, tensor in theirs.state_tensors().items():
-                setattr(mine, name, tensor[:rows])
-        for name, tensor in cache._row_counters().items():
-            setattr(view, name, tensor[:rows])
-    if _addresses(view) != _addresses(cache):
-        raise RuntimeError("the cache holds per-row state that prefix_cache cannot share")
-    return view
-
-
-def _addresses(cache: H2OCache) -> list[int]:
-    tensors = [*(t for layer in cache.layers for t in layer.state_tensors().values()), *cache._row_counters().values()]
-    return [tensor.data_ptr() for tensor in tensors]
-
-
-def share_host_counters(source: H2OCache, target: H2OCache) -> None:
-    """``target`` takes ``source``'s host counters (the bound on positions, the re-numbering count,
-    each layer's slot columns in use and columns fed): the batch cache and its prefix caches hold
-    the same rows, and whichever ran the last step holds the counters that are right for all."""
-    target.compactions = source.compactions
-    target.restore_host_counters(source.host_counters())

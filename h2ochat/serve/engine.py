@@ -59,7 +59,7 @@ class Engine:
         self._queued = 0  # waiting or being prefilled (the engine's count after its last step)
         self._gauges: dict[str, tuple[str, float]] = {}
         self._thread = threading.Thread(target=self._run, name="h2ochat-engine", daemon=True)
-        metrics.gauges = lambda: dict(self._gauges)
+        metrics.read_gauges(lambda: dict(self._gauges))
 
     # -- from the event loop -------------------------------------------------------------------------
     def start(self) -> None:

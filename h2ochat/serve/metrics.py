@@ -29,6 +29,10 @@ class Metrics:
         self._finished: Counter[str] = Counter()
         self.gauges: Callable[[], dict[str, tuple[str, float]]] = dict
 
+    def read_gauges(self, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        """Where the gauges come from when ``/metrics`` is rendered (the engine's latest figures)."""
+        self.gauges = gauges
+
     def add(self, name: str, value: float = 1) -> None:
         if name not in self.COUNTERS:
             raise KeyError(name)

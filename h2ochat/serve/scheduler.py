@@ -94,7 +94,7 @@ class Scheduler:
     def cancel(self, request: Request) -> None:
         """End ``request`` now: a waiting one leaves the queue, an admitted one drops its prefill,
         a running one frees its rows (parking what they hold)."""
-        request.cancelled = True
+        request.cancel()
         if request in self.waiting:
             self.waiting.remove(request)
         if request is self.admitting:
@@ -140,8 +140,7 @@ class Scheduler:
             return True
         self.job = self.admitting = None
         for row, choice in zip(rows, request.choices):
-            choice.row = row
-            choice.evicted_at_start = self.backend.evicted(row)
+            choice.place(row, self.backend.evicted(row))
             self.rows[row] = choice
         self._advance(list(zip(rows, request.choices)), logits.unsqueeze(0).expand(len(rows), -1))
         return True
@@ -186,7 +185,7 @@ class Scheduler:
                 self.backend.release(target, None)
                 continue
             self.rows[source], self.rows[target] = None, choice
-            choice.row = target
+            choice.move_to(target)
 
     def _advance(self, running: list[tuple[int, Choice]], logits: torch.Tensor) -> None:
         """Sample every running row's next token (``logits`` [R, V], one per entry of ``running``) in
@@ -220,7 +219,7 @@ class Scheduler:
         self.rows[row] = None
         if choice is None:
             return
-        choice.request.evicted_tokens += self.backend.evicted(row) - choice.evicted_at_start
+        choice.request.count_evicted(self.backend.evicted(row) - choice.evicted_at_start)
         self.backend.release(row, choice if park else None)
 
     def fail_all(self, error: APIError) -> None:

@@ -67,6 +67,14 @@ class Choice:
     def last(self) -> int:
         return self.generated[-1]
 
+    def place(self, row: int, evicted: int) -> None:
+        """This choice runs in batch row ``row``, whose eviction count is ``evicted`` as it takes it."""
+        self.row, self.evicted_at_start = row, evicted
+
+    def move_to(self, row: int) -> None:
+        """The scheduler moved this choice's cache to batch row ``row`` (the count moves with it)."""
+        self.row = row
+
     # -- what the batch sampler asks (serve.sampling.SampledRow) ---------------------------------
     def generator_on(self, device: torch.device) -> torch.Generator:
         """This choice's random stream, made on ``device`` (the logits') at its first draw and seeded
@@ -188,6 +196,18 @@ class Request:
     @property
     def finished(self) -> bool:
         return self._open == 0
+
+    def began(self, cached_tokens: int, fed_ids: list[int], kv_slots: int) -> None:
+        """What its prefill starts from: prompt tokens taken from a parked cache, the ones it feeds, and
+        the slots per layer and KV head each of its rows holds."""
+        self.cached_tokens, self.fed_ids, self.kv_slots = cached_tokens, fed_ids, kv_slots
+
+    def count_evicted(self, tokens: int) -> None:
+        """Tokens its rows evicted (per layer and KV head, summed), for ``usage``."""
+        self.evicted_tokens += tokens
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
     def choice_finished(self) -> None:
         self._open -= 1
