@@ -231,7 +231,8 @@ def test_a_request_joining_mid_batch_does_not_change_the_others(server, client, 
     chunks = iter(stream)
     text = "".join(next(chunks).choices[0].delta.content or "" for _ in range(5))
     joined = ask(client, server, second, max_tokens=8, extra_body=IGNORE_EOS)
-    running = server.metrics()["requests_running"]
+    # (the gauges are refreshed after each engine step: the one that finished ``joined`` may not be seen yet)
+    running = server.wait_metrics(lambda v: v["requests_running"] <= 1, timeout=60)["requests_running"]
     text += "".join(c.choices[0].delta.content or "" for chunk in [None] for c in [])  # (nothing yet)
     for chunk in chunks:
         text += "".join(c.delta.content or "" for c in chunk.choices)
@@ -380,7 +381,7 @@ def test_a_full_queue_is_429_with_retry_after(strict, seed):
     waiter = threading.Thread(target=lambda: waiting.update(response=post(strict, body, headers=auth)))
     waiter.start()
     # (the gauges are refreshed after each engine step: wait for both to be seen)
-    values = strict.wait_metrics(lambda v: v["requests_waiting"] == 1 and v["rows_in_use"] == 1)
+    values = strict.wait_metrics(lambda v: v["requests_waiting"] == 1 and v["rows_in_use"] == 1, timeout=60)
     assert values["requests_waiting"] == 1 and values["rows_in_use"] == 1
     refused = post(strict, body, headers=auth)
     assert_error(refused, 429, code="rate_limit_exceeded")
