@@ -38,3 +38,15 @@ def write_checkpoint(folder: Path, family: str = "llama", **config_overrides) ->
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def load_tiny(tmp_path_factory, family: str, name: str, **config_overrides):
+    """A tiny random checkpoint of ``family`` written under a fresh folder ``name-family`` and loaded on
+    the CPU (the weights drawn from a fresh seed, named when a test fails)."""
+    from seeds import fresh
+
+    from h2ochat.models import load
+
+    fresh("model")
+    folder = write_checkpoint(tmp_path_factory.mktemp(f"{name}-{family}"), family, **config_overrides)
+    return load(str(folder), device="cpu")

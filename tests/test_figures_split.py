@@ -17,13 +17,12 @@ from h2ochat.chat import Conversation
 from h2ochat.chat_settings import ChatSettings
 from h2ochat.cli import app
 from h2ochat.generation import CacheSettings, Sampling, stream
-from h2ochat.models import load
 from h2ochat.repl import Repl
 from h2ochat.split import amount, cache_split, describe_memory, describe_slots, describe_use, format_bytes, kv_memory
 from h2ochat.ui import make_console, status_line
 
 from conftest import build_model, random_ids
-from seeds import fresh, seed  # noqa: F401  (fixture)
+from seeds import seed  # noqa: F401  (fixture)
 
 BUDGET, RECALL, PAGE = 24, 8, 4
 # the split of the hot slots, by hand: (policy, recall) -> sinks, heavy, recent, recall
@@ -105,12 +104,9 @@ def test_the_full_policy_grows_and_says_so(seed):
 
 @pytest.fixture(scope="module", params=["opt", "llama", "neox"])
 def loaded(request, tmp_path_factory):
-    from checkpoints import write_checkpoint
+    from checkpoints import load_tiny
 
-    fresh("model")
-    folder = write_checkpoint(tmp_path_factory.mktemp(f"split-{request.param}"), request.param,
-                              max_position_embeddings=256)
-    return load(str(folder), device="cpu")
+    return load_tiny(tmp_path_factory, request.param, "split", max_position_embeddings=256)
 
 
 def chat(loaded, recall=str(RECALL)) -> tuple[Repl, io.StringIO]:

@@ -21,14 +21,12 @@ from rich.control import strip_control_codes
 from h2ochat.chat import Conversation
 from h2ochat.chat_settings import ChatSettings
 from h2ochat.generation import CacheSettings
-from h2ochat.models import load
 from h2ochat.kv import H2OCache
 from h2ochat.recall.report import has_cold_tier, recalled_token_indices, summarize_tier
-from conftest import recall_cache
 from h2ochat.repl import Repl
 from h2ochat.ui import RECALLED, STYLES, amount, heavy_hitter_text, make_console, percent, token_classes
 
-from seeds import fresh, seed  # noqa: F401  (fixture)
+from seeds import seed  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("seed")
 BUDGET, RECALL, PAGE = 24, 8, 4
@@ -37,12 +35,9 @@ HOT = BUDGET - RECALL
 
 @pytest.fixture(scope="module", params=["opt", "llama", "neox"])
 def loaded(request, tmp_path_factory):
-    from checkpoints import write_checkpoint
+    from checkpoints import load_tiny
 
-    fresh("model")
-    folder = write_checkpoint(tmp_path_factory.mktemp(f"recall-{request.param}"), request.param,
-                              max_position_embeddings=256)
-    return load(str(folder), device="cpu")
+    return load_tiny(tmp_path_factory, request.param, "recall", max_position_embeddings=256)
 
 
 def chat(loaded, cold_limit=None, recall=str(RECALL), **settings) -> tuple[Repl, io.StringIO]:
