@@ -36,14 +36,13 @@ def build_cache(model, variant: str, slots: int, context: int, extra: int, polic
     same device slots, R of them recall slots (``recall``: the ``CacheSettings`` holding --recall)."""
     config = model.config
     layers, limit, rotary = config.num_hidden_layers, max_positions(config), find_rotary(model)
+    common = dict(max_positions=limit, positions="absolute", rotary=rotary)
+    if variant == "slots":  # the timing baseline: no cache to generate with, its own kind
+        return SlotsOnlyCache(layers, policy, slots, static_shapes=static_shapes, **common)
     if variant == "full":
-        return H2OCache(layers, "full", context + extra, max_positions=limit, positions="absolute", rotary=rotary)
-    if variant == RECALL:
-        return make_cache(layers, policy, slots, recall=recall.recall_config(slots), max_positions=limit,
-                          positions="absolute", rotary=rotary)
-    kind = SlotsOnlyCache if variant == "slots" else H2OCache
-    return kind(layers, policy, slots, max_positions=limit, positions="absolute", rotary=rotary,
-                static_shapes=static_shapes)
+        return make_cache(layers, "full", context + extra, **common)
+    tier = recall.recall_config(slots) if variant == RECALL else None
+    return make_cache(layers, policy, slots, recall=tier, static_shapes=static_shapes, **common)
 
 
 def _drawn_where_used(generator: torch.Generator, device: torch.device) -> torch.Generator:

@@ -2,7 +2,7 @@
 
 Every (policy, budget) pair is one row of a single batch over the same tokens: one model forward
 per token serves all of them, which on a CPU costs little more than one row (the weights are read
-once per step whatever the batch). ``H2OCache.for_rows`` makes that possible: each row follows its
+once per step whatever the batch). ``kv.make_mixed_cache`` makes that possible: each row follows its
 own policy and slot budget and evicts exactly as a cache of its own size would (same slots, same
 order, same random draws: tests compare the two).
 
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from .budget import parse_budget
-from .kv import H2OCache, RowSpec, make_cache, policy_slots
+from .kv import H2OCache, RowSpec, make_cache, make_mixed_cache, policy_slots
 from .forward_step import forward
 from .generation import CacheSettings, max_positions
 from .policies import Policy, get_policy
@@ -161,7 +161,7 @@ def _cache_for(model, rows: Sequence[Row]) -> H2OCache:
     if rows[0].recall is not None:
         [row] = rows
         return make_cache(config.num_hidden_layers, row.policy, row.slots, recall=row.recall, seed=row.seed, **common)
-    return H2OCache.for_rows(config.num_hidden_layers, [row.spec() for row in rows], **common)
+    return make_mixed_cache(config.num_hidden_layers, [row.spec() for row in rows], **common)
 
 
 def row_memory(cache: H2OCache, rows: Sequence[Row]) -> list[dict]:

@@ -4,14 +4,14 @@ or ``h2ochat.recall``'s); step numbering and re-numbering (``numbering``); one f
 command's settings (``h2ochat.generation.CacheSettings.build``)."""
 
 from .cache import H2OCache
-from .factory import make_cache, policy_slots
+from .factory import make_cache, make_mixed_cache, policy_slots
 from .layer import AttentionMismatchError, H2OLayer, LayerStats, last_update
 from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
 from .rows import CacheShapeError, RowParameters, RowPolicies, RowSpec, RowState
 from .tier import NO_TIER, NoTier, Tier, TierSpec
 
 __all__ = [
-    "H2OCache", "make_cache", "policy_slots", "H2OLayer", "LayerStats", "AttentionMismatchError", "last_update", "HostCounters",
+    "H2OCache", "make_cache", "make_mixed_cache", "policy_slots", "H2OLayer", "LayerStats", "AttentionMismatchError", "last_update", "HostCounters",
     "PositionLimitError", "Renumbering", "StepNumbers", "CacheShapeError", "RowParameters", "RowPolicies",
     "RowSpec", "RowState", "NO_TIER", "NoTier", "Tier", "TierSpec",
 ]

@@ -10,7 +10,7 @@ Positions and token indices have one source: the cache numbers each step's new t
 (``H2OCache.position_ids``) and every layer records exactly those numbers; a re-numbering maps each
 row's held tokens to new positions as a function of their old ones, so every layer and head agrees.
 
-One cache can serve a batch whose rows follow different policies and budgets (``H2OCache.for_rows``,
+One cache can serve a batch whose rows follow different policies and budgets (``kv.make_mixed_cache``,
 used by ``h2ochat eval``): each layer then allocates the largest row's slots, and a row with fewer
 slots leaves its spare ones unused once it holds its own number of tokens, so it evicts exactly as
 a cache of its own size would.
@@ -132,12 +132,6 @@ class H2OCache(CacheAccounting, Cache):
         if self.fused_eviction_parameters is None:
             return f"the {self.policy.name} policy ranks with its own code (e.g. a seeded random draw on the host)"
         return self.tier.compile_blocker(self)
-
-    @classmethod
-    def for_rows(cls, num_layers: int, rows: Sequence[RowSpec], **kwargs) -> "H2OCache":
-        """A cache whose batch row i follows ``rows[i]``'s policy and budget (a ``full`` row gets
-        its slots up front: give it as many as the text has tokens)."""
-        return cls(num_layers, rows[0].policy, max(r.slots for r in rows), rows=rows, **kwargs)
 
     # -- the policy, per row ---------------------------------------------------------------------
     @property

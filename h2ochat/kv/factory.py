@@ -1,7 +1,8 @@
 """The one way to make a cache: ``make_cache`` turns a device budget (slots per layer, sequence and
-KV head) and the tier's settings into an ``H2OCache``. Every command builds through it (generation's
-``CacheSettings.build``, ``eval``'s rows, ``bench``'s variants, the server, the pass-key task), so the
-split of the device slots between the policy and a tier is written once, here."""
+KV head) and the tier's settings into an ``H2OCache`` (``make_mixed_cache``: rows of different
+policies, for ``eval``). Every command builds through it (generation's ``CacheSettings.build``, which
+the chat, story, generate, the server and the pass-key task use; ``eval``'s rows; ``bench``'s
+variants), so the split of the device slots between the policy and a tier is written once, here."""
 
 from __future__ import annotations
 
@@ -23,3 +24,10 @@ def make_cache(num_layers: int, policy, device_slots: int, *, recall=None, **kwa
     from ..recall.tier import RecallSpec  # (recall builds on kv: the tier is named only when asked for)
 
     return H2OCache(num_layers, policy, policy_slots(device_slots, recall), tier=RecallSpec(recall), **kwargs)
+
+
+def make_mixed_cache(num_layers: int, rows, **kwargs) -> H2OCache:
+    """A cache whose batch row i follows ``rows[i]`` (a ``kv.rows.RowSpec``: its policy, budget and
+    seed; ``eval`` runs a whole table as one batch this way): each layer allocates the widest row's
+    slots, and a ``full`` row gets its slots up front (give it as many as the text has tokens)."""
+    return make_cache(num_layers, rows[0].policy, max(r.slots for r in rows), rows=rows, **kwargs)
