@@ -13,6 +13,7 @@ from typing import get_args, get_type_hints
 
 from .errors import UserError, user_input
 from .generation import CacheSettings, Sampling, max_positions
+from .kv import policy_slots
 
 
 # extra names `/set` accepts besides each field's own (and its spelling with dashes)
@@ -167,9 +168,9 @@ def check_fits(settings: CacheSettings, model) -> None:
         policy = settings.resolved_policy()
         window = max_positions(model.config)
         if slots > window and not policy.grows:  # never filled: the positions run out first
-            raise UserError(f"budget {settings.budget} is {slots} slots, more than this model's {window}-position "
+            as_slots = "" if str(settings.budget).strip() == str(slots) else f" ({slots} slots)"
+            raise UserError(f"budget {settings.budget}{as_slots} is more than this model's {window}-position "
                             f"context window (1.0 is the whole window)")
-        recall = settings.recall_config(slots)  # recall slots (--recall) are not the policy's
-        hot = slots - (recall.slots if recall else 0)
+        hot = policy_slots(slots, settings.recall_config(slots))  # recall slots (--recall) are not the policy's
         policy.split(hot)
         policy.layer_budgets(hot, model.config.num_hidden_layers)
