@@ -128,7 +128,7 @@ def test_recalling_every_cold_page_is_the_full_cache(family, seed, grouping):
         torch.testing.assert_close(recall.forward(model, piece), want, atol=1e-4, rtol=1e-4)
         differs |= not torch.allclose(small.forward(model, piece), want, atol=1e-3, rtol=1e-3)
     assert differs  # a single recall page is not the full cache: the test can tell
-    assert all(bool(layer.tier.cold.any()) for layer in recall.layers)  # tokens were evicted and recalled
+    assert all(bool(layer.cold.any()) for layer in recall.layers)  # tokens were evicted and recalled
 
 
 @pytest.mark.parametrize("grouping", ["index", "eviction"])
