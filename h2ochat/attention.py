@@ -6,11 +6,11 @@ feeds the scores back to the cache; without one (a plain forward with ``use_cach
 ordinary causal attention through sdpa, so one loaded model serves both.
 
 How the attention finds its cache layer, first match wins:
-1. ``h2o_cache=`` passed to ``model(...)`` (h2ochat's own loop does; every family forwards it);
-2. ``h2o_layer``, which ``H2OLayer.update`` writes into the keyword dict that OPT and Llama hand to
-   both ``cache.update`` and the attention function (transformers' ``generate()``);
-3. the layer ``update`` last saw on this thread (GPT-NeoX under ``generate()``: it calls
-   ``update`` without that dict).
+1. ``h2o_cache=`` passed to ``model(...)`` (h2ochat's own loop does, the compiled step too; every
+   family forwards it);
+2. the layer ``update`` last parked keys in on this thread (``kv.layer.last_update``: transformers'
+   own ``generate()``, which passes no extra keyword; every family calls ``update`` just before its
+   attention).
 The cache checks the hand-over both ways: a step whose keys no attention picked up raises at the next
 ``update``, and keys that changed between ``update`` and the attention raise here.
 
@@ -47,19 +47,17 @@ def new_token_mask(batch_size, q_length, kv_length=None, attention_mask=None, **
     return None
 
 
-def _pending_layer(module, key, h2o_cache, h2o_layer):
+def _pending_layer(module, h2o_cache):
     if h2o_cache is not None:
         return h2o_cache.layers[module.layer_idx]
-    if h2o_layer is not None:
-        return h2o_layer
     return last_update.take()
 
 
 def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, h2o_cache=None,
-                  h2o_layer=None, **kwargs):
+                  **kwargs):
     """query [B, Hq, Q, D], key/value [B, Hkv, Q, D] (new tokens only) -> ([B, Q, Hq, D], None)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = _pending_layer(module, key, h2o_cache, h2o_layer)
+    layer = _pending_layer(module, h2o_cache)
     if layer is None:
         return _uncached_attention(module, query, key, value, attention_mask, scale, dropout, **kwargs)
     out = layer.attend(query, key, value, attention_mask, scale)

@@ -67,9 +67,9 @@ NO_TIER_LAYER = NoTier()  # stateless: one serves every layer
 
 
 class LastUpdate(threading.local):
-    """The layer ``update`` last parked keys in, on this thread. GPT-NeoX calls ``update`` without the
-    keyword arguments it later gives the attention function, so under transformers' own generate()
-    the attention function finds its layer here (the only case)."""
+    """The layer ``update`` last parked keys in, on this thread: how the attention function finds its
+    layer under transformers' own generate(), which passes it no ``h2o_cache`` (every family calls
+    ``update`` just before its attention)."""
 
     layer: "H2OLayer | None" = None
 
@@ -210,13 +210,11 @@ class H2OLayer(CacheLayerMixin):
         for name, tensor in self.state_tensors().items():
             tensor[row] = -1 if name in ("token_index", "positions") else self.tier.empty_value(name)
 
-    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **_):
+    def update(self, key_states, value_states, *args, **_):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending_key, self.pending_value = key_states, value_states
-        if isinstance(kwargs, dict):  # OPT and Llama hand this same dict to the attention function
-            kwargs["h2o_layer"] = self
-        last_update.record(self)
+        last_update.record(self)  # how the attention finds this layer under transformers' generate()
         return key_states, value_states
 
     def get_seq_length(self) -> int:
