@@ -18,8 +18,9 @@ layer's own fields):
 A tier reports its own device bytes, host bytes and statistics (``record``, ``stats``); nothing
 outside the cache package asks which kind of tier a cache has. ``NO_TIER`` is the tier of a plain
 H2O cache: no columns, nothing archived, every hook a no-op (``NoTier``, beside the layer that
-defaults to it: a decoded token's route does not leave the layer for it). A new tier is one class with these
-methods and a spec (``TierSpec``) that makes one per layer.
+defaults to it: a decoded token's route does not leave the layer for it). A new tier is one class
+with these methods and a spec (``TierSpec``) that makes one per layer (``H2OCache(tier=spec)``,
+``H2OCache.use_tier``).
 """
 
 from __future__ import annotations
