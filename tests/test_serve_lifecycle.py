@@ -241,9 +241,11 @@ def test_each_finished_request_is_one_line_on_stderr(checkpoint, tmp_path, quiet
     args = (*ROWS, "--parked-bytes", "1MiB") + (("--quiet",) if quiet else ())
     with running(checkpoint, *args, log_dir=tmp_path) as server:
         chat = [{"role": "user", "content": "once upon a time"}]
+        # ignore_eos lets the random model write an end-of-turn token mid-reply: kept in the text
+        # (skip_special_tokens false), the history sent back is what the model read, and resumes
         first = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                            json={"model": server.model, "messages": chat, "max_tokens": 20, "ignore_eos": True,
-                                 "temperature": 0}).json()
+                                 "temperature": 0, "skip_special_tokens": False}).json()
         chat += [first["choices"][0]["message"], {"role": "user", "content": "the dragon"}]
         second = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                             json={"model": server.model, "messages": chat, "max_tokens": 6, "ignore_eos": True,
