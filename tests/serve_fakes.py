@@ -144,3 +144,27 @@ def generated(request) -> list[list[int]]:
 
 def finishes(request) -> list[tuple]:
     return [event for event in request.events if event[0] == "finish"]
+
+
+def model_engine(model, rows: int, *, policy: str = "h2o", budget: str = "12", store=None, chunk: int = 5,
+                 store_bytes: int = 1 << 24, **kwargs):
+    """A scheduler over a real ``ModelBackend`` of ``rows`` rows (kwargs: the backend's, e.g. buckets=)
+    and its parked store."""
+    from h2ochat.generation import CacheSettings
+    from h2ochat.serve.backend import ModelBackend
+    from h2ochat.serve.parked import ParkedStore
+    from h2ochat.serve.scheduler import Scheduler
+
+    store = store if store is not None else ParkedStore(store_bytes)
+    backend = ModelBackend(model, CacheSettings(policy=policy, budget=budget), rows, store=store,
+                           prefill_chunk=chunk, **kwargs)
+    return Scheduler(backend), store
+
+
+def drain(scheduler, limit: int = 3000) -> None:
+    """Step the scheduler until nothing is left to do (a bound, so a stuck engine fails the test)."""
+    for _ in range(limit):
+        if scheduler.idle:
+            return
+        scheduler.step()
+    raise AssertionError("the engine did not finish")

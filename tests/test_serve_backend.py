@@ -16,33 +16,23 @@ import pytest
 import torch
 
 from h2ochat import compiled
-from h2ochat.generation import CacheSettings
 from h2ochat.serve.api import RequestParams
-from h2ochat.serve.backend import ModelBackend
 from h2ochat.serve.errors import APIError
 from h2ochat.serve.parked import ParkedStore
 from h2ochat.serve.prepare import Preparer
-from h2ochat.serve.scheduler import Scheduler
 
 from conftest import VOCAB, build_model
-from serve_fakes import generated, make_request
+from serve_fakes import drain as drain_until_idle, generated, make_request, model_engine
 
 ROWS, CHUNK = 3, 5
 
 
+def drain(scheduler) -> None:
+    drain_until_idle(scheduler, limit=2000)
+
+
 def engine(model, policy="h2o", budget="12", store=None, **kwargs):
-    store = store if store is not None else ParkedStore(1 << 24)
-    backend = ModelBackend(model, CacheSettings(policy=policy, budget=budget), ROWS, store=store,
-                           prefill_chunk=CHUNK, **kwargs)
-    return Scheduler(backend), store
-
-
-def drain(scheduler, limit=2000):
-    for _ in range(limit):
-        if scheduler.idle:
-            return
-        scheduler.step()
-    raise AssertionError("the engine did not finish")
+    return model_engine(model, ROWS, policy=policy, budget=budget, store=store, chunk=CHUNK, **kwargs)
 
 
 def prompts(rng, count):

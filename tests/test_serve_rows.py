@@ -10,34 +10,19 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
-from h2ochat.generation import CacheSettings
 from h2ochat.kv import H2OCache
-from h2ochat.serve.backend import ModelBackend, bucket_sizes
-from h2ochat.serve.parked import ParkedStore
-from h2ochat.serve.scheduler import Scheduler
+from h2ochat.serve.backend import bucket_sizes
 
 from conftest import VOCAB, build_model
-from serve_fakes import generated, make_request
+from serve_fakes import drain, generated, make_request, model_engine
 
 CHUNK = 5
 
 
 def engine(model, rows, budget="12", **kwargs):
-    store = ParkedStore(1 << 26)
-    backend = ModelBackend(model, CacheSettings(policy="h2o", budget=budget), rows, store=store,
-                           prefill_chunk=CHUNK, **kwargs)
-    return Scheduler(backend), store
-
-
-def drain(scheduler, limit=3000):
-    for _ in range(limit):
-        if scheduler.idle:
-            return
-        scheduler.step()
-    raise AssertionError("the engine did not finish")
+    return model_engine(model, rows, budget=budget, chunk=CHUNK, store_bytes=1 << 26, **kwargs)
 
 
 def prompt(rng, low=1, high=20):

@@ -84,6 +84,9 @@ class LastUpdate(threading.local):
 
 last_update = LastUpdate()
 
+# every per-row tensor a layer keeps of its own (value_norm: None unless the policy ranks by it)
+SLOT_TENSORS = ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share")
+
 
 class AttentionMismatchError(RuntimeError):
     """The H2OCache was driven by something other than the ``h2o`` attention function."""
@@ -164,9 +167,9 @@ class H2OLayer(CacheLayerMixin):
         if source.rows.spare_slots or not isinstance(source.rows.recent, int):
             raise ValueError("a prefix of rows with per-row policies is not supported")
         self.device, self.dtype, self.kernels = source.device, source.dtype, source.kernels
-        for name, tensor in source.state_tensors().items():
-            setattr(self, name, tensor[:rows])
-        self.value_norm = source.value_norm[:rows] if source.value_norm is not None else None
+        for name in SLOT_TENSORS:
+            tensor = getattr(source, name)
+            setattr(self, name, tensor[:rows] if tensor is not None else None)
         self.coordinates = reference.slot_coordinates(rows, source.keys.shape[1], self.device)
         self.rows = source.rows
         self.evictor = self._choose_eviction()
@@ -201,8 +204,7 @@ class H2OLayer(CacheLayerMixin):
         compiled step's CUDA graph reads and writes exactly these; ``H2OCache.export_row`` copies them."""
         if not self.is_initialized:
             return {}
-        names = ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share")
-        state = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        state = {name: getattr(self, name) for name in SLOT_TENSORS if getattr(self, name) is not None}
         return {**state, **self.tier.state_tensors()}
 
     def reset_row(self, row: int) -> None:
@@ -233,7 +235,7 @@ class H2OLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Drop the slots (their memory goes back): the layer allocates again on its next update."""
         self.is_initialized = False
-        for name in ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share"):
+        for name in SLOT_TENSORS:
             setattr(self, name, None)
         self.slots_in_use = self.tokens_fed_with_padding = 0
         self.pending_key = self.pending_value = None
