@@ -13,7 +13,8 @@ launchers as ``torch.ops.h2ochat.*`` custom ops, which a ``torch.compile`` trace
 scores), ``triton_evict`` (one launch per layer: the priority, from a tensor or from the policy's
 parameters, argmin and in-place overwrite), ``recall_reference`` and ``triton_recall`` (the recall
 digest's page scores from packed low-bit codes, and the packing), ``_common`` (what the Triton
-modules share). The score decay of ``attend_with_scores`` (S <- decay * S + a_t, a float or one per
+modules share), ``quant`` (the quantised slots' format: int8 and int4 codes with a float32 scale and
+offset per token and KV head; ``attend_with_scores(..., quant=QuantSlots)`` attends such slots). The score decay of ``attend_with_scores`` (S <- decay * S + a_t, a float or one per
 sequence) runs inside the decode and chunk kernels, and ``evict_by_policy`` (rank by score, score /
 age, value norm or token index; recent window and sinks as ints or per sequence) is one kernel on CUDA.
 
@@ -43,12 +44,14 @@ if __name__ != _CANONICAL:
 if _alias is not None:
     sys.modules[__name__] = _alias
 else:
+    from . import quant
     from .dispatch import Backend, attend_with_scores, backend_for, evict_and_insert, evict_by_policy, kernel_backend
     from .recall_reference import codes_per_byte, pack_codes, packed_width, page_scores, top_pages, unpack_codes
+    from .quant import QuantSlots
     from .reference import keep_priority, protected_slots, slot_rank, token_age
 
 __all__ = [
     "Backend", "attend_with_scores", "backend_for", "evict_and_insert", "evict_by_policy", "kernel_backend",
     "keep_priority", "protected_slots", "slot_rank", "token_age", "page_scores", "top_pages",
-    "codes_per_byte", "pack_codes", "packed_width", "unpack_codes",
+    "codes_per_byte", "pack_codes", "packed_width", "unpack_codes", "quant", "QuantSlots",
 ]

@@ -22,6 +22,9 @@ from typing import Callable
 import torch
 
 import h2ochat_kernels as kernels
+# the per-token quantiser the quantised KV slots use too (unpacked codes, [..., 1] scale and offset)
+from h2ochat_kernels.quant import level_codes as quantize
+from h2ochat_kernels.quant import level_values as dequantize
 
 from .selector_names import CODE_BITS
 
@@ -107,24 +110,6 @@ def quest_sub_score(queries, digest):
 
 
 # -- low-bit keys ------------------------------------------------------------------------------------
-def quantize(keys: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token asymmetric b-bit codes of ``keys`` [..., D]: (codes uint8, scale, offset), scale and
-    offset [..., 1] in ``dtype``. The codes are rounded against the scale and offset as stored, so a
-    16-bit scale and offset add no error beyond their own rounding."""
-    levels = (1 << bits) - 1
-    low = keys.float().amin(dim=-1, keepdim=True).to(dtype)
-    high = keys.float().amax(dim=-1, keepdim=True)
-    scale = ((high - low.float()) / levels).clamp_min(1e-12).to(dtype)
-    # (clamped again: fp16 rounds a tiny scale to 0, where every code dequantises to the offset)
-    codes = ((keys.float() - low.float()) / scale.float().clamp_min(1e-12)).round().clamp(0, levels)
-    return codes.to(torch.uint8), scale, low
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale.float() + offset.float()
-
-
 def spreading_rotation(dim: int, device=None) -> torch.Tensor:
     """A fixed orthogonal D x D matrix that spreads every channel over all the others: a Walsh-Hadamard
     matrix with seeded random signs (power-of-two D), else a seeded random orthogonal matrix. Keys
