@@ -17,10 +17,14 @@ the values of the first 512 tokens of tinyshakespeare.txt), relative round-trip 
 ||x' - x|| / ||x||, asymmetric (this format) against symmetric (scale = max|x| / (2**(bits-1) - 1),
 no offset):
 
-    MEASUREMENT_TABLE
+                         int8 asym   int8 sym   int4 asym   int4 sym
+    keys (after RoPE)      0.77 %      1.09 %     13.1 %      19.8 %
+    keys, rotated          0.50 %      0.55 %      8.5 %      10.0 %   (int4 keys are stored rotated)
+    values                 0.57 %      0.67 %      9.7 %      12.2 %
 
-A row's range is seldom centred on 0 (a few outlier channels push it to one side), so symmetric
-codes waste about a level's worth of their range; the offset costs 4 bytes a row.
+(benchmarks/quant_roundtrip.py, results_quant_roundtrip.json). Symmetric codes are 10-50 % worse
+in every row, so the offset stays. A row's range is seldom centred on 0, and symmetric codes spend
+levels on values beyond its min that it never takes; the offset costs 4 bytes a row.
 
 ``level_codes`` / ``level_values`` are the unpacked quantiser with the scale and offset kept as
 [..., 1] in a chosen dtype: the recall digest's (``h2ochat.recall.selectors`` imports them as its
