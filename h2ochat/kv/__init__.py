@@ -5,7 +5,8 @@ command's settings (``h2ochat.generation.CacheSettings.build``)."""
 
 from .cache import H2OCache
 from .factory import make_cache, make_mixed_cache, policy_slots
-from .layer import AttentionMismatchError, H2OLayer, LayerStats, last_update
+from .accounting import LayerStats
+from .layer import AttentionMismatchError, H2OLayer, last_update
 from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
 from .rows import CacheShapeError, RowParameters, RowPolicies, RowSpec, RowState
 from .tier import NO_TIER, NoTier, Tier, TierSpec

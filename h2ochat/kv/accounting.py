@@ -5,21 +5,54 @@ would hold, evictions, per-layer statistics, the tier's figures and which tokens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .layer import LayerStats
+
+
+@dataclass
+class LayerStats:
+    capacity: int  # slots allocated per (sequence, head)
+    held: float  # tokens held, averaged over sequences and heads
+    recent: float  # of which protected (recent window and sinks)
+    heavy: float  # of which kept on merit
+    evicted: int  # tokens dropped, summed over sequences and heads
+    evicted_share: float  # mean share of its (sequence, head)'s score mass a token held when dropped
+    heavy_age_median: float | None  # age in tokens of the tokens kept on merit
+    heavy_age_oldest: int | None
+
+
+def layer_stats(layer) -> LayerStats:
+    """One ``H2OLayer``'s figures, over every device slot column: ``capacity`` counts the tier's
+    columns too (the budget), so ``held`` (the policy's tokens and the tier's) never exceeds it."""
+    if not layer.is_initialized:
+        return LayerStats(layer.columns, 0.0, 0.0, 0.0, 0, 0.0, None, None)
+    valid = layer.token_index >= 0
+    kept_on_merit = valid & ~layer.protected() if layer.owner.evicts else valid & False
+    held = valid.sum(-1).float().mean().item()
+    heavy = kept_on_merit.sum(-1).float().mean().item()
+    evicted = int(layer.evicted.sum().item())
+    share = float(layer.evicted_share.sum().item()) / evicted if evicted else 0.0
+    ages = (layer.owner.tokens_fed.view(-1, 1, 1) - layer.token_index)[kept_on_merit].float()
+    median = float(ages.median().item()) if ages.numel() else None
+    oldest = int(ages.max().item()) if ages.numel() else None
+    return LayerStats(layer.columns, held, held - heavy, heavy, evicted, share, median, oldest)
 
 
 class CacheAccounting:
     """The figures of an ``H2OCache`` (``layers``, ``tier``, ``tokens_fed``): reads only."""
 
     def kv_bytes(self) -> int:
-        """Bytes of key and value slots actually allocated."""
-        return sum(
-            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-            for layer in self.layers
-            if layer.is_initialized
-        )
+        """Bytes of key and value slots actually allocated (codes, scales and offsets when quantized)."""
+        return sum(t.numel() * t.element_size()
+                   for layer in self.layers if layer.is_initialized for t in layer.slot_view().values())
+
+    def kv_bytes_per_slot(self) -> int | None:
+        """Device bytes one slot costs a row in every layer, over its KV heads (keys, values and
+        their scales): what one more held token costs (None before the first allocation)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        return sum(layer.slot_bytes() for layer in layers) if layers else None
 
     def bookkeeping_bytes(self) -> int:
         """Bytes of scores, token indices, positions (and value norms) beside the slots."""
@@ -35,9 +68,7 @@ class CacheAccounting:
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                batch, heads, _, head_dim = layer.keys.shape
-                per_token = heads * (head_dim + layer.values.shape[-1]) * layer.keys.element_size()
-                total += batch * layer.tokens_fed_with_padding * per_token
+                total += layer.keys.shape[0] * layer.tokens_fed_with_padding * layer.slot_bytes()
         return total
 
     def longest_row_tokens(self) -> int:
@@ -61,7 +92,7 @@ class CacheAccounting:
         return self.tier.record(self)
 
     def layer_stats(self) -> list[LayerStats]:
-        return [layer.stats() for layer in self.layers]
+        return [layer_stats(layer) for layer in self.layers]
 
     def cached_token_share(self, sequence: int = 0) -> torch.Tensor:
         """For each token index of ``sequence`` seen so far, the share of (layer, head) slots that

@@ -25,11 +25,13 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..policies import Policy, SlotBudget, get_policy
-from ..rotary import Rotary, rotate_keys
+from ..rotary import Rotary
 from .accounting import CacheAccounting
 from .layer import AttentionMismatchError, H2OLayer
 from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
 from .rows import CacheShapeError, RowPolicies, RowSpec, RowState
+from .slot_format import check_kv_dtype
+from .synthetic import fill_recent
 from .tier import NO_TIER, TierSpec
 
 
@@ -53,6 +55,7 @@ class H2OCache(CacheAccounting, Cache):
     ``tier``: a second home for evicted tokens (``kv.tier``; ``recall.tier.RecallSpec`` keeps them in
     a cold store and recalls pages of them into ``tier.columns`` extra slots per layer). ``slots``
     are the policy's, the tier's columns come on top.
+    ``kv_dtype``: how the slots hold keys and values (``kv.slot_format``: auto, a float type, int8, int4).
     """
 
     layer_type = H2OLayer
@@ -70,6 +73,7 @@ class H2OCache(CacheAccounting, Cache):
         static_shapes: bool = False,
         rows: Sequence[RowSpec] | None = None,
         tier: TierSpec = NO_TIER,
+        kv_dtype: str = "auto",
     ):
         if positions not in ("compact", "absolute"):
             raise ValueError(f"positions must be 'compact' or 'absolute', got {positions!r}")
@@ -78,12 +82,13 @@ class H2OCache(CacheAccounting, Cache):
         self.policy = self.row_policies.policy
         self.max_positions, self.position_mode, self.rotary = max_positions, positions, rotary
         self.static_shapes = static_shapes
+        self.kv_dtype = check_kv_dtype(kv_dtype)  # how the slots hold keys and values (kv.slot_format)
         self.tier = tier
         tier.check(self)
         # what ``prefix`` makes another cache of the same kind from
         self.construction = dict(num_layers=num_layers, policy=policy, slots=slots, max_positions=max_positions,
                                  positions=positions, rotary=rotary, seed=seed, static_shapes=static_shapes,
-                                 rows=rows, tier=tier)
+                                 rows=rows, tier=tier, kv_dtype=kv_dtype)
         super().__init__(layers=[self.layer_type(self, index) for index in range(num_layers)])
         self._clear_counters()
 
@@ -275,19 +280,9 @@ class H2OCache(CacheAccounting, Cache):
         synthetic context: a decode step costs the same whatever the values it reads): each layer
         holds its most recent ``min(capacity, tokens)`` tokens with random keys, values and scores,
         drawn by ``generator`` (on the slots' device)."""
-        device = self.layers[0].keys.device
         with torch.inference_mode():
             for layer in self.layers:
-                held = min(layer.capacity, tokens)
-                batch, heads = layer.keys.shape[:2]
-                for buffer in (layer.keys, layer.values):
-                    part = buffer[:, :, :held]
-                    part.copy_(torch.randn(part.shape, generator=generator, device=device, dtype=part.dtype))
-                numbers = torch.arange(tokens - held, tokens, device=device).expand(batch, heads, held)
-                layer.token_index[:, :, :held] = numbers
-                layer.positions[:, :, :held] = numbers
-                layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator, device=device)
-                layer.set_host_counters(held, tokens)
+                fill_recent(layer, tokens, generator)
             self.tokens_fed.fill_(tokens)
             self.next_position.fill_(tokens)
         self.largest_next_position = tokens
@@ -471,7 +466,7 @@ class H2OCache(CacheAccounting, Cache):
             valid = layer.token_index >= 0
             new_positions = renumbering.apply(layer.positions, valid)
             if self.rotary is not None:
-                rotate_keys(layer.keys, (new_positions - layer.positions).masked_fill(~valid, 0), self.rotary)
+                layer.move_keys((new_positions - layer.positions).masked_fill(~valid, 0), self.rotary)
             layer.positions.copy_(new_positions)
             layer.tier.renumber(layer, renumbering, self.rotary)
         self.next_position.copy_(renumbering.next_position())

@@ -15,8 +15,6 @@ each (sequence, head)'s lowest-priority slot in place; a tier that archives sees
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -24,7 +22,9 @@ import h2ochat_kernels as kernels
 from h2ochat_kernels import reference
 
 from ..policies import SlotBudget
+from .accounting import layer_stats
 from .numbering import StepNumbers
+from .slot_format import SCALE_TENSORS, slot_format
 
 class NoTier:
     """The tier of a plain cache: evicted tokens are gone for good."""
@@ -84,24 +84,14 @@ class LastUpdate(threading.local):
 
 last_update = LastUpdate()
 
-# every per-row tensor a layer keeps of its own (value_norm: None unless the policy ranks by it)
-SLOT_TENSORS = ("keys", "values", "scores", "token_index", "positions", "value_norm", "evicted", "evicted_share")
+# every per-row tensor a layer keeps of its own (value_norm: None unless the policy ranks by it; the
+# scales and offsets: None unless the slots are quantized, ``kv.slot_format``)
+SLOT_TENSORS = ("keys", "values", *SCALE_TENSORS, "scores", "token_index", "positions", "value_norm", "evicted",
+                "evicted_share")
 
 
 class AttentionMismatchError(RuntimeError):
     """The H2OCache was driven by something other than the ``h2o`` attention function."""
-
-
-@dataclass
-class LayerStats:
-    capacity: int  # slots allocated per (sequence, head)
-    held: float  # tokens held, averaged over sequences and heads
-    recent: float  # of which protected (recent window and sinks)
-    heavy: float  # of which kept on merit
-    evicted: int  # tokens dropped, summed over sequences and heads
-    evicted_share: float  # mean share of its (sequence, head)'s score mass a token held when dropped
-    heavy_age_median: float | None  # age in tokens of the tokens kept on merit
-    heavy_age_oldest: int | None
 
 
 class H2OLayer(CacheLayerMixin):
@@ -143,8 +133,10 @@ class H2OLayer(CacheLayerMixin):
         self.device, self.dtype = torch.device(device), dtype
         self.kernels = kernels.backend_for(self.device)  # H2OCHAT_KERNELS is read here, once
         shape = (batch, heads, self.columns)
-        self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=self.device)
-        self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=self.device)
+        # keys, values (floats, or codes with their scales and offsets): --kv-dtype's format
+        self.format = slot_format(self.owner.kv_dtype, head_dim, value_dim, dtype)
+        for name, tensor in self.format.allocate(shape, self.device).items():
+            setattr(self, name, tensor)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.value_norm = (torch.zeros(shape, dtype=torch.float32, device=self.device)
                            if self.owner.uses_value_norm else None)
@@ -166,7 +158,7 @@ class H2OLayer(CacheLayerMixin):
         views of ``source``'s, its kernels and eviction route chosen as ``source``'s were."""
         if source.rows.spare_slots or not isinstance(source.rows.recent, int):
             raise ValueError("a prefix of rows with per-row policies is not supported")
-        self.device, self.dtype, self.kernels = source.device, source.dtype, source.kernels
+        self.device, self.dtype, self.kernels, self.format = source.device, source.dtype, source.kernels, source.format
         for name in SLOT_TENSORS:
             tensor = getattr(source, name)
             setattr(self, name, tensor[:rows] if tensor is not None else None)
@@ -193,7 +185,7 @@ class H2OLayer(CacheLayerMixin):
         rank goes through ``evict_by_policy`` (one Triton launch on CUDA; on the CPU the reference the
         kernel is tested against: the same rank, priority and write); a rank of its own (random) or
         rows of different budgets through a priority computed here (``_evict_by_priority``)."""
-        if self.tier.archives:
+        if self.tier.archives or self.format.quantized:  # (codes and scales: written by _evict_to_tier)
             return self._evict_to_tier
         if self.owner.fused_eviction_parameters is not None and not self.rows.spare_slots:
             return self._evict_fused
@@ -268,6 +260,14 @@ class H2OLayer(CacheLayerMixin):
         if self.owner.grows and self.slots_in_use + q_len > self.capacity:
             self._grow(self.slots_in_use + q_len)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
+        if self.format.quantized:
+            whole = self.owner.static_shapes or self.slots_in_use >= self.capacity
+            width = self.columns if whole else self.slots_in_use
+            out, new_scores = self.format.attend(
+                self.kernels, grouped, self.slot_view(width), self.token_index[:, :, :width], key, value,
+                attend_valid, scale, self.scores[:, :, :width], self.rows.decay)
+            self._insert(key, value, new_scores, new_valid, step)
+            return out
         slots = (self.keys, self.values, self.token_index, self.scores)
         if not self.owner.static_shapes and self.slots_in_use < self.capacity:
             slots = tuple(tensor[:, :, : self.slots_in_use] for tensor in slots)
@@ -298,7 +298,8 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
         if used + q_len <= capacity:
             end = used + q_len
-            writes = [(self.keys, key), (self.values, value), (self.scores, new_scores),
+            stored = self.format.encode(key, value) if self.format.quantized else {"keys": key, "values": value}
+            writes = [*((getattr(self, name), new) for name, new in stored.items()), (self.scores, new_scores),
                       (self.token_index, step.token_index.unsqueeze(1)), (self.positions, step.positions.unsqueeze(1))]
             if value_norm is not None:
                 writes.append((self.value_norm, value_norm))
@@ -374,6 +375,10 @@ class H2OLayer(CacheLayerMixin):
         priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
         slot = reference.lowest_slots(priority[:, :, : self.capacity])
         self.tier.archive(self, slot)
+        if self.format.quantized:  # the codes go where the token would; its scales and offsets beside them
+            stored = self.format.encode(key, value)
+            key, value = stored["keys"], stored["values"]
+            self.format.write_scales(slot, self.slot_view(), stored, active, self.coordinates)
         dropped, dropped_score = reference.write_slots(
             slot, self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score,
             token_index, position, self.value_norm, value_norm, active, coordinates=self.coordinates)
@@ -398,9 +403,9 @@ class H2OLayer(CacheLayerMixin):
         batch, heads, q_len, head_dim = key.shape
         used, capacity = self.slots_in_use, self.capacity
         expand = (batch, heads, q_len)
+        stored = self.format.encode(key, value) if self.format.quantized else {"keys": key, "values": value}
         candidates = {
-            "keys": torch.cat([self.keys[:, :, :used], key], dim=2),
-            "values": torch.cat([self.values[:, :, :used], value], dim=2),
+            **{name: torch.cat([getattr(self, name)[:, :, :used], new], dim=2) for name, new in stored.items()},
             "scores": torch.cat([self.scores[:, :, :used], new_scores], dim=2),
             "token_index": torch.cat([self.token_index[:, :, :used], token_index.unsqueeze(1).expand(expand)], dim=2),
             "positions": torch.cat([self.positions[:, :, :used], positions.unsqueeze(1).expand(expand)], dim=2),
@@ -432,31 +437,33 @@ class H2OLayer(CacheLayerMixin):
             pad = tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]), fill)
             return torch.cat([tensor, pad], dim=2)
 
-        self.keys, self.values = widen(self.keys, 0), widen(self.values, 0)
-        self.scores = widen(self.scores, 0)
+        for name in ("keys", "values", *SCALE_TENSORS, "scores", "value_norm"):
+            if getattr(self, name) is not None:
+                setattr(self, name, widen(getattr(self, name), 0))
         self.token_index, self.positions = widen(self.token_index, -1), widen(self.positions, -1)
-        if self.value_norm is not None:
-            self.value_norm = widen(self.value_norm, 0)
         self.capacity = capacity
 
-    # -- statistics -----------------------------------------------------------------------------
+    # -- the slots' keys and values, whatever their format -----------------------------------------
+    def slot_view(self, width: int | None = None) -> dict[str, torch.Tensor]:
+        """The keys and values (and scales and offsets, when quantized) of the first ``width`` slot
+        columns (None: all), as views: what ``kv.slot_format`` reads and writes."""
+        return {name: getattr(self, name)[:, :, :width] for name in ("keys", "values", *SCALE_TENSORS)
+                if getattr(self, name) is not None}
+
+    def move_keys(self, delta: torch.Tensor, rotary) -> None:
+        """RoPE keys turned by ``delta`` [B, Hkv, S] positions (a re-numbering), in place."""
+        self.format.move_keys(self.slot_view(), delta, rotary)
+
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot column of one row, every KV head: keys, values, scales, offsets."""
+        return self.keys.shape[1] * self.format.slot_bytes
+
+    # -- statistics -------------------------------------------------------------------------------
+    def stats(self):
+        """This layer's figures (``kv.accounting.layer_stats``)."""
+        return layer_stats(self)
+
     def protected(self, newest: torch.Tensor | None = None) -> torch.Tensor:
         """[B, Hkv, C] bool: the slots the policy never evicts (recent window and sinks) now."""
         newest = self.owner.tokens_fed - 1 if newest is None else newest
         return kernels.protected_slots(self.token_index, newest, self.rows.recent, self.rows.sinks)
-
-    def stats(self) -> LayerStats:
-        """Over every device slot column: ``capacity`` counts the tier's columns too (the budget), so
-        ``held`` (the policy's tokens and the tier's) never exceeds it."""
-        if not self.is_initialized:
-            return LayerStats(self.columns, 0.0, 0.0, 0.0, 0, 0.0, None, None)
-        valid = self.token_index >= 0
-        kept_on_merit = valid & ~self.protected() if self.owner.evicts else valid & False
-        held = valid.sum(-1).float().mean().item()
-        heavy = kept_on_merit.sum(-1).float().mean().item()
-        evicted = int(self.evicted.sum().item())
-        share = float(self.evicted_share.sum().item()) / evicted if evicted else 0.0
-        ages = (self.owner.tokens_fed.view(-1, 1, 1) - self.token_index)[kept_on_merit].float()
-        median = float(ages.median().item()) if ages.numel() else None
-        oldest = int(ages.max().item()) if ages.numel() else None
-        return LayerStats(self.columns, held, held - heavy, heavy, evicted, share, median, oldest)
