@@ -147,16 +147,16 @@ def finishes(request) -> list[tuple]:
 
 
 def model_engine(model, rows: int, *, policy: str = "h2o", budget: str = "12", store=None, chunk: int = 5,
-                 store_bytes: int = 1 << 24, **kwargs):
-    """A scheduler over a real ``ModelBackend`` of ``rows`` rows (kwargs: the backend's, e.g. buckets=)
-    and its parked store."""
+                 store_bytes: int = 1 << 24, cache: dict | None = None, **kwargs):
+    """A scheduler over a real ``ModelBackend`` of ``rows`` rows (kwargs: the backend's, e.g. buckets=;
+    ``cache``: more ``CacheSettings`` fields, e.g. recall=) and its parked store."""
     from h2ochat.generation import CacheSettings
     from h2ochat.serve.backend import ModelBackend
     from h2ochat.serve.parked import ParkedStore
     from h2ochat.serve.scheduler import Scheduler
 
     store = store if store is not None else ParkedStore(store_bytes)
-    backend = ModelBackend(model, CacheSettings(policy=policy, budget=budget), rows, store=store,
+    backend = ModelBackend(model, CacheSettings(policy=policy, budget=budget, **(cache or {})), rows, store=store,
                            prefill_chunk=chunk, **kwargs)
     return Scheduler(backend), store
 

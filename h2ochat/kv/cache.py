@@ -220,10 +220,12 @@ class H2OCache(CacheAccounting, Cache):
             layer.allocate(batch, kv_heads, head_dim, value_dim or head_dim, dtype, device)
 
     def export_row(self, row: int, device="cpu") -> RowState:
-        """A copy of batch row ``row``'s state in every layer (on ``device``)."""
+        """A copy of batch row ``row``'s state in every layer (on ``device``): the layer's slot tensors
+        and its tier's (``Tier.export_row``: a store that grows with the text keeps what this row holds)."""
         if not self.initialized:
             raise CacheShapeError("the cache holds nothing yet: nothing to export")
-        layers = [{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()}
+        layers = [{**{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()
+                      if name not in layer.tier.state_tensors()}, **layer.tier.export_row(row, device)}
                   for layer in self.layers]
         counters = {name: tensor[row].to(device, copy=True) for name, tensor in self._row_counters().items()}
         return RowState(layers, counters)
@@ -233,19 +235,21 @@ class H2OCache(CacheAccounting, Cache):
 
     def import_row(self, row: int, state: RowState) -> None:
         """Overwrite batch row ``row`` with ``state`` (exported from a cache of the same layer count,
-        capacities, heads and dtype), in place: the other rows, mid-generation or not, are untouched
-        and a compiled step's buffers keep their addresses. The row then continues exactly as its
-        own cache would have (until a re-numbering, which every row of a batch takes together)."""
+        capacities, heads, dtype and tier), in place: the other rows, mid-generation or not, are
+        untouched and a compiled step's buffers keep their addresses (a tier's store may grow: ``Tier.import_row``).
+        The row then continues exactly as its own cache would have (until a re-numbering, which every row takes)."""
         if not self.initialized:
             raise CacheShapeError("allocate the cache (H2OCache.allocate) before importing a row into it")
         if len(state.layers) != len(self.layers):
             raise CacheShapeError(f"the row state has {len(state.layers)} layers, the cache {len(self.layers)}")
-        targets = [(f"layer {index}", layer.state_tensors(), saved)
+        # the layers' own tensors and the counters are checked here, the rest goes to each layer's tier
+        targets = [(f"layer {index}", {name: tensor for name, tensor in layer.state_tensors().items()
+                                       if name not in layer.tier.state_tensors()}, saved)
                    for index, (layer, saved) in enumerate(zip(self.layers, state.layers))]
         targets.append(("counters", self._row_counters(), state.counters))
-        for where, mine, saved in targets:
-            if set(saved) != set(mine):
-                raise CacheShapeError(f"{where}: the row state holds {sorted(saved)}, the cache {sorted(mine)}")
+        for (where, mine, saved), layer in zip(targets, [*self.layers, None]):
+            if not set(mine) <= set(saved) or (layer is None or not layer.tier.state_tensors()) and set(saved) != set(mine):
+                raise CacheShapeError(f"{where}: the row state holds {sorted(saved)}, the cache {sorted(mine)} and its tier's")
             for name, tensor in mine.items():
                 if saved[name].shape != tensor.shape[1:] or saved[name].dtype != tensor.dtype:
                     raise CacheShapeError(f"{where} {name}: the row state's {tuple(saved[name].shape)} "
@@ -255,6 +259,8 @@ class H2OCache(CacheAccounting, Cache):
             for _, mine, saved in targets:
                 for name, tensor in mine.items():
                     tensor[row].copy_(saved[name])
+            for (_, mine, saved), layer in zip(targets, self.layers):
+                layer.tier.import_row(row, {name: tensor for name, tensor in saved.items() if name not in mine})
         # the host counters cover every row: slot columns in use and columns fed take the larger
         for layer, saved in zip(self.layers, state.layers):
             occupied = (saved["token_index"] >= 0).any(dim=0).nonzero()

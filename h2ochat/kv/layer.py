@@ -62,6 +62,12 @@ class NoTier:
     def renumber(self, layer, renumbering, rotary) -> None:
         pass
 
+    def export_row(self, row: int, device) -> dict[str, torch.Tensor]:
+        return {}
+
+    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
+        pass
+
 
 NO_TIER_LAYER = NoTier()  # stateless: one serves every layer
 

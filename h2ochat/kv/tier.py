@@ -15,6 +15,15 @@ layer's own fields):
 - ``archive_dropped(layer, candidates, dropped)``: a multi-token step dropped these candidates;
 - ``renumber(layer, renumbering, rotary)``: the layer's tokens moved to new positions.
 
+A row moves between caches (a server parks a finished conversation in host memory and imports it
+into a row again when it comes back: ``H2OCache.export_row`` / ``import_row``) with its tier:
+``export_row(row, device)`` copies the row's ``state_tensors()`` (the same names), where a store that
+grows with the text keeps only the slots this row's tokens reach (not the capacity the whole batch
+allocated), so a parked row costs what it holds; ``import_row(row, state)`` makes room for them and
+overwrites the whole row, the slots past them emptied (nothing of the row's last conversation stays).
+A tier that recalls may say how many pages it brought back into one row (``pages_recalled(row)``,
+optional: ``pages_recalled`` below reads 0 without it).
+
 A tier reports its own device bytes, host bytes and statistics (``record``, ``stats``); nothing
 outside the cache package asks which kind of tier a cache has. ``NO_TIER`` is the tier of a plain
 H2O cache: no columns, nothing archived, every hook a no-op (``NoTier``, beside the layer that
@@ -46,6 +55,15 @@ class Tier(Protocol):
     def archive(self, layer, slot: torch.Tensor) -> None: ...
     def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
     def renumber(self, layer, renumbering, rotary) -> None: ...
+    def export_row(self, row: int, device) -> dict[str, torch.Tensor]: ...
+    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None: ...
+
+
+def pages_recalled(cache, row: int) -> int:
+    """Pages the tiers of ``cache`` brought back into row ``row``'s slots in its conversation so far
+    (a parked row takes its count along; summed over layers and KV heads; 0 for tiers that recall nothing)."""
+    return sum(layer.tier.pages_recalled(row) for layer in cache.layers
+               if layer.is_initialized and hasattr(layer.tier, "pages_recalled"))
 
 
 class TierSpec(Protocol):
