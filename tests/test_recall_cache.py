@@ -21,7 +21,7 @@ def _caches(model, policy, selector):
     layers = model.config.num_hidden_layers
     real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=max_positions(model.config),
                        positions="absolute", rotary=find_rotary(model))
-    masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction")
+    masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction", staged=True)
     return real, masked
 
 
@@ -67,16 +67,18 @@ def test_recall_settings_are_checked():
 
 
 def _assert_each_token_once(layer, row: int, tokens: int) -> None:
-    """Every token 0..tokens-1 of ``row`` is in a hot slot or in the cold store of each KV head, once;
-    the recall slots hold cold tokens only."""
+    """Every token 0..tokens-1 of ``row`` is in a hot slot, on the staging page or in the cold store
+    of each KV head, once (cold + staged + hot == fed); the recall frames hold cold tokens only."""
     first, end = layer.tier.cold.held()
-    pages = torch.arange(int(end.max())).expand(*layer.keys.shape[:2], -1)
+    pages = torch.arange(max(int(end.max()), 1)).expand(*layer.keys.shape[:2], -1)
     _, _, cold_index, _ = layer.tier.cold.pages(pages)
     for head in range(layer.keys.shape[1]):
         hot = layer.token_index[row, head, : layer.capacity]
+        staged = layer.tier.staging.slots.token_index[row, head]
         cold = cold_index[row, head]
-        assert sorted(hot[hot >= 0].tolist() + cold[cold >= 0].tolist()) == list(range(tokens))
-        recalled = layer.token_index[row, head, layer.capacity :]
+        held = [*hot[hot >= 0].tolist(), *staged[staged >= 0].tolist(), *cold[cold >= 0].tolist()]
+        assert sorted(held) == list(range(tokens))
+        recalled = layer.tier.slots.token_index[row, head]
         assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
 
 
@@ -122,5 +124,5 @@ def test_recalling_every_page_is_the_full_cache(family, seed):
     for piece in [ids[:, :14], ids[:, 14:30], *[ids[:, i : i + 1] for i in range(30, 50)]]:
         torch.testing.assert_close(forward(model, real, piece, logits_to_keep=1), forward(model, full, piece, logits_to_keep=1),
                                    atol=2e-4, rtol=2e-4)
-    # (the last step recalled what was cold before it: 49 tokens fed, 8 hot)
-    assert all(int((layer.tier.recalled_token_index(layer) >= 0).sum(-1).min()) == 49 - 8 for layer in real.layers)
+    # (the frames hold what was cold before the last step, the staging page its victim too: 50 fed, 8 hot)
+    assert all(int((layer.tier.recalled_token_index(layer) >= 0).sum(-1).min()) == 50 - 8 for layer in real.layers)

@@ -43,7 +43,7 @@ def test_recall_past_the_position_limit_is_the_masked_reference(family, seed, se
     layers, rotary = model.config.num_hidden_layers, find_rotary(model)
     real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=LIMIT,
                        positions="compact", rotary=rotary)
-    masked = MaskedRecall(layers, "h2o", HOT, RECALL, PAGE, selector, grouping="eviction", measure=False,
+    masked = MaskedRecall(layers, "h2o", HOT, RECALL, PAGE, selector, grouping="eviction", measure=False, staged=True,
                           max_positions=LIMIT, rotary=rotary)
     # every token id once: after a re-numbering many tokens share a position, and two equal ids at one
     # position would have equal keys (exact ties between pages)

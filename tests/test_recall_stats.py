@@ -42,7 +42,7 @@ def _recalled_mass_by_hand(query, key, slot_keys, slot_index):
     return probs[..., HOT:slot_keys.shape[2]].sum(dim=(-1, -2))
 
 
-def test_attention_mass_on_recalled_tokens_is_the_softmax_by_hand(seed):
+def test_attention_mass_on_recalled_tokens_is_the_softmax_by_hand(seed, monkeypatch):
     generator = torch.Generator().manual_seed(seed)
     cache = _cache()
     _step(cache, 12, generator)  # 4 tokens per (sequence, head) go cold
@@ -50,13 +50,21 @@ def test_attention_mass_on_recalled_tokens_is_the_softmax_by_hand(seed):
     assert layer.tier.recalled_mass.abs().sum() == 0  # nothing was cold when the chunk attended
     want_recalled = torch.zeros(BATCH, KV_HEADS)
     steps = [3, *[1] * 8]
+    attended = []  # the recall columns (frames and staging page) as each step attended them:
+    counted = layer.tier.before_insert  # read after the attention, before the eviction stages its victim
+
+    def spy(layer_):
+        attended.append((layer.keys[:, :, HOT:].clone(), layer.tier.recalled_token_index(layer).clone()))
+        counted(layer_)
+
+    monkeypatch.setattr(layer.tier, "before_insert", spy)
     for q_len in steps:
         hot_keys, hot_index = layer.keys[:, :, :HOT].clone(), layer.token_index[:, :, :HOT].clone()
         query, key = _step(cache, q_len, generator)
-        # the recall columns as the step attended them (its eviction only overwrites hot columns)
-        slot_keys = torch.cat([hot_keys, layer.keys[:, :, HOT:]], dim=2)
-        slot_index = torch.cat([hot_index, layer.tier.recalled_token_index(layer)], dim=2)
-        assert bool((layer.tier.recalled_token_index(layer) >= 0).any())
+        recall_keys, recall_index = attended[-1]
+        slot_keys = torch.cat([hot_keys, recall_keys], dim=2)
+        slot_index = torch.cat([hot_index, recall_index], dim=2)
+        assert bool((recall_index >= 0).any())
         want_recalled += _recalled_mass_by_hand(query, key, slot_keys, slot_index)
     torch.testing.assert_close(layer.tier.recalled_mass, want_recalled, atol=1e-5, rtol=1e-5)
     every_query_row = GROUP * (12 + sum(steps))
@@ -75,6 +83,7 @@ def test_tier_stats_count_what_the_cold_stores_hold(seed, cold_limit):
     for _ in range(11):
         _step(cache, 1, generator)
     evicted = 21 - HOT  # per (sequence, head): every token the hot slots no longer hold
+    flushed = evicted - 1  # the last decode step's victim waits on the staging page (P = 2)
     stats = cache.tier_stats()
     layer = cache.layers[0]
     cold = layer.tier.cold
@@ -82,10 +91,13 @@ def test_tier_stats_count_what_the_cold_stores_hold(seed, cold_limit):
         dropped = 0
     else:  # a ring of ceil(6 / 2) = 3 pages: the newest page holds the last odd token
         held_pages = 3
-        dropped = (-(-evicted // PAGE) - held_pages) * PAGE
+        dropped = (-(-flushed // PAGE) - held_pages) * PAGE
     assert stats.dropped_tokens == dropped * BATCH * KV_HEADS
-    assert stats.cold_tokens == (evicted - dropped) * BATCH * KV_HEADS
-    assert stats.cold_pages == -(-(evicted - dropped) // PAGE) * BATCH * KV_HEADS
+    # cold + staged + hot == fed
+    staged = int(layer.tier.staging.held().sum())
+    assert staged == BATCH * KV_HEADS and stats.staged_tokens == staged
+    assert stats.cold_tokens + stats.staged_tokens == (evicted - dropped) * BATCH * KV_HEADS
+    assert stats.cold_pages == -(-(flushed - dropped) // PAGE) * BATCH * KV_HEADS
     assert stats.host_bytes == sum(getattr(cold, n).numel() * getattr(cold, n).element_size()
                                    for n in ("keys", "values", "token_index", "encoded", "positions"))
     assert stats.digest_device_bytes == layer.tier.digest.nbytes() > 0

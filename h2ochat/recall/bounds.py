@@ -135,6 +135,12 @@ class PageBounds:
         number = self.page_numbers(upto)
         return best_pages(self._scores(queries, number), number, count)
 
+    cap = None  # (one stage: every page scored on the device, no cap)
+    pages_per_entry = 1
+
+    def host_nbytes(self) -> int:
+        return 0
+
     def nbytes(self) -> int:
         """The digest's device bytes: low and high per frame (the spill frame too) and the count."""
         return tensor_bytes(self.state_tensors().values())

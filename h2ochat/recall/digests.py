@@ -175,6 +175,12 @@ class KeyCodes:
         number = self._numbers(self._scored_slots(upto))
         return best_pages(self._scores(queries, number), self._page_numbers(number), count)
 
+    cap = None  # (one stage: every page scored on the device, no cap)
+    pages_per_entry = 1
+
+    def host_nbytes(self) -> int:
+        return 0
+
     def nbytes(self) -> int:
         """The digest's device bytes: codes, scale and offset per slot, and the count (see the module
         docstring for a token's share)."""

@@ -50,6 +50,8 @@ class _Layer:
     importance: torch.Tensor  # [H, T] fp32: the score a token held when evicted
     evictions: torch.Tensor  # [H] long: tokens evicted so far per head
     recalled: torch.Tensor  # [H, T] bool: the tokens the last step recalled
+    flushed: torch.Tensor | None = None  # [H] long: evicted tokens (in eviction order) past the staging page
+    last_query: torch.Tensor | None = None  # [H, G, D]: the last step's last token's queries
 
 
 @dataclass
@@ -70,7 +72,7 @@ class MaskedRecall:
     def __init__(self, num_layers: int, policy: Policy | str, hot_slots: int, recall_slots: int, page: int,
                  selector: Selector | str | None = "exact", *, grouping: str = "index", reenter: bool = False,
                  measure: bool = True, chunk_queries: str = "all", max_positions: int | None = None,
-                 rotary=None):
+                 rotary=None, staged: bool = False, every: int = 1):
         if grouping not in ("index", "eviction"):
             raise ValueError(f"grouping must be 'index' or 'eviction', got {grouping!r}")
         self.policy = get_policy(policy)
@@ -89,6 +91,12 @@ class MaskedRecall:
         self.position: list[int] = []  # each token's position now
         self.next_position = 0
         self.compactions = 0
+        # the real tier's schedule (``staging``, ``RecallTier.reserve``): the last recall page stages
+        # the tokens decode steps evict (attended, not paged) until P decode steps passed or a chunk
+        # comes; a decode step's pages are chosen with the previous step's queries every ``every`` steps
+        self.staged, self.every = staged, every
+        self.decode_steps = self.staging_steps = 0
+        self.flush_now = self.select_now = self.has_query = False
 
     # -- driving the model ------------------------------------------------------------------------
     @staticmethod
@@ -103,6 +111,12 @@ class MaskedRecall:
         if self.max_positions is not None and self.next_position + q_len > self.max_positions:
             self._renumber(min(self.max_positions - q_len, max(self.hot_slots, self.max_positions // 2)))
         positions = torch.arange(self.next_position, self.next_position + q_len).unsqueeze(0)
+        self.flush_now = q_len > 1 or self.staging_steps >= self.page
+        self.staging_steps = 0 if self.flush_now else self.staging_steps
+        if q_len == 1:
+            self.decode_steps += 1
+            self.staging_steps += 1
+        self.select_now = q_len > 1 or (self.has_query and (self.decode_steps - 1) % self.every == 0)
         _active.append(self)
         try:
             with torch.inference_mode():
@@ -111,6 +125,7 @@ class MaskedRecall:
         finally:
             _active.pop()
         self.seen += q_len
+        self.has_query = True
         self.position += positions[0].tolist()
         self.next_position += q_len
         return out.logits[:, -1]
@@ -120,7 +135,8 @@ class MaskedRecall:
         held = set()
         for state in self.layers:
             if state is not None:
-                held |= set(torch.nonzero((state.hot | state.recalled).any(dim=0)).flatten().tolist())
+                held |= set(torch.nonzero((state.hot | state.recalled | self._staged(state)).any(dim=0))
+                            .flatten().tolist())
         distinct = sorted({self.position[t] for t in held})
         count = len(distinct)
         width = min(count, span)
@@ -140,6 +156,12 @@ class MaskedRecall:
         self.compactions += 1
 
     # -- one layer's step ---------------------------------------------------------------------------
+    def _staged(self, state: _Layer) -> torch.Tensor:
+        """[H, T] bool: the evicted tokens still on the staging page (none without ``staged``)."""
+        if not self.staged or state.flushed is None:
+            return torch.zeros_like(state.cold) if not self.staged else state.cold.clone()
+        return state.cold & (state.evicted_at >= state.flushed.unsqueeze(1))
+
     def _grow(self, layer_idx: int, heads: int, total: int, device) -> _Layer:
         state = self.layers[layer_idx]
         if state is None:
@@ -152,19 +174,21 @@ class MaskedRecall:
                 return torch.cat([t, t.new_full((heads, extra), fill)], dim=1)
             state = _Layer(widen(state.hot, False), widen(state.cold, False), widen(state.scores, 0.0),
                            widen(state.evicted_at, -1), widen(state.importance, 0.0), state.evictions,
-                           widen(state.recalled, False))
+                           widen(state.recalled, False), state.flushed, state.last_query)
         self.layers[layer_idx] = state
         return state
 
     def paged(self, state: _Layer, keys: torch.Tensor):
-        """The cold tokens of each head as pages: keys [H, N, P, D], valid, importance, token index."""
+        """The cold tokens of each head as pages (flushed ones with ``staged``): keys [H, N, P, D],
+        valid, importance, token index."""
         heads, total, dim = keys.shape
+        cold = state.cold & ~self._staged(state)
         if self.grouping == "index":
             number = torch.arange(total).expand(heads, total)
         else:
             number = state.evicted_at
-        number = number.masked_fill(~state.cold, -1)
-        pages = int(number.max().item()) // self.page + 1 if bool(state.cold.any()) else 0
+        number = number.masked_fill(~cold, -1)
+        pages = int(number.max().item()) // self.page + 1 if bool(cold.any()) else 0
         slots = pages * self.page
         # slot -> token, ``total`` marking an empty slot; tokens that are not cold land in a spare column
         flat = torch.full((heads, slots + 1), total, dtype=torch.long)
@@ -181,10 +205,10 @@ class MaskedRecall:
         """[H, T] bool: the cold tokens of the pages the selector picks for these queries [H, M, D]."""
         heads, total, _ = keys.shape
         chosen = torch.zeros(heads, total, dtype=torch.bool)
-        if not self.recall_slots or not bool(state.cold.any()):
+        if not self.recall_slots or not bool((state.cold & ~self._staged(state)).any()):
             return chosen
         paged_keys, valid, importance, token = self.paged(state, keys)
-        count = self.recall_slots // self.page
+        count = self.recall_slots // self.page - self.staged
         scores = self.selector.score(queries, self.selector.digest(paged_keys, valid, importance))
         picked = top_pages(scores, count)
         if self.measure:
@@ -211,10 +235,15 @@ class MaskedRecall:
         keys, values = key[0], value[0]
         grouped = query[0].reshape(heads, group, q_len, dim)
         if self.policy.evicts:
+            if self.flush_now:
+                state.flushed = state.evictions.clone()
             choosing = grouped if self.chunk_queries == "all" else grouped[:, :, -1:]
-            recalled = self.recalled(state, keys, choosing.reshape(heads, -1, dim), layer_idx)
+            if self.staged and q_len == 1:  # the pages chosen before the step, with the last step's queries
+                choosing = state.last_query if self.select_now else None
+            recalled = state.recalled if choosing is None else self.recalled(state, keys, choosing.reshape(heads, -1, dim),
+                                                                            layer_idx)
             state.recalled = recalled
-            old = state.hot | recalled
+            old = state.hot | recalled | self._staged(state)
         else:
             recalled = torch.zeros_like(state.hot)
             old = torch.ones_like(state.hot)
@@ -230,6 +259,9 @@ class MaskedRecall:
             mass = probs.sum(dim=(1, 2))  # [H, T]: attention each token received this step
             self.stats.recalled_attention[layer_idx] += float((mass * recalled).sum() / (group * q_len * heads))
             self._score_and_evict(state, mass, recalled, start, total)
+            state.last_query = grouped[:, :, -1]
+            if self.staged and q_len > 1:  # a chunk's drops go to the cold store at once
+                state.flushed = state.evictions.clone()
         return out.reshape(q_heads, q_len, dim).transpose(0, 1).unsqueeze(0)
 
     def _score_and_evict(self, state: _Layer, mass, recalled, start, total) -> None:

@@ -33,7 +33,9 @@ from h2ochat_kernels.reference import row_weights
 
 from .bounds import PageBounds
 from .cold_store import ColdStore
+from .layout import tensor_bytes
 from .digests import KeyCodes
+from .staging import StagingPage
 from .step import RecallFrames, RecallSlots, fill_recall_slots
 from .tiered import RecallConfig, TierStats
 
@@ -42,7 +44,7 @@ _EMPTY_IS_MINUS_ONE = {"cold_token_index", "cold_positions", "cold_encoded", "fr
 
 
 class RecallTier:
-    """One layer's cold store, digest, recall frames and attention statistics."""
+    """One layer's cold store, digest, recall frames, staging page and attention statistics."""
 
     archives = True
 
@@ -62,12 +64,24 @@ class RecallTier:
         else:
             self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                    device=device, dtype=dtype, rotate=config.rotate, backend=layer.kernels)
-        self.frames = RecallFrames(batch, heads, config.frames, device)
-        hot = layer.capacity  # the recall columns are the layer's last R: views, attended with the hot ones
-        self.slots = RecallSlots(layer.keys[:, :, hot:], layer.values[:, :, hot:], layer.token_index[:, :, hot:],
-                                 layer.positions[:, :, hot:])
+        self.frames = RecallFrames(batch, heads, config.frames - 1, device)  # (the last page stages)
+        hot, staging = layer.capacity, layer.capacity + config.slots - config.page
+
+        def columns(start, stop):  # views of the layer's slots: attended with the hot ones
+            return RecallSlots(layer.keys[:, :, start:stop], layer.values[:, :, start:stop],
+                               layer.token_index[:, :, start:stop], layer.positions[:, :, start:stop])
+
+        self.slots = columns(hot, staging)
+        self.staging = StagingPage(columns(staging, staging + config.page), device)
+        self.all_columns = layer.token_index[:, :, hot:]
         self.recall_scores = layer.scores[:, :, hot:]
         self.decode_steps = 0
+        self.prepared_at = None  # the layer's column count when ``reserve`` prepared the step
+        # the last step's queries [B, H, G, D] (its last token's): a decode step's pages are chosen
+        # before it with these (the queries drift slowly), so the choice runs eagerly, out of the step
+        # (allocated by the first step, which knows the query group)
+        self.last_query = None
+        self.has_query = False
         # attention statistics since allocation, per (sequence, KV head), weighted as the scores are
         # (each real query row's probabilities, summed over the group's query heads)
         self.recalled_mass = torch.zeros(batch, heads, dtype=torch.float32, device=device)
@@ -75,11 +89,15 @@ class RecallTier:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the recall step updates in place (first dimension: the batch row), beside the
-        layer's slots (which hold the recall columns): a compiled step's graph and a parked row take them."""
+        layer's slots (which hold the recall and staging columns): a compiled step's graph and a
+        parked row take them."""
         if self.cold is None:
             return {}
         state = {"recalled_mass": self.recalled_mass, "attended_mass": self.attended_mass}
-        for prefix, part in (("cold", self.cold), ("digest", self.digest), ("frames", self.frames)):
+        if self.last_query is not None:
+            state["last_query"] = self.last_query
+        for prefix, part in (("cold", self.cold), ("digest", self.digest), ("frames", self.frames),
+                             ("staging", self.staging)):
             state.update({f"{prefix}_{name}": tensor for name, tensor in part.state_tensors().items()})
         return state
 
@@ -87,57 +105,94 @@ class RecallTier:
         return -1 if name in _EMPTY_IS_MINUS_ONE else 0
 
     def reset(self) -> None:
-        self.cold = self.digest = self.frames = self.slots = self.recall_scores = None
-        self.recalled_mass = self.attended_mass = None
+        self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = None
+        self.recalled_mass = self.attended_mass = self.last_query = self.all_columns = None
+
+    def bookkeeping_bytes(self) -> int:
+        """Device bytes of the frames' bookkeeping, the last queries and the attention statistics."""
+        parts = [*self.frames.state_tensors().values(), self.recalled_mass, self.attended_mass]
+        return tensor_bytes(parts + ([self.last_query] if self.last_query is not None else []))
 
     def recalled_token_index(self, layer) -> torch.Tensor:
-        """[B, H, R]: the token index each recall slot holds (-1: empty)."""
-        return self.slots.token_index
+        """[B, H, R]: the token index each recall slot holds, staging page included (-1: empty)."""
+        return self.all_columns
 
-    # -- the step -------------------------------------------------------------------------------------
+    # -- before the step (eager, host counters only) ----------------------------------------------------
     def reserve(self, layer, q_len: int) -> None:
-        """Room in the cold store and the digest for whatever the next ``q_len`` tokens can evict (an
-        upper bound from host counters: every token fed so far and these), so the step reads nothing back."""
-        needed = layer.tokens_fed_with_padding + q_len
+        """Before a step (``H2OCache.position_ids``, eager for the compiled step too): the staging page
+        goes to the cold tier before a chunk or when full, a decode step's pages are chosen (every
+        ``every``-th decode step, with the last step's queries), and there is room for what a chunk
+        can evict. Reads nothing back from the device."""
+        self.prepared_at = layer.tokens_fed_with_padding
+        with torch.inference_mode(layer.keys.is_inference()):  # (as the step that made the state ran)
+            self._prepare(layer, q_len)
+
+    def _prepare(self, layer, q_len: int) -> None:
+        if q_len > 1 or self.staging.full():
+            self.flush(layer, q_len)
+        if q_len == 1:
+            self.decode_steps += 1
+            if self.has_query and (self.decode_steps - 1) % self.config.every == 0:
+                self.recall(layer, self.last_query)
+            self.staging.steps += 1
+        else:
+            self._room(layer, q_len)
+        self.has_query = True
+
+    def _room(self, layer, q_len: int) -> None:
+        needed = layer.tokens_fed_with_padding + q_len  # every token fed so far and these: an upper bound
         self.cold.reserve(needed)
         self.digest.reserve(needed)
 
+    def flush(self, layer, q_len: int = 0) -> None:
+        """The staging page into the cold store and the digest (one append of P entries, in eviction
+        order), then emptied. Eager, before a step (or before a chunk's own drops)."""
+        if self.staging.steps == 0:
+            return
+        self._room(layer, q_len)
+        slots = self.staging.slots
+        self.to_cold(slots.keys, slots.values, slots.token_index, slots.positions)
+        self.staging.clear()
+
+    # -- the step -------------------------------------------------------------------------------------
     def before_attention(self, layer, query, new_valid) -> None:
         batch, q_heads, q_len, head_dim = query.shape
-        group = q_heads // layer.keys.shape[1]
-        if not layer.owner.compiled_step:  # (a compiled step's room is reserved by position_ids)
-            self.reserve(layer, q_len)
-            self.decode_steps += q_len == 1
-        # no branch on the cold store's contents: with no page to recall the plan loads nothing
-        every = self.config.every
-        if q_len > 1 or every == 1 or (self.decode_steps - 1) % every == 0:
-            self.recall(layer, query.reshape(batch, layer.keys.shape[1], group * q_len, head_dim))
+        heads = layer.keys.shape[1]
+        group = q_heads // heads
+        if not layer.owner.compiled_step and self.prepared_at != layer.tokens_fed_with_padding:
+            self.reserve(layer, q_len)  # (a step not prepared by position_ids: transformers' generate())
+        grouped = query.view(batch, heads, group, q_len, head_dim)
+        if not layer.owner.compiled_step and (self.last_query is None or self.last_query.shape[2] != group):
+            self.last_query = query.new_zeros(batch, heads, group, head_dim)
+        if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
+            self.recall(layer, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim))
+        self.last_query.copy_(grouped[:, :, :, -1])
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
         weights = row_weights(new_valid, batch, q_len, layer.rows.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += rows * group
 
     def recall(self, layer, queries: torch.Tensor) -> None:
-        """The best pages for these queries [B, H, M, D] into the recall columns."""
-        # eager: score only the slots a token can be in (the store grows by doubling: up to half is
-        # empty); a compiled step scores them all (a host count in the graph would compile every step)
-        upto = None if layer.owner.compiled_step else layer.tokens_fed_with_padding
-        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=upto)
+        """The best pages for these queries [B, H, M, D] into the recall frames (eager)."""
+        # score only the slots a token can be in (the store grows by doubling: up to half is empty)
+        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=layer.tokens_fed_with_padding)
         plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
         fill_recall_slots(self.slots, self.cold, plan, layer.owner.rotary)
 
     def before_insert(self, layer) -> None:
-        """The recall columns' scores are this step's attention to recalled tokens: counted, then
-        cleared (what recalled tokens drew ranks nothing)."""
+        """The recall columns' scores are this step's attention to recalled and staged tokens:
+        counted, then cleared (what they drew ranks nothing)."""
         self.recalled_mass += self.recall_scores.sum(dim=-1)
         self.recall_scores.zero_()
 
     def archive(self, layer, slot: torch.Tensor) -> None:
+        """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush)."""
         where = (*layer.coordinates, slot)
-        self.to_cold(layer.keys[where].unsqueeze(2), layer.values[where].unsqueeze(2),
-                     layer.token_index[where].unsqueeze(2), layer.positions[where].unsqueeze(2))
+        self.staging.put(layer.coordinates, layer.keys[where], layer.values[where], layer.token_index[where],
+                         layer.positions[where])
 
     def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
+        self.flush(layer, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
         # in token order, as a cache fed one token at a time would have evicted them
         token_index = candidates["token_index"].masked_fill(~dropped, -1)
         order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
@@ -155,7 +210,7 @@ class RecallTier:
         self.digest.append(keys, token_index, reserve=False)
 
     def renumber(self, layer, renumbering, rotary) -> None:
-        self.cold.renumber(renumbering)
+        self.cold.renumber(renumbering)  # (the staging page moved with the layer's slots)
         if rotary is not None:  # the digest scores keys as they will be attended: at their new positions
             self.digest.rebuild(self.cold.keys_by_slot(rotary))
 
@@ -271,10 +326,9 @@ class RecallSpec:
             raise ValueError("the full policy evicts nothing: recall needs an evicting policy")
 
     def compile_blocker(self, cache) -> str | None:
-        """The compiled decode step takes recall on a CPU with --recall-every 1 (the step reads no host
-        value: room is reserved before it)."""
-        if self.config.every > 1:
-            return "--recall-every above 1 decides on the host which steps recall"
+        """The compiled decode step takes recall on a CPU: the choice of pages and the flush of the
+        staging page run before it (``RecallTier.reserve``), so the step itself only stages its victim
+        and reads no host value."""
         if cache.initialized and cache.layers[0].device.type != "cpu":
             return "recall on an accelerator runs eagerly: its cold store is host memory (see recall/step.py)"
         return None
@@ -286,25 +340,32 @@ class RecallSpec:
     def stats(self, cache) -> TierStats:
         """What the cold tier holds and did, summed over layers, rows and KV heads (reads the device)."""
         tiers = self._tiers(cache)
-        pages = tokens = dropped = 0
+        pages = tokens = dropped = staged = 0
         for tier in tiers:
             first, end = tier.cold.held()
             pages += int((end - first).sum())
             tokens += int(tier.cold.held_tokens().sum())
             dropped += int(tier.cold.dropped().sum())
+            staged += int(tier.staging.held().sum())
         return TierStats(
             cold_pages=pages, cold_tokens=tokens, dropped_tokens=dropped, host_bytes=self.cold_bytes(cache),
             digest_device_bytes=self.digest_bytes(cache),
             pages_copied=sum(int(tier.frames.copied.sum()) for tier in tiers),
             recalled_mass=sum(float(tier.recalled_mass.sum()) for tier in tiers),
-            attended_mass=sum(float(tier.attended_mass.sum()) for tier in tiers))
+            attended_mass=sum(float(tier.attended_mass.sum()) for tier in tiers),
+            staged_tokens=staged, device_bytes_selector=self.digest_bytes(cache),
+            device_bytes_staging=sum(tier.staging.nbytes() for tier in tiers),
+            device_bytes_frames=sum(tier.bookkeeping_bytes() for tier in tiers),
+            selector_host_bytes=sum(tier.digest.host_nbytes() for tier in tiers),
+            pages_per_summary=max((tier.digest.pages_per_entry for tier in tiers), default=1),
+            summary_cap=tiers[0].digest.cap if tiers else None)
 
     def cold_bytes(self, cache) -> int:
-        """Host bytes of the cold stores."""
-        return sum(tier.cold.nbytes() for tier in self._tiers(cache))
+        """Host bytes of the cold stores and of the token-level codes a two-stage selector keeps beside them."""
+        return sum(tier.cold.nbytes() + tier.digest.host_nbytes() for tier in self._tiers(cache))
 
     def digest_bytes(self, cache) -> int:
-        """Device bytes of the page digests."""
+        """Device bytes of what scores the pages (the digests, or a two-stage selector's summaries)."""
         return sum(tier.digest.nbytes() for tier in self._tiers(cache))
 
     def record(self, cache) -> dict:
@@ -315,4 +376,8 @@ class RecallSpec:
         return {"recall_slots": config.slots, "page": config.page, "selector": config.selector,
                 "every": config.every, "cold_dtype": config.cold_dtype, "cold_limit": config.cold_limit,
                 "digest_device_bytes": stats.digest_device_bytes, "cold_host_bytes": stats.host_bytes,
-                "pages_copied": stats.pages_copied}
+                "pages_copied": stats.pages_copied, "staged_tokens": stats.staged_tokens,
+                "device_bytes_selector": stats.device_bytes_selector,
+                "device_bytes_staging": stats.device_bytes_staging, "device_bytes_frames": stats.device_bytes_frames,
+                "device_bytes": stats.device_bytes, "selector_host_bytes": stats.selector_host_bytes,
+                "pages_per_summary": stats.pages_per_summary, "summary_cap": stats.summary_cap}

@@ -23,8 +23,9 @@ class RecallConfig:
 
     def __post_init__(self):
         self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every)
-        if self.slots < self.page or self.slots % self.page:
-            raise ValueError(f"--recall {self.slots} must be a whole number (>= 1) of --page {self.page} pages")
+        if self.slots < 2 * self.page or self.slots % self.page:
+            raise ValueError(f"--recall {self.slots} must be a whole number (>= 2) of --page {self.page} pages "
+                             "(the last one stages evicted tokens)")
         if self.cold_limit is not None and self.cold_limit < self.slots:
             raise ValueError(f"--cold-limit {self.cold_limit} must hold at least the {self.slots} recall slots")
 
@@ -88,6 +89,25 @@ class TierStats:
     pages_copied: int  # pages brought into recall slots so far
     recalled_mass: float  # attention probability mass the queries gave to recalled tokens
     attended_mass: float  # all the attention mass of the same queries (slots + new tokens)
+    staged_tokens: int = 0  # evicted tokens on the staging pages (attended; the cold store takes them next)
+    # device bytes of every part of the tier beyond the R recall columns of the budget (which hold the
+    # frames' pages and the staging page): what scores pages (``digest_device_bytes``, the same figure),
+    # the staging counters, the frames' bookkeeping with the last queries and the statistics
+    device_bytes_selector: int = 0
+    device_bytes_staging: int = 0
+    device_bytes_frames: int = 0
+    selector_host_bytes: int = 0  # token-level codes kept beside the cold store (two-stage selectors)
+    pages_per_summary: int = 1  # pages each device summary covers (> 1: the cap was reached and it coarsened)
+    summary_cap: int | None = None  # device summaries per (layer, sequence, KV head); None: no cap
+
+    @property
+    def cold_host_bytes(self) -> int:
+        return self.host_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Every device byte of the tier beyond its recall columns."""
+        return self.device_bytes_selector + self.device_bytes_staging + self.device_bytes_frames
 
     @property
     def recalled_share(self) -> float:
