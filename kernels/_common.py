@@ -102,3 +102,67 @@ def int_pow(base, n):
     r = tl.where(n == 0, 1.0, r)
     # (no `&` of the scalar and the vector condition: the interpreter cannot and a 0-d bool with one)
     return tl.where(base < 0, tl.where((n % 2) == 1, -r, r), r)
+
+
+def quant_args(quant, cache_keys: torch.Tensor, cache_values: torch.Tensor, dummy: torch.Tensor) -> tuple:
+    """The launch arguments of a quantised cache (``quant.QuantSlots`` or None), in the order the
+    attention kernels take them: the key scale, key offset, value scale and value offset pointers,
+    their (b, h, s) strides and the code widths (bytes a slot) of keys and values (float slots: the
+    pointers are ``dummy``, never read). The KV_BITS constexpr goes by keyword: ``quant_bits``."""
+    if quant is None:
+        return (dummy,) * 4 + (0,) * 12 + (0, 0)
+    tensors = (quant.key_scale, quant.key_offset, quant.value_scale, quant.value_offset)
+    for t in tensors:
+        if t.dtype != torch.float32:
+            raise TypeError(f"quantised slots: scales and offsets must be float32, got {t.dtype}")
+    strides = tuple(s for t in tensors for s in t.stride())
+    return tensors + strides + (cache_keys.shape[-1], cache_values.shape[-1])
+
+
+def quant_bits(quant) -> int:
+    """The attention kernels' KV_BITS: 0 for float slots, else the codes' bits."""
+    return 0 if quant is None else int(quant.bits)
+
+
+@triton.jit
+def slot_rows(BASE, SCALE, OFFSET, offs_s, offs_d, sks, skd, sss, sos, width, in_range, mask_d,
+              BITS: tl.constexpr):
+    """A [BLOCK_S, BLOCK_D] block of cached keys or values: the stored floats (BITS 0, in their own
+    dtype), or fp32 dequantised from their codes, code * scale + offset per slot (BITS 8: a code a
+    byte; BITS 4: the channel-blocked nibbles of ``quant``, channel d in byte d (low nibble) or
+    byte d - width (high nibble)). Slots outside ``in_range`` come out 0; channels past D come out as
+    the slot's offset, which the masked (zero) query channels and the masked output stores ignore."""
+    mask = in_range[:, None] & mask_d[None, :]
+    if BITS == 0:
+        rows = tl.load(BASE + offs_s[:, None] * sks + offs_d[None, :] * skd, mask=mask, other=0.0)
+    else:
+        if BITS == 4:
+            high = offs_d >= width
+            byte = tl.where(high, offs_d - width, offs_d)
+        else:
+            byte = offs_d
+        codes = tl.load(BASE + offs_s[:, None] * sks + byte[None, :] * skd, mask=mask, other=0).to(tl.int32)
+        if BITS == 4:
+            codes = (codes >> tl.where(high, 4, 0)[None, :]) & 15
+        scale = tl.load(SCALE + offs_s * sss, mask=in_range, other=0.0)
+        offset = tl.load(OFFSET + offs_s * sos, mask=in_range, other=0.0)
+        rows = codes.to(tl.float32) * scale[:, None] + offset[:, None]
+    return rows
+
+
+def check_quant(quant, query: torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Tensor) -> None:
+    """What the kernels take as quantised slots (``quant`` None: nothing to check)."""
+    if quant is None:
+        return
+    check_float(query, "query")
+    if cache_keys.dtype != torch.uint8 or cache_values.dtype != torch.uint8:
+        raise TypeError(f"quantised slots hold uint8 codes, got {cache_keys.dtype} and {cache_values.dtype}")
+    if quant.bits not in (4, 8):
+        raise ValueError(f"quantised slots of 4 or 8 bits, got {quant.bits}")
+    head_dim = query.shape[-1]
+    if quant.key_dim != head_dim or quant.value_dim != head_dim:
+        raise ValueError(f"quantised slots of {quant.key_dim}/{quant.value_dim} channels for a head of {head_dim}")
+    for name, codes in (("keys", cache_keys), ("values", cache_values)):
+        if codes.shape[-1] != -(-head_dim // (8 // quant.bits)):
+            raise ValueError(f"quantised {name}: {codes.shape[-1]} bytes a slot for {head_dim} channels "
+                             f"of {quant.bits} bits")

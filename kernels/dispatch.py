@@ -10,8 +10,8 @@ per call (the module-level functions, for callers without a layer: tests, the si
 
 Triton modules are imported lazily, on the first Triton call, so importing this package never needs
 triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dtypes, non-float
-inputs, an empty cache for eviction, a value-norm rank without the norms) runs the reference instead,
-whatever the backend. The score decay of ``attend_with_scores`` (a float or one per sequence) and the
+inputs, an empty cache for eviction, a value-norm rank without the norms, quantised slots whose new
+tokens are not in the query's dtype) runs the reference instead, whatever the backend. The score decay of ``attend_with_scores`` (a float or one per sequence) and the
 policy eviction ``evict_by_policy`` run in the kernels too. The evictions take an ``active`` row mask
 ([B] bool, None: every row): a row left out writes nothing (a decode step's finished rows).
 
@@ -90,7 +90,18 @@ def kernel_backend(device: torch.device | str) -> str:
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores) -> bool:
+def _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant=None) -> bool:
+    if quant is not None:  # codes, and new tokens in the query's dtype (the kernels' dots take one dtype)
+        return (
+            query.dtype in _FLOATS
+            and new_keys.dtype == new_values.dtype == query.dtype
+            and cache_keys.dtype == cache_values.dtype == torch.uint8
+            and quant.bits in (4, 8)
+            and quant.key_dim == quant.value_dim == query.shape[-1]
+            and all(t.dtype == torch.float32 for t in quant[1:5])
+            and scores.dtype == torch.float32
+            and query.shape[-1] <= 256
+        )
     dtypes = {cache_keys.dtype, cache_values.dtype, new_keys.dtype, new_values.dtype}
     return (
         query.dtype in _FLOATS
@@ -116,12 +127,13 @@ class Backend:
         return f"Backend({self.name!r})"
 
     def attend_with_scores(self, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid,
-                           scale, scores, decay=1.0):
-        """``reference.attend_with_scores`` (same arguments, same results)."""
+                           scale, scores, decay=1.0, quant=None):
+        """``reference.attend_with_scores`` (same arguments, same results; ``quant`` a
+        ``quant.QuantSlots`` when the slots hold int8 / int4 codes)."""
         args = (query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay)
-        if self.triton and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores):
-            return ops.attend_with_scores(*args)
-        return reference.attend_with_scores(*args)
+        if self.triton and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant):
+            return ops.attend_with_scores(*args, quant=quant)
+        return reference.attend_with_scores(*args, quant=quant)
 
     def evict_and_insert(self, priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
                          new_score, new_token_index, new_position, value_norm=None, new_value_norm=None, active=None,

@@ -5,7 +5,9 @@ Ops (namespace ``h2ochat``; ``torch.ops.h2ochat.<name>``):
 
 - ``decode_attend``    ``triton_decode.decode_attend_with_scores`` (Q == 1): writes ``scores``;
 - ``chunk_attend``     ``triton_chunk.chunk_attend_with_scores`` (Q > 1, with its old-score decay
-  launch when decay != 1): writes ``scores``;
+  launch when decay != 1): writes ``scores``; both attention ops end with a quantised cache's
+  ``QuantSlots`` as seven arguments with defaults (bits, 0 for float slots; the four scale/offset
+  tensors or None; the key and value dims);
 - ``evict_and_insert`` ``triton_evict.evict_and_insert`` (a priority given);
 - ``evict_by_policy``  ``triton_evict.evict_by_policy`` (the priority from the policy's parameters);
   both evictions write ``keys``, ``values``, ``scores``, ``slot_token_index``, ``slot_position``
@@ -81,40 +83,64 @@ def _join(number, rows: Optional[Tensor]):
 
 # -- attention ---------------------------------------------------------------------------------------
 
+def _quant_split(quant) -> tuple:
+    """A ``quant.QuantSlots`` (or None) as the ops' trailing arguments: bits (0: float slots), the
+    key scale, key offset, value scale and value offset, and the key and value dims."""
+    if quant is None:
+        return 0, None, None, None, None, 0, 0
+    return (int(quant.bits), quant.key_scale, quant.key_offset, quant.value_scale, quant.value_offset,
+            int(quant.key_dim), int(quant.value_dim))
+
+
+def _quant_join(bits, key_scale, key_offset, value_scale, value_offset, key_dim, value_dim):
+    from .quant import QuantSlots
+
+    return None if bits == 0 else QuantSlots(bits, key_scale, key_offset, value_scale, value_offset, key_dim, value_dim)
+
+
 @_op("decode_attend", mutates_args=("scores",))
 def _decode_attend(query: Tensor, cache_keys: Tensor, cache_values: Tensor, slot_token_index: Tensor,
                    new_keys: Tensor, new_values: Tensor, new_valid: Optional[Tensor], scale: float, scores: Tensor,
-                   decay: float, decay_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                   decay: float, decay_rows: Optional[Tensor], quant_bits: int = 0,
+                   key_scale: Optional[Tensor] = None, key_offset: Optional[Tensor] = None,
+                   value_scale: Optional[Tensor] = None, value_offset: Optional[Tensor] = None, key_dim: int = 0,
+                   value_dim: int = 0) -> tuple[Tensor, Tensor]:
     from . import triton_decode
 
+    quant = _quant_join(quant_bits, key_scale, key_offset, value_scale, value_offset, key_dim, value_dim)
     return triton_decode.decode_attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys,
                                                    new_values, new_valid, scale, scores,
-                                                   decay=_join(decay, decay_rows))
+                                                   decay=_join(decay, decay_rows), quant=quant)
 
 
 @_op("chunk_attend", mutates_args=("scores",))
 def _chunk_attend(query: Tensor, cache_keys: Tensor, cache_values: Tensor, slot_token_index: Tensor,
                   new_keys: Tensor, new_values: Tensor, new_valid: Optional[Tensor], scale: float, scores: Tensor,
-                  decay: float, decay_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                  decay: float, decay_rows: Optional[Tensor], quant_bits: int = 0,
+                  key_scale: Optional[Tensor] = None, key_offset: Optional[Tensor] = None,
+                  value_scale: Optional[Tensor] = None, value_offset: Optional[Tensor] = None, key_dim: int = 0,
+                  value_dim: int = 0) -> tuple[Tensor, Tensor]:
     from . import triton_chunk
 
+    quant = _quant_join(quant_bits, key_scale, key_offset, value_scale, value_offset, key_dim, value_dim)
     return triton_chunk.chunk_attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys,
-                                                 new_values, new_valid, scale, scores, decay=_join(decay, decay_rows))
+                                                 new_values, new_valid, scale, scores, decay=_join(decay, decay_rows),
+                                                 quant=quant)
 
 
 @_fake("decode_attend")
 @_fake("chunk_attend")
 def _attention_fake(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
-                    decay, decay_rows):
+                    decay, decay_rows, *quant):
     batch, kv_heads, _, q_len, _ = query.shape
     # both launchers allocate contiguous outputs: the output in the query's dtype, fp32 new scores
     return query.new_empty(query.shape), query.new_empty((batch, kv_heads, q_len), dtype=torch.float32)
 
 
 def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
-                       decay=1.0):
+                       decay=1.0, quant=None):
     """The Triton attention (decode kernel for Q == 1, chunk kernel otherwise): the launcher when
-    eager, the op under ``torch.compile``."""
+    eager, the op under ``torch.compile``. ``quant``: ``quant.QuantSlots`` for int8 / int4 slots."""
     decay_number, decay_rows = _split(decay)
     if query.shape[3] == 1:
         op, module, launcher = torch.ops.h2ochat.decode_attend, "triton_decode", "decode_attend_with_scores"
@@ -122,9 +148,12 @@ def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_ke
         op, module, launcher = torch.ops.h2ochat.chunk_attend, "triton_chunk", "chunk_attend_with_scores"
     if torch.compiler.is_compiling():
         return op(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, float(scale),
-                  scores, float(decay_number), decay_rows)
+                  scores, float(decay_number), decay_rows, *_quant_split(quant))
+    if quant is None:  # (the launcher's own call as before: spies in the tests take no quant)
+        return _launcher(module, launcher)(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
+                                           new_valid, scale, scores, decay=decay)
     return _launcher(module, launcher)(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
-                                       new_valid, scale, scores, decay=decay)
+                                       new_valid, scale, scores, decay=decay, quant=quant)
 
 
 def _launcher(module: str, name: str):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from . import quant as _quant
+
 _MASKED = torch.finfo(torch.float32).min
 
 
@@ -27,6 +29,7 @@ def attend_with_scores(
     scale: float,
     scores: torch.Tensor,
     decay: float | torch.Tensor = 1.0,
+    quant: _quant.QuantSlots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of Q new queries over S cached slots plus the Q new tokens, with H2O scoring.
 
@@ -42,6 +45,10 @@ def attend_with_scores(
                      are multiplied by decay ** (real rows this step) and query row q's
                      probabilities weigh decay ** (real rows after q). 1 = the paper's plain sum,
                      0 = the last real row's attention only.
+    quant            None, or ``quant.QuantSlots``: the slots are quantised, cache_keys/values are
+                     their codes [B, Hkv, S, W] uint8, dequantised here (to the query's dtype) with
+                     the scale and offset it holds; the new tokens stay at full precision (the token a step adds is
+                     attended as it is, and quantised only when the cache writes it).
 
     New tokens attend causally among themselves. Padding keys receive no attention; padding query
     rows add nothing to any score (and do not decay it: a decode step's row left out by an active
@@ -49,6 +56,9 @@ def attend_with_scores(
     new_scores [B, Hkv, Q] float32: the same column sums for the new tokens).
     """
     batch, kv_heads, group, q_len, head_dim = query.shape
+    if quant is not None:
+        # in the query's dtype: what an unquantised cache of the model's dtype would hold
+        cache_keys, cache_values = _quant.dequantized_slots(cache_keys, cache_values, quant, query.dtype)
     # the scale goes on the queries once, not on both logit blocks
     rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
 

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (MASKED, check_float, decay_arg, dot_mode, int_pow, interpreting, launch_guard, next_pow2,
-                      row_scalar)
+from ._common import (MASKED, check_float, check_quant, decay_arg, dot_mode, int_pow, interpreting, launch_guard,
+                      next_pow2, quant_args, quant_bits, row_scalar, slot_rows)
 
 
 @triton.jit
@@ -52,6 +52,16 @@ def _pv(p, v, HALF_DOT: tl.constexpr):
     else:
         r = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     return r
+
+
+@triton.jit
+def _slot_block(BASE, SCALE, OFFSET, offs_s, offs_d, sks, skd, sss, sos, width, in_range, mask_d, Qp,
+                KV_BITS: tl.constexpr):
+    """A block of cached keys or values: as stored, or dequantised to the query's dtype (the reference's)."""
+    rows = slot_rows(BASE, SCALE, OFFSET, offs_s, offs_d, sks, skd, sss, sos, width, in_range, mask_d, KV_BITS)
+    if KV_BITS != 0:
+        rows = rows.to(Qp.dtype.element_ty)
+    return rows
 
 
 @triton.jit
@@ -108,7 +118,10 @@ def _chunk_kernel(
     ssb, ssh, sss,
     sob, soh, sog, soq, sod,
     sdecb,
-    MASKED_LOGIT: tl.constexpr,
+    KS, KO, VS, VO,
+    sksb, sksh, skss, skob, skoh, skos, svsb, svsh, svss, svob, svoh, svos,
+    key_width, value_width,
+    MASKED_LOGIT: tl.constexpr, KV_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VALID: tl.constexpr, HALF_DOT: tl.constexpr, DECAY: tl.constexpr, DECAY_PER_ROW: tl.constexpr,
 ):
@@ -126,10 +139,11 @@ def _chunk_kernel(
 
     q = tl.load(Qp + b * sqb + h * sqh + head_g[:, None] * sqg + tok_i[:, None] * sqq + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & mask_d[None, :], other=0.0)
-    if HALF_DOT:
-        q = q.to(K.dtype.element_ty)
-    else:
+    if not HALF_DOT:
         q = q.to(tl.float32)
+    elif KV_BITS == 0:
+        q = q.to(K.dtype.element_ty)
+    # (quantised slots with a 16-bit query: the query keeps its dtype, the dequantised rows take it)
     if HAS_VALID:
         row_real = tl.load(VALID + b * svalb + tok_i * svalq, mask=row_ok, other=0).to(tl.int32) != 0
     else:
@@ -153,6 +167,8 @@ def _chunk_kernel(
     i_base = SLOT + b * sib + h * sih
     nk_base = NK + b * snkb + h * snkh
     nv_base = NV + b * snvb + h * snvh
+    ks_base, ko_base = KS + b * sksb + h * sksh, KO + b * skob + h * skoh
+    vs_base, vo_base = VS + b * svsb + h * svsh, VO + b * svob + h * svoh
 
     # ---- pass 1: row max and sum ----
     m_i = tl.full([BLOCK_M], MASKED_LOGIT, tl.float32)
@@ -160,8 +176,8 @@ def _chunk_kernel(
     for s0 in range(0, S, BLOCK_N):
         offs_s = s0 + tl.arange(0, BLOCK_N)
         in_range = offs_s < S
-        k = tl.load(k_base + offs_s[:, None] * sks + offs_d[None, :] * skd,
-                    mask=in_range[:, None] & mask_d[None, :], other=0.0)
+        k = _slot_block(k_base, ks_base, ko_base, offs_s, offs_d, sks, skd, skss, skos, key_width, in_range, mask_d,
+                        Qp, KV_BITS)
         tok = tl.load(i_base + offs_s * sis, mask=in_range, other=-1)
         logits = _qk(q, k, HALF_DOT) * scale
         logits = tl.where((tok >= 0)[None, :], logits, MASKED_LOGIT)
@@ -193,14 +209,15 @@ def _chunk_kernel(
     for s0 in range(0, S, BLOCK_N):
         offs_s = s0 + tl.arange(0, BLOCK_N)
         in_range = offs_s < S
-        kv_mask = in_range[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_s[:, None] * sks + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        k = _slot_block(k_base, ks_base, ko_base, offs_s, offs_d, sks, skd, skss, skos, key_width, in_range, mask_d,
+                        Qp, KV_BITS)
         tok = tl.load(i_base + offs_s * sis, mask=in_range, other=-1)
         logits = _qk(q, k, HALF_DOT) * scale
         logits = tl.where((tok >= 0)[None, :], logits, MASKED_LOGIT)
         logits = tl.where(in_range[None, :], logits, float("-inf"))
         p = tl.exp(logits - m_i[:, None]) * inv_l[:, None]
-        v = tl.load(v_base + offs_s[:, None] * svs + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        v = _slot_block(v_base, vs_base, vo_base, offs_s, offs_d, svs, svd, svss, svos, value_width, in_range,
+                        mask_d, Qp, KV_BITS)
         acc += _pv(p, v, HALF_DOT)
         col = _column_sums(p, row_w)
         tl.atomic_add(s_base + offs_s * sss, col, mask=in_range)
@@ -243,19 +260,30 @@ def chunk_attend_with_scores(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
     decay: float | torch.Tensor = 1.0,
+    quant=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.attend_with_scores`` for any Q (see the module docstring), ``decay`` included.
+    """``reference.attend_with_scores`` for any Q (see the module docstring), ``decay`` and ``quant``
+    included (quantised slots: their codes dequantised as each block is loaded, in both passes; the
+    new tokens full precision, in the query's dtype).
 
     ``block_m`` / ``block_n`` override the tile sizes (>= 16); ``out`` (shape and dtype of the
     result) receives the output instead of a fresh tensor.
     """
     batch, kv_heads, group, q_len, head_dim = query.shape
     slots = cache_keys.shape[2]
-    for name, t in (("query", query), ("cache_keys", cache_keys), ("cache_values", cache_values),
-                    ("new_keys", new_keys), ("new_values", new_values)):
+    check_quant(quant, query, cache_keys, cache_values)
+    for name, t in (("query", query), ("new_keys", new_keys), ("new_values", new_values)) + (
+            (("cache_keys", cache_keys), ("cache_values", cache_values)) if quant is None else ()):
         check_float(t, name)
-    if cache_keys.dtype != new_keys.dtype or cache_values.dtype != new_values.dtype or cache_keys.dtype != cache_values.dtype:
+    # the dots take both operands in one dtype: the slots' (and the new tokens'), or the query's
+    dot_dtype = cache_keys.dtype if quant is None else query.dtype
+    if quant is None and (cache_keys.dtype != new_keys.dtype or cache_values.dtype != new_values.dtype
+                          or cache_keys.dtype != cache_values.dtype):
         raise TypeError("cache and new keys/values must share one dtype")
+    if quant is not None and (new_keys.dtype != dot_dtype or new_values.dtype != dot_dtype):
+        raise TypeError("with quantised slots the new keys and values take the query's dtype")
+    if quant is not None and slots == 0:
+        quant = None  # no slot to dequantise: the cache loops run zero times over dummy tensors
     if scores.dtype != torch.float32:
         raise TypeError("scores must be float32")
     device = query.device
@@ -274,7 +302,7 @@ def chunk_attend_with_scores(
     num_stages = 3
     if interpreting():
         tile = 16
-    elif dot_mode(cache_keys.dtype):
+    elif dot_mode(dot_dtype):
         tile = 64 if block_d <= 128 else 32
     else:
         tile, num_stages = (32 if block_d <= 128 else 16), 2
@@ -309,8 +337,9 @@ def chunk_attend_with_scores(
             decay_ptr, float(scale), decay_scalar, slots, q_len, group, head_dim, kv_heads,
             *query.stride(), *cache_k.stride()[:4], *cache_v.stride()[:4], *slot_idx.stride()[:3],
             *new_keys.stride(), *new_values.stride(), *sval, *scores_arg.stride()[:3], *out.stride(), sdec,
-            MASKED_LOGIT=MASKED, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            HAS_VALID=new_valid is not None, HALF_DOT=dot_mode(cache_keys.dtype), DECAY=has_decay,
+            *quant_args(quant, cache_k, cache_v, new_scores),
+            MASKED_LOGIT=MASKED, KV_BITS=quant_bits(quant), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            HAS_VALID=new_valid is not None, HALF_DOT=dot_mode(dot_dtype), DECAY=has_decay,
             DECAY_PER_ROW=decay_per_row, num_warps=4, num_stages=num_stages,
         )
     return out, new_scores

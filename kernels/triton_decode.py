@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MASKED, check_float, decay_arg, dot_mode, interpreting, launch_guard, next_pow2, row_scalar
+from ._common import (MASKED, check_float, check_quant, decay_arg, dot_mode, interpreting, launch_guard, next_pow2,
+                      quant_args, quant_bits, row_scalar, slot_rows)
 
 
 @triton.jit
@@ -42,7 +43,10 @@ def _decode_split_kernel(
     skb, skh, sks, skd,
     svb, svh, svs, svd,
     sib, sih, sis,
-    MASKED_LOGIT: tl.constexpr,
+    KS, KO, VS, VO,
+    sksb, sksh, skss, skob, skoh, skos, svsb, svsh, svss, svob, svoh, svos,
+    key_width, value_width,
+    MASKED_LOGIT: tl.constexpr, KV_BITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     SCORE: tl.constexpr, HALF_DOT: tl.constexpr,
 ):
@@ -58,10 +62,11 @@ def _decode_split_kernel(
 
     q = tl.load(Q + b * sqb + h * sqh + offs_g[:, None] * sqg + offs_d[None, :] * sqd,
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    if HALF_DOT:
-        q = q.to(K.dtype.element_ty)
-    else:
+    if not HALF_DOT:
         q = q.to(tl.float32)
+    elif KV_BITS == 0:
+        q = q.to(K.dtype.element_ty)
+    # (quantised slots with a 16-bit query: the query keeps its dtype, the dequantised rows take it)
 
     m_i = tl.full([BLOCK_G], MASKED_LOGIT, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -71,14 +76,18 @@ def _decode_split_kernel(
     v_base = V + b * svb + h * svh
     i_base = SLOT + b * sib + h * sih
     ws_base = WS + bh.to(tl.int64) * G * S
+    ks_base, ko_base = KS + b * sksb + h * sksh, KO + b * skob + h * skoh
+    vs_base, vo_base = VS + b * svsb + h * svsh, VO + b * svob + h * svoh
 
     start = split * split_len
     end = tl.minimum(start + split_len, S)
     for s0 in range(start, end, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         in_range = offs_s < end
-        kv_mask = in_range[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_s[:, None] * sks + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        k = slot_rows(k_base, ks_base, ko_base, offs_s, offs_d, sks, skd, skss, skos, key_width, in_range, mask_d,
+                      KV_BITS)
+        if KV_BITS != 0:  # dequantised to the query's dtype, as the reference does
+            k = k.to(Q.dtype.element_ty)
         tok = tl.load(i_base + offs_s * sis, mask=in_range, other=-1)
         if HALF_DOT:
             logits = tl.dot(q, tl.trans(k))
@@ -94,9 +103,12 @@ def _decode_split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_s[:, None] * svs + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        v = slot_rows(v_base, vs_base, vo_base, offs_s, offs_d, svs, svd, svss, svos, value_width, in_range, mask_d,
+                      KV_BITS)
+        if KV_BITS != 0:
+            v = v.to(Q.dtype.element_ty)
         if HALF_DOT:
-            pv = tl.dot(p.to(V.dtype.element_ty), v)
+            pv = tl.dot(p.to(v.dtype), v)
         else:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
@@ -244,8 +256,12 @@ def decode_attend_with_scores(
     block_s: int | None = None,
     out: torch.Tensor | None = None,
     decay: float | torch.Tensor = 1.0,
+    quant=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.attend_with_scores`` for Q == 1 (see the module docstring).
+
+    ``quant`` (``quant.QuantSlots`` or None): the slots are int8 / int4 codes, dequantised in the
+    split kernel as each block is loaded (the new token is full precision, read by the combine).
 
     ``decay`` (a float or a [B] tensor) is the reference's score decay: a real token multiplies the
     old scores by it before adding its probabilities. ``score=False`` skips the score bookkeeping (``scores`` is then left alone and may be None).
@@ -256,11 +272,17 @@ def decode_attend_with_scores(
     if q_len != 1:
         raise ValueError(f"decode kernel takes one query token, got {q_len}")
     slots = cache_keys.shape[2]
-    for name, t in (("query", query), ("cache_keys", cache_keys), ("cache_values", cache_values)):
-        check_float(t, name)
-    if cache_keys.dtype != cache_values.dtype:
-        raise TypeError("cache_keys and cache_values must share a dtype")
+    check_quant(quant, query, cache_keys, cache_values)
+    if quant is not None and slots == 0:
+        quant = None  # no slot to dequantise: the float path over dummy tensors below
+    elif quant is None:
+        for name, t in (("query", query), ("cache_keys", cache_keys), ("cache_values", cache_values)):
+            check_float(t, name)
+        if cache_keys.dtype != cache_values.dtype:
+            raise TypeError("cache_keys and cache_values must share a dtype")
     device = query.device
+    # the dtype the dots take their inputs in: the slots' own, or (quantised) the query's
+    dot_dtype = cache_keys.dtype if quant is None else query.dtype
 
     if out is None:
         out = torch.empty(batch, kv_heads, group, 1, head_dim, dtype=query.dtype, device=device)
@@ -274,7 +296,7 @@ def decode_attend_with_scores(
     if block_s is None:
         if interpreting():
             block_s = 16
-        elif dot_mode(cache_keys.dtype):  # 16-bit: ~24 KiB of shared memory at D = 128
+        elif dot_mode(dot_dtype):  # 16-bit: ~24 KiB of shared memory at D = 128
             block_s = 64 if block_d <= 128 else 32
         else:  # fp32 tiles are twice the bytes: fit the ~100 KiB of consumer GPUs
             block_s, num_stages = (32 if block_d <= 128 else 16), 2
@@ -300,7 +322,7 @@ def decode_attend_with_scores(
     else:  # nothing cached: run the split kernel over zero slots against dummy (never read) tensors
         cache_k = cache_v = new_keys[:, :, :1]
         slot_idx = torch.full((batch, kv_heads, 1), -1, dtype=torch.int64, device=device)
-    half_dot = dot_mode(cache_k.dtype)
+    half_dot = dot_mode(cache_k.dtype if quant is None else dot_dtype)
     has_decay, decay_per_row, decay_scalar, decay_ptr, sdec = decay_arg(decay, batch, part_m)
     # select(), not [..., 0]: the launch-guard test runs this on fake CUDA tensors, which a CPU-only
     # torch cannot index with Python subscripts
@@ -316,7 +338,8 @@ def decode_attend_with_scores(
             q, cache_k, cache_v, slot_idx, ws, part_m, part_l, part_acc,
             float(scale), slots, group, head_dim, kv_heads, split_len, splits,
             *q.stride(), *cache_k.stride(), *cache_v.stride(), *slot_idx.stride(),
-            MASKED_LOGIT=MASKED, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=block_s,
+            *quant_args(quant, cache_k, cache_v, part_m),
+            MASKED_LOGIT=MASKED, KV_BITS=quant_bits(quant), BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=block_s,
             SCORE=do_score, HALF_DOT=half_dot, num_warps=4, num_stages=num_stages,
         )
         _decode_combine_kernel[(bh, splits if do_score else 1)](
