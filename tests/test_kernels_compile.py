@@ -11,7 +11,8 @@ eviction: the fused ``evict_by_policy`` with its rank flags, recent window and s
 and bf16 (the GPU default: ``pick_dtype`` takes bf16 where supported), at head_dim 128 (and 64 for
 the default policy) and the default budget (20% of 4096 tokens: 819 slots); the full cache's attention without eviction;
 the decode step of a burst with rows left out (an ``active`` mask: the attention's ``new_valid``, the
-eviction's ``HAS_ACTIVE``), for every policy in bf16; and the neighbours a GPU also meets: fp32 (the
+eviction's ``HAS_ACTIVE``), for every policy in bf16; the decode step and chunk over int8 and int4
+slots (``KV_BITS``) in fp16, bf16 and fp32; and the neighbours a GPU also meets: fp32 (the
 "ieee" dot path), a padded batch (``new_valid``), and eval's mixed rows (per-sequence decay, recent
 window and sinks).
 
@@ -71,12 +72,19 @@ def test_kernels_compile_for_sm90():
     assert launched("_evict_kernel", K="*bf16", RANK=1, BY_AGE=False, HAS_ACTIVE=True)
     assert launched("_evict_kernel", K="*bf16", RANK=2, HAS_ACTIVE=True)
     assert launched("_evict_kernel", K="*bf16", RANK=0, HAS_ACTIVE=True)
+    # quantised slots: uint8 codes, dequantised in the decode split kernel and in the chunk kernel
+    for bits in (8, 4):
+        assert launched("_decode_split_kernel", K="*u8", Q="*bf16", KV_BITS=bits, HALF_DOT=True, BLOCK_D=128)
+        assert launched("_decode_split_kernel", K="*u8", Q="*fp16", KV_BITS=bits, HALF_DOT=True, BLOCK_D=64)
+        assert launched("_chunk_kernel", K="*u8", OUT="*bf16", KV_BITS=bits, HALF_DOT=True)
+    assert launched("_decode_split_kernel", K="*u8", Q="*fp32", KV_BITS=4, HALF_DOT=False)
+    assert launched("_decode_split_kernel", K="*bf16", KV_BITS=0)  # the float slots' variant is unchanged
 
 
 # -- the compile, in a fresh process ------------------------------------------------------------------
 
 POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int64": "*i64", "int32": "*i32",
-                 "bool": "*i1"}
+                 "bool": "*i1", "uint8": "*u8"}
 
 
 class Recorder:
@@ -133,7 +141,29 @@ def launch_scenarios():
             triton_evict.evict_and_insert(empty(batch, kv_heads, slots, dt=torch.float32), *state, *new, *norm,
                                           active)
 
+    def quant_step(dtype, head_dim, bits, *, batch=2, kv_heads=8, group=4, slots=DEFAULT_SLOTS, q_len=24):
+        """A decode step and a prefill chunk over int8 / int4 slots (codes, float32 scale and offset)."""
+        from h2ochat_kernels.quant import QuantSlots, code_width
+
+        width = code_width(head_dim, bits)
+        codes = [torch.empty(batch, kv_heads, slots, width, dtype=torch.uint8, device=dev) for _ in range(2)]
+        quant = QuantSlots(bits, *(torch.empty(batch, kv_heads, slots, device=dev) for _ in range(4)), head_dim,
+                           head_dim)
+        index = torch.empty(batch, kv_heads, slots, dtype=torch.int64, device=dev)
+        scores = torch.empty(batch, kv_heads, slots, dtype=torch.float32, device=dev)
+        for q in (1, q_len):
+            launcher = triton_decode.decode_attend_with_scores if q == 1 else triton_chunk.chunk_attend_with_scores
+            new = [torch.empty(batch, kv_heads, q, head_dim, dtype=dtype, device=dev) for _ in range(2)]
+            launcher(torch.empty(batch, kv_heads, group, q, head_dim, dtype=dtype, device=dev), *codes, index, *new,
+                     None, head_dim ** -0.5, scores, decay=1.0, quant=quant)
+
     scenarios = []
+    for dtype in DTYPES:  # quantised slots (--kv-dtype int8 / int4)
+        for head_dim in HEAD_DIMS:
+            for bits in (8, 4):
+                scenarios.append((f"int{bits} slots {dtype} head_dim {head_dim}",
+                                  lambda d=getattr(torch, dtype), h=head_dim, b=bits: quant_step(d, h, b)))
+    scenarios.append(("int4 slots float32 (ieee dots)", lambda: quant_step(torch.float32, 128, 4)))
     for name, policy in POLICIES.items():
         for dtype in DTYPES:
             # head_dim only changes the BLOCK_D tile: both for the default policy, 128 for the others
