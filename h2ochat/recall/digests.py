@@ -11,6 +11,29 @@ Device bytes per token: ceil(D / (8 // bits)) for the codes packed 8 // bits to 
 (``h2ochat_kernels.pack_codes``) plus 4 for the fp16 scale and offset; int4 at D = 64: 32 + 4 = 36
 bytes, 0.28 of an fp16 key's 128 (int2: 20, 0.16; int3 packs 2 to a byte like int4). Which token a
 slot holds is not stored: it follows from the per-(sequence, head) count (``number``).
+
+``TwoStageCodes``, the coded selectors' default (intN, rotN): two-stage page selection with bounded
+device memory.
+
+Stage 1, on the device: per (sequence, KV head) at most ``cap`` summaries (allocated once: the
+device bytes do not grow with the text). A summary covers g consecutive pages (g = 1 until the
+cap) and holds the mean of their turned keys (the rotation of ``rotN``) as b-bit codes with an fp16
+scale and offset, the digest's layout: 36 bytes at D = 64 and 4 bits, 2.25 bytes per token at
+pages of 16. Its score is the best q . mean over the step's queries; the top C // g summaries name C
+candidate pages.
+
+Stage 2, where the cold store lives (pinned host memory on a GPU, the same memory on the CPU): the
+token-level codes of every cold token (a ``KeyCodes``), of which only the C candidates' are
+read and scored as the one-stage digest scores every page (the best q.k of each page); the best
+pages go to the recall frames. With C pages or fewer held every page is a candidate, so the choice
+is the one-stage digest's.
+
+At the cap: when the pages appended would need more than ``cap`` summaries, g doubles and every
+summary is made again from the token codes (coarser summaries, never dropped pages: counted in
+``coarsenings``, shown as the pages per summary in /cache, --json and the tier's stats). Summaries
+are made from the token codes (dequantised), when a flush or a chunk appends tokens (the summaries
+those tokens touch) and after a re-numbering (all). Host counters decide g (an upper bound of the
+tokens appended: nothing is read back).
 """
 
 from __future__ import annotations
@@ -21,6 +44,7 @@ import h2ochat_kernels as kernels
 
 from .layout import Writes, best_pages, growable, held_pages, tensor_bytes, widened
 from .selectors import packed_quantize, score_pages, spreading_rotation
+
 
 class KeyCodes:
     def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int | None, *,
@@ -68,6 +92,10 @@ class KeyCodes:
 
     def _turned(self, keys_or_queries: torch.Tensor) -> torch.Tensor:
         return keys_or_queries if self.rotation is None else keys_or_queries.float() @ self.rotation
+
+    def turned(self, queries: torch.Tensor) -> torch.Tensor:
+        """Queries as the codes are scored: turned by the spreading rotation (``rotN``), else as given."""
+        return self._turned(queries)
 
     def _write_digest(self, keys: torch.Tensor, write) -> None:
         """``write(buffer, new)`` for each per-slot buffer, ``new`` made from ``keys`` [B, H, S, D]."""
@@ -185,3 +213,166 @@ class KeyCodes:
         """The digest's device bytes: codes, scale and offset per slot, and the count (see the module
         docstring for a token's share)."""
         return tensor_bytes(self.state_tensors().values())
+
+
+SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
+CANDIDATES = 16  # pages whose token codes stage 2 scores
+
+
+def _pages_of(entries: torch.Tensor, g: int) -> torch.Tensor:
+    """Summaries [B, H, K] (-1: none) -> their pages [B, H, K * g] (-1 for a none's)."""
+    pages = entries.unsqueeze(-1) * g + torch.arange(g, device=entries.device)
+    return pages.masked_fill((entries < 0).unsqueeze(-1), -1).flatten(2)
+
+
+class TwoStageCodes:
+    """The digest contract of ``KeyCodes`` (append, reserve, rebuild, top_pages, count, nbytes) with
+    the token codes in the cold store's memory and ``cap`` page summaries on the device."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int, *, frames: int | None = None,
+                 device=None, host=None, dtype=torch.float32, rotate: bool = False,
+                 backend: kernels.Backend | None = None, cap: int = SUMMARY_CAP, candidates: int = CANDIDATES):
+        if cap < 2:
+            raise ValueError(f"the summary cap must be at least 2 summaries, got {cap}")
+        same = host is None or torch.device(host) == torch.device(device or "cpu")
+        self.tokens = KeyCodes(batch, heads, head_dim, page, bits, frames=frames, device=host if not same else device,
+                               dtype=dtype, rotate=rotate, backend=backend if same else None)
+        self.page, self.bits, self.frames, self.cap, self.candidates = page, bits, frames, cap, candidates
+        self.head_dim, self.device, self.backend = head_dim, torch.device(device or "cpu"), backend
+        width = kernels.packed_width(head_dim, bits)
+        self.codes = torch.zeros(batch, heads, cap + 1, width, dtype=torch.uint8, device=device)  # + a spill row
+        self.scale = torch.zeros(batch, heads, cap + 1, dtype=torch.float16, device=device)
+        self.offset = torch.zeros(batch, heads, cap + 1, dtype=torch.float16, device=device)
+        self.pages_per_entry = 1
+        self.coarsenings = 0  # times the cap made the summaries coarser
+        self.appended = 0  # host: an upper bound of the tokens any (sequence, head) appended
+
+    # -- the digest contract ----------------------------------------------------------------------
+    @property
+    def count(self) -> torch.Tensor:
+        return self.tokens.count
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.capacity
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {**self.tokens.state_tensors(), "summary_codes": self.codes, "summary_scale": self.scale,
+                "summary_offset": self.offset}
+
+    def reserve(self, needed: int) -> None:
+        self.tokens.reserve(needed)
+
+    def append(self, keys: torch.Tensor, token_index: torch.Tensor, *, reserve: bool = True) -> None:
+        """The evicted keys [B, H, E, D] (token index -1: none), in eviction order: token codes, then
+        the summaries they touch (all of them when the cap makes the summaries coarser)."""
+        host = self.tokens.count.device
+        before = self.tokens.count.clone()
+        self.tokens.append(keys.to(host), token_index.to(host), reserve=reserve)
+        self.appended += keys.shape[2]
+        span = self.page * self.pages_per_entry
+        if self._coarsen():
+            self._refresh(self._entry_ids())
+            return
+        first = before // span  # the summary the first new token lands in, and the next ones
+        touched = first.unsqueeze(-1) + torch.arange(-(-keys.shape[2] // span) + 1, device=host)
+        last = (self.tokens.count - 1) // span
+        self._refresh(touched.masked_fill(touched > last.unsqueeze(-1), -1))
+
+    def rebuild(self, keys_by_slot: torch.Tensor) -> None:
+        """After a re-numbering (RoPE): the token codes again, then every summary."""
+        self.tokens.rebuild(keys_by_slot)
+        self._refresh(self._entry_ids())
+
+    def top_pages(self, queries: torch.Tensor, count: int, upto: int | None = None) -> torch.Tensor:
+        """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer), chosen among
+        the candidates the summaries name. ``upto`` is not needed: stage 1 scores ``cap`` summaries."""
+        host = self.tokens.count.device
+        turned = self.tokens.turned(queries.to(self.tokens.count.device))
+        entries = self._entry_ids()  # [B, H, cap]
+        valid = self._entry_held(entries)
+        stage1 = score_pages(turned.to(self.device), self.codes[:, :, : self.cap], self.scale[:, :, : self.cap],
+                             self.offset[:, :, : self.cap], valid.to(self.device), 1, self.bits, backend=self.backend)
+        g = self.pages_per_entry
+        best = kernels.top_pages(stage1, max(1, self.candidates // g)).to(host)  # [B, H, k] summary slots
+        chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+        pages = _pages_of(chosen, g)  # [B, H, k * g]
+        stage2 = self._page_scores(turned.to(host), pages)
+        pick = kernels.top_pages(stage2, count)
+        return pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1).to(queries.device)
+
+    def host_nbytes(self) -> int:
+        """The token codes' bytes (the cold store's memory)."""
+        return self.tokens.nbytes()
+
+    def nbytes(self) -> int:
+        """Device bytes: the summaries (fixed: ``cap`` of them and a spill row)."""
+        return tensor_bytes((self.codes, self.scale, self.offset))
+
+    # -- summaries ----------------------------------------------------------------------------------
+    def _coarsen(self) -> bool:
+        """Double the pages per summary until the pages appended fit the cap (a ring's held pages
+        span at most one summary more than they fill). True when it changed."""
+        pages = -(-self.appended // self.page)
+        if self.frames is not None:
+            pages = min(pages, self.frames + self.pages_per_entry)
+        changed = False
+        while -(-pages // self.pages_per_entry) > self.cap:
+            self.pages_per_entry *= 2
+            changed = True
+        self.coarsenings += changed
+        return changed
+
+    def _entry_ids(self) -> torch.Tensor:
+        """[B, H, cap]: the summary number each summary slot holds now (-1: none): the latest number
+        below the count's end that lives there (number mod cap)."""
+        span = self.page * self.pages_per_entry
+        last = ((self.tokens.count - 1) // span).unsqueeze(-1)
+        slot = torch.arange(self.cap, device=last.device)
+        number = last - (last - slot).remainder(self.cap)
+        return number.masked_fill(number < 0, -1)
+
+    def _entry_held(self, entries: torch.Tensor) -> torch.Tensor:
+        """Summaries covering some held token."""
+        first, _ = held_pages(self.tokens.count, self.page, self.frames)
+        end_page = (entries + 1) * self.pages_per_entry
+        return (entries >= 0) & (end_page > first.unsqueeze(-1))
+
+    def _tokens_of_pages(self, pages: torch.Tensor):
+        """For absolute pages [B, H, K] (-1: none): each page's codes, scale, offset [B, H, K * P, ...]
+        read from the token store, and which of its slots hold a token still held."""
+        store = self.tokens
+        first, _ = held_pages(store.count, self.page, self.frames)
+        token = pages.clamp(min=0).unsqueeze(-1) * self.page + torch.arange(self.page, device=pages.device)
+        held = ((pages >= 0) & (pages >= first.unsqueeze(-1))).unsqueeze(-1) & (token < store.count[..., None, None])
+        slot = token % store.capacity if self.frames is not None else token.clamp(max=store.capacity - 1)
+        slot = slot.masked_fill(~held, 0).flatten(2)
+
+        def take(buffer):
+            index = slot if buffer.dim() == 3 else slot.unsqueeze(-1).expand(*slot.shape, buffer.shape[-1])
+            return buffer.gather(2, index)
+
+        return take(store.codes), take(store.scale), take(store.offset), held.flatten(2)
+
+    def _page_scores(self, turned: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Stage 2: the best q.k of each candidate page [B, H, K] from its token codes (-inf: none)."""
+        codes, scale, offset, held = self._tokens_of_pages(pages)
+        return score_pages(turned, codes, scale, offset, held, self.page, self.bits, backend=self.tokens.backend)
+
+    def _refresh(self, entries: torch.Tensor) -> None:
+        """Summaries [B, H, K] (-1: leave alone) made again from the token codes of their pages."""
+        g = self.pages_per_entry
+        pages = _pages_of(entries, g)
+        codes, scale, offset, held = self._tokens_of_pages(pages)
+        keys = (kernels.unpack_codes(codes, self.bits, self.head_dim).float() * scale.float().unsqueeze(-1)
+                + offset.float().unsqueeze(-1))  # [B, H, K * g * P, D], turned
+        batch, heads, k = entries.shape
+        weight = held.view(batch, heads, k, g * self.page, 1).float()
+        mean = (keys.view(batch, heads, k, g * self.page, -1) * weight).sum(-2) / weight.sum(-2).clamp_min(1)
+        new_codes, new_scale, new_offset = packed_quantize(mean, self.bits)
+        write = (entries >= 0) & held.view(batch, heads, k, -1).any(-1)
+        target = entries.remainder(self.cap).masked_fill(~write, self.cap).to(self.device)  # (else the spill row)
+        self.codes.scatter_(2, target.unsqueeze(-1).expand(*target.shape, self.codes.shape[-1]),
+                            new_codes.to(self.device))
+        self.scale.scatter_(2, target, new_scale.to(self.device))
+        self.offset.scatter_(2, target, new_offset.to(self.device))

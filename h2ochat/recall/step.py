@@ -1,6 +1,6 @@
 """The recall step: the best pages of each (sequence, KV head) into its R recall slots.
 
-The recall slots are F = R // P frames of P slots. Each step the selector's page scores name up to
+The recall slots are F = R // P - 1 frames of P slots and the staging page (below). Each step the selector's page scores name up to
 ``want`` <= F pages; pages already in a frame stay where they are (nothing is copied), the missing
 ones replace the frames used longest ago (a small LRU: with F > want a page that drops out of the
 top for a step or two is still there when it comes back). Everything is tensor ops on the scores'
@@ -16,6 +16,21 @@ recalled page is attended by the step that chose it. Where the probe fails, the 
 ordinary copies and waits for the device twice per layer (the evicted token device -> host, the
 plan's frame numbers to the host). Neither route has run on a GPU yet (tests: the kernels under the
 Triton interpreter, tests/test_recall_zero_copy.py); ``benchmarks/gpu_check.py`` times it.
+
+The staging page (``StagingPage``). A decode step evicts at most one token per (sequence, KV
+head). Appending it to the cold store and the digest on every step (an index plan, a scatter per buffer, a quantisation) cost more ops than
+the rest of the layer's step, so the victim is written into the next column of the staging page
+instead (one gather and one write per slot tensor, and a count) and the whole page goes to the cold
+store and the digest at once when it is full (``RecallTier.flush``: one append of P tokens every P
+decode steps, decided on the host, before a step).
+
+The staging columns are the last P of the tier's R recall columns: part of the device budget, and
+attended like every slot whose token index is >= 0. So a staged token is never out of reach: the
+newest evicted tokens (fewer than P + 1) are attended exactly, and the pages the selector chooses
+from are the flushed ones. The cold store receives the same tokens in the same order as a per-token
+append would (the staging order is the eviction order; a victim that was an empty slot has token
+index -1 and is skipped by the append), so after a flush it holds exactly what the per-token tier
+holds.
 """
 
 from __future__ import annotations
@@ -103,3 +118,46 @@ def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None) 
     slots.values.copy_(torch.where(change.unsqueeze(-1), values.to(device, slots.values.dtype), slots.values))
     slots.token_index.copy_(torch.where(change, token_index.to(device), slots.token_index))
     slots.positions.copy_(torch.where(change, positions.to(device), slots.positions))
+
+
+class StagingPage:
+    """P staging columns of one layer (views of its slots) and the count of entries per (sequence, head)."""
+
+    def __init__(self, slots: RecallSlots, device):
+        self.slots = slots
+        self.page = slots.token_index.shape[-1]
+        batch, heads = slots.token_index.shape[:2]
+        self.count = torch.zeros(batch, heads, dtype=torch.long, device=device)  # entries written since the flush
+        self.steps = 0  # host: decode steps since the flush (an upper bound of ``count``)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"count": self.count}
+
+    def put(self, coordinates, key, value, token_index, position) -> None:
+        """One entry per (sequence, head) [B, H, ...] into the next staging column (fixed shapes, no
+        host read: a compiled step holds it)."""
+        where = (*coordinates, self.count)
+        self.slots.keys.index_put_(where, key)
+        self.slots.values.index_put_(where, value)
+        self.slots.token_index.index_put_(where, token_index)
+        self.slots.positions.index_put_(where, position)
+        self.count += 1
+
+    def full(self) -> bool:
+        """Whether the next decode step could write past the page (host counter)."""
+        return self.steps >= self.page
+
+    def held(self) -> torch.Tensor:
+        """[B, H]: real tokens staged now."""
+        return (self.slots.token_index >= 0).sum(dim=-1)
+
+    def clear(self) -> None:
+        """After a flush: the columns hold nothing (token index -1: not attended)."""
+        self.slots.token_index.fill_(-1)
+        self.slots.positions.fill_(-1)
+        self.count.zero_()
+        self.steps = 0
+
+    def nbytes(self) -> int:
+        """Device bytes beyond the slots it lives in: the count."""
+        return self.count.numel() * self.count.element_size()

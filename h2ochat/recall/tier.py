@@ -34,9 +34,8 @@ from h2ochat_kernels.reference import row_weights
 from .bounds import PageBounds
 from .cold_store import ColdStore
 from .layout import tensor_bytes
-from .digests import KeyCodes
-from .staging import StagingPage
-from .step import RecallFrames, RecallSlots, fill_recall_slots
+from .digests import KeyCodes, TwoStageCodes
+from .step import RecallFrames, RecallSlots, StagingPage, fill_recall_slots
 from .tiered import RecallConfig, TierStats
 
 # state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
@@ -61,6 +60,11 @@ class RecallTier:
         if config.selector == "quest":
             self.digest = PageBounds(batch, heads, head_dim, config.page, frames=self.cold.frames, device=device,
                                      dtype=dtype)
+        elif config.bits is not None and config.summary_cap is not None:  # token codes beside the cold store
+            self.digest = TwoStageCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
+                                        device=device, host=self.cold.count.device, dtype=dtype,
+                                        rotate=config.rotate, backend=layer.kernels, cap=config.summary_cap,
+                                        candidates=config.candidates)
         else:
             self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                    device=device, dtype=dtype, rotate=config.rotate, backend=layer.kernels)

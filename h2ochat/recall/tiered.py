@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..sizes import parse_share_or_count
 from . import selector_names
 from .cold_store import COLD_DTYPES
+from .digests import CANDIDATES, SUMMARY_CAP
 
 
 @dataclass(frozen=True)
@@ -20,12 +21,20 @@ class RecallConfig:
     cold_dtype: str = "same"
     cold_limit: int | None = None  # tokens per (layer, sequence, KV head) kept in the cold store
     every: int = 1  # decode steps between recalls (prefill chunks always recall)
+    # the coded selectors' (intN, rotN) two stages (``summaries``): page summaries on the device, at
+    # most this many per (layer, sequence, KV head) (None: one stage, every token's codes on the device)
+    summary_cap: int | None = SUMMARY_CAP
+    candidates: int = CANDIDATES  # pages whose token codes the second stage scores
 
     def __post_init__(self):
         self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every)
         if self.slots < 2 * self.page or self.slots % self.page:
             raise ValueError(f"--recall {self.slots} must be a whole number (>= 2) of --page {self.page} pages "
                              "(the last one stages evicted tokens)")
+        if self.summary_cap is not None and self.summary_cap < 2:
+            raise ValueError(f"the summary cap must be at least 2 summaries, got {self.summary_cap}")
+        if self.candidates < 1:
+            raise ValueError(f"the second stage must score at least one page, got {self.candidates}")
         if self.cold_limit is not None and self.cold_limit < self.slots:
             raise ValueError(f"--cold-limit {self.cold_limit} must hold at least the {self.slots} recall slots")
 
