@@ -164,6 +164,15 @@ class CacheRow:
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: questions token by token (each token recalls for itself)
     measure: bool = False
 
+    @property
+    def device_slots(self) -> int | None:
+        """Slots the row's cache holds on the device (recall slots among them); None: the full cache."""
+        from .policies import get_policy
+
+        if get_policy(self.settings.policy).grows or not str(self.settings.budget).isdigit():
+            return None
+        return int(self.settings.budget)
+
     def instrument(self, cache):
         """A fresh cache of this row's, set to measure its selector where the row asks (the exact
         selector finds its own pages: nothing to measure): its recall tier becomes ``ExactShareTier``."""
@@ -219,6 +228,10 @@ class MaskedRow:
     chunk_queries: str = "all"  # which queries of a chunk choose its pages: all, or the last token's
     simulations: list = field(default_factory=list, compare=False, hash=False)  # filled as trials run
 
+    @property
+    def device_slots(self) -> int:
+        return self.hot_slots + self.recall_slots
+
     def runner(self, model, trial: Trial) -> Runner:
         from .recall.masked import MaskedRecall
 
@@ -256,22 +269,33 @@ def answer(runner: Runner, trial: Trial, tokenizer, max_new_tokens: int = ANSWER
     return answers
 
 
-def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Callable | None = None) -> list[dict]:
-    """One record per (row, trial)."""
+def slots_fields(row, context_tokens: int) -> dict:
+    """The row's device slots and the context's length as a multiple of them (None: the full cache)."""
+    slots = getattr(row, "device_slots", None)
+    return {"device_slots": slots, "slots_ratio": round(context_tokens / slots, 2) if slots else None}
+
+
+def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Callable | None = None,
+        wanted: Callable | None = None) -> list[dict]:
+    """One record per (row, trial), for the pairs ``wanted(row, trial)`` accepts (default: all)."""
     from .attention import NAME as H2O
 
     results = []
     for row in rows:
         for trial in trials:
+            if wanted is not None and not wanted(row, trial):
+                continue
             started = time.perf_counter()
             runner = row.runner(model, trial)
             texts = answer(runner, trial, tokenizer)
             if model.config._attn_implementation != H2O:
                 model.set_attn_implementation(H2O)
             each = [recalled(key, text) for key, text in zip(trial.keys, texts)]
-            results.append({"row": row.label, "length": trial.length, "context_tokens": int(trial.context.shape[1]),
-                            "depth": trial.depth, "window": trial.window, "key": trial.key, "answer": texts[0],
-                            "recalled": all(each), "seconds": round(time.perf_counter() - started, 2)})
+            context = int(trial.context.shape[1])
+            results.append({"row": row.label, "length": trial.length, "context_tokens": context,
+                            **slots_fields(row, context), "depth": trial.depth, "window": trial.window,
+                            "key": trial.key, "answer": texts[0], "recalled": all(each),
+                            "seconds": round(time.perf_counter() - started, 2)})
             if trial.more:
                 results[-1].update(keys=trial.keys, answers=texts, recalled_each=each)
             if hasattr(runner, "memory"):
@@ -282,8 +306,10 @@ def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Cal
 
 
 def summarize(results: Sequence[dict]) -> list[dict]:
-    """Recalled / trials per (row, length, depth), in the order rows first appear; with the mean
-    share of the exact top pages found where the row measured it."""
+    """Recalled / trials per (row, length, depth), in the order rows first appear; with the facts
+    recalled one by one (``recalled_per_fact``) where trials asked for more than one, the context as
+    a multiple of the row's device slots, and the mean share of the exact top pages found where the
+    row measured it."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["row"], r["length"], r["depth"]), []).append(r)
@@ -291,6 +317,11 @@ def summarize(results: Sequence[dict]) -> list[dict]:
     for (row, length, depth), group in groups.items():
         out.append({"row": row, "length": length, "depth": depth, "recalled": sum(r["recalled"] for r in group),
                     "trials": len(group)})
+        if "recalled_each" in group[0]:
+            out[-1]["recalled_per_fact"] = [sum(each) for each in zip(*(r["recalled_each"] for r in group))]
+        ratios = [r["slots_ratio"] for r in group if r.get("slots_ratio") is not None]
+        if ratios:
+            out[-1].update(device_slots=group[0]["device_slots"], slots_ratio=round(sum(ratios) / len(ratios), 2))
         shares = [r["exact_top_pages_found"] for r in group if r.get("exact_top_pages_found") is not None]
         if shares:
             out[-1]["exact_top_pages_found"] = sum(shares) / len(shares)
@@ -350,7 +381,10 @@ def table_rows(summary: Sequence[dict], column: Callable[[int, float], str] | No
     columns = list(dict.fromkeys((s["length"], s["depth"]) for s in summary))
     cells: dict[str, dict] = {}
     for s in summary:
-        cells.setdefault(s["row"], {})[(s["length"], s["depth"])] = f"{s['recalled']}/{s['trials']}"
+        cell = f"{s['recalled']}/{s['trials']}"
+        if "recalled_per_fact" in s:  # all facts, then each fact alone
+            cell += " (" + ", ".join(f"{('1st', '2nd')[i]} {n}" for i, n in enumerate(s["recalled_per_fact"])) + ")"
+        cells.setdefault(s["row"], {})[(s["length"], s["depth"])] = cell
     shares: dict[str, list[float]] = {}
     for s in summary:
         if "exact_top_pages_found" in s:

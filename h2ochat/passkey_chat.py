@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from .chat import Conversation
 from .chat_settings import ChatSettings
-from .passkey import CacheRow, cache_memory, filler_stretch, recalled
+from .passkey import CacheRow, cache_memory, filler_stretch, recalled, slots_fields
 
 KEY_MESSAGE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION_MESSAGE = "What is the pass key? The pass key is"
@@ -82,7 +82,7 @@ def run_chat(model, tokenizer, row: CacheRow, trial: ChatTrial) -> dict:
     answer = conversation.send(trial.messages[-1]).text
     record = {"row": row.label, "length": trial.length, "depth": 0.0, "turns": trial.turns, "window": trial.window,
               "key": trial.key, "answer": answer, "recalled": recalled(trial.key, answer),
-              "tokens": len(conversation.ids), "replies": replies,
+              "tokens": len(conversation.ids), **slots_fields(row, len(conversation.ids)), "replies": replies,
               # a base model's reply that runs into the next "User:" is cut, and the next turn reads the
               # whole conversation again into a fresh cache (the chat path's own behaviour)
               "fresh_caches": int(conversation.cache is not first_cache),
@@ -92,11 +92,13 @@ def run_chat(model, tokenizer, row: CacheRow, trial: ChatTrial) -> dict:
 
 
 def run_chats(model, tokenizer, trials: Sequence[ChatTrial], rows: Sequence[CacheRow],
-              on_trial: Callable | None = None) -> list[dict]:
-    """One record per (row, trial)."""
+              on_trial: Callable | None = None, wanted: Callable | None = None) -> list[dict]:
+    """One record per (row, trial), for the pairs ``wanted(row, trial)`` accepts (default: all)."""
     results = []
     for row in rows:
         for trial in trials:
+            if wanted is not None and not wanted(row, trial):
+                continue
             results.append(run_chat(model, tokenizer, row, trial))
             if on_trial is not None:
                 on_trial(results[-1])

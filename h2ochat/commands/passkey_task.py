@@ -11,6 +11,7 @@ from rich.table import Table
 from .. import evaluation as ev
 from .. import passkey as pk
 from .. import passkey_chat as chat
+from .. import passkey_probes as probes
 from .. import threads
 from ..errors import UserError, one_line, user_input
 from ..generation import max_positions
@@ -23,7 +24,8 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
                  depths: str, keys: int, facts: int, recalls: list, seed: int, as_json: bool, chat_turns: int = 0,
                  plot: Path | None = None) -> None:
     """``recalls``: the recall settings (``evaluation.recall_settings``), one recall row each beside
-    every evicting policy and budget. ``chat_turns`` >= 3: the chat variant (``passkey_chat``)."""
+    every evicting policy and budget. ``lengths``: token counts or multiples of the device slots
+    (``passkey_probes.LengthPlan``). ``chat_turns`` >= 3: the chat variant (``passkey_chat``)."""
     with user_input():  # the options as typed
         if facts not in (1, 2):
             raise ValueError(f"--facts must be 1 or 2, got {facts}")
@@ -31,9 +33,11 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
             raise ValueError(f"--chat-turns needs at least 3 turns (the key, filler, the question) and one fact, "
                              f"got {chat_turns} turns and --facts {facts}")
         names = ev.parse_policies(policies)
-        length_list = pk.parse_numbers(lengths, int, "--lengths")
+        specs = probes.parse_lengths(lengths)
         depth_list = [0.0] if chat_turns else pk.parse_numbers(depths, float, "--depths")
-        budgets = ev.parse_budgets(budget, min(length_list))
+        budgets = probes.budgets_for(budget, specs, ev.parse_budgets)
+        plan = probes.LengthPlan(specs, budgets)
+        length_list = plan.lengths()
         rows = pk.build_rows(names, budgets, recalls)  # bad settings fail before loading
     content = read_text_file(text)
     err = Console(stderr=True)
@@ -51,20 +55,24 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
             raise ValueError(f"{longest} tokens pass the model's {max_positions(loaded.model.config)}-position limit: "
                              "use shorter --lengths")
     done = [0]
+    total = sum(plan.wanted(row, trial) for row in rows for trial in trials)
 
     def progress(result: dict) -> None:
         done[0] += 1
         share = result.get("exact_top_pages_found")
-        err.print(f"passkey {done[0]}/{len(rows) * len(trials)}: {result['row']}, {result['length']} tokens, "
+        err.print(f"passkey {done[0]}/{total}: {result['row']}, {result['length']} tokens"
+                  + (f" ({result['slots_ratio']:g}x its slots)" if result.get("slots_ratio") else "") + ", "
                   f"depth {result['depth']:g}: {'recalled' if result['recalled'] else 'missed'} ({result['answer'].strip()!r})"
                   + (f", exact top pages found {share:.3f}" if share is not None else ""))
 
     if chat_turns:
-        results = chat.run_chats(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
+        results = chat.run_chats(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress, wanted=plan.wanted)
     else:
-        results = pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
+        results = pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress, wanted=plan.wanted)
+    results = probes.attribute(results, rows)
     summary = pk.summarize(results)
     report = {"task": "passkey", "model": loaded.name, "text": Path(text).name, "lengths": length_list,
+              "length_plan": plan.describe(), "misses": probes.miss_counts(results),
               "depths": depth_list, "keys": keys, "facts": facts, "budgets": budgets, "seed": seed,
               "threads": threads.current(), "results": results, "summary": summary}
     if chat_turns:
@@ -85,8 +93,8 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        titles, cells = pk.table_rows(summary, (lambda length, _: f"{length} tok over {chat_turns} turns")
-                                      if chat_turns else None)
+        titles, cells = pk.table_rows(summary, (lambda length, _: f"{plan.length_title(length)} over {chat_turns} turns") if chat_turns else plan.title)
+        titles, cells = probes.with_misses(titles, cells, probes.miss_counts(results))
         what = f"a {chat_turns}-turn chat, the key in turn 1" if chat_turns else "the key planted in the filler"
         table = Table(title=f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})",
                       title_justify="left")
