@@ -31,6 +31,8 @@ KV bytes come from the caches' own allocations.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -116,6 +118,10 @@ def recall_overhead(h2o: Measurement, recall: Measurement) -> dict:
         "ratio": round(ratio, 3), "target": target, "met": None if target is None else ratio <= target,
         "kv_bytes": recall.kv_bytes, "digest_device_bytes": tier["digest_device_bytes"],
         "cold_host_bytes": tier["cold_host_bytes"], "pages_copied_per_step": tier["pages_copied_per_step"], **cpu,
+        # the tier's device bytes beyond its recall columns (selector + staging + frames), against the KV slots'
+        **({"device_bytes": tier["device_bytes"], "device_bytes_share": round(tier["device_bytes"] / recall.kv_bytes, 4),
+            **{name: tier[name] for name in ("device_bytes_selector", "device_bytes_staging", "device_bytes_frames",
+                                             "pages_per_summary")}} if "device_bytes" in tier else {}),
     }
 
 
@@ -144,7 +150,8 @@ class BenchPlan:
 
     @property
     def block(self) -> int:
-        return self.recall.recall_every if self.recall is not None else 1
+        # a block holds whole recall cadences and one flush of the staging page (every --page decode steps)
+        return math.lcm(self.recall.recall_every, self.recall.page) if self.recall is not None else 1
 
     def runs(self) -> list[tuple[str, bool]]:
         """(variant, compiled) in the order they take turns at each context and batch; recall right
@@ -156,8 +163,8 @@ class BenchPlan:
         return runs
 
     def compilable(self) -> tuple[str, ...]:
-        # the compiled step takes recall only when every step recalls (RecallSpec.compile_blocker)
-        return COMPILABLE_VARIANTS + ((RECALL,) if self.recall is not None and self.block == 1 else ())
+        # the compiled step takes recall at any cadence (pages are chosen before the step: RecallSpec.compile_blocker)
+        return COMPILABLE_VARIANTS + ((RECALL,) if self.recall is not None else ())
 
     def profiled(self) -> list[tuple[str, bool]]:
         profiled = (*COMPILABLE_VARIANTS, RECALL)

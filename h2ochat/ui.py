@@ -270,7 +270,12 @@ def cold_tier_lines(tier: TierSummary, split: Split) -> list[Text]:
              f"recall slots per layer and KV head (pages of {tier.page}, selector {tier.selector})", style="dim"),
         Text(f"  cold store  {amount(tier.cold_pages)} pages ({amount(tier.cold_tokens)} tokens) per layer and KV "
              f"head · {format_bytes(tier.host_bytes)} on the host · {limit}"),
-        Text(f"  digests     {format_bytes(tier.digest_bytes)} on the device (what the pages are scored with)"),
+        Text(f"  staging     {amount(tier.staged_tokens)} tokens waiting for the next page to the cold store"),
+        Text(f"  device      {format_bytes(tier.device_bytes)} beyond the recall slots, of which "
+             f"{format_bytes(tier.digest_bytes)} to score pages "
+             + ("(one stage: grows with the text)" if tier.summary_cap is None else
+                f"({tier.summary_cap} summaries cap, {tier.pages_per_summary} pages each"
+                + (": the cap coarsened them)" if tier.pages_per_summary > 1 else ")"))),
         Text(f"  recalled    {copied} · {amount(split.held.recall)} tokens in recall slots now"),
         Text(f"  attention   {turn_share}" + (f" ({percent(tier.recalled_share)} since this cache was built)"
                                                if tier.this_turn else "")),

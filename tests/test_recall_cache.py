@@ -39,8 +39,32 @@ def test_recall_cache_is_the_masked_reference(family, seed, policy, selector):
         use_h2o_attention(model)
         got = forward(model, real, piece, logits_to_keep=1)[:, -1]
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+        _assert_the_reference_tokens(real, masked)
     for layer in real.layers:
         assert int(layer.tier.frames.copied.sum()) > 0  # pages were recalled
+
+
+def _tokens(index: torch.Tensor) -> set[int]:
+    return set(index[index >= 0].tolist())
+
+
+def _assert_the_reference_tokens(real, masked) -> None:
+    """Per layer and KV head the same hot, staged and recalled tokens as the reference, and a cold
+    store holding the reference's flushed tokens in its eviction order (what a per-token append
+    would hold after the same flushes)."""
+    for layer, state in zip(real.layers, masked.layers):
+        first, end = layer.tier.cold.held()
+        pages = torch.arange(max(int(end.max()), 1)).expand(*layer.keys.shape[:2], -1)
+        _, _, cold_index, _ = layer.tier.cold.pages(pages)
+        staged_mask = masked._staged(state)
+        for head in range(layer.keys.shape[1]):
+            assert _tokens(layer.token_index[0, head, : layer.capacity]) == _tokens(torch.nonzero(state.hot[head]).flatten())
+            assert _tokens(layer.tier.staging.slots.token_index[0, head]) == set(torch.nonzero(staged_mask[head]).flatten().tolist())
+            assert _tokens(layer.tier.slots.token_index[0, head]) == set(torch.nonzero(state.recalled[head]).flatten().tolist())
+            flushed = state.cold[head] & ~staged_mask[head]
+            order = sorted(torch.nonzero(flushed).flatten().tolist(), key=lambda t: int(state.evicted_at[head, t]))
+            cold = cold_index[0, head]
+            assert cold[cold >= 0].tolist() == order
 
 
 def test_cold_store_holds_exactly_the_evicted_tokens(family, seed):

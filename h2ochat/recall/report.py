@@ -45,7 +45,11 @@ class TierSummary:
     cold_tokens: float
     dropped_tokens: float  # lost to --cold-limit
     host_bytes: int  # every cold store (allocated host memory)
-    digest_bytes: int  # every page digest (device memory)
+    digest_bytes: int  # every page digest (device memory): what scores the pages
+    staged_tokens: float  # on the staging page (attended; the cold store takes them at the next flush)
+    device_bytes: int  # every device byte of the tier beyond its recall columns (selector + staging + frames)
+    pages_per_summary: int  # > 1: the summary cap was reached and each summary covers that many pages
+    summary_cap: int | None  # summaries per (layer, sequence, KV head) on the device; None: one stage, no cap
     pages_copied: float  # into recall slots since the cache was built, mean per (layer, sequence, KV head)
     pages_copied_turn: float  # of which during this turn
     recalled_share: float | None  # attention that went to recalled tokens since the cache was built
@@ -81,7 +85,8 @@ def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
         recall_slots=config.slots, page=config.page, selector=config.selector, cold_limit=config.cold_limit,
         rows=rows, cold_pages=mean(stats.cold_pages), cold_tokens=mean(stats.cold_tokens),
         dropped_tokens=mean(stats.dropped_tokens),
-        host_bytes=stats.host_bytes, digest_bytes=stats.digest_device_bytes,
+        host_bytes=stats.host_bytes, digest_bytes=stats.digest_device_bytes, staged_tokens=mean(stats.staged_tokens),
+        device_bytes=stats.device_bytes, pages_per_summary=stats.pages_per_summary, summary_cap=stats.summary_cap,
         pages_copied=mean(stats.pages_copied), pages_copied_turn=mean(stats.pages_copied - copied_before),
         recalled_share=_share(stats.recalled_mass, stats.attended_mass),
         recalled_share_turn=_share(stats.recalled_mass - recalled_before, stats.attended_mass - attended_before),

@@ -272,8 +272,9 @@ class RecallTier:
             raise ValueError(f"the row state holds recall tensors this tier has not: {sorted(unknown)}")
         counts = [name for part in (self.cold, self.digest) for name in self._part_names(part, "count") if name]
         needed = max((int(state[name].max()) for name in counts if name in state), default=0)
-        self.cold.reserve(needed)  # (growing replaces the stores' tensors: read them after)
-        self.digest.reserve(needed)
+        page = self.cold.page  # (room for a staged page too: ``_fold_staged``)
+        self.cold.reserve(needed + page)  # (growing replaces the stores' tensors: read them after)
+        self.digest.reserve(needed + page)
         for name, tensor in self.state_tensors().items():
             target = tensor[row]
             saved = state.get(name)
@@ -294,6 +295,27 @@ class RecallTier:
         positions, encoded = self._part_names(self.cold, "positions", "encoded")
         if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
             self._mark_moved()
+        self._fold_staged(row)
+
+    def _fold_staged(self, row: int) -> None:
+        """The imported row's staged evictions (its staging columns, imported with the layer's slots)
+        straight into its cold store and digest, in eviction order: the batch's staging page is flushed
+        on the batch's own count of steps, which a row that comes in holding staged tokens would
+        overrun. The other rows' staging is untouched."""
+        staging = getattr(self, "staging", None)
+        if staging is None:
+            return
+        slots = staging.slots
+        others = torch.ones(slots.token_index.shape[0], dtype=torch.bool, device=slots.token_index.device)
+        others[row] = False
+        token_index = slots.token_index.masked_fill(others.view(-1, 1, 1), -1)
+        if not bool((token_index >= 0).any()):  # (a host read: a row is imported once per request)
+            return
+        self.to_cold(slots.keys, slots.values, token_index, slots.positions)
+        slots.token_index[row] = -1
+        slots.positions[row] = -1
+        for tensor in staging.state_tensors().values():
+            tensor[row] = 0
 
     def _mark_moved(self) -> None:
         """The imported row's cold tokens were re-numbered: brought-back keys must be rotated from their

@@ -1,0 +1,92 @@
+"""The compiled recall decode step: how long it builds cold, how many graphs, and its step time against
+eager recall and compiled h2o at the same device slots (SmolLM2-135M's configuration, random weights,
+fp32, batch 1, synthetic context as ``h2ochat bench`` builds it).
+
+    OMP_NUM_THREADS=1 python benchmarks/recall_compile.py --context 2048 --steps 48 --json
+
+"Cold": a fresh inductor cache directory (TORCHINDUCTOR_CACHE_DIR, FX graph cache off), so the build is
+what a first run on a machine pays. Graphs and recompiles from dynamo's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="h2o-recall-compile-"))
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+
+import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+from h2ochat.bench_context import prepared_cache  # noqa: E402
+from h2ochat.compiled import CompiledDecode  # noqa: E402
+from h2ochat.forward_step import forward  # noqa: E402
+from h2ochat.generation import CacheSettings  # noqa: E402
+from h2ochat.models import load  # noqa: E402
+
+
+def _steps(step, steps: int, vocab: int, generator) -> list[float]:
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(3, vocab, (1, 1), generator=generator)
+        start = time.perf_counter()
+        step(ids)
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--recall", type=str, default="64")
+    parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    loaded = load("smollm2-135m", "cpu", "float32", random_weights=True)
+    model, vocab = loaded.model, loaded.model.config.vocab_size
+    settings = CacheSettings(policy="h2o", budget=str(args.budget), recall=args.recall, recall_every=args.every)
+    generator = torch.Generator().manual_seed(0)
+    first = torch.randint(3, vocab, (1, 1), generator=generator)
+    report = {"context": args.context, "budget": args.budget, "recall": args.recall, "every": args.every,
+              "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+    times = {}
+    with torch.inference_mode():
+        for name, recall in (("h2o", None), ("recall", settings)):
+            variant = "recall" if recall is not None else "h2o"
+            eager_cache = prepared_cache(model, variant, first, context=args.context, slots=args.budget, extra=args.steps + 8,
+                                         policy="h2o", generator=torch.Generator().manual_seed(1), recall=recall)
+            cache = prepared_cache(model, variant, first, context=args.context, slots=args.budget, extra=args.steps + 8,
+                                   policy="h2o", generator=torch.Generator().manual_seed(1), recall=recall)
+            decoder = CompiledDecode(model)
+            assert decoder.prepare(cache), cache.compile_blocker()
+            graphs = counters["stats"]["unique_graphs"]
+            start = time.perf_counter()
+            decoder(cache, first.view(-1))
+            report[f"{name}_compile_s"] = round(time.perf_counter() - start, 1)
+            compiled = _steps(lambda ids: decoder(cache, ids.view(-1)), args.steps, vocab, generator)
+            report[f"{name}_graphs"] = counters["stats"]["unique_graphs"] - graphs
+            eager = _steps(lambda ids: forward(model, eager_cache, ids, logits_to_keep=1), args.steps, vocab, generator)
+            times[name] = {"compiled_ms": statistics.mean(compiled), "eager_ms": statistics.mean(eager)}
+            print(f"{name}: compile {report[f'{name}_compile_s']} s, compiled {times[name]['compiled_ms']:.1f} ms/step, "
+                  f"eager {times[name]['eager_ms']:.1f} ms/step", file=sys.stderr)
+    report["recompiles"] = dict(counters["recompiles"]) if "recompiles" in counters else {}
+    report["graph_breaks"] = sum(counters["graph_break"].values()) if "graph_break" in counters else 0
+    report["ms_per_step (mean over the steps, flushes and recalls included)"] = {
+        name: {k: round(v, 2) for k, v in t.items()} for name, t in times.items()}
+    report["compiled_recall_over_eager_recall"] = round(times["recall"]["compiled_ms"] / times["recall"]["eager_ms"], 3)
+    report["compiled_recall_over_compiled_h2o"] = round(times["recall"]["compiled_ms"] / times["h2o"]["compiled_ms"], 3)
+    print(json.dumps(report, indent=1) if args.json else report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
