@@ -84,11 +84,17 @@ def level_codes(x: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
     stored, so a 16-bit scale and offset add no error beyond their own rounding."""
     levels = (1 << bits) - 1
     values = x.float()
-    low = values.amin(dim=-1, keepdim=True).to(dtype)
-    high = values.amax(dim=-1, keepdim=True)
-    scale = ((high - low.float()) / levels).clamp_min(_TINY_SCALE).to(dtype)
-    # (clamped again: fp16 rounds a tiny scale to 0, where every code dequantises to the offset)
-    codes = ((values - low.float()) / scale.float().clamp_min(_TINY_SCALE)).round().clamp(0, levels)
+    # few ops, in place where possible: the cache quantises every new token of every layer
+    low, high = torch.aminmax(values, dim=-1, keepdim=True)
+    if dtype != torch.float32:
+        low = low.to(dtype)
+        scale = ((high - low.float()) / levels).clamp_min_(_TINY_SCALE).to(dtype)
+        # (clamped again: fp16 rounds a tiny scale to 0, where every code dequantises to the offset)
+        codes = ((values - low.float()) / scale.float().clamp_min(_TINY_SCALE)).round_().clamp_(0, levels)
+    else:
+        scale = (high - low).div_(levels).clamp_min_(_TINY_SCALE)
+        # x - min >= 0 exactly, and (max - min) / scale rounds to at most levels: no clamp needed
+        codes = (values - low).div_(scale).round_()
     return codes.to(torch.uint8), scale, low
 
 
@@ -109,12 +115,17 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, b
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``quantize``'s inverse: codes [..., W], scale and offset [...] -> [..., dim] in ``dtype``
     (``dim`` None: every channel the codes hold, W * codes a byte)."""
-    if check_bits(bits) < 8:
-        codes = unpack_codes(codes, bits, dim if dim is not None else codes.shape[-1] * (8 // bits))
-    elif dim is not None and dim != codes.shape[-1]:
-        raise ValueError(f"int8 codes of width {codes.shape[-1]} hold {codes.shape[-1]} channels, not {dim}")
-    values = level_values(codes, scale.unsqueeze(-1), offset.unsqueeze(-1))
+    values = level_values(unpacked(codes, bits, dim), scale.unsqueeze(-1), offset.unsqueeze(-1))
     return values if values.dtype == dtype else values.to(dtype)
+
+
+def unpacked(codes: torch.Tensor, bits: int, dim: int | None = None) -> torch.Tensor:
+    """Codes [..., W] -> one code a byte [..., dim] (int8 codes are returned as they are)."""
+    if check_bits(bits) < 8:
+        return unpack_codes(codes, bits, dim if dim is not None else codes.shape[-1] * (8 // bits))
+    if dim is not None and dim != codes.shape[-1]:
+        raise ValueError(f"int8 codes of width {codes.shape[-1]} hold {codes.shape[-1]} channels, not {dim}")
+    return codes
 
 
 def dequantized_slots(cache_keys: torch.Tensor, cache_values: torch.Tensor, quant: QuantSlots,

@@ -37,15 +37,23 @@ def code_block(packed: torch.Tensor, bits: int | None, block: int) -> torch.Tens
     """Block ``block`` of the packed codes [..., W]: channels block*W .. block*W + W - 1 (uint8)."""
     if bits is None or packed.is_floating_point():
         return packed
-    return (packed >> (block * bits)) & ((1 << bits) - 1)
+    # no shift for the first block, no mask for the top one of unsigned bytes: a decode step unpacks
+    # int4 slots every layer, where each op costs more than its few bytes
+    shifted = packed >> (block * bits) if block else packed
+    if packed.dtype == torch.uint8 and (block + 1) * bits == 8:
+        return shifted
+    return shifted & ((1 << bits) - 1)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., D] uint8 below 2**bits -> [..., W] uint8 in the channel-blocked layout."""
     per_byte, width = codes_per_byte(bits), packed_width(codes.shape[-1], bits)
-    blocks = F.pad(codes, (0, per_byte * width - codes.shape[-1])).unflatten(-1, (per_byte, width))
-    packed = blocks[..., 0, :].clone()
-    for i in range(1, per_byte):
+    if per_byte == 1:
+        return codes.clone()
+    pad = per_byte * width - codes.shape[-1]
+    blocks = (F.pad(codes, (0, pad)) if pad else codes).unflatten(-1, (per_byte, width))
+    packed = blocks[..., 0, :] | (blocks[..., 1, :] << bits)  # (a new tensor: two ops for int4)
+    for i in range(2, per_byte):
         packed |= blocks[..., i, :] << (i * bits)
     return packed
 
@@ -53,7 +61,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """``pack_codes``'s inverse: [..., W] -> [..., D] uint8."""
     blocks = [code_block(packed, bits, i) for i in range(codes_per_byte(bits))]
-    return torch.cat(blocks, dim=-1)[..., :dim]
+    codes = torch.cat(blocks, dim=-1) if len(blocks) > 1 else blocks[0]
+    return codes if codes.shape[-1] == dim else codes[..., :dim]
 
 
 def page_scores(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,

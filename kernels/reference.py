@@ -46,8 +46,9 @@ def attend_with_scores(
                      probabilities weigh decay ** (real rows after q). 1 = the paper's plain sum,
                      0 = the last real row's attention only.
     quant            None, or ``quant.QuantSlots``: the slots are quantised, cache_keys/values are
-                     their codes [B, Hkv, S, W] uint8, dequantised here (to the query's dtype) with
-                     the scale and offset it holds; the new tokens stay at full precision (the token a step adds is
+                     their codes [B, Hkv, S, W] uint8, attended as code * scale + offset (an fp32
+                     query: the scale and offset applied to the logits and the probabilities,
+                     ``_slot_logits``; a 16-bit one: the slots dequantised to its dtype); the new tokens stay at full precision (the token a step adds is
                      attended as it is, and quantised only when the cache writes it).
 
     New tokens attend causally among themselves. Padding keys receive no attention; padding query
@@ -56,13 +57,15 @@ def attend_with_scores(
     new_scores [B, Hkv, Q] float32: the same column sums for the new tokens).
     """
     batch, kv_heads, group, q_len, head_dim = query.shape
-    if quant is not None:
-        # in the query's dtype: what an unquantised cache of the model's dtype would hold
+    if quant is not None and query.dtype != torch.float32:
+        # in the query's dtype: what an unquantised cache of the model's dtype would hold (and what
+        # the kernels' 16-bit dots take)
         cache_keys, cache_values = _quant.dequantized_slots(cache_keys, cache_values, quant, query.dtype)
+        quant = None
     # the scale goes on the queries once, not on both logit blocks
     rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
 
-    cache_logits = torch.matmul(rows, _f32(cache_keys).transpose(-1, -2))
+    cache_logits = _slot_logits(rows, cache_keys, quant)
     cache_logits = cache_logits.masked_fill((slot_token_index < 0).unsqueeze(2), _MASKED)
     new_logits = torch.matmul(rows, _f32(new_keys).transpose(-1, -2))
     if q_len > 1 or new_valid is not None:  # one real new token sees itself: nothing to mask
@@ -73,7 +76,7 @@ def attend_with_scores(
     probs = torch.cat([cache_logits, new_logits], dim=-1).softmax(dim=-1)
     slots = cache_keys.shape[2]
     cache_probs, new_probs = probs[..., :slots], probs[..., slots:]
-    out = torch.matmul(cache_probs, _f32(cache_values)) + torch.matmul(new_probs, _f32(new_values))
+    out = _slot_output(cache_probs, cache_values, quant) + torch.matmul(new_probs, _f32(new_values))
 
     weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
     if weights is not None:
@@ -88,6 +91,28 @@ def attend_with_scores(
     new_scores = new_probs.sum(dim=2)
     out = out.view(batch, kv_heads, group, q_len, head_dim)
     return (out if out.dtype == query.dtype else out.to(query.dtype)), new_scores
+
+
+def _slot_logits(rows: torch.Tensor, keys: torch.Tensor, quant) -> torch.Tensor:
+    """rows [B, Hkv, M, D] fp32 . the slots' keys -> [B, Hkv, M, S]. Quantised keys (fp32 rows):
+    q . (c * s + o) = s * (q . c) + o * sum(q), so the codes are converted once and never expanded
+    to keys (a [S, D] multiply and add per layer saved: on the CPU each costs more than the matmul)."""
+    if quant is None:
+        return torch.matmul(rows, _f32(keys).transpose(-1, -2))
+    codes = _quant.unpacked(keys, quant.bits, quant.key_dim).float()
+    dots = torch.matmul(rows, codes.transpose(-1, -2))
+    return torch.addcmul(rows.sum(-1, keepdim=True) * quant.key_offset.unsqueeze(2), dots,
+                         quant.key_scale.unsqueeze(2))
+
+
+def _slot_output(probs: torch.Tensor, values: torch.Tensor, quant) -> torch.Tensor:
+    """probs [B, Hkv, M, S] @ the slots' values -> [B, Hkv, M, D]; quantised values:
+    sum_s p_s (c_s * v_s + o_s) = (p * scale) @ c + p @ offset."""
+    if quant is None:
+        return torch.matmul(probs, _f32(values))
+    codes = _quant.unpacked(values, quant.bits, quant.value_dim).float()
+    return (torch.matmul(probs * quant.value_scale.unsqueeze(2), codes)
+            + torch.matmul(probs, quant.value_offset.unsqueeze(-1)))
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

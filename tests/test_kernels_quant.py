@@ -223,16 +223,26 @@ def test_reference_equals_slow_attention_over_decoded_slots(seed, bits, batch, k
     torch.testing.assert_close(got_new.double(), want_new, rtol=1e-5, atol=1e-6, msg=msg)
 
 
-def test_reference_over_quantised_slots_is_the_reference_over_their_dequantised_values(seed):
-    """quant= is exactly 'dequantise, then attend': the same bits as passing the dequantised slots."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reference_over_quantised_slots_is_the_reference_over_their_dequantised_values(seed, dtype):
+    """quant= is 'dequantise, then attend': a 16-bit query attends the slots dequantised to its dtype
+    (the same bits as passing them so); an fp32 one applies the scale and offset to the logits and
+    the probabilities instead, equal to rounding."""
     for bits in BITS:
-        inputs, slots_q, _ = quant_inputs(seed, bits, 2, 2, 2, 3, 10, 16, padding=True)
-        keys, values = quant.dequantized_slots(inputs["cache_keys"], inputs["cache_values"], slots_q)
+        inputs, slots_q, _ = quant_inputs(seed, bits, 2, 2, 2, 3, 10, 16, dtype, padding=True)
+        keys, values = quant.dequantized_slots(inputs["cache_keys"], inputs["cache_values"], slots_q, dtype)
         plain = {**inputs, "cache_keys": keys, "cache_values": values, "scores": inputs["scores"].clone()}
         want = reference.attend_with_scores(**plain, decay=0.8)
         got = reference.attend_with_scores(**inputs, decay=0.8, quant=slots_q)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"seed={seed} bits={bits}"
-        assert torch.equal(inputs["scores"], plain["scores"]), f"seed={seed} bits={bits}"
+        msg = f"seed={seed} bits={bits} dtype={dtype}"
+        if dtype == torch.float32:
+            real = inputs["new_valid"].view(2, 1, 1, 3, 1)
+            torch.testing.assert_close(got[0] * real, want[0] * real, rtol=1e-5, atol=1e-5, msg=msg)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6, msg=msg)
+            torch.testing.assert_close(inputs["scores"], plain["scores"], rtol=1e-5, atol=1e-6, msg=msg)
+        else:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), msg
+            assert torch.equal(inputs["scores"], plain["scores"]), msg
 
 
 # -- the Triton kernels against the reference -------------------------------------------------------------
