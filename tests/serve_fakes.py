@@ -114,6 +114,9 @@ class FakeBackend:
     def evicted(self, row):
         return 0
 
+    def recalled(self, row):
+        return 0
+
 
 def greedy_alone(prompt: list[int], tokens: int) -> list[int]:
     """What one request generates on the fake model, by itself."""

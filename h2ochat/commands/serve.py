@@ -25,6 +25,7 @@ def _size(text: str | None, option: str) -> int | None:
 
 
 @strict_user_errors
+@o.takes_recall_options
 def serve(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
@@ -62,13 +63,14 @@ def serve(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=SERVER,
         help="No line per request on stderr (id, tokens in and out, cached and evicted tokens, time, finish "
              "reason); start-up lines and failed requests are still logged.")] = False,
+    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options): a cold tier per row
 ):
     """Serve the OpenAI API (chat and text completions, streaming) with every sequence in a fixed KV budget."""
     from ..serve.server import ServeConfig, serve as run_server
 
     if not random_weights:
         resolve(model)  # an unknown model is refused before the server starts listening
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, None, decay)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, None, decay, **(recall_options or {}))
     o.sampling(0.0, 1.0, 0, None, repetition_penalty)
     config = ServeConfig(model=model, settings=settings, device=device, dtype=dtype, random_weights=random_weights,
                          served_name=served_model_name, max_sequences=max_sequences,

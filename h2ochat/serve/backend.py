@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from ..kv import H2OCache
+from ..kv.tier import pages_recalled
 from ..generation import CacheSettings, forward, max_positions, prefill
 from .parked import Parked, ParkedStore
 from .sequence import Choice, Request
@@ -41,6 +42,7 @@ class PrefillJob:
     ids: torch.Tensor  # [1, T] the prompt tokens still to feed
     fed: int = 0
     evicted_before: int = 0  # the resumed cache's evictions (counted by the request that made them)
+    recalled_before: int = 0  # and its pages recalled
 
 
 def row_evictions(state_layers) -> int:
@@ -64,7 +66,7 @@ class ModelBackend:
         # its slots. Its rows are kept in a sliding window of those slots, which a conversation never
         # fills, so it never slides: the same attention over every token, and no cache that grows
         # (a growing cache sizes itself by a counter of the batch's steps, not by what a row holds)
-        self.slots = settings.slots(config)
+        self.slots = settings.slots(config, model)  # (a --budget in bytes: at the model's dtype)
         if self.policy.grows:
             settings = replace(settings, policy="local", heavy_ratio=None, sinks=None, decay=None)
             self.settings = settings
@@ -88,9 +90,10 @@ class ModelBackend:
             self._prefixes[size] = self.cache.prefix(size)
         self.steps_by_rows: dict[int, int] = {}  # decode steps run per bucket size
         # a cache that cannot leave rows out feeds its free rows a placeholder: reset one before its
-        # positions could reach the model's limit
+        # positions could reach the model's limit, and before it fills its slots (then a placeholder
+        # would be evicted, into the cold store of a recall tier: a free row keeps its tier empty)
         self.free_steps = [0] * rows
-        self.free_step_limit = max(1, self.max_positions // 2)
+        self.free_step_limit = max(1, min(self.max_positions // 2, *(layer.capacity // 2 for layer in self.cache.layers)))
 
     def _new_cache(self, batch: int, *, static_shapes: bool) -> H2OCache:
         cache = self.settings.build(self.model, static_shapes=static_shapes)
@@ -113,7 +116,7 @@ class ModelBackend:
             start, evicted = parked.fed, row_evictions(parked.state.layers)
         request.began(start, list(ids[start:]), self.slots)
         tensor = torch.tensor([request.fed_ids], dtype=torch.long, device=self.device)
-        return PrefillJob(request, cache, tensor, evicted_before=evicted)
+        return PrefillJob(request, cache, tensor, evicted_before=evicted, recalled_before=pages_recalled(cache, 0))
 
     def prefill(self, job: PrefillJob) -> torch.Tensor | None:
         end = min(job.fed + self.prefill_chunk, job.ids.shape[1])
@@ -127,7 +130,8 @@ class ModelBackend:
         for row in rows:
             self.cache.import_row(row, state)
             self.free_steps[row] = 0
-        job.request.count_evicted(job.cache.evicted_tokens() - job.evicted_before)
+        job.request.count_evicted(job.cache.evicted_tokens() - job.evicted_before,
+                                  pages_recalled(job.cache, 0) - job.recalled_before)
 
     def abort(self, job: PrefillJob) -> None:
         job.cache.layers.clear()
@@ -178,7 +182,21 @@ class ModelBackend:
                 if self.free_steps[row] >= self.free_step_limit:
                     self.cache.reset_row(row)
                     self.free_steps[row] = 0
+                    self._lower_fed_bound()
         return logits
+
+    def _lower_fed_bound(self) -> None:
+        """After a reset: the layers' count of columns fed (the bound a recall tier reserves its stores'
+        room by, grown by every step of every row) back to what the rows hold now, the largest row's
+        tokens fed, so the cold stores grow with the longest conversation, not with the server's
+        uptime. (A decode step feeds every row one column: no padding in the batch cache.)"""
+        if self.masks_rows:
+            return
+        fed = int(self.cache.tokens_fed.max())
+        for layer in self.cache.layers:
+            in_use, counted = layer.host_counters()
+            if counted > fed:
+                layer.set_host_counters(in_use, fed)
 
     def warm_up(self) -> None:
         """One decode step of every bucket with every row left out (a compiled step is built here for
@@ -200,9 +218,33 @@ class ModelBackend:
             self.store.park(Parked(tuple(tokens), fed, text, state, state.nbytes))
         self.cache.reset_row(row)
         self.free_steps[row] = 0
+        self._lower_fed_bound()
 
     def evicted(self, row: int) -> int:
         return sum(int(layer.evicted[row].sum()) for layer in self.cache.layers)
+
+    def recalled(self, row: int) -> int:
+        return pages_recalled(self.cache, row)
+
+    def tier_gauges(self) -> dict[str, tuple[str, float]]:
+        """The tier's figures for ``/metrics`` (none without a tier): its host bytes (the cold stores)
+        and its device bytes (the page selector's; staging and frames where the tier reports them).
+        Reads the device: the engine asks now and then, not every step."""
+        stats = self.cache.tier_stats()
+        if stats is None:
+            return {}
+        def figure(*names):  # (the first field the tier's stats have: their names have changed before)
+            return next((getattr(stats, name) for name in names if getattr(stats, name, None) is not None), 0)
+        return {
+            "recall_cold_host_bytes": ("Host bytes of the recall tier's cold stores (every row of the batch).",
+                                       figure("cold_host_bytes", "host_bytes")),
+            "recall_selector_device_bytes": ("Device bytes of the recall tier's page selector (digests).",
+                                             figure("device_bytes_selector", "digest_device_bytes")),
+            "recall_cold_tokens": ("Tokens held in the cold stores (per layer and KV head, summed).",
+                                   figure("cold_tokens")),
+            "recall_pages_copied": ("Pages brought into recall slots since the batch cache was made.",
+                                    figure("pages_copied")),
+        }
 
 
 def bucket_sizes(rows: int) -> list[int]:

@@ -23,6 +23,7 @@ from .prepare import Preparer
 from .scheduler import Scheduler
 from .sequence import Prepared, Request
 
+TIER_GAUGE_PERIOD_S = 1.0  # the tier's /metrics figures are read at most this often (a sum over layers)
 log = logging.getLogger("h2ochat.serve")
 request_log = logging.getLogger("h2ochat.serve.requests")  # one line per request (`serve --quiet`: off)
 
@@ -58,6 +59,8 @@ class Engine:
         self._submitted = 0  # handed over, not yet taken from the inbox
         self._queued = 0  # waiting or being prefilled (the engine's count after its last step)
         self._gauges: dict[str, tuple[str, float]] = {}
+        self._tier_gauges: dict[str, tuple[str, float]] = {}
+        self._tier_read = -TIER_GAUGE_PERIOD_S  # when the tier's figures were last read (they read the device)
         self._thread = threading.Thread(target=self._run, name="h2ochat-engine", daemon=True)
         metrics.read_gauges(lambda: dict(self._gauges))
 
@@ -176,6 +179,9 @@ class Engine:
             self._queued = waiting
         rows = len(scheduler.rows)
         per_head = loaded.layers * loaded.kv_heads
+        tier_gauges = getattr(loaded.backend, "tier_gauges", None)
+        if tier_gauges is not None and time.monotonic() - self._tier_read >= TIER_GAUGE_PERIOD_S:
+            self._tier_gauges, self._tier_read = tier_gauges(), time.monotonic()
         self._gauges = {
             "requests_running": ("Requests holding rows.", scheduler.running),
             "requests_waiting": ("Requests waiting for rows or being prefilled.", waiting),
@@ -189,4 +195,5 @@ class Engine:
             "parked_conversations": ("Conversation caches parked in host memory.", len(self.store)),
             "parked_bytes": ("Bytes of parked conversation caches.", self.store.nbytes),
             "parked_bytes_limit": ("Bytes the parked caches may take (--parked-bytes).", self.store.capacity),
+            **self._tier_gauges,
         }

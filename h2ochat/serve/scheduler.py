@@ -59,6 +59,9 @@ class Backend(Protocol):
     def evicted(self, row: int) -> int:
         """Tokens evicted so far in ``row`` (per layer and KV head, summed)."""
 
+    def recalled(self, row: int) -> int:
+        """Pages a recall tier brought back into ``row`` so far (per layer and KV head, summed; 0 without)."""
+
 
 class Scheduler:
     def __init__(self, backend: Backend):
@@ -140,7 +143,7 @@ class Scheduler:
             return True
         self.job = self.admitting = None
         for row, choice in zip(rows, request.choices):
-            choice.place(row, self.backend.evicted(row))
+            choice.place(row, self.backend.evicted(row), self.backend.recalled(row))
             self.rows[row] = choice
         self._advance(list(zip(rows, request.choices)), logits.unsqueeze(0).expand(len(rows), -1))
         return True
@@ -219,7 +222,8 @@ class Scheduler:
         self.rows[row] = None
         if choice is None:
             return
-        choice.request.count_evicted(self.backend.evicted(row) - choice.evicted_at_start)
+        choice.request.count_evicted(self.backend.evicted(row) - choice.evicted_at_start,
+                                     self.backend.recalled(row) - choice.recalled_at_start)
         self.backend.release(row, choice if park else None)
 
     def fail_all(self, error: APIError) -> None:

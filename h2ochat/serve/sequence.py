@@ -62,14 +62,16 @@ class Choice:
         self.stopped_by_string = False
         self.row: int | None = None
         self.evicted_at_start = 0  # the row's eviction count when this choice took it
+        self.recalled_at_start = 0  # and its count of pages recalled (a recall tier; else 0)
 
     @property
     def last(self) -> int:
         return self.generated[-1]
 
-    def place(self, row: int, evicted: int) -> None:
-        """This choice runs in batch row ``row``, whose eviction count is ``evicted`` as it takes it."""
-        self.row, self.evicted_at_start = row, evicted
+    def place(self, row: int, evicted: int, recalled: int = 0) -> None:
+        """This choice runs in batch row ``row``, whose counts of evicted tokens and recalled pages are
+        ``evicted`` and ``recalled`` as it takes it."""
+        self.row, self.evicted_at_start, self.recalled_at_start = row, evicted, recalled
 
     def move_to(self, row: int) -> None:
         """The scheduler moved this choice's cache to batch row ``row`` (the count moves with it)."""
@@ -173,6 +175,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens read from a parked cache instead of being fed
     fed_ids: list[int] = field(default_factory=list)  # the prompt tokens this request fed
     evicted_tokens: int = 0
+    recalled_pages: int = 0  # pages a recall tier brought back into its rows' slots (serve --recall)
     kv_slots: int = 0
     cancelled: bool = False
     choices: list[Choice] = field(default_factory=list)
@@ -202,9 +205,11 @@ class Request:
         the slots per layer and KV head each of its rows holds."""
         self.cached_tokens, self.fed_ids, self.kv_slots = cached_tokens, fed_ids, kv_slots
 
-    def count_evicted(self, tokens: int) -> None:
-        """Tokens its rows evicted (per layer and KV head, summed), for ``usage``."""
+    def count_evicted(self, tokens: int, pages_recalled: int = 0) -> None:
+        """Tokens its rows evicted and pages their recall tier brought back (per layer and KV head,
+        summed), for ``usage``."""
         self.evicted_tokens += tokens
+        self.recalled_pages += pages_recalled
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -226,6 +231,7 @@ class Request:
             # dropped for this request (per layer and KV head, summed over layers, heads and choices)
             "kv_slots": self.kv_slots,
             "evicted_tokens": self.evicted_tokens,
+            "recalled_pages": self.recalled_pages,  # (pages of the recall tier's cold store; 0 without one)
         }
 
     def fail(self, error) -> None:
