@@ -164,7 +164,7 @@ def check_fits(settings: CacheSettings, model) -> None:
     anything is built or dropped: a UserError in one line when they do not fit."""
     with user_input():
         settings.validate()
-        slots = settings.slots(model.config)
+        slots = settings.slots(model.config, model)
         policy = settings.resolved_policy()
         window = max_positions(model.config)
         if slots > window and not policy.grows:  # never filled: the positions run out first

@@ -25,8 +25,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .budget import parse_budget
+from .budget import budget_bytes, parse_budget  # (budget_bytes: eval's table asks it too)
 from .kv import H2OCache, RowSpec, make_cache, make_mixed_cache, policy_slots
+from .kv.slot_format import check_kv_dtype
 from .forward_step import forward
 from .generation import CacheSettings, max_positions
 from .policies import Policy, get_policy
@@ -48,6 +49,7 @@ class Row:
     window: int = 0  # which of the evaluated stretches of text this row reads
     recall: RecallConfig | None = None  # the two-tier cache: R of the ``slots`` hold recalled tokens
     recall_spec: str = ""  # --recall as typed (64, or 0.5 of the budget): names the row across budgets
+    kv_dtype: str = "auto"  # how its slots hold keys and values (--kv-dtype; kv.slot_format)
 
     @property
     def hot_slots(self) -> int:
@@ -59,10 +61,15 @@ class Row:
         return self.policy.split(self.hot_slots)
 
     @property
+    def policy_label(self) -> str:
+        """The policy, and the slots' dtype when it is not the model's (``h2o [int8]``)."""
+        return self.policy.label + ("" if self.kv_dtype == "auto" else f" [{self.kv_dtype}]")
+
+    @property
     def label(self) -> str:
         if self.recall is None:
-            return self.policy.label
-        return f"{self.policy.label} + recall {self.recall_spec} ({self.recall.selector}, pages of {self.recall.page})"
+            return self.policy_label
+        return f"{self.policy_label} + recall {self.recall_spec} ({self.recall.selector}, pages of {self.recall.page})"
 
     def spec(self) -> RowSpec:
         return RowSpec(self.policy, self.slots, self.seed)
@@ -93,22 +100,25 @@ class Speed:
 
 
 def build_rows(policies: Sequence[str | Policy], budgets: Sequence[int], tokens: int, *, seed: int | None = 0,
-               window: int = 0, recalls: Sequence[CacheSettings] = (), **knobs) -> list[Row]:
+               window: int = 0, recalls: Sequence[CacheSettings] = (), kv_dtype: str = "auto", full: bool = True,
+               **knobs) -> list[Row]:
     """One row per (evicting policy, budget), plus one ``full`` row (its numbers do not depend on
-    the budget) when ``full`` is asked for. ``knobs`` (heavy_ratio=, sinks=, ...; None = the
-    policy's own) apply to every policy. ``recalls``: the recall settings (``CacheSettings`` with
-    recall, page, selector, ... set), each adding a recall row beside every (evicting policy, budget)."""
+    the budget) when ``full`` is asked for (and ``full``: a table of several --kv-dtype has one full
+    row, at the first). ``knobs`` (heavy_ratio=, sinks=, ...; None = the policy's own) apply to
+    every policy. ``recalls``: the recall settings (``CacheSettings`` with recall, page, selector,
+    ... set), each adding a recall row beside every (evicting policy, budget)."""
     rows = []
     for spec in dict.fromkeys(policies):
         policy = get_policy(spec).with_knobs(**knobs)
         if policy.grows:
-            rows.append(Row(policy, slots=tokens, window=window))
+            if full:
+                rows.append(Row(policy, slots=tokens, window=window, kv_dtype=kv_dtype))
             continue
         for slots in budgets:
             policy.split(slots)  # a knob that does not fit the budget fails before the model runs
-            rows.append(Row(policy, slots=slots, seed=seed, window=window))
+            rows.append(Row(policy, slots=slots, seed=seed, window=window, kv_dtype=kv_dtype))
             for settings in recalls:
-                row = Row(policy, slots, seed, window, settings.recall_config(slots), str(settings.recall))
+                row = Row(policy, slots, seed, window, settings.recall_config(slots), str(settings.recall), kv_dtype)
                 row.budget  # the hot slots left must hold the policy's sinks and windows
                 rows.append(row)
     return rows
@@ -150,14 +160,18 @@ def evaluate_rows(model, token_ids: torch.Tensor | Sequence[torch.Tensor], rows:
 def batches(rows: Sequence[Row], max_rows: int = MAX_ROWS) -> list[list[Row]]:
     """Rows without recall share batches of up to ``max_rows`` (similar budgets together); each
     recall row is a batch of its own (the two-tier cache serves one policy)."""
-    ordered = sorted((row for row in rows if row.recall is None), key=lambda row: row.slots)
-    groups = [ordered[start : start + max_rows] for start in range(0, len(ordered), max_rows)]
+    groups = []
+    for kv_dtype in dict.fromkeys(row.kv_dtype for row in rows):  # one cache holds one slot format
+        ordered = sorted((row for row in rows if row.recall is None and row.kv_dtype == kv_dtype),
+                         key=lambda row: row.slots)
+        groups += [ordered[start : start + max_rows] for start in range(0, len(ordered), max_rows)]
     return groups + [[row] for row in rows if row.recall is not None]
 
 
 def _cache_for(model, rows: Sequence[Row]) -> H2OCache:
     config = model.config
-    common = dict(max_positions=max_positions(config), positions="absolute", rotary=find_rotary(model))
+    common = dict(max_positions=max_positions(config), positions="absolute", rotary=find_rotary(model),
+                  kv_dtype=rows[0].kv_dtype)
     if rows[0].recall is not None:
         [row] = rows
         return make_cache(config.num_hidden_layers, row.policy, row.slots, recall=row.recall, seed=row.seed, **common)
@@ -176,9 +190,7 @@ def row_memory(cache: H2OCache, rows: Sequence[Row]) -> list[dict]:
         total = 0
         for layer in cache.layers:
             if layer.is_initialized:
-                per_slot = layer.keys[0, :, 0].numel() * layer.keys.element_size() \
-                    + layer.values[0, :, 0].numel() * layer.values.element_size()
-                total += layer.budgets[index].slots * per_slot
+                total += layer.budgets[index].slots * layer.slot_bytes()
         out.append({"device_kv_bytes": total})
     return out
 
@@ -237,6 +249,9 @@ def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
             out.append({
                 "policy": row.label,
                 "budget_slots": slots,
+                "kv_dtype": row.kv_dtype,  # as given to --kv-dtype
+                "kv_slots": slots,
+                "kv_bytes": None if grows else result.memory.get("device_kv_bytes"),
                 "heavy_slots": None if grows else row.budget.heavy,
                 "recent_slots": None if grows else row.budget.recent,
                 "sink_slots": None if grows else row.budget.sinks,
@@ -247,7 +262,7 @@ def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
                 **({} if grows else result.memory),
             })
             if row.recall is not None:
-                out[-1].update(without_recall=row.policy.label, hot_slots=row.hot_slots)
+                out[-1].update(without_recall=row.policy_label, hot_slots=row.hot_slots)
     plain = {(r["policy"], r["budget_slots"]): r for r in out if "without_recall" not in r}
     for record in out:
         base = plain.get((record.get("without_recall"), record["budget_slots"]))
@@ -266,12 +281,33 @@ def describe_recalls(recalls: Sequence[CacheSettings]) -> list[dict] | None:
 
 # -- inputs --------------------------------------------------------------------------------------
 
-def parse_budgets(text: str, tokens: int) -> list[int]:
-    """--budget for eval: comma-separated slot counts, or fractions of the evaluated tokens."""
+def parse_budgets(text: str, tokens: int, size_slots: Callable[[str], int] | None = None) -> list[int]:
+    """--budget for eval: comma-separated slot counts, fractions of the evaluated tokens, or sizes
+    (16MiB: ``size_slots`` turns one into the slots that fit for the model and a --kv-dtype; without
+    it, before the model loads, a size is only checked)."""
     parts = [part.strip() for part in str(text).split(",") if part.strip()]
     if not parts:
         raise ValueError("--budget needs at least one value")
-    return sorted(dict.fromkeys(parse_budget(part, tokens) for part in parts))
+    slots = []
+    for part in parts:
+        if budget_bytes(part) is None:
+            slots.append(parse_budget(part, tokens))
+        elif size_slots is not None:
+            slots.append(size_slots(part))
+    return sorted(dict.fromkeys(slots))  # (empty: sizes only, not read yet)
+
+
+def parse_kv_dtypes(text: str) -> list[str]:
+    """--kv-dtype for eval: comma-separated slot dtypes (auto, float32, ..., int8, int4), a row each."""
+    parts = [check_kv_dtype(part) for part in str(text).split(",") if part.strip()]
+    if not parts:
+        raise ValueError("--kv-dtype needs at least one value")
+    return list(dict.fromkeys(parts))
+
+
+def size_slots(model, kv_dtype: str) -> Callable[[str], int]:
+    """A --budget size's slots per layer for ``model`` with slots of ``kv_dtype`` (``CacheSettings.slots``)."""
+    return lambda size: CacheSettings(budget=size, kv_dtype=kv_dtype).slots(model.config, model)
 
 
 def parse_policies(text: str | Sequence[str]) -> list[str]:
@@ -323,7 +359,8 @@ def summarize_windows(per_window: Sequence[Sequence[dict]]) -> list[dict]:
             grouped.setdefault((r["policy"], r["budget_slots"]), []).append((r, full.get(r["budget_slots"])))
     out = []
     for (policy, slots), pairs in grouped.items():
-        entry = {"policy": policy, "budget_slots": slots, "windows": len(pairs)}
+        entry = {"policy": policy, "budget_slots": slots, "windows": len(pairs),
+                 **{name: pairs[0][0].get(name) for name in ("kv_dtype", "kv_bytes")}}
         if "without_recall" in pairs[0][0]:
             entry["without_recall"] = pairs[0][0]["without_recall"]
         for field_name in ("perplexity", "perplexity_after_fill"):

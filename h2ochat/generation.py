@@ -15,8 +15,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from .budget import parse_budget
+from .budget import budget_bytes, parse_budget, slots_in_bytes
 from .kv import H2OCache, make_cache, policy_slots
+from .kv.slot_format import bytes_per_slot, check_kv_dtype
 from .compiled import CompiledDecode
 from .forward_step import Decode, EagerDecode, forward
 from .policies import DEFAULT_POLICY, Policy, get_policy
@@ -38,6 +39,22 @@ def max_positions(config) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 2048)
 
 
+def attention_shape(config) -> tuple[int, int]:
+    """(KV heads, head dim) of a model's attention, from its configuration."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def model_dtype(model) -> torch.dtype:
+    """The dtype a model computes in (its keys and values): its parameters', else its configuration's
+    (a configuration alone, before the weights load), else float32."""
+    parameter = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    if parameter is not None:
+        return parameter.dtype
+    dtype = getattr(model.config, "dtype", None)  # (torch_dtype: deprecated, it warns when read)
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype or "float32"), torch.float32)
+
+
 @dataclass
 class CacheSettings:
     policy: str = DEFAULT_POLICY  # a name, or name:knob=value:... (see policies.parse_policy)
@@ -54,6 +71,8 @@ class CacheSettings:
     cold_dtype: str = "same"
     cold_limit: int | None = None
     recall_every: int = 1
+    # how the slots hold keys and values (kv.slot_format): auto (the model's dtype), a float type, int8, int4
+    kv_dtype: str = "auto"
 
     def recall_config(self, slots: int):
         """The recall settings for a budget of ``slots``, or None without --recall."""
@@ -73,12 +92,30 @@ class CacheSettings:
         context window waits for the model."""
         if self.positions not in ("compact", "absolute"):
             raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
+        check_kv_dtype(self.kv_dtype)
+        if budget_bytes(self.budget) is not None:  # a size: its slots wait for the model (``slots``)
+            return
         slots = parse_budget(self.budget, 1 << 30)
         recall = self.recall_config(slots)
         self.resolved_policy().split(policy_slots(slots, recall))
 
-    def slots(self, config) -> int:
-        return parse_budget(self.budget, max_positions(config))
+    def slot_bytes(self, model) -> int:
+        """Device bytes of one slot of one layer over its KV heads (keys, values, scales) for
+        ``model`` (a configuration alone will do: ``model.config``) with these settings' --kv-dtype."""
+        heads, head_dim = attention_shape(model.config)
+        return heads * bytes_per_slot(self.kv_dtype, head_dim, head_dim, model_dtype(model))
+
+    def slots(self, config, model=None) -> int:
+        """Slots per layer (the device's: recall slots included) for the budget: a share or a count
+        of the model's window, or the slots whose bytes fit a size (``model``: for its dtype under
+        --kv-dtype auto; the configuration's dtype without it)."""
+        size = budget_bytes(self.budget)
+        if size is None:
+            return parse_budget(self.budget, max_positions(config))
+        layers = config.num_hidden_layers
+        return slots_in_bytes(size, self.slot_bytes(model if model is not None else _ConfigOnly(config)),
+                              self.resolved_policy().layer_slots, layers, typed=str(self.budget).strip(),
+                              kv_dtype=self.kv_dtype)
 
     def kv_slots_needed(self, prefill_chunk: int):
         """For the memory check before loading: slots per layer a cache of these settings reaches
@@ -90,14 +127,21 @@ class CacheSettings:
     def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False) -> H2OCache:
         """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
         config = model.config
-        slots = self.slots(config)
+        slots = self.slots(config, model)
         policy = self.resolved_policy()
         if policy.grows and initial_slots:
             slots = initial_slots
         recall = self.recall_config(slots) if not policy.grows else None
         return make_cache(config.num_hidden_layers, policy, slots, recall=recall,
                           max_positions=max_positions(config), positions=self.positions, rotary=find_rotary(model),
-                          seed=self.seed, static_shapes=static_shapes)
+                          seed=self.seed, static_shapes=static_shapes, kv_dtype=self.kv_dtype)
+
+
+class _ConfigOnly:
+    """A model known by its configuration only (the checks before the weights load)."""
+
+    def __init__(self, config):
+        self.config = config
 
 
 @dataclass

@@ -26,7 +26,13 @@ DeviceMap = Annotated[Optional[str], typer.Option("--device-map", rich_help_pane
 
 Budget = Annotated[str, typer.Option("--budget", "-b", envvar="H2OCHAT_BUDGET", rich_help_panel=CACHE,
     help="KV slots per layer: a fraction of the context window written with a point (0.2, 1.0 = the whole "
-         "window) or a slot count written as an integer (512; '1' is one slot).")]
+         "window), a slot count written as an integer (512; '1' is one slot), or the device KV bytes per "
+         "sequence (16MiB, 512KiB, 1.5GiB: every layer and KV head, codes and scales counted), turned into the "
+         "slots that fit at --kv-dtype.")]
+KvDtype = Annotated[str, typer.Option("--kv-dtype", envvar="H2OCHAT_KV_DTYPE", rich_help_panel=CACHE,
+    help="How the slots hold keys and values: auto (the model's dtype) | float32 | bfloat16 | float16 | int8 "
+         "| int4 (codes with a scale and offset per token and KV head; int4 keys rotated first). int8 takes "
+         "about a quarter of float32's bytes, int4 an eighth.")]
 Policy = Annotated[str, typer.Option("--policy", "-p", envvar="H2OCHAT_POLICY", rich_help_panel=CACHE,
     help="Eviction policy (knobs may follow: name:decay=0.9:sinks=4): "
          + "; ".join(f"{name} = {summary}" for name, summary in describe_policies()) + ".")]
@@ -67,10 +73,10 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Prin
 
 
 def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: int | None, positions: str,
-                   seed: int | None, decay: float | None = None, **recall) -> CacheSettings:
+                   seed: int | None, decay: float | None = None, kv_dtype: str = "auto", **recall) -> CacheSettings:
     """``recall``: the two-tier fields (recall, page, selector, cold_dtype, cold_limit, recall_every)."""
     settings = CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
-                             positions=positions, seed=seed, **recall)
+                             positions=positions, seed=seed, kv_dtype=kv_dtype, **recall)
     with user_input():  # these are the options as typed: a bad one is the user's to fix
         settings.validate()
     check_recall(settings)

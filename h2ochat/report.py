@@ -29,7 +29,10 @@ def cache_record(cache: H2OCache) -> dict:
     splits = layer_splits(cache)
     return {
         "policy": cache.policy.name,
+        "kv_dtype": cache.kv_dtype,
         **split_record(cache_split(cache, splits), kv_memory(cache, splits)),
+        # one slot of every layer, over its KV heads: keys, values (codes) and their scales
+        "kv_bytes_per_slot": cache.kv_bytes_per_slot(),
         "positions": cache.position_mode,
         "position_renumberings": cache.compactions,
         "bookkeeping_bytes": cache.bookkeeping_bytes(),

@@ -1,4 +1,5 @@
-"""Reading amounts the user types: a share or a count (--budget, --recall) and a byte size (--kv-memory).
+"""Reading amounts the user types: a share or a count (--budget, --recall) and a byte size (--kv-memory,
+--budget 16MiB).
 
 One reader for the whole product, so "1e-1" means the same to --budget as to --recall, and a size
 means the same to bench as to serve. No torch here: these run before anything heavy is imported.
@@ -53,3 +54,12 @@ def parse_size(text: str, option: str = "--kv-memory") -> int:
     if value <= 0:
         raise ValueError(f"{option} must be positive, got {text!r}")
     return int(value)
+
+
+_UNIT = re.compile(r"\s*[0-9]*\.?[0-9]+\s*([kmgt]i?b?|b)\s*", re.IGNORECASE)
+
+
+def is_size(text: str | float | int) -> bool:
+    """Whether ``text`` is written as a byte size ("16MiB", "512KiB", "1.5GiB", "4096B"): a number with
+    a unit, so "1e-1", "0.2" and "512" are not (they are a share and a count)."""
+    return bool(_UNIT.fullmatch(str(text)))

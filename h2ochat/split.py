@@ -156,8 +156,7 @@ def kv_memory(cache, layers: list[Split] | None = None) -> Memory:
     in_use = 0
     for layer, split in zip(cache.layers, layers):
         if layer.is_initialized:
-            per_slot = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-            in_use += round(split.held.total * split.rows) * per_slot
+            in_use += round(split.held.total * split.rows) * layer.format.slot_bytes  # one KV head's slot
     return Memory(cache.kv_bytes(), in_use, cache.full_kv_bytes())
 
 

@@ -46,6 +46,7 @@ SAMPLE = {
     "cold_dtype": ("int8", "int8"),
     "cold_limit": ("64", 64),
     "recall_every": ("2", 2),
+    "kv_dtype": ("int8", "int8"),
 }
 
 

@@ -28,7 +28,11 @@ def eval_command(
     tokens: Annotated[int, typer.Option("--tokens", min=2, rich_help_panel=o.CACHE,
         help="Tokens of the text to evaluate (no BOS added).")] = 2000,
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
-        help="Comma-separated budgets: slot counts (128) or fractions of --tokens (0.2).")] = ev.DEFAULT_BUDGETS,
+        help="Comma-separated budgets: slot counts (128), fractions of --tokens (0.2) or device KV bytes per "
+             "sequence (1.5MiB: the slots that fit at each --kv-dtype).")] = ev.DEFAULT_BUDGETS,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", rich_help_panel=o.CACHE,
+        help="Comma-separated slot dtypes, a row of each policy and budget for each, side by side: auto (the "
+             "model's) | float32 | bfloat16 | float16 | int8 | int4. The full cache runs at the first.")] = "auto",
     policies: Annotated[str, typer.Option("--policies", rich_help_panel=o.CACHE,
         help="Comma-separated policies to compare, each a name or name:knob=value:... "
              "(knobs: decay, heavy_ratio, sinks, value_eps, layer_shape), e.g. full,h2o,decay:decay=0.95.")
@@ -83,6 +87,9 @@ def eval_command(
                                      recall_every=recall_every)
         if plot is not None:
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
+        kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
+        if task == "passkey" and kv_dtypes != ["auto"]:
+            raise ValueError("--kv-dtype is for --task perplexity (the pass-key task runs the model's dtype)")
     if task == "passkey":
         from .passkey_task import passkey_task
 
@@ -107,11 +114,13 @@ def eval_command(
     with user_input():  # the text and the budgets against this model
         stretches = ev.text_windows(loaded.tokenizer, content, tokens, windows)
         count = len(stretches[0])
-        budgets = ev.parse_budgets(budget, count)
+        # a size of --budget is as many slots as fit at each --kv-dtype
+        dtype_budgets = {name: ev.parse_budgets(budget, count, ev.size_slots(loaded.model, name)) for name in kv_dtypes}
+        budgets = sorted({slots for per_dtype in dtype_budgets.values() for slots in per_dtype})
         ev.check_inputs(count, budgets, max_positions(loaded.model.config))
-        rows = [row for window in range(windows)
-                for row in ev.build_rows(names, budgets, count, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
-                                         seed=seed, window=window, recalls=recalls)]
+        rows = [row for window in range(windows) for index, (name, per_dtype) in enumerate(dtype_budgets.items())
+                for row in ev.build_rows(names, per_dtype, count, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
+                                         seed=seed, window=window, recalls=recalls, kv_dtype=name, full=index == 0)]
 
     speed = ev.Speed()
     batches = len(ev.batches(rows, max_rows))
@@ -147,6 +156,7 @@ def eval_command(
         "windows": windows,
         "seed": seed,
         "recall": ev.describe_recalls(recalls),
+        "kv_dtypes": kv_dtypes,
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "device": str(loaded.device),
         "threads": threads.current(),
@@ -177,8 +187,10 @@ def eval_command(
         out = Console()
         spread = " (lowest-highest over the windows)" if windows > 1 else ""
         against = "; [ratio to the same policy without recall]" if recalls else ""
+        sized = kv_dtypes != ["auto"] or any(ev.budget_bytes(part) for part in budget.split(",") if part.strip())
         out.print(_table(summary, budgets, "perplexity",
-                         f"Perplexity over {over} ({loaded.name}); ratio to full{spread}{against}"))
+                         f"Perplexity over {over} ({loaded.name}); ratio to full{spread}{against}"
+                         + ("; device KV bytes of the row" if sized else ""), show_bytes=sized))
         out.print(_table(summary, budgets, "perplexity_after_fill",
                          f"Perplexity of the predictions made after the first eviction; ratio to full over the same "
                          f"ones{spread}"))
@@ -189,7 +201,9 @@ def eval_command(
         raise UserError(f"could not write the plot {plot}: {one_line(plot_failed)} (the results are above)")
 
 
-def _table(summary: list[dict], budgets: list[int], field: str, title: str) -> Table:
+def _table(summary: list[dict], budgets: list[int], field: str, title: str, show_bytes: bool = False) -> Table:
+    from ..split import format_bytes
+
     table = Table(title=title, title_justify="left")
     table.add_column("policy")
     for slots in budgets:
@@ -212,6 +226,8 @@ def _table(summary: list[dict], budgets: list[int], field: str, title: str) -> T
             against = entry.get(f"{field}_vs_policy")
             if against is not None:
                 text += f" [{against:.3f}x {entry['without_recall']}]"
+            if show_bytes and entry.get("kv_bytes"):
+                text += f" {format_bytes(entry['kv_bytes'])}"
             row.append(text)
         table.add_row(*row)
     return table

@@ -38,6 +38,7 @@ def generate(
     sinks: o.Sinks = None,
     decay: o.Decay = None,
     positions: o.Positions = "compact",
+    kv_dtype: o.KvDtype = "auto",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     max_new_tokens: o.MaxNewTokens = 256,
     temperature: o.Temperature = 0.0,
@@ -54,7 +55,7 @@ def generate(
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)  # a bad prompt or option fails here, before the model loads
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, **recall_options)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, kv_dtype, **recall_options)
     sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
     with user_input():
         sampling.validate()

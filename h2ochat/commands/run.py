@@ -59,6 +59,7 @@ def run(
     sinks: o.Sinks = None,
     decay: o.Decay = None,
     positions: o.Positions = "compact",
+    kv_dtype: o.KvDtype = "auto",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     system: Annotated[Optional[str], typer.Option("--system", "-s", envvar="H2OCHAT_SYSTEM", rich_help_panel=o.SAMPLING,
         help="System prompt: text, or the name of a file in prompts/ (e.g. 'concise').")] = None,

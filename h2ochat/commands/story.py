@@ -234,6 +234,7 @@ def story(
     sinks: o.Sinks = None,
     decay: o.Decay = None,
     positions: o.Positions = "compact",
+    kv_dtype: o.KvDtype = "auto",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     temperature: o.Temperature = 0.8,
     top_p: o.TopP = 0.95,
@@ -261,7 +262,7 @@ def story(
                 check_writable(path)  # before the model loads
     if not opening.strip():
         raise UserError("the story opening is empty")
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, **recall_options)
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, kv_dtype, **recall_options)
     sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
     with user_input():
         sampling.validate()
