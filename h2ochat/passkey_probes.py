@@ -81,7 +81,7 @@ class LengthPlan:
         return {spec.resolve(slots) for spec in self.specs}
 
     def wanted(self, row, trial) -> bool:
-        return trial.length in self.for_slots(row.device_slots)
+        return trial.length in self.for_slots(getattr(row, "device_slots", None))
 
     def length_title(self, length: int) -> str:
         """"880 tok", or "2048 tok (16x 128 slots)" for a length asked as a multiple."""
@@ -144,14 +144,14 @@ def attribute(results: Sequence[dict], rows: Sequence) -> list[dict]:
     twins = exact_twins(rows)
     selectors = {row.label: row.settings.selector for row in rows
                  if getattr(row, "settings", None) is not None and row.settings.recall}
-    exact = {(r["row"], _trial_key(r)): _each(r) for r in results}
+    outcomes = {(r["row"], _trial_key(r)): _each(r) for r in results}
     out = []
     for record in results:
         key = _trial_key(record)
         if record["row"] in full or key not in reference:
             out.append(record)
             continue
-        twin = exact.get((twins.get(record["row"]), key))
+        twin = outcomes.get((twins.get(record["row"]), key))  # the exact twin's answers to this trial
         causes = []
         for fact, got in enumerate(_each(record)):
             if got:
