@@ -13,12 +13,17 @@ On CUDA (Triton importable):
   + ``evict_and_insert``, what the app runs without Triton) and vs a torch priority + the Triton
   ``evict_and_insert`` kernel (two steps), and the fused kernel called through its custom op
   (``torch.ops.h2ochat.evict_by_policy``: what a compiled step calls where no CUDA graph replays it,
-  so the op's dispatch cost shows); and a prefill chunk vs the torch reference.
+  so the op's dispatch cost shows); and a prefill chunk vs the torch reference. Beside every decode
+  size, the same slots as int8 and int4 codes (``--kv-dtype``: ``h2ochat_kernels.quant``), the
+  quantised decode kernel timed next to the unquantised one timed again: time, bytes read per step
+  (codes + float32 scale and offset per slot, index, scores), bandwidth, and both ratios
+  ("decode_quant"; the check: time ratio within 1.15x of the bytes ratio at batch 16 / 4096 slots).
   Every Triton result is first checked against the torch reference at that size ("max_err").
 
 On the CPU: only the torch paths run (the Triton interpreter is ~1000x slower and says nothing about
 GPU speed), at small sizes, the eviction as the torch policy path and the torch given-priority
-eviction; the JSON says so ("backend": "torch", "note").
+eviction, and the torch reference over int8 / int4 slots beside the unquantised one (the CPU's
+eager dequantise-in-the-step cost); the JSON says so ("backend": "torch", "note").
 
     python benchmarks/bench_kernels.py [--quick] [--markdown [PATH]] [--dtype fp16|bf16|fp32]
 """
@@ -35,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from h2ochat_kernels import reference  # (importing the package registers the torch.ops.h2ochat ops)
+from h2ochat_kernels import quant, reference  # (importing the package registers the torch.ops.h2ochat ops)
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
 GROUP = Q_HEADS // KV_HEADS
@@ -44,6 +49,7 @@ TARGETS = {
     "bandwidth_fraction_at_b16_s4096": 0.70,
     "max_scoring_overhead": 0.10,
     "faster_than_sdpa_plus_scores": True,
+    "quant_time_over_bytes_ratio": 1.15,  # int8 / int4 decode: time ratio <= 1.15 x bytes ratio (b16 s4096)
 }
 
 
@@ -137,14 +143,51 @@ def sdpa_plus_scores(inp):
     return run
 
 
-def decode_bytes(batch, slots, dtype, score: bool, group=GROUP, kv_heads=KV_HEADS, head_dim=HEAD_DIM) -> int:
-    """Bytes that must move: K and V read, slot index read; when scoring, scores read + written."""
-    elem = torch.finfo(dtype).bits // 8
+def decode_bytes(batch, slots, dtype, score: bool, group=GROUP, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                 bits: int | None = None) -> int:
+    """Bytes that must move: K and V read (with ``bits``: their codes, scales and offsets,
+    ``quant.bytes_per_token`` each), slot index read; when scoring, scores read + written."""
     n = batch * kv_heads * slots
-    total = 2 * n * head_dim * elem + n * 8
+    per_slot = 2 * (head_dim * (torch.finfo(dtype).bits // 8) if bits is None else quant.bytes_per_token(head_dim, bits))
+    total = n * per_slot + n * 8
     if score:
         total += 2 * n * 4
     return total
+
+
+QUANT_BITS = (8, 4)
+
+
+def quantised(inp, bits):
+    """``inp`` with its slots as ``bits``-bit codes (the same keys and values): (inputs, QuantSlots)."""
+    key_codes, key_scale, key_offset = quant.quantize(inp["cache_keys"], bits)
+    value_codes, value_scale, value_offset = quant.quantize(inp["cache_values"], bits)
+    head_dim = inp["cache_keys"].shape[-1]
+    slots_q = quant.QuantSlots(bits, key_scale, key_offset, value_scale, value_offset, head_dim, head_dim)
+    return {**inp, "cache_keys": key_codes, "cache_values": value_codes}, slots_q
+
+
+def quant_rows(inp, dtype, timer, attend, t_plain: float, copy_bw: float, check=None) -> list[dict]:
+    """The decode step over the same slots as int8 and int4 codes, next to the unquantised one
+    (``t_plain`` seconds, timed by the caller in the same run): time, bytes read, bandwidth, and the
+    ratios of both against the unquantised step. ``attend(inputs, quant)`` runs one step;
+    ``check(inputs, quant)`` (optional) gives its error against the torch reference."""
+    batch, kv_heads, slots, head_dim = inp["cache_keys"].shape
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim)
+    plain_bytes = decode_bytes(batch, slots, dtype, True, **shape)
+    rows = []
+    for bits in QUANT_BITS:
+        q_inp, slots_q = quantised(inp, bits)
+        row = dict(batch=batch, slots=slots, kv_dtype=f"int{bits}")
+        if check is not None:
+            row["max_err"] = check(q_inp, slots_q)
+        t = timer(lambda: attend(q_inp, slots_q))
+        nbytes = decode_bytes(batch, slots, dtype, True, bits=bits, **shape)
+        row.update(t_us=t * 1e6, t_unquantised_us=t_plain * 1e6, time_ratio=t / t_plain, bytes=nbytes,
+                   bytes_ratio=nbytes / plain_bytes, bw_GBps=nbytes / t / 1e9, bw_fraction_of_copy=nbytes / t / copy_bw)
+        rows.append(row)
+        del q_inp, slots_q
+    return rows
 
 
 EVICT_POLICY = dict(recent=64, sinks=4)  # H2O: score rank, a recent window and attention sinks
@@ -208,7 +251,13 @@ def bench_triton(dtype, device, timer, *, copy_bytes, batches, slot_counts, evic
 
     copy_bw = copy_bandwidth(device, timer, copy_bytes)
 
-    rows = []
+    def triton_quant_error(q_inp, slots_q):
+        ref_scores = q_inp["scores"].clone()
+        want, want_new = reference.attend_with_scores(**{**q_inp, "scores": ref_scores}, quant=slots_q)
+        got, got_new = decode_attend_with_scores(**{**q_inp, "scores": q_inp["scores"].clone()}, quant=slots_q)
+        return max(max_rel_err(got, want), max_rel_err(got_new, want_new))
+
+    rows, quant_decode = [], []
     for batch in batches:
         for slots in slot_counts:
             inp = decode_inputs(batch, slots, dtype, device)
@@ -235,9 +284,17 @@ def bench_triton(dtype, device, timer, *, copy_bytes, batches, slot_counts, evic
                 speedup_vs_sdpa_plus_scores=t_sdpa / t_score,
                 speedup_vs_torch_reference=t_ref / t_score,
             ))
-            del inp, want, got
+            del want, got
             print(f"decode B={batch} S={slots}: {rows[-1]['t_triton_us']:.1f} us, "
                   f"{rows[-1]['bw_fraction_of_copy']:.0%} of copy bw", file=sys.stderr)
+            # the same slots quantised, the unquantised step timed again beside them (one noise regime)
+            t_again = timer(lambda: decode_attend_with_scores(**inp))
+            quant_decode += quant_rows(inp, dtype, timer, lambda q, s: decode_attend_with_scores(**q, quant=s),
+                                       t_again, copy_bw, check=triton_quant_error)
+            for r in quant_decode[-len(QUANT_BITS):]:
+                print(f"  {r['kv_dtype']}: {r['t_us']:.1f} us ({r['time_ratio']:.2f}x time, {r['bytes_ratio']:.2f}x "
+                      f"bytes), {r['bw_fraction_of_copy']:.0%} of copy bw", file=sys.stderr)
+            del inp
 
     evict_rows = []
     for batch in batches:
@@ -287,13 +344,22 @@ def bench_triton(dtype, device, timer, *, copy_bytes, batches, slot_counts, evic
 
     return dict(
         backend="triton", device=str(device), copy_bandwidth_GBps=copy_bw / 1e9,
-        decode=rows, evict=evict_rows, chunk=chunk_rows, checks=check_targets(rows),
+        decode=rows, decode_quant=quant_decode, evict=evict_rows, chunk=chunk_rows,
+        checks=check_targets(rows, quant_decode),
     )
 
 
-def check_targets(rows):
+def check_targets(rows, quant_decode=()):
     at = [r for r in rows if r["batch"] == 16 and r["slots"] == 4096]
+    quant_at = {r["kv_dtype"]: r for r in quant_decode if r["batch"] == 16 and r["slots"] == 4096}
+    # "fewer bytes read per step in proportion": the quantised step's time ratio within 15% of its bytes ratio
+    in_proportion = {f"{name}_time_over_bytes_ratio_at_b16_s4096": r["time_ratio"] / r["bytes_ratio"]
+                     for name, r in quant_at.items()}
     return dict(
+        **in_proportion,
+        quant_time_in_proportion_to_bytes=(all(v <= TARGETS["quant_time_over_bytes_ratio"]
+                                               for v in in_proportion.values()) if in_proportion else None),
+        quant_results_match_reference=all(r["max_err"] < 2e-2 for r in quant_decode) if quant_decode else None,
         bandwidth_fraction_at_b16_s4096=(at[0]["bw_fraction_of_copy"] if at else None),
         bandwidth_target_met=(at[0]["bw_fraction_of_copy"] >= TARGETS["bandwidth_fraction_at_b16_s4096"] if at else None),
         max_scoring_overhead=max(r["scoring_overhead"] for r in rows),
@@ -310,7 +376,7 @@ def bench_cpu(args, dtype):
     copy_bw = copy_bandwidth(torch.device("cpu"), timer, 256 << 20)
     batches = [1, 4] if args.quick else [1, 4, 16]
     slot_counts = [512, 2048] if args.quick else [512, 2048, 4096]
-    rows = []
+    rows, quant_decode = [], []
     for batch in batches:
         for slots in slot_counts:
             inp = decode_inputs(batch, slots, dtype, "cpu")
@@ -321,6 +387,11 @@ def bench_cpu(args, dtype):
                              t_sdpa_plus_scores_us=t_sdpa * 1e6, bytes=nbytes,
                              bw_GBps=nbytes / t_ref / 1e9, bw_fraction_of_copy=nbytes / t_ref / copy_bw,
                              speedup_vs_sdpa_plus_scores=t_sdpa / t_ref))
+            # the torch reference over the same slots quantised (dequantised inside the step), the
+            # unquantised reference timed again beside them
+            t_again = timer(lambda: reference.attend_with_scores(**inp))
+            quant_decode += quant_rows(inp, dtype, timer, lambda q, s: reference.attend_with_scores(**q, quant=s),
+                                       t_again, copy_bw)
     evict_rows = []
     for batch in batches:
         slots = 2048
@@ -331,11 +402,24 @@ def bench_cpu(args, dtype):
         evict_rows.append(dict(batch=batch, slots=slots, policy="h2o", t_torch_us=t_policy * 1e6,
                                t_torch_given_priority_us=t_given * 1e6))
     return dict(
-        backend="torch", device="cpu", copy_bandwidth_GBps=copy_bw / 1e9, decode=rows, evict=evict_rows,
+        backend="torch", device="cpu", copy_bandwidth_GBps=copy_bw / 1e9, decode=rows, decode_quant=quant_decode,
+        evict=evict_rows,
         note="no CUDA device: only the torch reference and SDPA+scores were timed, at small sizes, with "
              "perf_counter medians; the Triton kernels are not timed on the CPU (the interpreter is "
              "~1000x slower and says nothing about GPU speed). GPU targets cannot be checked here.",
     )
+
+
+def quant_markdown(result, what: str) -> list[str]:
+    rows = result.get("decode_quant") or []
+    if not rows:
+        return []
+    lines = ["", f"| quantised decode ({what}) batch | slots | kv | us | unquantised us | time ratio | bytes ratio | "
+                 f"% copy bw |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['slots']} | {r['kv_dtype']} | {r['t_us']:.1f} | {r['t_unquantised_us']:.1f} | "
+                     f"{r['time_ratio']:.2f}x | {r['bytes_ratio']:.2f}x | {r['bw_fraction_of_copy']:.0%} |")
+    return lines
 
 
 def markdown(result) -> str:
@@ -360,6 +444,7 @@ def markdown(result) -> str:
         for r in result["chunk"]:
             lines.append(f"| {r['batch']} | {r['q_len']} | {r['slots']} | {r['t_triton_us']:.1f} | "
                          f"{r['t_torch_reference_us']:.1f} | {r['speedup']:.2f}x | {r['tflops']:.1f} | {r['max_err']:.1e} |")
+        lines += quant_markdown(result, "triton")
         lines += ["", "Checks: " + json.dumps(result["checks"])]
     else:
         lines += ["| batch | slots | torch ref us | % copy bw | SDPA+scores us | ref vs SDPA |", "|---:|---:|---:|---:|---:|---:|"]
@@ -370,6 +455,7 @@ def markdown(result) -> str:
                   "|---:|---:|---:|---:|"]
         for r in result["evict"]:
             lines.append(f"| {r['batch']} | {r['slots']} | {r['t_torch_us']:.1f} | {r['t_torch_given_priority_us']:.1f} |")
+        lines += quant_markdown(result, "torch reference")
         lines += ["", f"Note: {result['note']}"]
     return "\n".join(lines) + "\n"
 

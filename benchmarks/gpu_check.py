@@ -11,14 +11,17 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md after every step, so whatever ran
 failure or a kill. Each step is timed and isolated: an exception or a timeout is recorded and the
 next step runs. Steps:
 
-1. kernel_tests: ``pytest tests/test_kernels.py tests/test_kernel_ops.py tests/test_zero_copy_gpu.py`` (the
-   cold tier's zero-copy kernels on pinned memory) in a subprocess with
+1. kernel_tests: ``pytest tests/test_kernels.py tests/test_kernel_ops.py tests/test_kernels_quant.py
+   tests/test_zero_copy_gpu.py`` (the quantised slots' attention; the cold tier's zero-copy kernels
+   on pinned memory) in a subprocess with
    TRITON_INTERPRET=0 and H2OCHAT_TEST_DEVICE=cuda (the kernels against the reference in fp32,
    fp16 and bf16; the custom ops through ``torch.library.opcheck``); its counts, the counts per
    dtype (from the tests' ids) and the output tail.
 2. kernel_bench: ``benchmarks/bench_kernels.py --quick`` (batch 1 and 16 x 512 and 4096 slots:
    decode bandwidth against the measured copy bandwidth, scoring cost, SDPA + a separate score
-   pass, eviction and a prefill chunk) in a subprocess; its JSON and Markdown table.
+   pass, eviction and a prefill chunk; the quantised decode kernel over the same slots as int8 and
+   int4 codes beside the unquantised one: time, bytes read per step, bandwidth) in a subprocess;
+   its JSON and Markdown table.
 3. bf16_vs_fp32: SmolLM2-135M's configuration (random weights, GQA) decoding through h2o in fp32
    and, with the same weights, in bf16 fed the same tokens: per-step logits (relative error, top-1
    agreement) and the tokens each layer keeps (overlap of the kept sets).
@@ -88,6 +91,10 @@ TARGETS = {
     "capacity_throughput": ">= 4x tokens/s at each one's largest batch under the same KV memory",
 }
 THRESHOLDS = {"kernel_bandwidth": 0.80, "h2o_vs_full_step": 1.8, "capacity_throughput": 4.0}
+# issue 25: quantised slots read fewer bytes per decode step, and the step's time falls with them
+TARGETS["quant_decode"] = ("int8 and int4 decode kernel vs fp16 at batch 16 / 4096 slots: time ratio <= 1.15x "
+                           "its bytes ratio (the worse of the two)")
+THRESHOLDS["quant_decode"] = 1.15
 for _length, _ratio in bm.RECALL_TARGETS:  # issue 18: recall's decode step against the same policy's
     TARGETS[f"recall_overhead_{_length // 1024}k"] = (f"a decode step with recall <= {_ratio}x the same policy "
                                                       f"without it at {_length // 1024}K tokens, same device slots")
@@ -152,8 +159,8 @@ DRY = Profile(
     name="dry-run", device="cpu",
     kernel_env={"TRITON_INTERPRET": "1", "H2OCHAT_TEST_DEVICE": "cpu"},
     kernel_test_args=("-k", "test_decode_empty_cache_and_no_scoring or test_evict_strided_buffers or "
-                            "test_evict_and_insert_op"),
-    kernel_test_note="dry run: three kernel tests under the Triton interpreter (a -k subset), not compiled",
+                            "test_evict_and_insert_op or test_dispatch_sends_quantised_slots_to_the_kernels"),
+    kernel_test_note="dry run: four kernel tests under the Triton interpreter (a -k subset), not compiled",
     kernel_test_timeout=100,
     kernel_bench_args=("--quick", "--device", "cpu", "--reps", "2"), kernel_bench_timeout=100,
     model="opt-125m", dtype="float32", contexts=(64,), batches=(1, 2), variants=("h2o", "full", "hf"),
@@ -290,8 +297,8 @@ def junit_by_dtype(path: Path) -> dict:
 
 def kernel_tests(report: Report, profile: Profile) -> None:
     with timed_step(report, "kernel_tests") as entry:
-        args = ["tests/test_kernels.py", "tests/test_kernel_ops.py", "tests/test_zero_copy_gpu.py", "-q",
-                *profile.kernel_test_args]
+        args = ["tests/test_kernels.py", "tests/test_kernel_ops.py", "tests/test_kernels_quant.py",
+                "tests/test_zero_copy_gpu.py", "-q", *profile.kernel_test_args]
         entry["command"] = " ".join([*(f"{k}={v}" for k, v in profile.kernel_env.items()),
                                      shlex.join(["python", "-m", "pytest", *args])])
         if profile.kernel_test_note:
@@ -667,6 +674,20 @@ def verdict(value: float | None, threshold: float, why_missing: str, at_most: bo
     return {"value": round(value, 3), "threshold": threshold, "verdict": "PASS" if passed else "MISS"}
 
 
+def quant_verdict(bench: dict) -> dict:
+    """The quantised decode kernel's time against the unquantised one's, over its bytes ratio, at
+    batch 16 / 4096 slots (bench_kernels' "decode_quant" rows, both timed in one run)."""
+    rows = [r for r in bench.get("decode_quant", []) if r.get("batch") == 16 and r.get("slots") == 4096]
+    if bench.get("backend") != "triton" or not rows:
+        return verdict(None, THRESHOLDS["quant_decode"], "no quantised Triton decode timing at batch 16 / 4096 slots "
+                                                         "(CPU backend or the step failed)")
+    worst = max(rows, key=lambda r: r["time_ratio"] / r["bytes_ratio"])
+    target = verdict(worst["time_ratio"] / worst["bytes_ratio"], THRESHOLDS["quant_decode"], "", at_most=True)
+    target["at"] = "; ".join(f"{r['kv_dtype']}: {r['time_ratio']:.2f}x time for {r['bytes_ratio']:.2f}x bytes, "
+                             f"{r['bw_fraction_of_copy']:.0%} of copy bandwidth" for r in rows)
+    return target
+
+
 def recall_verdicts(step: dict) -> dict:
     """Issue 18's decode-cost targets from the recall step: at each target's length, the longest
     context measured within it (and past the shorter target's), batch 1, recall every step."""
@@ -693,6 +714,8 @@ def evaluate(report: Report, profile: Profile) -> None:
     else:
         bandwidth = verdict(row and row["bw_fraction_of_copy"], THRESHOLDS["kernel_bandwidth"], "batch 16 / 4096 slots not measured")
 
+    quant = quant_verdict(bench)
+
     dec = steps.get("decode") or {}
     context, batch = profile.target_point
     point = next((c for c in dec.get("comparisons", []) if c["context"] == context and c["batch"] == batch), None)
@@ -716,7 +739,7 @@ def evaluate(report: Report, profile: Profile) -> None:
     if notes:
         capacity["note"] = "; ".join(notes)
     targets = {"kernel_bandwidth": bandwidth, "h2o_vs_full_step": step, "capacity_throughput": capacity,
-               **recall_verdicts(steps.get("recall") or {})}
+               "quant_decode": quant, **recall_verdicts(steps.get("recall") or {})}
     for name, target in targets.items():
         target["target"] = TARGETS[name]
         if profile is DRY and target["verdict"] != "N/A":

@@ -111,12 +111,14 @@ def test_bytes_per_token_and_code_width():
 # -- attention over quantised slots: the reference against a slow obvious one ----------------------------
 
 def quant_inputs(seed, bits, batch, kv_heads, group, q_len, slots, dim, dtype=torch.float32, *, padding=False,
-                 empty=0.3, capacity_extra=0, decay_rows=False):
-    """Random attention inputs with quantised slots. The slot buffers hold ``capacity_extra`` more
-    slots than the view scanned, their scales and offsets NaN (never to be read)."""
+                 empty=0.3, capacity_extra=0, decay_rows=False, outliers=True):
+    """Random attention inputs with quantised slots (keys outlier-heavy unless ``outliers`` is
+    False). The slot buffers hold ``capacity_extra`` more slots than the view scanned, their scales
+    and offsets NaN (never to be read)."""
     g = generator(seed)
     capacity = slots + capacity_extra
-    keys = outlier_rows((batch, kv_heads, capacity, dim), g)
+    shape = (batch, kv_heads, capacity, dim)
+    keys = outlier_rows(shape, g) if outliers else torch.randn(*shape, generator=g)
     values = torch.randn(batch, kv_heads, capacity, dim, generator=g)
     key_codes, key_scale, key_offset = quant.quantize(keys, bits)
     value_codes, value_scale, value_offset = quant.quantize(values, bits)
@@ -248,10 +250,12 @@ def test_reference_over_quantised_slots_is_the_reference_over_their_dequantised_
 # -- the Triton kernels against the reference -------------------------------------------------------------
 
 def _triton_ready() -> str | None:
-    try:
-        import test_kernels
-    except Exception as exc:  # no triton
-        return f"triton kernels unavailable: {exc}"
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:  # (test_kernels would skip this whole module)
+        return "triton is not installed"
+    import test_kernels
+
     return test_kernels._why_not_runnable()
 
 
@@ -311,8 +315,10 @@ def score_err(got, want) -> float:
 
 def check_kernel(launcher, seed, bits, dtype, shape, *, padding=False, decay_rows=False, **kwargs):
     batch, kv_heads, group, q_len, slots, dim = shape
+    # (bf16 under the interpreter: plain keys, whose softmax a truncated ulp moves less, see score_tol)
     inputs, slots_q, decay = _moved(*quant_inputs(seed, bits, batch, kv_heads, group, q_len, slots, dim, dtype,
-                                                  padding=padding, decay_rows=decay_rows, capacity_extra=5))
+                                                  padding=padding, decay_rows=decay_rows, capacity_extra=5,
+                                                  outliers=not _bf16_interpreted(dtype)))
     before = inputs["scores"].clone()
     ref_scores = inputs["scores"].clone()
     want_out, want_new = reference.attend_with_scores(**{**inputs, "scores": ref_scores}, decay=decay, quant=slots_q)
