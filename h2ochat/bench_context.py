@@ -27,6 +27,34 @@ from .rotary import find_rotary
 VARIANTS = ("h2o", "slots", "full", "hf")
 RECALL = "recall"  # the variant BenchPlan.recall adds: h2o's policy and device slots, two tiers
 COMPILABLE_VARIANTS = ("h2o", "slots")  # the others grow (full) or are not ours (hf)
+SAME_BYTES = "@bytes"
+
+
+def quantized_variants(kv_dtype: str) -> tuple[str, str]:
+    """The variants BenchPlan.kv_dtypes adds for one --kv-dtype: h2o with its slots in that dtype at
+    h2o's slots (``h2o[int8]``) and at h2o's bytes (``h2o[int8]@bytes``: as many slots as fit in the
+    bytes of h2o's slots at the model's dtype)."""
+    return f"h2o[{kv_dtype}]", f"h2o[{kv_dtype}]{SAME_BYTES}"
+
+
+def variant_kv_dtype(variant: str) -> tuple[str, str, bool]:
+    """(the variant it is built as, its --kv-dtype, whether at the same bytes) of a variant name."""
+    if not variant.startswith("h2o["):
+        return variant, "auto", False
+    kv_dtype, _, rest = variant[len("h2o["):].partition("]")
+    return "h2o", kv_dtype, rest == SAME_BYTES
+
+
+def compilable(variant: str) -> bool:
+    return variant_kv_dtype(variant)[0] in (*COMPILABLE_VARIANTS, RECALL)
+
+
+def same_bytes_slots(model, slots: int, kv_dtype: str) -> int:
+    """The slots of ``kv_dtype`` whose bytes are those of ``slots`` at the model's dtype."""
+    from .generation import CacheSettings
+
+    plain, other = (CacheSettings(kv_dtype=name).slot_bytes(model) for name in ("auto", kv_dtype))
+    return slots * plain // other
 
 
 def build_cache(model, variant: str, slots: int, context: int, extra: int, policy: str = "h2o",
@@ -36,9 +64,13 @@ def build_cache(model, variant: str, slots: int, context: int, extra: int, polic
     same device slots, R of them recall slots (``recall``: the ``CacheSettings`` holding --recall)."""
     config = model.config
     layers, limit, rotary = config.num_hidden_layers, max_positions(config), find_rotary(model)
-    common = dict(max_positions=limit, positions="absolute", rotary=rotary)
+    variant, kv_dtype, same_bytes = variant_kv_dtype(variant)
+    if same_bytes:
+        slots = same_bytes_slots(model, slots, kv_dtype)
+    common = dict(max_positions=limit, positions="absolute", rotary=rotary, kv_dtype=kv_dtype)
     if variant == "slots":  # the timing baseline: no cache to generate with, its own kind
-        return SlotsOnlyCache(layers, policy, slots, static_shapes=static_shapes, **common)
+        return SlotsOnlyCache(layers, policy, slots, static_shapes=static_shapes,
+                              **{k: v for k, v in common.items() if k != "kv_dtype"})
     if variant == "full":
         return make_cache(layers, "full", context + extra, **common)
     tier = recall.recall_config(slots) if variant == RECALL else None

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .attention import NAME as H2O_ATTENTION
-from .bench_context import COMPILABLE_VARIANTS, RECALL, decode_step, fill_synthetic_dynamic, prepared_cache
+from .bench_context import RECALL, compilable, decode_step, fill_synthetic_dynamic, prepared_cache
 from .bench_memory import PeakMemory
 from .forward_step import cache_argument
 from .kv import H2OCache
@@ -115,7 +115,7 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
     else:
         cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=len(tokens) - 1,
                                policy=policy, generator=generator, recall=recall)
-        step, compiled = decode_step(model, cache, compile and variant in (*COMPILABLE_VARIANTS, RECALL))
+        step, compiled = decode_step(model, cache, compile and compilable(variant))
         if compile:
             started = time.perf_counter()
             step(tokens[1])

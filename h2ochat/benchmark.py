@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .bench_context import COMPILABLE_VARIANTS, RECALL, VARIANTS
+from .bench_context import COMPILABLE_VARIANTS, RECALL, VARIANTS, quantized_variants
 from .bench_measure import Measurement, measure
 from .bench_memory import PeakMemory
 from .bench_ops import profile_ops
@@ -83,12 +83,39 @@ def comparison(by_variant: dict[str, Measurement], weights: int, per_slot: int) 
         "bookkeeping_overhead": ratio("h2o", "slots"),
         "kv_share": round(h2o.kv_bytes / (per_slot * h2o.batch * h2o.context), 4),
     }
+    out.update(quantized_comparison(by_variant))
     if "h2o" + COMPILED in by_variant:
         out["bookkeeping_overhead_compiled"] = ratio("h2o" + COMPILED, "slots" + COMPILED)
         out["compile_speedup"] = ratio("h2o", "h2o" + COMPILED)  # eager ms / compiled ms
         out["compile_speedup_slots"] = ratio("slots", "slots" + COMPILED)
         out["speedup_vs_full_compiled"] = ratio("full", "h2o" + COMPILED)
     return out
+
+
+def quantized_comparison(by_variant: dict[str, Measurement]) -> dict:
+    """The quantized steps against h2o's at one (context, batch), eager and compiled: ms per step at
+    the same slots and at the same bytes, and their ratios (wall and, on a CPU, CPU time)."""
+    rows = []
+    dtypes = dict.fromkeys(name[len("h2o["):name.index("]")] for name in by_variant if name.startswith("h2o["))
+    for suffix in ("", COMPILED):
+        h2o = by_variant.get("h2o" + suffix)
+        for kv_dtype in dtypes:
+            same_slots, same_bytes = quantized_variants(kv_dtype)
+            if h2o is None or same_slots + suffix not in by_variant:
+                continue
+            entry = {"kv_dtype": kv_dtype, "compiled": bool(suffix), "h2o_slots": h2o.kv_slots,
+                     "h2o_kv_bytes": h2o.kv_bytes, "h2o_ms_per_step": round(h2o.median_ms, 3)}
+            for label, key in (("same_slots", same_slots + suffix), ("same_bytes", same_bytes + suffix)):
+                measured = by_variant.get(key)
+                if measured is None:
+                    continue
+                entry.update({f"{label}_slots": measured.kv_slots, f"{label}_kv_bytes": measured.kv_bytes,
+                              f"{label}_ms_per_step": round(measured.median_ms, 3),
+                              f"{label}_ratio": round(measured.median_ms / h2o.median_ms, 3)})
+                if measured.cpu_ms and h2o.cpu_ms:
+                    entry[f"{label}_cpu_ratio"] = round(measured.cpu_ms / h2o.cpu_ms, 3)
+            rows.append(entry)
+    return {"quantized": rows} if rows else {}
 
 
 # issue 18: decode cost per step with recall against the same policy without it, same device slots
@@ -141,6 +168,8 @@ class BenchPlan:
     compile: bool = False  # also time h2o and slots with the decode step compiled (h2ochat.compiled)
     count_ops: bool = True  # profile one decode step of h2o and slots (and compiled) for its operation count
     recall: object = None  # CacheSettings with --recall: adds the recall variant beside h2o (eager)
+    # --kv-dtype: h2o with its slots in each, at h2o's slots and at h2o's bytes, beside h2o (in turns)
+    kv_dtypes: Sequence[str] = ()
 
     def __post_init__(self):
         if self.recall is not None and "h2o" not in self.variants:
@@ -157,6 +186,9 @@ class BenchPlan:
         """(variant, compiled) in the order they take turns at each context and batch; recall right
         after h2o."""
         variants = [v for name in self.variants for v in ((name, RECALL) if name == "h2o" and self.recall else (name,))]
+        if "h2o" in variants:  # the quantized steps right after h2o's
+            at = variants.index("h2o") + 1
+            variants[at:at] = [v for name in self.kv_dtypes for v in quantized_variants(name)]
         runs = [(variant, False) for variant in variants]
         if self.compile:
             runs += [(variant, True) for variant in variants if variant in self.compilable()]
@@ -164,7 +196,8 @@ class BenchPlan:
 
     def compilable(self) -> tuple[str, ...]:
         # the compiled step takes recall at any cadence (pages are chosen before the step: RecallSpec.compile_blocker)
-        return COMPILABLE_VARIANTS + ((RECALL,) if self.recall is not None else ())
+        quantized = tuple(v for name in self.kv_dtypes for v in quantized_variants(name))
+        return COMPILABLE_VARIANTS + quantized + ((RECALL,) if self.recall is not None else ())
 
     def profiled(self) -> list[tuple[str, bool]]:
         profiled = (*COMPILABLE_VARIANTS, RECALL)

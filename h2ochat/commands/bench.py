@@ -53,6 +53,9 @@ def bench(
     compile: Annotated[bool, typer.Option("--compile", rich_help_panel=o.MODEL,
         help="Also time h2o and slots with the decode step compiled (torch.compile), taking turns with their "
              "eager runs; each new shape compiles once, untimed (minutes on a CPU).")] = False,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", rich_help_panel=o.CACHE,
+        help="Comma-separated slot dtypes (float16, int8, int4, ...) to time h2o with beside its own slots "
+             "(the model's dtype), in turns: at h2o's slots and at the slots that fit h2o's bytes.")] = "auto",
     as_json: o.Json = False,
     recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
@@ -65,6 +68,11 @@ def bench(
         contexts = bm.parse_ints(context, "--context")
         batches = bm.parse_ints(batch, "--batch")
         chosen_variants = parse_variants(variants)
+        from ..evaluation import parse_kv_dtypes
+
+        kv_dtypes = [name for name in parse_kv_dtypes(kv_dtype) if name != "auto"]
+        if kv_dtypes and "h2o" not in chosen_variants:
+            raise ValueError("--kv-dtype is timed beside h2o: keep h2o among the --variants")
         cap = None if kv_memory.strip() in ("0", "") else parse_size(kv_memory)
         chosen = settings.resolved_policy()
         if recall_options["recall"] and chosen.grows:
@@ -83,7 +91,7 @@ def bench(
         plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
                             steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch,
                             policy=chosen, compile=compile, variants=chosen_variants,
-                            recall=settings if recall_options["recall"] else None)
+                            recall=settings if recall_options["recall"] else None, kv_dtypes=kv_dtypes)
         bm.check_contexts(loaded.model, plan)  # against this model's position limit
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
@@ -112,6 +120,10 @@ def _print(report: dict) -> None:
     out.print(speed)
     if report.get("recall_overhead"):
         _print_recall(out, report["recall_overhead"])
+    quantized = [dict(q, context=c["context"], batch=c["batch"]) for c in report["comparisons"]
+                 for q in c.get("quantized", [])]
+    if quantized:
+        _print_quantized(out, quantized)
     compare = Table(title="h2o speed-up: ideal (memory-bound byte ratio) vs measured; bookkeeping = h2o / same slots "
                           "without scoring or eviction", title_justify="left")
     compiled = any("compile_speedup" in c for c in report["comparisons"])
@@ -186,6 +198,24 @@ def _print_recall(out: Console, overhead: list[dict]) -> None:
               "(on a CPU; other jobs' load barely moves it); digest MiB: the page digests on the device; cold MiB: "
               "the cold stores in host memory; pages/step: pages copied into the recall slots per step and (layer, "
               "sequence, KV head)")
+
+
+def _print_quantized(out: Console, rows: list[dict]) -> None:
+    table = Table(title="Quantized slots: ms per decode step against h2o's own (the model's dtype) at the same slots "
+                        "and at the same KV bytes (wall-clock ratio; CPU-time ratio in brackets on a CPU)",
+                  title_justify="left")
+    for name in ("context", "batch", "kv dtype", "h2o slots", "ms/step", "same slots", "ratio", "same bytes: slots",
+                 "ms/step ", "ratio "):
+        table.add_column(name, justify="right")
+    for q in rows:
+        def ratio(label):
+            text = f"{q[label + '_ratio']:.2f}x" if label + "_ratio" in q else "-"
+            return text + (f" [{q[label + '_cpu_ratio']:.2f}x]" if label + "_cpu_ratio" in q else "")
+        table.add_row(str(q["context"]), str(q["batch"]), q["kv_dtype"] + (" compiled" if q["compiled"] else ""),
+                      str(q["h2o_slots"]), f"{q['h2o_ms_per_step']:.1f}", f"{q.get('same_slots_ms_per_step', 0):.1f}",
+                      ratio("same_slots"), str(q.get("same_bytes_slots", "-")),
+                      f"{q.get('same_bytes_ms_per_step', 0):.1f}", ratio("same_bytes"))
+    out.print(table)
 
 
 def _peak(record: dict) -> str:
