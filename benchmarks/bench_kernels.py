@@ -370,6 +370,31 @@ def check_targets(rows, quant_decode=()):
     )
 
 
+# one SmolLM2-135M layer (3 KV heads, 3 query heads each, head_dim 64): the CPU's own decode regime,
+# where a step is many small ops and each extra op costs more than the bytes it saves
+MODEL_LAYER = dict(kv_heads=3, group=3, head_dim=64)
+
+
+def model_layer_quant_rows(dtype, copy_bw: float, reps: int) -> list[dict]:
+    """The torch reference's decode attention of one SmolLM2-sized layer over int8 / int4 slots beside
+    the unquantised one, and the write side: quantising the step's new key and value
+    (``t_quantize_new_token_us``, keys and values together, per layer)."""
+    timer = CpuTimer(reps=reps, warmup=20)
+    rows = []
+    for batch in (1, 4):
+        for slots in (128, 256):
+            inp = decode_inputs(batch, slots, dtype, "cpu", **MODEL_LAYER)
+            t_plain = timer(lambda: reference.attend_with_scores(**inp))
+            layer = quant_rows(inp, dtype, timer, lambda q, s: reference.attend_with_scores(**q, quant=s), t_plain,
+                               copy_bw)
+            for row in layer:
+                bits = int(row["kv_dtype"][3:])
+                row["t_quantize_new_token_us"] = timer(lambda: (quant.quantize(inp["new_keys"], bits),
+                                                                quant.quantize(inp["new_values"], bits))) * 1e6
+            rows += layer
+    return rows
+
+
 def bench_cpu(args, dtype):
     torch.set_num_threads(max(1, torch.get_num_threads()))
     timer = CpuTimer(reps=args.reps, warmup=1)
@@ -403,6 +428,7 @@ def bench_cpu(args, dtype):
                                t_torch_given_priority_us=t_given * 1e6))
     return dict(
         backend="torch", device="cpu", copy_bandwidth_GBps=copy_bw / 1e9, decode=rows, decode_quant=quant_decode,
+        decode_quant_model_layer=model_layer_quant_rows(dtype, copy_bw, reps=max(args.reps, 30) * 10),
         evict=evict_rows,
         note="no CUDA device: only the torch reference and SDPA+scores were timed, at small sizes, with "
              "perf_counter medians; the Triton kernels are not timed on the CPU (the interpreter is "
@@ -456,6 +482,11 @@ def markdown(result) -> str:
         for r in result["evict"]:
             lines.append(f"| {r['batch']} | {r['slots']} | {r['t_torch_us']:.1f} | {r['t_torch_given_priority_us']:.1f} |")
         lines += quant_markdown(result, "torch reference")
+        lines += ["", "| one SmolLM2 layer, batch | slots | kv | attention us | unquantised us | time ratio | "
+                      "quantise the new K and V us |", "|---:|---:|---|---:|---:|---:|---:|"]
+        for r in result.get("decode_quant_model_layer", []):
+            lines.append(f"| {r['batch']} | {r['slots']} | {r['kv_dtype']} | {r['t_us']:.1f} | "
+                         f"{r['t_unquantised_us']:.1f} | {r['time_ratio']:.2f}x | {r['t_quantize_new_token_us']:.1f} |")
         lines += ["", f"Note: {result['note']}"]
     return "\n".join(lines) + "\n"
 

@@ -21,6 +21,10 @@ and a row block covers a contiguous token range: new-key blocks past its last to
 (causal). K is read twice and V once per row block; prefill is compute-bound enough that the second
 K read is cheaper than a [rows, keys] probability workspace.
 
+Quantised slots (``quant``): both passes load the slots' codes and dequantise them per block, as the
+decode kernel does (``_common.slot_rows``, to the query's dtype); the new tokens are full precision
+and must be in the query's dtype (one dtype for both operands of each dot).
+
 Masks follow the reference: invalid cache slots, future new tokens and padding new tokens get the
 float32-min logit (so an all-masked padding row gets a finite, uniform softmax), padding query rows
 (new_valid False) add nothing to any score; their output is computed but meaningless.

@@ -18,6 +18,13 @@ Equals ``reference.attend_with_scores`` for Q == 1. Flash-decoding layout:
    real tokens only (a padding token, or a decode step's row an active mask leaves out, which comes
    as one, leaves the scores as they were).
 
+Quantised slots (``quant``: int8 / int4 codes, ``h2ochat_kernels.quant``): the split kernel loads a
+block's uint8 codes (int4: the byte holding each channel, shifted and masked), dequantises them with
+the slot's float32 scale and offset (``_common.slot_rows``) to the query's dtype and runs the same
+dots; nothing else changes. Per slot and head it reads D (int8) or D / 2 (int4) bytes of codes and 8
+of scale and offset, for K and for V, where fp16 slots read 2 D: at D = 128, 0.53x (int8) and 0.28x
+(int4) of the fp16 K/V bytes. The new token is never quantised here: the combine reads it at full precision.
+
 K and V are read once; the scoring costs the workspace write + read (G * 4 bytes each per slot) and
 the read-modify-write of ``scores`` (8 bytes per slot), about 8 % of the K/V bytes at G = 4,
 head_dim 128, fp16. ``score=False`` removes all of it (the benchmark uses it to show that cost).

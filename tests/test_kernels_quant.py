@@ -333,36 +333,26 @@ def check_kernel(launcher, seed, bits, dtype, shape, *, padding=False, decay_row
 
 
 KERNEL_CASES = [
-    # bits, dtype, (B, Hkv, G, Q, S, D), padding, decay per row
-    pytest.param(8, torch.float32, (2, 2, 4, 1, 37, 64), False, False, id="int8-fp32"),
-    pytest.param(4, torch.float32, (2, 1, 3, 1, 21, 40), True, True, id="int4-fp32-padding-decayrows"),
-    pytest.param(4, torch.float16, (1, 2, 2, 1, 19, 24), False, False, id="int4-fp16"),
-    pytest.param(8, torch.bfloat16, (2, 1, 2, 1, 17, 32), True, False, id="int8-bf16-padding"),
+    # kernel, bits, dtype, (B, Hkv, G, Q, S, D), padding, decay per row (decode cases cross two splits)
+    pytest.param("decode", 8, torch.float32, (2, 2, 4, 1, 37, 64), False, False, id="decode-int8-fp32"),
+    pytest.param("decode", 4, torch.float32, (2, 1, 3, 1, 21, 40), True, True, id="decode-int4-fp32-padding-decayrows"),
+    pytest.param("decode", 4, torch.float16, (1, 2, 2, 1, 19, 24), False, False, id="decode-int4-fp16"),
+    pytest.param("decode", 8, torch.bfloat16, (2, 1, 2, 1, 17, 32), True, False, id="decode-int8-bf16-padding"),
+    pytest.param("chunk", 8, torch.float32, (2, 2, 2, 5, 19, 32), True, True, id="chunk-int8-fp32-padding-decayrows"),
+    pytest.param("chunk", 4, torch.float32, (1, 2, 3, 6, 21, 24), False, False, id="chunk-int4-fp32-gqa"),
+    pytest.param("chunk", 4, torch.float16, (2, 1, 2, 4, 17, 40), True, False, id="chunk-int4-fp16-padding"),
 ]
 
 
 @runs_kernels
-@pytest.mark.parametrize("bits,dtype,shape,padding,decay_rows", KERNEL_CASES)
-def test_triton_decode_equals_the_reference(seed, bits, dtype, shape, padding, decay_rows):
+@pytest.mark.parametrize("kernel,bits,dtype,shape,padding,decay_rows", KERNEL_CASES)
+def test_triton_kernels_equal_the_reference(seed, kernel, bits, dtype, shape, padding, decay_rows):
+    from h2ochat_kernels.triton_chunk import chunk_attend_with_scores
     from h2ochat_kernels.triton_decode import decode_attend_with_scores
 
-    check_kernel(decode_attend_with_scores, seed, bits, dtype, shape, padding=padding, decay_rows=decay_rows,
-                 num_splits=2)
-
-
-CHUNK_CASES = [
-    pytest.param(8, torch.float32, (2, 2, 2, 5, 19, 32), True, True, id="int8-fp32-padding-decayrows"),
-    pytest.param(4, torch.float32, (1, 2, 3, 6, 21, 24), False, False, id="int4-fp32-gqa"),
-    pytest.param(4, torch.float16, (2, 1, 2, 4, 17, 40), True, False, id="int4-fp16-padding"),
-]
-
-
-@runs_kernels
-@pytest.mark.parametrize("bits,dtype,shape,padding,decay_rows", CHUNK_CASES)
-def test_triton_chunk_equals_the_reference(seed, bits, dtype, shape, padding, decay_rows):
-    from h2ochat_kernels.triton_chunk import chunk_attend_with_scores
-
-    check_kernel(chunk_attend_with_scores, seed, bits, dtype, shape, padding=padding, decay_rows=decay_rows)
+    launcher, options = ((decode_attend_with_scores, dict(num_splits=2)) if kernel == "decode"
+                         else (chunk_attend_with_scores, {}))
+    check_kernel(launcher, seed, bits, dtype, shape, padding=padding, decay_rows=decay_rows, **options)
 
 
 @runs_kernels
