@@ -17,12 +17,31 @@ from h2ochat.rotary import find_rotary
 HOT, RECALL, PAGE = 12, 8, 4
 
 
-def _caches(model, policy, selector):
+def _caches(model, policy, selector, every=1):
     layers = model.config.num_hidden_layers
-    real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector), max_positions=max_positions(model.config),
-                       positions="absolute", rotary=find_rotary(model))
-    masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction", staged=True)
+    real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector, every=every),
+                        max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
+    masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction", staged=True, every=every)
     return real, masked
+
+
+@pytest.mark.parametrize("every", [3, 16])
+def test_a_decode_cadence_is_the_masked_references(family, seed, every):
+    """--recall-every k (counted from the last flush; 16 > P: once a page): the same logits and the
+    same hot, staged, recalled and cold tokens as the reference choosing on that schedule, through two
+    turns (a chunk in between restarts the staging page)."""
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+    real, masked = _caches(model, "h2o", "rot4", every)
+    ids = torch.randint(3, VOCAB, (1, 80))
+    pieces = [ids[:, :20], *[ids[:, i : i + 1] for i in range(20, 47)], ids[:, 47:60],
+              *[ids[:, i : i + 1] for i in range(60, 80)]]
+    for piece in pieces:
+        MaskedRecall.attach(model)
+        want = masked.forward(model, piece)
+        use_h2o_attention(model)
+        got = forward(model, real, piece, logits_to_keep=1)[:, -1]
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+        _assert_the_reference_tokens(real, masked)
 
 
 @pytest.mark.parametrize("policy,selector", [("h2o", "exact"), ("h2o", "rot4"), ("h2o", "quest"), ("mean", "exact")])

@@ -94,6 +94,7 @@ class MaskedRecall:
         # the real tier's schedule (``staging``, ``RecallTier.reserve``): the last recall page stages
         # the tokens decode steps evict (attended, not paged) until P decode steps passed or a chunk
         # comes; a decode step's pages are chosen with the previous step's queries every ``every`` steps
+        # counted from the last flush
         self.staged, self.every = staged, every
         self.decode_steps = self.staging_steps = 0
         self.flush_now = self.select_now = self.has_query = False
@@ -113,10 +114,10 @@ class MaskedRecall:
         positions = torch.arange(self.next_position, self.next_position + q_len).unsqueeze(0)
         self.flush_now = q_len > 1 or self.staging_steps >= self.page
         self.staging_steps = 0 if self.flush_now else self.staging_steps
+        self.select_now = q_len > 1 or (self.has_query and self.staging_steps % self.every == 0)
         if q_len == 1:
             self.decode_steps += 1
             self.staging_steps += 1
-        self.select_now = q_len > 1 or (self.has_query and (self.decode_steps - 1) % self.every == 0)
         _active.append(self)
         try:
             with torch.inference_mode():

@@ -143,6 +143,10 @@ class StagingPage:
         self.slots.positions.index_put_(where, position)
         self.count += 1
 
+    def count_step(self) -> None:
+        """A decode step is about to run: it may stage one entry (host counter)."""
+        self.steps += 1
+
     def full(self) -> bool:
         """Whether the next decode step could write past the page (host counter)."""
         return self.steps >= self.page

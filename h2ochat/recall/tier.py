@@ -2,14 +2,23 @@
 whole cache (``RecallSpec``): the layer's R extra slot columns hold recalled pages, evicted tokens go
 to a cold store and its device digest.
 
-A token the policy evicts is archived before its slot is overwritten (``archive``: exactly the
-victim the layer's eviction then writes over; ``archive_dropped``: a chunk's dropped candidates, in
-token order). Before each attention (every prefill chunk, and every ``every``-th decode step) each
-(sequence, KV head) scores its pages with the step's queries (the group's query heads times the
-step's tokens) and the top R / P pages are brought into the recall columns (``RecallFrames``: pages
-already there are not copied again). The attention already attends every slot whose token index is
->= 0, so hot and recalled tokens share one softmax; the recall columns' scores are cleared before
-each eviction (they rank nothing).
+A token the policy evicts is archived before its slot is overwritten: a decode step's victim
+(``archive``: exactly the one the layer's eviction then writes over) waits on the staging page, the
+last P of the R recall columns (``step.StagingPage``), and the page goes to the cold store and the
+digest at once every P decode steps (``flush``); a chunk's dropped candidates (``archive_dropped``)
+go straight there, in token order, after the staging page. Staged tokens are the newest evicted:
+they are attended exactly (their columns are slots like the others); the pages the selector scores
+are the flushed ones.
+
+The choice of pages runs before a step, eagerly (``reserve``, called by ``H2OCache.position_ids``):
+every prefill chunk chooses with all its queries (the group's query heads times its tokens, in
+``before_attention``), a decode step every ``every``-th step with the last step's queries (its last
+token's: the pages a step picks are loaded for the next one, as FreeKV and ArkVale prefetch; the
+queries drift slowly), and the best R / P - 1 pages go into the recall frames (``RecallFrames``: a
+page already there is not copied again). The attention attends every slot whose token index is >= 0,
+so hot, recalled and staged tokens share one softmax; the recall columns' scores are cleared before
+each eviction (they rank nothing). A decode step that neither flushes nor chooses adds to h2o's step
+only the staging write, the copy of its queries and the statistics.
 
 Compact positions: a re-numbering moves the recall columns with the hot ones (the layer's slots);
 the cold store's positions follow with the same function (a cold token takes the number of the first
@@ -18,12 +27,10 @@ held position after it) and the digest is re-encoded from the cold keys at their
 instead, for exact distances between cold tokens, changed SmolLM2's perplexity past a 256-position
 limit by 0.1%: 41.42 against 41.47, 40.74 with no re-numbering at all; not worth the extra compaction.)
 
-No host read in the decode step where the cold store shares the model's device (the CPU): no branch
-on its contents, fixed-shape appends (``layout.Writes``), room reserved before the step from host
-counters (``reserve``, called by ``H2OCache.position_ids``); so the compiled decode step takes it
-(the stores' slot dimension is traced as a size, ``layout.growable``, so their growth compiles nothing
-again; --recall-every above 1 stays eager). On a GPU the cold store is pinned host memory (see
-``step``'s docstring and ``cold_store``'s zero-copy route).
+The decode step reads no host value and touches no store that grows: the compiled decode step
+takes it as one static graph whatever the length and the cadence (the flush, the choice of pages,
+the cold store's growth and a re-numbering all run before it). On a GPU the cold store is pinned host
+memory (see ``step``'s docstring and ``cold_store``'s zero-copy route).
 """
 
 from __future__ import annotations
@@ -136,9 +143,10 @@ class RecallTier:
             self.flush(layer, q_len)
         if q_len == 1:
             self.decode_steps += 1
-            if self.has_query and (self.decode_steps - 1) % self.config.every == 0:
+            # the cadence counts from the last flush: every ``every`` steps, and at least once a page
+            if self.has_query and self.staging.steps % self.config.every == 0:
                 self.recall(layer, self.last_query)
-            self.staging.steps += 1
+            self.staging.count_step()
         else:
             self._room(layer, q_len)
         self.has_query = True
@@ -298,24 +306,23 @@ class RecallTier:
         self._fold_staged(row)
 
     def _fold_staged(self, row: int) -> None:
-        """The imported row's staged evictions (its staging columns, imported with the layer's slots)
-        straight into its cold store and digest, in eviction order: the batch's staging page is flushed
-        on the batch's own count of steps, which a row that comes in holding staged tokens would
-        overrun. The other rows' staging is untouched."""
+        """After an import: the staging page of every row (the imported one's came with the layer's
+        slots) goes to the cold stores and digests, in eviction order, and the page starts again. The
+        page is flushed on the batch's count of decode steps, which a row coming in with staged tokens
+        would overrun; and from here the row's page fills as its own cache's does after a prompt chunk
+        (which flushes), so a conversation resumed alone in a batch stages as it would alone.
+        (The other rows' staged tokens go a little early: the batch shares one flush cadence.)"""
         staging = getattr(self, "staging", None)
         if staging is None:
             return
         slots = staging.slots
-        others = torch.ones(slots.token_index.shape[0], dtype=torch.bool, device=slots.token_index.device)
-        others[row] = False
-        token_index = slots.token_index.masked_fill(others.view(-1, 1, 1), -1)
-        if not bool((token_index >= 0).any()):  # (a host read: a row is imported once per request)
+        if staging.steps == 0 and not bool((slots.token_index >= 0).any()):  # (a host read, once per import)
             return
-        self.to_cold(slots.keys, slots.values, token_index, slots.positions)
-        slots.token_index[row] = -1
-        slots.positions[row] = -1
-        for tensor in staging.state_tensors().values():
-            tensor[row] = 0
+        room = int(self.cold.count.max()) + self.cold.page
+        self.cold.reserve(room)
+        self.digest.reserve(room)
+        self.to_cold(slots.keys, slots.values, slots.token_index, slots.positions)
+        staging.clear()
 
     def _mark_moved(self) -> None:
         """The imported row's cold tokens were re-numbered: brought-back keys must be rotated from their
