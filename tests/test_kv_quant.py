@@ -291,3 +291,35 @@ def test_compiled_quantized_step_equals_eager(monkeypatch, family, kv_dtype, see
         logits = [forward(model, caches[0], tokens[:, None], logits_to_keep=1)[:, -1], step(caches[1], tokens)]
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
         assert kept_agree_or_tie(*caches, None, "decode")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_a_quantized_row_exports_and_imports(family, kv_dtype, seed):
+    """A quantized row (codes, scales and offsets among its state tensors) moved out of a one-row
+    cache past its budget and into a row of a batch cache continues as the row alone does; the
+    other rows keep every bit; a prefix over the batch's first rows shares the codes and scales."""
+    model = build_model(family, seed=seed)
+    settings = CacheSettings(budget="8", kv_dtype=kv_dtype)
+    generator = torch.Generator().manual_seed(seed)
+    single, batch = settings.build(model), settings.build(model)
+    forward(model, single, torch.randint(3, 90, (1, 14), generator=generator))
+    forward(model, batch, torch.randint(3, 90, (3, 5), generator=generator))
+    state = single.export_row(0)
+    assert {"keys", "key_scale", "key_offset", "value_scale", "value_offset"} <= set(state.layers[0])
+    assert state.layers[0]["keys"].dtype == torch.uint8
+    before = [batch.export_row(row) for row in (0, 2)]
+    batch.import_row(1, state)
+    for row, saved in zip((0, 2), before):
+        after = batch.export_row(row)
+        assert all(torch.equal(after.layers[i][name], saved.layers[i][name])
+                   for i in range(len(saved.layers)) for name in saved.layers[i])
+    for _ in range(6):
+        tokens = torch.randint(3, 90, (3, 1), generator=generator)
+        got = forward(model, batch, tokens, logits_to_keep=1)[:, -1]
+        alone = forward(model, single, tokens[1:2], logits_to_keep=1)[:, -1]
+        torch.testing.assert_close(got[1:2], alone, rtol=1e-5, atol=1e-5)
+    assert single.evicted_tokens() > 0
+    prefix = batch.prefix(2)
+    for mine, theirs in zip(prefix.layers, batch.layers):
+        assert mine.key_scale.data_ptr() == theirs.key_scale.data_ptr() and mine.format is theirs.format
