@@ -147,6 +147,8 @@ class Memory:
     reserved: int  # bytes of key and value slots allocated, whatever they hold
     in_use: int  # of which slots holding a token
     full: int  # what a cache without eviction would hold for the tokens seen
+    per_slot: int | None = None  # one slot of every layer, over its KV heads (codes and scales counted)
+    kv_dtype: str = "auto"  # how the slots hold keys and values (--kv-dtype)
 
 
 def kv_memory(cache, layers: list[Split] | None = None) -> Memory:
@@ -157,14 +159,18 @@ def kv_memory(cache, layers: list[Split] | None = None) -> Memory:
     for layer, split in zip(cache.layers, layers):
         if layer.is_initialized:
             in_use += round(split.held.total * split.rows) * layer.format.slot_bytes  # one KV head's slot
-    return Memory(cache.kv_bytes(), in_use, cache.full_kv_bytes())
+    return Memory(cache.kv_bytes(), in_use, cache.full_kv_bytes(), cache.kv_bytes_per_slot(),
+                  getattr(cache, "kv_dtype", "auto"))
 
 
 def describe_memory(memory: Memory) -> str:
     """``KV 3.80 MiB in use of 71.98 MiB reserved (a full cache: 3.82 MiB)``: early in a text the
     reserve is larger than a full cache would be; what is used never is."""
-    return (f"KV {format_bytes(memory.in_use)} in use of {format_bytes(memory.reserved)} reserved "
+    text = (f"KV {format_bytes(memory.in_use)} in use of {format_bytes(memory.reserved)} reserved "
             f"(a full cache: {format_bytes(memory.full)})")
+    if memory.kv_dtype != "auto" and memory.per_slot:  # slots not in the model's dtype: what one costs
+        text += f", {memory.kv_dtype} slots of {format_bytes(memory.per_slot)}"
+    return text
 
 
 def _number(value: float) -> float | int:
