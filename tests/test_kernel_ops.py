@@ -222,13 +222,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def decode_run(model, ids, policy, steps, monkeypatch, decoder=None, kernels="triton"):
+def decode_run(model, ids, policy, steps, monkeypatch, decoder=None, kernels="triton", kv_dtype="auto"):
     """Prefill, then ``steps`` greedy decode steps, all on the ``kernels`` path (a layer chooses its
     eviction when it allocates); compiled decode steps when ``decoder`` is given."""
     from h2ochat.generation import CacheSettings, forward
 
     monkeypatch.setenv("H2OCHAT_KERNELS", kernels)
-    cache = CacheSettings(policy=policy, budget="8").build(model, static_shapes=True)
+    cache = CacheSettings(policy=policy, budget="8", kv_dtype=kv_dtype).build(model, static_shapes=True)
     logits = forward(model, cache, ids, logits_to_keep=1)[:, -1]
     tokens = []
     for _ in range(steps):
@@ -277,6 +277,38 @@ def test_compiled_triton_decode_is_one_graph_of_opaque_ops(seed, monkeypatch, fr
         torch.testing.assert_close(mine.keys, ref.keys, rtol=0, atol=0, msg=msg)
         if ref.value_norm is not None:
             torch.testing.assert_close(mine.value_norm, ref.value_norm, rtol=1e-6, atol=1e-6, msg=msg)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="compiles on the CPU, the kernels under the Triton interpreter")
+@runs_kernels
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_compiled_triton_decode_over_quantised_slots(seed, monkeypatch, fresh_dynamo, kv_dtype):
+    """With the slots quantised, each layer's attention is still one opaque decode op (the codes,
+    scales and offsets its inputs; the layer writes the codes itself), one graph with no recompile,
+    and the compiled steps give eager's tokens and slots."""
+    from h2ochat import compiled
+
+    model = build_model("llama")
+    layers = model.config.num_hidden_layers
+    ids = random_ids(2, 6)
+    recorder = Recorder()
+    decoder = compiled.CompiledDecode(model, backend=recorder)
+    eager_tokens, eager_cache, eager_logits = decode_run(model, ids, "h2o", 5, monkeypatch, kv_dtype=kv_dtype)
+    tokens, cache, logits = decode_run(model, ids, "h2o", 5, monkeypatch, decoder, kv_dtype=kv_dtype)
+
+    msg = f"seed={seed} {kv_dtype}"
+    assert len(recorder.dynamo) == len(recorder.aot) == 1, msg
+    assert op_counts(recorder.dynamo[0]) == {"decode_attend": layers}, msg
+    code = recorder.dynamo[0].code
+    assert "triton" not in code and "launch" not in code, msg
+    assert_writes_only_state_tensors(recorder, cache, msg)
+    assert torch.equal(tokens, eager_tokens), msg
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5, msg=msg)
+    assert eager_cache.evicted_tokens() > 0, msg
+    for mine, ref in zip(cache.layers, eager_cache.layers):
+        assert mine.keys.dtype == torch.uint8 and torch.equal(mine.keys, ref.keys), msg
+        assert torch.equal(mine.token_index, ref.token_index), msg
+        torch.testing.assert_close(mine.key_scale, ref.key_scale, rtol=1e-6, atol=1e-7, msg=msg)
 
 
 def test_compiled_torch_decode_writes_only_state_tensors(seed, monkeypatch, fresh_dynamo):
