@@ -216,7 +216,7 @@ class KeyCodes:
 
 
 SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
-CANDIDATES = 16  # pages whose token codes stage 2 scores
+CANDIDATES = 64  # pages whose token codes stage 2 scores (16 missed the pass key at 880 tokens: benchmarks/results_recall_amortized.json)
 
 
 def _pages_of(entries: torch.Tensor, g: int) -> torch.Tensor:
