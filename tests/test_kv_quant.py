@@ -323,3 +323,14 @@ def test_a_quantized_row_exports_and_imports(family, kv_dtype, seed):
     prefix = batch.prefix(2)
     for mine, theirs in zip(prefix.layers, batch.layers):
         assert mine.key_scale.data_ptr() == theirs.key_scale.data_ptr() and mine.format is theirs.format
+
+
+def test_set_kv_dtype_in_the_chat():
+    """/set kv-dtype int4 is a setting like the others (a new cache); a bad dtype is the user's to fix."""
+    from h2ochat.chat_settings import ChatSettings
+    from h2ochat.errors import UserError
+
+    changed, name = ChatSettings().with_value("kv-dtype", "int4")
+    assert (name, changed.cache.kv_dtype) == ("kv_dtype", "int4")
+    with pytest.raises(UserError, match="--kv-dtype must be one of"):
+        ChatSettings().with_value("kv-dtype", "int3")
