@@ -148,7 +148,8 @@ def decode_bytes(batch, slots, dtype, score: bool, group=GROUP, kv_heads=KV_HEAD
     """Bytes that must move: K and V read (with ``bits``: their codes, scales and offsets,
     ``quant.bytes_per_token`` each), slot index read; when scoring, scores read + written."""
     n = batch * kv_heads * slots
-    per_slot = 2 * (head_dim * (torch.finfo(dtype).bits // 8) if bits is None else quant.bytes_per_token(head_dim, bits))
+    element = torch.finfo(dtype).bits // 8
+    per_slot = 2 * (head_dim * element if bits is None else quant.bytes_per_token(head_dim, bits))
     total = n * per_slot + n * 8
     if score:
         total += 2 * n * 4
@@ -186,7 +187,6 @@ def quant_rows(inp, dtype, timer, attend, t_plain: float, copy_bw: float, check=
         row.update(t_us=t * 1e6, t_unquantised_us=t_plain * 1e6, time_ratio=t / t_plain, bytes=nbytes,
                    bytes_ratio=nbytes / plain_bytes, bw_GBps=nbytes / t / 1e9, bw_fraction_of_copy=nbytes / t / copy_bw)
         rows.append(row)
-        del q_inp, slots_q
     return rows
 
 

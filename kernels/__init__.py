@@ -8,15 +8,16 @@ Hugging Face's package of that name, which transformers imports when it finds it
 
 Modules: ``reference`` (the semantics, plain torch: what the CPU runs), ``dispatch`` (the choice:
 ``backend_for(device)``, the ``Backend`` a cache layer keeps from its allocation on), ``ops`` (the
-launchers as ``torch.ops.h2ochat.*`` custom ops, which a ``torch.compile`` trace calls), ``triton_decode``
-(Q == 1, split-S flash decoding with scores), ``triton_chunk`` (Q > 1, two-pass prefill with column
-scores), ``triton_evict`` (one launch per layer: the priority, from a tensor or from the policy's
-parameters, argmin and in-place overwrite), ``recall_reference`` and ``triton_recall`` (the recall
-digest's page scores from packed low-bit codes, and the packing), ``_common`` (what the Triton
+launchers as ``torch.ops.h2ochat.*`` custom ops, which a ``torch.compile`` trace calls),
+``triton_decode`` (Q == 1, split-S flash decoding with scores), ``triton_chunk`` (Q > 1, two-pass
+prefill with column scores), ``triton_evict`` (one launch per layer: the priority, from a tensor or from
+the policy's parameters, argmin and in-place overwrite), ``recall_reference`` and ``triton_recall`` (the
+recall digest's page scores from packed low-bit codes, and the packing), ``_common`` (what the Triton
 modules share), ``quant`` (the quantised slots' format: int8 and int4 codes with a float32 scale and
-offset per token and KV head; ``attend_with_scores(..., quant=QuantSlots)`` attends such slots). The score decay of ``attend_with_scores`` (S <- decay * S + a_t, a float or one per
-sequence) runs inside the decode and chunk kernels, and ``evict_by_policy`` (rank by score, score /
-age, value norm or token index; recent window and sinks as ints or per sequence) is one kernel on CUDA.
+offset per token and KV head; ``attend_with_scores(..., quant=QuantSlots)`` attends such slots). The
+score decay of ``attend_with_scores`` (S <- decay * S + a_t, a float or one per sequence) runs inside
+the decode and chunk kernels, and ``evict_by_policy`` (rank by score, score / age, value norm or token
+index; recent window and sinks as ints or per sequence) is one kernel on CUDA.
 
 Every launch is made with the tensors' CUDA device current (``_common.launch_guard``), so layers
 spread over GPUs (device_map auto) launch on their own device and its current stream.

@@ -9,12 +9,13 @@ per call (the module-level functions, for callers without a layer: tests, the si
   the Triton interpreter is off (``TRITON_INTERPRET=1`` makes CPU tensors work, slowly: tests).
 
 Triton modules are imported lazily, on the first Triton call, so importing this package never needs
-triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dtypes, non-float
-inputs, an empty cache for eviction, a value-norm rank without the norms, quantised slots whose new
-tokens are not in the query's dtype) runs the reference instead, whatever the backend. The score decay of ``attend_with_scores`` (a float or one per sequence), its quantised slots
-(``quant=`` a ``quant.QuantSlots``: int8 / int4 codes with their scales and offsets) and the policy
-eviction ``evict_by_policy`` run in the kernels too. The evictions take an ``active`` row mask
-([B] bool, None: every row): a row left out writes nothing (a decode step's finished rows).
+triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dtypes, non-float inputs,
+an empty cache for eviction, a value-norm rank without the norms, quantised slots whose new tokens are
+not in the query's dtype) runs the reference instead, whatever the backend. The score decay of
+``attend_with_scores`` (a float or one per sequence), its quantised slots (``quant=`` a
+``quant.QuantSlots``: int8 / int4 codes with their scales and offsets) and the policy eviction
+``evict_by_policy`` run in the kernels too. The evictions take an ``active`` row mask ([B] bool, None:
+every row): a row left out writes nothing (a decode step's finished rows).
 
 A Triton call goes through ``ops``: the launcher itself when eager, the ``torch.ops.h2ochat.*``
 custom op inside a ``torch.compile`` trace (one opaque node per launch, its writes declared).

@@ -48,8 +48,9 @@ def attend_with_scores(
     quant            None, or ``quant.QuantSlots``: the slots are quantised, cache_keys/values are
                      their codes [B, Hkv, S, W] uint8, attended as code * scale + offset (an fp32
                      query: the scale and offset applied to the logits and the probabilities,
-                     ``_slot_logits``; a 16-bit one: the slots dequantised to its dtype); the new tokens stay at full precision (the token a step adds is
-                     attended as it is, and quantised only when the cache writes it).
+                     ``_slot_logits``; a 16-bit one: the slots dequantised to its dtype); the new
+                     tokens stay at full precision (the token a step adds is attended as it is, and
+                     quantised only when the cache writes it).
 
     New tokens attend causally among themselves. Padding keys receive no attention; padding query
     rows add nothing to any score (and do not decay it: a decode step's row left out by an active

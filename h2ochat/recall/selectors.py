@@ -24,7 +24,7 @@ import torch
 import h2ochat_kernels as kernels
 # the per-token quantiser the quantised KV slots use too (unpacked codes, [..., 1] scale and offset)
 from h2ochat_kernels.quant import level_codes as quantize
-from h2ochat_kernels.quant import level_values as dequantize
+from h2ochat_kernels.quant import level_values as dequantize  # noqa: F401  (selectors.dequantize: the tests')
 
 from .selector_names import CODE_BITS
 
