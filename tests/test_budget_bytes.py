@@ -18,6 +18,7 @@ from h2ochat.cli import main
 from h2ochat.generation import CacheSettings, attention_shape, forward
 from h2ochat.kv.slot_format import KV_DTYPES
 from h2ochat.sizes import is_size
+from test_generate_cli import assert_one_line_error
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -103,15 +104,6 @@ def h2ochat_main(monkeypatch, capsys):
         return subprocess.CompletedProcess(args, exited.value.code, captured.out, captured.err)
 
     return run
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("h2ochat: error:")]
-    assert len(errors) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in errors[0]
 
 
 @pytest.mark.parametrize("args,fragments", [

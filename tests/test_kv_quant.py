@@ -26,7 +26,7 @@ from h2ochat.recall.selectors import spreading_rotation
 from h2ochat.rotary import Rotary, rotate_keys
 from lockstep import kept_agree_or_tie
 
-from test_cache_rules import TieAwareReference, _drive, _kept
+from test_cache_rules import TieAwareReference, _drive, drive_against_reference
 
 QUANTIZED = ["int8", "int4"]
 
@@ -76,35 +76,11 @@ class QuantizedReference(TieAwareReference):
 def test_quantized_layer_matches_the_slow_reference(kv_dtype, policy, slots, group, chunks, seed):
     """Outputs, kept tokens and scores of a quantized layer equal the slow reference over
     round-tripped keys and values at every step, with left padding."""
-    batch, kv_heads, dim, scale = 2, 2, 16, 16 ** -0.5
     pol = get_policy(policy)
-    bits = QUANT_BITS[kv_dtype]
     cache = H2OCache(1, pol, slots, max_positions=10_000, kv_dtype=kv_dtype)
-    refs = [[QuantizedReference(pol, slots, bits) for _ in range(kv_heads)] for _ in range(batch)]
-    pad, fed = 3, 0
-    for q_len in chunks:
-        query = torch.randn(batch, kv_heads * group, q_len, dim)
-        key, value = torch.randn(batch, kv_heads, q_len, dim), torch.randn(batch, kv_heads, q_len, dim)
-        real = torch.ones(batch, q_len, dtype=torch.bool)
-        real[1] = torch.arange(fed, fed + q_len) >= pad
-        new_valid = None if bool(real.all()) else real
-        out = _drive(cache, 0, query, key, value, new_valid, scale)
-        fed += q_len
-        layer = cache.layers[0]
-        assert layer.keys.dtype == torch.uint8
-        for b in range(batch):
-            for h in range(kv_heads):
-                ref = refs[b][h]
-                expect = ref.step(query[b, h * group:(h + 1) * group], key[b, h], value[b, h], real[b].tolist(), scale)
-                rows = real[b]
-                torch.testing.assert_close(out[b, h][:, rows], expect[:, rows], rtol=2e-5, atol=2e-5,
-                                           msg=lambda m: f"seed={seed}: {m}")
-                kept = _kept(layer, b, h)
-                if kept != [e["token"] for e in ref.entries]:
-                    ref.follow(kept, f"seed={seed} row {b} head {h}")
-                held = {int(t): float(s) for t, s in zip(layer.token_index[b, h], layer.scores[b, h]) if t >= 0}
-                for e in ref.entries:
-                    assert held[e["token"]] == pytest.approx(e["score"], rel=1e-4, abs=1e-5), f"seed={seed}"
+    drive_against_reference(cache, lambda: QuantizedReference(pol, slots, QUANT_BITS[kv_dtype]), chunks, group, seed,
+                            dim=16, tolerance=2e-5, score_rel=1e-4, score_abs=1e-5)
+    assert cache.layers[0].keys.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
