@@ -17,7 +17,7 @@ import torch
 
 from .budget import budget_bytes, parse_budget, slots_in_bytes
 from .kv import H2OCache, make_cache, policy_slots
-from .kv.slot_format import bytes_per_slot, check_kv_dtype
+from .kv.slot_format import bytes_per_slot, check_kv_dtype, check_with_recall
 from .compiled import CompiledDecode
 from .forward_step import Decode, EagerDecode, forward
 from .policies import DEFAULT_POLICY, Policy, get_policy
@@ -93,6 +93,8 @@ class CacheSettings:
         if self.positions not in ("compact", "absolute"):
             raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
         check_kv_dtype(self.kv_dtype)
+        if self.recall:
+            check_with_recall(self.kv_dtype)
         if budget_bytes(self.budget) is not None:  # a size: its slots wait for the model (``slots``)
             return
         slots = parse_budget(self.budget, 1 << 30)

@@ -57,6 +57,10 @@ def test_budget_in_bytes_fits_and_is_the_most_that_does(family, kv_dtype, recall
     per_slot = slot_bytes_by_hand(kv_dtype, heads, head_dim)
     size = 37 * per_slot * layers + per_slot // 2  # 37 slots a layer and a half
     settings = CacheSettings(budget=f"{size}B", kv_dtype=kv_dtype, recall=recall, page=2)
+    if recall is not None and kv_dtype in ("int8", "int4"):
+        with pytest.raises(ValueError, match="--recall does not take quantized slots"):
+            settings.validate()
+        return
     slots = settings.slots(model.config, model)
     assert slots == 37
     cache = settings.build(model)
@@ -151,3 +155,9 @@ def test_eval_rows_side_by_side_per_kv_dtype(h2ochat_main, tiny_checkpoint, tmp_
     by_size = {r["kv_dtype"]: r for r in h2o if r["budget_slots"] != 8}
     assert by_size["auto"]["kv_slots"] < by_size["int8"]["kv_slots"] < by_size["int4"]["kv_slots"]
     assert all(r["kv_bytes"] <= 6 * 1024 for r in by_size.values())
+
+
+def test_recall_with_quantized_slots_is_a_one_line_error(h2ochat_main, tiny_checkpoint):
+    assert_one_line_error(h2ochat_main("generate", "hi", "--model", str(tiny_checkpoint), "-n", "2", "--recall", "8",
+                                       "--page", "4", "--budget", "32", "--kv-dtype", "int8"),
+                          "--recall does not take quantized slots")

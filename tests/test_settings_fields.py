@@ -46,7 +46,7 @@ SAMPLE = {
     "cold_dtype": ("int8", "int8"),
     "cold_limit": ("64", 64),
     "recall_every": ("2", 2),
-    "kv_dtype": ("int8", "int8"),
+    "kv_dtype": ("float16", "float16"),  # (a float cast: it goes with the sample --recall)
 }
 
 

@@ -37,6 +37,14 @@ def check_kv_dtype(name: str) -> str:
     return str(name).strip().lower()
 
 
+def check_with_recall(kv_dtype: str) -> None:
+    """The recall tier moves float keys and values between its slots, staging page and cold store:
+    quantized slots do not go with it (yet). ValueError in one line."""
+    if check_kv_dtype(kv_dtype) in QUANT_BITS:
+        raise ValueError(f"--recall does not take quantized slots yet: use --kv-dtype auto or a float type with "
+                         f"--recall, or drop --recall to use --kv-dtype {kv_dtype}")
+
+
 def slot_format(kv_dtype: str, head_dim: int, value_dim: int, model_dtype: torch.dtype) -> "FloatSlots | QuantizedSlots":
     """The format of one layer's slots for ``--kv-dtype`` ``kv_dtype`` and a model computing in ``model_dtype``."""
     name = check_kv_dtype(kv_dtype)
