@@ -62,7 +62,8 @@ def start_server(args, extra: list[str], log: Path) -> ServerProcess:
     if args.compile:
         model.append("--compile")
     return ServerProcess(args.model, "--served-model-name", "m", "--max-queue", "1000", "--parked-bytes",
-                         args.parked_bytes, "--prefill-chunk", str(args.prefill_chunk), "--device", args.device,
+                         args.parked_bytes, "--prefill-chunk", str(args.prefill_chunk),
+                         "--prefill-chunks-per-step", str(args.prefill_chunks_per_step), "--device", args.device,
                          "--dtype", args.dtype, *model, *extra, log_path=log)
 
 
@@ -196,9 +197,10 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     }
 
 
-def load_phase(args, policy: str, budget: str, log_dir: Path) -> dict:
-    server = start_server(args, ["--policy", policy, "--budget", budget, "--kv-memory", args.kv_memory],
-                          log_dir / f"serve_{policy}.log")
+def load_phase(args, policy: str, budget: str, log_dir: Path, extra: tuple[str, ...] = (), name: str = "") -> dict:
+    name = name or policy
+    server = start_server(args, ["--policy", policy, "--budget", budget, "--kv-memory", args.kv_memory, *extra],
+                          log_dir / f"serve_{name}.log")
     try:
         server.wait_ready()
         before = server.metrics()
@@ -220,10 +222,14 @@ def load_phase(args, policy: str, budget: str, log_dir: Path) -> dict:
         summary = summarize(records, wall)
         summary.update({
             "policy": policy, "budget": budget, "command": server.command,
+            "recalled_pages": sum(r["usage"].get("recalled_pages", 0) for r in records if r.get("usage")),
             "rows": int(before["rows"]), "kv_bytes_reserved": int(before["kv_bytes_reserved"]),
             "max_concurrent_chats": int(seen.get("max_running", 0)), "max_waiting": int(seen.get("max_waiting", 0)),
             "peak_rss_bytes": server.peak_rss(),
         })
+        after = server.metrics()  # (the recall tier's figures, where the server has one)
+        summary.update({name: int(value) for name, value in after.items() if name.startswith("recall_")})
+        summary["parked_bytes"] = int(after["parked_bytes"])
         return summary
     finally:
         server.stop()
@@ -337,6 +343,7 @@ def main() -> None:
     parser.add_argument("--kv-memory", default="100MiB", help="KV memory for the rows, the same for both servers")
     parser.add_argument("--parked-bytes", default="2GiB")
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--prefill-chunks-per-step", type=int, default=1, help="the servers' option of that name")
     parser.add_argument("--chats", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--history-chars", type=int, default=2000, help="opening history (~4 characters a token)")
@@ -349,7 +356,9 @@ def main() -> None:
     parser.add_argument("--one-chat-tokens", type=int, default=64)
     parser.add_argument("--one-chat-repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--phases", default="load,parked")
+    parser.add_argument("--phases", default="load,parked", help="load, load_recall (load with a third server: "
+                        "h2o with --recall, the same KV memory), parked, one_chat")
+    parser.add_argument("--recall", default="32", help="recall slots of the load_recall server (of --budget)")
     parser.add_argument("--completions", action="store_true",
                         help="send each conversation as one growing text to /v1/completions (no chat template)")
     parser.add_argument("--random-weights", action="store_true", help="the model from its configuration "
@@ -367,7 +376,11 @@ def main() -> None:
     results = {"args": vars(args) | {"out": str(args.out), "text": str(args.text)}, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                "load_average_before": os.getloadavg()}
     phases = args.phases.split(",")
-    if "load" in phases:
+    if "load" in phases or "load_recall" in phases:
+        if "load_recall" in phases:  # (first: the machine's load drifts; the other two come as before)
+            results["h2o_recall"] = load_phase(args, "h2o", args.budget, log_dir, ("--recall", args.recall),
+                                               name="h2o_recall")
+            print(json.dumps({k: v for k, v in results["h2o_recall"].items() if k != "turns_refused"}), flush=True)
         results["h2o"] = load_phase(args, "h2o", args.budget, log_dir)
         print(json.dumps({k: v for k, v in results["h2o"].items() if k != "turns_refused"}), flush=True)
         results["full"] = load_phase(args, "full", args.full_budget, log_dir)
@@ -378,6 +391,20 @@ def main() -> None:
             "output_tokens_per_s": ratio(results["h2o"]["output_tokens_per_s"], results["full"]["output_tokens_per_s"]),
         }
         print(json.dumps(results["h2o_vs_full"]), flush=True)
+        if "h2o_recall" in results:
+            recall, plain = results["h2o_recall"], results["h2o"]
+            results["recall_vs_h2o"] = {
+                "rows": ratio(recall["rows"], plain["rows"]),
+                "concurrent_chats": ratio(recall["max_concurrent_chats"], plain["max_concurrent_chats"]),
+                "output_tokens_per_s": ratio(recall["output_tokens_per_s"], plain["output_tokens_per_s"]),
+                "peak_rss_bytes": ratio(recall["peak_rss_bytes"], plain["peak_rss_bytes"]),
+            }
+            results["recall_vs_full"] = {
+                "concurrent_chats": ratio(recall["max_concurrent_chats"], results["full"]["max_concurrent_chats"]),
+                "output_tokens_per_s": ratio(recall["output_tokens_per_s"], results["full"]["output_tokens_per_s"]),
+            }
+            print(json.dumps({"recall_vs_h2o": results["recall_vs_h2o"], "recall_vs_full": results["recall_vs_full"]}),
+                  flush=True)
     if "parked" in phases:
         results["parked"] = parked_phase(args, log_dir)
         print(json.dumps({k: v for k, v in results["parked"].items() if k != "per_turn"}), flush=True)

@@ -72,9 +72,11 @@ def test_rows_in_use_are_moved_to_the_front_and_the_server_size_changes_no_token
     rng = random.Random(seed)
     model = build_model(family)
     # (prompt, tokens, steps before it comes): the first two run together and the first ends first
-    # (its row is then filled by the second), the others come at random
+    # (its row is then filled by the second), the others come at random; the third is more than one
+    # chunk (a prompt read in the step the first row frees would take that row, and nothing moves)
     plan = [(prompt(rng), rng.randint(10, 15), 0), (prompt(rng), rng.randint(40, 70), 0)]
-    plan += [(prompt(rng), rng.randint(2, 70), rng.randint(0, 8)) for _ in range(4)]
+    plan += [(prompt(rng, CHUNK + 1, 20) if number == 0 else prompt(rng), rng.randint(2, 70), rng.randint(0, 8))
+             for number in range(4)]
     runs = []
     for rows in (8, 2):
         scheduler, _ = engine(model, rows)

@@ -37,6 +37,7 @@ def serve(
     sinks: o.Sinks = None,
     decay: o.Decay = None,
     positions: o.Positions = "compact",
+    kv_dtype: o.KvDtype = "auto",
     prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
     repetition_penalty: o.RepetitionPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
@@ -56,6 +57,10 @@ def serve(
     parked_bytes: Annotated[str, typer.Option("--parked-bytes", rich_help_panel=SERVER,
         help="Host memory for the caches of finished conversations, kept so the next turn feeds only its new "
              "tokens (least recently used out first).")] = "1GiB",
+    prefill_chunks_per_step: Annotated[int, typer.Option("--prefill-chunks-per-step", min=1, rich_help_panel=SERVER,
+        help="Prompt chunks (--prefill-chunk tokens each) the engine reads between two decode steps while requests "
+             "wait: more let newcomers join the batch sooner (more tokens/s under load), and the running streams "
+             "wait longer between two tokens.")] = 1,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, rich_help_panel=SERVER,
         help="Requests waiting for a row at most; more are answered 429 with Retry-After.")] = 64,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, rich_help_panel=SERVER,
@@ -70,12 +75,13 @@ def serve(
 
     if not random_weights:
         resolve(model)  # an unknown model is refused before the server starts listening
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, None, decay, **(recall_options or {}))
+    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, None, decay, kv_dtype, **(recall_options or {}))
     o.sampling(0.0, 1.0, 0, None, repetition_penalty)
     config = ServeConfig(model=model, settings=settings, device=device, dtype=dtype, random_weights=random_weights,
                          served_name=served_model_name, max_sequences=max_sequences,
                          kv_memory=_size(kv_memory, "--kv-memory"), parked_bytes=_size(parked_bytes, "--parked-bytes"),
                          max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+                         prefill_chunks_per_step=prefill_chunks_per_step,
                          repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, compile=compile,
                          host=host, port=port, api_key=api_key, quiet=quiet)
     status = run_server(config)  # 130 when stopped by SIGINT, 0 by SIGTERM

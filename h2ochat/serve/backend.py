@@ -240,8 +240,14 @@ class ModelBackend:
                                        figure("cold_host_bytes", "host_bytes")),
             "recall_selector_device_bytes": ("Device bytes of the recall tier's page selector (digests).",
                                              figure("device_bytes_selector", "digest_device_bytes")),
+            "recall_device_bytes": ("Device bytes of the recall tier beyond its slots (selector, staging, frames).",
+                                    figure("device_bytes", "digest_device_bytes")),
             "recall_cold_tokens": ("Tokens held in the cold stores (per layer and KV head, summed).",
                                    figure("cold_tokens")),
+            "recall_staged_tokens": ("Evicted tokens on the staging pages, not yet in the cold stores.",
+                                     figure("staged_tokens")),
+            "recall_pages_per_summary": ("Pages each device page summary covers (above 1: the summary cap was "
+                                         "reached and the summaries coarsened).", figure("pages_per_summary") or 1),
             "recall_pages_copied": ("Pages brought into recall slots since the batch cache was made.",
                                     figure("pages_copied")),
         }

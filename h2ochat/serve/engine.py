@@ -40,6 +40,7 @@ class Loaded:
     row_bytes: int = 0
     layers: int = 0
     kv_heads: int = 0
+    prefill_chunks: int = 1  # prompt chunks a scheduler step may read (``Scheduler``)
 
 
 class Engine:
@@ -130,7 +131,7 @@ class Engine:
             return
         finally:
             self.load_finished.set()
-        self.scheduler = Scheduler(self.loaded.backend)
+        self.scheduler = Scheduler(self.loaded.backend, self.loaded.prefill_chunks)
         self._update_gauges()
         while True:
             if not self._drain(block=self.scheduler.idle):

@@ -64,8 +64,14 @@ class Backend(Protocol):
 
 
 class Scheduler:
-    def __init__(self, backend: Backend):
-        self.backend = backend
+    """``prefill_chunks``: prompt chunks a step may read before its decode step (one request after
+    another when one is read and the next waiting one fits the free rows). More make a step longer
+    (the running rows wait for them) and newcomers join sooner, so decode steps run more rows."""
+
+    def __init__(self, backend: Backend, prefill_chunks: int = 1):
+        if prefill_chunks < 1:
+            raise ValueError(f"prefill_chunks must be at least 1, got {prefill_chunks}")
+        self.backend, self.prefill_chunks = backend, prefill_chunks
         self.rows: list[Choice | None] = [None] * backend.rows
         self.waiting: deque[Request] = deque()
         self.job = None  # the prefill job of the request being admitted
@@ -111,8 +117,13 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> bool:
-        """At most one prefill chunk, then one decode step of the rows; False when there was nothing to do."""
-        worked = self._prefill_step()
+        """At most ``prefill_chunks`` prefill chunks, then one decode step of the rows; False when there
+        was nothing to do."""
+        worked = False
+        for _ in range(self.prefill_chunks):
+            if not self._prefill_step():
+                break
+            worked = True
         if self.rows_in_use:
             self._decode_step()
             worked = True

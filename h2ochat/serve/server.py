@@ -48,6 +48,7 @@ class ServeConfig:
     max_queue: int = 64
     max_tokens: int = 4096
     prefill_chunk: int = 512
+    prefill_chunks_per_step: int = 1  # prompt chunks one engine step may read before its decode step
     repetition_penalty: float = 1.0
     repeat_last_n: int = 64
     compile: bool = False
@@ -160,7 +161,8 @@ def loader(config: ServeConfig, store: ParkedStore):
                  source, rows * row_bytes / 2**20, store.capacity / 2**20)
         return Loaded(backend, loaded.tokenizer, preparer, frozenset(stop_token_ids(loaded.tokenizer, loaded.model)),
                       config.served_name or config.model, row_bytes=row_bytes,
-                      layers=model_config.num_hidden_layers, kv_heads=backend.kv_heads)
+                      layers=model_config.num_hidden_layers, kv_heads=backend.kv_heads,
+                      prefill_chunks=config.prefill_chunks_per_step)
 
     return load_engine
 
