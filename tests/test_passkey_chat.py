@@ -74,3 +74,19 @@ def test_bad_chat_arguments_are_one_line(long_checkpoint, filler_file, args, mes
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("h2ochat: error:") and message in last, last
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_chat_lengths_as_multiples_of_the_slots(long_checkpoint, filler_file):
+    """--lengths 2x in a chat: each budget its own filler length, the full cache every one; the
+    records carry the conversation's tokens as a multiple of the row's device slots."""
+    result = CliRunner().invoke(app, ["eval", "--task", "passkey", "--chat-turns", "3", "--model", str(long_checkpoint),
+                                      "--text", str(filler_file), "--lengths", "2x,40", "--keys", "1", "--budget", "16,24",
+                                      "--policies", "full,h2o", "--json"])
+    assert result.exit_code == 0, result.stderr
+    records = json.loads(result.stdout)["results"]
+    assert [(r["row"], r["length"]) for r in records] == [("full", 32), ("full", 40), ("full", 48), ("h2o 16", 32),
+                                                          ("h2o 16", 40), ("h2o 24", 40), ("h2o 24", 48)]
+    for record in records:
+        slots = None if record["row"] == "full" else int(record["row"].split()[1])
+        assert record["device_slots"] == slots
+        assert record["slots_ratio"] == (round(record["tokens"] / slots, 2) if slots else None)
