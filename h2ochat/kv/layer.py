@@ -384,7 +384,8 @@ class H2OLayer(CacheLayerMixin):
         if self.format.quantized:  # the codes go where the token would; its scales and offsets beside them
             stored = self.format.encode(key, value)
             key, value = stored["keys"], stored["values"]
-            self.format.write_scales(slot, self.slot_view(), stored, active, self.coordinates)
+            self.format.write_scales(slot, {name: getattr(self, name) for name in SCALE_TENSORS}, stored, active,
+                                     self.coordinates)
         dropped, dropped_score = reference.write_slots(
             slot, self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score,
             token_index, position, self.value_norm, value_norm, active, coordinates=self.coordinates)

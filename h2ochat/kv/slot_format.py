@@ -131,8 +131,15 @@ class QuantizedSlots:
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """New tokens [B, Hkv, Q, D] as codes and scales (keys turned first for int4)."""
-        key_codes, key_scale, key_offset = self.quant.quantize(self.turn(key.float()), self.bits)
-        value_codes, value_scale, value_offset = self.quant.quantize(value, self.bits)
+        key = self.turn(key.float())
+        if self.head_dim == self.value_dim:  # keys and values quantized in one call (half the ops of a step)
+            codes, scale, offset = self.quant.quantize(torch.stack([key, value.float()], dim=-2), self.bits)
+            key_codes, value_codes = codes.unbind(-2)
+            key_scale, value_scale = scale.unbind(-1)
+            key_offset, value_offset = offset.unbind(-1)
+        else:
+            key_codes, key_scale, key_offset = self.quant.quantize(key, self.bits)
+            value_codes, value_scale, value_offset = self.quant.quantize(value, self.bits)
         return {"keys": key_codes, "values": value_codes, "key_scale": key_scale, "key_offset": key_offset,
                 "value_scale": value_scale, "value_offset": value_offset}
 
