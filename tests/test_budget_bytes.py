@@ -161,3 +161,17 @@ def test_recall_with_quantized_slots_is_a_one_line_error(h2ochat_main, tiny_chec
     assert_one_line_error(h2ochat_main("generate", "hi", "--model", str(tiny_checkpoint), "-n", "2", "--recall", "8",
                                        "--page", "4", "--budget", "32", "--kv-dtype", "int8"),
                           "--recall does not take quantized slots")
+
+
+def test_the_server_gauges_the_bytes_per_slot():
+    """/metrics' kv_bytes_per_slot is the batch cache's (0 for a backend without a cache)."""
+    from types import SimpleNamespace
+
+    from h2ochat.serve.engine import _slot_bytes
+
+    model = build_model("llama", seed=0)
+    cache = CacheSettings(budget="8", kv_dtype="int4").build(model)
+    forward(model, cache, torch.randint(3, 90, (1, 4)))
+    heads, head_dim = attention_shape(model.config)
+    assert _slot_bytes(SimpleNamespace(cache=cache)) == slot_bytes_by_hand("int4", heads, head_dim) * 2
+    assert _slot_bytes(object()) == 0

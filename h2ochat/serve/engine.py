@@ -193,8 +193,16 @@ class Engine:
                                 held * per_head),
             "kv_bytes_in_use": ("Bytes of the rows in use (K, V and bookkeeping).", len(running) * loaded.row_bytes),
             "kv_bytes_reserved": ("Bytes of all rows of the batch cache.", rows * loaded.row_bytes),
+            "kv_bytes_per_slot": ("Device KV bytes one slot takes in every layer of a row, over its KV heads (keys, "
+                                  "values and their scales at --kv-dtype).", _slot_bytes(loaded.backend)),
             "parked_conversations": ("Conversation caches parked in host memory.", len(self.store)),
             "parked_bytes": ("Bytes of parked conversation caches.", self.store.nbytes),
             "parked_bytes_limit": ("Bytes the parked caches may take (--parked-bytes).", self.store.capacity),
             **self._tier_gauges,
         }
+
+
+def _slot_bytes(backend) -> int:
+    """The batch cache's bytes per slot (``H2OCache.kv_bytes_per_slot``; 0 for a backend without one)."""
+    cache = getattr(backend, "cache", None)
+    return (cache.kv_bytes_per_slot() or 0) if cache is not None else 0
