@@ -10,6 +10,26 @@ from h2ochat.serve.api import RequestParams
 from h2ochat.serve.sequence import Prepared, Request
 
 VOCAB = 40
+# the words of the chats the HTTP tests send (the clean checkpoint's replies are made of such text)
+WORDS = ("the quick brown fox jumps over lazy dog once upon a time there was dragon who lived in cave "
+         "and ate gold every day").split()
+
+
+def words(rng, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def chat_beside_the_repl(client, model: str, repl, rng, turns: int = 4, max_tokens: int = 12):
+    """A chat sent turn after turn to a live server (``client``, greedy) and to the REPL's ``repl``
+    (a ``chat.Conversation``): yields (turn, the server's reply, the REPL's turn result) each turn."""
+    messages = []
+    for turn in range(turns):
+        user = words(rng, rng.randint(3, 9))
+        expected = repl.send(user)
+        messages.append({"role": "user", "content": user})
+        reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
+        yield turn, reply, expected
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
 
 
 class FakeTokenizer:

@@ -35,6 +35,15 @@ def clean_checkpoint(folder: Path, **config) -> Path:
     return folder
 
 
+def fresh_checkpoint(tmp_path_factory, name: str) -> Path:
+    """A module's clean checkpoint (``clean_checkpoint``, 1,024 positions), its weights drawn from a
+    fresh seed named ``name``."""
+    from seeds import fresh
+
+    fresh(name)
+    return clean_checkpoint(tmp_path_factory.mktemp(name), max_position_embeddings=1024)
+
+
 @contextmanager
 def running(folder: Path, *args: str, log_dir: Path):
     """A ready server on ``folder`` with ``args``; stopped after, and its output must hold no traceback."""

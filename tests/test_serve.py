@@ -25,17 +25,15 @@ from h2ochat.generation import CacheSettings
 from h2ochat.models import load
 
 from seeds import fresh
-from serve_harness import clean_checkpoint, running
+from serve_fakes import chat_beside_the_repl, words
+from serve_harness import clean_checkpoint, fresh_checkpoint, running
 
 BUDGET, ROWS, QUEUE, LAYERS, KV_HEADS, CHUNK = 16, 4, 8, 2, 2, 8
-WORDS = ("the quick brown fox jumps over lazy dog once upon a time there was dragon who lived in cave "
-         "and ate gold every day").split()
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    fresh("serve-model")
-    return clean_checkpoint(tmp_path_factory.mktemp("serve-llama"), max_position_embeddings=1024)
+    return fresh_checkpoint(tmp_path_factory, "serve-model")
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +47,6 @@ def server(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="anything", max_retries=0, timeout=120)
-
-
-def words(rng: random.Random, count: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
 def ask(client, server, content: str, **kwargs):
@@ -172,12 +166,8 @@ def test_a_chat_turn_after_turn_reuses_its_parked_cache_and_equals_the_repl(serv
     loaded = load(str(checkpoint))
     repl = Conversation(loaded.model, loaded.tokenizer, ChatSettings(
         temperature=0.0, max_new_tokens=12, cache=CacheSettings(policy="h2o", budget=str(BUDGET))), prefill_chunk=CHUNK)
-    messages, previous = [], None
-    for turn in range(4):
-        user = words(rng, rng.randint(3, 9))
-        expected = repl.send(user)
-        messages.append({"role": "user", "content": user})
-        reply = client.chat.completions.create(model=server.model, messages=messages, temperature=0, max_tokens=12)
+    previous = None
+    for turn, reply, expected in chat_beside_the_repl(client, server.model, repl, rng):
         content = reply.choices[0].message.content
         assert content == expected.text == repl.messages[-1]["content"], f"turn {turn + 1}"
         cached = reply.usage.prompt_tokens_details.cached_tokens
@@ -187,7 +177,6 @@ def test_a_chat_turn_after_turn_reuses_its_parked_cache_and_equals_the_repl(serv
             assert cached == previous.prompt_tokens + previous.completion_tokens - 1, f"turn {turn + 1}"
         assert reply.usage.prompt_tokens == len(repl.ids) + len(repl.pending) - reply.usage.completion_tokens + (
             1 if reply.choices[0].finish_reason == "stop" else 0)
-        messages.append({"role": "assistant", "content": content})
         previous = reply.usage
     assert previous.prompt_tokens > 3 * BUDGET  # the history is several times the budget
 

@@ -41,7 +41,6 @@ def test_a_step_reads_up_to_k_chunks_across_requests_then_decodes(seed):
 
 
 def test_one_chunk_per_step_is_the_default_schedule(seed):
-    rng = random.Random(seed)
     logs = []
     for chunks in (None, 1):
         backend = FakeBackend(rows=3, chunk=4)
