@@ -17,21 +17,26 @@ from h2ochat.rotary import find_rotary
 HOT, RECALL, PAGE = 12, 8, 4
 
 
-def _caches(model, policy, selector, every=1):
+def _caches(model, policy, selector, every=1, prefetch=False):
+    """The real cache and its reference; ``prefetch``: the compiled step's static-shape cache, which
+    chooses a decode step's pages before it with the last step's queries."""
     layers = model.config.num_hidden_layers
     real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector, every=every),
-                        max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
-    masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction", staged=True, every=every)
+                        max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model),
+                        static_shapes=prefetch)
+    masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction", staged=True, every=every,
+                          prefetch=prefetch)
     return real, masked
 
 
-@pytest.mark.parametrize("every", [3, 16])
-def test_a_decode_cadence_is_the_masked_references(family, seed, every):
-    """--recall-every k (counted from the last flush; 16 > P: once a page): the same logits and the
-    same hot, staged, recalled and cold tokens as the reference choosing on that schedule, through two
-    turns (a chunk in between restarts the staging page)."""
+@pytest.mark.parametrize("every,prefetch", [(1, True), (3, False), (3, True), (16, False)])
+def test_a_decode_cadence_is_the_masked_references(family, seed, every, prefetch):
+    """--recall-every k (counted from the last flush; 16 > P: once a page), each step with its own
+    queries or (prefetch) with the last step's: the same logits and the same hot, staged, recalled and
+    cold tokens as the reference choosing on that schedule, through two turns (a chunk in between
+    restarts the staging page)."""
     model = build_model(family, seed=seed, max_position_embeddings=256)
-    real, masked = _caches(model, "h2o", "rot4", every)
+    real, masked = _caches(model, "h2o", "rot4", every, prefetch)
     ids = torch.randint(3, VOCAB, (1, 80))
     pieces = [ids[:, :20], *[ids[:, i : i + 1] for i in range(20, 47)], ids[:, 47:60],
               *[ids[:, i : i + 1] for i in range(60, 80)]]

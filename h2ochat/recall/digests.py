@@ -216,7 +216,8 @@ class KeyCodes:
 
 
 SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
-CANDIDATES = 64  # pages whose token codes stage 2 scores (16 missed the pass key at 880 tokens: benchmarks/results_recall_amortized.json)
+CANDIDATES = 128  # pages (2048 tokens) whose token codes stage 2 scores: the page means lose the pass key at
+# 880 tokens with 16 or 32 candidates (benchmarks/results_recall_amortized.json), so they only prune past this
 
 
 def _pages_of(entries: torch.Tensor, g: int) -> torch.Tensor:

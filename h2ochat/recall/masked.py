@@ -72,7 +72,7 @@ class MaskedRecall:
     def __init__(self, num_layers: int, policy: Policy | str, hot_slots: int, recall_slots: int, page: int,
                  selector: Selector | str | None = "exact", *, grouping: str = "index", reenter: bool = False,
                  measure: bool = True, chunk_queries: str = "all", max_positions: int | None = None,
-                 rotary=None, staged: bool = False, every: int = 1):
+                 rotary=None, staged: bool = False, every: int = 1, prefetch: bool = False):
         if grouping not in ("index", "eviction"):
             raise ValueError(f"grouping must be 'index' or 'eviction', got {grouping!r}")
         self.policy = get_policy(policy)
@@ -96,6 +96,7 @@ class MaskedRecall:
         # comes; a decode step's pages are chosen with the previous step's queries every ``every`` steps
         # counted from the last flush
         self.staged, self.every = staged, every
+        self.prefetch = prefetch  # a decode step's pages chosen with the previous step's queries (the compiled step's rule)
         self.decode_steps = self.staging_steps = 0
         self.flush_now = self.select_now = self.has_query = False
 
@@ -114,7 +115,7 @@ class MaskedRecall:
         positions = torch.arange(self.next_position, self.next_position + q_len).unsqueeze(0)
         self.flush_now = q_len > 1 or self.staging_steps >= self.page
         self.staging_steps = 0 if self.flush_now else self.staging_steps
-        self.select_now = q_len > 1 or (self.has_query and self.staging_steps % self.every == 0)
+        self.select_now = q_len > 1 or ((self.has_query or not self.prefetch) and self.staging_steps % self.every == 0)
         if q_len == 1:
             self.decode_steps += 1
             self.staging_steps += 1
@@ -239,8 +240,8 @@ class MaskedRecall:
             if self.flush_now:
                 state.flushed = state.evictions.clone()
             choosing = grouped if self.chunk_queries == "all" else grouped[:, :, -1:]
-            if self.staged and q_len == 1:  # the pages chosen before the step, with the last step's queries
-                choosing = state.last_query if self.select_now else None
+            if self.staged and q_len == 1:  # on the cadence; before the step with the last step's queries (prefetch)
+                choosing = (state.last_query if self.prefetch else grouped[:, :, -1]) if self.select_now else None
             recalled = state.recalled if choosing is None else self.recalled(state, keys, choosing.reshape(heads, -1, dim),
                                                                             layer_idx)
             state.recalled = recalled

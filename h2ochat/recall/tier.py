@@ -93,6 +93,7 @@ class RecallTier:
         # (allocated by the first step, which knows the query group)
         self.last_query = None
         self.has_query = False
+        self.choose_in_step = False  # this decode step chooses its pages with its own queries (eager)
         # attention statistics since allocation, per (sequence, KV head), weighted as the scores are
         # (each real query row's probabilities, summed over the group's query heads)
         self.recalled_mass = torch.zeros(batch, heads, dtype=torch.float32, device=device)
@@ -144,8 +145,11 @@ class RecallTier:
         if q_len == 1:
             self.decode_steps += 1
             # the cadence counts from the last flush: every ``every`` steps, and at least once a page
-            if self.has_query and self.staging.steps % self.config.every == 0:
+            cadence = self.staging.steps % self.config.every == 0
+            prefetch = layer.owner.static_shapes  # (the compiled step's cache: nothing is chosen inside it)
+            if cadence and prefetch and self.has_query:
                 self.recall(layer, self.last_query)
+            self.choose_in_step = cadence and not prefetch
             self.staging.count_step()
         else:
             self._room(layer, q_len)
@@ -178,6 +182,8 @@ class RecallTier:
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
             self.recall(layer, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim))
+        elif not layer.owner.compiled_step and self.choose_in_step:  # an eager step: with its own queries
+            self.recall(layer, grouped[:, :, :, 0])
         self.last_query.copy_(grouped[:, :, :, -1])
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
         weights = row_weights(new_valid, batch, q_len, layer.rows.decay, query.device)
