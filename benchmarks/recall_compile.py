@@ -62,7 +62,8 @@ def main(argv=None) -> int:
             model.config.layer_types = model.config.layer_types[: args.layers]
     settings = CacheSettings(policy="h2o", budget=str(args.budget), recall=args.recall, recall_every=args.every)
     generator = torch.Generator().manual_seed(0)
-    first = torch.randint(3, vocab, (1, 1), generator=generator)
+    with torch.inference_mode():  # (every step's ids alike: a tensor made outside it is another graph's input)
+        first = torch.randint(3, vocab, (1, 1), generator=generator)
     report = {"layers": args.layers or model.config.num_hidden_layers, "context": args.context, "budget": args.budget, "recall": args.recall, "every": args.every,
               "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
     times = {}

@@ -12,10 +12,12 @@ are the flushed ones.
 
 The choice of pages runs before a step, eagerly (``reserve``, called by ``H2OCache.position_ids``):
 every prefill chunk chooses with all its queries (the group's query heads times its tokens, in
-``before_attention``), a decode step every ``every``-th step with the last step's queries (its last
-token's: the pages a step picks are loaded for the next one, as FreeKV and ArkVale prefetch; the
-queries drift slowly), and the best R / P - 1 pages go into the recall frames (``RecallFrames``: a
-page already there is not copied again). The attention attends every slot whose token index is >= 0,
+``before_attention``), a decode step every ``every``-th step counted from the last flush: an eager
+step with its own queries (in ``before_attention``), the compiled step's static-shape cache before the
+step with the last step's queries (prefetch: the pages a step picks are loaded for the next one, as
+FreeKV and ArkVale do; measured, the one-step lag lost the pass key when the question is fed token by
+token, so the eager default does not prefetch). The best R / P - 1 pages go into the recall frames
+(``RecallFrames``: a page already there is not copied again). The attention attends every slot whose token index is >= 0,
 so hot, recalled and staged tokens share one softmax; the recall columns' scores are cleared before
 each eviction (they rank nothing). A decode step that neither flushes nor chooses adds to h2o's step
 only the staging write, the copy of its queries and the statistics.
