@@ -72,7 +72,10 @@ class ModelBackend:
             self.settings = settings
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = self._new_cache(rows, static_shapes=True)
+        # static shapes for the compiled step's graphs and the row buckets; a recall tier runs every row
+        # anyway, and with static shapes it chooses a decode step's pages before the step (the compiled
+        # step's rule, not the REPL's): eager, it keeps the REPL's shapes and rule
+        self.cache = self._new_cache(rows, static_shapes=compile or not settings.recall)
         self.decode_step = None
         if compile:
             from ..compiled import CompiledDecode
