@@ -29,7 +29,8 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16  # the tiny models' (tests/conftest.py), f
 
 def _masked_nll(model, ids, policy, selector) -> torch.Tensor:
     """The slow reference: NLL of each next token, the text fed one token per forward."""
-    sim = MaskedRecall(LAYERS, policy, SLOTS - RECALL, RECALL, PAGE, selector, grouping="eviction", measure=False)
+    sim = MaskedRecall(LAYERS, policy, SLOTS - RECALL, RECALL, PAGE, selector, grouping="eviction", measure=False,
+                       staged=True)  # (the real tier stages a decode step's victim: recall.step.StagingPage)
     MaskedRecall.attach(model)
     try:
         logits = [sim.forward(model, ids[i : i + 1].view(1, 1)) for i in range(len(ids) - 1)]
@@ -62,7 +63,7 @@ def test_a_recall_rows_perplexity_is_the_masked_reference(family, seed, policy, 
 def test_recall_rows_hold_the_policys_device_bytes_and_run_alone(seed):
     model = build_model("llama", seed=seed, max_position_embeddings=256)
     ids = random_ids(1, 48)[0]
-    recalls = ev.recall_settings("8,0.5", "4,8", selector="int4")
+    recalls = ev.recall_settings("8,0.5", "2,4", selector="int4")  # (2 pages at least: one stages)
     rows = ev.build_rows(["full", "h2o", "mean"], [16, 32], len(ids), recalls=recalls, seed=seed)
     assert [len(batch) for batch in ev.batches(rows)] == [5] + [1] * 16  # 2 policies x 2 budgets x 4 settings
     records = ev.records(ev.evaluate_rows(model, ids, rows), [16, 32])
@@ -109,7 +110,7 @@ def test_eval_recall_json_and_table(long_checkpoint, text_file):
 
 @pytest.mark.parametrize("args, message", [
     (["--recall", "16"], "must leave the policy some of the 16 slots"),
-    (["--recall", "6", "--page", "4"], "whole number (>= 1) of --page 4 pages"),
+    (["--recall", "6", "--page", "4"], "whole number (>= 2) of --page 4 pages"),
     (["--recall", "8", "--page", "four"], "--page takes comma-separated numbers"),
     (["--recall", "8", "--page", "4", "--selector", "quest4"], "--selector 'quest4': choose exact"),
     (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of"),
