@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 from ..policies import Policy, SlotBudget, get_policy
 from ..rotary import Rotary
 from .accounting import CacheAccounting
+from .full import cache_kind
 from .layer import AttentionMismatchError, H2OLayer
 from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
 from .rows import CacheShapeError, RowPolicies, RowSpec, RowState
@@ -80,6 +81,7 @@ class H2OCache(CacheAccounting, Cache):
         self.slots = slots
         self.row_policies = RowPolicies(list(rows) if rows else [RowSpec(get_policy(policy), slots, seed)], num_layers)
         self.policy = self.row_policies.policy
+        self.kind = cache_kind(spec.policy for spec in self.row_policies.specs)  # bounded, or full (kv.full)
         self.max_positions, self.position_mode, self.rotary = max_positions, positions, rotary
         self.static_shapes = static_shapes
         self.kv_dtype = check_kv_dtype(kv_dtype)  # how the slots hold keys and values (kv.slot_format)
@@ -108,7 +110,8 @@ class H2OCache(CacheAccounting, Cache):
 
     @property
     def grows(self) -> bool:
-        return self.row_policies.grows
+        """The full cache (``kv.full``): nothing is evicted, the slots grow with the text."""
+        return self.kind.grows
 
     @property
     def fused_eviction_parameters(self) -> dict | None:
@@ -130,8 +133,8 @@ class H2OCache(CacheAccounting, Cache):
 
     def compile_blocker(self) -> str | None:
         """Why the compiled decode step (``h2ochat.compiled``) cannot take this cache, or None."""
-        if self.grows:
-            return "the full policy grows its slots (shapes change)"
+        if self.kind.compile_blocker:
+            return self.kind.compile_blocker
         if self.mixed:
             return "rows with different policies (eval) rank row by row"
         if self.fused_eviction_parameters is None:
@@ -436,11 +439,8 @@ class H2OCache(CacheAccounting, Cache):
                 f"the conversation reached the model's {self.max_positions}-position limit "
                 "(use --positions compact to keep going)"
             )
-        if not self.evicts:
-            raise PositionLimitError(
-                f"the full cache reached the model's {self.max_positions}-position limit; "
-                "pick a policy that evicts to keep going"
-            )
+        if self.kind.position_limit(self.max_positions):
+            raise PositionLimitError(self.kind.position_limit(self.max_positions))
         largest = max(layer.capacity for layer in self.layers)
         if largest + q_len > self.max_positions:
             raise PositionLimitError(

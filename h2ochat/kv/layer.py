@@ -24,6 +24,7 @@ from h2ochat_kernels import reference
 from ..policies import SlotBudget
 from .accounting import layer_stats
 from .numbering import StepNumbers
+from .full import widened
 from .slot_format import SCALE_TENSORS, slot_format
 
 class NoTier:
@@ -228,7 +229,7 @@ class H2OLayer(CacheLayerMixin):
         return self.slots_in_use + query_length, self.tokens_fed_with_padding - self.slots_in_use
 
     def get_max_length(self) -> int:
-        return -1 if not self.owner.evicts else self.capacity
+        return self.owner.kind.max_length(self.capacity)
 
     def reset(self) -> None:
         """Drop the slots (their memory goes back): the layer allocates again on its next update."""
@@ -263,8 +264,10 @@ class H2OLayer(CacheLayerMixin):
         # it changes no score (no decay either)
         attend_valid = new_valid if step.active is None else step.active.view(batch, 1)
         self.tier.before_attention(self, query, new_valid)
-        if self.owner.grows and self.slots_in_use + q_len > self.capacity:
-            self._grow(self.slots_in_use + q_len)
+        if self.owner.kind.grows:  # the full cache (kv.full) makes room before the step
+            columns = self.owner.kind.columns_needed(self.slots_in_use, self.capacity, q_len)
+            if columns is not None:
+                self._widen(columns)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
         if self.format.quantized:
             whole = self.owner.static_shapes or self.slots_in_use >= self.capacity
@@ -435,19 +438,12 @@ class H2OLayer(CacheLayerMixin):
         self._count_evictions(valid.sum(-1) - kept_valid.sum(-1), dropped_score, mass)
         self.slots_in_use = capacity
 
-    def _grow(self, needed: int) -> None:
-        """The full policy: reallocate to at least ``needed`` slots (doubling, so growth is rare)."""
-        capacity = max(needed, 2 * self.capacity)
-        extra = capacity - self.capacity
-
-        def widen(tensor, fill):
-            pad = tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]), fill)
-            return torch.cat([tensor, pad], dim=2)
-
+    def _widen(self, capacity: int) -> None:
+        """The full cache's growth (``kv.full``): every slot tensor reallocated to ``capacity`` columns."""
         for name in ("keys", "values", *SCALE_TENSORS, "scores", "value_norm"):
             if getattr(self, name) is not None:
-                setattr(self, name, widen(getattr(self, name), 0))
-        self.token_index, self.positions = widen(self.token_index, -1), widen(self.positions, -1)
+                setattr(self, name, widened(getattr(self, name), capacity, 0))
+        self.token_index, self.positions = widened(self.token_index, capacity, -1), widened(self.positions, capacity, -1)
         self.capacity = capacity
 
     # -- the slots' keys and values, whatever their format -----------------------------------------

@@ -75,7 +75,6 @@ class RowPolicies:
         self.policy = get_policy(self.specs[0].policy)
         self.generators = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in self.specs]
         self.uses_value_norm = any(r.policy.uses_value_norm for r in self.specs)
-        self.grows = any(r.policy.grows for r in self.specs)
         self.layer_budgets = [r.policy.layer_budgets(r.slots, num_layers) for r in self.specs]
         # the one-launch eviction's parameters, when every row ranks by the same built-in formula
         # (looked up once, not per layer and step)
