@@ -27,7 +27,7 @@ import torch
 
 from .budget import budget_bytes, parse_budget  # (budget_bytes: eval's table asks it too)
 from .kv import H2OCache, RowSpec, make_cache, make_mixed_cache, policy_slots
-from .kv.slot_format import check_kv_dtype, check_with_recall  # (check_with_recall: eval's options)
+from .kv.slot_format import check_kv_dtype
 from .forward_step import forward
 from .generation import CacheSettings, max_positions
 from .policies import Policy, get_policy

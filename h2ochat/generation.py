@@ -17,7 +17,7 @@ import torch
 
 from .budget import budget_bytes, parse_budget, slots_in_bytes
 from .kv import H2OCache, make_cache, policy_slots
-from .kv.slot_format import bytes_per_slot, check_kv_dtype, check_with_recall
+from .kv.slot_format import bytes_per_slot, check_kv_dtype
 from .compiled import CompiledDecode
 from .forward_step import Decode, EagerDecode, forward
 from .policies import DEFAULT_POLICY, Policy, get_policy
@@ -65,7 +65,7 @@ class CacheSettings:
     positions: str = "compact"
     seed: int | None = None
     # two tiers (h2ochat.recall): R of the budget's slots hold tokens recalled from the cold store
-    recall: str | None = None  # slots (64) or a share of the budget (0.5); None: no recall
+    recall: str | None = None  # slots (64), a share of the budget (0.5), auto (recall.default); None or 0: no recall
     page: int = 16
     selector: str = "rot4"
     cold_dtype: str = "same"
@@ -75,12 +75,16 @@ class CacheSettings:
     kv_dtype: str = "auto"
 
     def recall_config(self, slots: int):
-        """The recall settings for a budget of ``slots``, or None without --recall."""
-        if not self.recall:
+        """The recall settings for a budget of ``slots``, or None without recall (``--recall auto``:
+        half the slots once the budget holds enough, ``recall.default``)."""
+        from .recall.default import recall_spec
+
+        spec = recall_spec(self.recall, slots, self.page, self.resolved_policy().evicts)
+        if spec is None:
             return None
         from .recall.tiered import RecallConfig, recall_slots
 
-        return RecallConfig(recall_slots(self.recall, slots), self.page, self.selector, self.cold_dtype,
+        return RecallConfig(recall_slots(spec, slots), self.page, self.selector, self.cold_dtype,
                             self.cold_limit, self.recall_every)
 
     def resolved_policy(self) -> Policy:
@@ -93,8 +97,6 @@ class CacheSettings:
         if self.positions not in ("compact", "absolute"):
             raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
         check_kv_dtype(self.kv_dtype)
-        if self.recall:
-            check_with_recall(self.kv_dtype)
         if budget_bytes(self.budget) is not None:  # a size: its slots wait for the model (``slots``)
             return
         slots = parse_budget(self.budget, 1 << 30)

@@ -88,8 +88,6 @@ def eval_command(
         if plot is not None:
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
         kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
-        for name in kv_dtypes if recalls else ():
-            ev.check_with_recall(name)
         if task == "passkey" and kv_dtypes != ["auto"]:
             raise ValueError("--kv-dtype is for --task perplexity (the pass-key task runs the model's dtype)")
     if task == "passkey":

@@ -7,7 +7,6 @@ variants), so the split of the device slots between the policy and a tier is wri
 from __future__ import annotations
 
 from .cache import H2OCache
-from .slot_format import check_with_recall
 
 
 def policy_slots(device_slots: int, recall=None) -> int:
@@ -22,7 +21,6 @@ def make_cache(num_layers: int, policy, device_slots: int, *, recall=None, **kwa
     positions, rotary, seed, static_shapes, rows)."""
     if recall is None:
         return H2OCache(num_layers, policy, device_slots, **kwargs)
-    check_with_recall(kwargs.get("kv_dtype", "auto"))
     from ..recall.tier import RecallSpec  # (recall builds on kv: the tier is named only when asked for)
 
     return H2OCache(num_layers, policy, policy_slots(device_slots, recall), tier=RecallSpec(recall), **kwargs)

@@ -37,14 +37,6 @@ def check_kv_dtype(name: str) -> str:
     return str(name).strip().lower()
 
 
-def check_with_recall(kv_dtype: str) -> None:
-    """The recall tier moves float keys and values between its slots, staging page and cold store:
-    quantized slots do not go with it (yet). ValueError in one line."""
-    if check_kv_dtype(kv_dtype) in QUANT_BITS:
-        raise ValueError(f"--recall does not take quantized slots yet: use --kv-dtype auto or a float type with "
-                         f"--recall, or drop --recall to use --kv-dtype {kv_dtype}")
-
-
 def slot_format(kv_dtype: str, head_dim: int, value_dim: int, model_dtype: torch.dtype) -> "FloatSlots | QuantizedSlots":
     """The format of one layer's slots for ``--kv-dtype`` ``kv_dtype`` and a model computing in ``model_dtype``."""
     name = check_kv_dtype(kv_dtype)
@@ -162,6 +154,12 @@ class QuantizedSlots:
         """The slots' keys (back in the model's frame) and values as floats [B, Hkv, S, D]."""
         keys, values = self.quant.dequantized_slots(slots["keys"], slots["values"], self.quant_slots(slots))
         return self._unturn(keys).to(dtype), values.to(dtype)
+
+    def held_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Float keys [..., D] as the slots would give them back (encoded, then decoded): the recall
+        digest scores cold keys moved to new positions as a recalled page will attend them."""
+        codes, key_scale, key_offset = self.quant.quantize(self.turn(keys.float()), self.bits)
+        return self._unturn(self.quant.dequantize(codes, key_scale, key_offset, self.bits, self.head_dim)).to(keys.dtype)
 
     def move_keys(self, slots: dict, delta: torch.Tensor, rotary) -> None:
         """Re-numbered RoPE keys: dequantized, back in the model's frame, turned by ``delta`` [B, Hkv, S]

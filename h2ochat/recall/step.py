@@ -104,18 +104,28 @@ class RecallSlots:
     values: torch.Tensor  # [B, H, R, Dv]
     token_index: torch.Tensor  # [B, H, R] (-1: empty)
     positions: torch.Tensor  # [B, H, R]
+    # quantized slots (``kv.slot_format``): keys and values are codes, these their per-slot scales and
+    # offsets ({name: [B, H, R]}); None for float slots
+    scales: dict[str, torch.Tensor] | None = None
 
 
-def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None) -> None:
+def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, slot_format=None) -> None:
     """Copy the pages the plan loads from the cold store into their frames (frames that keep their
-    page are not touched). Keys come back rotated to the tokens' current positions."""
+    page are not touched). Keys come back rotated to the tokens' current positions; quantized slots
+    (``slot_format``) take them encoded as the layer's new tokens are (codes and scales)."""
     page = store.page
     wanted = plan.frame_page.masked_fill(~plan.load, -1)  # [B, H, F]: only the frames that change
     keys, values, token_index, positions = store.pages(wanted.to(store.count.device), rotary)  # [B, H, F*P, ...]
     change = plan.load.unsqueeze(-1).expand(*plan.load.shape, page).flatten(2).to(slots.token_index.device)  # [B, H, F*P]
     device = slots.keys.device
-    slots.keys.copy_(torch.where(change.unsqueeze(-1), keys.to(device, slots.keys.dtype), slots.keys))
-    slots.values.copy_(torch.where(change.unsqueeze(-1), values.to(device, slots.values.dtype), slots.values))
+    keys, values = keys.to(device), values.to(device)
+    if slots.scales is not None:  # (the cold store holds the dequantized floats: the same codes come back)
+        stored = slot_format.encode(keys, values)
+        keys, values = stored["keys"], stored["values"]
+        for name, buffer in slots.scales.items():
+            buffer.copy_(torch.where(change, stored[name], buffer))
+    slots.keys.copy_(torch.where(change.unsqueeze(-1), keys.to(slots.keys.dtype), slots.keys))
+    slots.values.copy_(torch.where(change.unsqueeze(-1), values.to(slots.values.dtype), slots.values))
     slots.token_index.copy_(torch.where(change, token_index.to(device), slots.token_index))
     slots.positions.copy_(torch.where(change, positions.to(device), slots.positions))
 
@@ -133,10 +143,12 @@ class StagingPage:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"count": self.count}
 
-    def put(self, coordinates, key, value, token_index, position) -> None:
+    def put(self, coordinates, key, value, token_index, position, scales: dict | None = None) -> None:
         """One entry per (sequence, head) [B, H, ...] into the next staging column (fixed shapes, no
-        host read: a compiled step holds it)."""
+        host read: a compiled step holds it); quantized slots: codes, and ``scales`` beside them."""
         where = (*coordinates, self.count)
+        for name, buffer in (self.slots.scales or {}).items():
+            buffer.index_put_(where, scales[name])
         self.slots.keys.index_put_(where, key)
         self.slots.values.index_put_(where, value)
         self.slots.token_index.index_put_(where, token_index)

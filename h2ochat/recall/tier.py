@@ -40,6 +40,8 @@ from __future__ import annotations
 import torch
 from h2ochat_kernels.reference import row_weights
 
+from ..kv.slot_format import SCALE_TENSORS
+
 from .bounds import PageBounds
 from .cold_store import ColdStore
 from .layout import tensor_bytes
@@ -79,10 +81,15 @@ class RecallTier:
                                    device=device, dtype=dtype, rotate=config.rotate, backend=layer.kernels)
         self.frames = RecallFrames(batch, heads, config.frames - 1, device)  # (the last page stages)
         hot, staging = layer.capacity, layer.capacity + config.slots - config.page
+        # the layer's slot format (``kv.slot_format``): quantized slots hold codes with scales beside
+        # them; the cold store and the digest take their dequantized floats
+        self.format = layer.format
 
         def columns(start, stop):  # views of the layer's slots: attended with the hot ones
+            scales = ({name: getattr(layer, name)[:, :, start:stop] for name in SCALE_TENSORS}
+                      if self.format.quantized else None)
             return RecallSlots(layer.keys[:, :, start:stop], layer.values[:, :, start:stop],
-                               layer.token_index[:, :, start:stop], layer.positions[:, :, start:stop])
+                               layer.token_index[:, :, start:stop], layer.positions[:, :, start:stop], scales)
 
         self.slots = columns(hot, staging)
         self.staging = StagingPage(columns(staging, staging + config.page), device)
@@ -169,8 +176,16 @@ class RecallTier:
             return
         self._room(layer, q_len)
         slots = self.staging.slots
-        self.to_cold(slots.keys, slots.values, slots.token_index, slots.positions)
+        self.to_cold(*self._floats(slots), slots.token_index, slots.positions)
         self.staging.clear()
+
+    def _floats(self, slots: RecallSlots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of these columns as the cold store holds them (quantized: dequantized,
+        int4 keys back in the model's frame)."""
+        if not self.format.quantized:
+            return slots.keys, slots.values
+        return self.format.keys_and_values({"keys": slots.keys, "values": slots.values, **slots.scales},
+                                           self.cold.dtype)
 
     # -- the step -------------------------------------------------------------------------------------
     def before_attention(self, layer, query, new_valid) -> None:
@@ -197,7 +212,7 @@ class RecallTier:
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
         wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=layer.tokens_fed_with_padding)
         plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
-        fill_recall_slots(self.slots, self.cold, plan, layer.owner.rotary)
+        fill_recall_slots(self.slots, self.cold, plan, layer.owner.rotary, self.format)
 
     def before_insert(self, layer) -> None:
         """The recall columns' scores are this step's attention to recalled and staged tokens:
@@ -208,8 +223,9 @@ class RecallTier:
     def archive(self, layer, slot: torch.Tensor) -> None:
         """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush)."""
         where = (*layer.coordinates, slot)
+        scales = {name: getattr(layer, name)[where] for name in SCALE_TENSORS} if self.format.quantized else None
         self.staging.put(layer.coordinates, layer.keys[where], layer.values[where], layer.token_index[where],
-                         layer.positions[where])
+                         layer.positions[where], scales)
 
     def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
         self.flush(layer, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
@@ -220,9 +236,11 @@ class RecallTier:
         def take(t):
             return t.gather(2, order if t.dim() == 3 else order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
 
-        keys, values = candidates["keys"], candidates["values"]
-        self.to_cold(take(keys.to(layer.keys.dtype)), take(values.to(layer.values.dtype)), take(token_index),
-                     take(candidates["positions"]))
+        if self.format.quantized:  # codes and scales: the cold store takes their floats
+            keys, values = self.format.keys_and_values(candidates, self.cold.dtype)
+        else:
+            keys, values = candidates["keys"].to(layer.keys.dtype), candidates["values"].to(layer.values.dtype)
+        self.to_cold(take(keys), take(values), take(token_index), take(candidates["positions"]))
 
     def to_cold(self, keys, values, token_index, positions) -> None:
         """Evicted tokens [B, H, N, ...] (token index -1: none) into the cold store and the digest."""
@@ -232,7 +250,8 @@ class RecallTier:
     def renumber(self, layer, renumbering, rotary) -> None:
         self.cold.renumber(renumbering)  # (the staging page moved with the layer's slots)
         if rotary is not None:  # the digest scores keys as they will be attended: at their new positions
-            self.digest.rebuild(self.cold.keys_by_slot(rotary))
+            keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
+            self.digest.rebuild(self.format.held_keys(keys) if self.format.quantized else keys)
 
     # -- one row moved between caches (a server parks a conversation: kv.tier, H2OCache.export_row) -----
     # Written against the stores' public state only (``state_tensors``, ``count``, ``capacity``,
@@ -329,7 +348,7 @@ class RecallTier:
         room = int(self.cold.count.max()) + self.cold.page
         self.cold.reserve(room)
         self.digest.reserve(room)
-        self.to_cold(slots.keys, slots.values, slots.token_index, slots.positions)
+        self.to_cold(*self._floats(slots), slots.token_index, slots.positions)
         staging.clear()
 
     def _mark_moved(self) -> None:
