@@ -8,6 +8,8 @@ trials are those `eval --task passkey` draws for the same --lengths (all of them
 
     python benchmarks/recall_rows_passkey.py --text /work/shared/data/gfdl-1.3.txt --lengths 880,2000 \
         --only 880 --budget 128 --recall 0.5 --selector rot4,exact > rows.json
+
+--kv-dtype auto,int8 runs each recall row with the model's float slots and with int8 slots.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from h2ochat import evaluation as ev
@@ -37,12 +40,17 @@ def main() -> None:
     parser.add_argument("--recall", default="0.5")
     parser.add_argument("--page", default="16")
     parser.add_argument("--selector", default="rot4,exact")
+    parser.add_argument("--kv-dtype", default="auto", help="slot formats, comma-separated (rows run side by side)")
     args = parser.parse_args()
 
     lengths = pk.parse_numbers(args.lengths, int, "--lengths")
     only = set(pk.parse_numbers(args.only, int, "--only")) if args.only else set(lengths)
     recalls = ev.recall_settings(args.recall, args.page, selector=args.selector)
-    rows = [row for row in pk.build_rows([args.policy], [args.budget], recalls) if row.settings.recall]
+    kv_dtypes = ev.parse_kv_dtypes(args.kv_dtype)
+    rows = [replace(row, label=row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots")
+            for kv_dtype in kv_dtypes
+            for row in pk.build_rows([args.policy], [args.budget], recalls, settings={"kv_dtype": kv_dtype})
+            if row.settings.recall]
     loaded = load(args.model, "cpu", "float32")
     text = Path(args.text).read_text()
     trials = [t for t in pk.make_trials(loaded.tokenizer, text, lengths, pk.parse_numbers(args.depths, float, "--depths"),

@@ -6,7 +6,8 @@ One ``SlotFormat`` per layer, made at allocation: it allocates the slot buffers,
 as the slots store them, attends over them (the codes go to the kernels with their scales), moves
 keys to new positions (a re-numbering) and says what a slot costs in bytes. The layer keeps every
 buffer as a state tensor (``kv.layer.SLOT_TENSORS``: the scales and offsets are None in float
-slots), so export/import, parked rows, reset, prefixes and the compiled step take them like the rest.
+slots), so export/import, parked rows, reset, prefixes and the compiled step take them like the rest;
+a recall tier's columns are the layer's last ones and hold the same format (``recall.tier``).
 
 int4 keys are turned by the fixed spreading rotation (``recall.selectors.spreading_rotation``)
 before they are quantized: a key's few outlier channels would otherwise set its range and flatten

@@ -29,6 +29,15 @@ held position after it) and the digest is re-encoded from the cold keys at their
 instead, for exact distances between cold tokens, changed SmolLM2's perplexity past a 256-position
 limit by 0.1%: 41.42 against 41.47, 40.74 with no re-numbering at all; not worth the extra compaction.)
 
+Quantized slots (``--kv-dtype int8/int4``, ``kv.slot_format``): the recall and staging columns are
+the layer's, so they hold codes with per-slot scales and offsets. A victim is staged with its codes
+and scales; the cold store and the digest take the dequantized floats (int4 keys back in the model's
+frame, un-turned); a recalled page is encoded as the layer encodes new tokens, which gives back the
+codes it held (min-max codes of their own dequantized values: the same, up to float rounding). After
+a re-numbering the digest is rebuilt from the moved cold keys encoded and decoded so, as a recalled
+page will attend them. (The cold store keeping the codes themselves, a quarter of the host bytes of
+fp32, is not done: the floats are simpler to move, rotate and score.)
+
 The decode step reads no host value and touches no store that grows: the compiled decode step
 takes it as one static graph whatever the length and the cadence (the flush, the choice of pages,
 the cold store's growth and a re-numbering all run before it). On a GPU the cold store is pinned host
