@@ -48,7 +48,8 @@ Positions = Annotated[str, typer.Option("--positions", rich_help_panel=CACHE,
          "forever; absolute: keep original positions and stop at the limit (the paper's behaviour).")]
 Recall = Annotated[Optional[str], typer.Option("--recall", rich_help_panel=CACHE,
     help="Two tiers: R of the budget's slots hold evicted tokens recalled from a cold store when the query wants "
-         "them (a slot count, 64, or a share of the budget written with a point, 0.5). Default: no recall.")]
+         "them (a slot count, 64, or a share of the budget written with a point, 0.5); auto: half the slots once the "
+         "budget holds 128 (the default of run, story and generate); 0: no recall (the default of serve and bench).")]
 Page = Annotated[int, typer.Option("--page", min=1, rich_help_panel=CACHE,
     help="With --recall: evicted tokens move to the cold store and back in pages of this many tokens.")]
 Selector = Annotated[str, typer.Option("--selector", rich_help_panel=CACHE,
@@ -87,12 +88,13 @@ def check_recall(settings: CacheSettings) -> None:
     """The recall options of ``settings`` whether or not recall is on (``CacheSettings.validate`` reads
     them only with --recall, so `--page 0` would wait for a later `/set recall 32`), and recall under a
     policy that never evicts (it would be dropped without a word: nothing ever goes cold)."""
+    from .recall.default import AUTO, is_off
     from .recall.tiered import RecallConfig
 
     with user_input():
         RecallConfig.check_options(settings.page, settings.selector, settings.cold_dtype, settings.cold_limit,
                                    settings.recall_every)
-        if settings.recall and settings.resolved_policy().grows:
+        if not is_off(settings.recall) and settings.recall != AUTO and settings.resolved_policy().grows:
             raise ValueError(f"--recall needs a policy that evicts: {settings.policy} keeps every token on the "
                              "device, so nothing would ever be recalled (drop --recall or choose another --policy)")
 
@@ -126,14 +128,18 @@ RECALL_OPTIONS = {"recall": (Recall, None), "page": (Page, DEFAULTS["page"]), "s
                   "recall_every": (RecallEvery, DEFAULTS["recall_every"])}
 
 
-def takes_recall_options(command):
+def takes_recall_options(command=None, *, recall: str | None = "auto"):
     """Give a typer command --recall, --page, --selector, --cold-dtype, --cold-limit and --recall-every
     without restating them in its signature: it receives them as one ``recall_options`` dict (keyword
-    arguments of ``cache_settings``)."""
+    arguments of ``cache_settings``). ``recall``: the command's --recall default (``auto``, recall by
+    default: ``recall.default``; None: off unless asked, as ``serve`` and ``bench`` are)."""
+    if command is None:
+        return functools.partial(takes_recall_options, recall=recall)
     signature = inspect.signature(command, eval_str=True)  # the command's own annotations, resolved
     own = [parameter for parameter in signature.parameters.values() if parameter.name != "recall_options"]
-    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
-             for name, (annotation, default) in RECALL_OPTIONS.items()]
+    defaults = {**{name: default for name, (_, default) in RECALL_OPTIONS.items()}, "recall": recall}
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=defaults[name])
+             for name, (annotation, _) in RECALL_OPTIONS.items()]
 
     @functools.wraps(command)
     def with_recall_options(*args, **kwargs):

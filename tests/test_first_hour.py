@@ -102,14 +102,15 @@ def test_set_page_zero_is_one_line_in_the_chat_with_and_without_recall(tiny_chec
     assert "page 4: new cache" in result.output  # a good value still works afterwards
     # 8: without recall the same values were accepted (and re-read the conversation)
     # and a later /set recall failed on them; now the page is still the default 16 and recall turns on
-    result = chat(tiny_checkpoint, tmp_path, ["/set page 0", "/set page -3", "/set recall 16"], "--budget", "32")
+    # (two pages of 16: the last one stages evicted tokens)
+    result = chat(tiny_checkpoint, tmp_path, ["/set page 0", "/set page -3", "/set recall 32"], "--budget", "64")
     assert "Traceback" not in result.output
     assert result.output.count("error: --page must be a whole number of tokens >= 1") == 2
-    assert "recall 16: new cache" in result.output
+    assert "recall 32: new cache" in result.output
 
 
 def test_set_recall_under_the_full_policy_is_refused_in_the_chat(tiny_checkpoint, tmp_path):
-    result = chat(tiny_checkpoint, tmp_path, ["/set recall 16"], "--policy", "full", "--budget", "32")
+    result = chat(tiny_checkpoint, tmp_path, ["/set recall 32"], "--policy", "full", "--budget", "64")
     assert "Traceback" not in result.output and "error: --recall needs a policy that evicts" in result.output
 
 

@@ -21,7 +21,7 @@ MIB = 2**20
 
 
 @strict_user_errors
-@o.takes_recall_options
+@o.takes_recall_options(recall=None)
 def bench(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",

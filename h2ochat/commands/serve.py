@@ -25,7 +25,7 @@ def _size(text: str | None, option: str) -> int | None:
 
 
 @strict_user_errors
-@o.takes_recall_options
+@o.takes_recall_options(recall=None)
 def serve(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
