@@ -290,17 +290,24 @@ class TwoStageCodes:
         the candidates the summaries name. ``upto`` is not needed: stage 1 scores ``cap`` summaries."""
         host = self.tokens.count.device
         turned = self.tokens.turned(queries.to(self.tokens.count.device))
-        entries = self._entry_ids()  # [B, H, cap]
-        valid = self._entry_held(entries)
-        stage1 = score_pages(turned.to(self.device), self.codes[:, :, : self.cap], self.scale[:, :, : self.cap],
-                             self.offset[:, :, : self.cap], valid.to(self.device), 1, self.bits, backend=self.backend)
         g = self.pages_per_entry
-        best = kernels.top_pages(stage1, max(1, self.candidates // g)).to(host)  # [B, H, k] summary slots
+        # only the summary slots some row has filled (numbers 0..used-1 live in slots 0..used-1 until the
+        # cap): a short text scores a few summaries, not the cap (the count is a host tensor: no sync)
+        used = min(self.cap, max(1, -(-int(self.tokens.count.max()) // (self.page * g))))
+        entries = self._entry_ids()[:, :, :used]  # [B, H, used]
+        valid = self._entry_held(entries)
+        stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
+                             self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
+        best = kernels.top_pages(stage1, min(used, max(1, self.candidates // g))).to(host)  # [B, H, k] summary slots
         chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
         pages = _pages_of(chosen, g)  # [B, H, k * g]
         stage2 = self._page_scores(turned.to(host), pages)
         pick = kernels.top_pages(stage2, count)
-        return pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1).to(queries.device)
+        chosen_pages = pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1)
+        width = min(count, max(1, self.candidates // g) * g)  # as wide as when every summary slot is scored
+        if chosen_pages.shape[-1] < width:  # fewer candidates than that so far: the rest are "none"
+            chosen_pages = torch.nn.functional.pad(chosen_pages, (0, width - chosen_pages.shape[-1]), value=-1)
+        return chosen_pages.to(queries.device)
 
     def host_nbytes(self) -> int:
         """The token codes' bytes (the cold store's memory)."""
