@@ -40,13 +40,7 @@ def test_a_decode_cadence_is_the_masked_references(family, seed, every, prefetch
     ids = torch.randint(3, VOCAB, (1, 80))
     pieces = [ids[:, :20], *[ids[:, i : i + 1] for i in range(20, 47)], ids[:, 47:60],
               *[ids[:, i : i + 1] for i in range(60, 80)]]
-    for piece in pieces:
-        MaskedRecall.attach(model)
-        want = masked.forward(model, piece)
-        use_h2o_attention(model)
-        got = forward(model, real, piece, logits_to_keep=1)[:, -1]
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
-        _assert_the_reference_tokens(real, masked)
+    _feed_beside_the_reference(model, real, masked, pieces)
 
 
 @pytest.mark.parametrize("policy,selector", [("h2o", "exact"), ("h2o", "rot4"), ("h2o", "quest"), ("mean", "exact")])
@@ -57,13 +51,7 @@ def test_recall_cache_is_the_masked_reference(family, seed, policy, selector):
     real, masked = _caches(model, policy, selector)
     ids = torch.randint(3, VOCAB, (1, 70))
     pieces = [ids[:, :20], ids[:, 20:45], *[ids[:, i : i + 1] for i in range(45, 70)]]
-    for piece in pieces:
-        MaskedRecall.attach(model)
-        want = masked.forward(model, piece)
-        use_h2o_attention(model)
-        got = forward(model, real, piece, logits_to_keep=1)[:, -1]
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
-        _assert_the_reference_tokens(real, masked)
+    _feed_beside_the_reference(model, real, masked, pieces)
     for layer in real.layers:
         assert int(layer.tier.frames.copied.sum()) > 0  # pages were recalled
 
@@ -89,6 +77,17 @@ def _assert_the_reference_tokens(real, masked) -> None:
             order = sorted(torch.nonzero(flushed).flatten().tolist(), key=lambda t: int(state.evicted_at[head, t]))
             cold = cold_index[0, head]
             assert cold[cold >= 0].tolist() == order
+
+
+def _feed_beside_the_reference(model, real, masked, pieces) -> None:
+    """Each piece through the recall cache and the masked reference: the same logits and tokens after each."""
+    for piece in pieces:
+        MaskedRecall.attach(model)
+        want = masked.forward(model, piece)
+        use_h2o_attention(model)
+        got = forward(model, real, piece, logits_to_keep=1)[:, -1]
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+        _assert_the_reference_tokens(real, masked)
 
 
 def test_cold_store_holds_exactly_the_evicted_tokens(family, seed):
