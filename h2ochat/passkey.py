@@ -292,7 +292,8 @@ def run(model, tokenizer, trials: Sequence[Trial], rows: Sequence, on_trial: Cal
                 model.set_attn_implementation(H2O)
             each = [recalled(key, text) for key, text in zip(trial.keys, texts)]
             context = int(trial.context.shape[1])
-            results.append({"row": row.label, "length": trial.length, "context_tokens": context,
+            results.append({"row": row.label, "kv_dtype": getattr(getattr(row, "settings", None), "kv_dtype", "auto"),
+                            "length": trial.length, "context_tokens": context,
                             **slots_fields(row, context), "depth": trial.depth, "window": trial.window,
                             "key": trial.key, "answer": texts[0], "recalled": all(each),
                             "seconds": round(time.perf_counter() - started, 2)})
@@ -340,34 +341,45 @@ def parse_numbers(text: str, kind, name: str) -> list:
 
 
 def build_rows(policies: Sequence[str], budgets: Sequence[int], recalls: Sequence[CacheSettings] = (), *,
-               recall_chunk: int = 1, masked: bool = False, settings: dict | None = None) -> list:
+               recall_chunk: int = 1, masked: bool = False, settings: dict | None = None,
+               kv_dtypes: Sequence[str] = ("auto",)) -> list:
     """Rows: each policy at each budget through the real cache (``full`` once), then each evicting
     policy with each recall setting (``CacheSettings`` with recall, page, selector, ... set: see
     ``evaluation.recall_settings``) through the two-tier cache, measuring its selector's share of the
     exact top pages (``masked``: through the masked reference simulation as well). Recall rows feed
-    the question token by token (``recall_chunk``)."""
+    the question token by token (``recall_chunk``). ``kv_dtypes`` (--kv-dtype auto,int8): the rows
+    again for each slot format after the first, named with it (``[int8]``); the full cache once."""
+    rows: list = []
+    for index, kv_dtype in enumerate(kv_dtypes):
+        extra = {**(settings or {}), "kv_dtype": kv_dtype}
+        tag = "" if index == 0 and kv_dtype == "auto" else f" [{kv_dtype}]"
+        rows += _rows_of_one_format(policies, budgets, recalls, recall_chunk, masked, extra, tag,
+                                    with_full=index == 0)
+    return rows
+
+
+def _rows_of_one_format(policies, budgets, recalls, recall_chunk, masked, extra, tag, with_full) -> list:
     from dataclasses import replace
 
     from .policies import get_policy
 
-    extra = settings or {}
     rows: list = []
     for slots in budgets:
         for spec in policies:
             policy = get_policy(spec)
             if policy.grows:
-                if not any(isinstance(r, CacheRow) and r.label == "full" for r in rows):
+                if with_full and not any(isinstance(r, CacheRow) and r.label == "full" for r in rows):
                     rows.append(CacheRow("full", CacheSettings(policy=spec, budget=str(slots), **extra)))
                 continue
-            rows.append(CacheRow(f"{policy.label} {slots}", CacheSettings(policy=spec, budget=str(slots), **extra)))
+            rows.append(CacheRow(f"{policy.label} {slots}{tag}", CacheSettings(policy=spec, budget=str(slots), **extra)))
             for recall_settings in recalls:
                 settings_r = replace(recall_settings, policy=spec, budget=str(slots), **extra)
                 config = settings_r.recall_config(slots)  # bad recall settings fail before the model loads
                 settings_r.validate()
                 name = (f"{policy.label} {slots} = {slots - config.slots} hot + {config.slots} recall "
-                        f"({config.selector}, pages of {config.page})")
+                        f"({config.selector}, pages of {config.page}){tag}")
                 rows.append(CacheRow(name, settings_r, question_chunk=recall_chunk, measure=True))
-                if masked:
+                if masked and not tag:  # (the masked reference holds float keys)
                     rows.append(MaskedRow(f"{name}; masked reference", spec, slots - config.slots, config.slots,
                                           config.page, config.selector, grouping="eviction",
                                           question_chunk=recall_chunk))

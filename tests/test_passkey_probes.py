@@ -176,3 +176,17 @@ def test_bad_lengths_are_one_line_errors(filler_file, tiny_checkpoint, args, mes
     last = err.strip().splitlines()[-1]
     assert last.startswith("h2ochat: error:") and message in last, last
     assert "Traceback" not in err + out
+
+
+def test_slot_formats_side_by_side_with_recall(family_checkpoint, filler_file):
+    """--kv-dtype auto,int8: every row again with int8 slots (recall included), named with it, each record
+    carrying its slot format; the full cache once."""
+    code, out, err = _invoke("--model", str(family_checkpoint[1]), "--text", str(filler_file), "--lengths", "7x",
+                             "--depths", "0.5", "--keys", "1", "--budget", "12", "--policies", "full,h2o",
+                             "--recall", "4", "--page", "2", "--kv-dtype", "auto,int8", "--json")
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    recall = "h2o 12 = 8 hot + 4 recall (rot4, pages of 2)"
+    assert [(r["row"], r["kv_dtype"]) for r in results] == [
+        ("full", "auto"), ("h2o 12", "auto"), (recall, "auto"), ("h2o 12 [int8]", "int8"), (f"{recall} [int8]", "int8")]
+    assert all(r["device_slots"] == 12 for r in results[1:])

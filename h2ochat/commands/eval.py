@@ -88,14 +88,12 @@ def eval_command(
         if plot is not None:
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
         kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
-        if task == "passkey" and kv_dtypes != ["auto"]:
-            raise ValueError("--kv-dtype is for --task perplexity (the pass-key task runs the model's dtype)")
     if task == "passkey":
         from .passkey_task import passkey_task
 
         return passkey_task(text=text, model=model, device=device, dtype=dtype, budget=budget, policies=policies,
                             lengths=lengths, depths=depths, keys=keys, facts=facts, recalls=recalls, seed=seed,
-                            chat_turns=chat_turns, as_json=as_json, plot=plot)
+                            chat_turns=chat_turns, as_json=as_json, plot=plot, kv_dtypes=tuple(kv_dtypes))
     with user_input():
         if chat_turns:
             raise ValueError("--chat-turns is for --task passkey")

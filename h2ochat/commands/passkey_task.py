@@ -22,7 +22,7 @@ from .common import loading
 
 def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str, policies: str, lengths: str,
                  depths: str, keys: int, facts: int, recalls: list, seed: int, as_json: bool, chat_turns: int = 0,
-                 plot: Path | None = None) -> None:
+                 plot: Path | None = None, kv_dtypes: tuple[str, ...] = ("auto",)) -> None:
     """``recalls``: the recall settings (``evaluation.recall_settings``), one recall row each beside
     every evicting policy and budget. ``lengths``: token counts or multiples of the device slots
     (``passkey_probes.LengthPlan``). ``chat_turns`` >= 3: the chat variant (``passkey_chat``)."""
@@ -38,7 +38,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         budgets = probes.budgets_for(budget, specs, ev.parse_budgets)
         plan = probes.LengthPlan(specs, budgets)
         length_list = plan.lengths()
-        rows = pk.build_rows(names, budgets, recalls)  # bad settings fail before loading
+        rows = pk.build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
     content = read_text_file(text)
     err = Console(stderr=True)
     with loading(err, model):
