@@ -243,13 +243,19 @@ def test_synthetic_cold_fill_holds_every_token_the_hot_slots_do_not(family, seed
             torch.testing.assert_close(layer.tier.digest.codes[:, :, slots][stored], layer.tier.cold.keys[:, :, slots][stored])
     logits = forward(model, cache, random_ids(batch, 1, generator))
     assert torch.isfinite(logits).all()
-    for layer in cache.layers:  # two frames of 4: two pages recalled (the newest may be partial), all cold tokens
+    staging = hot + 8 - 4  # the last page of the recall columns stages the step's victim (issue 24)
+    for layer in cache.layers:  # one frame of 4 recalled (a page of cold tokens), one staging page
         for row in range(batch):
             for head in range(layer.keys.shape[1]):
-                recalled = layer.token_index[row, head, hot:]
-                cold = layer.tier.cold.token_index[row, head]
-                assert int((recalled >= 0).sum()) >= 4 + 1
-                assert set(recalled[recalled >= 0].tolist()) <= set(cold[cold >= 0].tolist())
+                recalled = layer.token_index[row, head, hot:staging]
+                staged = layer.token_index[row, head, staging:]
+                cold = set(layer.tier.cold.token_index[row, head].tolist()) - {-1}
+                assert int((recalled >= 0).sum()) >= 1
+                assert set(recalled[recalled >= 0].tolist()) <= cold
+                # the victim of the decode step: evicted from the hot slots, not cold yet
+                victims = set(staged[staged >= 0].tolist())
+                assert len(victims) == 1 and not victims & cold
+                assert not victims & set(layer.token_index[row, head, :hot].tolist())
 
 
 def test_recall_step_time_is_the_median_block_mean():
@@ -339,3 +345,15 @@ def test_bench_command_recall_compiled(tiny_checkpoint, aot_eager):
     assert [c["compiled"] for c in report["recall_overhead"]] == [False, True]
     assert bm.BenchPlan([40], [1], lambda n: 16, compile=True, recall=recall_settings(every=2)).compilable().count(
         bench_context.RECALL)  # the pages are chosen before the step, at any cadence: compiled too
+
+
+def test_bench_budget_as_a_size_is_the_slots_that_fit(tiny_checkpoint):
+    """--budget 4KiB: h2o runs the slots whose KV bytes fit (as generate's cache would), at most that."""
+    from transformers import AutoConfig
+
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "40", "--batch", "1", "--budget", "4KiB",
+                         "--variants", "h2o", "--steps", "1", "--warmup", "0", "--kv-memory", "0", "--json")
+    assert code == 0, err
+    h2o = [r for r in json.loads(out)["results"] if r["policy"] == "h2o"]
+    want = CacheSettings(budget="4KiB").slots(AutoConfig.from_pretrained(tiny_checkpoint))
+    assert h2o and all(r["kv_slots"] == want and r["kv_bytes"] <= 4096 for r in h2o)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from .. import benchmark as bm  # its variants shape the options
 from .. import options as o
-from ..budget import parse_budget
+from ..budget import budget_bytes, parse_budget
 from ..errors import strict_user_errors, user_input
 from ..sizes import parse_size
 from .common import loading
@@ -32,7 +32,7 @@ def bench(
     batch: Annotated[str, typer.Option("--batch", rich_help_panel=o.CACHE,
         help="Comma-separated batch sizes.")] = "1,4",
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
-        help="h2o slots: a fraction of each context (0.2) or a slot count (512).")] = "0.2",
+        help="h2o slots: a fraction of each context (0.2), a slot count (512) or a size (16MiB: the slots whose KV bytes fit).")] = "0.2",
     policy: o.Policy = o.DEFAULTS["policy"],
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
@@ -77,7 +77,8 @@ def bench(
         chosen = settings.resolved_policy()
         if recall_options["recall"] and chosen.grows:
             raise ValueError(f"--recall needs a policy that evicts, not {chosen.label}")
-        for length in contexts:
+        sized = budget_bytes(budget) is not None  # a size (16MiB): its slots wait for the model
+        for length in ([] if sized else contexts):
             slots = parse_budget(budget, length)  # bad syntax fails before the model loads
             tier = settings.recall_config(min(slots, length))
             chosen.split(slots - (tier.slots if tier else 0))
@@ -88,7 +89,12 @@ def bench(
     with loading(err, model):
         loaded = load(model, device, dtype, random_weights=random_weights)
     with user_input():
-        plan = bm.BenchPlan(contexts, batches, lambda length: min(parse_budget(budget, length), length),
+        if sized:  # the slots whose bytes (at the model's dtype) fit the size, at every context length
+            fitting = settings.slots(loaded.model.config, loaded.model)
+            tier = settings.recall_config(fitting)
+            chosen.split(fitting - (tier.slots if tier else 0))
+        plan = bm.BenchPlan(contexts, batches, (lambda length: min(fitting, length)) if sized else
+                            (lambda length: min(parse_budget(budget, length), length)),
                             steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch,
                             policy=chosen, compile=compile, variants=chosen_variants,
                             recall=settings if recall_options["recall"] else None, kv_dtypes=kv_dtypes)
