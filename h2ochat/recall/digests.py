@@ -247,6 +247,7 @@ class TwoStageCodes:
         self.pages_per_entry = 1
         self.coarsenings = 0  # times the cap made the summaries coarser
         self.appended = 0  # host: an upper bound of the tokens any (sequence, head) appended
+        self.reserved = 0  # host: the most tokens room was asked for (an imported row's count too)
 
     # -- the digest contract ----------------------------------------------------------------------
     @property
@@ -262,6 +263,7 @@ class TwoStageCodes:
                 "summary_offset": self.offset}
 
     def reserve(self, needed: int) -> None:
+        self.reserved = max(self.reserved, needed)
         self.tokens.reserve(needed)
 
     def append(self, keys: torch.Tensor, token_index: torch.Tensor, *, reserve: bool = True) -> None:
@@ -291,14 +293,19 @@ class TwoStageCodes:
         host = self.tokens.count.device
         turned = self.tokens.turned(queries.to(self.tokens.count.device))
         g = self.pages_per_entry
-        # only the summary slots some row has filled (numbers 0..used-1 live in slots 0..used-1 until the
-        # cap): a short text scores a few summaries, not the cap (the count is a host tensor: no sync)
-        used = min(self.cap, max(1, -(-int(self.tokens.count.max()) // (self.page * g))))
+        # only the summary slots some row can have filled (numbers 0..used-1 live in slots 0..used-1 until
+        # the cap), from host bounds of every row's count (nothing read back): a short text scores a few
+        # summaries, not the cap
+        bound = max(self.appended, self.reserved)
+        used = min(self.cap, max(1, -(-bound // (self.page * g))))
         entries = self._entry_ids()[:, :, :used]  # [B, H, used]
         valid = self._entry_held(entries)
         stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
                              self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
         best = kernels.top_pages(stage1, min(used, max(1, self.candidates // g))).to(host)  # [B, H, k] summary slots
+        # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
+        # does not depend on how many summary slots stage 1 scored
+        best = best.sort(dim=-1).values
         chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
         pages = _pages_of(chosen, g)  # [B, H, k * g]
         stage2 = self._page_scores(turned.to(host), pages)
