@@ -14,7 +14,7 @@ integers exactly, floats within 1e-5.
 Recall changed on purpose afterwards (issue 24, 1926a38 on: a decode step's victim waits on a staging
 page, attended, and goes cold a page at a time; pages are chosen before the step where the step is
 compiled): its cases are replayed against ``tests/golden/recall_staged.pt``, recorded the same way with
-the code of 3fba3e8 (the staged, two-stage tier; every case of the recording above, the Triton one in
+the code of e9ff910 (the staged, two-stage tier, its candidates in slot order; every case of the recording above, the Triton one in
 pages of 2, since recall now takes at least two pages), so the recall tier too is pinned from there on.
 The masked-reference tests (test_eval_recall, test_recall_*) say why the staged tier is right.
 
@@ -122,4 +122,4 @@ def test_the_recording_covers_the_issue():
     assert RECORDING["commit"].startswith("46a7097"), RECORDING["commit"]  # the code before ca865d6
     # every recall case of the first recording is replayed from the second, recorded after the staging page
     assert {n for n, e in RECORDING["cases"].items() if e["case"]["recall"]} == set(STAGED["cases"])
-    assert STAGED["commit"].startswith("3fba3e8"), STAGED["commit"]
+    assert STAGED["commit"].startswith("e9ff910"), STAGED["commit"]
