@@ -439,8 +439,9 @@ class H2OCache(CacheAccounting, Cache):
                 f"the conversation reached the model's {self.max_positions}-position limit "
                 "(use --positions compact to keep going)"
             )
-        if self.kind.position_limit(self.max_positions):
-            raise PositionLimitError(self.kind.position_limit(self.max_positions))
+        refused = self.kind.position_limit(self.max_positions)
+        if refused:
+            raise PositionLimitError(refused)
         largest = max(layer.capacity for layer in self.layers)
         if largest + q_len > self.max_positions:
             raise PositionLimitError(

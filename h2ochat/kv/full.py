@@ -3,8 +3,9 @@ columns: a bounded cache (every policy but ``full``) keeps its columns and the p
 full cache (``--policy full``, the reference every bounded policy is measured against) never evicts
 and its columns grow with the text, doubling so a reallocation is rare.
 
-The kind is chosen once per cache from its rows' policies (``cache_kind``); a layer asks its cache's
-kind for room before each step (``columns_needed``) and for its length limit (``max_length``).
+The kind is chosen once per cache from its rows' policies (``cache_kind``); a layer of a cache that
+grows asks its kind for room before each step (``columns_needed``), every layer asks for its length
+limit (``max_length``).
 What the full cache does differently from a bounded one is written here and nowhere else in ``kv``;
 commands read ``H2OCache.grows`` / ``evicts``, which answer from the kind.
 """
@@ -20,9 +21,6 @@ class BoundedCache:
     name = "bounded"
     grows = False
     compile_blocker = None
-
-    def columns_needed(self, in_use: int, capacity: int, q_len: int) -> int | None:
-        return None
 
     def max_length(self, capacity: int) -> int:
         return capacity

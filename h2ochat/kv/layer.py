@@ -95,6 +95,7 @@ last_update = LastUpdate()
 # scales and offsets: None unless the slots are quantized, ``kv.slot_format``)
 SLOT_TENSORS = ("keys", "values", *SCALE_TENSORS, "scores", "token_index", "positions", "value_norm", "evicted",
                 "evicted_share")
+EMPTY_AS_MINUS_ONE = ("token_index", "positions")  # an empty slot's token index and position; the rest start at 0
 
 
 class AttentionMismatchError(RuntimeError):
@@ -209,7 +210,7 @@ class H2OLayer(CacheLayerMixin):
     def reset_row(self, row: int) -> None:
         """Empty batch row ``row`` (no tokens, scores and counters 0), leaving the other rows alone."""
         for name, tensor in self.state_tensors().items():
-            tensor[row] = -1 if name in ("token_index", "positions") else self.tier.empty_value(name)
+            tensor[row] = -1 if name in EMPTY_AS_MINUS_ONE else self.tier.empty_value(name)
 
     def update(self, key_states, value_states, *args, **_):
         if not self.is_initialized:
@@ -440,10 +441,10 @@ class H2OLayer(CacheLayerMixin):
 
     def _widen(self, capacity: int) -> None:
         """The full cache's growth (``kv.full``): every slot tensor reallocated to ``capacity`` columns."""
-        for name in ("keys", "values", *SCALE_TENSORS, "scores", "value_norm"):
-            if getattr(self, name) is not None:
-                setattr(self, name, widened(getattr(self, name), capacity, 0))
-        self.token_index, self.positions = widened(self.token_index, capacity, -1), widened(self.positions, capacity, -1)
+        for name in SLOT_TENSORS:
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.dim() > 2:  # per slot (the eviction counters are per (row, head))
+                setattr(self, name, widened(tensor, capacity, -1 if name in EMPTY_AS_MINUS_ONE else 0))
         self.capacity = capacity
 
     # -- the slots' keys and values, whatever their format -----------------------------------------

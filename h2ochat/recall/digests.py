@@ -289,7 +289,8 @@ class TwoStageCodes:
 
     def top_pages(self, queries: torch.Tensor, count: int, upto: int | None = None) -> torch.Tensor:
         """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer), chosen among
-        the candidates the summaries name. ``upto`` is not needed: stage 1 scores ``cap`` summaries."""
+        the candidates the summaries name. ``upto`` is not needed: stage 1 scores the summary slots filled
+        so far (at most ``cap``)."""
         host = self.tokens.count.device
         turned = self.tokens.turned(queries.to(self.tokens.count.device))
         g = self.pages_per_entry
@@ -302,7 +303,8 @@ class TwoStageCodes:
         valid = self._entry_held(entries)
         stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
                              self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
-        best = kernels.top_pages(stage1, min(used, max(1, self.candidates // g))).to(host)  # [B, H, k] summary slots
+        wanted = max(1, self.candidates // g)  # summaries whose pages stage 2 scores
+        best = kernels.top_pages(stage1, min(used, wanted)).to(host)  # [B, H, k] summary slots
         # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
         # does not depend on how many summary slots stage 1 scored
         best = best.sort(dim=-1).values
@@ -311,7 +313,7 @@ class TwoStageCodes:
         stage2 = self._page_scores(turned.to(host), pages)
         pick = kernels.top_pages(stage2, count)
         chosen_pages = pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1)
-        width = min(count, max(1, self.candidates // g) * g)  # as wide as when every summary slot is scored
+        width = min(count, wanted * g)  # as wide as when every summary slot is scored
         if chosen_pages.shape[-1] < width:  # fewer candidates than that so far: the rest are "none"
             chosen_pages = torch.nn.functional.pad(chosen_pages, (0, width - chosen_pages.shape[-1]), value=-1)
         return chosen_pages.to(queries.device)
