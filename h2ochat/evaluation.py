@@ -130,7 +130,12 @@ def recall_settings(recalls: str, pages: str, **options) -> list[CacheSettings]:
     cold_limit, recall_every)."""
     from .passkey import parse_numbers
 
-    specs = [part.strip() for part in str(recalls).split(",") if part.strip()]
+    from .recall.default import AUTO, is_off
+
+    # (0 or off: no recall row; auto, the chat's default, is no one recall setting to put in a table)
+    specs = [part.strip() for part in str(recalls).split(",") if part.strip() and not is_off(part)]
+    if any(spec.lower() == AUTO for spec in specs):
+        raise ValueError("eval's --recall takes slot counts (64) or shares of each budget (0.5), not auto")
     if not specs:
         return []
     selector = options.pop("selector", CacheSettings.selector)

@@ -307,6 +307,16 @@ def test_bench_command_recall_rows_and_overhead(tiny_checkpoint):
     assert [entry["policy"] for entry in report["ops_per_layer"]] == ["h2o", "recall", "slots"]
 
 
+def test_bench_recall_zero_is_no_recall(tiny_checkpoint):
+    """--recall 0 turns recall off (as in run, story and generate): h2o alone, no recall rows."""
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "40", "--batch", "1", "--budget", "16",
+                         "--recall", "0", "--variants", "h2o", "--steps", "1", "--warmup", "0", "--kv-memory", "0",
+                         "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["recall"] is None and {r["policy"] for r in report["results"]} == {"h2o"}
+
+
 def test_bench_command_recall_table(tiny_checkpoint):
     code, out, err = run("--model", str(tiny_checkpoint), "--context", "40", "--batch", "1", "--budget", "16",
                          "--recall", "8", "--page", "4", "--variants", "h2o", "--steps", "1", "--warmup", "0",

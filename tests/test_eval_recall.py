@@ -131,3 +131,7 @@ def test_recall_settings_multiply_shares_pages_and_selectors():
     assert [(s.recall, s.page, s.selector) for s in settings] == [
         (r, p, sel) for r in ("8", "0.5") for p in (4, 8) for sel in ("rot4", "quest")]
     assert {s.selector for s in ev.recall_settings("8", "4")} == {ev.CacheSettings.selector}
+    # 0 (or off) is no recall row, as in the chat; auto names no one setting for a table
+    assert [s.recall for s in ev.recall_settings("0,8,off", "4")] == ["8"] and ev.recall_settings("0", "4") == []
+    with pytest.raises(ValueError, match="not auto"):
+        ev.recall_settings("auto", "4")

@@ -14,6 +14,7 @@ from .. import benchmark as bm  # its variants shape the options
 from .. import options as o
 from ..budget import budget_bytes, parse_budget
 from ..errors import strict_user_errors, user_input
+from ..recall.default import is_off
 from ..sizes import parse_size
 from .common import loading
 
@@ -75,13 +76,19 @@ def bench(
             raise ValueError("--kv-dtype is timed beside h2o: keep h2o among the --variants")
         cap = None if kv_memory.strip() in ("0", "") else parse_size(kv_memory)
         chosen = settings.resolved_policy()
-        if recall_options["recall"] and chosen.grows:
+        recall_on = not is_off(recall_options["recall"])  # (--recall 0: the same as no --recall)
+        if recall_on and chosen.grows:
             raise ValueError(f"--recall needs a policy that evicts, not {chosen.label}")
+
+        def check_split(slots: int, recall_budget: int) -> None:
+            """The policy's share of ``slots`` (less recall's) splits: one-line errors, not a traceback later."""
+            tier = settings.recall_config(recall_budget)
+            chosen.split(slots - (tier.slots if tier else 0))
+
         sized = budget_bytes(budget) is not None  # a size (16MiB): its slots wait for the model
         for length in ([] if sized else contexts):
             slots = parse_budget(budget, length)  # bad syntax fails before the model loads
-            tier = settings.recall_config(min(slots, length))
-            chosen.split(slots - (tier.slots if tier else 0))
+            check_split(slots, min(slots, length))
     from .. import threads
     from ..models import load
 
@@ -91,13 +98,12 @@ def bench(
     with user_input():
         if sized:  # the slots whose bytes (at the model's dtype) fit the size, at every context length
             fitting = settings.slots(loaded.model.config, loaded.model)
-            tier = settings.recall_config(fitting)
-            chosen.split(fitting - (tier.slots if tier else 0))
+            check_split(fitting, fitting)
         plan = bm.BenchPlan(contexts, batches, (lambda length: min(fitting, length)) if sized else
                             (lambda length: min(parse_budget(budget, length), length)),
                             steps=steps, warmup=warmup, repeats=repeats, kv_memory=cap, max_batch=max_batch,
                             policy=chosen, compile=compile, variants=chosen_variants,
-                            recall=settings if recall_options["recall"] else None, kv_dtypes=kv_dtypes)
+                            recall=settings if recall_on else None, kv_dtypes=kv_dtypes)
         bm.check_contexts(loaded.model, plan)  # against this model's position limit
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[last]}"), console=err, transient=True,
@@ -106,7 +112,8 @@ def bench(
         report = bm.run(loaded.model, plan, on_measured=lambda what: progress.update(task, advance=1, last=what))
     report = {"model": loaded.name, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget,
-              "policy": chosen.label, "recall": recall_options["recall"], "threads": threads.current(), **report}
+              "policy": chosen.label, "recall": recall_options["recall"] if recall_on else None,
+              "threads": threads.current(), **report}
     if as_json:
         print(json.dumps(report, indent=2))
         return

@@ -30,6 +30,7 @@ import torch
 
 from ..kv import H2OCache
 from ..kv.tier import pages_recalled
+from ..recall.default import is_off
 from ..generation import CacheSettings, forward, max_positions, prefill
 from .parked import Parked, ParkedStore
 from .sequence import Choice, Request
@@ -75,7 +76,7 @@ class ModelBackend:
         # static shapes for the compiled step's graphs and the row buckets; a recall tier runs every row
         # anyway, and with static shapes it chooses a decode step's pages before the step (the compiled
         # step's rule, not the REPL's): eager, it keeps the REPL's shapes and rule
-        self.cache = self._new_cache(rows, static_shapes=compile or not settings.recall)
+        self.cache = self._new_cache(rows, static_shapes=compile or is_off(settings.recall))
         self.decode_step = None
         if compile:
             from ..compiled import CompiledDecode
