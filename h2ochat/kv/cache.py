@@ -251,7 +251,8 @@ class H2OCache(CacheAccounting, Cache):
                    for index, (layer, saved) in enumerate(zip(self.layers, state.layers))]
         targets.append(("counters", self._row_counters(), state.counters))
         for (where, mine, saved), layer in zip(targets, [*self.layers, None]):
-            if not set(mine) <= set(saved) or (layer is None or not layer.tier.state_tensors()) and set(saved) != set(mine):
+            tier_names_allowed = layer is not None and bool(layer.tier.state_tensors())  # (its tier checks them)
+            if not set(mine) <= set(saved) or (set(saved) != set(mine) and not tier_names_allowed):
                 raise CacheShapeError(f"{where}: the row state holds {sorted(saved)}, the cache {sorted(mine)} and its tier's")
             for name, tensor in mine.items():
                 if saved[name].shape != tensor.shape[1:] or saved[name].dtype != tensor.dtype:
