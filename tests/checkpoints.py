@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+
+import torch
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -50,3 +53,23 @@ def load_tiny(tmp_path_factory, family: str, name: str, **config_overrides):
     fresh("model")
     folder = write_checkpoint(tmp_path_factory.mktemp(f"{name}-{family}"), family, **config_overrides)
     return load(str(folder), device="cpu")
+
+
+@contextlib.contextmanager
+def writing(model, tokenizer, text: str = " the"):
+    """Within the block, ``model`` writes the tokens of ``text`` over and over, whatever its random
+    weights would: a forward hook on the output head lifts that token's logit far above the rest. A
+    test about what happens once text is written (streamed pieces, a stop mid-reply) then does not
+    depend on a random model happening to write bytes that make text, or to end its turn early."""
+    token = tokenizer.encode(text, add_special_tokens=False)[0]
+
+    def lift(_module, _inputs, logits):
+        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        bias[token] = 1e4
+        return logits + bias
+
+    handle = model.get_output_embeddings().register_forward_hook(lift)
+    try:
+        yield token
+    finally:
+        handle.remove()

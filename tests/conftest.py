@@ -56,13 +56,23 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def seed(request) -> int:
-    """A fresh seed for torch and random (seeds.fresh: H2OCHAT_TEST_SEED replays one), named in the
-    report of a failing test. Modules that import seeds' own ``seed`` fixture get the same seeds."""
+@pytest.fixture(autouse=True)
+def fixed_global_seeds(request):
+    """torch's and random's global generators start every test from a state fixed by its id, so a
+    test that draws without the ``seed`` fixture draws the same whatever ran before it."""
     from seeds import fresh
 
-    value = fresh("test")
+    fresh("global", request.node.nodeid)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed for torch and random, fixed per test (seeds.fresh: H2OCHAT_TEST_SEED=random draws fresh
+    ones, a number replays one), named in the report of a failing test. Modules that import seeds' own
+    ``seed`` fixture get the same seeds."""
+    from seeds import fresh
+
+    value = fresh("test", request.node.nodeid)
     request.node.user_properties.append(("seed", value))
     return value
 

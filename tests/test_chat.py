@@ -14,6 +14,7 @@ from h2ochat.errors import UserError
 from h2ochat.generation import CacheSettings
 from h2ochat.models import load
 
+from checkpoints import writing
 from seeds import fresh, seed  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("seed")  # every test prints its seeds (and the model's) if it fails
@@ -112,7 +113,8 @@ def test_stop_requested_ends_after_the_current_token(loaded):
         count.append(piece)
         conv.stop_requested = True
 
-    result = conv.send("hello", on_piece=stop_soon)
+    with writing(loaded.model, loaded.tokenizer):  # text, whatever the random weights would write
+        result = conv.send("hello", on_piece=stop_soon)
     # stops at the first token that completed a piece of text (some bytes wait for the next token)
     assert result.interrupted and len(count) == 1 and result.timing.generated_tokens < 30
     assert result.text == count[0]

@@ -60,8 +60,13 @@ def renumbered(position_of: dict[int, int], held: set[int], span: int) -> tuple[
 
 
 def _hypothesis_seed(test):
+    """Hypothesis draws its examples from a fixed seed unless the run fuzzes (seeds.fuzzing)."""
+    from seeds import fixed, fuzzing
+
     value = os.environ.get("H2OCHAT_TEST_SEED", "").strip()
-    return hypothesis.seed(int(value))(test) if value.isdigit() else test
+    if fuzzing():
+        return test
+    return hypothesis.seed(int(value) if value.isdigit() else fixed("hypothesis", test.__name__))(test)
 
 
 @_hypothesis_seed
