@@ -56,6 +56,24 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# Modules whose tests start a subprocess or a server, compile, run the Triton interpreter or load the
+# real model (each over a few seconds on a 2-core machine): `pytest -m "not slow"` is the fast subset,
+# CI runs everything. A test elsewhere marks itself with @pytest.mark.slow.
+SLOW_MODULES = {
+    "test_kernels_compile", "test_gpu_check", "test_generate_cli", "test_compile", "test_kernel_ops",
+    "test_lockstep_before_composition", "test_recall_kernels", "test_kernels_e2e", "test_inactive_rows",
+    "test_serve_lifecycle", "test_serve", "test_cli_ux", "test_model_paths", "test_kernels", "test_kernels_quant",
+    "test_recall_zero_copy", "test_serve_recall", "test_bench", "test_recall_quant", "test_first_hour",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in SLOW_MODULES or "triton" in item.name:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def fixed_global_seeds(request):
     """torch's and random's global generators start every test from a state fixed by its id, so a
