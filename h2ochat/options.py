@@ -195,7 +195,18 @@ def checked_cache(**fields) -> CacheSettings:
     return settings
 
 
+def _at_most_the_cpus(count: int | None) -> int | None:
+    """--threads / H2OCHAT_THREADS read: refused above the CPUs while the options are parsed, before torch."""
+    from .threads import check_count
+
+    try:
+        return None if count is None else check_count(count, "")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).strip()) from None
+
+
 Threads = Annotated[Optional[int], typer.Option("--threads", min=1, envvar="H2OCHAT_THREADS", rich_help_panel=MODEL,
+    callback=_at_most_the_cpus,
     show_default="the idle physical cores",
     help="CPU threads torch computes with. Default: OMP_NUM_THREADS if set, else the physical cores less those "
          "other jobs keep busy (the load average), at least 1: a thread whose core is taken stalls every step.")]
@@ -210,8 +221,12 @@ def takes_threads(command):
     @functools.wraps(command)
     def with_threads(*args, **kwargs):
         from . import threads
+        from .errors import fail
 
-        threads.apply(kwargs.pop("threads"))
+        try:
+            threads.apply(kwargs.pop("threads"))
+        except ValueError as exc:  # OMP_NUM_THREADS above the CPUs (--threads was checked when parsed)
+            raise fail(str(exc)) from None
         return command(*args, **kwargs)
 
     with_threads.__signature__ = signature.replace(parameters=[*signature.parameters.values(), threads_parameter])
