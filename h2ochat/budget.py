@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from .sizes import is_size, parse_fraction, parse_size
 
+BUDGET_FORMS = "a share like 0.2, a count like 512 or a size like 16MiB"
+
 
 def parse_budget(text: str | float | int, max_positions: int) -> int:
     """Slots per (layer, sequence, KV head) for a --budget value given as a share or a count.
@@ -15,7 +17,7 @@ def parse_budget(text: str | float | int, max_positions: int) -> int:
     """
     if is_size(text):
         raise ValueError(f"--budget {str(text).strip()} is a size: its slots depend on the model (slots_in_bytes)")
-    return parse_fraction(text, "--budget", max_positions)
+    return parse_fraction(text, "--budget", max_positions, BUDGET_FORMS)
 
 
 def budget_bytes(text: str | float | int) -> int | None:

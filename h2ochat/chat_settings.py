@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import get_args, get_type_hints
 
 from .errors import UserError, user_input
-from .generation import CacheSettings, Sampling, max_positions
-from .kv import policy_slots
+from .config import CacheSettings, Sampling
+from .model_shape import max_positions
 
 
 # extra names `/set` accepts besides each field's own (and its spelling with dashes)
@@ -162,6 +162,8 @@ def find_setting(name: str) -> Setting:
 def check_fits(settings: CacheSettings, model) -> None:
     """The cache settings against this model's real limits (its context window, its depth), before
     anything is built or dropped: a UserError in one line when they do not fit."""
+    from .kv import policy_slots
+
     with user_input():
         settings.validate()
         slots = settings.slots(model.config, model)

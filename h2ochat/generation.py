@@ -10,21 +10,18 @@ position limit.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from .budget import budget_bytes, parse_budget, slots_in_bytes
-from .kv import H2OCache, make_cache, policy_slots
-from .kv.slot_format import bytes_per_slot, check_kv_dtype
+from .kv import H2OCache
 from .compiled import CompiledDecode
-from .forward_step import Decode, EagerDecode, forward
-from .policies import DEFAULT_POLICY, Policy, get_policy
+# the settings live in config.py; re-exported here while other branches still import them from here
+from .config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling  # noqa: F401
+from .forward_step import Decode, EagerDecode, forward  # noqa: F401  (forward: imported from here)
+from .model_shape import attention_shape, max_positions, model_dtype  # noqa: F401  (imported from here)
 from .repetition import RecentTokens
-from .rotary import find_rotary
-
-DEFAULT_PREFILL_CHUNK = 512
 # stream(stop_check_every=...) on an accelerator: tokens generated between two read-backs of the stop
 # check (on the CPU every read is free: each op has finished when it returns)
 STOP_CHECK_EVERY = 8
@@ -33,151 +30,6 @@ STOP_CHECK_EVERY = 8
 def stop_check_interval(device) -> int:
     """How many tokens ``stream`` generates per read-back of the stop check on ``device``."""
     return 1 if torch.device(device).type == "cpu" else STOP_CHECK_EVERY
-
-
-def max_positions(config) -> int:
-    return int(getattr(config, "max_position_embeddings", 0) or 2048)
-
-
-def attention_shape(config) -> tuple[int, int]:
-    """(KV heads, head dim) of a model's attention, from its configuration."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def model_dtype(model) -> torch.dtype:
-    """The dtype a model computes in (its keys and values): its parameters', else its configuration's
-    (a configuration alone, before the weights load), else float32."""
-    parameter = next(model.parameters(), None) if hasattr(model, "parameters") else None
-    if parameter is not None:
-        return parameter.dtype
-    dtype = getattr(model.config, "dtype", None)  # (torch_dtype: deprecated, it warns when read)
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype or "float32"), torch.float32)
-
-
-@dataclass
-class CacheSettings:
-    policy: str = DEFAULT_POLICY  # a name, or name:knob=value:... (see policies.parse_policy)
-    budget: str = "0.2"
-    heavy_ratio: float | None = None  # None: the policy's own
-    sinks: int | None = None
-    decay: float | None = None
-    positions: str = "compact"
-    seed: int | None = None
-    # two tiers (h2ochat.recall): R of the budget's slots hold tokens recalled from the cold store
-    recall: str | None = None  # slots (64), a share of the budget (0.5), auto (recall.default); None or 0: no recall
-    page: int = 16
-    selector: str = "rot4"
-    cold_dtype: str = "same"
-    cold_limit: int | None = None
-    recall_every: int = 1
-    # how the slots hold keys and values (kv.slot_format): auto (the model's dtype), a float type, int8, int4
-    kv_dtype: str = "auto"
-
-    def recall_config(self, slots: int):
-        """The recall settings for a budget of ``slots``, or None without recall (``--recall auto``:
-        half the slots once the budget holds enough, ``recall.default``)."""
-        from .recall.default import recall_spec
-
-        spec = recall_spec(self.recall, slots, self.page, self.resolved_policy().evicts)
-        if spec is None:
-            return None
-        from .recall.tiered import RecallConfig, recall_slots
-
-        return RecallConfig(recall_slots(spec, slots), self.page, self.selector, self.cold_dtype,
-                            self.cold_limit, self.recall_every)
-
-    def resolved_policy(self) -> Policy:
-        """The policy with the knobs given on the command line applied."""
-        return get_policy(self.policy).with_knobs(heavy_ratio=self.heavy_ratio, sinks=self.sinks, decay=self.decay)
-
-    def validate(self) -> None:
-        """Refuse bad settings before a model is loaded; only the budget's size against the model's
-        context window waits for the model."""
-        if self.positions not in ("compact", "absolute"):
-            raise ValueError(f"--positions must be compact or absolute, got {self.positions!r}")
-        check_kv_dtype(self.kv_dtype)
-        if budget_bytes(self.budget) is not None:  # a size: its slots wait for the model (``slots``)
-            return
-        slots = parse_budget(self.budget, 1 << 30)
-        recall = self.recall_config(slots)
-        self.resolved_policy().split(policy_slots(slots, recall))
-
-    def slot_bytes(self, model) -> int:
-        """Device bytes of one slot of one layer over its KV heads (keys, values, scales) for
-        ``model`` (a configuration alone will do: ``model.config``) with these settings' --kv-dtype."""
-        heads, head_dim = attention_shape(model.config)
-        return heads * bytes_per_slot(self.kv_dtype, head_dim, head_dim, model_dtype(model))
-
-    def slots(self, config, model=None) -> int:
-        """Slots per layer (the device's: recall slots included) for the budget: a share or a count
-        of the model's window, or the slots whose bytes fit a size (``model``: for its dtype under
-        --kv-dtype auto; the configuration's dtype without it)."""
-        size = budget_bytes(self.budget)
-        if size is None:
-            return parse_budget(self.budget, max_positions(config))
-        layers = config.num_hidden_layers
-        return slots_in_bytes(size, self.slot_bytes(model if model is not None else _ConfigOnly(config)),
-                              self.resolved_policy().layer_slots, layers, typed=str(self.budget).strip(),
-                              kv_dtype=self.kv_dtype)
-
-    def kv_slots_needed(self, prefill_chunk: int):
-        """For the memory check before loading: slots per layer a cache of these settings reaches
-        (its budget plus a prompt chunk beside it; the full policy, the whole window), from a config."""
-        if self.resolved_policy().grows:
-            return lambda config: max_positions(config)
-        return lambda config: self.slots(config) + prefill_chunk
-
-    def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False) -> H2OCache:
-        """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
-        config = model.config
-        slots = self.slots(config, model)
-        policy = self.resolved_policy()
-        if policy.grows and initial_slots:
-            slots = initial_slots
-        recall = self.recall_config(slots) if not policy.grows else None
-        return make_cache(config.num_hidden_layers, policy, slots, recall=recall,
-                          max_positions=max_positions(config), positions=self.positions, rotary=find_rotary(model),
-                          seed=self.seed, static_shapes=static_shapes, kv_dtype=self.kv_dtype)
-
-
-class _ConfigOnly:
-    """A model known by its configuration only (the checks before the weights load)."""
-
-    def __init__(self, config):
-        self.config = config
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the text (1 = off)
-    # the penalty looks at the last N tokens only (0 or -1: the whole text), as llama.cpp's
-    # repeat_last_n: penalising every token ever written starves a long story of common words
-    repeat_last_n: int = 64
-    # one generator per row (story -n): each continuation draws from its own seeded stream
-    row_generators: list | None = field(default=None, repr=False, compare=False)
-
-    def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.repeat_last_n < -1:
-            raise ValueError(f"repeat_last_n must be a token count, 0 or -1 (the whole text), got {self.repeat_last_n}")
-
-    def with_row_seeds(self, rows: int, device) -> "Sampling":
-        """A copy whose rows draw from generators seeded seed, seed+1, ... (a random seed when unset)."""
-        base = self.seed if self.seed is not None else int(torch.randint(0, 2**31 - 1, ()))
-        generators = [torch.Generator(device=device).manual_seed(base + row) for row in range(rows)]
-        return replace(self, seed=base, row_generators=generators)
 
 
 def decoder(model, compile: bool = False) -> Decode:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import user_input
-from .generation import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
+from .config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
 from .model_sources import DEFAULT_MODEL
 from .policies import DEFAULT_POLICY, describe_policies
 from .recall.selector_names import SELECTOR_HELP
@@ -76,12 +76,8 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Prin
 def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: int | None, positions: str,
                    seed: int | None, decay: float | None = None, kv_dtype: str = "auto", **recall) -> CacheSettings:
     """``recall``: the two-tier fields (recall, page, selector, cold_dtype, cold_limit, recall_every)."""
-    settings = CacheSettings(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
-                             positions=positions, seed=seed, kv_dtype=kv_dtype, **recall)
-    with user_input():  # these are the options as typed: a bad one is the user's to fix
-        settings.validate()
-    check_recall(settings)
-    return settings
+    return checked_cache(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
+                         positions=positions, seed=seed, kv_dtype=kv_dtype, **recall)
 
 
 def check_recall(settings: CacheSettings) -> None:
@@ -127,6 +123,24 @@ RECALL_OPTIONS = {"recall": (Recall, None), "page": (Page, DEFAULTS["page"]), "s
                   "cold_dtype": (ColdDtype, DEFAULTS["cold_dtype"]), "cold_limit": (ColdLimit, None),
                   "recall_every": (RecallEvery, DEFAULTS["recall_every"])}
 
+# every CacheSettings field a command line sets (all but the seed, which is the sampling's --seed), in
+# the order --help lists them; the defaults are the dataclass's (``takes_cache_options``)
+CACHE_OPTIONS = {"budget": Budget, "policy": Policy, "heavy_ratio": HeavyRatio, "sinks": Sinks, "decay": Decay,
+                 "positions": Positions, "kv_dtype": KvDtype,
+                 **{name: annotation for name, (annotation, _) in RECALL_OPTIONS.items()}}
+PREFILL_CHUNK = inspect.Parameter("prefill_chunk", inspect.Parameter.KEYWORD_ONLY, annotation=PrefillChunk,
+                                  default=DEFAULT_PREFILL_CHUNK)
+
+
+def _replace_parameters(command, replaced: dict[str, list[inspect.Parameter]]):
+    """``command``'s signature with each parameter named in ``replaced`` swapped for the given ones,
+    where it stood and of its kind (typer lists a panel's options in signature order)."""
+    signature = inspect.signature(command, eval_str=True)  # the command's own annotations, resolved
+    parameters = []
+    for parameter in signature.parameters.values():
+        parameters.extend(new.replace(kind=parameter.kind) for new in replaced.get(parameter.name, [parameter]))
+    return signature.replace(parameters=parameters)
+
 
 def takes_recall_options(command=None, *, recall: str | None = "auto"):
     """Give a typer command --recall, --page, --selector, --cold-dtype, --cold-limit and --recall-every
@@ -135,8 +149,6 @@ def takes_recall_options(command=None, *, recall: str | None = "auto"):
     default: ``recall.default``; None: off unless asked, as ``serve`` and ``bench`` are)."""
     if command is None:
         return functools.partial(takes_recall_options, recall=recall)
-    signature = inspect.signature(command, eval_str=True)  # the command's own annotations, resolved
-    own = [parameter for parameter in signature.parameters.values() if parameter.name != "recall_options"]
     defaults = {**{name: default for name, (_, default) in RECALL_OPTIONS.items()}, "recall": recall}
     added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=defaults[name])
              for name, (annotation, _) in RECALL_OPTIONS.items()]
@@ -146,11 +158,55 @@ def takes_recall_options(command=None, *, recall: str | None = "auto"):
         options = {name: kwargs.pop(name) for name in RECALL_OPTIONS}
         return command(*args, recall_options=options, **kwargs)
 
-    with_recall_options.__signature__ = signature.replace(parameters=[*own, *added])
+    with_recall_options.__signature__ = _replace_parameters(command, {"recall_options": added})
     return with_recall_options
 
 
+def takes_cache_options(command=None, *, budget: str = CacheSettings.budget, recall: str | None = "auto"):
+    """Give a typer command every cache option, declared once here from ``CacheSettings``' fields
+    (``CACHE_OPTIONS``, defaults the dataclass's) and --prefill-chunk: they stand where the command's
+    ``settings`` and ``prefill_chunk`` parameters stand, and the command receives ``settings``, a checked
+    ``CacheSettings`` (a bad value is one line before anything loads; its seed is the command's --seed
+    when it has one), and ``prefill_chunk``. ``budget`` and ``recall``: this command's defaults (recall
+    ``auto``: by default, ``recall.default``; None: off unless asked, as ``serve`` is)."""
+    if command is None:
+        return functools.partial(takes_cache_options, budget=budget, recall=recall)
+    defaults = {**{name: getattr(CacheSettings, name) for name in CACHE_OPTIONS}, "budget": budget, "recall": recall}
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=defaults[name])
+             for name, annotation in CACHE_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def with_cache_options(*args, **kwargs):
+        options = {name: kwargs.pop(name) for name in CACHE_OPTIONS}
+        return command(*args, settings=checked_cache(seed=kwargs.get("seed"), **options), **kwargs)
+
+    # --prefill-chunk after --kv-dtype, before the recall options, as --help has always listed them
+    added.insert(list(CACHE_OPTIONS).index("kv_dtype") + 1, PREFILL_CHUNK)
+    with_cache_options.__signature__ = _replace_parameters(command, {"settings": added, "prefill_chunk": []})
+    return with_cache_options
+
+
+def checked_cache(**fields) -> CacheSettings:
+    """CacheSettings of the options as typed, checked: a bad one is the user's to fix (UserError)."""
+    settings = CacheSettings(**fields)
+    with user_input():
+        settings.validate()
+    check_recall(settings)
+    return settings
+
+
+def _at_most_the_cpus(count: int | None) -> int | None:
+    """--threads / H2OCHAT_THREADS read: refused above the CPUs while the options are parsed, before torch."""
+    from .threads import check_count
+
+    try:
+        return None if count is None else check_count(count, "")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).strip()) from None
+
+
 Threads = Annotated[Optional[int], typer.Option("--threads", min=1, envvar="H2OCHAT_THREADS", rich_help_panel=MODEL,
+    callback=_at_most_the_cpus,
     show_default="the idle physical cores",
     help="CPU threads torch computes with. Default: OMP_NUM_THREADS if set, else the physical cores less those "
          "other jobs keep busy (the load average), at least 1: a thread whose core is taken stalls every step.")]
@@ -165,8 +221,12 @@ def takes_threads(command):
     @functools.wraps(command)
     def with_threads(*args, **kwargs):
         from . import threads
+        from .errors import fail
 
-        threads.apply(kwargs.pop("threads"))
+        try:
+            threads.apply(kwargs.pop("threads"))
+        except ValueError as exc:  # OMP_NUM_THREADS above the CPUs (--threads was checked when parsed)
+            raise fail(str(exc)) from None
         return command(*args, **kwargs)
 
     with_threads.__signature__ = signature.replace(parameters=[*signature.parameters.values(), threads_parameter])

@@ -19,9 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-import h2ochat_kernels as kernels
+# torch and the kernels are imported by the functions that compute: naming, splitting and checking
+# a policy (the command line's --help and option checks) must not wait seconds for torch
 
 DEFAULT_POLICY = "h2o"
 
@@ -137,6 +136,8 @@ class Policy:
              value_norm: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Merit of every slot [B, Hkv, S] (higher = keep); protected and empty slots are handled
         by the caller. ``newest`` [B] is each sequence's newest token index."""
+        import h2ochat_kernels as kernels
+
         return kernels.slot_rank(scores, token_index, newest, value_norm, oldest_first=self.oldest_first,
                                  by_age=self.by_age, value_eps=self.value_eps)
 
@@ -154,12 +155,16 @@ class RandomPolicy(Policy):
 
     def rank(self, scores, token_index, newest, value_norm=None, generator=None):
         # a seeded generator lives on one device (the CPU): draw there, then move
+        import torch
+
         device = generator.device if generator is not None else scores.device
         return torch.rand(scores.shape, generator=generator, device=device).to(scores.device)
 
 
 def protected(token_index: torch.Tensor, newest: torch.Tensor, budget: SlotBudget) -> torch.Tensor:
     """[B, Hkv, S] bool: the slots ``budget`` never evicts (recent window and sinks)."""
+    import h2ochat_kernels as kernels
+
     return kernels.protected_slots(token_index, newest, budget.recent, budget.sinks)
 
 
@@ -168,6 +173,8 @@ def keep_priority(policy: Policy, budget: SlotBudget, scores: torch.Tensor, toke
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """Priority of every slot [B, Hkv, S] (higher = keep): +inf protected, -inf empty or padding,
     the policy's rank otherwise."""
+    import h2ochat_kernels as kernels
+
     rank = policy.rank(scores, token_index, newest, value_norm, generator)
     return kernels.keep_priority(rank, token_index, newest, budget.recent, budget.sinks)
 

@@ -48,16 +48,26 @@ def default_threads() -> int:
     return max(1, min(physical_cores(), cpus) - busy_cpus())
 
 
+def check_count(count: int, source: str = "--threads") -> int:
+    """``count`` if this process may run that many threads each on its own CPU; ValueError in one line
+    otherwise: more threads than CPUs only take turns on them, and thousands stall the machine."""
+    cpus = usable_cpus()
+    if count > cpus:
+        raise ValueError(f"{source} {count} is more than the {cpus} CPU{'s' if cpus != 1 else ''} this process may "
+                         f"run on: give at most {cpus}")
+    return count
+
+
 def requested_from_environment() -> int | None:
     value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    return check_count(int(value), "OMP_NUM_THREADS") if value.isdigit() and int(value) > 0 else None
 
 
 def apply(requested: int | None) -> int:
     """Set the thread count (``requested``, else OMP_NUM_THREADS, else ``default_threads``) and
-    return it."""
+    return it. ValueError for a count above the CPUs this process may run on (``check_count``)."""
     global _chosen
-    count = requested or requested_from_environment() or default_threads()
+    count = (check_count(requested) if requested else None) or requested_from_environment() or default_threads()
     if "torch" not in sys.modules:  # read by OpenMP when torch loads, for every thread it starts
         os.environ["OMP_NUM_THREADS"] = str(count)
     import torch

@@ -8,8 +8,6 @@ NO_COLOR and TERM=dumb.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,19 +22,12 @@ from rich.text import Text
 from .kv import H2OCache
 from .policies import protected
 from .chat import TurnResult, evicted_per_head
+from .console import make_console  # noqa: F401  (imported from here too)
 from .generation import Timing
 from .recall.report import TierSummary, TurnStart, has_cold_tier, recall_slot_counts, summarize_tier
 from .report import mean_evicted_share, part_shares
 from .split import (Memory, Split, amount, cache_split, describe_memory, describe_slots, describe_use, format_bytes,
                     kv_memory, layer_splits)
-
-
-def make_console(stderr: bool = False, file=None) -> Console:
-    """A console that is plain (no colour, no live display) unless it writes to a terminal."""
-    stream = file if file is not None else (sys.stderr if stderr else sys.stdout)
-    console = Console(file=stream, highlight=False, no_color=bool(os.environ.get("NO_COLOR")) or None)
-    console.soft_wrap = not console.is_terminal  # a pipe gets whole lines, not lines cut at 80 columns
-    return console
 
 
 @dataclass
@@ -274,7 +265,7 @@ def cold_tier_lines(tier: TierSummary, split: Split) -> list[Text]:
         Text(f"  device      {format_bytes(tier.device_bytes)} beyond the recall slots, of which "
              f"{format_bytes(tier.digest_bytes)} to score pages "
              + ("(one stage: grows with the text)" if tier.summary_cap is None else
-                f"({tier.summary_cap} summaries cap, {tier.pages_per_summary} pages each"
+                f"({tier.summary_cap} summaries cap, {tier.pages_per_summary} page{'' if tier.pages_per_summary == 1 else 's'} each"
                 + (": the cap coarsened them)" if tier.pages_per_summary > 1 else ")"))),
         Text(f"  recalled    {copied} · {amount(split.held.recall)} tokens in recall slots now"),
         Text(f"  attention   {turn_share}" + (f" ({percent(tier.recalled_share)} since this cache was built)"

@@ -109,12 +109,12 @@ def test_eval_recall_json_and_table(long_checkpoint, text_file):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--recall", "16"], "must leave the policy some of the 16 slots"),
+    (["--recall", "16"], "--recall 16 takes all 16 slots of the budget"),
     (["--recall", "6", "--page", "4"], "whole number (>= 2) of --page 4 pages"),
     (["--recall", "8", "--page", "four"], "--page takes comma-separated numbers"),
     (["--recall", "8", "--page", "4", "--selector", "quest4"], "--selector 'quest4': choose exact"),
     (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of"),
-    (["--recall", "many"], "--recall takes a slot count"),
+    (["--recall", "many"], "--recall must be a slot count like 64"),
     (["--chat-turns", "4"], "--chat-turns is for --task passkey"),
 ])
 def test_eval_recall_refuses_bad_arguments_in_one_line(long_checkpoint, text_file, args, message):

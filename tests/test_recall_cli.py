@@ -68,7 +68,7 @@ def test_story_with_recall(checkpoint):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--recall", "30"], "must leave the policy some of the 16 slots"),
+    (["--recall", "30"], "--recall 30 takes all 16 slots of the budget"),
     (["--recall", "8"], "whole number"),  # 8 slots are not a whole number of 16-token pages
     # refused before the model runs, not when the first layer allocates its cold store
     (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of same, int8"),

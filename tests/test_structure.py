@@ -85,7 +85,7 @@ def _owned_fields(tree: ast.AST) -> set[str]:
 LIBRARY_ATTRIBUTES = {
     ("cli.py", "name"), ("cli.py", "callback"),  # a click command made lazily
     ("options.py", "__signature__"),  # what typer reads a command's options from
-    ("ui.py", "soft_wrap"),  # rich.Console
+    ("console.py", "soft_wrap"),  # rich.Console
     ("compiled.py", "recompile_limit"),  # torch._dynamo.config
     ("models.py", "eos_token_id"), ("models.py", "pad_token"),  # transformers generation config, tokenizer
     ("gguf_conversion.py", "hf_quantizer"), ("gguf_conversion.py", "quantization_config"),  # transformers model

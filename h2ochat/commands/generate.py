@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import options as o
+from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
 from ..prompting import read_prompt
 from .common import RepeatLastN, loading
@@ -19,7 +20,7 @@ from .common import RepeatLastN, loading
 
 
 @strict_user_errors
-@o.takes_recall_options
+@o.takes_cache_options
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; '-' reads standard input.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", rich_help_panel=o.OUTPUT,
@@ -32,14 +33,8 @@ def generate(
     dtype: o.Dtype = "auto",
     random_weights: o.RandomWeights = False,
     device_map: o.DeviceMap = None,
-    budget: o.Budget = "0.2",
-    policy: o.Policy = o.DEFAULTS["policy"],
-    heavy_ratio: o.HeavyRatio = None,
-    sinks: o.Sinks = None,
-    decay: o.Decay = None,
-    positions: o.Positions = "compact",
-    kv_dtype: o.KvDtype = "auto",
-    prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    settings: CacheSettings = None,  # the cache options and --prefill-chunk, checked (o.takes_cache_options)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     max_new_tokens: o.MaxNewTokens = 256,
     temperature: o.Temperature = 0.0,
     top_p: o.TopP = 1.0,
@@ -51,11 +46,9 @@ def generate(
         help="Generate exactly --max-new-tokens tokens: do not stop at end-of-text or end-of-turn tokens.")] = False,
     as_json: o.Json = False,
     compile: o.Compile = False,
-    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Generate from one prompt through the H2O cache and stream the text (or print JSON)."""
     text = read_prompt(prompt, prompt_file)  # a bad prompt or option fails here, before the model loads
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, kv_dtype, **recall_options)
     sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
     with user_input():
         sampling.validate()
@@ -92,7 +85,7 @@ def generate(
     except KeyboardInterrupt:
         interrupted = True
     if as_json:
-        record = run_record(loaded, cache, timing, budget, pieces.text)
+        record = run_record(loaded, cache, timing, settings.budget, pieces.text)
         record["interrupted"] = interrupted
         record["threads"] = threads.current()
         print(json.dumps(record, indent=2))

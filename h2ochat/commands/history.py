@@ -13,7 +13,7 @@ from rich.text import Text
 from .. import history as store
 from .. import options as o
 from ..errors import strict_user_errors
-from ..ui import make_console
+from ..console import make_console
 
 
 def when(seconds: float) -> str:

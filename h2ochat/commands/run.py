@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import options as o
+from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..errors import UserError, strict_user_errors
 from .common import RepeatLastN, loading
 
@@ -46,21 +47,15 @@ def model_reference(model: str) -> str:
 
 
 @strict_user_errors
-@o.takes_recall_options
+@o.takes_cache_options
 def run(
     ctx: typer.Context,
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     device_map: o.DeviceMap = None,
-    budget: o.Budget = "0.2",
-    policy: o.Policy = o.DEFAULTS["policy"],
-    heavy_ratio: o.HeavyRatio = None,
-    sinks: o.Sinks = None,
-    decay: o.Decay = None,
-    positions: o.Positions = "compact",
-    kv_dtype: o.KvDtype = "auto",
-    prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    settings: CacheSettings = None,  # the cache options and --prefill-chunk, checked (o.takes_cache_options)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     system: Annotated[Optional[str], typer.Option("--system", "-s", envvar="H2OCHAT_SYSTEM", rich_help_panel=o.SAMPLING,
         help="System prompt: text, or the name of a file in prompts/ (e.g. 'concise').")] = None,
     temperature: o.Temperature = 0.7,
@@ -77,7 +72,6 @@ def run(
     no_history: Annotated[bool, typer.Option("--no-history", rich_help_panel=o.OUTPUT,
         help="Do not keep this conversation (by default every turn is written under the h2ochat home).")] = False,
     compile: o.Compile = False,
-    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Chat with a model through the H2O cache. /help inside lists the commands."""
     import h2ochat_prompts
@@ -94,6 +88,7 @@ def run(
                         "resumes a kept one and keeps its new turns: give one or the other")
     # every setting is an option of the same name (tests/test_settings_fields.py); bad values fail here,
     # before the model loads
+    # (``settings``, the cache's, is checked already; the chat's are read from the same options)
     settings = ChatSettings.from_options({**ctx.params, "system": h2ochat_prompts.system_prompt(system) if system else None})
     o.check_recall(settings.cache)
     log, messages = None, []

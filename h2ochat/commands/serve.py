@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import options as o
+from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..sizes import parse_size
 from ..errors import UserError, strict_user_errors
 from ..model_sources import resolve
@@ -25,20 +26,14 @@ def _size(text: str | None, option: str) -> int | None:
 
 
 @strict_user_errors
-@o.takes_recall_options(recall=None)
+@o.takes_cache_options(recall=None)
 def serve(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     random_weights: o.RandomWeights = False,
-    budget: o.Budget = "0.2",
-    policy: o.Policy = o.DEFAULTS["policy"],
-    heavy_ratio: o.HeavyRatio = None,
-    sinks: o.Sinks = None,
-    decay: o.Decay = None,
-    positions: o.Positions = "compact",
-    kv_dtype: o.KvDtype = "auto",
-    prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    settings: CacheSettings = None,  # the cache options and --prefill-chunk, checked (o.takes_cache_options)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     repetition_penalty: o.RepetitionPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
     compile: o.Compile = False,
@@ -68,14 +63,12 @@ def serve(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=SERVER,
         help="No line per request on stderr (id, tokens in and out, cached and evicted tokens, time, finish "
              "reason); start-up lines and failed requests are still logged.")] = False,
-    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options): a cold tier per row
 ):
     """Serve the OpenAI API (chat and text completions, streaming) with every sequence in a fixed KV budget."""
     from ..serve.server import ServeConfig, serve as run_server
 
     if not random_weights:
         resolve(model)  # an unknown model is refused before the server starts listening
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, None, decay, kv_dtype, **(recall_options or {}))
     o.sampling(0.0, 1.0, 0, None, repetition_penalty)
     config = ServeConfig(model=model, settings=settings, device=device, dtype=dtype, random_weights=random_weights,
                          served_name=served_model_name, max_sequences=max_sequences,

@@ -36,6 +36,7 @@ from rich.text import Text
 import h2ochat_prompts
 
 from .. import options as o
+from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..chat_settings import check_fits
 from ..replies import stop_token_ids
 from ..detokenize import TextStream
@@ -200,7 +201,7 @@ def read_long_text(model, cache, input_ids: torch.Tensor, keep: int, chunk: int,
 
 
 @strict_user_errors
-@o.takes_recall_options
+@o.takes_cache_options(budget="0.05")
 def story(
     prompt: Annotated[Optional[str], typer.Option("--prompt", rich_help_panel=o.OUTPUT,
         help="The opening of the story.")] = None,
@@ -228,14 +229,8 @@ def story(
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
     device_map: o.DeviceMap = None,
-    budget: o.Budget = "0.05",
-    policy: o.Policy = o.DEFAULTS["policy"],
-    heavy_ratio: o.HeavyRatio = None,
-    sinks: o.Sinks = None,
-    decay: o.Decay = None,
-    positions: o.Positions = "compact",
-    kv_dtype: o.KvDtype = "auto",
-    prefill_chunk: o.PrefillChunk = o.DEFAULTS["prefill_chunk"],
+    settings: CacheSettings = None,  # the cache options and --prefill-chunk, checked (o.takes_cache_options)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     temperature: o.Temperature = 0.8,
     top_p: o.TopP = 0.95,
     top_k: o.TopK = 0,
@@ -243,7 +238,6 @@ def story(
     repetition_penalty: o.RepetitionPenalty = STORY_REPETITION_PENALTY,
     repeat_last_n: RepeatLastN = STORY_REPEAT_LAST_N,
     compile: o.Compile = False,
-    recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):
     """Stream a long story in constant KV memory, with the cache's state live under it."""
     if sum(x is not None for x in (prompt, prompt_file, continue_from)) > 1:
@@ -262,7 +256,6 @@ def story(
                 check_writable(path)  # before the model loads
     if not opening.strip():
         raise UserError("the story opening is empty")
-    settings = o.cache_settings(policy, budget, heavy_ratio, sinks, positions, seed, decay, kv_dtype, **recall_options)
     sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
     with user_input():
         sampling.validate()
@@ -373,7 +366,7 @@ def story(
             rate = (written - count) / timing.decode_s if timing.decode_s > 0 and written > count else 0.0
         checks = [repetition(row.tokens) for row in rows]
         if as_json:
-            record = story_record(loaded, cache, budget, rows, checks, timing, total, read_s, gen_s, rate, interrupted)
+            record = story_record(loaded, cache, settings.budget, rows, checks, timing, total, read_s, gen_s, rate, interrupted)
             print(json.dumps(record, indent=2, ensure_ascii=False))
         elif not streaming:
             for index, row in enumerate(rows, 1):

@@ -19,14 +19,43 @@ off for a policy that never evicts (nothing goes cold). The server keeps recall 
 
 from __future__ import annotations
 
+from ..sizes import parse_share_or_count
+
 AUTO = "auto"
-OFF = ("0", "off", "none")
+OFF = ("off", "none")  # and any way of writing zero: 0, 0.0
 SMALLEST_BUDGET = 128  # device slots per layer
+RECALL_FORMS = "a slot count like 64, a share of the budget in [0, 1) like 0.5, auto, or 0 for no recall"
+
+
+def read_recall(spec) -> str | float | int | None:
+    """--recall as written, checked without the budget (which may wait for the model's window):
+    None for no recall (nothing given, 0, 0.0, off), ``AUTO``, a share in (0, 1) as a float, or a
+    count of at least 1 as an int. ValueError in one line that speaks of what was written."""
+    if spec is None:
+        return None
+    text = str(spec).strip().lower()
+    if text in OFF:
+        return None
+    if text == AUTO:
+        return AUTO
+    value = parse_share_or_count(text, "--recall", RECALL_FORMS)
+    if value == 0:
+        return None
+    if isinstance(value, float) and not 0 < value < 1:
+        raise ValueError(f"--recall {text}: a share of the budget must be in [0, 1) (0.0 is no recall; 1.0 and "
+                         "more would leave the policy no slot)")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"--recall {text}: a count of recall slots cannot be negative (0 is no recall)")
+    return value
 
 
 def is_off(spec) -> bool:
-    """No recall: nothing given (a library default), or ``--recall 0`` / ``off``."""
-    return spec is None or str(spec).strip().lower() in OFF
+    """No recall: nothing given (a library default), or ``--recall 0`` / ``0.0`` / ``off``. A
+    --recall that does not read is not off (``read_recall`` says what is wrong with it)."""
+    try:
+        return read_recall(spec) is None
+    except ValueError:
+        return False
 
 
 def recall_spec(spec, slots: int, page: int, evicts: bool) -> str | None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sizes import parse_share_or_count
 from . import selector_names
 from .cold_store import COLD_DTYPES
+from .default import read_recall
 from .digests import CANDIDATES, SUMMARY_CAP
 
 
@@ -74,15 +74,19 @@ _selector_kind = selector_names.selector_kind
 
 def recall_slots(spec: str, slots: int) -> int:
     """--recall: a count of slots (64) or a share of the budget written with a point or exponent
-    (0.5, 5e-1), read as --budget is (sizes.parse_share_or_count)."""
+    (0.5, 5e-1), read as --budget is (``recall.default.read_recall``), checked against the budget's
+    real ``slots``."""
     text = str(spec).strip()
-    try:
-        value = parse_share_or_count(text, "--recall")
-    except ValueError:
-        raise ValueError(f"--recall takes a slot count (64) or a share of the budget (0.5), got {text!r}") from None
+    value = read_recall(text)
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"--recall {text} names no slot count: it is resolved before the cache is built")
     count = round(value * slots) if isinstance(value, float) else value
-    if not 0 < count < slots:
-        raise ValueError(f"--recall {text} must leave the policy some of the {slots} slots and take at least one")
+    if count < 1:
+        raise ValueError(f"--recall {text} of a {slots}-slot budget is less than one slot: give a larger share "
+                         "or a count")
+    if count >= slots:
+        raise ValueError(f"--recall {text} takes all {slots} slots of the budget: leave the policy some "
+                         f"(at most {slots - 1}, or a share like 0.5)")
     return count
 
 

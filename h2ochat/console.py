@@ -1,0 +1,17 @@
+"""The rich consoles every command prints through, in a module of its own: no torch, so commands
+that load no model (`h2ochat history`) print without waiting for it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+
+
+def make_console(stderr: bool = False, file=None) -> Console:
+    """A console that is plain (no colour, no live display) unless it writes to a terminal."""
+    stream = file if file is not None else (sys.stderr if stderr else sys.stdout)
+    console = Console(file=stream, highlight=False, no_color=bool(os.environ.get("NO_COLOR")) or None)
+    console.soft_wrap = not console.is_terminal  # a pipe gets whole lines, not lines cut at 80 columns
+    return console
