@@ -33,9 +33,13 @@ from .split import (Memory, Split, amount, cache_split, describe_memory, describ
 
 
 def make_console(stderr: bool = False, file=None) -> Console:
-    """A console that is plain (no colour, no live display) unless it writes to a terminal."""
+    """A console that is plain (no colour, no live display) unless it writes to a terminal.
+
+    It reads no markup: what it prints comes from data (policy labels such as ``h2o [int8]``, model
+    names, paths, the user's text), and Rich would take ``[int8]`` for a style and drop it. Style
+    goes through ``style=`` or Text objects instead."""
     stream = file if file is not None else (sys.stderr if stderr else sys.stdout)
-    console = Console(file=stream, highlight=False, no_color=bool(os.environ.get("NO_COLOR")) or None)
+    console = Console(file=stream, highlight=False, markup=False, no_color=bool(os.environ.get("NO_COLOR")) or None)
     console.soft_wrap = not console.is_terminal  # a pipe gets whole lines, not lines cut at 80 columns
     return console
 
@@ -480,7 +484,7 @@ class TokenProgress:
     def __init__(self, console: Console, embedded: bool = False):
         self.enabled = console.is_terminal and not console.is_dumb_terminal
         self.embedded = embedded
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        self.progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("tok"), _Rate(), TimeRemainingColumn(compact=True), console=console,
                                  transient=True, auto_refresh=not embedded, refresh_per_second=4)
         self.task = None
