@@ -10,8 +10,12 @@ from rich.console import Console
 
 
 def make_console(stderr: bool = False, file=None) -> Console:
-    """A console that is plain (no colour, no live display) unless it writes to a terminal."""
+    """A console that is plain (no colour, no live display) unless it writes to a terminal.
+
+    It reads no markup: what it prints comes from data (policy labels such as ``h2o [int8]``, model
+    names, paths, the user's text), and Rich would take ``[int8]`` for a style and drop it. Style
+    goes through ``style=`` or Text objects instead."""
     stream = file if file is not None else (sys.stderr if stderr else sys.stdout)
-    console = Console(file=stream, highlight=False, no_color=bool(os.environ.get("NO_COLOR")) or None)
+    console = Console(file=stream, highlight=False, markup=False, no_color=bool(os.environ.get("NO_COLOR")) or None)
     console.soft_wrap = not console.is_terminal  # a pipe gets whole lines, not lines cut at 80 columns
     return console

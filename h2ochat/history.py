@@ -14,6 +14,7 @@ as a new conversation (a fork, with a notice) instead of writing the other's tur
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -53,22 +54,39 @@ def new_id(now: float | None = None) -> str:
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
+class WriteError(OSError):
+    """A file that could not be written, named as the user gave it (not the temporary file the write
+    went through), with the system's reason: ``cannot write /proc/conv.json: Permission denied``."""
+
+    def __str__(self) -> str:
+        return f"cannot write {self.filename}: {self.strerror}"
+
+
 def write_atomic(path: Path, data: dict) -> None:
-    """Write JSON to ``path`` through a temporary file and os.replace (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write JSON to ``path`` through a temporary file and os.replace (never a half-written file).
+    Any failure is a WriteError naming ``path``."""
+    temporary = None
     try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a directory; give a file name", str(path))
+        if path.exists() and not path.is_file():  # os.replace would put a file where a device was
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             json.dump(data, file, indent=1, ensure_ascii=False)
             file.write("\n")
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
+    except BaseException as exc:
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except FileNotFoundError:
+                pass
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise WriteError(exc.errno, exc.strerror or str(exc), str(path)) from None
         raise
 
 

@@ -129,7 +129,13 @@ class Repl:
 
     def toolbar(self) -> str:
         # prompt-toolkit draws this at every keystroke: the summary is read once per step (see ui.StatusLine)
-        return f" {self.model_name} · {self.conv.settings.cache.policy} · " + self.status(live=False)
+        head = f" {self.model_name} · {self.conv.settings.cache.policy} · "
+        return head + self.status(live=False, width=self.status_width(len(head)))
+
+    def status_width(self, taken: int = 0) -> int | None:
+        """The columns a status line may fill on this terminal, ``taken`` already used (None off a
+        terminal: a pipe or a test gets every figure)."""
+        return max(self.console.width - taken - 1, 1) if self.console.is_terminal else None
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -227,7 +233,7 @@ class Repl:
 
         self.status.begin_turn()  # the cold tier's figures for this turn count from here
         try:
-            with ui.ReplyPrinter(self.console, lambda: self.status(live=True)) as printer:
+            with ui.ReplyPrinter(self.console, lambda: self.status(live=True, width=self.status_width())) as printer:
                 with ctrl_c_stops(conv):
                     result = conv.send(text, on_piece=show)
         finally:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 from rich.console import Console, Group
+from rich.cells import cell_len
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -71,28 +72,76 @@ def percent(share: float | None) -> str:
     return f"{share:.1%}" if share >= 0.001 or share == 0 else f"{share:.2%}"
 
 
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the status line, in a long form and a short one for a narrow terminal."""
+    long: str
+    short: str
+
+
+# When the terminal is narrow, the status line keeps its most telling figures: what a newcomer reads
+# first is how full the cache is, then what it has dropped, what it brought back, what it costs, how
+# fast it goes and on how many threads. Before any figure goes, the slots lose their per-part
+# breakdown, then the others take their short form from the least telling up (SHORTEN_ORDER).
+STATUS_ORDER = ("held", "evicted", "recall", "memory", "rate", "threads")
+SHORTEN_ORDER = ("held", "threads", "rate", "memory", "recall", "evicted")
+STATUS_SEPARATOR = " │ "
+
+
+def status_figures(s: CacheSummary, timing: Timing | None, live: bool) -> dict[str, Figure]:
+    """The status line's figures by name (see STATUS_ORDER), each in a long and a short form."""
+    use = describe_use(s.split)
+    figures = {"held": Figure(use, use.partition(": ")[0])}  # short: without the per-part breakdown
+    evicted = f"{amount(s.evicted)}/{s.seen} tok evicted per layer and KV head"
+    short = f"{amount(s.evicted)} evicted"
+    if s.evicted_share is not None:  # the one figure of where the budget hurts (see /cache)
+        evicted += f", held {percent(s.evicted_share)} attn"
+        short += f" ({percent(s.evicted_share)} attn)"
+    figures["evicted"] = Figure(evicted, short)
+    if s.tier is not None:  # this turn's recalls: pages copied in per (layer, KV head), attention they drew
+        figures["recall"] = Figure(f"recall: {amount(s.tier.pages_copied_turn)} pages in, "
+                                   f"{percent(s.tier.recalled_share_turn)} attn",
+                                   f"recall {amount(s.tier.pages_copied_turn)} pages")
+    figures["memory"] = Figure(describe_memory(s.memory), f"KV {format_bytes(s.memory.in_use)}")
+    if live:
+        rate = timing.decode_tokens_per_s if timing is not None else 0.0
+        text = f"{rate:.1f} tok/s" if rate else "reading prompt…"
+        figures["rate"] = Figure(text, text)
+    from .threads import chosen  # the CPU threads torch computes with (--threads or the rule's choice)
+
+    if chosen() is not None:
+        text = f"{chosen()} thread" + ("s" if chosen() != 1 else "")
+        figures["threads"] = Figure(text, text)
+    return figures
+
+
+def fit_figures(figures: dict[str, Figure], width: int | None) -> str:
+    """The figures joined in STATUS_ORDER within ``width`` columns (None: all of them, long). Narrower:
+    the least telling go short first, then go; the most telling is cut with an ellipsis at the last."""
+    names = [name for name in STATUS_ORDER if name in figures]
+    if width is None:
+        return STATUS_SEPARATOR.join(figures[name].long for name in names)
+    for kept in range(len(names), 0, -1):
+        chosen = names[:kept]
+        shorten = [name for name in SHORTEN_ORDER if name in chosen]
+        for shortened in range(len(shorten) + 1):
+            short = set(shorten[:shortened])
+            text = STATUS_SEPARATOR.join(figures[n].short if n in short else figures[n].long for n in chosen)
+            if cell_len(text) <= width:
+                return text
+    first = figures[names[0]].short
+    return first if len(first) <= width else first[: max(width - 1, 0)] + ("…" if width else "")
+
+
 def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False,
-                summary: CacheSummary | None = None) -> str:
+                summary: CacheSummary | None = None, width: int | None = None) -> str:
     """`410/410 slots held: 205/205 heavy + 205/205 recent │ 1234/1644 tok evicted per layer and KV head, held
     0.8% attn │ KV 26.00 MiB in use of 26.00 MiB reserved (a full cache: 105.00 MiB) │ 14.8 tok/s`
 
     ``live``: a reply is being produced (``timing`` None means its prompt is still being read).
-    ``summary``: the cache's figures when already at hand (else read now)."""
-    s = summary or summarize(cache)
-    evicted = f"{amount(s.evicted)}/{s.seen} tok evicted per layer and KV head"
-    if s.evicted_share is not None:  # the one figure of where the budget hurts (see /cache)
-        evicted += f", held {percent(s.evicted_share)} attn"
-    parts = [describe_use(s.split), evicted, describe_memory(s.memory)]
-    if s.tier is not None:  # this turn's recalls: pages copied in per (layer, KV head), attention they drew
-        parts.append(f"recall: {amount(s.tier.pages_copied_turn)} pages in, {percent(s.tier.recalled_share_turn)} attn")
-    if live:
-        rate = timing.decode_tokens_per_s if timing is not None else 0.0
-        parts.append(f"{rate:.1f} tok/s" if rate else "reading prompt…")
-    from .threads import chosen  # the CPU threads torch computes with (--threads or the rule's choice)
-
-    if chosen() is not None:
-        parts.append(f"{chosen()} thread" + ("s" if chosen() != 1 else ""))
-    return " │ ".join(parts)
+    ``summary``: the cache's figures when already at hand (else read now). ``width``: the columns it
+    must fit (the terminal's); None: every figure in full."""
+    return fit_figures(status_figures(summary or summarize(cache), timing, live), width)
 
 
 class StatusLine:
@@ -134,8 +183,8 @@ class StatusLine:
             self._seen, self._summary = (cache, progress), summarize(cache, self._turn_start)
         return self._summary
 
-    def __call__(self, live: bool = False) -> str:
-        return status_line(self.cache(), self.timing(), live=live, summary=self.summary())
+    def __call__(self, live: bool = False, width: int | None = None) -> str:
+        return status_line(self.cache(), self.timing(), live=live, summary=self.summary(), width=width)
 
 
 def turn_summary(result: TurnResult) -> str:
@@ -422,7 +471,7 @@ class TokenProgress:
     def __init__(self, console: Console, embedded: bool = False):
         self.enabled = console.is_terminal and not console.is_dumb_terminal
         self.embedded = embedded
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        self.progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("tok"), _Rate(), TimeRemainingColumn(compact=True), console=console,
                                  transient=True, auto_refresh=not embedded, refresh_per_second=4)
         self.task = None

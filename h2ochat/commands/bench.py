@@ -92,7 +92,8 @@ def bench(
     from .. import threads
     from ..models import load
 
-    err = Console(stderr=True)
+    from ..ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype, random_weights=random_weights)
     with user_input():
@@ -106,7 +107,7 @@ def bench(
                             recall=settings if recall_on else None, kv_dtypes=kv_dtypes)
         bm.check_contexts(loaded.model, plan)  # against this model's position limit
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[last]}"), console=err, transient=True,
+                  TextColumn("{task.fields[last]}", markup=False), console=err, transient=True,
                   disable=not err.is_terminal) as progress:
         task = progress.add_task("measuring", total=plan.measurements(), last="")
         report = bm.run(loaded.model, plan, on_measured=lambda what: progress.update(task, advance=1, last=what))
@@ -121,7 +122,8 @@ def bench(
 
 
 def _print(report: dict) -> None:
-    out = Console()
+    from ..ui import make_console
+    out = make_console()
     speed = Table(title=f"Decode at each context and batch ({report['model']}, {report['dtype']}, {report['device']}): "
                         "median ms per step, tokens/s, KV MiB, peak MiB (and its rise during the measurement)", title_justify="left")
     for name in ("context", "batch", "policy", "KV slots", "ms/step", "tokens/s", "KV MiB", "peak MiB"):

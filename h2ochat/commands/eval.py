@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -106,7 +105,8 @@ def eval_command(
     from ..prompting import read_text_file
 
     content = read_text_file(text)
-    err = Console(stderr=True)
+    from ..ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype)
     with user_input():  # the text and the budgets against this model
@@ -182,7 +182,7 @@ def eval_command(
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        out = Console()
+        out = make_console()
         spread = " (lowest-highest over the windows)" if windows > 1 else ""
         against = "; [ratio to the same policy without recall]" if recalls else ""
         sized = kv_dtypes != ["auto"] or any(ev.budget_bytes(part) for part in budget.split(",") if part.strip())

@@ -74,14 +74,18 @@ def generate(
     # the same rule as run and story --stop-at-eos
     stops = frozenset() if ignore_eos else stop_token_ids(tokenizer, loaded.model)
     interrupted = False
+    from ..prompt_progress import PromptProgress
+
+    reading = PromptProgress(make_console(stderr=True), cache, input_ids.shape[1])
     try:
-        for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                           stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing, compile=compile,
-                           stop_check_every=stop_check_interval(loaded.device)):
-            piece = pieces.push(step.tokens[0])
-            if not as_json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+        with reading:
+            for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                               stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing, compile=compile,
+                               stop_check_every=stop_check_interval(loaded.device), should_stop=reading.should_stop):
+                piece = pieces.push(step.tokens[0])
+                if not as_json:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
     except KeyboardInterrupt:
         interrupted = True
     if as_json:
@@ -96,6 +100,7 @@ def generate(
                   f"{timing.generated_tokens} generated at {timing.decode_tokens_per_s:.1f} tok/s, "
                   f"{evictions(cache)}]", file=sys.stderr)
     if interrupted:
+        print(reading.stopped(timing.generated_tokens), file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from .. import evaluation as ev
@@ -40,7 +39,8 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         length_list = plan.lengths()
         rows = pk.build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
     content = read_text_file(text)
-    err = Console(stderr=True)
+    from ..ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype)
     with user_input():  # the filler and the lengths against this model
@@ -102,6 +102,6 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
             table.add_column(title, justify="left" if title == "cache" else "right")
         for row in cells:
             table.add_row(*row)
-        Console().print(table)
+        make_console().print(table)
     if plot_failed is not None:
         raise UserError(f"could not write the plot {plot}: {one_line(plot_failed)} (the results are above)")

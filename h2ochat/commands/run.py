@@ -114,11 +114,14 @@ def run(
         log.for_model(model_reference(model))
     interactive = sys.stdin.isatty()
     if interactive:
+        from rich.text import Text
+
         from ..split import describe_slots, planned_split
 
-        console.print(f"[bold]h2ochat[/] · {loaded.name} · {settings.cache.policy} cache of "
-                      f"{describe_slots(planned_split(conversation.cache))} of a "
-                      f"{conversation.max_positions}-token context · [dim]/help for commands, /bye to leave[/]")
+        console.print(Text.assemble(("h2ochat", "bold"), f" · {loaded.name} · {settings.cache.policy} cache of "
+                                    f"{describe_slots(planned_split(conversation.cache))} of a "
+                                    f"{conversation.max_positions}-token context · ",
+                                    ("/help for commands, /bye to leave", "dim")))
     if messages:
         fed = conversation.reconfigure(conversation.settings, messages)
         last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")

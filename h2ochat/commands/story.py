@@ -40,7 +40,7 @@ from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..chat_settings import check_fits
 from ..replies import stop_token_ids
 from ..detokenize import TextStream
-from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
+from ..errors import EXIT_INTERRUPTED, UserError, one_line, strict_user_errors, user_input
 from ..generation import Sampling, Timing, inference_steps, prefill, stop_check_interval, stream
 from ..models import load
 from ..prompting import encode
@@ -144,6 +144,7 @@ class Row:
     def __init__(self, tokenizer, path: Path | None, keep_text: bool, context: list[int]):
         self.pieces = TextStream(tokenizer, context=context)
         self.path, self.file = path, None
+        self.write_error: OSError | None = None  # the file stopped taking text (a full disk): see _write
         self.tokens: list[int] = []
         self.done = False
         self.text_parts: list[str] | None = [] if keep_text else None
@@ -155,8 +156,7 @@ class Row:
         """A new story's file, the opening first."""
         if self.path is not None:
             self.file = self.path.open("w", encoding="utf-8")
-            self.file.write(opening)
-            self.file.flush()
+            self._write(opening)
 
     def append_to(self, file, existing: str) -> None:
         """--continue: write after the story's last byte, into ``file`` (see ``appending``)."""
@@ -171,17 +171,38 @@ class Row:
         if self.text_parts is not None:
             self.text_parts.append(piece)
         if self.file is not None and piece:
-            self.file.write(piece.encode("utf-8") if "b" in self.file.mode else piece)
-            self.file.flush()
+            self._write(piece.encode("utf-8") if "b" in self.file.mode else piece)
         return piece
+
+    def _write(self, data) -> None:
+        """Write and flush; a file that fails (no space left, a device gone) is given up, not the run:
+        the story goes on to standard output and the error is told once at the end."""
+        try:
+            self.file.write(data)
+            self.file.flush()
+        except OSError as exc:
+            self.write_error = exc
+            self._give_up_file()
+
+    def _give_up_file(self) -> None:
+        try:
+            if "b" not in self.file.mode:
+                self.file.close()  # it tries to flush what it could not write, and fails again
+        except OSError:
+            pass
+        self.file = None
 
     def close(self) -> None:
         """The file ends where the story does: no line break of the tool's own, which a later
         ``--continue`` would have to follow in mid-sentence (a file's bytes are never rewritten)."""
         if self.file is not None:
-            self.file.flush()
-            if "b" not in self.file.mode:  # a file of ours; an appended story's file belongs to `appending`
-                self.file.close()
+            try:
+                self.file.flush()
+                if "b" not in self.file.mode:  # a file of ours; an appended story's file belongs to `appending`
+                    self.file.close()
+            except OSError as exc:
+                self.write_error = exc
+                self._give_up_file()
             self.file = None
 
     @property
@@ -376,6 +397,11 @@ def story(
                 sys.stdout.flush()
         err.print(summary_line(cache, rows, checks, total, read_s, gen_s, rate, continue_from is not None, interrupted),
                   style="dim", markup=False, highlight=False, soft_wrap=True)  # one line, wrapped by the terminal
+        failed = [row for row in rows if row.write_error is not None]
+        if failed:
+            kept = "in the JSON above" if as_json else "above, on standard output"
+            raise UserError("; ".join(f"could not write {row.path}: {row.write_error.strerror or one_line(row.write_error)}" for row in failed)
+                            + f" (the story is {kept})")
         if interrupted:
             raise typer.Exit(EXIT_INTERRUPTED)
 
