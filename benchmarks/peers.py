@@ -23,18 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package
+from peers_measure import TreeSampler, _dist_version, bf16_matmul_check, machine, summarize_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # the shared peers folder (chat_load.py, its prompts): beside the checkout or a worktree folder above it
@@ -146,82 +145,12 @@ def engines_for(args, preset: Preset) -> list[Engine]:
     return [chosen[name]() for name in args.engine]
 
 
-def _dist_version(name: str) -> str | None:
-    import importlib.metadata as metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _run_text(command: list[str]) -> str | None:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (done.stdout + done.stderr).strip().splitlines()[-1] if (done.stdout + done.stderr).strip() else None
-
-
-def machine() -> dict:
-    """What the figures were measured on: the CPU model, its cores and the bf16 instructions it has."""
-    flags, model = set(), platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {"cpu": model, "logical_cpus": psutil.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-            "memory_bytes": psutil.virtual_memory().total,
-            "bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2"}),
-            "python": platform.python_version(), "torch": _dist_version("torch")}
-
-
-class TreeSampler:
-    """Peak resident memory and CPU seconds of a process and all its children, sampled every interval."""
-
-    def __init__(self, pid: int, interval: float = 0.5):
-        self.root, self.interval = psutil.Process(pid), interval
-        self.peak_rss, self.cpu_seconds = 0, {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _tree(self) -> list[psutil.Process]:
-        try:
-            return [self.root, *self.root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def sample(self) -> None:
-        rss = 0
-        for process in self._tree():
-            try:
-                rss += process.memory_info().rss
-                times = process.cpu_times()
-                self.cpu_seconds[process.pid] = times.user + times.system  # a process's last reading counts
-            except psutil.NoSuchProcess:
-                continue
-        self.peak_rss = max(self.peak_rss, rss)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def __enter__(self):
-        self.sample()
-        self._start_cpu = sum(self.cpu_seconds.values())
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    def load_cpu_seconds(self) -> float:
-        return sum(self.cpu_seconds.values()) - self._start_cpu
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> float:
@@ -302,6 +231,8 @@ def run_load(engine: Engine, preset: Preset, args, work: Path) -> dict:
             profiler.send_signal(signal.SIGINT)  # py-spy writes its report when interrupted
             record["profile"] = str(work / f"{engine.name}-{preset.name}.pyspy.txt")
             profiler.wait(60)
+            if Path(record["profile"]).exists():
+                record["profile_summary"] = summarize_profile(Path(record["profile"]))
         if done.returncode != 0:
             raise RuntimeError(f"chat_load.py exited with {done.returncode}: {done.stderr.strip()[-500:]}")
         summary = json.loads(load_json.read_text())["summary"]
@@ -378,6 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--h2ochat-generate-arg", action="append", default=[], help="extra `h2ochat generate` argument")
     parser.add_argument("--profile", action="append", default=[], choices=sorted(PRESETS),
                         help="py-spy (pip install py-spy) h2ochat's server during this preset's load")
+    parser.add_argument("--bf16-check", action="store_true",
+                        help="only time SmolLM2's linears in bf16 against fp32 (one thread) into --out")
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--load-timeout", type=float, default=3600)
     parser.add_argument("--work-dir", default=None, help="logs and per-request JSON (default: a temporary folder)")
@@ -414,4 +347,8 @@ def _write(report: dict, out: str) -> None:
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    arguments = parse_args()
+    if arguments.bf16_check:
+        _write({"machine": machine(), "bf16_matmul": bf16_matmul_check(), "argv": sys.argv}, arguments.out)
+    else:
+        run(arguments)

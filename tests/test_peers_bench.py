@@ -77,3 +77,15 @@ def test_figures_come_from_chat_loads_summary():
 
 def test_shell_command_names_the_environment_first():
     assert peers()._shell(["vllm", "serve", "a b"], {"X": "1"}) == "X=1 vllm serve 'a b'"
+
+
+def test_profile_samples_are_shared_by_phase_and_innermost_frame(tmp_path):
+    raw = tmp_path / "p.txt"
+    raw.write_text("engine;_prefill_step (h2ochat/serve/scheduler.py:140);forward (torch/nn/modules/linear.py:125) 6\n"
+                   "engine;_decode_step (h2ochat/serve/scheduler.py:170);update (h2ochat/kv/cache.py:9) 3\n"
+                   "main;serve (uvicorn/server.py:1) 1\n")
+    summary = peers().summarize_profile(raw)
+    assert summary["samples"] == 10
+    assert summary["by_phase"] == {"prefill": 0.6, "decode": 0.3, "other (server, tokenizer, waiting)": 0.1}
+    assert summary["by_phase_and_leaf"]["prefill: linear layers"] == 0.6
+    assert summary["by_phase_and_leaf"]["decode: kv cache (H2O)"] == 0.3
