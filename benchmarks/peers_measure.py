@@ -87,7 +87,7 @@ class TreeSampler:
 
 # where a py-spy sample of h2ochat's engine is: the scheduler step it is in, and what its innermost frame does
 PHASES = (("_prefill_step", "prefill"), ("_decode_step", "decode"))
-LEAF_KINDS = (("nn/modules/linear.py", "linear layers"), ("/attention.py", "attention"), ("/kv/", "kv cache (H2O)"),
+LEAF_KINDS = (("nn/modules/linear.py", "linear layers"), ("kernels/", "H2O attention kernels"), ("/attention.py", "attention"), ("/kv/", "kv cache (H2O)"),
               ("/policies.py", "kv cache (H2O)"), ("/recall/", "recall"), ("sampling.py", "sampling"),
               ("/rotary.py", "rotary"), ("nn/modules/", "other torch modules"), ("transformers/", "transformers code"))
 
@@ -114,7 +114,7 @@ SMOLLM2_LINEARS = {"q_proj": (576, 576), "kv_proj": (576, 192), "o_proj": (576, 
                    "down": (1536, 576), "lm_head": (576, 49152)}
 
 
-def bf16_matmul_check(rows: tuple[int, ...] = (1, 8, 300), repeats: int = 20) -> dict:
+def bf16_matmul_check(rows: tuple[int, ...] = (1, 8, 300), flops_per_shape: float = 4e8) -> dict:
     """CPU seconds of one thread for each linear at the model's shapes in bfloat16 and float32, side by side
     (interleaved, so both see the same machine load): does this CPU's bf16 path beat fp32?"""
     import torch
@@ -122,7 +122,7 @@ def bf16_matmul_check(rows: tuple[int, ...] = (1, 8, 300), repeats: int = 20) ->
     out = {}
     for n in rows:
         for name, (fan_in, fan_out) in SMOLLM2_LINEARS.items():
-            times = {}
+            times, repeats = {}, max(3, int(flops_per_shape / (2 * n * fan_in * fan_out)))
             for dtype in (torch.float32, torch.bfloat16) * 2:  # warm both, then the measured pass
                 x, w = torch.randn(n, fan_in, dtype=dtype), torch.randn(fan_out, fan_in, dtype=dtype)
                 start = time.process_time()
