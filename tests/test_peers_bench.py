@@ -1,0 +1,91 @@
+"""benchmarks/peers.py's pure parts, with no peer installed: the load presets give chat_load.py the
+issue's arguments, an engine that is not installed is skipped with its reason in the JSON (nothing is
+started), the JSON holds the machine and the settings, llama-server's -c holds the KV memory asked for,
+and the figures compared are read from chat_load.py's summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "peers.py"
+
+
+def peers():
+    """benchmarks/peers.py as a module (benchmarks/ is no package)."""
+    if "peers_bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("peers_bench", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["peers_bench"] = module  # its dataclasses resolve their annotations through it
+        spec.loader.exec_module(module)
+    return sys.modules["peers_bench"]
+
+
+def test_presets_give_the_issues_loads():
+    presets = peers().PRESETS
+    assert presets["chat-8x4"].load_args() == ["--clients", "8", "--turns", "4", "--reply-tokens", "64"]
+    assert presets["outgrow-32x8"].load_args() == ["--clients", "32", "--turns", "8", "--reply-tokens", "64"]
+    assert presets["single"].load_args() == ["--clients", "1", "--turns", "4", "--reply-tokens", "64"]
+    assert presets["single"].single_stream and not presets["chat-8x4"].single_stream
+
+
+def test_defaults_one_thread_one_gib_every_engine(tmp_path):
+    args = peers().parse_args(["--out", str(tmp_path / "r.json")])
+    assert (args.preset, args.threads, args.kv_gib) == (["chat-8x4"], 1, 1.0)
+    assert args.engine == ["h2ochat", "vllm", "llama.cpp"]
+    h2ochat = peers().h2ochat_engine(args).command
+    assert h2ochat[h2ochat.index("--threads") + 1] == "1" and h2ochat[h2ochat.index("--kv-memory") + 1] == "1.0GiB"
+
+
+def test_missing_peers_are_skipped_with_the_reason_and_nothing_starts(tmp_path, monkeypatch):
+    module = peers()
+    started = []
+    monkeypatch.setattr(module, "run_load", lambda *a: started.append(a))
+    out = tmp_path / "r.json"
+    args = module.parse_args(["--preset", "chat-8x4", "--preset", "single", "--engine", "vllm", "--engine", "llama.cpp",
+                              "--vllm-venv", str(tmp_path / "no-vllm"), "--llama-server", str(tmp_path / "no-llama"),
+                              "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+    module.run(args)
+    report = json.loads(out.read_text())
+    assert started == [] and report["runs"] == []  # `single` times `h2ochat generate` only when h2ochat runs
+    assert [(s["engine"], s["preset"]) for s in report["skipped"]] == [
+        ("vllm", "chat-8x4"), ("llama.cpp", "chat-8x4"), ("vllm", "single"), ("llama.cpp", "single")]
+    assert all(s["reason"].startswith("not installed") for s in report["skipped"])
+    assert str(tmp_path / "no-vllm") in report["skipped"][0]["reason"]
+    for key in ("cpu", "logical_cpus", "physical_cores", "bf16_flags", "torch"):
+        assert key in report["machine"]
+    assert (report["threads"], report["kv_gib"], report["issue"]) == (1, 1.0, 35) and "finished" in report
+
+
+def test_llama_context_holds_the_kv_memory_in_whole_slots():
+    module = peers()
+    context = module.llama_context(1.0, 8)
+    assert context % 8 == 0
+    assert context * module.KV_BYTES_PER_TOKEN_F16 <= 2**30 < (context + 8) * module.KV_BYTES_PER_TOKEN_F16
+
+
+def test_figures_come_from_chat_loads_summary():
+    summary = {"requests": 32, "wall_s": 100.0, "generated_tokens": 2048, "prompt_tokens": 9, "gen_tok_per_s": 20.48,
+               "ttft_p50": 2.5, "ttft_p90": 4.8, "ttft_max": 6.0, "itl_p50": 0.25, "itl_p90": 0.4,
+               "latency_p50": 18.0, "label": "ignored"}
+    figures = peers().result_figures(summary)
+    assert figures["gen_tok_per_s"] == 20.48 and figures["ttft_p90"] == 4.8 and "label" not in figures
+
+
+def test_shell_command_names_the_environment_first():
+    assert peers()._shell(["vllm", "serve", "a b"], {"X": "1"}) == "X=1 vllm serve 'a b'"
+
+
+def test_profile_samples_are_shared_by_phase_and_innermost_frame(tmp_path):
+    raw = tmp_path / "p.txt"
+    raw.write_text("engine;_prefill_step (h2ochat/serve/scheduler.py:140);forward (torch/nn/modules/linear.py:125) 6\n"
+                   "engine;_decode_step (h2ochat/serve/scheduler.py:170);update (h2ochat/kv/cache.py:9) 3\n"
+                   "main;serve (uvicorn/server.py:1) 1\n")
+    summary = peers().summarize_profile(raw)
+    assert summary["samples"] == 10
+    assert summary["by_phase"] == {"prefill": 0.6, "decode": 0.3, "other (server, tokenizer, waiting)": 0.1}
+    assert summary["by_phase_and_leaf"]["prefill: linear layers"] == 0.6
+    assert summary["by_phase_and_leaf"]["decode: kv cache (H2O)"] == 0.3
