@@ -84,8 +84,10 @@ def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, 
                 tokens, run = _conversation_tokens(loaded.tokenizer, batch[0]), cm.run_sample
                 if tokens > limit:
                     raise ValueError(f"--turns {length}: ~{tokens} tokens pass the model's {limit}-position window")
-            for name, row, slots in rows_for(names, budget, tokens, recalls, kv_dtypes):
-                work += [(name, row, slots, sample, run) for sample in batch]
+            rows = rows_for(names, budget, tokens, recalls, kv_dtypes)
+            # sample by sample, every row on each: a run cut short has compared the rows on the same samples
+            work += [(name, row, slots, sample, run) for sample in sorted(batch, key=lambda s: s.index)
+                     for name, row, slots in rows]
 
     # the log's key of each: (row, task, length, sample id); a chat-memory sample's length is its depth
     keys = [(row.label, sample.task, sample.length, sample.index) for _, row, _, sample, _ in work]
