@@ -159,6 +159,7 @@ def test_ruler_without_lm_eval_says_how_to_install(checkpoint, monkeypatch):
     assert code != 0 and ruler.INSTALL in err
 
 
+@pytest.mark.slow  # (not yet seen to pass: with the tiny byte-level tokenizer the vt/cwe builders ran minutes)
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval (the eval extra) is not installed")
 @pytest.mark.parametrize("task", list(ruler.TASKS))
 def test_lm_evals_builders_make_samples_with_the_tokenizer_offline(checkpoint, task):
