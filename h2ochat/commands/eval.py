@@ -19,8 +19,9 @@ from .common import loading
 
 @strict_user_errors
 def eval_command(
-    text: Annotated[Path, typer.Option("--text", "-f", rich_help_panel=o.OUTPUT,
-        help="Plain-text file to continue token by token (only its first --tokens tokens are read).")],
+    text: Annotated[Optional[Path], typer.Option("--text", "-f", rich_help_panel=o.OUTPUT,
+        help="Plain-text file to continue token by token (only its first --tokens tokens are read); "
+             "not read by --task ruler or chat-memory.")] = None,
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
@@ -48,7 +49,17 @@ def eval_command(
     as_json: o.Json = False,
     task: Annotated[str, typer.Option("--task", rich_help_panel=o.OUTPUT,
         help="perplexity: continue --text token by token; passkey: plant a 5-digit key in --text and ask for it "
-             "(see --lengths, --depths, --keys, --recall).")] = "perplexity",
+             "(see --lengths, --depths, --keys, --recall); ruler: lm-eval's offline RULER tasks at --lengths "
+             "(needs the eval extra); chat-memory: facts planted in a chat, asked for --turns later.")] = "perplexity",
+    samples: Annotated[int, typer.Option("--samples", rich_help_panel=o.CACHE,
+        help="ruler, chat-memory: samples per task and length (per depth).")] = 25,
+    ruler_tasks: Annotated[str, typer.Option("--ruler-tasks", rich_help_panel=o.CACHE,
+        help="ruler: comma-separated tasks.")] = "niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe",
+    turns: Annotated[str, typer.Option("--turns", rich_help_panel=o.CACHE,
+        help="chat-memory: comma-separated filler turns between the facts and the questions.")] = "0,4,8",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", rich_help_panel=o.OUTPUT,
+        help="ruler, chat-memory: JSON-lines log of the finished samples; a run given the same log skips them.")
+        ] = None,
     lengths: Annotated[str, typer.Option("--lengths", rich_help_panel=o.CACHE,
         help="passkey: comma-separated filler lengths: tokens (880) or multiples of each budget's device slots "
              "(7x,16x: 896 and 2048 tokens at --budget 128; the full cache runs every length).")] = "880",
@@ -80,13 +91,21 @@ def eval_command(
     """Perplexity of a text continued token by token through each policy's cache, for each budget
     (--task passkey: whether each cache gives back a key planted in the text)."""
     with user_input():  # the options as typed
-        if task not in ("perplexity", "passkey"):
-            raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
+        if task not in ("perplexity", "passkey", "ruler", "chat-memory"):
+            raise ValueError(f"--task must be perplexity, passkey, ruler or chat-memory, got {task!r}")
+        if text is None and task in ("perplexity", "passkey"):
+            raise ValueError(f"--task {task} needs --text (a plain-text file)")
         recalls = ev.recall_settings(recall, page, selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
                                      recall_every=recall_every)
         if plot is not None:
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
         kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
+    if task in ("ruler", "chat-memory"):
+        from .ruler_task import sample_task
+
+        return sample_task(task=task, model=model, device=device, dtype=dtype, budget=budget, policies=policies,
+                           lengths=lengths, ruler_tasks=ruler_tasks, turns=turns, samples=samples, recalls=recalls,
+                           kv_dtypes=tuple(kv_dtypes), output=output, seed=seed, as_json=as_json, plot=plot)
     if task == "passkey":
         from .passkey_task import passkey_task
 
