@@ -217,7 +217,7 @@ def test_passkey_plot_draws_one_bar_per_row_and_cell(tmp_path):
     (["--selector", "int9", "--recall", "16"], "intN (the keys as N-bit codes, N 1-8)"),
     (["--depths", "1.5"], "depths are shares"),
     (["--lengths", "2000"], "fewer than the 2000"),
-    (["--task", "quiz"], "--task must be perplexity or passkey"),
+    (["--task", "quiz"], "--task must be perplexity, passkey, ruler or chat-memory"),
     (["--facts", "3"], "--facts must be 1 or 2"),
     (["--plot", "keys.svg"], "--plot writes a PNG file"),
 ])
