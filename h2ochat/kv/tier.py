@@ -6,9 +6,12 @@ recall tier's recall slots), which the policy never ranks and never evicts. The 
 at fixed points of a step, always with the layer itself (the tier reads the slots, never writes the
 layer's own fields):
 
-- ``reserve(layer, q_len)``: before the step (from ``H2OCache.position_ids``, host counters only),
-  room for whatever these tokens can evict;
-- ``before_attention(layer, query, new_valid)``: e.g. bring recalled pages into its columns;
+- ``reserve(layer, q_len, context)``: before the step (from ``H2OCache.position_ids``, host counters
+  only), room for whatever these tokens can evict;
+- ``before_attention(layer, query, new_valid, context)``: e.g. bring recalled pages into its columns;
+
+``context`` is the step's ``kv.numbering.StepContext`` (its numbers, the compiled/static mode, the
+rotary): a tier reads the step's mode there, never through the layer's cache.
 - ``before_insert(layer)``: after the attention, before this step's scores rank anything;
 - ``archive(layer, slot)``: a decode step evicts ``slot`` [B, Hkv] of each (sequence, KV head); called
   before the slot is overwritten, with exactly the victim the eviction then writes over;
@@ -39,6 +42,7 @@ from typing import Protocol
 import torch
 
 from .layer import NO_TIER_LAYER, NoTier
+from .numbering import StepContext
 
 
 class Tier(Protocol):
@@ -49,8 +53,9 @@ class Tier(Protocol):
     def state_tensors(self) -> dict[str, torch.Tensor]: ...
     def empty_value(self, name: str) -> int: ...
     def reset(self) -> None: ...
-    def reserve(self, layer, q_len: int) -> None: ...
-    def before_attention(self, layer, query: torch.Tensor, new_valid: torch.Tensor | None) -> None: ...
+    def reserve(self, layer, q_len: int, context: StepContext) -> None: ...
+    def before_attention(self, layer, query: torch.Tensor, new_valid: torch.Tensor | None,
+                         context: StepContext) -> None: ...
     def before_insert(self, layer) -> None: ...
     def archive(self, layer, slot: torch.Tensor) -> None: ...
     def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
