@@ -327,7 +327,7 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
         if used + q_len <= capacity:
             end = used + q_len
-            stored = self.format.encode(key, value) if self.format.quantized else {"keys": key, "values": value}
+            stored = self.format.encode(key, value)
             writes = [*((getattr(self, name), new) for name, new in stored.items()), (self.scores, new_scores),
                       (self.token_index, step.token_index.unsqueeze(1)), (self.positions, step.positions.unsqueeze(1))]
             if value_norm is not None:
@@ -434,7 +434,7 @@ class H2OLayer(CacheLayerMixin):
         batch, heads, q_len, head_dim = key.shape
         used, capacity = self.slots_in_use, self.capacity
         expand = (batch, heads, q_len)
-        stored = self.format.encode(key, value) if self.format.quantized else {"keys": key, "values": value}
+        stored = self.format.encode(key, value)
         candidates = {
             **{name: torch.cat([getattr(self, name)[:, :, :used], new], dim=2) for name, new in stored.items()},
             "scores": torch.cat([self.scores[:, :, :used], new_scores], dim=2),
@@ -454,7 +454,7 @@ class H2OLayer(CacheLayerMixin):
             self.tier.archive_dropped(self, candidates, dropped)
         for name, candidate in candidates.items():
             index = keep if candidate.dim() == 3 else keep.unsqueeze(-1).expand(-1, -1, -1, candidate.shape[-1])
-            getattr(self, name)[:, :, :capacity] = candidate.gather(2, index)
+            getattr(self, name)[:, :, :capacity] = reference.gather_slots(candidate, index)
         self._count_evictions(valid.sum(-1) - kept_valid.sum(-1), dropped_score, mass)
         self.slots_in_use = capacity
 
