@@ -8,7 +8,7 @@ ordinary causal attention through sdpa, so one loaded model serves both.
 How the attention finds its cache layer, first match wins:
 1. ``h2o_cache=`` passed to ``model(...)`` (h2ochat's own loop does, the compiled step too; every
    family forwards it);
-2. the layer ``update`` last parked keys in on this thread (``kv.layer.last_update``: transformers'
+2. the cache whose ``update`` last parked keys on this thread (``kv.layer.last_update``: transformers'
    own ``generate()``, which passes no extra keyword; every family calls ``update`` just before its
    attention).
 The cache checks the hand-over both ways: a step whose keys no attention picked up raises at the next
@@ -47,20 +47,18 @@ def new_token_mask(batch_size, q_length, kv_length=None, attention_mask=None, **
     return None
 
 
-def _pending_layer(module, h2o_cache):
-    if h2o_cache is not None:
-        return h2o_cache.layers[module.layer_idx]
-    return last_update.take()
+def _pending_cache(h2o_cache):
+    return h2o_cache if h2o_cache is not None else last_update.take()
 
 
 def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, h2o_cache=None,
                   **kwargs):
     """query [B, Hq, Q, D], key/value [B, Hkv, Q, D] (new tokens only) -> ([B, Q, Hq, D], None)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = _pending_layer(module, h2o_cache)
-    if layer is None:
+    cache = _pending_cache(h2o_cache)
+    if cache is None:
         return _uncached_attention(module, query, key, value, attention_mask, scale, dropout, **kwargs)
-    out = layer.attend(query, key, value, attention_mask, scale)
+    out = cache.attend(module.layer_idx, query, key, value, attention_mask, scale)
     batch, kv_heads, group, q_len, head_dim = out.shape
     return out.reshape(batch, kv_heads * group, q_len, head_dim).transpose(1, 2).contiguous(), None
 

@@ -12,13 +12,12 @@ from .kv import H2OCache, H2OLayer
 
 
 class SlotsOnlyLayer(H2OLayer):
-    def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
-        self.take_pending(key)
+    def attend(self, query, key, value, new_valid, scale, context) -> torch.Tensor:
         batch, q_heads, q_len, head_dim = query.shape
         if q_len != 1 or new_valid is not None:
             raise ValueError("the slots-only baseline times decode steps only (one token, no padding)")
-        step = self.owner.step_numbers(self.layer_idx, batch, q_len, new_valid, query.device)
-        if self.owner.compiled_step or self.slots_in_use == self.capacity:
+        step = context.numbers
+        if context.compiled or self.slots_in_use == self.capacity:
             # full: the oldest slot, found from the token count on the device (no Python int in a compiled step)
             slot = step.token_index[:1, 0] % self.capacity
             self.keys.index_copy_(2, slot, key)
@@ -26,7 +25,7 @@ class SlotsOnlyLayer(H2OLayer):
         else:
             self.keys[:, :, self.slots_in_use] = key[:, :, 0]
             self.values[:, :, self.slots_in_use] = value[:, :, 0]
-        if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.compiled_decode
+        if not context.compiled:  # a compiled step leaves them to H2OCache.compiled_decode
             self.count_decoded()
         # one new token: the G query heads of a KV group are G query rows over the group's keys
         kv_heads = key.shape[1]

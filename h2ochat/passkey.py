@@ -127,7 +127,7 @@ class ExactShareTier(RecallTier):
         super().to_cold(keys, values, token_index, positions)
         self.exact.append(keys, token_index)
 
-    def recall(self, layer, queries: torch.Tensor) -> None:
+    def recall(self, layer, queries: torch.Tensor, rotary) -> None:
         count = self.frames.frame_page.shape[-1]
         pages_held = -(-self.cold.held_tokens() // self.cold.page)
         if int(pages_held.min()) > count:
@@ -135,7 +135,7 @@ class ExactShareTier(RecallTier):
             exact = self.exact.top_pages(queries, count)
             self.found += float((picked.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean())
             self.recalls_counted += 1
-        super().recall(layer, queries)
+        super().recall(layer, queries, rotary)
 
     def exact_share(self) -> float | None:
         return self.found / self.recalls_counted if self.recalls_counted else None

@@ -92,7 +92,7 @@ def _held_counts(cache, layer) -> torch.Tensor:
         zero = valid.new_zeros(()).sum()
         return torch.stack([zero, zero, valid.sum(), recall])
     sink = valid & (hot < layer.budget.sinks)
-    protected = layer.protected()[..., : layer.capacity]
+    protected = layer.protected(cache.tokens_fed - 1)[..., : layer.capacity]
     return torch.stack([sink.sum(), (valid & ~protected).sum(), (valid & protected & ~sink).sum(), recall])
 
 

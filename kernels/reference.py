@@ -160,6 +160,14 @@ def _new_key_mask(new_valid: torch.Tensor | None, batch: int, q_len: int, device
     return mask
 
 
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor.gather(2, index)``, for every slot dtype: torch has no gather for float8 (the fp8
+    slots), so a one-byte float is gathered as its bytes (a gather moves bits, it computes nothing)."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8).gather(2, index).view(tensor.dtype)
+    return tensor.gather(2, index)
+
+
 def lowest_slots(priority: torch.Tensor) -> torch.Tensor:
     """[B, Hkv] the slot each (sequence, KV head) evicts: the lowest priority, ties to the lowest slot
     index (torch's argmin and the eviction kernel choose alike). The one place a victim is chosen:

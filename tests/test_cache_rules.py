@@ -111,7 +111,7 @@ class TieAwareReference(SlowReference):
 
 def _drive(cache: H2OCache, layer_idx: int, query, key, value, new_valid, scale):
     cache.update(key, value, layer_idx)
-    return cache.layers[layer_idx].attend(query, key, value, new_valid, scale)
+    return cache.attend(layer_idx, query, key, value, new_valid, scale)
 
 
 def _kept(layer, b, h):

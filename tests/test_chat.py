@@ -181,7 +181,7 @@ def test_rebuild_with_a_new_budget_refeeds_the_conversation(loaded):
     conv.rebuild()
     assert conv.cache.budget.slots == 12
     assert conv.cache.longest_row_tokens() == len(conv.ids) >= total - 1
-    assert all(layer.stats().held == 12 for layer in conv.cache.layers)
+    assert all(stats.held == 12 for stats in conv.cache.layer_stats())
     assert_consistent(conv)
 
 

@@ -52,7 +52,7 @@ def sharpened(family: str):
 
 
 class EvictionRecorder:
-    """Every decode-step eviction of every cache: the slots' token indices and scores at the moment
+    """Every decode-step eviction of every cache (keyed by its row policies, which its layers share): the slots' token indices and scores at the moment
     of the choice (after this step's attention was added, before the eviction)."""
 
     def __init__(self, monkeypatch):
@@ -60,7 +60,7 @@ class EvictionRecorder:
         evict = H2OLayer.evict_one
 
         def recording(layer, *args, **kwargs):
-            self.by_cache.setdefault(id(layer.owner), {}).setdefault(layer.layer_idx, []).append(
+            self.by_cache.setdefault(id(layer.row_policies), {}).setdefault(layer.layer_idx, []).append(
                 (layer.token_index.clone(), layer.scores.clone()))
             return evict(layer, *args, **kwargs)
 
@@ -73,7 +73,7 @@ def run(model, ids, recorder):
     cache = CacheSettings(budget=str(SLOTS)).build(model)
     logits = [prefill(model, cache, ids[:, :SLOTS])]
     logits += [forward(model, cache, ids[:, t : t + 1])[:, -1] for t in range(SLOTS, ids.shape[1])]
-    return torch.stack(logits, 1).float(), cache, recorder.by_cache[id(cache)]
+    return torch.stack(logits, 1).float(), cache, recorder.by_cache[id(cache.row_policies)]
 
 
 def held(snapshot, b, h) -> dict[int, float]:

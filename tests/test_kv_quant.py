@@ -236,6 +236,49 @@ def test_renumbering_re_rotates_dequantized_keys(kv_dtype, seed):
     assert torch.equal(layer.keys[still], codes[still])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_slots_equal_masked_attention_over_cast_slots(family, seed, monkeypatch):
+    """fp8 slots (a cast to float8_e4m3fn, no scales) in a cache that evicts nothing: the logits equal
+    the masked full attention over past keys and values cast to float8 and back, chunked prefill with
+    left padding then decode steps; a slot costs one byte per channel."""
+    model = build_model(family, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 90, (2, 20), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    chunks = [6, 5, 1, 1, 1, 3, 1, 1, 1]
+    got, cache = quantized_logits(model, "fp8", ids, mask, chunks, slots=24)
+    # the reference's past keys and values go through the cast instead of int8 codes
+    monkeypatch.setitem(globals(), "roundtrip", lambda x, bits, rotate: x.to(torch.float8_e4m3fn).to(x.dtype))
+    expect = reference_logits(family, seed, "int8", ids, mask, chunks)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expect[real], rtol=1e-4, atol=1e-4)
+    layer = cache.layers[0]
+    assert layer.keys.dtype == torch.float8_e4m3fn and layer.key_scale is None
+    assert cache.kv_bytes() == 2 * layer.keys.numel() * len(cache.layers)
+
+
+def test_fp8_slots_evict_and_select_as_float_slots(seed):
+    """Chunks past the budget (the candidates gathered: torch has no float8 gather) and decode
+    evictions run in fp8 slots, keeping what float32 slots keep when the keys and values are exact
+    in float8 (small integers)."""
+    generator = torch.Generator().manual_seed(seed)
+    caches = {name: H2OCache(1, "h2o", 6, max_positions=100, kv_dtype=name) for name in ("float32", "fp8")}
+    for q_len in (4, 5, 1, 1, 3, 1):
+        key = torch.randint(-8, 8, (1, 2, q_len, 8), generator=generator).float()
+        value = torch.randint(-8, 8, (1, 2, q_len, 8), generator=generator).float()
+        query = torch.randint(-2, 3, (1, 2, q_len, 8), generator=generator).float()
+        outs = []
+        for cache in caches.values():
+            cache.position_ids(1, q_len)
+            cache.update(key, value, 0)
+            outs.append(cache.attend(0, query, key, value, None, 0.3))
+        torch.testing.assert_close(outs[0], outs[1])
+    full, fp8 = caches["float32"].layers[0], caches["fp8"].layers[0]
+    assert torch.equal(full.token_index, fp8.token_index) and torch.equal(full.keys, fp8.keys.float())
+    assert caches["fp8"].evicted_tokens() == caches["float32"].evicted_tokens() > 0
+
+
 def test_kv_dtype_is_checked():
     with pytest.raises(ValueError, match="--kv-dtype must be one of"):
         H2OCache(1, "h2o", 4, max_positions=100, kv_dtype="int3")

@@ -23,8 +23,8 @@ def _drive(cache, steps, batch=1, kv_heads=2, group=2, dim=8, generator=None):
         for layer_idx in range(len(cache.layers)):
             key = torch.randn(batch, kv_heads, 1, dim, generator=generator)
             cache.update(key, torch.randn(batch, kv_heads, 1, dim, generator=generator), layer_idx)
-            cache.layers[layer_idx].attend(torch.randn(batch, kv_heads * group, 1, dim, generator=generator),
-                                           key, cache.layers[layer_idx].pending_value, None, 0.3)
+            cache.attend(layer_idx, torch.randn(batch, kv_heads * group, 1, dim, generator=generator),
+                         key, cache.layers[layer_idx].pending_value, None, 0.3)
 
 
 def test_a_new_policy_is_one_definition(monkeypatch):

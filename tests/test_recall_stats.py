@@ -24,7 +24,7 @@ def _step(cache, q_len, generator):
     value = torch.randn(BATCH, KV_HEADS, q_len, DIM, generator=generator)
     query = torch.randn(BATCH, KV_HEADS * GROUP, q_len, DIM, generator=generator)
     cache.update(key, value, 0)
-    cache.layers[0].attend(query, key, value, None, SCALE)
+    cache.attend(0, query, key, value, None, SCALE)
     return query, key
 
 
@@ -102,7 +102,7 @@ def test_tier_stats_count_what_the_cold_stores_hold(seed, cold_limit):
                                    for n in ("keys", "values", "token_index", "encoded", "positions"))
     assert stats.digest_device_bytes == layer.tier.digest.nbytes() > 0
     assert stats.pages_copied == int(layer.tier.frames.copied.sum()) > 0
-    layer_stats = layer.stats()
+    layer_stats = cache.layer_stats()[0]
     assert layer_stats.capacity == HOT + RECALL and HOT < layer_stats.held <= HOT + RECALL
     record = cache.tier_record()
     assert record["cold_host_bytes"] == stats.host_bytes and record["pages_copied"] == stats.pages_copied

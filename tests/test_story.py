@@ -82,7 +82,7 @@ def test_story_goes_past_the_position_limit_in_flat_memory(loaded, seed):
     assert cache.longest_row_tokens() == 20 + tokens - 1 > 2 * limit
     assert cache.compactions >= 2
     assert set(memory) == {kv_bytes(16)}  # allocated once, never grown
-    assert all(layer.stats().held == 16 for layer in cache.layers)
+    assert all(stats.held == 16 for stats in cache.layer_stats())
 
 
 def test_story_file_holds_the_opening_and_the_models_continuation(checkpoint, loaded, tmp_path, seed):

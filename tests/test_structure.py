@@ -127,7 +127,7 @@ def test_the_eviction_route_is_chosen_once_per_layer(monkeypatch):
         for layer in range(2):
             cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), layer)
             pending = cache.layers[layer]
-            pending.attend(torch.randn(1, 2, 1, 8), pending.pending_key, pending.pending_value, None, 0.3)
+            cache.attend(layer, torch.randn(1, 2, 1, 8), pending.pending_key, pending.pending_value, None, 0.3)
     assert cache.evicted_tokens() == 2 * 2 * 6
     assert len(asked) == 2  # once per layer, at allocation
 

@@ -23,18 +23,19 @@ class LayerStats:
     heavy_age_oldest: int | None
 
 
-def layer_stats(layer) -> LayerStats:
-    """One ``H2OLayer``'s figures, over every device slot column: ``capacity`` counts the tier's
-    columns too (the budget), so ``held`` (the policy's tokens and the tier's) never exceeds it."""
+def layer_stats(layer, tokens_fed: torch.Tensor) -> LayerStats:
+    """One ``H2OLayer``'s figures, over every device slot column, when each row has been fed
+    ``tokens_fed`` [B]: ``capacity`` counts the tier's columns too (the budget), so ``held`` (the
+    policy's tokens and the tier's) never exceeds it."""
     if not layer.is_initialized:
         return LayerStats(layer.columns, 0.0, 0.0, 0.0, 0, 0.0, None, None)
     valid = layer.token_index >= 0
-    kept_on_merit = valid & ~layer.protected() if layer.owner.evicts else valid & False
+    kept_on_merit = valid & ~layer.protected(tokens_fed - 1) if not layer.kind.grows else valid & False
     held = valid.sum(-1).float().mean().item()
     heavy = kept_on_merit.sum(-1).float().mean().item()
     evicted = int(layer.evicted.sum().item())
     share = float(layer.evicted_share.sum().item()) / evicted if evicted else 0.0
-    ages = (layer.owner.tokens_fed.view(-1, 1, 1) - layer.token_index)[kept_on_merit].float()
+    ages = (tokens_fed.view(-1, 1, 1) - layer.token_index)[kept_on_merit].float()
     median = float(ages.median().item()) if ages.numel() else None
     oldest = int(ages.max().item()) if ages.numel() else None
     return LayerStats(layer.columns, held, held - heavy, heavy, evicted, share, median, oldest)
@@ -92,7 +93,7 @@ class CacheAccounting:
         return self.tier.record(self)
 
     def layer_stats(self) -> list[LayerStats]:
-        return [layer_stats(layer) for layer in self.layers]
+        return [layer_stats(layer, self.tokens_fed) for layer in self.layers]
 
     def cached_token_share(self, sequence: int = 0) -> torch.Tensor:
         """For each token index of ``sequence`` seen so far, the share of (layer, head) slots that

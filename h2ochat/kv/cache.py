@@ -19,6 +19,7 @@ a cache of its own size would.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -28,15 +29,15 @@ from ..policies import Policy, SlotBudget, get_policy
 from ..rotary import Rotary
 from .accounting import CacheAccounting
 from .full import cache_kind
-from .layer import AttentionMismatchError, H2OLayer
-from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
-from .rows import CacheShapeError, RowPolicies, RowSpec, RowState
+from .layer import AttentionMismatchError, H2OLayer, LayerSetup, last_update
+from .numbering import HostCounters, PositionLimitError, Renumbering, StepContext, StepNumbers
+from .row_moves import RowMoves
+from .rows import CacheShapeError, RowPolicies, RowSpec
 from .slot_format import check_kv_dtype
-from .synthetic import fill_recent
 from .tier import NO_TIER, TierSpec
 
 
-class H2OCache(CacheAccounting, Cache):
+class H2OCache(CacheAccounting, RowMoves, Cache):
     """Fixed-budget KV cache for a whole model; pass it to ``model(...)`` or ``generate(cache=...)``.
 
     ``slots`` is the budget per layer (the policy may shape it by depth, keeping the total).
@@ -91,7 +92,8 @@ class H2OCache(CacheAccounting, Cache):
         self.construction = dict(num_layers=num_layers, policy=policy, slots=slots, max_positions=max_positions,
                                  positions=positions, rotary=rotary, seed=seed, static_shapes=static_shapes,
                                  rows=rows, tier=tier, kv_dtype=kv_dtype)
-        super().__init__(layers=[self.layer_type(self, index) for index in range(num_layers)])
+        setup = LayerSetup(self.row_policies, self.kind, self.kv_dtype)
+        super().__init__(layers=[self.layer_type(index, setup, tier.make()) for index in range(num_layers)])
         self._clear_counters()
 
     # -- the rows' policies (``RowPolicies``), as the layers and the views read them ----------------
@@ -125,6 +127,7 @@ class H2OCache(CacheAccounting, Cache):
         self.compactions = 0  # re-numberings so far
         self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
         self.step: StepNumbers | None = None  # the current step's token indices and positions
+        self.context: StepContext | None = None  # what the layers are handed with the current step
         self.step_layer = -1  # the deepest layer that has taken the current step's numbers
         # True inside ``compiled_decode()``: see there which fields it leaves stale
         self.compiled_step = False
@@ -163,7 +166,30 @@ class H2OCache(CacheAccounting, Cache):
                 "model loaded with attn_implementation='h2o' (h2ochat.attention.use_h2o_attention(model))"
             )
         self.pending = self.layers[layer_idx]
+        last_update.record(self, self.pending)  # how the attention finds this cache under transformers' generate()
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def attend(self, layer_idx: int, query, key, value, new_valid, scale) -> torch.Tensor:
+        """The h2o attention of layer ``layer_idx`` over its slots and the keys ``update`` parked
+        (``H2OLayer.attend``, handed this step's ``StepContext``). Returns [B, Hkv, G, Q, D]."""
+        layer = self.layers[layer_idx]
+        layer.take_pending(key)
+        self.pending = None  # the next ``update`` may park more
+        batch, _, q_len, _ = query.shape
+        return layer.attend(query, key, value, new_valid, scale,
+                            self.step_context(layer_idx, batch, q_len, new_valid, query.device))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # inside a compiled decode step nothing uses the answer (positions come from the cache, the
+        # h2o mask function ignores sizes): a constant keeps the per-step counter out of the graph's guards
+        if self.compiled_step and layer_idx < len(self.layers):
+            return self.layers[layer_idx].capacity
+        return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if self.compiled_step and layer_idx < len(self.layers):
+            return self.layers[layer_idx].compiled_sizes(query_length)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     def use_tier(self, tier: TierSpec) -> None:
         """Give an empty cache another tier (one that measures more, say), before anything is fed."""
@@ -174,13 +200,15 @@ class H2OCache(CacheAccounting, Cache):
         for layer in self.layers:
             layer.use_tier(tier.make())
 
-    def attended(self, layer: H2OLayer) -> None:
-        """``layer``'s parked keys reached the attention: the next ``update`` may park more."""
-        self.pending = None
-
     def use_static_shapes(self) -> None:
         """Decode steps from now on attend over all C slots and evict in place (the compiled step's shapes)."""
         self.static_shapes = True
+        self._refresh_context()
+
+    def _refresh_context(self) -> None:
+        """The current step's context again, after its mode changed (static shapes, the compiled step)."""
+        if self.context is not None:
+            self.context = replace(self.context, compiled=self.compiled_step, static_shapes=self.static_shapes)
 
     def mark_static_addresses(self) -> None:
         """Mark every tensor a step writes as a fixed address for CUDA graphs (once; the slots are
@@ -208,10 +236,12 @@ class H2OCache(CacheAccounting, Cache):
         (``get_seq_length``/``get_mask_sizes``: the h2o mask function and our position ids ignore
         them). The step's token indices and positions must be handed out (``position_ids``) before."""
         self.compiled_step = True
+        self._refresh_context()
         try:
             yield
         finally:
             self.compiled_step = False
+            self._refresh_context()
         for layer in self.layers:
             layer.count_decoded()
 
@@ -221,81 +251,7 @@ class H2OCache(CacheAccounting, Cache):
         self._clear_counters()
         for layer in self.layers:
             layer.allocate(batch, kv_heads, head_dim, value_dim or head_dim, dtype, device)
-
-    def export_row(self, row: int, device="cpu") -> RowState:
-        """A copy of batch row ``row``'s state in every layer (on ``device``): the layer's slot tensors
-        and its tier's (``Tier.export_row``: a store that grows with the text keeps what this row holds)."""
-        if not self.initialized:
-            raise CacheShapeError("the cache holds nothing yet: nothing to export")
-        layers = [{**{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()
-                      if name not in layer.tier.state_tensors()}, **layer.tier.export_row(row, device)}
-                  for layer in self.layers]
-        counters = {name: tensor[row].to(device, copy=True) for name, tensor in self._row_counters().items()}
-        return RowState(layers, counters)
-
-    def _row_counters(self) -> dict[str, torch.Tensor]:
-        return {"tokens_fed": self.tokens_fed, "next_position": self.next_position}
-
-    def import_row(self, row: int, state: RowState) -> None:
-        """Overwrite batch row ``row`` with ``state`` (exported from a cache of the same layer count,
-        capacities, heads, dtype and tier), in place: the other rows, mid-generation or not, are
-        untouched and a compiled step's buffers keep their addresses (a tier's store may grow: ``Tier.import_row``).
-        The row then continues exactly as its own cache would have (until a re-numbering, which every row takes)."""
-        if not self.initialized:
-            raise CacheShapeError("allocate the cache (H2OCache.allocate) before importing a row into it")
-        if len(state.layers) != len(self.layers):
-            raise CacheShapeError(f"the row state has {len(state.layers)} layers, the cache {len(self.layers)}")
-        # the layers' own tensors and the counters are checked here, the rest goes to each layer's tier
-        targets = [(f"layer {index}", {name: tensor for name, tensor in layer.state_tensors().items()
-                                       if name not in layer.tier.state_tensors()}, saved)
-                   for index, (layer, saved) in enumerate(zip(self.layers, state.layers))]
-        targets.append(("counters", self._row_counters(), state.counters))
-        for (where, mine, saved), layer in zip(targets, [*self.layers, None]):
-            tier_names_allowed = layer is not None and bool(layer.tier.state_tensors())  # (its tier checks them)
-            if not set(mine) <= set(saved) or (set(saved) != set(mine) and not tier_names_allowed):
-                raise CacheShapeError(f"{where}: the row state holds {sorted(saved)}, the cache {sorted(mine)} and its tier's")
-            for name, tensor in mine.items():
-                if saved[name].shape != tensor.shape[1:] or saved[name].dtype != tensor.dtype:
-                    raise CacheShapeError(f"{where} {name}: the row state's {tuple(saved[name].shape)} "
-                                          f"{saved[name].dtype} does not fit the cache's {tuple(tensor.shape[1:])} "
-                                          f"{tensor.dtype}")
-        with torch.inference_mode():  # the slots were made under inference mode
-            for _, mine, saved in targets:
-                for name, tensor in mine.items():
-                    tensor[row].copy_(saved[name])
-            for (_, mine, saved), layer in zip(targets, self.layers):
-                layer.tier.import_row(row, {name: tensor for name, tensor in saved.items() if name not in mine})
-        # the host counters cover every row: slot columns in use and columns fed take the larger
-        for layer, saved in zip(self.layers, state.layers):  # (of the policy's columns: a tier's are its own)
-            occupied = (saved["token_index"][:, :layer.capacity] >= 0).any(dim=0).nonzero()
-            in_use, fed = layer.host_counters()
-            layer.set_host_counters(max(in_use, int(occupied.max()) + 1 if occupied.numel() else 0),
-                                    max(fed, state.tokens_fed))
-        self.largest_next_position = max(self.largest_next_position, int(state.counters["next_position"]))
-
-    def reset_row(self, row: int) -> None:
-        """Empty batch row ``row`` (no tokens, scores and counters 0) without touching the others."""
-        if not self.initialized:
-            return
-        with torch.inference_mode():
-            for layer in self.layers:
-                layer.reset_row(row)
-            for tensor in self._row_counters().values():
-                tensor[row] = 0
-        # one read-back (rows are reset rarely): the bound is the largest next position left
-        self.largest_next_position = int(self.next_position.max())
-
-    def assume_seen(self, tokens: int, generator: torch.Generator) -> None:
-        """Make an initialised cache look as if every row had been fed ``tokens`` tokens (a benchmark's
-        synthetic context: a decode step costs the same whatever the values it reads): each layer
-        holds its most recent ``min(capacity, tokens)`` tokens with random keys, values and scores,
-        drawn by ``generator`` (on the slots' device)."""
-        with torch.inference_mode():
-            for layer in self.layers:
-                fill_recent(layer, tokens, generator)
-            self.tokens_fed.fill_(tokens)
-            self.next_position.fill_(tokens)
-        self.largest_next_position = tokens
+        self.counters_for(batch, torch.device(device))
 
     # -- what the generation loop asks -----------------------------------------------------------
     @property
@@ -330,7 +286,7 @@ class H2OCache(CacheAccounting, Cache):
         position_ids = self._begin_step(batch, q_len, new_valid, device, active).position_ids
         for layer in self.layers:  # room the tiers need for what these tokens can evict (host counters)
             if layer.is_initialized:
-                layer.tier.reserve(layer, q_len)
+                layer.tier.reserve(layer, q_len, self.context)
         return position_ids
 
     @property
@@ -396,6 +352,11 @@ class H2OCache(CacheAccounting, Cache):
         self.step_layer = layer_idx  # the deepest layer that has taken them (a shallower one asking starts anew)
         return step
 
+    def step_context(self, layer_idx: int, batch: int, q_len: int, new_valid, device) -> StepContext:
+        """``step_numbers`` with the step's mode, as layer ``layer_idx`` is handed them (built once per step)."""
+        self.step_numbers(layer_idx, batch, q_len, new_valid, device)
+        return self.context
+
     def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device,
                     active: torch.Tensor | None = None) -> StepNumbers:
         """Number the next Q tokens of every row from the counters, and advance the counters."""
@@ -431,6 +392,7 @@ class H2OCache(CacheAccounting, Cache):
                 # a step with padding is a prompt chunk, not the decode step: one read-back is fine here
                 self.largest_next_position = int(self.next_position.max())
         self.step = StepNumbers(token_index, positions, position_ids, active)
+        self.context = StepContext(self.step, self.compiled_step, self.static_shapes, self.rotary, self.tokens_fed)
         self.step_layer = -1
         return self.step
 

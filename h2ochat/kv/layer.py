@@ -15,6 +15,8 @@ each (sequence, head)'s lowest-priority slot in place; a tier that archives sees
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -23,7 +25,7 @@ from h2ochat_kernels import reference
 
 from ..policies import SlotBudget
 from .accounting import layer_stats
-from .numbering import StepNumbers
+from .numbering import StepContext
 from .full import widened
 from .slot_format import SCALE_TENSORS, slot_format
 
@@ -45,10 +47,10 @@ class NoTier:
     def reset(self) -> None:
         pass
 
-    def reserve(self, layer, q_len: int) -> None:
+    def reserve(self, layer, q_len: int, context) -> None:
         pass
 
-    def before_attention(self, layer, query, new_valid) -> None:
+    def before_attention(self, layer, query, new_valid, context) -> None:
         pass
 
     def before_insert(self, layer) -> None:
@@ -74,19 +76,21 @@ NO_TIER_LAYER = NoTier()  # stateless: one serves every layer
 
 
 class LastUpdate(threading.local):
-    """The layer ``update`` last parked keys in, on this thread: how the attention function finds its
-    layer under transformers' own generate(), which passes it no ``h2o_cache`` (every family calls
-    ``update`` just before its attention)."""
+    """The cache whose ``update`` last parked keys in one of its layers, on this thread: how the
+    attention function finds its cache under transformers' own generate(), which passes it no
+    ``h2o_cache`` (every family calls ``update`` just before its attention)."""
 
+    cache = None
     layer: "H2OLayer | None" = None
 
-    def record(self, layer: "H2OLayer") -> None:
-        self.layer = layer
+    def record(self, cache, layer: "H2OLayer") -> None:
+        self.cache, self.layer = cache, layer
 
-    def take(self) -> "H2OLayer | None":
-        """The layer recorded, once: None when nothing was, or when its keys were attended already."""
-        layer, self.layer = self.layer, None
-        return layer if layer is not None and layer.pending_key is not None else None
+    def take(self):
+        """The cache recorded, once: None when nothing was, or when its keys were attended already."""
+        cache, layer = self.cache, self.layer
+        self.cache = self.layer = None
+        return cache if layer is not None and layer.pending_key is not None else None
 
 
 last_update = LastUpdate()
@@ -102,6 +106,17 @@ class AttentionMismatchError(RuntimeError):
     """The H2OCache was driven by something other than the ``h2o`` attention function."""
 
 
+@dataclass(frozen=True)
+class LayerSetup:
+    """What a cache tells each of its layers once, at construction: the rows' policies and budgets
+    (``kv.rows.RowPolicies``), the cache's kind (``kv.full``: bounded, or growing) and ``--kv-dtype``.
+    Per-step facts come with each step instead (``StepContext``)."""
+
+    row_policies: object  # kv.rows.RowPolicies
+    kind: object  # kv.full's cache kind
+    kv_dtype: str
+
+
 class H2OLayer(CacheLayerMixin):
     """One layer: its slots, its policy's parameters (``rows``), its kernels (``kernels``, a
     ``Backend`` chosen once at allocation) and its tier (``tier``, see ``kv.tier``). The policy works
@@ -109,17 +124,21 @@ class H2OLayer(CacheLayerMixin):
     policy never ranks. Counters: ``slots_in_use`` (slot columns holding a token or padding, the
     same for every row and head) and ``tokens_fed_with_padding`` (columns fed, padding included) are
     host ints; the per-row counts of real tokens and positions live in the cache (``H2OCache.tokens_fed``,
-    ``H2OCache.next_position``), one source for every layer."""
+    ``H2OCache.next_position``), one source for every layer. The layer holds no reference to its
+    cache: it is told its setup once (``LayerSetup``) and each step's facts with the step
+    (``StepContext``, ``attend``)."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner: "H2OCache", layer_idx: int):
+    def __init__(self, layer_idx: int, setup: LayerSetup, tier):
         super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
-        self.budgets = owner.row_policies.budgets(layer_idx)  # one per row group
+        self.layer_idx, self.setup = layer_idx, setup
+        self.row_policies, self.kind = setup.row_policies, setup.kind
+        self.fused_eviction_parameters = setup.row_policies.fused_eviction_parameters
+        self.budgets = setup.row_policies.budgets(layer_idx)  # one per row group
         self.capacity = max(budget.slots for budget in self.budgets)  # the policy's columns
-        self.tier = owner.tier.make()
+        self.tier = tier
         self.slots_in_use = 0
         self.tokens_fed_with_padding = 0
         self.pending_key = self.pending_value = None
@@ -142,22 +161,21 @@ class H2OLayer(CacheLayerMixin):
         self.kernels = kernels.backend_for(self.device)  # H2OCHAT_KERNELS is read here, once
         shape = (batch, heads, self.columns)
         # keys, values (floats, or codes with their scales and offsets): --kv-dtype's format
-        self.format = slot_format(self.owner.kv_dtype, head_dim, value_dim, dtype)
+        self.format = slot_format(self.setup.kv_dtype, head_dim, value_dim, dtype)
         for name, tensor in self.format.allocate(shape, self.device).items():
             setattr(self, name, tensor)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.value_norm = (torch.zeros(shape, dtype=torch.float32, device=self.device)
-                           if self.owner.uses_value_norm else None)
+                           if self.row_policies.uses_value_norm else None)
         self.token_index = torch.full(shape, -1, dtype=torch.long, device=self.device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=self.device)
         self.evicted = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
         self.evicted_share = torch.zeros(batch, heads, dtype=torch.float32, device=self.device)
         # (sequence, head) coordinates of a per-(sequence, head) slot index, for in-place writes
         self.coordinates = reference.slot_coordinates(batch, heads, self.device)
-        self.rows = self.owner.row_policies.parameters(self.layer_idx, batch, self.device)
+        self.rows = self.row_policies.parameters(self.layer_idx, batch, self.device)
         self.evictor = self._choose_eviction()
         self.slots_in_use = self.tokens_fed_with_padding = 0
-        self.owner.counters_for(batch, self.device)
         self.tier.allocate(self, batch, heads, head_dim, value_dim, dtype, self.device)
         self.is_initialized = True
 
@@ -195,7 +213,7 @@ class H2OLayer(CacheLayerMixin):
         rows of different budgets through a priority computed here (``_evict_by_priority``)."""
         if self.tier.archives or self.format.quantized:  # (codes and scales: written by _evict_to_tier)
             return self._evict_to_tier
-        if self.owner.fused_eviction_parameters is not None and not self.rows.spare_slots:
+        if self.fused_eviction_parameters is not None and not self.rows.spare_slots:
             return self._evict_fused
         return self._evict_by_priority
 
@@ -216,21 +234,22 @@ class H2OLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending_key, self.pending_value = key_states, value_states
-        last_update.record(self)  # how the attention finds this layer under transformers' generate()
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        # inside a compiled decode step nothing uses the answer (positions come from the cache, the
-        # h2o mask function ignores sizes): a constant keeps the per-step counter out of the graph's guards
-        return self.capacity if self.owner.compiled_step else self.tokens_fed_with_padding
+        return self.tokens_fed_with_padding
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.owner.compiled_step:
-            return self.capacity + query_length, 0
         return self.slots_in_use + query_length, self.tokens_fed_with_padding - self.slots_in_use
 
+    def compiled_sizes(self, query_length: int) -> tuple[int, int]:
+        """``get_mask_sizes`` inside a compiled decode step (``H2OCache.get_mask_sizes`` asks): nothing
+        uses the answer (the h2o mask function ignores sizes), and a constant keeps the per-step
+        counters out of the graph's guards."""
+        return self.capacity + query_length, 0
+
     def get_max_length(self) -> int:
-        return self.owner.kind.max_length(self.capacity)
+        return self.kind.max_length(self.capacity)
 
     def reset(self) -> None:
         """Drop the slots (their memory goes back): the layer allocates again on its next update."""
@@ -253,54 +272,54 @@ class H2OLayer(CacheLayerMixin):
                 "(a forward hook or a copy between them?); the H2O cache would attend the wrong tokens"
             )
         self.pending_key = self.pending_value = None
-        self.owner.attended(self)
 
-    def attend(self, query, key, value, new_valid, scale) -> torch.Tensor:
-        """Attention for Q new tokens, then scoring and eviction. Returns [B, Hkv, G, Q, D]."""
-        self.take_pending(key)
+    def attend(self, query, key, value, new_valid, scale, context: StepContext) -> torch.Tensor:
+        """Attention for Q new tokens, then scoring and eviction (``H2OCache.attend`` calls it, with
+        the step's ``context``). Returns [B, Hkv, G, Q, D]."""
         batch, q_heads, q_len, head_dim = query.shape
         kv_heads = key.shape[1]
-        step = self.owner.step_numbers(self.layer_idx, batch, q_len, new_valid, query.device)
+        step = context.numbers
         # a row left out of a decode step (``StepNumbers.active``) is a padding token to the attention:
         # it changes no score (no decay either)
         attend_valid = new_valid if step.active is None else step.active.view(batch, 1)
-        self.tier.before_attention(self, query, new_valid)
-        if self.owner.kind.grows:  # the full cache (kv.full) makes room before the step
-            columns = self.owner.kind.columns_needed(self.slots_in_use, self.capacity, q_len)
+        self.tier.before_attention(self, query, new_valid, context)
+        if self.kind.grows:  # the full cache (kv.full) makes room before the step
+            columns = self.kind.columns_needed(self.slots_in_use, self.capacity, q_len)
             if columns is not None:
                 self._widen(columns)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
         if self.format.quantized:
-            whole = self.owner.static_shapes or self.slots_in_use >= self.capacity
+            whole = context.static_shapes or self.slots_in_use >= self.capacity
             width = self.columns if whole else self.slots_in_use
             out, new_scores = self.format.attend(
                 self.kernels, grouped, self.slot_view(width), self.token_index[:, :, :width], key, value,
                 attend_valid, scale, self.scores[:, :, :width], self.rows.decay)
-            self._insert(key, value, new_scores, new_valid, step)
+            self._insert(key, value, new_scores, new_valid, context)
             return out
         slots = (self.keys, self.values, self.token_index, self.scores)
-        if not self.owner.static_shapes and self.slots_in_use < self.capacity:
+        if not context.static_shapes and self.slots_in_use < self.capacity:
             slots = tuple(tensor[:, :, : self.slots_in_use] for tensor in slots)
         cache_keys, cache_values, token_index, scores = slots
         out, new_scores = self.kernels.attend_with_scores(
             grouped, cache_keys, cache_values, token_index, key, value, attend_valid, scale, scores, self.rows.decay)
-        self._insert(key, value, new_scores, new_valid, step)
+        self._insert(key, value, new_scores, new_valid, context)
         return out
 
-    def _insert(self, key, value, new_scores, new_valid, step: StepNumbers) -> None:
+    def _insert(self, key, value, new_scores, new_valid, context: StepContext) -> None:
+        step = context.numbers
         self.tier.before_insert(self)
         q_len = key.shape[2]
         value_norm = value.float().norm(dim=-1) if self.value_norm is not None else None
         decoding = q_len == 1 and new_valid is None
         # (static_shapes is read first: a compiled step must not read, hence guard on, slots_in_use)
-        if decoding and (self.owner.static_shapes or self.slots_in_use == self.capacity or self.rows.spare_slots):
+        if decoding and (context.static_shapes or self.slots_in_use == self.capacity or self.rows.spare_slots):
             # steady state: the lowest-priority slot of each (sequence, head) is overwritten in place;
             # an empty slot ranks lowest, so a cache that is not full yet fills its next slot
             # (the mask goes only where there is one: wrappers of evict_one may not take it)
             self.evict_one(key, value, new_scores[:, :, 0], step.token_index[:, 0], step.positions[:, 0],
                            value_norm[:, :, 0] if value_norm is not None else None,
                            **({} if step.active is None else {"active": step.active}))
-            if not self.owner.compiled_step:  # a compiled step leaves them to H2OCache.compiled_decode
+            if not context.compiled:  # a compiled step leaves them to H2OCache.compiled_decode
                 self.count_decoded()
             return
         used, capacity = self.slots_in_use, self.capacity
@@ -308,7 +327,7 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError("a multi-token step must fit every row's budget (the opening chunk only)")
         if used + q_len <= capacity:
             end = used + q_len
-            stored = self.format.encode(key, value) if self.format.quantized else {"keys": key, "values": value}
+            stored = self.format.encode(key, value)
             writes = [*((getattr(self, name), new) for name, new in stored.items()), (self.scores, new_scores),
                       (self.token_index, step.token_index.unsqueeze(1)), (self.positions, step.positions.unsqueeze(1))]
             if value_norm is not None:
@@ -320,7 +339,7 @@ class H2OLayer(CacheLayerMixin):
                 part.copy_(new.expand_as(part))
             self.slots_in_use = end
         else:
-            self._select(key, value, new_scores, step.token_index, step.positions, value_norm)
+            self._select(key, value, new_scores, step.token_index, step.positions, value_norm, context.newest)
         self.tokens_fed_with_padding += q_len
 
     def count_decoded(self) -> None:
@@ -339,11 +358,11 @@ class H2OLayer(CacheLayerMixin):
     def priority(self, scores, token_index, newest, value_norm) -> torch.Tensor:
         """Keep priority [B, Hkv, S] of every slot (higher = keep): each row by its policy (a built-in
         rank every row shares straight from the kernels' reference, as the fused eviction computes it)."""
-        parameters = self.owner.fused_eviction_parameters
+        parameters = self.fused_eviction_parameters
         if parameters is not None:
             rank = reference.slot_rank(scores, token_index, newest, value_norm, **parameters)
         else:
-            rank = self.owner.row_policies.rank(scores, token_index, newest, value_norm, self.rows)
+            rank = self.row_policies.rank(scores, token_index, newest, value_norm, self.rows)
         priority = kernels.keep_priority(rank, token_index, newest, self.rows.recent, self.rows.sinks)
         if self.rows.spare_slots:  # a row holding its own budget leaves the spare slots alone
             full = (token_index >= 0).sum(dim=-1, keepdim=True) >= self.rows.slots.view(-1, 1, 1)
@@ -374,7 +393,7 @@ class H2OLayer(CacheLayerMixin):
         dropped, dropped_score = self.kernels.evict_by_policy(
             self.keys, self.values, self.scores, self.token_index, self.positions, key, value, new_score, token_index,
             position, self.value_norm, value_norm, active, recent=self.rows.recent, sinks=self.rows.sinks,
-            coordinates=self.coordinates, **self.owner.fused_eviction_parameters)
+            coordinates=self.coordinates, **self.fused_eviction_parameters)
         self._count_one_eviction(dropped, dropped_score, mass)
 
     def _evict_to_tier(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
@@ -409,12 +428,13 @@ class H2OLayer(CacheLayerMixin):
         self.evicted += evicted
         self.evicted_share += torch.where(mass > 0, dropped_score / mass.clamp_min(1e-30), 0.0) * (evicted > 0)
 
-    def _select(self, key, value, new_scores, token_index, positions, value_norm) -> None:
-        """Several new tokens (a prefill chunk, or padding): keep the best C of slots + new."""
+    def _select(self, key, value, new_scores, token_index, positions, value_norm, newest) -> None:
+        """Several new tokens (a prefill chunk, or padding): keep the best C of slots + new
+        (``newest`` [B]: each row's newest token index, this step's counted)."""
         batch, heads, q_len, head_dim = key.shape
         used, capacity = self.slots_in_use, self.capacity
         expand = (batch, heads, q_len)
-        stored = self.format.encode(key, value) if self.format.quantized else {"keys": key, "values": value}
+        stored = self.format.encode(key, value)
         candidates = {
             **{name: torch.cat([getattr(self, name)[:, :, :used], new], dim=2) for name, new in stored.items()},
             "scores": torch.cat([self.scores[:, :, :used], new_scores], dim=2),
@@ -423,7 +443,6 @@ class H2OLayer(CacheLayerMixin):
         }
         if value_norm is not None:
             candidates["value_norm"] = torch.cat([self.value_norm[:, :, :used], value_norm], dim=2)
-        newest = self.owner.tokens_fed - 1  # the step's tokens are counted already
         priority = self.priority(candidates["scores"], candidates["token_index"], newest, candidates.get("value_norm"))
         keep = priority.topk(capacity, dim=-1).indices.sort(dim=-1).values
         valid = candidates["token_index"] >= 0
@@ -435,7 +454,7 @@ class H2OLayer(CacheLayerMixin):
             self.tier.archive_dropped(self, candidates, dropped)
         for name, candidate in candidates.items():
             index = keep if candidate.dim() == 3 else keep.unsqueeze(-1).expand(-1, -1, -1, candidate.shape[-1])
-            getattr(self, name)[:, :, :capacity] = candidate.gather(2, index)
+            getattr(self, name)[:, :, :capacity] = reference.gather_slots(candidate, index)
         self._count_evictions(valid.sum(-1) - kept_valid.sum(-1), dropped_score, mass)
         self.slots_in_use = capacity
 
@@ -463,11 +482,11 @@ class H2OLayer(CacheLayerMixin):
         return self.keys.shape[1] * self.format.slot_bytes
 
     # -- statistics -------------------------------------------------------------------------------
-    def stats(self):
-        """This layer's figures (``kv.accounting.layer_stats``)."""
-        return layer_stats(self)
+    def stats(self, tokens_fed: torch.Tensor):
+        """This layer's figures (``kv.accounting.layer_stats``) when each row has been fed ``tokens_fed`` [B]."""
+        return layer_stats(self, tokens_fed)
 
-    def protected(self, newest: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, Hkv, C] bool: the slots the policy never evicts (recent window and sinks) now."""
-        newest = self.owner.tokens_fed - 1 if newest is None else newest
+    def protected(self, newest: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, C] bool: the slots the policy never evicts (recent window and sinks) when each
+        row's newest token index is ``newest`` [B]."""
         return kernels.protected_slots(self.token_index, newest, self.rows.recent, self.rows.sinks)

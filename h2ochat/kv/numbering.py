@@ -31,6 +31,28 @@ class StepNumbers:
 
 
 @dataclass(frozen=True)
+class StepContext:
+    """What a layer needs of its cache during one step, built by the cache once per step (and again
+    when the step's mode changes) and handed down with the call (``H2OCache.attend``): the layer and
+    its tier read nothing of the cache's while a step runs.
+
+    ``compiled``: inside ``H2OCache.compiled_decode`` (the host counters are left to its exit and
+    nothing per-step may be read as a Python value). ``static_shapes``: decode steps attend over
+    every slot column and evict in place. ``tokens_fed`` [B]: the per-row counts, this step's tokens
+    counted (``newest`` is each row's newest token index)."""
+
+    numbers: StepNumbers
+    compiled: bool
+    static_shapes: bool
+    rotary: object | None  # ``h2ochat.rotary.Rotary`` (None: a model without RoPE)
+    tokens_fed: torch.Tensor
+
+    @property
+    def newest(self) -> torch.Tensor:
+        return self.tokens_fed - 1
+
+
+@dataclass(frozen=True)
 class HostCounters:
     """The cache's host-side counters at one moment (``H2OCache.host_counters``)."""
 

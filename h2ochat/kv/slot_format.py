@@ -24,8 +24,11 @@ import torch
 from ..recall.selectors import spreading_rotation
 from ..rotary import rotate_keys
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
-FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int8", "int4")
+# fp8: a plain cast to float8_e4m3fn (no scales): its range (+-448) holds the keys and values of the
+# models served, and its 3 mantissa bits are what one byte of a float keeps
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp8": torch.float8_e4m3fn}
 QUANT_BITS = {"int8": 8, "int4": 4}
 # the per-slot tensors quantized slots keep beside the codes (None in float slots)
 SCALE_TENSORS = ("key_scale", "key_offset", "value_scale", "value_offset")
@@ -66,8 +69,9 @@ class FloatSlots:
                 **{name: None for name in SCALE_TENSORS}}
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        """New tokens [B, Hkv, Q, D] as the slots hold them (the writes cast)."""
-        return {"keys": key, "values": value}
+        """New tokens [B, Hkv, Q, D] as the slots hold them: cast to the slots' dtype (a no-op for the
+        model's own; fp8 must be cast before it meets the slots, torch promotes nothing to float8)."""
+        return {"keys": key.to(self.dtype), "values": value.to(self.dtype)}
 
     def attend(self, backend, query, slots: dict, token_index, key, value, new_valid, scale, scores, decay):
         return backend.attend_with_scores(query, slots["keys"], slots["values"], token_index, key, value, new_valid,

@@ -6,9 +6,12 @@ recall tier's recall slots), which the policy never ranks and never evicts. The 
 at fixed points of a step, always with the layer itself (the tier reads the slots, never writes the
 layer's own fields):
 
-- ``reserve(layer, q_len)``: before the step (from ``H2OCache.position_ids``, host counters only),
-  room for whatever these tokens can evict;
-- ``before_attention(layer, query, new_valid)``: e.g. bring recalled pages into its columns;
+- ``reserve(layer, q_len, context)``: before the step (from ``H2OCache.position_ids``, host counters
+  only), room for whatever these tokens can evict;
+- ``before_attention(layer, query, new_valid, context)``: e.g. bring recalled pages into its columns;
+
+``context`` is the step's ``kv.numbering.StepContext`` (its numbers, the compiled/static mode, the
+rotary): a tier reads the step's mode there, never through the layer's cache.
 - ``before_insert(layer)``: after the attention, before this step's scores rank anything;
 - ``archive(layer, slot)``: a decode step evicts ``slot`` [B, Hkv] of each (sequence, KV head); called
   before the slot is overwritten, with exactly the victim the eviction then writes over;
@@ -30,6 +33,27 @@ H2O cache: no columns, nothing archived, every hook a no-op (``NoTier``, beside 
 defaults to it: a decoded token's route does not leave the layer for it). A new tier is one class
 with these methods and a spec (``TierSpec``) that makes one per layer (``H2OCache(tier=spec)``,
 ``H2OCache.use_tier``).
+
+
+NOT YET BUILT (issue 33, items 2, 4 and 8; designed here, the hooks above are still today's):
+
+- The tier port (item 2). A ``TierPort`` made by the layer at allocation holds the layout secret
+  alone ("policy columns first, the tier's ``columns`` after ``capacity``, the last page stages"):
+  it hands a tier its own columns as named views (``port.columns()``: keys, values, scales, token
+  index, positions, scores of columns [capacity, capacity + tier.columns)), the victims of an
+  eviction (``port.victims(slot)``: the named values at the slot, read before the overwrite) and
+  writes into its columns only (``port.write(name, ...)``). Hooks then take ``(port, ..., context)``
+  instead of the layer; ``recall.tier``, ``split.py`` and ``kv.accounting`` ask the port for the
+  column ranges instead of slicing at ``layer.capacity``. ``NoTier`` moves here (the layer imports no
+  tier), and a disk tier under recall's host store is one module with a ``TierSpec`` plus its option.
+- One host-counter object (item 4): ``HostCounters`` becomes mutable and held by reference, made by
+  the cache and shared by its prefixes (``H2OCache.prefix``), so ``take_host_counters`` and the copies
+  around each bucket step go away; its docstring lists its writers (the layer's step, ``import_row``,
+  ``restore_host_counters``, the server backend's ``set_host_counters``).
+- Structural rules (item 8): tests that the layer imports no tier module, that tier modules touch a
+  layer only through the port, that no module reads another's ``_private`` names, and a field-write
+  test that sees ``setattr``, writes into tensors reached through another object's attribute
+  (``x.t.copy_``, ``x.t[...] =``) and container mutation, in place of the token-route ceiling.
 """
 
 from __future__ import annotations
@@ -39,6 +63,7 @@ from typing import Protocol
 import torch
 
 from .layer import NO_TIER_LAYER, NoTier
+from .numbering import StepContext
 
 
 class Tier(Protocol):
@@ -49,8 +74,9 @@ class Tier(Protocol):
     def state_tensors(self) -> dict[str, torch.Tensor]: ...
     def empty_value(self, name: str) -> int: ...
     def reset(self) -> None: ...
-    def reserve(self, layer, q_len: int) -> None: ...
-    def before_attention(self, layer, query: torch.Tensor, new_valid: torch.Tensor | None) -> None: ...
+    def reserve(self, layer, q_len: int, context: StepContext) -> None: ...
+    def before_attention(self, layer, query: torch.Tensor, new_valid: torch.Tensor | None,
+                         context: StepContext) -> None: ...
     def before_insert(self, layer) -> None: ...
     def archive(self, layer, slot: torch.Tensor) -> None: ...
     def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...

@@ -148,25 +148,25 @@ class RecallTier:
         return self.all_columns
 
     # -- before the step (eager, host counters only) ----------------------------------------------------
-    def reserve(self, layer, q_len: int) -> None:
+    def reserve(self, layer, q_len: int, context) -> None:
         """Before a step (``H2OCache.position_ids``, eager for the compiled step too): the staging page
         goes to the cold tier before a chunk or when full, a decode step's pages are chosen (every
         ``every``-th decode step, with the last step's queries), and there is room for what a chunk
         can evict. Reads nothing back from the device."""
         self.prepared_at = layer.tokens_fed_with_padding
         with torch.inference_mode(layer.keys.is_inference()):  # (as the step that made the state ran)
-            self._prepare(layer, q_len)
+            self._prepare(layer, q_len, context)
 
-    def _prepare(self, layer, q_len: int) -> None:
+    def _prepare(self, layer, q_len: int, context) -> None:
         if q_len > 1 or self.staging.full():
             self.flush(layer, q_len)
         if q_len == 1:
             self.decode_steps += 1
             # the cadence counts from the last flush: every ``every`` steps, and at least once a page
             cadence = self.staging.steps % self.config.every == 0
-            prefetch = layer.owner.static_shapes  # (the compiled step's cache: nothing is chosen inside it)
+            prefetch = context.static_shapes  # (the compiled step's cache: nothing is chosen inside it)
             if cadence and prefetch and self.has_query:
-                self.recall(layer, self.last_query)
+                self.recall(layer, self.last_query, context.rotary)
             self.choose_in_step = cadence and not prefetch
             self.staging.count_step()
         else:
@@ -197,31 +197,31 @@ class RecallTier:
                                            self.cold.dtype)
 
     # -- the step -------------------------------------------------------------------------------------
-    def before_attention(self, layer, query, new_valid) -> None:
+    def before_attention(self, layer, query, new_valid, context) -> None:
         batch, q_heads, q_len, head_dim = query.shape
         heads = layer.keys.shape[1]
         group = q_heads // heads
-        if not layer.owner.compiled_step and self.prepared_at != layer.tokens_fed_with_padding:
-            self.reserve(layer, q_len)  # (a step not prepared by position_ids: transformers' generate())
+        if not context.compiled and self.prepared_at != layer.tokens_fed_with_padding:
+            self.reserve(layer, q_len, context)  # (a step not prepared by position_ids: transformers' generate())
         grouped = query.view(batch, heads, group, q_len, head_dim)
-        if not layer.owner.compiled_step and (self.last_query is None or self.last_query.shape[2] != group):
+        if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
-            self.recall(layer, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim))
-        elif not layer.owner.compiled_step and self.choose_in_step:  # an eager step: with its own queries
-            self.recall(layer, grouped[:, :, :, 0])
+            self.recall(layer, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
+        elif not context.compiled and self.choose_in_step:  # an eager step: with its own queries
+            self.recall(layer, grouped[:, :, :, 0], context.rotary)
         self.last_query.copy_(grouped[:, :, :, -1])
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
         weights = row_weights(new_valid, batch, q_len, layer.rows.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += rows * group
 
-    def recall(self, layer, queries: torch.Tensor) -> None:
+    def recall(self, layer, queries: torch.Tensor, rotary) -> None:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager)."""
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
         wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=layer.tokens_fed_with_padding)
         plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
-        fill_recall_slots(self.slots, self.cold, plan, layer.owner.rotary, self.format)
+        fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
 
     def before_insert(self, layer) -> None:
         """The recall columns' scores are this step's attention to recalled and staged tokens:
