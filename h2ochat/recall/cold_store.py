@@ -44,7 +44,7 @@ def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ColdStore:
     def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, page: int, dtype: torch.dtype,
-                 *, cold_dtype: str = "same", limit: int | None = None, pin: bool = False, initial_pages: int = 4,
+                 *, cold_dtype: str = "same", limit: int | None = None, pin: bool = False, initial_pages: int = 1,
                  device: torch.device | str | None = None, zero_copy: bool | None = None):
         if cold_dtype not in COLD_DTYPES:
             raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {cold_dtype!r}")
@@ -115,7 +115,7 @@ class ColdStore:
         for name in self._buffers():
             old = getattr(self, name)
             setattr(self, name, widened(old, needed, -1 if old.dtype == torch.long else 0, pin=self.pin,
-                                        spill=True))
+                                        spill=True, page=self.page))
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:
