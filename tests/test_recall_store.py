@@ -95,8 +95,9 @@ def test_int8_store_is_within_half_a_step(seed):
 
 
 def test_store_refuses_bad_settings():
-    with pytest.raises(ValueError, match="cold-dtype"):
+    with pytest.raises(ValueError, match="cold-dtype must be one of auto, int8"):
         ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="int3")
+    assert not ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="same").quantized  # the old name of auto
     with pytest.raises(ValueError, match="less than one page"):
         ColdStore(1, 1, 4, 4, 16, torch.float32, limit=8)
 
@@ -359,7 +360,7 @@ def test_digest_bytes_are_the_packed_layout(bits):
     assert digest.nbytes() == B * H * (digest.codes.shape[2] * per_token + 8)
 
 
-@pytest.mark.parametrize("cold_dtype", ["same", "int8"])
+@pytest.mark.parametrize("cold_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_bytes_grow_by_pages_with_the_evicted_tokens(seed, dtype, cold_dtype):
     """Host bytes held are the evicted tokens' (keys and values at the model's dtype, or int8 codes
@@ -375,4 +376,4 @@ def test_store_bytes_grow_by_pages_with_the_evicted_tokens(seed, dtype, cold_dty
         appended += (token_index >= 0).sum(-1)
         longest = int(appended.max())  # one tensor per buffer: every (sequence, head) sized by the longest
         assert store.nbytes() <= B * H * ((-(-longest // page)) * page + 1) * per_token
-    assert longest > 16 * page  # far past the point where doubling would overshoot
+    assert longest > 8 * page  # past several doublings of the first page
