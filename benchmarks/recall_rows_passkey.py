@@ -9,7 +9,8 @@ trials are those `eval --task passkey` draws for the same --lengths (all of them
     python benchmarks/recall_rows_passkey.py --text /work/shared/data/gfdl-1.3.txt --lengths 880,2000 \
         --only 880 --budget 128 --recall 0.5 --selector rot4,exact > rows.json
 
---kv-dtype auto,int8 runs each recall row with the model's float slots and with int8 slots.
+--kv-dtype auto,int8 runs each recall row with the model's float slots and with int8 slots;
+--cold-dtype auto,int8 each with the cold store at the model's dtype and as int8 codes (issue 34).
 """
 
 from __future__ import annotations
@@ -41,16 +42,21 @@ def main() -> None:
     parser.add_argument("--page", default="16")
     parser.add_argument("--selector", default="rot4,exact")
     parser.add_argument("--kv-dtype", default="auto", help="slot formats, comma-separated (rows run side by side)")
+    parser.add_argument("--cold-dtype", default="auto", help="cold store formats, comma-separated (rows side by side)")
     args = parser.parse_args()
 
     lengths = pk.parse_numbers(args.lengths, int, "--lengths")
     only = set(pk.parse_numbers(args.only, int, "--only")) if args.only else set(lengths)
-    recalls = ev.recall_settings(args.recall, args.page, selector=args.selector)
+    cold_dtypes = args.cold_dtype.split(",")
     kv_dtypes = ev.parse_kv_dtypes(args.kv_dtype)
-    rows = [replace(row, label=row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots")
-            for kv_dtype in kv_dtypes
-            for row in pk.build_rows([args.policy], [args.budget], recalls, settings={"kv_dtype": kv_dtype})
-            if row.settings.recall]
+    rows = []
+    for cold_dtype in cold_dtypes:
+        recalls = ev.recall_settings(args.recall, args.page, selector=args.selector, cold_dtype=cold_dtype)
+        cold = "" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}"
+        rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + cold)
+                 for kv_dtype in kv_dtypes
+                 for row in pk.build_rows([args.policy], [args.budget], recalls, settings={"kv_dtype": kv_dtype})
+                 if row.settings.recall]
     loaded = load(args.model, "cpu", "float32")
     text = Path(args.text).read_text()
     trials = [t for t in pk.make_trials(loaded.tokenizer, text, lengths, pk.parse_numbers(args.depths, float, "--depths"),

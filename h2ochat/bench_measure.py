@@ -78,6 +78,8 @@ def _blocked_median(step_ms: list[float], block: int) -> float:
     if block == 1:
         return statistics.median(step_ms)
     blocks = [step_ms[i:i + block] for i in range(0, len(step_ms) - block + 1, block)]
+    if not blocks:
+        raise ValueError(f"{len(step_ms)} timed steps hold no whole block of {block}")
     return statistics.median(sum(b) / len(b) for b in blocks)
 
 

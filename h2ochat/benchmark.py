@@ -248,10 +248,10 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
     weights, per_slot = weight_bytes(model), kv_bytes_per_slot(model)
     results, comparisons, capacity, ops, overhead = [], [], [], [], []
 
-    def one(variant, context, batch, steps, warmup, compile=False):
+    def one(variant, context, batch, steps, warmup, compile=False, block=plan.block):
         slots = plan.budget_slots(context)
         measured = measure(model, variant, context=context, batch=batch, slots=slots, steps=steps, warmup=warmup,
-                           memory=memory, policy=plan.policy, compile=compile, recall=plan.recall, block=plan.block)
+                           memory=memory, policy=plan.policy, compile=compile, recall=plan.recall, block=block)
         if on_measured:
             on_measured(f"{variant}{COMPILED if compile else ''} context {context} batch {batch}")
         return measured
@@ -289,7 +289,8 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
                          "max_batch": largest, "measured_batch": min(largest, plan.max_batch),
                          "decode_tokens_per_s": None, "peak_memory_bytes": None, "peak_memory_growth_bytes": None}
                 if entry["measured_batch"] > 0:
-                    measured = one(variant, context, entry["measured_batch"], plan.capacity_steps, 1)
+                    # no recall in a capacity row: timed step by step (its few steps hold no whole recall block)
+                    measured = one(variant, context, entry["measured_batch"], plan.capacity_steps, 1, block=1)
                     entry["decode_tokens_per_s"] = round(measured.decode_tokens_per_s, 2)
                     entry["peak_memory_bytes"] = measured.peak_memory_bytes
                     entry["peak_memory_growth_bytes"] = measured.peak_memory_growth_bytes

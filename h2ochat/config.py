@@ -36,7 +36,7 @@ class CacheSettings:
     recall: str | None = None  # slots (64), a share of the budget (0.5), auto (recall.default); None or 0: no recall
     page: int = 16
     selector: str = "rot4"
-    cold_dtype: str = "same"
+    cold_dtype: str = "auto"
     cold_limit: int | None = None
     recall_every: int = 1
     # how the slots hold keys and values (kv.slot_format): auto (the model's dtype), a float type, int8, int4

@@ -367,3 +367,16 @@ def test_bench_budget_as_a_size_is_the_slots_that_fit(tiny_checkpoint):
     h2o = [r for r in json.loads(out)["results"] if r["policy"] == "h2o"]
     want = CacheSettings(budget="4KiB").slots(AutoConfig.from_pretrained(tiny_checkpoint))
     assert h2o and all(r["kv_slots"] == want and r["kv_bytes"] <= 4096 for r in h2o)
+
+
+def test_bench_recall_with_capacity_runs_and_repeats(tiny_checkpoint):
+    """--recall with the --kv-memory capacity rows and --repeats 3: the capacity rows (no recall, 4
+    steps) are timed step by step, not in blocks of --page 8 steps of which their 4 steps hold none (a
+    `no median for empty data` traceback before, as at the default page of 16)."""
+    code, out, err = run("--model", str(tiny_checkpoint), "--context", "40", "--batch", "1", "--budget", "24",
+                         "--recall", "16", "--page", "8", "--variants", "h2o", "--steps", "2", "--warmup", "0",
+                         "--repeats", "3", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["capacity"] and all(entry["decode_tokens_per_s"] for entry in report["capacity"])
+    assert {r["policy"] for r in report["results"]} == {"h2o", "recall"}

@@ -95,7 +95,7 @@ def test_eval_recall_json_and_table(long_checkpoint, text_file):
     label = "h2o + recall 8 (rot4, pages of 4)"
     assert {(r["policy"], r["budget_slots"]) for r in report["results"]} == {
         (p, b) for p in ("full", "h2o", label) for b in (16, 24)}
-    assert report["recall"] == [{"recall": "8", "page": 4, "selector": "rot4", "cold_dtype": "same",
+    assert report["recall"] == [{"recall": "8", "page": 4, "selector": "rot4", "cold_dtype": "auto",
                                  "cold_limit": None, "recall_every": 1}]
     by = {(r["policy"], r["budget_slots"]): r for r in report["results"]}
     for slots in (16, 24):

@@ -78,6 +78,8 @@ def differences(want: dict, got: dict) -> list[str]:
                              f"{sorted(mine.keys() - theirs.keys())} new")
             for name in sorted(theirs.keys() & mine.keys()):
                 a, b = mine[name], theirs[name]
+                if _slot_capacity_only(name, a, b):  # (the spill slot is written, never read: left out)
+                    a, b = (t[:, :, :min(a.shape[2], b.shape[2]) - 1] for t in (a, b))
                 if a.shape != b.shape:
                     found.append(f"{where} {name}: shape {tuple(b.shape)} recorded, {tuple(a.shape)} now")
                 elif a.is_floating_point():
@@ -90,6 +92,16 @@ def differences(want: dict, got: dict) -> list[str]:
                     found.append(f"{where} {name}: differs at {diff}: {b.long()[tuple(diff)]} recorded, "
                                  f"{a.long()[tuple(diff)]} now ({(a.long() != b.long()).sum()} of {a.numel()})")
     return found
+
+
+def _slot_capacity_only(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """A cold store's or digest's per-slot tensor whose allocated slots differ (issue 34: growth by pages,
+    not doubling) while the longer one's extra slots are empty: the same tokens in another layout."""
+    if not name.startswith(("cold_", "digest_")) or min(a.dim(), b.dim()) < 3 or a.shape[:2] != b.shape[:2] or a.shape[3:] != b.shape[3:]:
+        return False
+    shorter = min(a.shape[2], b.shape[2]) - 1  # less the spill slot
+    extra = (a if a.shape[2] > b.shape[2] else b)[:, :, shorter:-1]
+    return bool((extra == (-1 if not extra.is_floating_point() else 0)).all())
 
 
 @pytest.mark.parametrize("name", list(REPLAYED))

@@ -95,8 +95,9 @@ def test_int8_store_is_within_half_a_step(seed):
 
 
 def test_store_refuses_bad_settings():
-    with pytest.raises(ValueError, match="cold-dtype"):
+    with pytest.raises(ValueError, match="cold-dtype must be one of auto, int8"):
         ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="int3")
+    assert not ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="same").quantized  # the old name of auto
     with pytest.raises(ValueError, match="less than one page"):
         ColdStore(1, 1, 4, 4, 16, torch.float32, limit=8)
 
@@ -357,3 +358,22 @@ def test_digest_bytes_are_the_packed_layout(bits):
     assert digest.nbytes() == B * H * ((pages * page + 1) * per_token + 8)  # + the spill slot, and an int64 count
     digest.reserve(5 * page)  # (grown: still the formula, over the slots allocated)
     assert digest.nbytes() == B * H * (digest.codes.shape[2] * per_token + 8)
+
+
+@pytest.mark.parametrize("cold_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_bytes_grow_by_pages_with_the_evicted_tokens(seed, dtype, cold_dtype):
+    """Host bytes held are the evicted tokens' (keys and values at the model's dtype, or int8 codes
+    and an fp32 scale each; token index, position and encoded position as int64) rounded up to one
+    page per (sequence, head) plus the spill slot: growing by pages, not by doubling (issue 34)."""
+    page = 4
+    store = ColdStore(B, H, D, D, page, dtype, cold_dtype=cold_dtype)
+    kv = 2 * D * (1 if cold_dtype == "int8" else dtype.itemsize) + (2 * 4 if cold_dtype == "int8" else 0)
+    per_token = kv + 3 * 8
+    appended = torch.zeros(B, H, dtype=torch.long)
+    for keys, values, token_index, positions in _evictions(40, random.Random(seed)):
+        store.append(keys.to(dtype), values.to(dtype), token_index, positions)
+        appended += (token_index >= 0).sum(-1)
+        longest = int(appended.max())  # one tensor per buffer: every (sequence, head) sized by the longest
+        assert store.nbytes() <= B * H * ((-(-longest // page)) * page + 1) * per_token
+    assert longest > 8 * page  # past several doublings of the first page

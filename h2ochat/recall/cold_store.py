@@ -2,7 +2,7 @@
 
 One store per layer, per (sequence, KV head) an append-only sequence of pages of P tokens in eviction
 order (``layout``). Host memory (pinned when the cache lives on a GPU, so copies to the device can
-be asynchronous). ``cold_dtype="int8"`` keeps keys and values as int8 with one fp32 scale per token
+be asynchronous). ``cold_dtype="auto"`` keeps keys and values at the model's dtype; ``"int8"`` keeps keys and values as int8 with one fp32 scale per token
 and head (symmetric, max |x| / 127). ``limit`` (tokens per sequence and head, rounded up to whole
 pages) makes the store a ring: the oldest pages are overwritten and counted in ``dropped``.
 
@@ -29,7 +29,16 @@ import torch
 from ..rotary import Rotary, rotate_keys
 from .layout import Writes, growable, held_pages, tensor_bytes, widened
 
-COLD_DTYPES = ("same", "int8")
+COLD_DTYPES = ("auto", "int8")
+OLD_COLD_DTYPES = {"same": "auto"}  # the earlier name of auto, still accepted
+
+
+def cold_dtype_named(name: str) -> str:
+    """``--cold-dtype`` as one of COLD_DTYPES (a ValueError naming them for anything else)."""
+    name = OLD_COLD_DTYPES.get(name, name)
+    if name not in COLD_DTYPES:
+        raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {name!r}")
+    return name
 
 
 def _zero_copy_works(device: torch.device) -> bool:
@@ -44,10 +53,9 @@ def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ColdStore:
     def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, page: int, dtype: torch.dtype,
-                 *, cold_dtype: str = "same", limit: int | None = None, pin: bool = False, initial_pages: int = 4,
+                 *, cold_dtype: str = "auto", limit: int | None = None, pin: bool = False, initial_pages: int = 1,
                  device: torch.device | str | None = None, zero_copy: bool | None = None):
-        if cold_dtype not in COLD_DTYPES:
-            raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {cold_dtype!r}")
+        cold_dtype = cold_dtype_named(cold_dtype)
         if page < 1:
             raise ValueError(f"--page must be at least 1, got {page}")
         if limit is not None and limit < page:
@@ -115,7 +123,7 @@ class ColdStore:
         for name in self._buffers():
             old = getattr(self, name)
             setattr(self, name, widened(old, needed, -1 if old.dtype == torch.long else 0, pin=self.pin,
-                                        spill=True))
+                                        spill=True, page=self.page))
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:

@@ -75,7 +75,7 @@ class KeyCodes:
 
     def _grow(self, needed: int) -> None:
         for name in self._per_slot():
-            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True))
+            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True, page=self.page))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in (*self._per_slot(), "count")}

@@ -35,13 +35,18 @@ def growable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False) -> torch.Tensor:
-    """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (S doubled until it
-    fits; new slots hold ``fill``), made in the same inference mode as ``old`` (else a compiled step
-    would see a different kind of tensor and compile again) and marked ``growable``. ``spill``: the
-    last column of ``old`` and of the result is the spill slot (``Writes``), not counted in S."""
+def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False,
+            page: int | None = None) -> torch.Tensor:
+    """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (new slots hold
+    ``fill``), made in the same inference mode as ``old`` (else a compiled step would see a different
+    kind of tensor and compile again) and marked ``growable``. ``page``: ``needed`` rounded up to whole
+    pages (host memory: at most one partly filled page past what is held; issue 34); else S doubles
+    until it fits. ``spill``: the last column of ``old`` and of the result is the spill slot
+    (``Writes``), not counted in S."""
     held = old.shape[2] - spill
     size = held
+    if page is not None:
+        size = max(held, -(-needed // page) * page)
     while size < needed:
         size *= 2
     with torch.inference_mode(old.is_inference()):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import selector_names
-from .cold_store import COLD_DTYPES
+from .cold_store import cold_dtype_named
 from .default import read_recall
 from .digests import CANDIDATES, SUMMARY_CAP
 
@@ -18,7 +18,7 @@ class RecallConfig:
     slots: int  # R device slots per (layer, sequence, KV head) for recalled tokens
     page: int = 16
     selector: str = "rot4"  # see SELECTOR_HELP
-    cold_dtype: str = "same"
+    cold_dtype: str = "auto"
     cold_limit: int | None = None  # tokens per (layer, sequence, KV head) kept in the cold store
     every: int = 1  # decode steps between recalls (prefill chunks always recall)
     # the coded selectors' (intN, rotN) two stages (``summaries``): page summaries on the device, at
@@ -48,8 +48,7 @@ class RecallConfig:
             raise ValueError(f"--cold-limit must be >= 1 token, got {cold_limit}")
         if every < 1:
             raise ValueError(f"--recall-every must be >= 1, got {every}")
-        if cold_dtype not in COLD_DTYPES:  # here, not when the first layer allocates mid-run
-            raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {cold_dtype!r}")
+        cold_dtype_named(cold_dtype)  # here, not when the first layer allocates mid-run
         _selector_kind(selector)
 
     @property

@@ -1,0 +1,44 @@
+"""The cold tier's reported host bytes against an independent count of what it must hold: the evicted
+tokens' keys and values at the model's dtype (or int8 codes and scales), their bookkeeping and the
+selector's token codes, plus at most one partly filled page per (sequence, head) and the room a
+prompt chunk reserves for the hot slots' tokens too (issue 34)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import recall_cache
+from h2ochat.recall.tiered import RecallConfig
+
+HOT, RECALL, PAGE = 8, 8, 4
+BATCH, KV_HEADS, DIM = 2, 2, 16
+BOOKKEEPING = 3 * 8  # token index, position and encoded position, int64
+
+
+def _per_token_bytes(dtype: torch.dtype, cold_dtype: str) -> int:
+    kv = 2 * DIM * dtype.itemsize if cold_dtype == "auto" else 2 * (DIM + 4)  # int8 codes + an fp32 scale
+    rot4_codes = DIM // 2 + 2 + 2  # 4-bit codes two to a byte, fp16 scale and offset
+    return kv + BOOKKEEPING + rot4_codes
+
+
+@pytest.mark.parametrize("cold_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cold_host_bytes_are_the_evicted_tokens_bytes(seed, dtype, cold_dtype):
+    generator = torch.Generator().manual_seed(seed)
+    cache = recall_cache(1, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, "rot4", cold_dtype=cold_dtype),
+                         max_positions=10_000, positions="absolute")
+    fed = 0
+    for q_len in [12, *[1] * 150]:  # a prompt chunk, then decode steps: far past a doubling's overshoot
+        key, value = (torch.randn(BATCH, KV_HEADS, q_len, DIM, generator=generator).to(dtype) for _ in range(2))
+        query = torch.randn(BATCH, KV_HEADS, q_len, DIM, generator=generator).to(dtype)
+        cache.update(key, value, 0)
+        cache.layers[0].attend(query, key, value, None, DIM ** -0.5)
+        fed += q_len
+        evicted = fed - HOT  # per (sequence, head): what the hot slots no longer hold (cold or staged)
+        # a chunk reserves room for every token fed (an upper bound read on the host: HOT more than
+        # evicted); growth after it is by pages
+        slots = (-(-evicted // PAGE) + 1) * PAGE + HOT
+        allowed = BATCH * KV_HEADS * slots * _per_token_bytes(dtype, cold_dtype)
+        reported = cache.tier_record()["cold_host_bytes"]
+        assert reported <= allowed, (fed, reported, allowed)
