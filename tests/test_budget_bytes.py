@@ -20,7 +20,7 @@ from h2ochat.kv.slot_format import KV_DTYPES
 from h2ochat.sizes import is_size
 from test_generate_cli import assert_one_line_error
 
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 
 def slot_bytes_by_hand(kv_dtype: str, heads: int, head_dim: int, model_bytes: int = 4) -> int:

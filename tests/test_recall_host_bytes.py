@@ -33,7 +33,7 @@ def test_cold_host_bytes_are_the_evicted_tokens_bytes(seed, dtype, cold_dtype):
         key, value = (torch.randn(BATCH, KV_HEADS, q_len, DIM, generator=generator).to(dtype) for _ in range(2))
         query = torch.randn(BATCH, KV_HEADS, q_len, DIM, generator=generator).to(dtype)
         cache.update(key, value, 0)
-        cache.layers[0].attend(query, key, value, None, DIM ** -0.5)
+        cache.attend(0, query, key, value, None, DIM ** -0.5)
         fed += q_len
         evicted = fed - HOT  # per (sequence, head): what the hot slots no longer hold (cold or staged)
         # a chunk reserves room for every token fed (an upper bound read on the host: HOT more than

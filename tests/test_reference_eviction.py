@@ -86,7 +86,7 @@ def test_the_cpu_decode_step_runs_the_reference_eviction(monkeypatch):
         for layer in range(2):
             cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), layer)
             pending = cache.layers[layer]
-            pending.attend(torch.randn(1, 2, 1, 8), pending.pending_key, pending.pending_value, None, 0.3)
+            cache.attend(layer, torch.randn(1, 2, 1, 8), pending.pending_key, pending.pending_value, None, 0.3)
     assert cache.layers[0].kernels.name == "torch"
     assert cache.evicted_tokens() == 2 * 2 * 3
     assert len(calls) >= 2 * 3  # every evicting step of every layer
