@@ -69,16 +69,28 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
+def _unicode(text: str, param: str) -> str:
+    """``text`` if it is Unicode text the tokenizer can take. JSON may spell a lone UTF-16 surrogate
+    (``"\\ud800"``), which is no character: Python keeps it in the string and the tokenizer then raises
+    a TypeError deep in its Rust code, so it is refused here, naming where it was."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(f"{param} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at character "
+                      f"{exc.start} (a UTF-16 surrogate must come in a pair)", param=param) from None
+    return text
+
+
 def _text_content(content, where: str) -> str:
     """A message's content: a string, or a list of text parts (joined); other parts are refused."""
     if isinstance(content, str):
-        return content
+        return _unicode(content, f"{where}.content")
     if isinstance(content, list):
         texts = []
-        for part in content:
+        for number, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise invalid(f"{where}: only text content parts are supported", param="messages")
-            texts.append(part["text"])
+            texts.append(_unicode(part["text"], f"{where}.content[{number}].text"))
         return "".join(texts)
     raise invalid(f"{where}.content must be a string or a list of text parts", param="messages")
 
@@ -114,7 +126,7 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt must not be empty", param="prompt")
-        return prompt
+        return _unicode(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                    for t in prompt):
         return prompt
@@ -133,7 +145,7 @@ def _stop(body: dict) -> list[str]:
         raise invalid("stop must be a string or a list of strings", param="stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
-    return [s for s in stop if s]
+    return [_unicode(s, "stop") for s in stop if s]
 
 
 def _refuse_unsupported(body: dict) -> None:
