@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 from ..policies import Policy, SlotBudget, get_policy
 from ..rotary import Rotary
 from .accounting import CacheAccounting
-from .full import cache_kind
+from .full import BOUNDED, cache_kind
 from .layer import AttentionMismatchError, H2OLayer
 from .numbering import HostCounters, PositionLimitError, Renumbering, StepNumbers
 from .rows import CacheShapeError, RowPolicies, RowSpec, RowState
@@ -285,6 +285,28 @@ class H2OCache(CacheAccounting, Cache):
         # one read-back (rows are reset rarely): the bound is the largest next position left
         self.largest_next_position = int(self.next_position.max())
 
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        """Empty batch rows ``rows`` (``reset_row``). In a cache whose decode steps feed every row (one
+        that cannot leave rows out: a cold tier), the layers' count of columns fed, which every step
+        of every row grows and by which a tier reserves its stores' room, comes back to the largest
+        row's tokens fed: the stores grow with the longest conversation held, not with the uptime."""
+        for row in rows:
+            self.reset_row(row)
+        if not self.initialized or self.masks_inactive_rows:
+            return
+        fed = int(self.tokens_fed.max())
+        for layer in self.layers:
+            in_use, counted = layer.host_counters()
+            if counted > fed:
+                layer.set_host_counters(in_use, fed)
+
+    def keep_columns(self) -> None:
+        """A full cache whose owner keeps every row's text within its slots (a server refuses a longer
+        conversation) never grows: its columns and shapes stay as allocated, and its rows can be views
+        (``prefix``). Nothing else changes: a row fills its empty slots and evicts nothing."""
+        if self.grows:
+            self.kind = BOUNDED
+
     def assume_seen(self, tokens: int, generator: torch.Generator) -> None:
         """Make an initialised cache look as if every row had been fed ``tokens`` tokens (a benchmark's
         synthetic context: a decode step costs the same whatever the values it reads): each layer
@@ -359,6 +381,7 @@ class H2OCache(CacheAccounting, Cache):
         if not 0 < rows <= self.tokens_fed.shape[0]:
             raise CacheShapeError(f"a prefix of {rows} rows of a {self.tokens_fed.shape[0]}-row cache")
         view = type(self)(**self.construction)
+        view.kind, view.static_shapes = self.kind, self.static_shapes  # (the view steps as this cache does)
         for mine, theirs in zip(view.layers, self.layers):
             mine.share_rows(theirs, rows)
         view.share_counters(self, rows)
