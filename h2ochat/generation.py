@@ -95,10 +95,23 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
            seen: torch.Tensor | RecentTokens | None = None) -> torch.Tensor:
     """Next token per row of ``logits`` [B, V]; ``seen`` marks tokens in the text the penalty sees
     ([B, V] bool, or a ``RecentTokens`` window)."""
+    if sampling.temperature == 0:
+        if seen is not None and sampling.repetition_penalty != 1.0:
+            logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
+        return logits.argmax(dim=-1)
+    probs = token_probs(logits, sampling, seen)
+    if sampling.row_generators is not None:  # each row its own stream, whatever the batch holds
+        return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g)
+                          for row, g in enumerate(sampling.row_generators)]).squeeze(1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def token_probs(logits: torch.Tensor, sampling: Sampling, seen: torch.Tensor | RecentTokens | None = None
+                ) -> torch.Tensor:
+    """The distribution ``sample`` draws from at a temperature above 0 (fp32 [B, V]): the repetition
+    penalty, the temperature, top-k and top-p applied to ``logits``."""
     if seen is not None and sampling.repetition_penalty != 1.0:
         logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
-    if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
     if sampling.top_k:
         kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -109,11 +122,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         drop_sorted = cumulative - sorted_logits.softmax(dim=-1) > sampling.top_p
         drop = drop_sorted.scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    if sampling.row_generators is not None:  # each row its own stream, whatever the batch holds
-        return torch.cat([torch.multinomial(probs[row : row + 1], 1, generator=g)
-                          for row, g in enumerate(sampling.row_generators)]).squeeze(1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return logits.softmax(dim=-1)
 
 
 @dataclass

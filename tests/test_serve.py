@@ -308,6 +308,8 @@ def test_bad_input_gets_openai_errors_and_the_server_goes_on(server, client):
         (post(server, {**ok, "messages": []}), 400, "messages", None),
         (post(server, {**ok, "max_tokens": 10**12}), 400, "max_tokens", None),
         (post(server, {**ok, "logprobs": True}), 400, "logprobs", None),
+        (post(server, None, raw=b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
+              % server.model.encode()), 400, "messages[0].content", None),
         (post(server, {**ok, "model": "gpt-4o"}), 404, "model", "model_not_found"),
         (httpx.get(server.url + "/v1/no-such-route"), 404, None, None),
     ]

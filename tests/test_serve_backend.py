@@ -146,3 +146,29 @@ def test_the_full_policy_serves_any_number_of_steps_in_its_reserved_slots(seed):
     assert all(request.events[-1][0] == "done" for request in requests)
     assert {layer.capacity for layer in scheduler.backend.cache.layers} == {20}
     assert scheduler.backend.cache.evicted_tokens() == 0
+
+
+def test_the_full_policy_is_served_as_the_full_cache(family, seed):
+    """The server's full-policy rows are full-policy caches that keep their columns (a bound the
+    preparer holds them to), and a request's tokens are those of the growing full cache alone."""
+    from h2ochat.generation import CacheSettings, forward, prefill
+
+    rng = random.Random(seed)
+    model = build_model(family)
+    scheduler, _ = model_engine(model, 1, policy="full", budget="40", chunk=CHUNK)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 15))]
+    request = make_request(prompt, max_tokens=20, stop_ids=())
+    scheduler.submit(request)
+    drain(scheduler)
+    cache = scheduler.backend.cache
+    assert cache.policy.name == "full" and not cache.grows and cache.evicted_tokens() == 0
+    assert {layer.capacity for layer in cache.layers} == {40}
+    reference = CacheSettings(policy="full", budget="4").build(model)  # grows from 4 slots
+    assert reference.grows
+    with torch.inference_mode():
+        logits = prefill(model, reference, torch.tensor([prompt]), chunk=CHUNK)
+        expected = [int(logits.argmax(-1))]
+        for _ in range(19):
+            logits = forward(model, reference, torch.tensor([[expected[-1]]]), logits_to_keep=1)[:, -1]
+            expected.append(int(logits.argmax(-1)))
+    assert generated(request) == [expected]

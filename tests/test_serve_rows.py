@@ -13,7 +13,7 @@ import random
 import torch
 
 from h2ochat.kv import H2OCache
-from h2ochat.serve.backend import bucket_sizes
+from h2ochat.serve.rows import bucket_sizes
 
 from conftest import VOCAB, build_model
 from serve_fakes import drain, generated, make_request, model_engine

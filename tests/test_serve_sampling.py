@@ -1,4 +1,5 @@
-"""The server's batch sampler (serve/sampling.py) against ``generation.sample`` row by row, its refusal
+"""The server's batch sampler (serve/sampling.py) against each row drawn alone, the exponential race's
+draws against the distribution they race over, its refusal
 of a generator or window on another device than the logits (what made every sampled request fail on
 a GPU: the choices drew with CPU generators from device logits), and failures that stay with their
 request: a row whose sampling fails is left out, the others draw what they would have drawn anyway."""
@@ -10,7 +11,7 @@ import random
 import pytest
 import torch
 
-from h2ochat.generation import Sampling, sample
+from h2ochat.generation import Sampling, sample, token_probs
 from h2ochat.repetition import RecentTokens
 from h2ochat.serve.sampling import SamplingDeviceError, sample_rows
 from h2ochat.serve.scheduler import Scheduler
@@ -45,8 +46,9 @@ def random_sampling(rng: random.Random) -> Sampling:
 
 
 class Reference:
-    """One row sampled alone, as the server's ``Choice`` did before the batch sampler: its own CPU
-    generator seeded the same, its window from the same prompt tokens, ``generation.sample`` on [1, V]."""
+    """One row sampled alone: its own CPU generator seeded the same, its window from the same prompt
+    tokens; greedy, ``generation.sample`` on [1, V]; sampling, the race written out for one row:
+    argmax(p / E) over its distribution, E a fresh Exponential(1) per entry from its generator."""
 
     def __init__(self, row: Row, vocab: int):
         self.sampling = row.sampling
@@ -56,7 +58,12 @@ class Reference:
             self.seen = RecentTokens(torch.tensor([row.fed]), None, vocab, row.sampling.repeat_last_n)
 
     def draw(self, logits: torch.Tensor) -> int:
-        token = sample(logits.view(1, -1), self.sampling, self.generator, self.seen)
+        if self.sampling.temperature == 0:
+            token = sample(logits.view(1, -1), self.sampling, None, self.seen)
+        else:
+            probs = token_probs(logits.view(1, -1), self.sampling, self.seen)[0]
+            noise = torch.empty(probs.shape[-1]).exponential_(generator=self.generator)
+            token = (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax().view(1)
         if self.seen is not None:
             self.seen.push(token)
         return int(token[0])
@@ -81,6 +88,45 @@ def test_the_batch_sampler_draws_what_each_row_draws_alone(seed, dtype):
         if ref.seen is not None:
             assert torch.equal(row.window.counts, ref.seen.counts)
         assert row.asked == [torch.device("cpu")] * len(row.asked)  # made where the logits are
+
+
+def test_the_race_draws_each_token_with_its_probability(seed):
+    """Many rows racing over one known distribution, each with its own generator: the tokens' counts
+    match the probabilities (within 5 standard deviations of a binomial count), top-p's cut included."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(12, generator=generator) * 2
+    sampling = Sampling(temperature=0.8, top_p=0.9)
+    probs = token_probs(logits.view(1, -1), sampling)[0]
+    rows = [Row(sampling, seed * 7919 + number, [1]) for number in range(4000)]
+    drawn = torch.tensor(sample_rows(logits.expand(len(rows), -1).clone(), rows))
+    counts = torch.bincount(drawn, minlength=12).double()
+    expected = probs.double() * len(rows)
+    spread = (expected * (1 - probs.double())).sqrt()
+    assert bool((counts[probs == 0] == 0).all())  # nothing past top-p is ever drawn
+    assert bool(((counts - expected).abs() <= 5 * spread + 1).all()), (counts, expected)
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_its_neighbours(seed):
+    """A row's tokens depend on its seed and its logits only: alone, or at any place among any number
+    of neighbours with any settings (greedy, other temperatures, penalties), step after step."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    vocab = rng.randint(20, 200)
+    mine = Sampling(temperature=0.9, top_p=0.95, repetition_penalty=1.2, repeat_last_n=8)
+    steps = [torch.randn(vocab, generator=generator) * 2 for _ in range(8)]
+    runs = []
+    for neighbours in (0, 1, 5, 9):
+        me = Row(mine, 1234, [1, 2, 3])
+        others = random_rows(rng, neighbours, vocab)
+        place = rng.randint(0, neighbours)
+        batch = others[:place] + [me] + others[place:]
+        tokens = []
+        for logits in steps:
+            step = torch.randn(len(batch), vocab, generator=generator)
+            step[place] = logits
+            tokens.append(sample_rows(step, batch)[place])
+        runs.append(tokens)
+    assert all(run == runs[0] for run in runs)
 
 
 def test_the_sampler_refuses_a_generator_or_window_on_another_device():
@@ -116,12 +162,12 @@ def test_a_row_whose_sampling_fails_is_left_out_and_the_others_draw_as_without_i
     nan_row, broken_row = 1, 3
 
     def broken_mask():
-        return torch.zeros(1, vocab + 1, dtype=torch.bool)  # the wrong width: generation.sample raises
+        return torch.zeros(1, vocab + 1, dtype=torch.bool)  # the wrong width: token_probs raises
 
     for step in range(4):
         logits = torch.randn(len(rows), vocab, generator=generator)
         logits[nan_row, rng.randrange(vocab)] = float("nan")
-        if step == 1:  # the group raises: every row is drawn again alone, from the state it started with
+        if step == 1:  # the group raises: every row's distribution is made again alone (nothing drawn yet)
             rows[broken_row].window_on(torch.device("cpu"), vocab).mask = broken_mask
         results = sample_rows(logits, rows)
         assert isinstance(results[nan_row], FloatingPointError)
@@ -171,9 +217,9 @@ def test_a_request_whose_sampling_fails_fails_alone_and_its_row_is_reused():
     assert generated(sampled) == generated(alone) and sampled.events[-1][0] == "done"
 
 
-def test_a_seeded_request_draws_what_the_server_drew_before_the_batch_sampler(seed):
+def test_a_seeded_request_draws_what_its_rows_draw_alone(seed):
     """Each choice k of a request seeded s draws from a CPU generator seeded s + k with the request's
-    repetition window, as ``Choice.sample`` did (``generation.sample`` on the row alone)."""
+    repetition window, as that row alone draws (``Reference``)."""
     rng = random.Random(seed)
     prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 8))]
     request = make_request(prompt, max_tokens=15, n=2, temperature=0.9, seed=seed % 1000, stop_ids=())

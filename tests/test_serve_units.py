@@ -64,6 +64,29 @@ def test_bad_fields_are_400_naming_the_field(change, param):
     assert refused({**CHAT, **change}).param == param
 
 
+@pytest.mark.parametrize("change, kind, param", [
+    ({"messages": [{"role": "user", "content": "\ud800 hi"}]}, "chat", "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "a \udfff"}]}]}, "chat", "messages[1].content[1].text"),
+    ({"prompt": "once \ud83d upon"}, "completion", "prompt"),
+    ({"stop": ["fine", "\udc00"]}, "chat", "stop"),
+])
+def test_a_lone_surrogate_is_400_naming_where_it_is(change, kind, param):
+    """JSON can spell half a UTF-16 pair; the tokenizer raised a TypeError on it (a 500)."""
+    body = {**CHAT, **change} if kind == "chat" else {"model": "m", **change}
+    error = refused(json_round_trip(body), kind)
+    assert error.param == param and "surrogate" in error.message
+
+
+def json_round_trip(body: dict) -> dict:
+    """``body`` as the server reads it: sent as JSON text (a surrogate as its \\u escape) and parsed."""
+    import json
+
+    raw = json.dumps(body).encode()
+    assert b"\\ud" in raw  # (json.dumps escapes it: the bytes themselves are valid UTF-8)
+    return parse_json(raw)
+
+
 def test_malformed_json_is_400():
     with pytest.raises(APIError) as caught:
         parse_json(b"{not json")

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 from ..policies import Policy, SlotBudget, get_policy
 from ..rotary import Rotary
 from .accounting import CacheAccounting
-from .full import cache_kind
+from .full import BOUNDED, cache_kind
 from .layer import AttentionMismatchError, H2OLayer, LayerSetup, last_update
 from .numbering import HostCounters, PositionLimitError, Renumbering, StepContext, StepNumbers
 from .row_moves import RowMoves
@@ -253,6 +253,13 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
             layer.allocate(batch, kv_heads, head_dim, value_dim or head_dim, dtype, device)
         self.counters_for(batch, torch.device(device))
 
+    def keep_columns(self) -> None:
+        """A full cache whose owner keeps every row's text within its slots (a server refuses a longer
+        conversation) never grows: its columns and shapes stay as allocated, and its rows can be views
+        (``prefix``). Nothing else changes: a row fills its empty slots and evicts nothing."""
+        if self.grows:
+            self.kind = BOUNDED
+
     # -- what the generation loop asks -----------------------------------------------------------
     @property
     def initialized(self) -> bool:
@@ -315,6 +322,7 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         if not 0 < rows <= self.tokens_fed.shape[0]:
             raise CacheShapeError(f"a prefix of {rows} rows of a {self.tokens_fed.shape[0]}-row cache")
         view = type(self)(**self.construction)
+        view.kind, view.static_shapes = self.kind, self.static_shapes  # (the view steps as this cache does)
         for mine, theirs in zip(view.layers, self.layers):
             mine.share_rows(theirs, rows)
         view.share_counters(self, rows)

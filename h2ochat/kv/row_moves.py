@@ -6,6 +6,8 @@ context (``assume_seen``). ``H2OCache`` takes these from ``RowMoves``; they work
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .rows import CacheShapeError, RowState
@@ -90,3 +92,18 @@ class RowMoves:
             self.tokens_fed.fill_(tokens)
             self.next_position.fill_(tokens)
         self.largest_next_position = tokens
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        """Empty batch rows ``rows`` (``reset_row``). In a cache whose decode steps feed every row (one
+        that cannot leave rows out: a cold tier), the layers' count of columns fed, which every step
+        of every row grows and by which a tier reserves its stores' room, comes back to the largest
+        row's tokens fed: the stores grow with the longest conversation held, not with the uptime."""
+        for row in rows:
+            self.reset_row(row)
+        if not self.initialized or self.masks_inactive_rows:
+            return
+        fed = int(self.tokens_fed.max())
+        for layer in self.layers:
+            in_use, counted = layer.host_counters()
+            if counted > fed:
+                layer.set_host_counters(in_use, fed)

@@ -1,15 +1,19 @@
 """Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, checked into ``RequestParams``.
 
-Lenient where clients differ (unknown fields are ignored: LangChain, LiteLLM and Open WebUI send
-many; ``max_completion_tokens`` is the newer name of ``max_tokens``), strict where a wrong value
-would silently change the answer (a type error or an unsupported feature is a 400 naming the field,
-never a bare 422).
+The bodies are pydantic models (``ChatBody``, ``CompletionBody``): lenient where clients differ
+(unknown fields are ignored: LangChain, LiteLLM and Open WebUI send many; ``max_completion_tokens``
+is the newer name of ``max_tokens``), strict where a wrong value would silently change the answer
+(strict types: no string for a number, no 1 for true). A failure is a 400 naming the field
+(``param``, the OpenAI error's), never a bare 422.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .errors import invalid
 
@@ -37,6 +41,60 @@ class RequestParams:
     skip_special_tokens: bool = True
 
 
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Body):
+    role: Literal[ROLES]
+    content: Union[StrictStr, list[TextPart], None] = None
+    tool_calls: object = None
+    function_call: object = None
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool | None = None
+
+
+class _Common(_Body):
+    model: Annotated[StrictStr, Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1)] | None = None
+    stop: Union[StrictStr, Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    # fields whose absence of support would change the answer the client expects (refused when set)
+    logprobs: object = None
+    top_logprobs: object = None
+    echo: object = None
+    best_of: object = None
+    tools: object = None
+    functions: object = None
+    suffix: object = None
+
+
+class ChatBody(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+
+
+class CompletionBody(_Common):
+    prompt: Union[StrictStr, list[Annotated[StrictInt, Field(ge=0)]], list[Union[StrictStr, list[StrictInt]]]]
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -47,140 +105,131 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _number(body: dict, name: str, default, low: float, high: float, *, integer: bool = False, low_open=False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise invalid(f"{name} must be {kind}, got {json.dumps(value)}", param=name)
-    if value < low or (low_open and value == low) or value > high:
-        bound = f"({low}" if low_open else f"[{low}"
-        raise invalid(f"{name} must be in {bound}, {high}], got {value}", param=name)
-    return value
+# the param a failure names, by the field it is in (the OpenAI API names the whole field)
+PARAM_OF = {"top_logprobs": "logprobs", "functions": "tools"}
+# what a field of more than one type must be (pydantic would name only its first type)
+EXPECTED = {"temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]",
+            "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings", "stream_options": "an object",
+            "prompt": "a non-empty string or a list of token ids", "content": "a string or a list of text parts"}
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be true or false, got {json.dumps(value)}", param=name)
-    return value
+def _refusal(error: ValidationError, body: dict) -> Exception:
+    """The 400 for pydantic's complaint: the field's name as the param, where in it and why. A value
+    that fits none of a field's types gives one complaint per type, all under the field's path:
+    the message then says what the field must be (``EXPECTED``)."""
+    complaints = error.errors(include_url=False)
+    first = complaints[0]
+    location = first["loc"]
+    if len(complaints) > 1:  # (the path the complaints share: the field a union's branches failed for)
+        shared = [c["loc"] for c in complaints if c["loc"][:1] == location[:1]]
+        location = tuple(steps[0] for steps in zip(*shared) if len(set(steps)) == 1)
+    name = str(location[0])
+    param = PARAM_OF.get(name, name) if location[:2] != ("stream_options", "include_usage") else "include_usage"
+    where, last, value = name, name, body.get(name)
+    for step in location[1:]:
+        if isinstance(step, int):
+            where, value = f"{where}[{step}]", value[step] if isinstance(value, list) else None
+        else:
+            where, last, value = f"{where}.{step}", step, value.get(step) if isinstance(value, dict) else None
+    if first["type"] == "missing":
+        return invalid(f"{where} must be given", param=param)
+    if first["type"] == "too_short" and name == "messages":
+        return invalid("messages must not be empty", param=param)
+    shown = json.dumps(value)
+    if first["loc"] != location:
+        return invalid(f"{where} must be {EXPECTED.get(last, 'of another type')}, got {shown}", param=param)
+    return invalid(f"{where}: {first['msg'][0].lower()}{first['msg'][1:]}, got {shown}", param=param)
 
 
-def _text_content(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts (joined); other parts are refused."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise invalid(f"{where}: only text content parts are supported", param="messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(f"{where}.content must be a string or a list of text parts", param="messages")
+def _unicode(text: str, param: str) -> str:
+    """``text`` if it is Unicode text the tokenizer can take. JSON may spell a lone UTF-16 surrogate
+    (``"\\ud800"``), which is no character: Python keeps it in the string and the tokenizer then raises
+    a TypeError deep in its Rust code, so it is refused here, naming where it was."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(f"{param} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at character "
+                      f"{exc.start} (a UTF-16 surrogate must come in a pair)", param=param) from None
+    return text
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise invalid("messages must be a list of {role, content} objects", param="messages")
-    if not messages:
-        raise invalid("messages must not be empty", param="messages")
+def _messages(messages: list[Message]) -> list[dict]:
     checked = []
     for number, message in enumerate(messages):
         where = f"messages[{number}]"
-        if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object with role and content", param="messages")
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", param="messages")
-        if message.get("tool_calls") or message.get("function_call"):
+        if message.tool_calls or message.function_call:
             raise invalid(f"{where}: tool calls are not supported", param="messages")
-        content = message.get("content")
+        content = message.content
         if content is None:
             raise invalid(f"{where} has no content", param="messages")
+        if isinstance(content, str):
+            text = _unicode(content, f"{where}.content")
+        else:
+            text = "".join(_unicode(part.text, f"{where}.content[{index}].text") for index, part in enumerate(content))
         # "developer" is the newer name of "system"; chat templates know the older one
-        checked.append({"role": "system" if role == "developer" else role, "content": _text_content(content, where)})
+        checked.append({"role": "system" if message.role == "developer" else message.role, "content": text})
     return checked
 
 
-def _prompt(body: dict) -> str | list[int]:
-    prompt = body.get("prompt")
+def _prompt(prompt) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt must not be empty", param="prompt")
+        return _unicode(prompt, "prompt")
+    if prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("one prompt per request: send several requests (or n) for several completions", param="prompt")
     raise invalid("prompt must be a non-empty string or a list of token ids", param="prompt")
 
 
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise invalid("stop must be a string or a list of strings", param="stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
-    return [s for s in stop if s]
-
-
-def _refuse_unsupported(body: dict) -> None:
-    """Fields whose absence of support would change the answer the client expects."""
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+def _refuse_unsupported(body: _Common) -> None:
+    if body.logprobs not in (None, False, 0) or body.top_logprobs not in (None, 0):
         raise invalid("logprobs are not supported by this server", param="logprobs")
-    if body.get("echo"):
+    if body.echo:
         raise invalid("echo is not supported by this server", param="echo")
-    if body.get("best_of") not in (None, 1):
+    if body.best_of not in (None, 1):
         raise invalid("best_of is not supported by this server", param="best_of")
-    if body.get("tools") or body.get("functions"):
+    if body.tools or body.functions:
         raise invalid("tools are not supported by this server", param="tools")
-    if body.get("suffix"):
+    if body.suffix:
         raise invalid("suffix is not supported by this server", param="suffix")
 
 
 def parse_request(body: dict, kind: str, *, max_n: int) -> RequestParams:
     """Check a chat (``kind="chat"``) or completion request body; raises ``APIError`` (400)."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if not isinstance(model, str) or not model:  # (first, as before: a client without a model learns that first)
         raise invalid("model must be given as a string (see GET /v1/models)", param="model")
-    _refuse_unsupported(body)
-    max_tokens = body.get("max_completion_tokens")
-    name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, name = body.get("max_tokens"), "max_tokens"
-    if max_tokens is not None:
-        max_tokens = _number({name: max_tokens}, name, None, 1, float("inf"), integer=True)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("stream_options must be an object", param="stream_options")
+    try:
+        checked = (ChatBody if kind == "chat" else CompletionBody).model_validate(body)
+    except ValidationError as error:
+        raise _refusal(error, body) from None
+    _refuse_unsupported(checked)
+    n = checked.n if checked.n is not None else 1
+    if n > max_n:
+        raise invalid(f"n must be in [1, {max_n}], got {n}", param="n")
+    stop = [checked.stop] if isinstance(checked.stop, str) else (checked.stop or [])
+    max_tokens = checked.max_completion_tokens if checked.max_completion_tokens is not None else checked.max_tokens
+    options = checked.stream_options
     params = RequestParams(
         kind=kind,
-        model=model,
+        model=checked.model,
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
-        stop=_stop(body),
-        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
-        n=_number(body, "n", 1, 1, max_n, integer=True),
-        stream=_flag(body, "stream"),
-        include_usage=_flag(options or {}, "include_usage"),
-        ignore_eos=_flag(body, "ignore_eos"),
-        skip_special_tokens=body.get("skip_special_tokens") is None or _flag(body, "skip_special_tokens"),
+        temperature=float(checked.temperature if checked.temperature is not None else 1.0),
+        top_p=float(checked.top_p if checked.top_p is not None else 1.0),
+        stop=[_unicode(s, "stop") for s in stop if s],
+        seed=checked.seed,
+        n=n,
+        stream=bool(checked.stream),
+        include_usage=bool(options and options.include_usage),
+        ignore_eos=bool(checked.ignore_eos),
+        skip_special_tokens=checked.skip_special_tokens is None or checked.skip_special_tokens,
     )
     if kind == "chat":
-        params.messages = _messages(body)
+        params.messages = _messages(checked.messages)
     else:
-        params.prompt = _prompt(body)
+        params.prompt = _prompt(checked.prompt)
     return params

@@ -1,4 +1,8 @@
-"""Server counters and gauges, rendered in the Prometheus text format for ``GET /metrics``."""
+"""Server counters and gauges for ``GET /metrics``, rendered by ``prometheus_client``.
+
+The counts are kept here (the engine thread adds to them) and handed to the client library at each
+scrape by a custom collector, with the gauges read then from the engine's latest figures: the
+library writes the text format (names, HELP and TYPE lines, label escaping)."""
 
 from __future__ import annotations
 
@@ -6,9 +10,14 @@ import threading
 from collections import Counter
 from typing import Callable
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+
 from .responses import response_id
 
 PREFIX = "h2ochat"
+FINISH_REASONS = ("stop", "length", "cancelled", "error")  # always rendered, 0 until one happens
 
 
 class Metrics:
@@ -28,6 +37,8 @@ class Metrics:
         self._counters: Counter[str] = Counter()
         self._finished: Counter[str] = Counter()
         self.gauges: Callable[[], dict[str, tuple[str, float]]] = dict
+        self._registry = CollectorRegistry(auto_describe=False)  # (one per server: tests make several)
+        self._registry.register(self)
 
     def read_gauges(self, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
         """Where the gauges come from when ``/metrics`` is rendered (the engine's latest figures)."""
@@ -43,21 +54,23 @@ class Metrics:
         with self._lock:
             self._finished[reason] += 1
 
-    def render(self) -> str:
-        lines = []
+    def collect(self):
+        """The metric families of this scrape (``prometheus_client``'s collector interface)."""
         with self._lock:
             counters = dict(self._counters)
             finished = dict(self._finished)
         for name, (text, value) in self.gauges().items():
-            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {_number(value)}"]
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
         for name, text in self.COUNTERS.items():
-            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter",
-                      f"{PREFIX}_{name} {_number(counters.get(name, 0))}"]
-        lines += [f"# HELP {PREFIX}_requests_finished_total Requests finished, by reason (each choice's reason; "
-                  "a request's is its first choice's).", f"# TYPE {PREFIX}_requests_finished_total counter"]
-        for reason in sorted({"stop", "length", "cancelled", "error"} | set(finished)):
-            lines.append(f'{PREFIX}_requests_finished_total{{reason="{reason}"}} {_number(finished.get(reason, 0))}')
-        return "\n".join(lines) + "\n"
+            yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=counters.get(name, 0))
+        family = CounterMetricFamily(f"{PREFIX}_requests_finished_total", "Requests finished, by reason (each "
+                                     "choice's reason; a request's is its first choice's).", labels=["reason"])
+        for reason in sorted(set(FINISH_REASONS) | set(finished)):
+            family.add_metric([reason], finished.get(reason, 0))
+        yield family
+
+    def render(self) -> str:
+        return generate_latest(self._registry).decode()
 
 
 def request_line(request, seconds: float, error: str | None = None) -> str:
@@ -74,15 +87,12 @@ def request_line(request, seconds: float, error: str | None = None) -> str:
             f"finish={finish}")
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
 def parse(text: str) -> dict[str, float]:
     """Prometheus text back to {name (with labels): value} (for tests and the load benchmark)."""
     values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name.removeprefix(PREFIX + "_")] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
+            name = sample.name.removeprefix(PREFIX + "_") + (f"{{{labels}}}" if labels else "")
+            values[name] = float(sample.value)
     return values

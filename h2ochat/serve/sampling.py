@@ -1,27 +1,30 @@
 """The next token of every row of a decode step in one call, on the logits' device.
 
 Each row samples with its own settings, its own random stream and its own repetition window
-(``SampledRow``: a ``Choice``). Rows that share their settings are sampled together by
-``generation.sample`` (each row's draw from its own generator, ``Sampling.row_generators``), so a
-row's token is the one ``generation.sample`` gives that row alone with the same generator state. The
-tokens of all rows come back to the host in one read.
+(``SampledRow``: a ``Choice``). Rows that share their settings have their distribution made
+together (``generation.token_probs``: penalty, temperature, top-k, top-p); then every sampling row of
+the step draws at once by the exponential race, as gpt-fast and vLLM sample: the token is
+argmax(p / E) with E ~ Exponential(1) per vocabulary entry, which picks token i with probability
+p_i (E_i / p_i is exponential of rate p_i, and the smallest of such draws is i's with that
+probability). Each row's E comes from its own generator, V draws a step whatever the batch holds, so
+a seeded request draws the same tokens alone or beside any neighbours. Greedy rows take the argmax.
+The tokens of all rows come back to the host in one read.
 
 A row whose sampling fails gets its exception instead of a token and the others are sampled as if
 it were not there: a generator or window on another device than the logits (the sampler refuses it
 with a clear error, where torch would raise or, on some devices, silently run), logits holding NaN
-or +inf (flagged on the device: a GPU's multinomial would otherwise trip a device-side assert that
-takes every row down), or anything else ``generation.sample`` raises (the group is then sampled
-again row by row from the generator states it started with).
+or +inf (flagged on the device), or anything else making its distribution raises (the group is
+then made again row by row: nothing random was drawn yet).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
 
-from ..generation import Sampling, sample
+from ..generation import Sampling, sample, token_probs
 from ..repetition import RecentTokens
 
 
@@ -48,7 +51,7 @@ class _Draw:
 
     @property
     def key(self) -> tuple:
-        """Rows with equal keys sample as one batch."""
+        """Rows with equal keys have their distribution made together."""
         penalty = self.sampling.repetition_penalty if self.window is not None else 1.0
         return self.sampling.temperature, self.sampling.top_p, self.sampling.top_k, penalty
 
@@ -69,8 +72,13 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampledRow]) -> list[int | 
         groups.setdefault(draw.key, []).append(draw)
     logits, broken = _without_non_finite_rows(logits)
     sampled: list[tuple[_Draw, torch.Tensor]] = []  # each draw with its token (a 1-element device tensor)
+    racing: list[tuple[_Draw, torch.Tensor]] = []  # each sampling draw with its distribution [1, V]
     for draws in groups.values():
-        sampled.extend(_sample_group(logits, draws, results))
+        for draw, outcome in _sample_group(logits, draws, results):
+            (racing if draw.generator is not None else sampled).append((draw, outcome))
+    if racing:  # every sampling row of the step in one draw
+        tokens = exponential_race(torch.cat([probs for _, probs in racing]), [draw.generator for draw, _ in racing])
+        sampled.extend((draw, tokens[position: position + 1]) for position, (draw, _) in enumerate(racing))
     if not sampled:
         return results
     tokens = torch.cat([token for _, token in sampled])
@@ -112,36 +120,45 @@ def _without_non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _sample_group(logits: torch.Tensor, draws: list[_Draw], results: list) -> list[tuple[_Draw, torch.Tensor]]:
-    """The tokens of rows sharing their settings, in one ``generation.sample``; when it raises, row
-    by row from the generator states the group started with (a failing row gets its exception)."""
-    drawing = draws[0].generator is not None
-    states = [draw.generator.get_state() for draw in draws] if drawing and len(draws) > 1 else []
+    """The rows sharing their settings: greedy ones' tokens, or sampling ones' distributions [D, V]
+    (``(draw, probs)`` per row, drawn later in one race). When the group raises, row by row (a
+    failing row gets its exception); no generator has been used yet, so nothing is redrawn."""
     try:
-        return _sample_together(logits, draws)
+        return _group_outcome(logits, draws)
     except Exception as exc:  # noqa: BLE001
         if len(draws) == 1:
             results[draws[0].index] = exc
             return []
-    for draw, state in zip(draws, states):  # (rows drawn before the failure drew once already)
-        draw.generator.set_state(state)
-    sampled = []
+    outcomes = []
     for draw in draws:
         try:
-            sampled.extend(_sample_together(logits, [draw]))
+            outcomes.extend(_group_outcome(logits, [draw]))
         except Exception as exc:  # noqa: BLE001
             results[draw.index] = exc
-    return sampled
+    return outcomes
 
 
-def _sample_together(logits: torch.Tensor, draws: list[_Draw]) -> list[tuple[_Draw, torch.Tensor]]:
+def _group_outcome(logits: torch.Tensor, draws: list[_Draw]) -> list[tuple[_Draw, torch.Tensor]]:
+    """Per row of the group: its token (greedy: a [1] tensor) or its distribution (a [1, V] row)."""
     indices = [draw.index for draw in draws]
     if indices == list(range(logits.shape[0])):
         part = logits
     else:
         part = logits.index_select(0, torch.tensor(indices, device=logits.device))
     sampling = draws[0].sampling
-    if draws[0].generator is not None:  # each row draws from its own stream
-        sampling = replace(sampling, row_generators=[draw.generator for draw in draws])
     seen = torch.cat([draw.window.mask() for draw in draws]) if draws[0].window is not None else None
-    tokens = sample(part, sampling, None, seen)
-    return [(draw, tokens[position: position + 1]) for position, draw in enumerate(draws)]
+    if draws[0].generator is None:
+        tokens = sample(part, sampling, None, seen)
+        return [(draw, tokens[position: position + 1]) for position, draw in enumerate(draws)]
+    probs = token_probs(part, sampling, seen)
+    return [(draw, probs[position: position + 1]) for position, draw in enumerate(draws)]
+
+
+def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] (fp32), row i drawn with ``generators[i]``: argmax(p / E),
+    E ~ Exponential(1). Each row's E takes V draws from its own generator and nothing else does."""
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    # (an E of exactly 0 would make 0 / 0 a NaN, which argmax takes: the smallest positive E instead)
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

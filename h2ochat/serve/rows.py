@@ -1,0 +1,150 @@
+"""The server's rows: one ``H2OCache`` of N rows, the buckets a decode step may run, and the parked
+conversations rows come from and go back to. It decides which cache a step or a prefill runs on; the
+model runner (``serve.runner``) runs it.
+
+The batch cache has static shapes. A decode step runs the smallest bucket of rows (1, 2, 4, ... N)
+that holds the rows in use (the scheduler keeps them at the front, ``move``): each bucket is a cache
+over the first rows of the batch cache, sharing its slots (views, so nothing is copied and a
+compiled step captures one graph per bucket, as vLLM captures one per batch size), and the free rows
+inside it are left out of the step by the cache's ``active`` mask. A newcomer's prompt is read into
+a 1-row cache of the same settings (resumed from a parked conversation when one matches), then
+copied into free rows with ``H2OCache.import_row``. A row that ends is exported to the parked store
+and reset.
+
+A cache that cannot leave rows out of a step (``masks_inactive_rows`` False: a recall tier, whose
+evictions go to its cold store) runs all N rows every step: free rows are fed a placeholder token
+(their output is ignored) and reset before their positions could reach the model's limit.
+
+The full policy never evicts: each row reserves its slots up front and a conversation longer than
+that is refused (the preparer), as llama.cpp's server divides its context among its slots. Its
+caches keep their columns (``H2OCache.keep_columns``): a growing cache would size itself by a count
+of the batch's steps, not by what a row holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+from ..kv import H2OCache
+from ..kv.tier import pages_recalled
+from .parked import Parked, ParkedStore
+from .sequence import Choice
+
+
+def bucket_sizes(rows: int) -> list[int]:
+    """1, 2, 4, ... below ``rows``, then ``rows``."""
+    sizes = [1 << power for power in range(max(rows - 1, 0).bit_length())]
+    return [size for size in sizes if size < rows] + [rows]
+
+
+class RowPool:
+    """``rows`` rows of caches made by ``new_cache(batch, static_shapes=...)`` (allocated, on the device)."""
+
+    def __init__(self, new_cache: Callable[..., H2OCache], rows: int, *, store: ParkedStore, device,
+                 max_positions: int, static_shapes: bool, buckets: Sequence[int] | None = None):
+        self._new_cache, self.rows, self.store, self.device = new_cache, rows, store, device
+        self.cache = new_cache(rows, static_shapes=static_shapes)
+        self.masks_rows = self.cache.masks_inactive_rows
+        # rows a decode step may run, and the caches over the first rows of the batch cache for each,
+        # made now: each is allocated before its slots become views (smallest first, so the memory
+        # taken at once is the batch cache's and half of it at most), not while requests run
+        self.buckets = sorted(set(buckets)) if buckets else bucket_sizes(rows)
+        if not self.masks_rows or self.buckets[-1] != rows:
+            self.buckets = [rows]
+        self._prefixes: dict[int, H2OCache] = {rows: self.cache}
+        for size in self.buckets[:-1]:
+            self._prefixes[size] = self.cache.prefix(size)
+        self.steps_by_rows: dict[int, int] = {}  # decode steps run per bucket size
+        # a cache that cannot leave rows out feeds its free rows a placeholder: reset one before its
+        # positions could reach the model's limit, and before it fills its slots (then a placeholder
+        # would be evicted, into the cold store of a recall tier: a free row keeps its tier empty)
+        self.free_steps = [0] * rows
+        self.free_step_limit = max(1, min(max_positions // 2, *(layer.capacity // 2 for layer in self.cache.layers)))
+
+    def new_cache(self, batch: int, *, static_shapes: bool) -> H2OCache:
+        return self._new_cache(batch, static_shapes=static_shapes)
+
+    def row_bytes(self) -> int:
+        """Device bytes one row holds (keys, values and their bookkeeping)."""
+        return (self.cache.kv_bytes() + self.cache.bookkeeping_bytes()) // self.rows
+
+    # -- admission: a 1-row cache for the prompt, then into rows ------------------------------------
+    def prefill_cache(self, ids: Sequence[int]) -> tuple[H2OCache, Parked | None]:
+        """A 1-row cache to read a prompt into: the parked conversation ``ids`` extends, when one does
+        (taken from the store), else empty. The REPL's own kind (no static shapes): the prompt is read
+        exactly as a chat reads it."""
+        parked = self.store.take(ids)
+        cache = self.new_cache(1, static_shapes=False)
+        if parked is not None:
+            cache.import_row(0, parked.state)
+        return cache, parked
+
+    def install(self, source: H2OCache, rows: list[int]) -> None:
+        """Copy row 0 of ``source`` into each of ``rows``."""
+        state = source.export_row(0, device=self.device)
+        for row in rows:
+            self.cache.import_row(row, state)
+            self.free_steps[row] = 0
+
+    def move(self, source: int, target: int) -> None:
+        """Row ``source``'s cache into the free row ``target`` (on the device), ``source`` reset."""
+        self.cache.import_row(target, self.cache.export_row(source, device=self.device))
+        self.cache.reset_row(source)
+        self.free_steps[target] = self.free_steps[source] = 0
+
+    def release(self, row: int, choice: Choice | None) -> None:
+        """Park ``row`` as ``choice``'s conversation (None: do not park) and reset it."""
+        if choice is not None:
+            tokens, fed, text = choice.conversation()
+            state = self.cache.export_row(row, device="cpu")
+            self.store.park(Parked(tuple(tokens), fed, text, state, state.nbytes))
+        self.cache.reset_rows([row])
+        self.free_steps[row] = 0
+
+    # -- decode steps --------------------------------------------------------------------------------
+    def bucket(self, rows: int) -> int:
+        """The rows a decode step runs when rows 0..rows-1 are in use: the smallest bucket holding them."""
+        return next(size for size in self.buckets if size >= rows)
+
+    @contextlib.contextmanager
+    def bucket_cache(self, size: int):
+        """The cache over rows 0..size-1 for one decode step. A bucket's view and the batch cache hold
+        the same rows but host counters of their own: whichever ran the last step hands them over."""
+        cache = self._prefixes[size]
+        self.steps_by_rows[size] = self.steps_by_rows.get(size, 0) + 1
+        if cache is not self.cache:
+            cache.take_host_counters(self.cache)
+        try:
+            yield cache
+        finally:
+            if cache is not self.cache:
+                self.cache.take_host_counters(cache)
+
+    @contextlib.contextmanager
+    def counters_kept(self):
+        """Steps that write nothing (every row left out: the warm-up): the host counters are put back."""
+        before = self.cache.host_counters()
+        try:
+            yield
+        finally:
+            self.cache.restore_host_counters(before)
+
+    def stepped_free_rows(self, free: Sequence[int]) -> None:
+        """After a step of every row (a cache that cannot leave rows out): ``free`` were fed a
+        placeholder; one fed too many is reset."""
+        due = []
+        for row in free:
+            self.free_steps[row] += 1
+            if self.free_steps[row] >= self.free_step_limit:
+                due.append(row)
+                self.free_steps[row] = 0
+        if due:
+            self.cache.reset_rows(due)
+
+    # -- what the scheduler and /metrics read ------------------------------------------------------------
+    def evicted(self, row: int) -> int:
+        return sum(int(layer.evicted[row].sum()) for layer in self.cache.layers)
+
+    def recalled(self, row: int) -> int:
+        return pages_recalled(self.cache, row)

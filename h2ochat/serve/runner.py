@@ -1,0 +1,39 @@
+"""The model runner: the forwards of the server, over whichever cache the row pool (``serve.rows``)
+hands it. It knows the model and its decode step (compiled or eager), nothing of rows or requests."""
+
+from __future__ import annotations
+
+import torch
+
+from ..generation import forward, prefill
+from ..kv import H2OCache
+
+
+class ModelRunner:
+    def __init__(self, model, *, prefill_chunk: int, compile: bool = False, compile_backend: str | None = None):
+        self.model, self.prefill_chunk = model, prefill_chunk
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.decode_step = None
+        if compile:
+            from ..compiled import CompiledDecode
+
+            self.decode_step = CompiledDecode(model, backend=compile_backend)
+
+    def prefill_chunk_of(self, cache: H2OCache, ids: torch.Tensor, start: int) -> tuple[int, torch.Tensor | None]:
+        """Feed ``ids`` [1, T] from ``start`` for one chunk: (where the next chunk starts, the
+        next-token logits [V] once the last token is fed, else None)."""
+        end = min(start + self.prefill_chunk, ids.shape[1])
+        with torch.inference_mode():
+            logits = prefill(self.model, cache, ids[:, start:end], chunk=self.prefill_chunk)
+        return end, (logits[0] if end == ids.shape[1] else None)
+
+    def decode(self, cache: H2OCache, tokens: list[int], active: list[bool] | None) -> torch.Tensor:
+        """One decode step of every row of ``cache`` (``active``: the rows taking part; None: all):
+        the next-token logits [R, V] (a row left out's are meaningless)."""
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
+        mask = torch.tensor(active, dtype=torch.bool, device=self.device) if active is not None else None
+        with torch.inference_mode():
+            if self.decode_step is not None:
+                return self.decode_step(cache, input_ids, mask)
+            return forward(self.model, cache, input_ids, logits_to_keep=1, active=mask)[:, -1]
