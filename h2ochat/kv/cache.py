@@ -258,7 +258,13 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         conversation) never grows: its columns and shapes stay as allocated, and its rows can be views
         (``prefix``). Nothing else changes: a row fills its empty slots and evicts nothing."""
         if self.grows:
-            self.kind = BOUNDED
+            self.take_kind(BOUNDED)
+
+    def take_kind(self, kind) -> None:
+        """Step as a ``kind`` cache (``kv.full``) from now on: the cache and each layer it handed its kind."""
+        self.kind = kind
+        for layer in self.layers:
+            layer.kind = kind
 
     # -- what the generation loop asks -----------------------------------------------------------
     @property
@@ -322,7 +328,8 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         if not 0 < rows <= self.tokens_fed.shape[0]:
             raise CacheShapeError(f"a prefix of {rows} rows of a {self.tokens_fed.shape[0]}-row cache")
         view = type(self)(**self.construction)
-        view.kind, view.static_shapes = self.kind, self.static_shapes  # (the view steps as this cache does)
+        view.take_kind(self.kind)  # (the view steps as this cache does)
+        view.static_shapes = self.static_shapes
         for mine, theirs in zip(view.layers, self.layers):
             mine.share_rows(theirs, rows)
         view.share_counters(self, rows)
