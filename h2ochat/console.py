@@ -19,3 +19,15 @@ def make_console(stderr: bool = False, file=None) -> Console:
     console = Console(file=stream, highlight=False, markup=False, no_color=bool(os.environ.get("NO_COLOR")) or None)
     console.soft_wrap = not console.is_terminal  # a pipe gets whole lines, not lines cut at 80 columns
     return console
+
+
+def print_table(title: str, titles: list[str], cells: list[list[str]]) -> None:
+    """A results table on standard output: the first column ("cache") left, the figures right."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for heading in titles:
+        table.add_column(heading, justify="left" if heading == "cache" else "right")
+    for row in cells:
+        table.add_row(*row)
+    make_console().print(table)

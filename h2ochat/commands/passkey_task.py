@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.table import Table
-
 from .. import evaluation as ev
 from .. import passkey as pk
 from .. import passkey_chat as chat
@@ -16,6 +14,7 @@ from ..errors import UserError, one_line, user_input
 from ..generation import max_positions
 from ..models import load
 from ..prompting import read_text_file
+from ..console import print_table
 from .common import loading
 
 
@@ -96,12 +95,6 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         titles, cells = pk.table_rows(summary, (lambda length, _: f"{plan.length_title(length)} over {chat_turns} turns") if chat_turns else plan.title)
         titles, cells = probes.with_misses(titles, cells, probes.miss_counts(results))
         what = f"a {chat_turns}-turn chat, the key in turn 1" if chat_turns else "the key planted in the filler"
-        table = Table(title=f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})",
-                      title_justify="left")
-        for title in titles:
-            table.add_column(title, justify="left" if title == "cache" else "right")
-        for row in cells:
-            table.add_row(*row)
-        make_console().print(table)
+        print_table(f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})", titles, cells)
     if plot_failed is not None:
         raise UserError(f"could not write the plot {plot}: {one_line(plot_failed)} (the results are above)")

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
 
 from .. import evaluation as ev
 from .. import passkey as pk
 from .. import score_table
+from ..console import make_console, print_table
 from ..errors import UserError, one_line, user_input
 from ..eval_log import EvalLog, Eta
 from .common import loading
@@ -67,7 +66,7 @@ def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, 
         for length in length_list:
             rows_for(names, budget, max(length, 64), recalls, kv_dtypes)  # bad budgets fail here
         log = EvalLog(output)
-    err = Console(stderr=True)
+    err = make_console(stderr=True)  # reads no markup: a row such as h2o [int8] prints as it is
     with loading(err, model):
         loaded = load(model, device, dtype)
     limit = max_positions(loaded.model.config)
@@ -119,13 +118,8 @@ def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, 
         print(json.dumps(report, indent=2))
     else:
         titles, cells = score_table.table_cells(summary)
-        table = Table(title=f"{task} score % [95% interval] n=samples ({loaded.name}; columns: task and "
-                            f"{'prompt tokens' if task == 'ruler' else 'filler turns'})", title_justify="left")
-        for title in titles:
-            table.add_column(title, justify="left" if title == "cache" else "right")
-        for row in cells:
-            table.add_row(*row)
-        Console().print(table)
+        print_table(f"{task} score % [95% interval] n=samples ({loaded.name}; columns: task and "
+                    f"{'prompt tokens' if task == 'ruler' else 'filler turns'})", titles, cells)
     if plot_failed is not None:
         raise UserError(f"could not write the plot {plot}: {one_line(plot_failed)} (the results are above)")
 
