@@ -8,6 +8,7 @@ seconds. The command list reads each command's summary from its module's source 
 from __future__ import annotations
 
 import ast
+import errno
 import importlib
 import importlib.util
 import os
@@ -104,6 +105,9 @@ def _root() -> None:
     """Chat and long-form generation in a fixed KV-cache budget (H2O heavy-hitter cache)."""
 
 
+OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write that fails because the output is full
+
+
 def main() -> None:
     """Console entry point: usage errors are one line and exit 2, Ctrl-C exits 130."""
     try:
@@ -121,6 +125,14 @@ def main() -> None:
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:  # `h2ochat ... | head`: the reader left, nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except OSError as exc:
+        if exc.errno not in OUTPUT_FULL:
+            raise
+        # standard output cannot take more (`> /dev/full`, a full disk or quota): what was written
+        # stays written; the rest is said in one line, and Python's own flush at exit finds nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"h2ochat: error: could not write the output: {exc.strerror}", file=sys.stderr)
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
