@@ -159,17 +159,22 @@ def quantized_logits(model, kv_dtype, ids, mask, chunks, slots):
     return torch.cat(out, dim=1), cache
 
 
+def padded_chunked_run(family, seed):
+    """A tiny ``family`` model and two 20-token rows, the second left-padded by 4, fed as a chunked
+    prefill then decode steps (the chunks): what the masked-reference tests feed."""
+    model = build_model(family, seed=seed)
+    ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    return model, ids, mask, [6, 5, 1, 1, 1, 3, 1, 1, 1]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 def test_model_equals_masked_attention_over_dequantized_slots(family, kv_dtype, seed):
     """Logits of a quantized cache that evicts nothing equal the masked full attention over
     round-tripped past keys and values: chunked prefill with left padding, then decode steps."""
-    model = build_model(family, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 90, (2, 20), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    chunks = [6, 5, 1, 1, 1, 3, 1, 1, 1]
+    model, ids, mask, chunks = padded_chunked_run(family, seed)
     got, cache = quantized_logits(model, kv_dtype, ids, mask, chunks, slots=24)
     expect = reference_logits(family, seed, kv_dtype, ids, mask, chunks)
     real = mask.bool()
@@ -241,12 +246,7 @@ def test_fp8_slots_equal_masked_attention_over_cast_slots(family, seed, monkeypa
     """fp8 slots (a cast to float8_e4m3fn, no scales) in a cache that evicts nothing: the logits equal
     the masked full attention over past keys and values cast to float8 and back, chunked prefill with
     left padding then decode steps; a slot costs one byte per channel."""
-    model = build_model(family, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 90, (2, 20), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    chunks = [6, 5, 1, 1, 1, 3, 1, 1, 1]
+    model, ids, mask, chunks = padded_chunked_run(family, seed)
     got, cache = quantized_logits(model, "fp8", ids, mask, chunks, slots=24)
     # the reference's past keys and values go through the cast instead of int8 codes
     monkeypatch.setitem(globals(), "roundtrip", lambda x, bits, rotate: x.to(torch.float8_e4m3fn).to(x.dtype))
