@@ -17,7 +17,7 @@ import torch
 
 from .kv import H2OCache
 from .compiled import CompiledDecode
-# the settings live in config.py; re-exported here while other branches still import them from here
+# the settings live in config.py; re-exported here because most callers (and tests) still import them from here
 from .config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling  # noqa: F401
 from .forward_step import Decode, EagerDecode, forward  # noqa: F401  (forward: imported from here)
 from .model_shape import attention_shape, max_positions, model_dtype  # noqa: F401  (imported from here)
