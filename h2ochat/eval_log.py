@@ -3,16 +3,24 @@
 A long table (hours on a 2-core CPU) must survive an interruption and grow across runs: a run given
 the same log reads the samples already there, skips them, and appends the rest. A line cut short by
 an interruption is ignored (its sample runs again). The key of a sample is (row, task, length,
-sample id): the same cache row on the same built sample."""
+sample id, digest): the same cache row on the same built sample, the digest a fingerprint of what was
+built (``fingerprint``), so a record of another prompt under the same id (another seed, another
+builder version) is run again rather than counted."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
 from typing import Iterable
 
-KEY_FIELDS = ("row", "task", "length", "sample")
+KEY_FIELDS = ("row", "task", "length", "sample", "digest")
+
+
+def fingerprint(sample) -> str:
+    """12 hex digits of the sample as built (a frozen dataclass's repr: its prompt, answers, sizes)."""
+    return hashlib.sha1(repr(sample).encode("utf-8")).hexdigest()[:12]
 
 
 def sample_key(record: dict) -> tuple:

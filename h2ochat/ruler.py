@@ -63,36 +63,56 @@ def check_lm_eval() -> None:
 
 
 def build_samples(tokenizer, task: str, length: int, count: int, seed: int = 42) -> list[Sample]:
-    """``count`` samples of ``task`` at ``length`` tokens from lm-eval's builder (its seeds: the NIAH
-    builder takes ``seed``; vt and cwe seed Python's ``random`` as lm-eval leaves it, so it is seeded here)."""
+    """``count`` samples of ``task`` at ``length`` tokens from lm-eval's builder. Sample ``i`` is built
+    alone from its own seed (``seed + i``): lm-eval's builders draw every sample from one stream, and the
+    NIAH-single and CWE builders size the haystack by a search whose draws depend on ``count``, so
+    sample 3 of 5 and sample 3 of 25 differed, and a log grown with another ``--samples`` would have
+    scored different prompts under one key. The vt builder's in-context example is drawn once from
+    ``seed``, as lm-eval draws it once per task."""
     check_lm_eval()
     kind, arguments, max_new = TASKS[task]
-    random.seed(seed)
+    import contextlib
+    import io
+
     import numpy as np
 
-    np.random.seed(seed)
-    if kind == "niah":
-        import contextlib
-        import io
+    def seeded(value: int) -> None:  # vt and cwe draw from Python's random, as lm-eval leaves it
+        random.seed(value)
+        np.random.seed(value)
 
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            from lm_eval.tasks.ruler import niah_utils, prepare_niah  # its import tries nltk's punkt: not needed here
-        docs = prepare_niah.generate_samples(prepare_niah.get_haystack(type_haystack=arguments["type_haystack"]),
-                                             TOKENIZER=tokenizer, max_seq_length=length, template=niah_utils.TEMPLATE,
-                                             num_samples=count, random_seed=seed, **arguments)
-    elif kind == "vt":
-        from lm_eval.tasks.ruler import vt_utils
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        # their imports try nltk's punkt (not needed here) and their loops print sizes and progress bars
+        if kind == "niah":
+            from lm_eval.tasks.ruler import niah_utils, prepare_niah
 
-        example = vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500,
-                                                       incremental=5)[0]
-        docs = vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=count, max_seq_length=length,
-                                                    icl_example=example)
-    else:
-        from lm_eval.tasks.ruler import cwe_utils
+            haystack = prepare_niah.get_haystack(type_haystack=arguments["type_haystack"])
 
-        docs = cwe_utils.sys_word_pair_random(num_samples=count, max_seq_length=length, tokenizer=tokenizer)
+            def one(index: int) -> dict:
+                seeded(seed + index)
+                return prepare_niah.generate_samples(haystack, TOKENIZER=tokenizer, max_seq_length=length,
+                                                     template=niah_utils.TEMPLATE, num_samples=1,
+                                                     random_seed=seed + index, **arguments)[0]
+        elif kind == "vt":
+            from lm_eval.tasks.ruler import vt_utils
+
+            seeded(seed)
+            example = vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500,
+                                                           incremental=5)[0]
+
+            def one(index: int) -> dict:
+                seeded(seed + index)
+                return vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1,
+                                                            max_seq_length=length, icl_example=example)[0]
+        else:
+            from lm_eval.tasks.ruler import cwe_utils
+
+            def one(index: int) -> dict:
+                seeded(seed + index)
+                return cwe_utils.sys_word_pair_random(num_samples=1, max_seq_length=length, tokenizer=tokenizer)[0]
+
+        docs = [one(index) for index in range(count)]
     return [Sample(task, length, index, doc["input"] + " " + doc["gen_prefix"], tuple(doc["outputs"]), max_new)
-            for index, doc in enumerate(docs[:count])]
+            for index, doc in enumerate(docs)]
 
 
 def clean(prediction: str) -> str:

@@ -12,7 +12,7 @@ from .. import passkey as pk
 from .. import score_table
 from ..console import make_console, print_table
 from ..errors import UserError, one_line, user_input
-from ..eval_log import EvalLog, Eta
+from ..eval_log import EvalLog, Eta, fingerprint
 from .common import loading
 
 
@@ -88,8 +88,9 @@ def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, 
             work += [(name, row, slots, sample, run) for sample in sorted(batch, key=lambda s: s.index)
                      for name, row, slots in rows]
 
-    # the log's key of each: (row, task, length, sample id); a chat-memory sample's length is its depth
-    keys = [(row.label, sample.task, sample.length, sample.index) for _, row, _, sample, _ in work]
+    # the log's key of each: (row, task, length, sample id, digest); a chat-memory sample's length is its depth
+    digests = {id(sample): fingerprint(sample) for _, _, _, sample, _ in work}
+    keys = [(row.label, sample.task, sample.length, sample.index, digests[id(sample)]) for _, row, _, sample, _ in work]
     eta = Eta(len(work), sum(log.done(k) for k in keys))
     if eta.done:
         err.print(f"{task}: {eta.done} of {len(work)} samples already in {output}, resuming")
@@ -97,7 +98,8 @@ def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, 
         if log.done(k):
             continue
         record = run(loaded.model, loaded.tokenizer, row, sample)
-        record.update(cache=name, budget_slots=None if name == "full" else slots, kv_dtype=row.settings.kv_dtype)
+        record.update(digest=k[-1], cache=name, budget_slots=None if name == "full" else slots,
+                      kv_dtype=row.settings.kv_dtype)
         log.add(record)
         err.print(f"{task} {eta.step()}: {name}, {record['task']} {record['length']}, sample {record['sample']}: "
                   f"score {record['score']:.2f} ({record['seconds']:.1f} s)")
