@@ -19,7 +19,8 @@ KEY_FIELDS = ("row", "task", "length", "sample", "digest")
 
 
 def fingerprint(sample) -> str:
-    """12 hex digits of the sample as built (a frozen dataclass's repr: its prompt, answers, sizes)."""
+    """12 hex digits of what was built (its repr: a frozen dataclass's prompt, answers and sizes, and
+    whatever else is passed with it, such as the model and its dtype)."""
     return hashlib.sha1(repr(sample).encode("utf-8")).hexdigest()[:12]
 
 

@@ -131,8 +131,11 @@ def string_match_all(prediction: str, outputs: Sequence[str]) -> float:
 
 
 def generate(model, tokenizer, settings, prompt: str, max_new_tokens: int,
-             chunk: int = DEFAULT_PREFILL_CHUNK) -> str:
-    """Greedy answer to ``prompt`` through a fresh cache of ``settings`` (a ``CacheSettings``)."""
+             chunk: int = DEFAULT_PREFILL_CHUNK, outputs: Sequence[str] = ()) -> tuple[str, bool]:
+    """Greedy answer to ``prompt`` through a fresh cache of ``settings`` (a ``CacheSettings``), and
+    whether it stopped early: once every one of ``outputs`` is in the answer, the score is 1 whatever
+    follows (a found string stays found in a longer answer), so the remaining tokens are not spent.
+    lm-eval generates on to ``max_new_tokens``; the score is the same, the logged answer shorter."""
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
     cache = settings.build(model, initial_slots=ids.shape[1] + max_new_tokens)
     with torch.no_grad():
@@ -143,15 +146,18 @@ def generate(model, tokenizer, settings, prompt: str, max_new_tokens: int,
             if int(token[0]) == tokenizer.eos_token_id:
                 break
             out.append(int(token[0]))
+            if outputs and string_match_all(tokenizer.decode(out, skip_special_tokens=True), outputs) == 1.0:
+                return tokenizer.decode(out, skip_special_tokens=True), len(out) < max_new_tokens
             if len(out) < max_new_tokens:
                 logits = forward(model, cache, token.view(1, 1), logits_to_keep=1)[:, -1]
-    return tokenizer.decode(out, skip_special_tokens=True)
+    return tokenizer.decode(out, skip_special_tokens=True), False
 
 
 def run_sample(model, tokenizer, row, sample: Sample) -> dict:
     """One scored sample on one cache row (``passkey.CacheRow``): its log record."""
     started = time.perf_counter()
-    answer = generate(model, tokenizer, row.settings, sample.prompt, sample.max_new_tokens, chunk=row.chunk)
+    answer, early = generate(model, tokenizer, row.settings, sample.prompt, sample.max_new_tokens, chunk=row.chunk,
+                             outputs=sample.outputs)
     return {"row": row.label, "task": sample.task, "length": sample.length, "sample": sample.index,
-            "answer": answer, "outputs": list(sample.outputs),
+            "answer": answer, "outputs": list(sample.outputs), "stopped_when_found": early,
             "score": string_match_all(answer, sample.outputs), "seconds": round(time.perf_counter() - started, 2)}

@@ -44,7 +44,7 @@ def test_the_fallback_scorer_agrees_with_lm_evals(monkeypatch):
 def test_the_full_cache_answers_as_the_models_own_greedy_generation(tmp_path_factory, family):
     loaded = load_tiny(tmp_path_factory, family, "ruler", max_position_embeddings=128)
     prompt = "the quick brown fox jumps over the lazy dog " * 4
-    ours = ruler.generate(loaded.model, loaded.tokenizer, CacheSettings(policy="full"), prompt, 12, chunk=8)
+    ours = ruler.generate(loaded.model, loaded.tokenizer, CacheSettings(policy="full"), prompt, 12, chunk=8)[0]
     ids = loaded.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     loaded.model.set_attn_implementation("sdpa")
     with torch.no_grad():
@@ -64,8 +64,10 @@ def test_a_sample_scores_what_the_model_writes_through_an_evicting_cache(tmp_pat
         found = ruler.run_sample(loaded.model, loaded.tokenizer, row, ruler.Sample("t", 64, 0, prompt, (piece,), 4))
         half = ruler.run_sample(loaded.model, loaded.tokenizer, row,
                                 ruler.Sample("t", 64, 1, prompt, (piece, "nine"), 4))
-    assert found["score"] == 1.0 and piece * 4 in found["answer"].replace(" ", "")
+    # every answer found after one token: the score is 1 whatever follows, so generation stops there
+    assert found["score"] == 1.0 and found["stopped_when_found"] and found["answer"].strip() == piece
     assert half["score"] == 0.5  # the scorer can fail: "nine" was never written
+    assert not half["stopped_when_found"] and half["answer"].replace(" ", "") == piece * 4  # all 4 tokens spent
 
 
 # -- the command: planted samples, so neither lm-eval nor a model's luck is needed ------------------

@@ -89,7 +89,9 @@ def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, 
                      for name, row, slots in rows]
 
     # the log's key of each: (row, task, length, sample id, digest); a chat-memory sample's length is its depth
-    digests = {id(sample): fingerprint(sample) for _, _, _, sample, _ in work}
+    # the digest covers the model and its dtype too: a log grown by another model's run starts over
+    digests = {id(sample): fingerprint((sample, loaded.name, str(next(loaded.model.parameters()).dtype)))
+               for _, _, _, sample, _ in work}
     keys = [(row.label, sample.task, sample.length, sample.index, digests[id(sample)]) for _, row, _, sample, _ in work]
     eta = Eta(len(work), sum(log.done(k) for k in keys))
     if eta.done:
