@@ -72,12 +72,14 @@ def parse_depths(text: str) -> list[int]:
 
 
 def make_samples(depths: Sequence[int], count: int, filler_words: int = 120, seed: int = 0) -> list[ChatSample]:
-    """``count`` samples per depth, each with its own facts (distinct names and things) and filler."""
-    rng = random.Random(seed)
+    """``count`` samples per depth, each with its own facts (distinct names and things) and filler,
+    drawn from its own seed (``seed``, depth, index): sample 3 is the same whatever ``count`` is, so a log
+    grown with another ``--samples`` scores the same conversations."""
     noise = NOISE.split(". ")
     samples = []
     for depth in depths:
         for index in range(count):
+            rng = random.Random(f"{seed}:{depth}:{index}")
             people = rng.sample(NAMES, FACTS)
             things = rng.sample(THINGS, FACTS)
             facts = tuple(Fact(thing, name, str(rng.randrange(1000, 10000))) for thing, name in zip(things, people))

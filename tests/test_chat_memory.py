@@ -27,6 +27,13 @@ def test_samples_plant_distinct_facts_and_filler_without_them(seed):
         assert all(f.question.startswith("Complete the record") and f.code in f.message for f in sample.facts)
 
 
+def test_a_sample_is_the_same_whatever_the_count():
+    """Sample i of 2 is sample i of 5: a log grown with another --samples scores the same conversations."""
+    few, more = cm.make_samples([0, 3], 2, filler_words=20), cm.make_samples([0, 3], 5, filler_words=20)
+    assert few == [s for s in more if s.index < 2]
+    assert len({s.facts for s in more}) == len(more)  # and each has its own facts
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_fact_is_scored_through_the_conversation(tmp_path_factory, family, monkeypatch):
     """Facts, filler, then the questions, in order, through Conversation.send; a fact whose code the
