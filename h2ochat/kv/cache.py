@@ -7,8 +7,10 @@ before its attention function. ``update`` records the new keys as pending and th
 nobody attended (the model runs another attention implementation) raises at the next ``update``.
 
 Positions and token indices have one source: the cache numbers each step's new tokens once
-(``H2OCache.position_ids``) and every layer records exactly those numbers; a re-numbering maps each
-row's held tokens to new positions as a function of their old ones, so every layer and head agrees.
+(``H2OCache.position_ids``, ``kv.stepping``) and hands every layer the same ``StepContext``; a
+re-numbering maps each row's held tokens to new positions as a function of their old ones, so every
+layer and head agrees. The host counters are one object (``kv.host_counters``) the cache shares with
+its prefix views.
 
 One cache can serve a batch whose rows follow different policies and budgets (``kv.make_mixed_cache``,
 used by ``h2ochat eval``): each layer then allocates the largest row's slots, and a row with fewer

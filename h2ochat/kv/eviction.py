@@ -6,7 +6,7 @@ eviction kernels do not write (``SlotFormat.fused_writes``), takes the victim ch
 written by ``reference.write_slots`` beside the format's own per-slot tensors; a built-in rank goes
 through the backend's ``evict_by_policy`` (one Triton launch on CUDA, the tested reference on the
 CPU); a rank of its own (random) or rows of different budgets through a priority computed here. A
-multi-token step keeps the best ``capacity`` of slots and new tokens (``select``). The tier sees
+multi-token step keeps the best ``capacity`` of slots and new tokens (``_select``). The tier sees
 each victim before it goes (``Tier.archive``, ``Tier.archive_dropped``), through the layer's port.
 """
 
@@ -102,7 +102,7 @@ class LayerEviction:
         self.evicted_share += torch.where(mass > 0, dropped_score / mass.clamp_min(1e-30), 0.0) * (evicted > 0)
 
     # -- a multi-token step over a full cache -----------------------------------------------------------
-    def select(self, key, value, new_scores, token_index, positions, value_norm, newest) -> None:
+    def _select(self, key, value, new_scores, token_index, positions, value_norm, newest) -> None:
         """Several new tokens (a prefill chunk, or padding): keep the best C of slots + new
         (``newest`` [B]: each row's newest token index, this step's counted)."""
         batch, heads, q_len, head_dim = key.shape

@@ -320,7 +320,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
                 part.copy_(new.expand_as(part))
             self.slots_in_use = end
         else:
-            self.select(key, value, new_scores, step.token_index, step.positions, value_norm, context.newest)
+            self._select(key, value, new_scores, step.token_index, step.positions, value_norm, context.newest)
         self.tokens_fed_with_padding += q_len
 
     def count_decoded(self) -> None:
