@@ -278,11 +278,13 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
                 self._widen(columns)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
         # (static_shapes is read first: a compiled step must not read, hence guard on, slots_in_use)
-        whole = context.static_shapes or self.slots_in_use >= self.capacity
-        width = self.columns if whole else self.slots_in_use
-        out, new_scores = self.format.attend(
-            self.kernels, grouped, self.slot_view(width), self.token_index[:, :, :width], key, value,
-            attend_valid, scale, self.scores[:, :, :width], self.rows.decay)
+        if context.static_shapes or self.slots_in_use >= self.capacity:  # every column (no views to make)
+            slots, token_index, scores = self.stored, self.token_index, self.scores
+        else:
+            width = self.slots_in_use
+            slots, token_index, scores = self.slot_view(width), self.token_index[:, :, :width], self.scores[:, :, :width]
+        out, new_scores = self.format.attend(self.kernels, grouped, slots, token_index, key, value, attend_valid,
+                                             scale, scores, self.rows.decay)
         self._insert(key, value, new_scores, new_valid, context)
         return out
 
