@@ -8,8 +8,8 @@ The parts, per (layer, sequence, KV head):
 - recent: the recent window, never evicted;
 - recall (--recall): tokens brought back from the cold tier; part of the device budget.
 
-Counted here from the cache's public state (each layer's ``budget``, its hot ``capacity``, its
-``token_index`` over the hot and then the recall columns, ``protected()``), not from ``LayerStats``,
+Counted here from the cache's public state (each layer's ``budget``, its ``token_index`` split into
+the policy's and the tier's columns by its ``port``, ``protected()``), not from ``LayerStats``,
 whose ``recent`` counts the sinks too and whose ``heavy`` counts the recall slots as kept on merit.
 Counts are averaged over (layer, sequence, KV head), like the rest of /cache.
 
@@ -82,17 +82,17 @@ def _capacity(cache, layer) -> Parts:
 
 
 def _held_counts(cache, layer) -> torch.Tensor:
-    """[4] slots holding a token, summed over sequences and KV heads: sinks, heavy, recent, recall.
-    The hot columns come first (``layer.capacity`` of them), the recall columns after them."""
+    """[4] slots holding a token, summed over sequences and KV heads: sinks, heavy, recent, recall
+    (the layer's port says which columns are the policy's and which the tier's)."""
     index = layer.token_index
-    hot = index[..., : layer.capacity]
+    hot = layer.port.policy_part(index)
     valid = hot >= 0
-    recall = (index[..., layer.capacity :] >= 0).sum()
+    recall = (layer.port.tier_part(index) >= 0).sum()
     if cache.grows:
         zero = valid.new_zeros(()).sum()
         return torch.stack([zero, zero, valid.sum(), recall])
     sink = valid & (hot < layer.budget.sinks)
-    protected = layer.protected(cache.tokens_fed - 1)[..., : layer.capacity]
+    protected = layer.port.policy_part(layer.protected(cache.tokens_fed - 1))
     return torch.stack([sink.sum(), (valid & ~protected).sum(), (valid & protected & ~sink).sum(), recall])
 
 

@@ -308,7 +308,7 @@ def test_compiled_triton_decode_over_quantised_slots(seed, monkeypatch, fresh_dy
     for mine, ref in zip(cache.layers, eager_cache.layers):
         assert mine.keys.dtype == torch.uint8 and torch.equal(mine.keys, ref.keys), msg
         assert torch.equal(mine.token_index, ref.token_index), msg
-        torch.testing.assert_close(mine.key_scale, ref.key_scale, rtol=1e-6, atol=1e-7, msg=msg)
+        torch.testing.assert_close(mine.stored["key_scale"], ref.stored["key_scale"], rtol=1e-6, atol=1e-7, msg=msg)
 
 
 def test_compiled_torch_decode_writes_only_state_tensors(seed, monkeypatch, fresh_dynamo):

@@ -125,7 +125,7 @@ def test_triton_and_torch_decode_the_same(monkeypatch, policy, kv_dtype):
         assert torch.allclose(mine.scores[valid], ref.scores[valid], rtol=1e-4, atol=1e-5), msg
         if ref.format.quantized:  # a key a rounding away from a level boundary may take the next code
             mine_keys, ref_keys = (layer.format.keys_and_values(layer.slot_view())[0] for layer in (mine, ref))
-            step = ref.key_scale.unsqueeze(-1) * (1 + 1e-3)
+            step = ref.stored["key_scale"].unsqueeze(-1) * (1 + 1e-3)
             assert bool(((mine_keys - ref_keys).abs() <= step + 1e-5).all()), msg
         else:
             assert torch.allclose(mine.keys, ref.keys, atol=1e-5), msg

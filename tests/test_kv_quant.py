@@ -99,7 +99,7 @@ def test_round_trip_within_half_a_step(kv_dtype, seed):
     turned_key = key @ spreading_rotation(dim) if bits == 4 else key
     turned_held = keys @ spreading_rotation(dim) if bits == 4 else keys
     levels = 2 ** bits - 1
-    for held, original, scale in ((turned_held, turned_key, layer.key_scale), (values, value, layer.value_scale)):
+    for held, original, scale in ((turned_held, turned_key, layer.stored["key_scale"]), (values, value, layer.stored["value_scale"])):
         expect_scale = (original.amax(-1) - original.amin(-1)) / levels
         torch.testing.assert_close(scale, expect_scale, rtol=1e-5, atol=1e-6)
         assert bool(((held - original).abs() <= scale.unsqueeze(-1) / 2 + 1e-5).all())
@@ -236,7 +236,7 @@ def test_renumbering_re_rotates_dequantized_keys(kv_dtype, seed):
     bits = QUANT_BITS[kv_dtype]
     turn = spreading_rotation(dim) if bits == 4 else torch.eye(dim)
     error = ((got - expect) @ turn).abs()
-    assert bool((error <= layer.key_scale.unsqueeze(-1) / 2 + 1e-4).all())
+    assert bool((error <= layer.stored["key_scale"].unsqueeze(-1) / 2 + 1e-4).all())
     still = delta == 0
     assert torch.equal(layer.keys[still], codes[still])
 
@@ -254,7 +254,7 @@ def test_fp8_slots_equal_masked_attention_over_cast_slots(family, seed, monkeypa
     real = mask.bool()
     torch.testing.assert_close(got[real], expect[real], rtol=1e-4, atol=1e-4)
     layer = cache.layers[0]
-    assert layer.keys.dtype == torch.float8_e4m3fn and layer.key_scale is None
+    assert layer.keys.dtype == torch.float8_e4m3fn and "key_scale" not in layer.stored
     assert cache.kv_bytes() == 2 * layer.keys.numel() * len(cache.layers)
 
 
@@ -341,7 +341,7 @@ def test_a_quantized_row_exports_and_imports(family, kv_dtype, seed):
     assert single.evicted_tokens() > 0
     prefix = batch.prefix(2)
     for mine, theirs in zip(prefix.layers, batch.layers):
-        assert mine.key_scale.data_ptr() == theirs.key_scale.data_ptr() and mine.format is theirs.format
+        assert mine.stored["key_scale"].data_ptr() == theirs.stored["key_scale"].data_ptr() and mine.format is theirs.format
 
 
 def test_set_kv_dtype_in_the_chat():

@@ -172,4 +172,4 @@ def test_recalling_every_page_is_the_full_cache(family, seed):
         torch.testing.assert_close(forward(model, real, piece, logits_to_keep=1), forward(model, full, piece, logits_to_keep=1),
                                    atol=2e-4, rtol=2e-4)
     # (the frames hold what was cold before the last step, the staging page its victim too: 50 fed, 8 hot)
-    assert all(int((layer.tier.recalled_token_index(layer) >= 0).sum(-1).min()) == 50 - 8 for layer in real.layers)
+    assert all(int((layer.tier.recalled_token_index() >= 0).sum(-1).min()) == 50 - 8 for layer in real.layers)

@@ -63,7 +63,7 @@ def test_recall_past_the_position_limit_is_the_masked_reference(family, seed, se
         assert sorted(found) == list(range(masked.seen))  # nothing lost
         assert [found[t] for t in sorted(found)] == [{p} for p in masked.position]
         for layer, reference in zip(real.layers, masked.cache.layers):
-            recalled = layer.tier.recalled_token_index(layer)[0]  # [H, R]
+            recalled = layer.tier.recalled_token_index()[0]  # [H, R]
             for head in range(recalled.shape[0]):
                 tokens = recalled[head]
                 held = tokens >= 0

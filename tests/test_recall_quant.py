@@ -92,7 +92,7 @@ def test_quantized_recall_is_the_round_tripped_masked_reference(family, seed, kv
     real, masked = _caches(model, kv_dtype, selector)
     _drive(model, real, masked, _pieces(torch.randint(3, VOCAB, (1, 70)), chunked))
     for layer in real.layers:
-        assert layer.keys.dtype == torch.uint8 and layer.key_scale is not None  # recall columns: the codes
+        assert layer.keys.dtype == torch.uint8 and "key_scale" in layer.stored  # recall columns: the codes
         assert int(layer.tier.frames.copied.sum()) > 0
         _assert_each_token_once(layer, 0, 70)
 
@@ -123,7 +123,7 @@ def test_recalled_pages_hold_the_codes_the_slots_held(kv_dtype):
             for head in range(layer.keys.shape[1]):
                 for slot, token in enumerate(layer.token_index[0, head, : layer.capacity].tolist()):
                     if token >= 0:
-                        seen[index, head, token] = (layer.keys[0, head, slot].clone(), layer.key_scale[0, head, slot].item(),
+                        seen[index, head, token] = (layer.keys[0, head, slot].clone(), layer.stored["key_scale"][0, head, slot].item(),
                                                     layer.values[0, head, slot].clone())
         forward(model, real, piece)
     compared = 0

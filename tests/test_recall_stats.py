@@ -54,7 +54,7 @@ def test_attention_mass_on_recalled_tokens_is_the_softmax_by_hand(seed, monkeypa
     counted = layer.tier.before_insert  # read after the attention, before the eviction stages its victim
 
     def spy(layer_):
-        attended.append((layer.keys[:, :, HOT:].clone(), layer.tier.recalled_token_index(layer).clone()))
+        attended.append((layer.keys[:, :, HOT:].clone(), layer.tier.recalled_token_index().clone()))
         counted(layer_)
 
     monkeypatch.setattr(layer.tier, "before_insert", spy)

@@ -90,13 +90,76 @@ LIBRARY_ATTRIBUTES = {
     ("models.py", "eos_token_id"), ("models.py", "pad_token"),  # transformers generation config, tokenizer
     ("gguf_conversion.py", "hf_quantizer"), ("gguf_conversion.py", "quantization_config"),  # transformers model
     ("serve/server.py", "should_exit"),  # uvicorn.Server
+    ("bench_context.py", "setattr"),  # a transformers DynamicLayer's keys and values (the baseline's context)
 }
+# Writes into another module's objects found when the test learnt to see setattr, tensor writes and
+# container mutation (issue 33, item 8), in modules other branches own; each is to be fixed there.
+KNOWN_WRITES = {
+    ("chat_settings.py", "setattr"), ("commands/run.py", "setattr"),  # settings copied field by field (item 6)
+    ("serve/backend.py", "clear"),  # a prefill job's cache emptied by the runner (item 5: behind a cache method)
+}
+# methods that change a container in place (a tensor's in-place methods end in ``_``)
+MUTATORS = {"append", "extend", "insert", "pop", "popitem", "clear", "update", "add", "remove", "discard",
+            "setdefault"}
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _field_reached(node: ast.AST) -> ast.Attribute | None:
+    """The attribute ``x.field`` through which ``node`` (``x.field``, ``x.field[...]``) is reached."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return node if isinstance(node, ast.Attribute) else None
+
+
+def _library_names(tree: ast.AST) -> set[str]:
+    """Names this module binds to modules of other packages (``os``, ``torch``): their state is not h2ochat's."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names
+                         if not alias.name.startswith("h2ochat"))
+    return names
+
+
+def _writes_through_another(tree: ast.AST):
+    """(node, what, field) for every write into another object's state that is not an attribute
+    assignment: ``setattr(x, ...)``, ``x.field[...] = ``, ``x.field.copy_(...)`` (any in-place
+    tensor method) and ``x.field.append(...)`` (container mutation); ``x`` is not ``self``/``cls``."""
+    libraries = _library_names(tree)
+
+    def foreign(field: ast.Attribute | None) -> bool:
+        if field is None or _is_self(field.value):
+            return False
+        root = field.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return not (isinstance(root, ast.Name) and root.id in libraries)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and not _is_self(node.args[0]):
+                yield node, "setattr", "setattr"
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                field = _field_reached(target) if isinstance(target, ast.Subscript) else None
+                if foreign(field):
+                    yield node, "item", field.attr
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method, field = node.func.attr, _field_reached(node.func.value)
+            in_place = (method.endswith("_") and not method.endswith("__")) or method in MUTATORS
+            if in_place and foreign(field):
+                yield node, method, field.attr
 
 
 def test_no_module_writes_another_objects_fields():
     """``x.field = ...`` on anything but ``self``/``cls`` reaches into another object's state (public
     or private), unless the module writing it is the one whose class owns that field: the owner
-    offers a method instead. Library objects set through their documented attributes are listed above."""
+    offers a method instead. So do ``setattr(x, ...)``, a write into a tensor or container reached
+    through another object's attribute (``x.t[...] = ``, ``x.t.copy_(...)``, ``x.items.append(...)``).
+    Library objects set through their documented attributes are listed above."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -107,7 +170,32 @@ def test_no_module_writes_another_objects_fields():
                 continue
             if part.attr not in own and (where, part.attr) not in LIBRARY_ATTRIBUTES:
                 offenders.append(f"h2ochat/{where}:{node.lineno}: {ast.unparse(node)[:120]}")
+        for node, what, field in _writes_through_another(tree):
+            if field in own or (where, what) in LIBRARY_ATTRIBUTES | KNOWN_WRITES:
+                continue
+            offenders.append(f"h2ochat/{where}:{node.lineno}: {ast.unparse(node)[:120]}")
     assert not offenders, "\n".join(sorted(offenders))
+
+
+def test_the_field_write_test_sees_every_kind_of_write():
+    """Each way of writing another object's state is found (and a module's own fields are not)."""
+    code = """
+import os
+class Mine:
+    def step(self, other):
+        self.mine[0] = 1
+        self.mine.append(1)
+        os.environ["X"] = "1"
+        setattr(other, "theirs", 1)
+        other.scores[:, 0] = 0
+        other.scores.zero_()
+        other.layer.positions.copy_(x)
+        other.items.append(1)
+        other.mine.append(1)
+"""
+    found = sorted((what, field) for _, what, field in _writes_through_another(ast.parse(code)))
+    assert found == [("append", "items"), ("append", "mine"), ("copy_", "positions"), ("item", "scores"),
+                     ("setattr", "setattr"), ("zero_", "scores")]
 
 
 def test_the_eviction_route_is_chosen_once_per_layer(monkeypatch):
@@ -134,7 +222,8 @@ def test_the_eviction_route_is_chosen_once_per_layer(monkeypatch):
 
 def test_no_module_over_500_lines():
     """Issue 23: a module is read in one sitting; past 500 lines it holds more than one job (split
-    it along its seams instead, each part with a docstring saying what lives there)."""
+    it along its seams instead, each part with a docstring saying what lives there). (Issue 33's
+    target is 400: tests/test_structure_rules.py holds the cache's modules to it.)"""
     over = [f"{path.relative_to(PACKAGE.parent)}: {count} lines"
             for path in sorted(PACKAGE.rglob("*.py"))
             if (count := len(path.read_text(encoding="utf-8").splitlines())) > 500]

@@ -3,8 +3,9 @@
 The REPL's second turn is traced with ``sys.setprofile``: every call into a file of h2ochat/ or
 kernels/ between two draws of ``generation.sample`` is one token's route (its decode step, its
 sampling, its text and the status line when it is redrawn). The longest route of the steady tokens is
-counted, so a route that grows (a new layer of indirection, a tier hook in its own file) fails here;
-the README's "route of one token" names the same files.
+printed, a figure for the README's "route of one token", not a ceiling: a ceiling was re-set four
+times and code was placed to satisfy it (issue 33). What keeps the route honest are rules a change
+cannot meet by moving code: tests/test_structure_rules.py.
 """
 
 from __future__ import annotations
@@ -19,11 +20,6 @@ import h2ochat
 import h2ochat_kernels
 
 ROOTS = {Path(h2ochat.__file__).parent: "h2ochat", Path(h2ochat_kernels.__file__).parent: "kernels"}
-# the ceilings today, the status line's redraw included (the issue's targets were 8 and 11: see the
-# README's route section for what the route still crosses); with recall 19 since the staging page's flush
-# codes the digest with the quantizer the quantized slots share (kernels/quant.py, was recall/selectors.py's own)
-CEILING = {None: 11, "8": 19}
-
 
 def _project_file(filename: str) -> str | None:
     path = Path(filename)
@@ -56,7 +52,7 @@ def token_routes(repl, text: str) -> list[frozenset[str]]:
 
 
 @pytest.mark.parametrize("recall", [None, "8"])
-def test_one_decoded_token_crosses_few_files(tmp_path, recall):
+def test_the_files_one_decoded_token_crosses(tmp_path, recall, capsys):
     from checkpoints import write_checkpoint
 
     from h2ochat.chat import ChatSettings, Conversation
@@ -76,4 +72,6 @@ def test_one_decoded_token_crosses_few_files(tmp_path, recall):
     route = max(routes, key=len)
     assert {"h2ochat/kv/layer.py", "kernels/reference.py", "h2ochat/generation.py"} <= route  # it was traced
     assert ("h2ochat/recall/tier.py" in route) == (recall is not None)
-    assert len(route) <= CEILING[recall], sorted(route)
+    with capsys.disabled():  # the figure, in the test output whatever the capture
+        print(f"\none decoded token {'with recall ' if recall else ''}crosses {len(route)} project files: "
+              f"{', '.join(sorted(route))}")

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class LayerStats:
     capacity: int  # slots allocated per (sequence, head)
@@ -23,14 +22,15 @@ class LayerStats:
     heavy_age_oldest: int | None
 
 
-def layer_stats(layer, tokens_fed: torch.Tensor) -> LayerStats:
+def layer_stats(layer, tokens_fed: torch.Tensor, grows: bool = False) -> LayerStats:
     """One ``H2OLayer``'s figures, over every device slot column, when each row has been fed
-    ``tokens_fed`` [B]: ``capacity`` counts the tier's columns too (the budget), so ``held`` (the
-    policy's tokens and the tier's) never exceeds it."""
+    ``tokens_fed`` [B] (``grows``: a full cache's layer, which keeps nothing on merit): ``capacity``
+    counts the tier's columns too (the budget), so ``held`` (the policy's tokens and the tier's)
+    never exceeds it."""
     if not layer.is_initialized:
         return LayerStats(layer.columns, 0.0, 0.0, 0.0, 0, 0.0, None, None)
     valid = layer.token_index >= 0
-    kept_on_merit = valid & ~layer.protected(tokens_fed - 1) if not layer.kind.grows else valid & False
+    kept_on_merit = valid & ~layer.protected(tokens_fed - 1) if not grows else valid & False
     held = valid.sum(-1).float().mean().item()
     heavy = kept_on_merit.sum(-1).float().mean().item()
     evicted = int(layer.evicted.sum().item())
@@ -82,7 +82,7 @@ class CacheAccounting:
 
     def device_slots(self) -> int:
         """Slot columns per (layer, sequence, KV head) of the first layer: the policy's and the tier's."""
-        return self.layers[0].capacity + self.tier.columns
+        return self.layers[0].columns
 
     def tier_stats(self):
         """The tier's figures (``recall.tiered.TierStats``; None: no tier). Reads the device."""
@@ -93,7 +93,7 @@ class CacheAccounting:
         return self.tier.record(self)
 
     def layer_stats(self) -> list[LayerStats]:
-        return [layer_stats(layer, self.tokens_fed) for layer in self.layers]
+        return [layer.stats(self.tokens_fed, self.grows) for layer in self.layers]
 
     def cached_token_share(self, sequence: int = 0) -> torch.Tensor:
         """For each token index of ``sequence`` seen so far, the share of (layer, head) slots that

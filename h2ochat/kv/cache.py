@@ -7,8 +7,10 @@ before its attention function. ``update`` records the new keys as pending and th
 nobody attended (the model runs another attention implementation) raises at the next ``update``.
 
 Positions and token indices have one source: the cache numbers each step's new tokens once
-(``H2OCache.position_ids``) and every layer records exactly those numbers; a re-numbering maps each
-row's held tokens to new positions as a function of their old ones, so every layer and head agrees.
+(``H2OCache.position_ids``, ``kv.stepping``) and hands every layer the same ``StepContext``; a
+re-numbering maps each row's held tokens to new positions as a function of their old ones, so every
+layer and head agrees. The host counters are one object (``kv.host_counters``) the cache shares with
+its prefix views.
 
 One cache can serve a batch whose rows follow different policies and budgets (``kv.make_mixed_cache``,
 used by ``h2ochat eval``): each layer then allocates the largest row's slots, and a row with fewer
@@ -30,14 +32,16 @@ from ..rotary import Rotary
 from .accounting import CacheAccounting
 from .full import BOUNDED, cache_kind
 from .layer import AttentionMismatchError, H2OLayer, LayerSetup, last_update
-from .numbering import HostCounters, PositionLimitError, Renumbering, StepContext, StepNumbers
+from .host_counters import HostCounters, SavedHostCounters
+from .numbering import StepContext, StepNumbers
 from .row_moves import RowMoves
+from .stepping import CacheStepping
 from .rows import CacheShapeError, RowPolicies, RowSpec
 from .slot_format import check_kv_dtype
 from .tier import NO_TIER, TierSpec
 
 
-class H2OCache(CacheAccounting, RowMoves, Cache):
+class H2OCache(CacheStepping, CacheAccounting, RowMoves, Cache):
     """Fixed-budget KV cache for a whole model; pass it to ``model(...)`` or ``generate(cache=...)``.
 
     ``slots`` is the budget per layer (the policy may shape it by depth, keeping the total).
@@ -92,8 +96,10 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         self.construction = dict(num_layers=num_layers, policy=policy, slots=slots, max_positions=max_positions,
                                  positions=positions, rotary=rotary, seed=seed, static_shapes=static_shapes,
                                  rows=rows, tier=tier, kv_dtype=kv_dtype)
-        setup = LayerSetup(self.row_policies, self.kind, self.kv_dtype)
+        setup = LayerSetup(self.row_policies, self.kv_dtype)
         super().__init__(layers=[self.layer_type(index, setup, tier.make()) for index in range(num_layers)])
+        # the host counters, one object shared with the prefix views (``kv.host_counters``)
+        self.host = HostCounters([layer.counters for layer in self.layers])
         self._clear_counters()
 
     # -- the rows' policies (``RowPolicies``), as the layers and the views read them ----------------
@@ -123,8 +129,7 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         """The cache-level state an empty cache starts from (``__init__`` and ``reset``)."""
         self.tokens_fed: torch.Tensor | None = None  # [B] real tokens fed per row
         self.next_position: torch.Tensor | None = None  # [B] the next real token's position per row
-        self.largest_next_position = 0
-        self.compactions = 0  # re-numberings so far
+        self.host.clear()  # the bound on positions, the re-numberings, the layers' columns (in place)
         self.pending: H2OLayer | None = None  # the layer whose new keys wait for the attention
         self.step: StepNumbers | None = None  # the current step's token indices and positions
         self.context: StepContext | None = None  # what the layers are handed with the current step
@@ -143,6 +148,24 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         if self.fused_eviction_parameters is None:
             return f"the {self.policy.name} policy ranks with its own code (e.g. a seeded random draw on the host)"
         return self.tier.compile_blocker(self)
+
+    # -- the host counters (``host``: one object, shared with the prefix views) ----------------------
+    @property
+    def largest_next_position(self) -> int:
+        return self.host.largest_next_position
+
+    @largest_next_position.setter
+    def largest_next_position(self, value: int) -> None:
+        self.host.bound_positions(value)
+
+    @property
+    def compactions(self) -> int:
+        """Re-numberings so far."""
+        return self.host.compactions
+
+    @compactions.setter
+    def compactions(self, value: int) -> None:
+        self.host.count_compactions(value)
 
     # -- the policy, per row ---------------------------------------------------------------------
     @property
@@ -186,6 +209,11 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
             return self.layers[layer_idx].capacity
         return super().get_seq_length(layer_idx)
 
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """The length a layer holds at most: its capacity, or -1 (no limit) for a cache that grows."""
+        layers = self.layers if layer_idx is None else [self.layers[layer_idx]]
+        return max(self.kind.max_length(layer.capacity) for layer in layers)
+
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if self.compiled_step and layer_idx < len(self.layers):
             return self.layers[layer_idx].compiled_sizes(query_length)
@@ -208,7 +236,8 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
     def _refresh_context(self) -> None:
         """The current step's context again, after its mode changed (static shapes, the compiled step)."""
         if self.context is not None:
-            self.context = replace(self.context, compiled=self.compiled_step, static_shapes=self.static_shapes)
+            self.context = replace(self.context, compiled=self.compiled_step, static_shapes=self.static_shapes,
+                                   kind=self.kind)
 
     def mark_static_addresses(self) -> None:
         """Mark every tensor a step writes as a fixed address for CUDA graphs (once; the slots are
@@ -261,46 +290,14 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
             self.take_kind(BOUNDED)
 
     def take_kind(self, kind) -> None:
-        """Step as a ``kind`` cache (``kv.full``) from now on: the cache and each layer it handed its kind."""
+        """Step as a ``kind`` cache (``kv.full``) from now on (the layers are handed it with each step)."""
         self.kind = kind
-        for layer in self.layers:
-            layer.kind = kind
+        self._refresh_context()
 
     # -- what the generation loop asks -----------------------------------------------------------
     @property
     def initialized(self) -> bool:
         return bool(self.layers) and self.layers[0].is_initialized
-
-    def counters_for(self, batch: int, device) -> None:
-        """Allocate the per-row counters for ``batch`` rows, if not yet (the first step, or ``allocate``)."""
-        if self.tokens_fed is None or self.tokens_fed.shape[0] != batch:
-            self.tokens_fed = torch.zeros(batch, dtype=torch.long, device=device)
-            self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
-            self.largest_next_position = 0
-
-    def position_ids(self, batch: int, q_len: int, new_valid: torch.Tensor | None = None, device=None,
-                     active: torch.Tensor | None = None) -> torch.Tensor:
-        """Position ids [B, Q] for the next Q tokens, re-numbering the cache first when they would
-        pass the model's limit (compact mode). Every layer records these positions for these tokens.
-        Reads nothing back from the device for a step without padding.
-
-        ``active`` [B] bool (a decode step, Q = 1; None: every row): the rows left out sit this step
-        out (finished rows of a burst of decode steps, ``generation.stream``): they write nothing in
-        any layer (no slot, score, decay or eviction count changes) and their ``tokens_fed`` and
-        ``next_position`` stand still; their output is meaningless. Nothing is read back, so the host
-        counters (``largest_next_position``, the layers' ``slots_in_use`` and
-        ``tokens_fed_with_padding``) advance as if every row took part: upper bounds from then on
-        (a re-numbering makes ``largest_next_position`` exact again; ``restore_host_counters`` puts
-        back what they were before steps that, it turned out, fed no row at all)."""
-        if active is not None and not self.masks_inactive_rows:
-            raise ValueError(f"{type(self).__name__} cannot leave rows out of a step (its layers do more than write)")
-        if self.largest_next_position + q_len > self.max_positions:
-            self._make_room(q_len)
-        position_ids = self._begin_step(batch, q_len, new_valid, device, active).position_ids
-        for layer in self.layers:  # room the tiers need for what these tokens can evict (host counters)
-            if layer.is_initialized:
-                layer.tier.reserve(layer, q_len, self.context)
-        return position_ids
 
     @property
     def masks_inactive_rows(self) -> bool:
@@ -309,18 +306,17 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         slots does not either."""
         return self.tier.masks_inactive_rows and type(self).layer_type is H2OLayer
 
-    def host_counters(self) -> HostCounters:
-        """The host-side counters, to put back with ``restore_host_counters``."""
-        return HostCounters(self.largest_next_position, self.compactions,
-                            tuple(layer.host_counters() for layer in self.layers))
+    def host_counters(self) -> SavedHostCounters:
+        """The host-side counters now, frozen, to put back with ``restore_host_counters``."""
+        return self.host.saved()
 
     def prefix(self, rows: int) -> "H2OCache":
         """A cache over rows [0, rows) of this allocated one, sharing its storage: every layer's slots
         and per-row counters are views of this cache's first rows (nothing is copied, and a step of
         the prefix writes this cache's rows), with a step state of its own. A server runs a decode
-        step on the smallest prefix that holds the rows in use. Host counters are not shared: hand
-        them over around each step (``take_host_counters``). A tier keeps state the views do not
-        cover, so only a cache without one has prefixes."""
+        step on the smallest prefix that holds the rows in use. The host counters are one object
+        shared by reference (``kv.host_counters``): a step of either advances both. A tier keeps
+        state the views do not cover, so only a cache without one has prefixes."""
         if not self.initialized:
             raise CacheShapeError("allocate the cache before taking a prefix of its rows")
         if self.tier.columns or not self.masks_inactive_rows:
@@ -336,127 +332,14 @@ class H2OCache(CacheAccounting, RowMoves, Cache):
         return view
 
     def share_counters(self, source: "H2OCache", rows: int) -> None:
-        """The per-row counters as views of ``source``'s first ``rows`` (``prefix``), host counters copied."""
+        """The per-row counters as views of ``source``'s first ``rows`` and its host counters, the same
+        object (``prefix``: its layers already hold ``source``'s layers' counters)."""
         self.tokens_fed, self.next_position = source.tokens_fed[:rows], source.next_position[:rows]
-        self.take_host_counters(source)
+        self.host = source.host
 
-    def take_host_counters(self, source: "H2OCache") -> None:
-        """``source``'s host counters (the bound on positions, the re-numberings, each layer's columns
-        in use and fed): a cache and its prefixes hold the same rows, and whichever ran the last step
-        holds the counters that are right for all."""
-        self.compactions = source.compactions
-        self.restore_host_counters(source.host_counters())
-
-    def restore_host_counters(self, saved: HostCounters) -> None:
+    def restore_host_counters(self, saved: SavedHostCounters) -> None:
         """Put back the host counters ``saved`` before decode steps that fed no row at all (every row
         was left out: a burst's steps after its last row finished): those steps changed nothing on
         the device, so the counters are exact again. A re-numbering since then keeps its own
         (exact) ``largest_next_position``."""
-        if saved.compactions == self.compactions:
-            self.largest_next_position = saved.largest_next_position
-        for layer, counters in zip(self.layers, saved.layers):
-            layer.set_host_counters(*counters)
-
-    def step_numbers(self, layer_idx: int, batch: int, q_len: int, new_valid, device) -> StepNumbers:
-        """The current step's numbers for layer ``layer_idx``: the ones ``position_ids`` handed out,
-        or, for a step nobody asked positions for (transformers' ``generate()`` passes its own
-        position ids, a test driving layers by hand), the same numbers made once for all layers."""
-        step = self.step
-        if step is None or layer_idx <= self.step_layer or step.token_index.shape != (batch, q_len):
-            step = self._begin_step(batch, q_len, new_valid, device)
-        self.step_layer = layer_idx  # the deepest layer that has taken them (a shallower one asking starts anew)
-        return step
-
-    def step_context(self, layer_idx: int, batch: int, q_len: int, new_valid, device) -> StepContext:
-        """``step_numbers`` with the step's mode, as layer ``layer_idx`` is handed them (built once per step)."""
-        self.step_numbers(layer_idx, batch, q_len, new_valid, device)
-        return self.context
-
-    def _begin_step(self, batch: int, q_len: int, new_valid: torch.Tensor | None, device,
-                    active: torch.Tensor | None = None) -> StepNumbers:
-        """Number the next Q tokens of every row from the counters, and advance the counters."""
-        device = device if device is not None else (self.layers[0].device if self.initialized else "cpu")
-        self.counters_for(batch, device)
-        with torch.inference_mode():
-            if active is not None:  # a decode step some rows sit out: they take -1, like padding
-                if q_len != 1 or new_valid is not None:
-                    raise ValueError("rows can sit out a decode step only (one token per row, no padding)")
-                left_out = ~active.view(batch, 1)
-                position_ids = self.next_position.unsqueeze(1).clone()  # (the counter moves on below)
-                token_index = self.tokens_fed.unsqueeze(1).masked_fill(left_out, -1)
-                positions = position_ids.masked_fill(left_out, -1)
-                fed = active.long()
-                self.tokens_fed += fed
-                self.next_position += fed
-                self.largest_next_position += 1  # an upper bound: see position_ids
-            elif new_valid is None:
-                offsets = torch.arange(q_len, device=device).expand(batch, q_len)
-                token_index = self.tokens_fed.unsqueeze(1) + offsets
-                positions = position_ids = self.next_position.unsqueeze(1) + offsets
-                self.tokens_fed += q_len
-                self.next_position += q_len
-                self.largest_next_position += q_len
-            else:  # real tokens count on from the last one; padding borrows its neighbour's position id
-                counted = new_valid.long().cumsum(dim=1)
-                offsets = counted - 1
-                token_index = (self.tokens_fed.unsqueeze(1) + offsets).masked_fill(~new_valid, -1)
-                position_ids = self.next_position.unsqueeze(1) + offsets.clamp(min=0)
-                positions = position_ids.masked_fill(~new_valid, -1)
-                self.tokens_fed += counted[:, -1]
-                self.next_position += counted[:, -1]
-                # a step with padding is a prompt chunk, not the decode step: one read-back is fine here
-                self.largest_next_position = int(self.next_position.max())
-        self.step = StepNumbers(token_index, positions, position_ids, active)
-        self.context = StepContext(self.step, self.compiled_step, self.static_shapes, self.rotary, self.tokens_fed)
-        self.step_layer = -1
-        return self.step
-
-    def _make_room(self, q_len: int) -> None:
-        if self.position_mode == "absolute":
-            raise PositionLimitError(
-                f"the conversation reached the model's {self.max_positions}-position limit "
-                "(use --positions compact to keep going)"
-            )
-        refused = self.kind.position_limit(self.max_positions)
-        if refused:
-            raise PositionLimitError(refused)
-        largest = max(layer.capacity for layer in self.layers)
-        if largest + q_len > self.max_positions:
-            raise PositionLimitError(
-                f"{largest} slots + {q_len} new tokens do not fit in {self.max_positions} positions: "
-                "a budget of the whole window can never re-number, use a smaller --budget to go past the limit"
-            )
-        if self.initialized:
-            self._renumber(span=min(self.max_positions - q_len, max(largest, self.max_positions // 2)))
-        self.compactions += 1
-
-    def _renumber(self, span: int) -> None:
-        """Give the tokens held anywhere in a row new positions below ``span``, the same in every layer
-        and head (``Renumbering``: by rank among all of the row's held tokens, order kept, gaps
-        closed; when a row holds more than ``span`` distinct ones, the newest span // 2 keep
-        consecutive positions and the older ones share the rest in proportion). RoPE keys are rotated
-        to their new positions; everything is updated in place (a CUDA graph keeps reading the same
-        buffers). One read-back per re-numbering."""
-        layers = [layer for layer in self.layers if layer.is_initialized]
-        with torch.inference_mode():
-            renumbering = Renumbering.of(self.tokens_fed.shape[0], [(layer.positions, layer.token_index >= 0)
-                                                                     for layer in layers], span)
-            self._apply_renumbering(renumbering, layers)
-        self.largest_next_position = int(self.next_position.max())
-
-    def _apply_renumbering(self, renumbering: Renumbering, layers: list[H2OLayer]) -> None:
-        """Move every layer's held tokens to their new positions (every slot column, the tier's
-        included), then the tokens each tier holds elsewhere (a cold store), with the same function."""
-        for layer in layers:
-            valid = layer.token_index >= 0
-            new_positions = renumbering.apply(layer.positions, valid)
-            if self.rotary is not None:
-                layer.move_keys((new_positions - layer.positions).masked_fill(~valid, 0), self.rotary)
-            layer.positions.copy_(new_positions)
-            layer.tier.renumber(layer, renumbering, self.rotary)
-        self.next_position.copy_(renumbering.next_position())
-
-    def room_before_renumbering(self) -> int:
-        """New tokens that fit before the next re-numbering (prefill caps its chunks to this only
-        when a re-numbering is due)."""
-        return self.max_positions - self.largest_next_position
+        self.host.restore(saved)

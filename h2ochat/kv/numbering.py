@@ -1,5 +1,5 @@
 """How a step's new tokens are numbered: their token indices and positions (``StepNumbers``), the
-host-side counters a decode step reads instead of the device (``HostCounters``), and the re-numbering
+step's mode handed to the layers (``StepContext``), and the re-numbering
 of held tokens when the next ones would pass the model's position limit (``Renumbering``). The cache
 (``kv.cache.H2OCache``) owns the per-row counters and hands these out; every layer and tier records
 exactly what it is handed."""
@@ -46,19 +46,11 @@ class StepContext:
     static_shapes: bool
     rotary: object | None  # ``h2ochat.rotary.Rotary`` (None: a model without RoPE)
     tokens_fed: torch.Tensor
+    kind: object  # kv.full's cache kind (bounded, or growing), as the cache steps now
 
     @property
     def newest(self) -> torch.Tensor:
         return self.tokens_fed - 1
-
-
-@dataclass(frozen=True)
-class HostCounters:
-    """The cache's host-side counters at one moment (``H2OCache.host_counters``)."""
-
-    largest_next_position: int
-    compactions: int
-    layers: tuple[tuple[int, int], ...]  # each layer's (slots_in_use, tokens_fed_with_padding)
 
 
 @dataclass

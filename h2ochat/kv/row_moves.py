@@ -63,7 +63,7 @@ class RowMoves:
                 layer.tier.import_row(row, {name: tensor for name, tensor in saved.items() if name not in mine})
         # the host counters cover every row: slot columns in use and columns fed take the larger
         for layer, saved in zip(self.layers, state.layers):  # (of the policy's columns: a tier's are its own)
-            occupied = (saved["token_index"][:, :layer.capacity] >= 0).any(dim=0).nonzero()
+            occupied = (layer.port.policy_part(saved["token_index"]) >= 0).any(dim=0).nonzero()
             in_use, fed = layer.host_counters()
             layer.set_host_counters(max(in_use, int(occupied.max()) + 1 if occupied.numel() else 0),
                                     max(fed, state.tokens_fed))

@@ -2,12 +2,15 @@
 to another float type) or as quantized codes with a per-slot scale and offset beside them (int8,
 int4; the format is ``h2ochat_kernels.quant``'s).
 
-One ``SlotFormat`` per layer, made at allocation: it allocates the slot buffers, encodes new tokens
-as the slots store them, attends over them (the codes go to the kernels with their scales), moves
-keys to new positions (a re-numbering) and says what a slot costs in bytes. The layer keeps every
-buffer as a state tensor (``kv.layer.SLOT_TENSORS``: the scales and offsets are None in float
-slots), so export/import, parked rows, reset, prefixes and the compiled step take them like the rest;
-a recall tier's columns are the layer's last ones and hold the same format (``recall.tier``).
+One format per layer (``FloatSlots`` or ``QuantizedSlots``), made at allocation: it owns the names
+of its per-slot tensors (``tensor_names``) and allocates them, encodes new tokens as the slots store
+them, attends over them through the kernel ``Backend`` (the codes go with their scales), writes what
+an eviction's victim slot gets beside the keys and values (``write_extras``), moves keys to new
+positions (a re-numbering), gives the keys and values back as floats (``decoded``: a tier archiving
+them) and says what a slot costs in bytes. The layer keeps the format's tensors as state tensors by
+these names, so export/import, parked rows, reset, prefixes and the compiled step take them like
+the rest, and asks the format instead of its type (no ``if quantized`` outside this module); a
+recall tier's columns are the layer's last ones and hold the same format (``recall.tier``).
 
 int4 keys are turned by the fixed spreading rotation (``recall.selectors.spreading_rotation``)
 before they are quantized: a key's few outlier channels would otherwise set its range and flatten
@@ -58,15 +61,16 @@ class FloatSlots:
     """Keys and values as floats of ``dtype`` (the model's own: today's cache; or a cast)."""
 
     quantized = False
+    tensor_names = ("keys", "values")
+    fused_writes = True  # the backend's eviction kernels write float keys and values themselves
 
     def __init__(self, dtype: torch.dtype, head_dim: int, value_dim: int):
         self.dtype, self.head_dim, self.value_dim = dtype, head_dim, value_dim
         self.slot_bytes = (head_dim + value_dim) * torch.finfo(dtype).bits // 8
 
-    def allocate(self, shape: tuple[int, int, int], device) -> dict[str, torch.Tensor | None]:
+    def allocate(self, shape: tuple[int, int, int], device) -> dict[str, torch.Tensor]:
         return {"keys": torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=device),
-                "values": torch.zeros(*shape, self.value_dim, dtype=self.dtype, device=device),
-                **{name: None for name in SCALE_TENSORS}}
+                "values": torch.zeros(*shape, self.value_dim, dtype=self.dtype, device=device)}
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """New tokens [B, Hkv, Q, D] as the slots hold them: cast to the slots' dtype (a no-op for the
@@ -85,12 +89,25 @@ class FloatSlots:
         """The slots' keys and values as floats [B, Hkv, S, D] (a tier archiving them, a test)."""
         return slots["keys"].to(dtype), slots["values"].to(dtype)
 
+    def decoded(self, slots: dict, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as a tier archives them: float slots as they are held."""
+        return slots["keys"], slots["values"]
+
+    def held_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Float keys as the slots give them back (a recall digest scores them): as they are."""
+        return keys
+
+    def write_extras(self, slot, slots: dict, stored: dict, active, coordinates) -> None:
+        """Nothing beside the keys and values (``QuantizedSlots.write_extras``)."""
+
 
 class QuantizedSlots:
     """Keys and values as ``bits``-bit codes (uint8 [..., W]) with a float32 scale and offset per slot;
     int4 keys in the spreading rotation's frame."""
 
     quantized = True
+    tensor_names = ("keys", "values", *SCALE_TENSORS)
+    fused_writes = False  # codes and their scales: ``reference.write_slots`` and ``write_extras``
 
     def __init__(self, bits: int, head_dim: int, value_dim: int, model_dtype: torch.dtype):
         from h2ochat_kernels import quant
@@ -160,6 +177,10 @@ class QuantizedSlots:
         keys, values = self.quant.dequantized_slots(slots["keys"], slots["values"], self.quant_slots(slots))
         return self._unturn(keys).to(dtype), values.to(dtype)
 
+    def decoded(self, slots: dict, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as a tier archives them: dequantized into ``dtype``, int4 keys un-turned."""
+        return self.keys_and_values(slots, dtype)
+
     def held_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Float keys [..., D] as the slots would give them back (encoded, then decoded): the recall
         digest scores cold keys moved to new positions as a recalled page will attend them."""
@@ -179,7 +200,7 @@ class QuantizedSlots:
             where = moved.unsqueeze(-1) if new.dim() == moved.dim() + 1 else moved
             slots[name].copy_(torch.where(where, new, slots[name]))
 
-    def write_scales(self, slot: torch.Tensor, slots: dict, stored: dict, active, coordinates) -> None:
+    def write_extras(self, slot: torch.Tensor, slots: dict, stored: dict, active, coordinates) -> None:
         """The new token's scales and offsets into slot ``slot`` [B, Hkv] of each (sequence, KV head),
         where ``reference.write_slots`` puts its codes (a row not ``active`` writes its own back)."""
         where = (*coordinates, slot)

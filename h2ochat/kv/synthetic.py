@@ -16,10 +16,7 @@ def fill_recent(layer, tokens: int, generator: torch.Generator) -> None:
     shape = (batch, heads, held)
     fresh = layer.format.encode(torch.randn((*shape, layer.format.head_dim), generator=generator, device=device),
                                 torch.randn((*shape, layer.format.value_dim), generator=generator, device=device))
-    for name, part in layer.slot_view(held).items():
-        part.copy_(fresh[name])
     numbers = torch.arange(tokens - held, tokens, device=device).expand(batch, heads, held)
-    layer.token_index[:, :, :held] = numbers
-    layer.positions[:, :, :held] = numbers
-    layer.scores[:, :, :held] = torch.rand((batch, heads, held), generator=generator, device=device)
+    scores = torch.rand((batch, heads, held), generator=generator, device=device)
+    layer.write_columns(held, {**fresh, "token_index": numbers, "positions": numbers, "scores": scores})
     layer.set_host_counters(held, tokens)

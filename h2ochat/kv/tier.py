@@ -1,22 +1,24 @@
 """The tier contract: what a layer's slots hand to a second home for tokens, and what it may add.
 
 A layer (``kv.layer.H2OLayer``) is its slots, its policy's parameters, its kernels and a tier. The
-policy works on the first ``capacity`` slot columns; a tier may own ``columns`` more after them (the
-recall tier's recall slots), which the policy never ranks and never evicts. The layer calls the tier
-at fixed points of a step, always with the layer itself (the tier reads the slots, never writes the
-layer's own fields):
+policy works on the layer's first slot columns; a tier may own ``columns`` more (the recall tier's
+recall slots), which the policy never ranks and never evicts. Where those columns are is the tier
+port's secret (``kv.tier_port.TierPort``, made by the layer at allocation): a tier is handed the port
+and reads and writes its own columns through it (named views), never the layer. The layer calls the
+tier at fixed points of a step, always with its port and, where the step matters, its context
+(``kv.numbering.StepContext``: the numbers, the compiled/static mode, the rotary):
 
-- ``reserve(layer, q_len, context)``: before the step (from ``H2OCache.position_ids``, host counters
+- ``allocate(port, batch, heads, head_dim, value_dim, dtype, device)``: the layer's slots exist;
+- ``reserve(port, q_len, context)``: before the step (from ``H2OCache.position_ids``, host counters
   only), room for whatever these tokens can evict;
-- ``before_attention(layer, query, new_valid, context)``: e.g. bring recalled pages into its columns;
-
-``context`` is the step's ``kv.numbering.StepContext`` (its numbers, the compiled/static mode, the
-rotary): a tier reads the step's mode there, never through the layer's cache.
-- ``before_insert(layer)``: after the attention, before this step's scores rank anything;
-- ``archive(layer, slot)``: a decode step evicts ``slot`` [B, Hkv] of each (sequence, KV head); called
-  before the slot is overwritten, with exactly the victim the eviction then writes over;
-- ``archive_dropped(layer, candidates, dropped)``: a multi-token step dropped these candidates;
-- ``renumber(layer, renumbering, rotary)``: the layer's tokens moved to new positions.
+- ``before_attention(port, query, new_valid, context)``: e.g. bring recalled pages into its columns;
+- ``before_insert(port)``: after the attention, before this step's scores rank anything;
+- ``archive(port, slot)``: a decode step evicts ``slot`` [B, Hkv] of each (sequence, KV head);
+  called before the slot is overwritten (``port.victims(slot)`` reads what it holds), with exactly
+  the victim the eviction then writes over;
+- ``archive_dropped(port, candidates, dropped)``: a multi-token step dropped these candidates
+  (named tensors [B, Hkv, N, ...], the slot format's among them);
+- ``renumber(port, renumbering, rotary)``: the layer's tokens moved to new positions.
 
 A row moves between caches (a server parks a finished conversation in host memory and imports it
 into a row again when it comes back: ``H2OCache.export_row`` / ``import_row``) with its tier:
@@ -29,31 +31,10 @@ optional: ``pages_recalled`` below reads 0 without it).
 
 A tier reports its own device bytes, host bytes and statistics (``record``, ``stats``); nothing
 outside the cache package asks which kind of tier a cache has. ``NO_TIER`` is the tier of a plain
-H2O cache: no columns, nothing archived, every hook a no-op (``NoTier``, beside the layer that
-defaults to it: a decoded token's route does not leave the layer for it). A new tier is one class
-with these methods and a spec (``TierSpec``) that makes one per layer (``H2OCache(tier=spec)``,
-``H2OCache.use_tier``).
-
-
-NOT YET BUILT (issue 33, items 2, 4 and 8; designed here, the hooks above are still today's):
-
-- The tier port (item 2). A ``TierPort`` made by the layer at allocation holds the layout secret
-  alone ("policy columns first, the tier's ``columns`` after ``capacity``, the last page stages"):
-  it hands a tier its own columns as named views (``port.columns()``: keys, values, scales, token
-  index, positions, scores of columns [capacity, capacity + tier.columns)), the victims of an
-  eviction (``port.victims(slot)``: the named values at the slot, read before the overwrite) and
-  writes into its columns only (``port.write(name, ...)``). Hooks then take ``(port, ..., context)``
-  instead of the layer; ``recall.tier``, ``split.py`` and ``kv.accounting`` ask the port for the
-  column ranges instead of slicing at ``layer.capacity``. ``NoTier`` moves here (the layer imports no
-  tier), and a disk tier under recall's host store is one module with a ``TierSpec`` plus its option.
-- One host-counter object (item 4): ``HostCounters`` becomes mutable and held by reference, made by
-  the cache and shared by its prefixes (``H2OCache.prefix``), so ``take_host_counters`` and the copies
-  around each bucket step go away; its docstring lists its writers (the layer's step, ``import_row``,
-  ``restore_host_counters``, the server backend's ``set_host_counters``).
-- Structural rules (item 8): tests that the layer imports no tier module, that tier modules touch a
-  layer only through the port, that no module reads another's ``_private`` names, and a field-write
-  test that sees ``setattr``, writes into tensors reached through another object's attribute
-  (``x.t.copy_``, ``x.t[...] =``) and container mutation, in place of the token-route ceiling.
+H2O cache: no columns, nothing archived, every hook a no-op (``NoTier``). A new tier is one module
+with a class of these methods and a spec (``TierSpec``) that makes one per layer
+(``H2OCache(tier=spec)``, ``H2OCache.use_tier``), plus its option: tests/disk_tier.py sketches a
+second tier under a host store that plugs in so (tests/test_tier_port.py).
 """
 
 from __future__ import annotations
@@ -62,27 +43,74 @@ from typing import Protocol
 
 import torch
 
-from .layer import NO_TIER_LAYER, NoTier
-from .numbering import StepContext
+from .numbering import Renumbering, StepContext
+from .tier_port import TierPort
 
 
 class Tier(Protocol):
     columns: int  # slot columns the tier owns after the policy's
     archives: bool  # whether evicted tokens must be seen before they are overwritten
 
-    def allocate(self, layer, batch: int, heads: int, head_dim: int, value_dim: int, dtype, device) -> None: ...
+    def allocate(self, port: TierPort, batch: int, heads: int, head_dim: int, value_dim: int, dtype,
+                 device) -> None: ...
     def state_tensors(self) -> dict[str, torch.Tensor]: ...
     def empty_value(self, name: str) -> int: ...
     def reset(self) -> None: ...
-    def reserve(self, layer, q_len: int, context: StepContext) -> None: ...
-    def before_attention(self, layer, query: torch.Tensor, new_valid: torch.Tensor | None,
+    def reserve(self, port: TierPort, q_len: int, context: StepContext) -> None: ...
+    def before_attention(self, port: TierPort, query: torch.Tensor, new_valid: torch.Tensor | None,
                          context: StepContext) -> None: ...
-    def before_insert(self, layer) -> None: ...
-    def archive(self, layer, slot: torch.Tensor) -> None: ...
-    def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
-    def renumber(self, layer, renumbering, rotary) -> None: ...
+    def before_insert(self, port: TierPort) -> None: ...
+    def archive(self, port: TierPort, slot: torch.Tensor) -> None: ...
+    def archive_dropped(self, port: TierPort, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
+    def renumber(self, port: TierPort, renumbering: Renumbering, rotary) -> None: ...
     def export_row(self, row: int, device) -> dict[str, torch.Tensor]: ...
     def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class NoTier:
+    """The tier of a plain cache: evicted tokens are gone for good (stateless: one serves every layer)."""
+
+    columns = 0
+    archives = False
+
+    def allocate(self, port, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        pass
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def empty_value(self, name: str) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def reserve(self, port, q_len: int, context) -> None:
+        pass
+
+    def before_attention(self, port, query, new_valid, context) -> None:
+        pass
+
+    def before_insert(self, port) -> None:
+        pass
+
+    def archive(self, port, slot) -> None:
+        pass
+
+    def archive_dropped(self, port, candidates, dropped) -> None:
+        pass
+
+    def renumber(self, port, renumbering, rotary) -> None:
+        pass
+
+    def export_row(self, row: int, device) -> dict[str, torch.Tensor]:
+        return {}
+
+    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+NO_TIER_LAYER = NoTier()
 
 
 def pages_recalled(cache, row: int) -> int:

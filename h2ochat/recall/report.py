@@ -102,7 +102,7 @@ def recall_slot_counts(cache, sequence: int = 0) -> torch.Tensor:
     if has_cold_tier(cache):
         for layer in cache.layers:
             if layer.is_initialized:
-                tokens = layer.tier.recalled_token_index(layer)[sequence].flatten().cpu()
+                tokens = layer.tier.recalled_token_index()[sequence].flatten().cpu()
                 counts += torch.bincount(tokens[tokens >= 0], minlength=seen)[:seen]
     return counts
 

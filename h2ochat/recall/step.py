@@ -108,6 +108,16 @@ class RecallSlots:
     # offsets ({name: [B, H, R]}); None for float slots
     scales: dict[str, torch.Tensor] | None = None
 
+    @classmethod
+    def of(cls, columns: dict[str, torch.Tensor], slot_format) -> "RecallSlots":
+        """From a tier port's named columns (``TierPort.tier_columns``) of a layer in ``slot_format``."""
+        scales = {name: columns[name] for name in slot_format.tensor_names if name not in ("keys", "values")}
+        return cls(columns["keys"], columns["values"], columns["token_index"], columns["positions"], scales or None)
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The slot format's tensors by name (keys, values and any scales)."""
+        return {"keys": self.keys, "values": self.values, **(self.scales or {})}
+
 
 def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, slot_format=None) -> None:
     """Copy the pages the plan loads from the cold store into their frames (frames that keep their
@@ -143,16 +153,17 @@ class StagingPage:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"count": self.count}
 
-    def put(self, coordinates, key, value, token_index, position, scales: dict | None = None) -> None:
+    def put(self, coordinates, victim: dict[str, torch.Tensor]) -> None:
         """One entry per (sequence, head) [B, H, ...] into the next staging column (fixed shapes, no
-        host read: a compiled step holds it); quantized slots: codes, and ``scales`` beside them."""
+        host read: a compiled step holds it): ``victim`` by name (``TierPort.victims``: keys, values,
+        token_index, positions and, for quantized slots, the scales beside the codes)."""
         where = (*coordinates, self.count)
         for name, buffer in (self.slots.scales or {}).items():
-            buffer.index_put_(where, scales[name])
-        self.slots.keys.index_put_(where, key)
-        self.slots.values.index_put_(where, value)
-        self.slots.token_index.index_put_(where, token_index)
-        self.slots.positions.index_put_(where, position)
+            buffer.index_put_(where, victim[name])
+        self.slots.keys.index_put_(where, victim["keys"])
+        self.slots.values.index_put_(where, victim["values"])
+        self.slots.token_index.index_put_(where, victim["token_index"])
+        self.slots.positions.index_put_(where, victim["positions"])
         self.count += 1
 
     def count_step(self) -> None:

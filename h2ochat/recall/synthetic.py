@@ -4,7 +4,7 @@ been fed.
 ``H2OCache.assume_seen(tokens, generator)`` leaves each layer's hot slots holding the most recent
 tokens with random keys and values; ``fill_cold_tier`` then hands every older token (token indices
 0 .. tokens - held - 1, where held is the hot slots filled) to each layer's cold store and device
-digest through their public ``append``, in token order, as the policy would have evicted them (a
+digest (``RecallTier.take_cold``), in token order, as the policy would have evicted them (a
 decode step's cost does not depend on which tokens were evicted, only on how many the cold tier
 holds). Random keys and values are drawn where the digest lives, by ``generator``.
 """
@@ -29,5 +29,4 @@ def fill_cold_tier(cache, tokens: int, generator: torch.Generator) -> None:
             keys = torch.randn((batch, heads, cold, head_dim), generator=generator, device=device, dtype=dtype)
             values = torch.randn((batch, heads, cold, value_dim), generator=generator, device=device, dtype=dtype)
             numbers = torch.arange(cold, device=device).expand(batch, heads, cold)
-            layer.tier.cold.append(keys, values, numbers, numbers)  # positions: absolute, the token index
-            layer.tier.digest.append(keys, numbers)
+            layer.tier.take_cold(keys, values, numbers, numbers)  # positions: absolute, the token index

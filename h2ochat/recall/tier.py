@@ -49,20 +49,19 @@ from __future__ import annotations
 import torch
 from h2ochat_kernels.reference import row_weights
 
-from ..kv.slot_format import SCALE_TENSORS
-
 from .bounds import PageBounds
 from .cold_store import ColdStore
 from .layout import tensor_bytes
 from .digests import KeyCodes, TwoStageCodes
 from .step import RecallFrames, RecallSlots, StagingPage, fill_recall_slots
+from .tier_rows import RecallRowMoves
 from .tiered import RecallConfig, TierStats
 
 # state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
 _EMPTY_IS_MINUS_ONE = {"cold_token_index", "cold_positions", "cold_encoded", "frames_frame_page"}
 
 
-class RecallTier:
+class RecallTier(RecallRowMoves):
     """One layer's cold store, digest, recall frames, staging page and attention statistics."""
 
     archives = True
@@ -73,7 +72,7 @@ class RecallTier:
         self.reset()
 
     # -- the layer's allocation and state -----------------------------------------------------------
-    def allocate(self, layer, batch, heads, head_dim, value_dim, dtype, device) -> None:
+    def allocate(self, port, batch, heads, head_dim, value_dim, dtype, device) -> None:
         config = self.config
         self.cold = ColdStore(batch, heads, head_dim, value_dim, config.page, dtype, cold_dtype=config.cold_dtype,
                               limit=config.cold_limit, pin=device.type == "cuda", device=device)
@@ -83,27 +82,20 @@ class RecallTier:
         elif config.bits is not None and config.summary_cap is not None:  # token codes beside the cold store
             self.digest = TwoStageCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                         device=device, host=self.cold.count.device, dtype=dtype,
-                                        rotate=config.rotate, backend=layer.kernels, cap=config.summary_cap,
+                                        rotate=config.rotate, backend=port.kernels, cap=config.summary_cap,
                                         candidates=config.candidates)
         else:
             self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
-                                   device=device, dtype=dtype, rotate=config.rotate, backend=layer.kernels)
+                                   device=device, dtype=dtype, rotate=config.rotate, backend=port.kernels)
         self.frames = RecallFrames(batch, heads, config.frames - 1, device)  # (the last page stages)
-        hot, staging = layer.capacity, layer.capacity + config.slots - config.page
         # the layer's slot format (``kv.slot_format``): quantized slots hold codes with scales beside
-        # them; the cold store and the digest take their dequantized floats
-        self.format = layer.format
-
-        def columns(start, stop):  # views of the layer's slots: attended with the hot ones
-            scales = ({name: getattr(layer, name)[:, :, start:stop] for name in SCALE_TENSORS}
-                      if self.format.quantized else None)
-            return RecallSlots(layer.keys[:, :, start:stop], layer.values[:, :, start:stop],
-                               layer.token_index[:, :, start:stop], layer.positions[:, :, start:stop], scales)
-
-        self.slots = columns(hot, staging)
-        self.staging = StagingPage(columns(staging, staging + config.page), device)
-        self.all_columns = layer.token_index[:, :, hot:]
-        self.recall_scores = layer.scores[:, :, hot:]
+        # them; the cold store and the digest take their floats (``decoded``)
+        self.format = port.format
+        # views of the tier's columns of the layer's slots (the port says where): attended with the hot ones
+        self.slots = RecallSlots.of(port.frame_columns(config.page), self.format)
+        self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
+        columns = port.tier_columns()
+        self.all_columns, self.recall_scores = columns["token_index"], columns["scores"]
         self.decode_steps = 0
         self.prepared_at = None  # the layer's column count when ``reserve`` prepared the step
         # the last step's queries [B, H, G, D] (its last token's): a decode step's pages are chosen
@@ -143,101 +135,95 @@ class RecallTier:
         parts = [*self.frames.state_tensors().values(), self.recalled_mass, self.attended_mass]
         return tensor_bytes(parts + ([self.last_query] if self.last_query is not None else []))
 
-    def recalled_token_index(self, layer) -> torch.Tensor:
+    def recalled_token_index(self) -> torch.Tensor:
         """[B, H, R]: the token index each recall slot holds, staging page included (-1: empty)."""
         return self.all_columns
 
     # -- before the step (eager, host counters only) ----------------------------------------------------
-    def reserve(self, layer, q_len: int, context) -> None:
+    def reserve(self, port, q_len: int, context) -> None:
         """Before a step (``H2OCache.position_ids``, eager for the compiled step too): the staging page
         goes to the cold tier before a chunk or when full, a decode step's pages are chosen (every
         ``every``-th decode step, with the last step's queries), and there is room for what a chunk
         can evict. Reads nothing back from the device."""
-        self.prepared_at = layer.tokens_fed_with_padding
-        with torch.inference_mode(layer.keys.is_inference()):  # (as the step that made the state ran)
-            self._prepare(layer, q_len, context)
+        self.prepared_at = port.tokens_fed_with_padding
+        with torch.inference_mode(port.inference):  # (as the step that made the state ran)
+            self._prepare(port, q_len, context)
 
-    def _prepare(self, layer, q_len: int, context) -> None:
+    def _prepare(self, port, q_len: int, context) -> None:
         if q_len > 1 or self.staging.full():
-            self.flush(layer, q_len)
+            self.flush(port, q_len)
         if q_len == 1:
             self.decode_steps += 1
             # the cadence counts from the last flush: every ``every`` steps, and at least once a page
             cadence = self.staging.steps % self.config.every == 0
             prefetch = context.static_shapes  # (the compiled step's cache: nothing is chosen inside it)
             if cadence and prefetch and self.has_query:
-                self.recall(layer, self.last_query, context.rotary)
+                self.recall(port, self.last_query, context.rotary)
             self.choose_in_step = cadence and not prefetch
             self.staging.count_step()
         else:
-            self._room(layer, q_len)
+            self._room(port, q_len)
         self.has_query = True
 
-    def _room(self, layer, q_len: int) -> None:
-        needed = layer.tokens_fed_with_padding + q_len  # every token fed so far and these: an upper bound
+    def _room(self, port, q_len: int) -> None:
+        needed = port.tokens_fed_with_padding + q_len  # every token fed so far and these: an upper bound
         self.cold.reserve(needed)
         self.digest.reserve(needed)
 
-    def flush(self, layer, q_len: int = 0) -> None:
+    def flush(self, port, q_len: int = 0) -> None:
         """The staging page into the cold store and the digest (one append of P entries, in eviction
         order), then emptied. Eager, before a step (or before a chunk's own drops)."""
         if self.staging.steps == 0:
             return
-        self._room(layer, q_len)
+        self._room(port, q_len)
         slots = self.staging.slots
-        self.to_cold(*self._floats(slots), slots.token_index, slots.positions)
+        self.to_cold(*self.cold_floats(slots), slots.token_index, slots.positions)
         self.staging.clear()
 
-    def _floats(self, slots: RecallSlots) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of these columns as the cold store holds them (quantized: dequantized,
-        int4 keys back in the model's frame)."""
-        if not self.format.quantized:
-            return slots.keys, slots.values
-        return self.format.keys_and_values({"keys": slots.keys, "values": slots.values, **slots.scales},
-                                           self.cold.dtype)
+    def cold_floats(self, slots: RecallSlots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of these columns as the cold store holds them (``SlotFormat.decoded``:
+        float slots as held; codes dequantized, int4 keys back in the model's frame)."""
+        return self.format.decoded(slots.named(), self.cold.dtype)
 
     # -- the step -------------------------------------------------------------------------------------
-    def before_attention(self, layer, query, new_valid, context) -> None:
+    def before_attention(self, port, query, new_valid, context) -> None:
         batch, q_heads, q_len, head_dim = query.shape
-        heads = layer.keys.shape[1]
+        heads = self.recalled_mass.shape[1]
         group = q_heads // heads
-        if not context.compiled and self.prepared_at != layer.tokens_fed_with_padding:
-            self.reserve(layer, q_len, context)  # (a step not prepared by position_ids: transformers' generate())
+        if not context.compiled and self.prepared_at != port.tokens_fed_with_padding:
+            self.reserve(port, q_len, context)  # (a step not prepared by position_ids: transformers' generate())
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
-            self.recall(layer, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
+            self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
         elif not context.compiled and self.choose_in_step:  # an eager step: with its own queries
-            self.recall(layer, grouped[:, :, :, 0], context.rotary)
+            self.recall(port, grouped[:, :, :, 0], context.rotary)
         self.last_query.copy_(grouped[:, :, :, -1])
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
-        weights = row_weights(new_valid, batch, q_len, layer.rows.decay, query.device)
+        weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += rows * group
 
-    def recall(self, layer, queries: torch.Tensor, rotary) -> None:
+    def recall(self, port, queries: torch.Tensor, rotary) -> None:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager)."""
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
-        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=layer.tokens_fed_with_padding)
+        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
         plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
         fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
 
-    def before_insert(self, layer) -> None:
+    def before_insert(self, port) -> None:
         """The recall columns' scores are this step's attention to recalled and staged tokens:
         counted, then cleared (what they drew ranks nothing)."""
         self.recalled_mass += self.recall_scores.sum(dim=-1)
         self.recall_scores.zero_()
 
-    def archive(self, layer, slot: torch.Tensor) -> None:
+    def archive(self, port, slot: torch.Tensor) -> None:
         """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush)."""
-        where = (*layer.coordinates, slot)
-        scales = {name: getattr(layer, name)[where] for name in SCALE_TENSORS} if self.format.quantized else None
-        self.staging.put(layer.coordinates, layer.keys[where], layer.values[where], layer.token_index[where],
-                         layer.positions[where], scales)
+        self.staging.put(port.coordinates, port.victims(slot))
 
-    def archive_dropped(self, layer, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
-        self.flush(layer, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
+    def archive_dropped(self, port, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
+        self.flush(port, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
         # in token order, as a cache fed one token at a time would have evicted them
         token_index = candidates["token_index"].masked_fill(~dropped, -1)
         order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
@@ -245,10 +231,7 @@ class RecallTier:
         def take(t):
             return t.gather(2, order if t.dim() == 3 else order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
 
-        if self.format.quantized:  # codes and scales: the cold store takes their floats
-            keys, values = self.format.keys_and_values(candidates, self.cold.dtype)
-        else:
-            keys, values = candidates["keys"].to(layer.keys.dtype), candidates["values"].to(layer.values.dtype)
+        keys, values = self.format.decoded(candidates, self.cold.dtype)  # (codes and scales: their floats)
         self.to_cold(take(keys), take(values), take(token_index), take(candidates["positions"]))
 
     def to_cold(self, keys, values, token_index, positions) -> None:
@@ -256,120 +239,17 @@ class RecallTier:
         self.cold.append(keys, values, token_index, positions, reserve=False)
         self.digest.append(keys, token_index, reserve=False)
 
-    def renumber(self, layer, renumbering, rotary) -> None:
+    def take_cold(self, keys, values, token_index, positions) -> None:
+        """Tokens handed to the cold tier from outside a step (a benchmark's synthetic context:
+        ``recall.synthetic``), room made as they come."""
+        self.cold.append(keys, values, token_index, positions)
+        self.digest.append(keys, token_index)
+
+    def renumber(self, port, renumbering, rotary) -> None:
         self.cold.renumber(renumbering)  # (the staging page moved with the layer's slots)
         if rotary is not None:  # the digest scores keys as they will be attended: at their new positions
             keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
-            self.digest.rebuild(self.format.held_keys(keys) if self.format.quantized else keys)
-
-    # -- one row moved between caches (a server parks a conversation: kv.tier, H2OCache.export_row) -----
-    # Written against the stores' public state only (``state_tensors``, ``count``, ``capacity``,
-    # ``reserve``): a store whose slot dimension is its ``capacity`` plus the spill slot grows with the
-    # text, and a row keeps of it the slots its tokens reach; every other tensor goes whole.
-    def _row_extents(self, row: int) -> dict[str, int]:
-        """Slot columns row ``row`` uses, by state name, in the stores that grow with the text."""
-        names = {id(tensor): name for name, tensor in self.state_tensors().items()}
-        extents = {}
-        for part in (self.cold, self.digest):
-            capacity, count = getattr(part, "capacity", None), getattr(part, "count", None)
-            if capacity is None or count is None:
-                continue
-            held = min(int(count[row].max()), capacity)
-            for tensor in part.state_tensors().values():
-                if tensor.dim() >= 3 and tensor.shape[2] == capacity + 1 and id(tensor) in names:
-                    extents[names[id(tensor)]] = held
-        return extents
-
-    def _part_names(self, part, *wanted: str) -> list[str | None]:
-        """The state names of ``part``'s own tensors ``wanted`` (None where it has none of that name)."""
-        names = {id(tensor): name for name, tensor in self.state_tensors().items()}
-        own = part.state_tensors()
-        return [names.get(id(own[name])) if name in own else None for name in wanted]
-
-    def _settle(self) -> None:
-        """Host code reads or writes the cold store's buffers: wait for zero-copy kernels still on them."""
-        if self.cold.zero_copy and self.cold.device.type == "cuda":
-            torch.cuda.synchronize(self.cold.device)
-
-    def export_row(self, row: int, device="cpu") -> dict[str, torch.Tensor]:
-        """Row ``row``'s state (``state_tensors`` names) on ``device``: the growing stores cut to the
-        slots the row's tokens reach, so a parked row costs what it holds, not the batch's capacity."""
-        if self.cold is None:
-            return {}
-        self._settle()
-        extents = self._row_extents(row)
-        return {name: (tensor[row, :, :extents[name]] if name in extents else tensor[row]).to(device, copy=True)
-                for name, tensor in self.state_tensors().items()}
-
-    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
-        """Overwrite row ``row`` with ``state`` (``export_row`` of a tier of the same settings): the
-        stores grow to take its tokens, their slots past them are emptied, and so is a tensor the state
-        lacks (nothing of the row's last conversation stays behind)."""
-        if self.cold is None:
-            raise ValueError("the recall tier is not allocated: nothing to import into")
-        self._settle()
-        if "last_query" in state and getattr(self, "last_query", None) is None:  # (made by a tier's first step)
-            self.last_query = torch.zeros(self.recalled_mass.shape[0], *state["last_query"].shape,
-                                          dtype=state["last_query"].dtype, device=self.recalled_mass.device)
-        unknown = set(state) - set(self.state_tensors())
-        if unknown:
-            raise ValueError(f"the row state holds recall tensors this tier has not: {sorted(unknown)}")
-        counts = [name for part in (self.cold, self.digest) for name in self._part_names(part, "count") if name]
-        needed = max((int(state[name].max()) for name in counts if name in state), default=0)
-        page = self.cold.page  # (room for a staged page too: ``_fold_staged``)
-        self.cold.reserve(needed + page)  # (growing replaces the stores' tensors: read them after)
-        self.digest.reserve(needed + page)
-        for name, tensor in self.state_tensors().items():
-            target = tensor[row]
-            saved = state.get(name)
-            if saved is None:
-                target.fill_(self.empty_value(name))
-                continue
-            fits = saved.dtype == target.dtype and saved.dim() == target.dim() and (
-                saved.shape == target.shape or (target.dim() >= 2 and saved.shape[:1] + saved.shape[2:]
-                                                == target.shape[:1] + target.shape[2:]))
-            if not fits:
-                raise ValueError(f"recall tier {name}: the row state's {tuple(saved.shape)} {saved.dtype} does not "
-                                 f"fit the tier's {tuple(target.shape)} {target.dtype}")
-            held = min(saved.shape[1], target.shape[1]) if target.dim() >= 2 else None
-            target[:, :held].copy_(saved[:, :held]) if held is not None else target.copy_(saved)
-            if held is not None and held < target.shape[1]:  # (past a row's tokens a store holds nothing)
-                target[:, held:] = self.empty_value(name)
-        self.has_query = getattr(self, "has_query", False) or "last_query" in state  # (its next step recalls)
-        positions, encoded = self._part_names(self.cold, "positions", "encoded")
-        if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
-            self._mark_moved()
-        self._fold_staged(row)
-
-    def _fold_staged(self, row: int) -> None:
-        """After an import: the staging page of every row (the imported one's came with the layer's
-        slots) goes to the cold stores and digests, in eviction order, and the page starts again. The
-        page is flushed on the batch's count of decode steps, which a row coming in with staged tokens
-        would overrun; and from here the row's page fills as its own cache's does after a prompt chunk
-        (which flushes), so a conversation resumed alone in a batch stages as it would alone.
-        (The other rows' staged tokens go a little early: the batch shares one flush cadence.)"""
-        staging = getattr(self, "staging", None)
-        if staging is None:
-            return
-        slots = staging.slots
-        if staging.steps == 0 and not bool((slots.token_index >= 0).any()):  # (a host read, once per import)
-            return
-        room = int(self.cold.count.max()) + self.cold.page
-        self.cold.reserve(room)
-        self.digest.reserve(room)
-        self.to_cold(*self._floats(slots), slots.token_index, slots.positions)
-        staging.clear()
-
-    def _mark_moved(self) -> None:
-        """The imported row's cold tokens were re-numbered: brought-back keys must be rotated from their
-        encoded positions. An append of nothing with ``encoded`` given sets the store's flag (the
-        spill slot takes it: the store's public route)."""
-        cold = self.cold
-        batch, heads = cold.count.shape
-        nothing = torch.full((batch, heads, 1), -1, dtype=torch.long)
-        cold.append(torch.zeros(batch, heads, 1, cold.keys.shape[-1], dtype=cold.dtype),
-                    torch.zeros(batch, heads, 1, cold.values.shape[-1], dtype=cold.dtype), nothing, nothing,
-                    encoded=nothing, reserve=False)
+            self.digest.rebuild(self.format.held_keys(keys))
 
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""

@@ -110,16 +110,10 @@ class RowPool:
     @contextlib.contextmanager
     def bucket_cache(self, size: int):
         """The cache over rows 0..size-1 for one decode step. A bucket's view and the batch cache hold
-        the same rows but host counters of their own: whichever ran the last step hands them over."""
+        the same rows and share one host-counter object (``kv.host_counters``): nothing is handed over."""
         cache = self._prefixes[size]
         self.steps_by_rows[size] = self.steps_by_rows.get(size, 0) + 1
-        if cache is not self.cache:
-            cache.take_host_counters(self.cache)
-        try:
-            yield cache
-        finally:
-            if cache is not self.cache:
-                self.cache.take_host_counters(cache)
+        yield cache
 
     @contextlib.contextmanager
     def counters_kept(self):

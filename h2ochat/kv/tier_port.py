@@ -1,0 +1,88 @@
+"""The tier port: what a layer hands its tier, and the one place that knows where the tier's slot
+columns are.
+
+A layer's per-slot tensors ([B, Hkv, S, ...]: its slot format's keys and values (and scales), the
+scores, token indices and positions) hold ``capacity`` policy columns first and the tier's
+``columns`` after them; a tier that stages (recall) stages in its last page. That layout is said
+here alone: a tier asks the port for its columns as named views (``tier_columns``, ``frame_columns``,
+``staging_columns``), for a victim's values before the eviction overwrites it (``victims``), and a
+reader outside the layer (``split``, ``kv.row_moves``) splits a per-slot tensor with ``policy_part``
+and ``tier_part``. A tier reads nothing else of its layer: its host counters, its kernels, its slot
+format and its policy's decay come through the port too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .host_counters import LayerCounters
+
+
+POLICY_BOOKKEEPING = ("scores", "value_norm")  # what a slot holds for the policy alone
+
+
+class TierPort:
+    """One layer's side of its tier: made by the layer at allocation (``H2OLayer.allocate``)."""
+
+    def __init__(self, capacity: int, columns: int, tensors: Callable[[], dict[str, torch.Tensor]],
+                 counters: LayerCounters, *, coordinates, slot_format, kernels, rows):
+        self.capacity, self.columns = capacity, columns  # the policy's columns, then the tier's
+        self._tensors = tensors  # the layer's per-slot tensors by name, as they are now
+        self._counters = counters
+        self.coordinates = coordinates  # (sequence, head) index tensors: one slot per (sequence, KV head)
+        self.format = slot_format  # ``kv.slot_format``: how the columns hold keys and values
+        self.kernels = kernels  # the layer's ``Backend``
+        self._rows = rows  # the policy's per-row parameters (``kv.rows.RowParameters``)
+
+    # -- the layout ---------------------------------------------------------------------------------
+    def tier_columns(self, start: int = 0, stop: int | None = None) -> dict[str, torch.Tensor]:
+        """Views of the tier's columns [start, stop) (counted from its first; None: to its last) of
+        every per-slot tensor: the format's (keys, values, scales), scores, token_index, positions (and
+        value_norm, for a policy that ranks by it)."""
+        stop = self.columns if stop is None else stop
+        if not 0 <= start <= stop <= self.columns:
+            raise ValueError(f"tier columns [{start}, {stop}) outside the tier's {self.columns}")
+        begin = self.capacity
+        return {name: tensor[:, :, begin + start:begin + stop] for name, tensor in self._tensors().items()}
+
+    def frame_columns(self, page: int) -> dict[str, torch.Tensor]:
+        """The tier's columns before its last page (recall's frames of recalled pages)."""
+        return self.tier_columns(0, self.columns - page)
+
+    def staging_columns(self, page: int) -> dict[str, torch.Tensor]:
+        """The tier's last ``page`` columns (recall stages its evicted tokens there)."""
+        return self.tier_columns(self.columns - page)
+
+    def policy_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The policy's columns of a per-slot tensor whose last dimension is the slot column."""
+        return tensor[..., :self.capacity]
+
+    def tier_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tier's columns of a per-slot tensor whose last dimension is the slot column."""
+        return tensor[..., self.capacity:]
+
+    def victims(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What slot ``slot`` [B, Hkv] (a policy column) of each (sequence, KV head) holds, by name
+        (the format's tensors, token_index, positions; not the policy's scores): what a decode
+        step's eviction is about to overwrite (read before it does)."""
+        where = (*self.coordinates, slot)
+        return {name: tensor[where] for name, tensor in self._tensors().items()
+                if name not in POLICY_BOOKKEEPING}
+
+    # -- what else a tier may read of its layer -----------------------------------------------------
+    @property
+    def tokens_fed_with_padding(self) -> int:
+        """Columns fed so far, padding included (a host int: an upper bound of any row's tokens)."""
+        return self._counters.tokens_fed_with_padding
+
+    @property
+    def decay(self):
+        """The policy's score decay (a float, or [B] per row): how a tier weighs a step's attention."""
+        return self._rows.decay
+
+    @property
+    def inference(self) -> bool:
+        """Whether the slots were made under inference mode (a tier's eager work runs in the same)."""
+        return self._tensors()["token_index"].is_inference()

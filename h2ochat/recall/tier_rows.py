@@ -1,0 +1,124 @@
+"""One recall tier's row moved between caches (``RecallRowMoves``, mixed into ``recall.tier.RecallTier``):
+a server parks a finished conversation in host memory and imports it into a row again when it comes
+back (``kv.tier``'s ``export_row``/``import_row``, called by ``H2OCache.export_row``/``import_row``).
+
+Written against the stores' public state only (``state_tensors``, ``count``, ``capacity``,
+``reserve``): a store whose slot dimension is its ``capacity`` plus the spill slot grows with the
+text, and a row keeps of it the slots its tokens reach; every other tensor goes whole. After an
+import the staging page is folded into the cold store (``_fold_staged``), so the row's page fills
+as its own cache's would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RecallRowMoves:
+    """Export and import of one row of a ``RecallTier`` (its ``cold``, ``digest``, ``frames``,
+    ``staging``, ``state_tensors``, ``empty_value`` and ``to_cold``)."""
+
+    def _row_extents(self, row: int) -> dict[str, int]:
+        """Slot columns row ``row`` uses, by state name, in the stores that grow with the text."""
+        names = {id(tensor): name for name, tensor in self.state_tensors().items()}
+        extents = {}
+        for part in (self.cold, self.digest):
+            capacity, count = getattr(part, "capacity", None), getattr(part, "count", None)
+            if capacity is None or count is None:
+                continue
+            held = min(int(count[row].max()), capacity)
+            for tensor in part.state_tensors().values():
+                if tensor.dim() >= 3 and tensor.shape[2] == capacity + 1 and id(tensor) in names:
+                    extents[names[id(tensor)]] = held
+        return extents
+
+    def _part_names(self, part, *wanted: str) -> list[str | None]:
+        """The state names of ``part``'s own tensors ``wanted`` (None where it has none of that name)."""
+        names = {id(tensor): name for name, tensor in self.state_tensors().items()}
+        own = part.state_tensors()
+        return [names.get(id(own[name])) if name in own else None for name in wanted]
+
+    def _settle(self) -> None:
+        """Host code reads or writes the cold store's buffers: wait for zero-copy kernels still on them."""
+        if self.cold.zero_copy and self.cold.device.type == "cuda":
+            torch.cuda.synchronize(self.cold.device)
+
+    def export_row(self, row: int, device="cpu") -> dict[str, torch.Tensor]:
+        """Row ``row``'s state (``state_tensors`` names) on ``device``: the growing stores cut to the
+        slots the row's tokens reach, so a parked row costs what it holds, not the batch's capacity."""
+        if self.cold is None:
+            return {}
+        self._settle()
+        extents = self._row_extents(row)
+        return {name: (tensor[row, :, :extents[name]] if name in extents else tensor[row]).to(device, copy=True)
+                for name, tensor in self.state_tensors().items()}
+
+    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite row ``row`` with ``state`` (``export_row`` of a tier of the same settings): the
+        stores grow to take its tokens, their slots past them are emptied, and so is a tensor the state
+        lacks (nothing of the row's last conversation stays behind)."""
+        if self.cold is None:
+            raise ValueError("the recall tier is not allocated: nothing to import into")
+        self._settle()
+        if "last_query" in state and getattr(self, "last_query", None) is None:  # (made by a tier's first step)
+            self.last_query = torch.zeros(self.recalled_mass.shape[0], *state["last_query"].shape,
+                                          dtype=state["last_query"].dtype, device=self.recalled_mass.device)
+        unknown = set(state) - set(self.state_tensors())
+        if unknown:
+            raise ValueError(f"the row state holds recall tensors this tier has not: {sorted(unknown)}")
+        counts = [name for part in (self.cold, self.digest) for name in self._part_names(part, "count") if name]
+        needed = max((int(state[name].max()) for name in counts if name in state), default=0)
+        page = self.cold.page  # (room for a staged page too: ``_fold_staged``)
+        self.cold.reserve(needed + page)  # (growing replaces the stores' tensors: read them after)
+        self.digest.reserve(needed + page)
+        for name, tensor in self.state_tensors().items():
+            target = tensor[row]
+            saved = state.get(name)
+            if saved is None:
+                target.fill_(self.empty_value(name))
+                continue
+            fits = saved.dtype == target.dtype and saved.dim() == target.dim() and (
+                saved.shape == target.shape or (target.dim() >= 2 and saved.shape[:1] + saved.shape[2:]
+                                                == target.shape[:1] + target.shape[2:]))
+            if not fits:
+                raise ValueError(f"recall tier {name}: the row state's {tuple(saved.shape)} {saved.dtype} does not "
+                                 f"fit the tier's {tuple(target.shape)} {target.dtype}")
+            held = min(saved.shape[1], target.shape[1]) if target.dim() >= 2 else None
+            target[:, :held].copy_(saved[:, :held]) if held is not None else target.copy_(saved)
+            if held is not None and held < target.shape[1]:  # (past a row's tokens a store holds nothing)
+                target[:, held:] = self.empty_value(name)
+        self.has_query = getattr(self, "has_query", False) or "last_query" in state  # (its next step recalls)
+        positions, encoded = self._part_names(self.cold, "positions", "encoded")
+        if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
+            self._mark_moved()
+        self._fold_staged(row)
+
+    def _fold_staged(self, row: int) -> None:
+        """After an import: the staging page of every row (the imported one's came with the layer's
+        slots) goes to the cold stores and digests, in eviction order, and the page starts again. The
+        page is flushed on the batch's count of decode steps, which a row coming in with staged tokens
+        would overrun; and from here the row's page fills as its own cache's does after a prompt chunk
+        (which flushes), so a conversation resumed alone in a batch stages as it would alone.
+        (The other rows' staged tokens go a little early: the batch shares one flush cadence.)"""
+        staging = getattr(self, "staging", None)
+        if staging is None:
+            return
+        slots = staging.slots
+        if staging.steps == 0 and not bool((slots.token_index >= 0).any()):  # (a host read, once per import)
+            return
+        room = int(self.cold.count.max()) + self.cold.page
+        self.cold.reserve(room)
+        self.digest.reserve(room)
+        self.to_cold(*self.cold_floats(slots), slots.token_index, slots.positions)
+        staging.clear()
+
+    def _mark_moved(self) -> None:
+        """The imported row's cold tokens were re-numbered: brought-back keys must be rotated from their
+        encoded positions. An append of nothing with ``encoded`` given sets the store's flag (the
+        spill slot takes it: the store's public route)."""
+        cold = self.cold
+        batch, heads = cold.count.shape
+        nothing = torch.full((batch, heads, 1), -1, dtype=torch.long)
+        cold.append(torch.zeros(batch, heads, 1, cold.keys.shape[-1], dtype=cold.dtype),
+                    torch.zeros(batch, heads, 1, cold.values.shape[-1], dtype=cold.dtype), nothing, nothing,
+                    encoded=nothing, reserve=False)
