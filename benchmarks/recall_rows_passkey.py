@@ -21,10 +21,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from h2ochat import evaluation as ev
-from h2ochat import passkey as pk
+from h2ochat.measure import evaluation as ev
+from h2ochat.measure import passkey as pk
 from h2ochat import threads
-from h2ochat.models import load
+from h2ochat.loading.models import load
 
 
 def main() -> None:

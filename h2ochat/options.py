@@ -10,7 +10,7 @@ import typer
 
 from .errors import user_input
 from .config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
-from .model_sources import DEFAULT_MODEL
+from .loading.sources import DEFAULT_MODEL
 from .policies import DEFAULT_POLICY, describe_policies
 from .recall.selector_names import SELECTOR_HELP
 
@@ -100,7 +100,7 @@ def fits_window(settings: CacheSettings):
     policy's split against its depth), from the configuration alone, before the weights load."""
     from types import SimpleNamespace
 
-    from .chat_settings import check_fits
+    from .chat.settings import check_fits
 
     return lambda config: check_fits(settings, SimpleNamespace(config=config))  # it reads model.config only
 

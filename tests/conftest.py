@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-import h2ochat.attention  # noqa: F401  registers the "h2o" attention
+import h2ochat.engine.attention  # noqa: F401  registers the "h2o" attention
 
 VOCAB = 96
 

@@ -12,11 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import FAMILIES
-from h2ochat import evaluation as ev
-from h2ochat import passkey as pk
-from h2ochat import passkey_probes as probes
+from h2ochat.measure import evaluation as ev
+from h2ochat.measure import passkey as pk
+from h2ochat.measure import passkey_probes as probes
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings
+from h2ochat.engine.generation import CacheSettings
 from test_passkey import FILLER, filler_file  # noqa: F401 (fixture)
 
 

@@ -14,11 +14,12 @@ import re
 import pytest
 from rich.console import Console
 
-from h2ochat import threads, ui
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
-from h2ochat.generation import CacheSettings
-from h2ochat.repl import Repl
+from h2ochat import threads
+from h2ochat.chat import ui
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.chat.repl import Repl
 
 from seeds import seed  # noqa: F401  (fixture)
 

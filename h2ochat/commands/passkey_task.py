@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import evaluation as ev
-from .. import passkey as pk
-from .. import passkey_chat as chat
-from .. import passkey_probes as probes
+from ..measure import evaluation as ev
+from ..measure import passkey as pk
+from ..measure import passkey_chat as chat
+from ..measure import passkey_probes as probes
 from .. import threads
 from ..errors import UserError, one_line, user_input
-from ..generation import max_positions
-from ..models import load
-from ..prompting import read_text_file
+from ..engine.generation import max_positions
+from ..loading.models import load
+from ..chat.prompting import read_text_file
 from ..console import print_table
 from .common import loading
 
@@ -38,7 +38,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         length_list = plan.lengths()
         rows = pk.build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
     content = read_text_file(text)
-    from ..ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    from ..chat.ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype)
@@ -82,7 +82,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
             report["question"] = "token by token on the recall rows"
     plot_failed = None
     if plot is not None:
-        from ..plotting import passkey_plot
+        from ..measure.plotting import passkey_plot
 
         try:
             passkey_plot(summary, plot, title=f"pass key, {loaded.name}, filler {Path(text).name}")

@@ -37,17 +37,17 @@ import h2ochat_prompts
 
 from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
-from ..chat_settings import check_fits
-from ..replies import stop_token_ids
-from ..detokenize import TextStream
+from ..chat.settings import check_fits
+from ..chat.replies import stop_token_ids
+from ..engine.detokenize import TextStream
 from ..errors import EXIT_INTERRUPTED, UserError, one_line, strict_user_errors, user_input
-from ..generation import Sampling, Timing, inference_steps, prefill, stop_check_interval, stream
-from ..models import load
-from ..prompting import encode
-from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
-from ..textstats import batch_summary, repetition
-from ..split import cache_split, describe_memory, describe_slots, kv_memory, layer_splits
-from ..ui import ReplyPrinter, StatusLine, TokenProgress, format_duration, make_console, percent
+from ..engine.generation import Sampling, Timing, inference_steps, prefill, stop_check_interval, stream
+from ..loading.models import load
+from ..chat.prompting import encode
+from ..chat.report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
+from ..measure.textstats import batch_summary, repetition
+from ..chat.split import cache_split, describe_memory, describe_slots, kv_memory, layer_splits
+from ..chat.ui import ReplyPrinter, StatusLine, TokenProgress, format_duration, make_console, percent
 from .common import RepeatLastN, loading
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
