@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .chat.settings import check_recall
 from .errors import user_input
 from .config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
 from .loading.sources import DEFAULT_MODEL
@@ -78,21 +79,6 @@ def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: i
     """``recall``: the two-tier fields (recall, page, selector, cold_dtype, cold_limit, recall_every)."""
     return checked_cache(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
                          positions=positions, seed=seed, kv_dtype=kv_dtype, **recall)
-
-
-def check_recall(settings: CacheSettings) -> None:
-    """The recall options of ``settings`` whether or not recall is on (``CacheSettings.validate`` reads
-    them only with --recall, so `--page 0` would wait for a later `/set recall 32`), and recall under a
-    policy that never evicts (it would be dropped without a word: nothing ever goes cold)."""
-    from .recall.default import AUTO, is_off
-    from .recall.tiered import RecallConfig
-
-    with user_input():
-        RecallConfig.check_options(settings.page, settings.selector, settings.cold_dtype, settings.cold_limit,
-                                   settings.recall_every)
-        if not is_off(settings.recall) and settings.recall != AUTO and settings.resolved_policy().grows:
-            raise ValueError(f"--recall needs a policy that evicts: {settings.policy} keeps every token on the "
-                             "device, so nothing would ever be recalled (drop --recall or choose another --policy)")
 
 
 def fits_window(settings: CacheSettings):

@@ -17,9 +17,8 @@ from rich.text import Text
 from . import ui
 from ..kv import PositionLimitError
 from .conversation import Conversation, ctrl_c_stops
-from .settings import SETTINGS
+from .settings import SETTINGS, check_recall
 from ..errors import UserError, debugging, one_line
-from ..options import check_recall
 from .history import ConversationLog, home, read_conversation, write_atomic
 from ..loading.sources import ModelError
 from ..policies import POLICIES, describe_policies

@@ -176,3 +176,18 @@ def check_fits(settings: CacheSettings, model) -> None:
         hot = policy_slots(slots, settings.recall_config(slots))  # recall slots (--recall) are not the policy's
         policy.split(hot)
         policy.layer_budgets(hot, model.config.num_hidden_layers)
+
+
+def check_recall(settings: CacheSettings) -> None:
+    """The recall options of ``settings`` whether or not recall is on (``CacheSettings.validate`` reads
+    them only with --recall, so `--page 0` would wait for a later `/set recall 32`), and recall under a
+    policy that never evicts (it would be dropped without a word: nothing ever goes cold)."""
+    from ..recall.default import AUTO, is_off
+    from ..recall.tiered import RecallConfig
+
+    with user_input():
+        RecallConfig.check_options(settings.page, settings.selector, settings.cold_dtype, settings.cold_limit,
+                                   settings.recall_every)
+        if not is_off(settings.recall) and settings.recall != AUTO and settings.resolved_policy().grows:
+            raise ValueError(f"--recall needs a policy that evicts: {settings.policy} keeps every token on the "
+                             "device, so nothing would ever be recalled (drop --recall or choose another --policy)")

@@ -11,6 +11,7 @@ import typer
 
 from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
+from ..chat.settings import check_recall
 from ..errors import UserError, strict_user_errors
 from .common import RepeatLastN, loading
 
@@ -36,7 +37,7 @@ def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> C
     if given(ctx, "seed"):  # the cache's seed follows the sampling's
         settings = replace(settings, cache=replace(settings.cache, seed=typed.cache.seed))
     settings.validate()
-    o.check_recall(settings.cache)
+    check_recall(settings.cache)
     return settings
 
 
@@ -90,7 +91,7 @@ def run(
     # before the model loads
     # (``settings``, the cache's, is checked already; the chat's are read from the same options)
     settings = ChatSettings.from_options({**ctx.params, "system": h2ochat_prompts.system_prompt(system) if system else None})
-    o.check_recall(settings.cache)
+    check_recall(settings.cache)
     log, messages = None, []
     if resume_last or conversation_id is not None:
         if resume_last and conversation_id is not None:
