@@ -24,7 +24,9 @@ from h2ochat.cli import app
 from h2ochat.engine.generation import CacheSettings, Sampling, stream
 from h2ochat.loading.models import load
 from h2ochat.chat.repl import Repl
-from h2ochat.chat.ui import cache_view, make_console, status_line
+from h2ochat.chat.cache_view import cache_view
+from h2ochat.console import make_console
+from h2ochat.chat.status import status_line
 
 from conftest import build_model, random_ids
 from seeds import fresh, seed  # noqa: F401  (fixture)

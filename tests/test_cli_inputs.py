@@ -121,7 +121,7 @@ def test_budget_size_errors_name_the_size_form_and_the_fault(no_load, budget, ne
 def test_cache_view_agrees_page_with_its_count(per_summary, words):
     from h2ochat.recall.report import TierSummary
     from h2ochat.chat.split import Parts, Split
-    from h2ochat.chat.ui import cold_tier_lines
+    from h2ochat.chat.cache_view import cold_tier_lines
 
     tier = TierSummary(recall_slots=8, page=4, selector="exact", cold_limit=None, rows=2, cold_pages=1.0,
                        cold_tokens=4.0, dropped_tokens=0.0, host_bytes=64, digest_bytes=32, staged_tokens=0.0,

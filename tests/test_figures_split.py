@@ -19,7 +19,8 @@ from h2ochat.cli import app
 from h2ochat.engine.generation import CacheSettings, Sampling, stream
 from h2ochat.chat.repl import Repl
 from h2ochat.chat.split import amount, cache_split, describe_memory, describe_slots, describe_use, format_bytes, kv_memory
-from h2ochat.chat.ui import make_console, status_line
+from h2ochat.console import make_console
+from h2ochat.chat.status import status_line
 
 from conftest import build_model, random_ids
 from seeds import seed  # noqa: F401  (fixture)

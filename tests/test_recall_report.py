@@ -24,7 +24,10 @@ from h2ochat.engine.generation import CacheSettings
 from h2ochat.kv import H2OCache
 from h2ochat.recall.report import has_cold_tier, recalled_token_indices, summarize_tier
 from h2ochat.chat.repl import Repl
-from h2ochat.chat.ui import RECALLED, STYLES, amount, heavy_hitter_text, make_console, percent, token_classes
+from h2ochat.chat.cache_view import RECALLED, STYLES, heavy_hitter_text, token_classes
+from h2ochat.chat.split import amount
+from h2ochat.console import make_console
+from h2ochat.chat.status import percent
 
 from seeds import seed  # noqa: F401  (fixture)
 

@@ -16,7 +16,7 @@ from h2ochat.engine.generation import CacheSettings
 from h2ochat.chat.history import ConversationLog
 from h2ochat.loading.models import load
 from h2ochat.chat.repl import PromptReader, Repl, history_path
-from h2ochat.chat.ui import make_console
+from h2ochat.console import make_console
 
 from seeds import fresh, seed  # noqa: F401  (fixture)
 

@@ -20,7 +20,7 @@ from h2ochat.commands.run import run
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.loading.models import load
 from h2ochat.chat.repl import Repl
-from h2ochat.chat.ui import make_console
+from h2ochat.console import make_console
 
 runner = CliRunner()
 

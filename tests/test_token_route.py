@@ -65,7 +65,7 @@ def test_one_decoded_token_crosses_few_files(tmp_path, recall):
     from h2ochat.engine.generation import CacheSettings
     from h2ochat.loading.models import load
     from h2ochat.chat.repl import Repl
-    from h2ochat.chat.ui import make_console
+    from h2ochat.console import make_console
 
     loaded = load(str(write_checkpoint(tmp_path, "llama", max_position_embeddings=256)), device="cpu")
     cache = CacheSettings(policy="h2o", budget="16", recall=recall, page=4, selector="rot4")

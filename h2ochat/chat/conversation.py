@@ -11,7 +11,7 @@ ends (stop ids) in replies.py: other commands use those without a conversation. 
 it streams (``ReplyText``, the base model's stop mark) is the chat's own, here. Saving (``to_json``/``load_json``) and Ctrl-C (``ctrl_c_stops``) stay here:
 both reach into the conversation's own state.
 
-This module knows nothing about terminals: the REPL (repl.py) and the renderers (ui.py) sit on top.
+This module knows nothing about terminals: the REPL (repl.py) and the renderers (ui.py, status.py, cache_view.py) sit on top.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ from typing import Callable
 from rich.console import Console
 from rich.text import Text
 
-from . import ui
+from .cache_view import cache_view, heavy_hitter_legend, heavy_hitter_text
+from .status import StatusLine, turn_summary
+from .ui import ReplyPrinter
 from ..kv import PositionLimitError
 from .conversation import Conversation, ctrl_c_stops
 from .settings import SETTINGS, check_recall
@@ -109,7 +111,7 @@ class Repl:
         self.conv, self.console, self.read_line = conversation, console, read_line
         self.model_name = model_name
         self.log = log  # where the conversation is kept after every turn (None: not kept)
-        self.status = ui.StatusLine.of_conversation(conversation)
+        self.status = StatusLine.of_conversation(conversation)
         self.turns = 0
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.commands: dict[str, Callable[[str], None]] = {
@@ -127,7 +129,7 @@ class Repl:
         self.console.print(Text(message, style=style))
 
     def toolbar(self) -> str:
-        # prompt-toolkit draws this at every keystroke: the summary is read once per step (see ui.StatusLine)
+        # prompt-toolkit draws this at every keystroke: the summary is read once per step (see status.StatusLine)
         head = f" {self.model_name} · {self.conv.settings.cache.policy} · "
         return head + self.status(live=False, width=self.status_width(len(head)))
 
@@ -232,7 +234,7 @@ class Repl:
 
         self.status.begin_turn()  # the cold tier's figures for this turn count from here
         try:
-            with ui.ReplyPrinter(self.console, lambda: self.status(live=True, width=self.status_width())) as printer:
+            with ReplyPrinter(self.console, lambda: self.status(live=True, width=self.status_width())) as printer:
                 with ctrl_c_stops(conv):
                     result = conv.send(text, on_piece=show)
         finally:
@@ -244,7 +246,7 @@ class Repl:
             self.say("[interrupted: the partial reply is kept]", style="yellow")
         for notice in result.notices:
             self.say(f"note: {notice}", style="yellow")
-        self.say(ui.turn_summary(result))
+        self.say(turn_summary(result))
 
     # -- commands ---------------------------------------------------------------------------------
     def cmd_help(self, _: str) -> None:
@@ -305,7 +307,7 @@ class Repl:
         self.change("policy", argument)
 
     def cmd_cache(self, argument: str) -> None:
-        self.console.print(ui.cache_view(self.conv.cache, self.conv.parts(), all_layers=argument == "layers",
+        self.console.print(cache_view(self.conv.cache, self.conv.parts(), all_layers=argument == "layers",
                                          width=self.console.width, summary=self.status.summary()))
 
     def cmd_hh(self, _: str) -> None:
@@ -314,8 +316,8 @@ class Repl:
         if not ids:
             self.say("nothing in the cache yet")
             return
-        self.console.print(ui.heavy_hitter_text(conv.tokenizer, ids, conv.cache))
-        self.console.print(ui.heavy_hitter_legend(conv.cache, len(ids)))
+        self.console.print(heavy_hitter_text(conv.tokenizer, ids, conv.cache))
+        self.console.print(heavy_hitter_legend(conv.cache, len(ids)))
 
     def cmd_stats(self, _: str) -> None:
         t = self.totals

@@ -92,7 +92,7 @@ def bench(
     from .. import threads
     from ..loading.models import load
 
-    from ..chat.ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype, random_weights=random_weights)
@@ -122,7 +122,7 @@ def bench(
 
 
 def _print(report: dict) -> None:
-    from ..chat.ui import make_console
+    from ..console import make_console
     out = make_console()
     speed = Table(title=f"Decode at each context and batch ({report['model']}, {report['dtype']}, {report['device']}): "
                         "median ms per step, tokens/s, KV MiB, peak MiB (and its rise during the measurement)", title_justify="left")

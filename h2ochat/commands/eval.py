@@ -124,7 +124,7 @@ def eval_command(
     from ..chat.prompting import read_text_file
 
     content = read_text_file(text)
-    from ..chat.ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype)

@@ -60,7 +60,7 @@ def generate(
     from ..engine.generation import Timing, stop_check_interval, stream
     from ..chat.prompting import encode
     from ..chat.report import evictions, run_record
-    from ..chat.ui import make_console
+    from ..console import make_console
 
     with loading(make_console(stderr=True), model):
         loaded = models.load(model, device, dtype, device_map, random_weights=random_weights,

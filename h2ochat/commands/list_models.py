@@ -12,7 +12,7 @@ from rich.table import Table
 from .. import options as o
 from ..errors import user_errors
 from ..loading.sources import ALIASES, DEFAULT_MODEL, bundled_smollm2_gguf, shipped_config_path
-from ..chat.ui import make_console
+from ..console import make_console
 
 
 def local_copy(alias: str) -> str | None:

@@ -38,7 +38,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
         length_list = plan.lengths()
         rows = pk.build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
     content = read_text_file(text)
-    from ..chat.ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype)

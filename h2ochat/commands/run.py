@@ -82,7 +82,7 @@ def run(
     from ..chat.settings import ChatSettings
     from ..loading.models import load
     from ..chat.repl import PromptReader, Repl, StreamReader, history_path
-    from ..chat.ui import make_console
+    from ..console import make_console
 
     if no_history and (resume_last or conversation_id is not None):
         raise UserError(f"--no-history starts a conversation that is not kept; {'--continue' if resume_last else '--conversation'} "

@@ -47,7 +47,9 @@ from ..chat.prompting import encode
 from ..chat.report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
 from ..measure.textstats import batch_summary, repetition
 from ..chat.split import cache_split, describe_memory, describe_slots, kv_memory, layer_splits
-from ..chat.ui import ReplyPrinter, StatusLine, TokenProgress, format_duration, make_console, percent
+from ..chat.ui import ReplyPrinter, TokenProgress, format_duration
+from ..chat.status import StatusLine, percent
+from ..console import make_console
 from .common import RepeatLastN, loading
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):

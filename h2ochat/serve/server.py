@@ -18,7 +18,7 @@ from ..chat.conversation import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError
 from ..engine.generation import CacheSettings, max_positions
 from ..loading.models import available_memory, load, random_source, shipped_config, shipped_config_path
-from ..chat.ui import format_bytes
+from ..chat.split import format_bytes
 from .app import build_app
 from .backend import ModelBackend
 from .engine import Engine, Loaded
