@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import h2ochat_prompts
 from h2ochat.cli import app
-from h2ochat.commands.story import tell
+from h2ochat.commands.story_rows import tell
 from h2ochat.engine.detokenize import TextStream
 from h2ochat.engine.generation import CacheSettings, Sampling
 from h2ochat.loading.models import load
@@ -193,7 +193,7 @@ def test_an_out_the_permission_bits_allow_but_the_system_refuses_fails_before_lo
 
 
 def test_checking_out_leaves_no_file_behind_and_an_existing_one_as_it_was(tmp_path):
-    from h2ochat.commands.story import check_writable
+    from h2ochat.commands.story_files import check_writable
 
     new, old = tmp_path / "new.txt", tmp_path / "old.txt"
     old.write_bytes(b"kept as it is")
@@ -342,7 +342,7 @@ def test_text_appended_while_the_model_loads_is_kept_and_read(checkpoint, loaded
 
 def test_the_story_file_is_locked_while_the_continuation_is_written(checkpoint, loaded, tmp_path, monkeypatch):
     import h2ochat.engine.generation as generation
-    from h2ochat.commands.story import appending
+    from h2ochat.commands.story_files import appending
     from h2ochat.errors import UserError
 
     path = tmp_path / "tale.txt"
@@ -370,7 +370,7 @@ def test_the_story_file_is_locked_while_the_continuation_is_written(checkpoint, 
 def test_tokens_are_read_back_once_per_burst():
     from torch.overrides import TorchFunctionMode
 
-    from h2ochat.commands.story import read_in_bursts
+    from h2ochat.commands.story_rows import read_in_bursts
     from h2ochat.engine.generation import Step
 
     class CountReads(TorchFunctionMode):
