@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..measure import evaluation as ev
 from ..measure import passkey as pk
+from ..measure.passkey_rows import build_rows, parse_numbers, table_rows
 from ..measure import passkey_chat as chat
 from ..measure import passkey_probes as probes
 from .. import threads
@@ -32,11 +33,11 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
                              f"got {chat_turns} turns and --facts {facts}")
         names = ev.parse_policies(policies)
         specs = probes.parse_lengths(lengths)
-        depth_list = [0.0] if chat_turns else pk.parse_numbers(depths, float, "--depths")
+        depth_list = [0.0] if chat_turns else parse_numbers(depths, float, "--depths")
         budgets = probes.budgets_for(budget, specs, ev.parse_budgets)
         plan = probes.LengthPlan(specs, budgets)
         length_list = plan.lengths()
-        rows = pk.build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
+        rows = build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
     content = read_text_file(text)
     from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
@@ -92,7 +93,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        titles, cells = pk.table_rows(summary, (lambda length, _: f"{plan.length_title(length)} over {chat_turns} turns") if chat_turns else plan.title)
+        titles, cells = table_rows(summary, (lambda length, _: f"{plan.length_title(length)} over {chat_turns} turns") if chat_turns else plan.title)
         titles, cells = probes.with_misses(titles, cells, probes.miss_counts(results))
         what = f"a {chat_turns}-turn chat, the key in turn 1" if chat_turns else "the key planted in the filler"
         print_table(f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})", titles, cells)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 from ..measure import evaluation as ev
-from ..measure import passkey as pk
+from ..measure import passkey_rows as pk
 from ..measure import score_table
 from ..console import make_console, print_table
 from ..errors import UserError, one_line, user_input

@@ -129,7 +129,7 @@ def recall_settings(recalls: str, pages: str, **options) -> list[CacheSettings]:
     """--recall (comma-separated: slot counts or shares of each budget) times --page (comma-separated
     page sizes) times --selector (comma-separated), with the other recall options (cold_dtype,
     cold_limit, recall_every)."""
-    from .passkey import parse_numbers
+    from .passkey_rows import parse_numbers
 
     from ..recall.default import AUTO, is_off
 
