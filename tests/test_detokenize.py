@@ -128,7 +128,7 @@ def test_the_first_ctrl_c_during_a_long_prompt_stops_it_between_chunks(tmp_path,
     (["a", "\n", "Use"], "a\nUse", False),  # the end of the reply: what was held back is shown
 ])
 def test_reply_text_holds_back_what_may_be_the_stop_mark(pieces, shown, stopped):
-    from h2ochat.chat.conversation import STOP_MARK, ReplyText
+    from h2ochat.chat.replies import STOP_MARK, ReplyText
 
     seen = []
     reply = ReplyText(STOP_MARK, seen.append)

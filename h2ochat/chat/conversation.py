@@ -6,10 +6,10 @@ it renders the whole conversation again and feeds only the suffix past that text
 rendered history no longer starts with what was fed (system prompt changed, a template that
 rewrites earlier turns), it starts a fresh cache and feeds everything: correct, just slower.
 
-Its settings (``ChatSettings``, ``SETTINGS``, ``check_fits``) live in chat_settings.py, how a reply
-ends (stop ids) in replies.py: other commands use those without a conversation. The reply's text as
-it streams (``ReplyText``, the base model's stop mark) is the chat's own, here. Saving (``to_json``/``load_json``) and Ctrl-C (``ctrl_c_stops``) stay here:
-both reach into the conversation's own state.
+Its settings (``ChatSettings``, ``SETTINGS``, ``check_fits``) live in settings.py, how a reply ends
+and streams (stop ids, ``ReplyText`` held back at the base model's stop mark) in replies.py, the
+tokens evicted per head in split.py with the cache's other figures. Saving (``to_json``/``load_json``)
+and Ctrl-C (``ctrl_c_stops``) stay here: both reach into the conversation's own state.
 
 This module knows nothing about terminals: the REPL (repl.py) and the renderers (ui.py, status.py, cache_view.py) sit on top.
 """
@@ -30,57 +30,11 @@ from ..engine.detokenize import CONTEXT_IDS, TextStream, decode_in_context
 from ..errors import UserError
 from ..engine.generation import Timing, decoder, inference_steps, max_positions, prefill, stop_check_interval, stream
 from .prompting import has_chat_template
-from .replies import stop_token_ids
+from .replies import STOP_MARK, ReplyText, stop_token_ids
+from .split import evicted_per_head
 
 
 FORMAT_VERSION = 1
-
-
-STOP_MARK = "\nUser:"  # where a base model (plain transcript) starts writing the user's next turn
-
-
-class ReplyText:
-    """The reply's text as it streams: pieces go to ``on_piece``, except that with a ``stop_mark``
-    the text that may be its start is held back until it is known not to be, and the mark itself
-    (with what follows) is never shown or kept."""
-
-    def __init__(self, stop_mark: str | None, on_piece: Callable[[str], None] | None):
-        self.stop_mark, self.on_piece = stop_mark, on_piece
-        self.streamed = ""  # all text so far
-        self.shown = 0  # characters of it passed to on_piece
-        self.stopped = False
-
-    @property
-    def text(self) -> str:
-        return self.streamed[: self.shown] if self.stopped else self.streamed
-
-    def _show(self, end: int) -> None:
-        if end > self.shown and self.on_piece is not None:
-            self.on_piece(self.streamed[self.shown : end])
-        self.shown = max(self.shown, end)
-
-    def add(self, piece: str) -> bool:
-        """Take a piece; True when the stop mark has appeared (the reply ends before it)."""
-        if not piece:
-            return False
-        self.streamed += piece
-        if self.stop_mark is None:
-            self._show(len(self.streamed))
-            return False
-        at = self.streamed.find(self.stop_mark, max(0, self.shown - len(self.stop_mark)))
-        if at >= 0:
-            self._show(at)
-            self.stopped = True
-            return True
-        # hold back a tail that could still grow into the mark
-        hold = next((k for k in range(min(len(self.stop_mark) - 1, len(self.streamed)), 0, -1)
-                     if self.stop_mark.startswith(self.streamed[-k:])), 0)
-        self._show(len(self.streamed) - hold)
-        return False
-
-    def finish(self) -> None:
-        if not self.stopped:
-            self._show(len(self.streamed))
 
 
 @dataclass
@@ -90,14 +44,6 @@ class TurnResult:
     timing: Timing
     evicted: float  # tokens evicted during this turn, per (layer, KV head) on average
     notices: list[str]
-
-
-def evicted_per_head(cache: H2OCache, evicted: int | None = None) -> float:
-    """Tokens evicted so far, averaged over (layer, sequence, KV head): 'how many tokens are gone'.
-    ``evicted``: the cache's total when already read (``cache.evicted_tokens()``)."""
-    rows = sum(layer.evicted.numel() for layer in cache.layers if layer.is_initialized)
-    total = cache.evicted_tokens() if evicted is None else evicted
-    return total / rows if rows else 0.0
 
 
 class Conversation:

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from ..kv import H2OCache
-from .conversation import evicted_per_head
+from .split import evicted_per_head
 from ..engine.generation import Timing
 from .split import amount, cache_split, kv_memory, layer_splits, split_record
 

@@ -21,8 +21,12 @@ use (the slots holding a token) and what a full cache would hold for the tokens 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..kv import H2OCache
 
 
 PART_NAMES = ("sinks", "heavy", "recent", "recall")
@@ -192,3 +196,11 @@ def split_record(split: Split, memory: Memory) -> dict:
                           "of which holding a token; full_kv_bytes: what a cache without eviction would hold for the "
                           "tokens seen",
     }
+
+
+def evicted_per_head(cache: H2OCache, evicted: int | None = None) -> float:
+    """Tokens evicted so far, averaged over (layer, sequence, KV head): 'how many tokens are gone'.
+    ``evicted``: the cache's total when already read (``cache.evicted_tokens()``)."""
+    rows = sum(layer.evicted.numel() for layer in cache.layers if layer.is_initialized)
+    total = cache.evicted_tokens() if evicted is None else evicted
+    return total / rows if rows else 0.0

@@ -14,7 +14,8 @@ from rich.cells import cell_len
 from ..kv import H2OCache
 from ..engine.generation import Timing
 from ..recall.report import TierSummary, TurnStart, summarize_tier
-from .conversation import TurnResult, evicted_per_head
+from .conversation import TurnResult
+from .split import evicted_per_head
 from .report import mean_evicted_share
 from .split import Memory, Split, amount, cache_split, describe_memory, describe_use, format_bytes, kv_memory, layer_splits
 
