@@ -16,7 +16,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from h2ochat.loading import models
+from conftest import replace_loader
+
 from h2ochat import threads
 from h2ochat.chat.settings import check_fits
 from h2ochat.cli import app, build_command
@@ -34,7 +35,7 @@ class Loaded(Exception):
 def no_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise Loaded
-    monkeypatch.setattr(models, "load", refuse)
+    replace_loader(monkeypatch, refuse)
 
 
 def one_line_error(result, *needles: str) -> str:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import replace_loader
+
 from h2ochat.loading import gguf_conversion, models
 from h2ochat.cli import app
 
@@ -25,7 +27,7 @@ def no_load(monkeypatch):
     """The model loader fails the test if anything reaches it."""
     def refuse(*args, **kwargs):
         pytest.fail("the model loader was called")
-    monkeypatch.setattr(models, "load", refuse)
+    replace_loader(monkeypatch, refuse)
 
 
 def one_error_line(result, *needles: str) -> str:
