@@ -25,7 +25,7 @@ next step runs. Steps:
 3. bf16_vs_fp32: SmolLM2-135M's configuration (random weights, GQA) decoding through h2o in fp32
    and, with the same weights, in bf16 fed the same tokens: per-step logits (relative error, top-1
    agreement) and the tokens each layer keeps (overlap of the kept sets).
-4. decode: ``h2ochat.benchmark.run`` on OPT-6.7B at batch 1, 8, 32 and contexts 2048, 4096 for
+4. decode: ``h2ochat.measure.benchmark.run`` on OPT-6.7B at batch 1, 8, 32 and contexts 2048, 4096 for
    h2o / full / hf (eager), peak GPU memory, and the largest batch each variant fits in a fixed
    KV memory cap with its tokens/s.
 5. compiled_triton / compiled_torch: the compiled decode step (``--compile``: inductor, CUDA graphs)
@@ -42,7 +42,7 @@ next step runs. Steps:
    budget against the same policy with R of those device slots recalling from the cold tier
    (rot4 digests, pages of 16), at 2K and 8K tokens of context, recalling every step and every 4th,
    with ``zero_copy``: whether the cold tier's appends and page gathers ran as kernels on pinned
-   memory (``kernels/triton_rows.py``, no host wait) or fell back to synchronising copies;
+   memory (``h2ochat_kernels/triton_rows.py``, no host wait) or fell back to synchronising copies;
    the ratio of ms per step against issue 18's targets (<= 1.15x at 2K, <= 1.25x at 8K), the digest
    device bytes and cold host bytes. It has its own time allowance (``recall_budget_s``), so a full
    run that spent its time still measures it; ``--steps recall`` runs it alone.

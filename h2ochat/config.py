@@ -2,7 +2,7 @@
 positions, --kv-dtype, recall) and the sampling's (``Sampling``), and the prompt chunk.
 
 Every command declares its cache options from ``CacheSettings``' fields (``options.takes_cache_options``),
-the chat's `/set` and the conversation file derive from them (``chat_settings``), and the decode loop
+the chat's `/set` and the conversation file derive from them (``chat.settings``), and the decode loop
 (``generation``) reads them. No torch at import: options are read and checked before anything heavy
 loads; the methods that build or measure import what they need.
 """
@@ -61,7 +61,7 @@ class CacheSettings:
 
     def validate(self) -> None:
         """Refuse bad settings before a model is loaded; only the budget's size against the model's
-        context window waits for the model (``chat_settings.check_fits``)."""
+        context window waits for the model (``chat.settings.check_fits``)."""
         from .cache_factory import policy_slots
         from .kv.slot_format import check_kv_dtype
         from .recall.default import read_recall

@@ -171,7 +171,7 @@ def test_a_command_receives_its_cache_settings_checked(monkeypatch):
 
 @pytest.mark.slow
 def test_the_config_module_imports_no_torch():
-    code = ("import sys, h2ochat.config, h2ochat.options, h2ochat.chat_settings; "
+    code = ("import sys, h2ochat.config, h2ochat.options, h2ochat.chat.settings; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr

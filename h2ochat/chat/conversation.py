@@ -61,7 +61,7 @@ class Conversation:
         self.settings.validate()
         check_fits(self.settings.cache, model)
         self.prefill_chunk = prefill_chunk
-        self.compile = compile  # decode steps through h2ochat.compiled
+        self.compile = compile  # decode steps through h2ochat.engine.compiled
         # tokens per read-back of the stop check (None: stop_check_interval, 1 on the CPU, 8 on an
         # accelerator): the finished row sits the rest of a burst out, so the cache is fed exactly the
         # reply (see generation.stream); a cache that cannot leave a row out (recall) reads every token

@@ -24,7 +24,7 @@ def require_h2o_attention(model) -> None:
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation != H2O_ATTENTION:
         raise AttentionMismatchError(f"the model runs {implementation!r} attention; an H2OCache needs "
-                                     "attn_implementation='h2o' (h2ochat.attention.use_h2o_attention(model))")
+                                     "attn_implementation='h2o' (h2ochat.engine.attention.use_h2o_attention(model))")
 
 
 def forward(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

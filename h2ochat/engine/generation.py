@@ -33,7 +33,7 @@ def stop_check_interval(device) -> int:
 
 
 def decoder(model, compile: bool = False) -> Decode:
-    """The decode step for ``model``: compiled (``h2ochat.compiled``; caches it does not cover run
+    """The decode step for ``model``: compiled (``h2ochat.engine.compiled``; caches it does not cover run
     eagerly) or eager. One decoder serves every turn of a chat and every cache of the model."""
     return CompiledDecode(model) if compile else EagerDecode(model)
 
@@ -182,7 +182,7 @@ def stream(
 
     ``decode``: the decode step (``decoder(model, compile)``; a chat keeps one for all its turns);
     without one, ``decoder(model, compile)``: ``compile`` runs decode steps as one compiled graph
-    (``h2ochat.compiled``; the cache switches to static shapes; caches it does not cover, the
+    (``h2ochat.engine.compiled``; the cache switches to static shapes; caches it does not cover, the
     random and full policies, stay eager).
 
     Finished rows sit out: once a row has drawn a stop id, the decode steps leave it out (an

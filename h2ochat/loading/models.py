@@ -3,9 +3,9 @@ from the hub, a local directory, a GGUF file, or (``random_weights=True``) a shi
 with random weights, after refusing one that will not fit (weights, plus the KV cache when the
 caller says how many slots and sequences it will hold) before a byte of it is loaded.
 
-What it builds on lives beside it, one concern a module: ``model_sources`` (aliases, ``resolve``,
+What it builds on lives beside it, one concern a module: ``sources`` (aliases, ``resolve``,
 shipped configurations), ``hub`` (metadata and download), ``gguf_conversion`` (the de-quantized copy
-kept for next time), ``model_memory`` (sizes and the memory check), ``random_weights``.
+kept for next time), ``memory`` (sizes and the memory check), ``random_weights``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .sources import ModelError, ModelSource, resolve, shipped_config
 from .random_weights import ByteTokenizer, build_random, random_source
 
 # deliberate re-exports: serve/server.py (another session's files, not touched by this split) still reads
-# these two from here; they live in model_memory and model_sources
+# these two from here; they live in memory and sources
 from .memory import available_memory  # noqa: F401
 from .sources import shipped_config_path  # noqa: F401
 

@@ -28,7 +28,7 @@ class Measurement:
     step_ms: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     peak_memory_growth_bytes: int | None = None  # peak above what the process held before
-    compiled: bool = False  # the decode step ran compiled (h2ochat.compiled)
+    compiled: bool = False  # the decode step ran compiled (h2ochat.engine.compiled)
     compile_s: float | None = None  # the untimed first compiled step (the compilation, when not cached)
     block: int = 1  # steps timed as one block (--recall-every: one recall per block)
     recall: dict | None = None  # the recall variant's tier (H2OCache.tier_record) and copies per step

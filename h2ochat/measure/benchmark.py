@@ -18,7 +18,7 @@ Variants, all on the same model weights, at the same batch size and context leng
   steps (one recall each) and a step's cost is the median block's mean.
 
 With ``BenchPlan.compile`` (``h2ochat bench --compile``), h2o and slots are also timed with the
-decode step compiled (``h2ochat.compiled``), taking turns with their eager runs; the compilation
+decode step compiled (``h2ochat.engine.compiled``), taking turns with their eager runs; the compilation
 happens in one untimed step before the warm-up and is reported as ``compile_s``.
 
 This module holds the plan (``BenchPlan``), the run that takes the measurements in turns, and the
@@ -165,7 +165,7 @@ class BenchPlan:
     repeats: int = 1  # turns each variant takes at each (context, batch); steps pooled
     variants: Sequence[str] = VARIANTS
     policy: object = "h2o"  # a Policy or a policy spec (name:knob=value)
-    compile: bool = False  # also time h2o and slots with the decode step compiled (h2ochat.compiled)
+    compile: bool = False  # also time h2o and slots with the decode step compiled (h2ochat.engine.compiled)
     count_ops: bool = True  # profile one decode step of h2o and slots (and compiled) for its operation count
     recall: object = None  # CacheSettings with --recall: adds the recall variant beside h2o (eager)
     # --kv-dtype: h2o with its slots in each, at h2o's slots and at h2o's bytes, beside h2o (in turns)

@@ -1,7 +1,7 @@
 """Multi-turn memory through the real chat path: facts planted in the first turns of a conversation,
 asked for in later turns with filler turns between, scored per fact.
 
-The conversation is ``h2ochat.chat.Conversation``, as ``run`` drives it (the model's chat template,
+The conversation is ``h2ochat.chat.conversation.Conversation``, as ``run`` drives it (the model's chat template,
 the history, the cache of the row's settings; each turn feeds only what is new; replies greedy).
 A sample plants ``FACTS`` key-value records, one user turn each ("Record: the locker code of Maria is
 4821."), then ``depth`` filler turns (synthetic small talk: RULER's repeated noise sentences, so

@@ -1,6 +1,6 @@
 """The pass key in a chat: a fact given in turn 1 of a conversation, asked for in turn N.
 
-The conversation runs through ``h2ochat.chat.Conversation``, the REPL's own path (its prompt
+The conversation runs through ``h2ochat.chat.conversation.Conversation``, the REPL's own path (its prompt
 rendering: the model's chat template, or a plain "User: / Assistant:" transcript for a base model;
 each turn feeds only what is new; replies decoded greedily). Turn 1 is a user message stating the
 key, turns 2..N-1 are stretches of filler text as user messages (together ``length`` tokens), each
