@@ -25,7 +25,7 @@ next step runs. Steps:
 3. bf16_vs_fp32: SmolLM2-135M's configuration (random weights, GQA) decoding through h2o in fp32
    and, with the same weights, in bf16 fed the same tokens: per-step logits (relative error, top-1
    agreement) and the tokens each layer keeps (overlap of the kept sets).
-4. decode: ``h2ochat.benchmark.run`` on OPT-6.7B at batch 1, 8, 32 and contexts 2048, 4096 for
+4. decode: ``h2ochat.measure.benchmark.run`` on OPT-6.7B at batch 1, 8, 32 and contexts 2048, 4096 for
    h2o / full / hf (eager), peak GPU memory, and the largest batch each variant fits in a fixed
    KV memory cap with its tokens/s.
 5. compiled_triton / compiled_torch: the compiled decode step (``--compile``: inductor, CUDA graphs)
@@ -42,7 +42,7 @@ next step runs. Steps:
    budget against the same policy with R of those device slots recalling from the cold tier
    (rot4 digests, pages of 16), at 2K and 8K tokens of context, recalling every step and every 4th,
    with ``zero_copy``: whether the cold tier's appends and page gathers ran as kernels on pinned
-   memory (``kernels/triton_rows.py``, no host wait) or fell back to synchronising copies;
+   memory (``h2ochat_kernels/triton_rows.py``, no host wait) or fell back to synchronising copies;
    the ratio of ms per step against issue 18's targets (<= 1.15x at 2K, <= 1.25x at 8K), the digest
    device bytes and cold host bytes. It has its own time allowance (``recall_budget_s``), so a full
    run that spent its time still measures it; ``--steps recall`` runs it alone.
@@ -73,13 +73,13 @@ from pathlib import Path
 
 import torch
 
-from h2ochat import benchmark as bm
-from h2ochat.bench_measure import sync
+from h2ochat.measure import benchmark as bm
+from h2ochat.measure.bench_measure import sync
 from h2ochat.budget import parse_budget
-from h2ochat.model_memory import check_memory, config_parameters
-from h2ochat.model_sources import shipped_config
-from h2ochat.models import pick_dtype
-from h2ochat.random_weights import build_random
+from h2ochat.loading.memory import check_memory, config_parameters
+from h2ochat.loading.sources import shipped_config
+from h2ochat.loading.models import pick_dtype
+from h2ochat.loading.random_weights import build_random
 
 SMALL_MODEL = "smollm2-135m"  # the small model of the agreement checks: a Llama with GQA, head_dim 64
 
@@ -447,7 +447,7 @@ def teacher_forced(model, cache, prompt: torch.Tensor, steps: int, tokens=None, 
     """Feed ``prompt``, then ``steps`` tokens one at a time: ``tokens`` [steps, B] when given (the
     other run's, so both see the same text), else each step's argmax. Returns (the fed tokens,
     logits per step [steps + 1, B, V] in fp32, ms per decode step)."""
-    from h2ochat.generation import forward
+    from h2ochat.engine.generation import forward
 
     device = prompt.device
     logits = [forward(model, cache, prompt, logits_to_keep=1)[:, -1].float()]
@@ -486,7 +486,7 @@ def logits_agreement(want: torch.Tensor, got: torch.Tensor) -> dict:
 
 def bf16_vs_fp32(report: Report, profile: Profile) -> None:
     with timed_step(report, "bf16_vs_fp32") as entry:
-        from h2ochat.generation import CacheSettings
+        from h2ochat.engine.generation import CacheSettings
         from h2ochat_kernels import kernel_backend
 
         batch, prompt_len, slots, steps = profile.small_shape
@@ -529,8 +529,8 @@ def kernels_forced(kernels: str):
 def compiled_agreement(profile: Profile) -> dict:
     """The small model (fp32) decoding eagerly and compiled on the same tokens: top-1 agreement,
     logits error, the kept slots, ms per step of each, and the compilation (first compiled step)."""
-    from h2ochat.compiled import CompiledDecode
-    from h2ochat.generation import CacheSettings
+    from h2ochat.engine.compiled import CompiledDecode
+    from h2ochat.engine.generation import CacheSettings
 
     _, _, slots, steps = profile.small_shape
     model = small_model(profile)
@@ -636,7 +636,7 @@ def serve_load(report: Report, profile: Profile) -> None:
 
 def recall(report: Report, profile: Profile) -> None:
     """``h2ochat bench --recall`` on the benchmark model: h2o and the same policy with recall, in turns."""
-    from h2ochat.generation import CacheSettings
+    from h2ochat.engine.generation import CacheSettings
 
     with timed_step(report, "recall") as entry:
         entry.update(results=[], recall_overhead=[], ops_per_layer=[], skipped=[], errors=[])

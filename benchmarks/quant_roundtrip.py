@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from h2ochat.models import load
+from h2ochat.loading.models import load
 from h2ochat.recall.selectors import rotated
 from h2ochat_kernels import quant
 

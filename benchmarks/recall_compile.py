@@ -24,11 +24,11 @@ os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from h2ochat.bench_context import prepared_cache  # noqa: E402
-from h2ochat.compiled import CompiledDecode  # noqa: E402
-from h2ochat.forward_step import forward  # noqa: E402
-from h2ochat.generation import CacheSettings  # noqa: E402
-from h2ochat.models import load  # noqa: E402
+from h2ochat.measure.bench_context import prepared_cache  # noqa: E402
+from h2ochat.engine.compiled import CompiledDecode  # noqa: E402
+from h2ochat.engine.forward_step import forward  # noqa: E402
+from h2ochat.engine.generation import CacheSettings  # noqa: E402
+from h2ochat.loading.models import load  # noqa: E402
 
 
 def _steps(step, steps: int, vocab: int, generator) -> list[float]:

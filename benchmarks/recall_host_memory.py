@@ -22,9 +22,9 @@ import torch
 
 import h2ochat_prompts
 from h2ochat import threads
-from h2ochat.generation import CacheSettings, Sampling, attention_shape, inference_steps, stream
-from h2ochat.models import load
-from h2ochat.prompting import encode
+from h2ochat.engine.generation import CacheSettings, Sampling, attention_shape, inference_steps, stream
+from h2ochat.loading.models import load
+from h2ochat.chat.prompting import encode
 
 
 def rss_bytes() -> int:

@@ -21,10 +21,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from h2ochat import evaluation as ev
-from h2ochat import passkey as pk
+from h2ochat.measure import evaluation as ev
+from h2ochat.measure import passkey as pk
+from h2ochat.measure.passkey_rows import build_rows, parse_numbers
 from h2ochat import threads
-from h2ochat.models import load
+from h2ochat.loading.models import load
 
 
 def main() -> None:
@@ -45,8 +46,8 @@ def main() -> None:
     parser.add_argument("--cold-dtype", default="auto", help="cold store formats, comma-separated (rows side by side)")
     args = parser.parse_args()
 
-    lengths = pk.parse_numbers(args.lengths, int, "--lengths")
-    only = set(pk.parse_numbers(args.only, int, "--only")) if args.only else set(lengths)
+    lengths = parse_numbers(args.lengths, int, "--lengths")
+    only = set(parse_numbers(args.only, int, "--only")) if args.only else set(lengths)
     cold_dtypes = args.cold_dtype.split(",")
     kv_dtypes = ev.parse_kv_dtypes(args.kv_dtype)
     rows = []
@@ -55,11 +56,11 @@ def main() -> None:
         cold = "" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}"
         rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + cold)
                  for kv_dtype in kv_dtypes
-                 for row in pk.build_rows([args.policy], [args.budget], recalls, settings={"kv_dtype": kv_dtype})
+                 for row in build_rows([args.policy], [args.budget], recalls, settings={"kv_dtype": kv_dtype})
                  if row.settings.recall]
     loaded = load(args.model, "cpu", "float32")
     text = Path(args.text).read_text()
-    trials = [t for t in pk.make_trials(loaded.tokenizer, text, lengths, pk.parse_numbers(args.depths, float, "--depths"),
+    trials = [t for t in pk.make_trials(loaded.tokenizer, text, lengths, parse_numbers(args.depths, float, "--depths"),
                                         args.keys, seed=args.seed) if t.length in only]
 
     def progress(record: dict) -> None:

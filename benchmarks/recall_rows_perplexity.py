@@ -15,9 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-from h2ochat import evaluation as ev
+from h2ochat.measure import evaluation as ev
 from h2ochat import threads
-from h2ochat.models import load
+from h2ochat.loading.models import load
 
 
 def main() -> None:

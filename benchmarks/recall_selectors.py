@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from h2ochat import passkey as pk
-from h2ochat.generation import CacheSettings
-from h2ochat.models import load
+from h2ochat.measure import passkey as pk
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.loading.models import load
 from h2ochat.recall.selectors import get_selector
 
 

@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from h2ochat.generation import CacheSettings
-    from h2ochat.models import load
+    from h2ochat.engine.generation import CacheSettings
+    from h2ochat.loading.models import load
     from h2ochat.serve.backend import ModelBackend
     from h2ochat.serve.parked import ParkedStore
     from h2ochat.serve.scheduler import Scheduler

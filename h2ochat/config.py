@@ -2,7 +2,7 @@
 positions, --kv-dtype, recall) and the sampling's (``Sampling``), and the prompt chunk.
 
 Every command declares its cache options from ``CacheSettings``' fields (``options.takes_cache_options``),
-the chat's `/set` and the conversation file derive from them (``chat_settings``), and the decode loop
+the chat's `/set` and the conversation file derive from them (``chat.settings``), and the decode loop
 (``generation``) reads them. No torch at import: options are read and checked before anything heavy
 loads; the methods that build or measure import what they need.
 """
@@ -61,8 +61,8 @@ class CacheSettings:
 
     def validate(self) -> None:
         """Refuse bad settings before a model is loaded; only the budget's size against the model's
-        context window waits for the model (``chat_settings.check_fits``)."""
-        from .kv import policy_slots
+        context window waits for the model (``chat.settings.check_fits``)."""
+        from .cache_factory import policy_slots
         from .kv.slot_format import check_kv_dtype
         from .recall.default import read_recall
 
@@ -107,7 +107,7 @@ class CacheSettings:
 
     def build(self, model, initial_slots: int | None = None, *, static_shapes: bool = False) -> H2OCache:
         """A fresh cache for ``model``. ``initial_slots`` sizes the full policy's first allocation."""
-        from .kv import make_cache
+        from .cache_factory import make_cache
         from .rotary import find_rotary
 
         config = model.config

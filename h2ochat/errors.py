@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import typer
 
-from .model_sources import ModelError  # model_sources.py imports nothing heavy at import time
+from .loading.sources import ModelError  # sources.py imports nothing heavy at import time
 
 
 class UserError(ValueError):

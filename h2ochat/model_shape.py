@@ -1,8 +1,10 @@
 """What a model's configuration says about its attention: its position limit, its KV heads and
-head size, the dtype of its keys and values. No torch at import: the option checks run these on a
-configuration alone, before anything heavy is loaded."""
+head size, the dtype of its keys and values, and what its ``forward`` calls the cache. No torch at
+import: the option checks run these on a configuration alone, before anything heavy is loaded."""
 
 from __future__ import annotations
+
+import inspect
 
 
 def max_positions(config) -> int:
@@ -32,3 +34,9 @@ class ConfigOnly:
 
     def __init__(self, config):
         self.config = config
+
+
+def cache_argument(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

@@ -8,9 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from .chat.settings import check_recall
 from .errors import user_input
 from .config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
-from .model_sources import DEFAULT_MODEL
+from .loading.sources import DEFAULT_MODEL
 from .policies import DEFAULT_POLICY, describe_policies
 from .recall.selector_names import SELECTOR_HELP
 
@@ -80,27 +81,12 @@ def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: i
                          positions=positions, seed=seed, kv_dtype=kv_dtype, **recall)
 
 
-def check_recall(settings: CacheSettings) -> None:
-    """The recall options of ``settings`` whether or not recall is on (``CacheSettings.validate`` reads
-    them only with --recall, so `--page 0` would wait for a later `/set recall 32`), and recall under a
-    policy that never evicts (it would be dropped without a word: nothing ever goes cold)."""
-    from .recall.default import AUTO, is_off
-    from .recall.tiered import RecallConfig
-
-    with user_input():
-        RecallConfig.check_options(settings.page, settings.selector, settings.cold_dtype, settings.cold_limit,
-                                   settings.recall_every)
-        if not is_off(settings.recall) and settings.recall != AUTO and settings.resolved_policy().grows:
-            raise ValueError(f"--recall needs a policy that evicts: {settings.policy} keeps every token on the "
-                             "device, so nothing would ever be recalled (drop --recall or choose another --policy)")
-
-
 def fits_window(settings: CacheSettings):
     """``models.load(check_config=...)``: the budget against the model's context window (and the
     policy's split against its depth), from the configuration alone, before the weights load."""
     from types import SimpleNamespace
 
-    from .chat_settings import check_fits
+    from .chat.settings import check_fits
 
     return lambda config: check_fits(settings, SimpleNamespace(config=config))  # it reads model.config only
 

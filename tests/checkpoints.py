@@ -48,7 +48,7 @@ def load_tiny(tmp_path_factory, family: str, name: str, **config_overrides):
     the CPU (the weights drawn from a fresh seed, named when a test fails)."""
     from seeds import fresh
 
-    from h2ochat.models import load
+    from h2ochat.loading.models import load
 
     fresh("model")
     folder = write_checkpoint(tmp_path_factory.mktemp(f"{name}-{family}"), family, **config_overrides)

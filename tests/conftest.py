@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-import h2ochat.attention  # noqa: F401  registers the "h2o" attention
+import h2ochat.engine.attention  # noqa: F401  registers the "h2o" attention
 
 VOCAB = 96
 
@@ -143,3 +143,20 @@ def recall_cache(num_layers: int, policy, hot_slots: int, *, recall, **kwargs):
     from h2ochat.recall.tier import RecallSpec
 
     return H2OCache(num_layers, policy, hot_slots, tier=RecallSpec(recall), **kwargs)
+
+
+def replace_loader(monkeypatch, replacement) -> None:
+    """The model loader replaced for one test, wherever a command reaches it: ``loading.models.load`` and
+    the ``load`` each command module bound when it was imported. The modules are imported first, with
+    the real loader: a command imported for the first time under the replacement would keep it after
+    the test (the story test then failed whenever no test module had imported ``commands.story`` before)."""
+    import importlib
+
+    from h2ochat.cli import COMMANDS
+    from h2ochat.loading import models
+
+    modules = [importlib.import_module(f"h2ochat.commands.{name}") for name in COMMANDS.values()]
+    monkeypatch.setattr(models, "load", replacement)
+    for module in modules:
+        if getattr(module, "load", None) is not None:
+            monkeypatch.setattr(module, "load", replacement)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from h2ochat.generation import Sampling
+from h2ochat.engine.generation import Sampling
 from h2ochat.serve.api import RequestParams
 from h2ochat.serve.sequence import Prepared, Request
 
@@ -173,7 +173,7 @@ def model_engine(model, rows: int, *, policy: str = "h2o", budget: str = "12", s
                  store_bytes: int = 1 << 24, cache: dict | None = None, **kwargs):
     """A scheduler over a real ``ModelBackend`` of ``rows`` rows (kwargs: the backend's, e.g. buckets=;
     ``cache``: more ``CacheSettings`` fields, e.g. recall=) and its parked store."""
-    from h2ochat.generation import CacheSettings
+    from h2ochat.engine.generation import CacheSettings
     from h2ochat.serve.backend import ModelBackend
     from h2ochat.serve.parked import ParkedStore
     from h2ochat.serve.scheduler import Scheduler

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat import evaluation as ev
+from h2ochat.measure import evaluation as ev
 from h2ochat_kernels.quant import quantize
 
 from conftest import FAMILIES, build_model

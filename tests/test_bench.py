@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from conftest import build_model, random_ids
 from lockstep import EvictionRecorder, lockstep
-from h2ochat import bench_context, bench_measure, bench_memory, bench_ops
-from h2ochat import benchmark as bm
-from h2ochat.bench_baseline import SlotsOnlyCache
+from h2ochat.measure import bench_context, bench_measure, bench_memory, bench_ops
+from h2ochat.measure import benchmark as bm
+from h2ochat.measure.bench_baseline import SlotsOnlyCache
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings, forward
+from h2ochat.engine.generation import CacheSettings, forward
 from h2ochat.sizes import parse_size
 
 
@@ -145,7 +145,7 @@ def test_bench_command_refuses_bad_inputs(tiny_checkpoint, args, message):
 @pytest.fixture
 def aot_eager(monkeypatch):
     """dynamo's capture without inductor's C++ code generation (minutes per graph on this CPU)."""
-    from h2ochat import compiled
+    from h2ochat.engine import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
 

@@ -15,7 +15,7 @@ import torch
 from conftest import FAMILIES, build_model
 from h2ochat.budget import budget_bytes, parse_budget, slots_in_bytes
 from h2ochat.cli import main
-from h2ochat.generation import CacheSettings, attention_shape, forward
+from h2ochat.engine.generation import CacheSettings, attention_shape, forward
 from h2ochat.kv.slot_format import KV_DTYPES
 from h2ochat.sizes import is_size
 from test_generate_cli import assert_one_line_error

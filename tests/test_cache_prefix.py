@@ -12,8 +12,8 @@ import torch
 from conftest import VOCAB, build_model
 from lockstep import EvictionRecorder, lockstep
 
-from h2ochat.forward_step import forward
-from h2ochat.generation import CacheSettings
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import CacheSettings
 from h2ochat.kv import CacheShapeError
 
 ROWS, PREFIX = 4, 2

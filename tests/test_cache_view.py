@@ -18,13 +18,15 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings, Sampling, stream
-from h2ochat.models import load
-from h2ochat.repl import Repl
-from h2ochat.ui import cache_view, make_console, status_line
+from h2ochat.engine.generation import CacheSettings, Sampling, stream
+from h2ochat.loading.models import load
+from h2ochat.chat.repl import Repl
+from h2ochat.chat.cache_view import cache_view
+from h2ochat.console import make_console
+from h2ochat.chat.status import status_line
 
 from conftest import build_model, random_ids
 from seeds import fresh, seed  # noqa: F401  (fixture)

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from h2ochat import chat as chat_module
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
-from h2ochat.replies import stop_token_ids
+from h2ochat.chat import conversation as chat_module
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
+from h2ochat.chat.replies import stop_token_ids
 from h2ochat.errors import UserError
-from h2ochat.generation import CacheSettings
-from h2ochat.models import load
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.loading.models import load
 
 from checkpoints import writing
 from seeds import fresh, seed  # noqa: F401  (fixture)
@@ -223,7 +223,7 @@ def test_a_failed_turn_leaves_no_trace(loaded, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr("h2ochat.chat.stream", broken)
+    monkeypatch.setattr("h2ochat.chat.conversation.stream", broken)
     with pytest.raises(RuntimeError):
         conv.send("again")
     assert conv.messages == before
@@ -302,7 +302,7 @@ def test_a_base_model_reply_cut_inside_a_burst_is_read_again(loaded, monkeypatch
     and the chat then stands exactly where the token-by-token chat stands (same replies, same cache)."""
     import copy
 
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     tokenizer = copy.deepcopy(loaded.tokenizer)
     tokenizer.chat_template = None

@@ -9,14 +9,14 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings
-from h2ochat.history import ConversationLog
-from h2ochat.models import load
-from h2ochat.repl import Repl
-from h2ochat.ui import make_console
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.chat.history import ConversationLog
+from h2ochat.loading.models import load
+from h2ochat.chat.repl import Repl
+from h2ochat.console import make_console
 
 from seeds import fresh, seed  # noqa: F401  (fixture)
 
@@ -81,7 +81,7 @@ def test_a_refeed_that_fails_half_way_keeps_the_old_cache(loaded, monkeypatch):
     def no_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr("h2ochat.chat.prefill", no_memory)
+    monkeypatch.setattr("h2ochat.chat.conversation.prefill", no_memory)
     type_lines(repl, ["/budget 20"])
     monkeypatch.undo()
     assert snapshot(repl.conv) == before
@@ -98,7 +98,7 @@ def test_ctrl_c_during_a_re_read_cancels_the_command_and_keeps_the_session(loade
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("h2ochat.chat.prefill", interrupted)
+    monkeypatch.setattr("h2ochat.chat.conversation.prefill", interrupted)
     assert type_lines(repl, ["/budget 20"]) == 0  # the session goes on to /bye
     monkeypatch.undo()
     assert snapshot(repl.conv) == before and "cancelled" in out.getvalue()
@@ -152,7 +152,7 @@ def test_a_bug_in_a_turn_shows_its_traceback_and_the_session_goes_on(loaded, mon
     def buggy(*args, **kwargs):
         raise ValueError("an internal invariant broke")  # a ValueError is not necessarily the user's
 
-    monkeypatch.setattr("h2ochat.chat.stream", buggy)
+    monkeypatch.setattr("h2ochat.chat.conversation.stream", buggy)
     type_lines(repl, ["hello"])
     monkeypatch.undo()
     text = out.getvalue()

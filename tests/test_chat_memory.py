@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 
 from checkpoints import load_tiny, write_checkpoint, writing
 from conftest import FAMILIES
-from h2ochat import chat_memory as cm
-from h2ochat.chat import Conversation
+from h2ochat.measure import chat_memory as cm
+from h2ochat.chat.conversation import Conversation
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings
-from h2ochat.passkey import CacheRow
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.measure.passkey import CacheRow
 
 
 def test_samples_plant_distinct_facts_and_filler_without_them(seed):

@@ -16,8 +16,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from h2ochat import models, threads
-from h2ochat.chat_settings import check_fits
+from conftest import replace_loader
+
+from h2ochat import threads
+from h2ochat.chat.settings import check_fits
 from h2ochat.cli import app, build_command
 from h2ochat.config import CacheSettings
 from h2ochat.errors import UserError
@@ -33,7 +35,7 @@ class Loaded(Exception):
 def no_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise Loaded
-    monkeypatch.setattr(models, "load", refuse)
+    replace_loader(monkeypatch, refuse)
 
 
 def one_line_error(result, *needles: str) -> str:
@@ -119,8 +121,8 @@ def test_budget_size_errors_name_the_size_form_and_the_fault(no_load, budget, ne
 @pytest.mark.parametrize("per_summary, words", [(1, "1 page each"), (2, "2 pages each")])
 def test_cache_view_agrees_page_with_its_count(per_summary, words):
     from h2ochat.recall.report import TierSummary
-    from h2ochat.split import Parts, Split
-    from h2ochat.ui import cold_tier_lines
+    from h2ochat.chat.split import Parts, Split
+    from h2ochat.chat.cache_view import cold_tier_lines
 
     tier = TierSummary(recall_slots=8, page=4, selector="exact", cold_limit=None, rows=2, cold_pages=1.0,
                        cold_tokens=4.0, dropped_tokens=0.0, host_bytes=64, digest_bytes=32, staged_tokens=0.0,
@@ -169,7 +171,7 @@ def test_a_command_receives_its_cache_settings_checked(monkeypatch):
 
 @pytest.mark.slow
 def test_the_config_module_imports_no_torch():
-    code = ("import sys, h2ochat.config, h2ochat.options, h2ochat.chat_settings; "
+    code = ("import sys, h2ochat.config, h2ochat.options, h2ochat.chat.settings; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr

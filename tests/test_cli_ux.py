@@ -35,7 +35,7 @@ def test_models_lists_aliases_plainly_when_piped():
 
 
 def test_models_json_has_every_alias():
-    from h2ochat.model_sources import ALIASES
+    from h2ochat.loading.sources import ALIASES
 
     rows = json.loads(runner.invoke(app, ["models", "--json"]).output)
     assert {row["alias"] for row in rows} == set(ALIASES)
@@ -70,7 +70,7 @@ def test_generate_stops_at_an_end_of_turn_marker_as_run_does(tiny_checkpoint, mo
     import torch
     from transformers import AutoTokenizer
 
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     end = AutoTokenizer.from_pretrained(str(tiny_checkpoint)).convert_tokens_to_ids("<|end|>")
     calls = []

@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from conftest import FAMILIES, build_model, random_ids
-from h2ochat import compiled
+from h2ochat.engine import compiled
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings, Sampling, Timing, forward, prefill, stream
+from h2ochat.engine.generation import CacheSettings, Sampling, Timing, forward, prefill, stream
 from lockstep import EvictionRecorder, kept_agree_or_tie, lockstep
 
 BUDGET = "8"  # slots per layer; prompts of 5 tokens grow the cache, 12 fill it in the prefill
@@ -302,9 +302,9 @@ def _counts(out: str):
 def test_chat_takes_compile(tiny_checkpoint):
     """run --compile: a Conversation decoding through the compiled step, over two turns on the same
     cache (the compiled path taken, the conversation and its cache in step)."""
-    from h2ochat.chat import Conversation
-    from h2ochat.chat_settings import ChatSettings
-    from h2ochat.models import load
+    from h2ochat.chat.conversation import Conversation
+    from h2ochat.chat.settings import ChatSettings
+    from h2ochat.loading.models import load
 
     loaded = load(str(tiny_checkpoint), "cpu", "float32")
     settings = ChatSettings(temperature=0.0, max_new_tokens=6, cache=CacheSettings(budget=BUDGET))

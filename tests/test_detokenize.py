@@ -9,11 +9,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
-from h2ochat.detokenize import TextStream, decode_in_context
-from h2ochat.generation import CacheSettings
-from h2ochat.random_weights import ByteTokenizer
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
+from h2ochat.engine.detokenize import TextStream, decode_in_context
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.loading.random_weights import ByteTokenizer
 
 from conftest import build_model
 from seeds import fresh, seed  # noqa: F401  (fixture)
@@ -60,7 +60,7 @@ def test_a_character_split_over_tokens_is_held_back(seed):
 
 
 def scripted_conversation(tokenizer, monkeypatch, script: list[int], **settings):
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     fresh("model")
     model = build_model("llama", vocab_size=len(tokenizer), pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -82,7 +82,7 @@ def test_a_base_model_reply_ends_before_the_user_turn_it_starts(metaspace, monke
     assert "".join(shown) == result.text == " Then it ends."  # one token, ' ends.\nUser:', holds the mark
     assert conv.messages[-1]["content"] == " Then it ends."
     assert not result.interrupted
-    monkeypatch.setattr("h2ochat.generation.sample", lambda logits, *a, **k: torch.full((1,), 3))
+    monkeypatch.setattr("h2ochat.engine.generation.sample", lambda logits, *a, **k: torch.full((1,), 3))
     later = conv.send("more", on_piece=shown.append)  # the next turn reads the cut reply again, quietly
     assert later.notices == [] or all("feeding the whole" not in n for n in later.notices)
     assert conv.render(add_generation_prompt=False).startswith("User: the end.\n\nAssistant: Then it ends.\n\nUser: more")
@@ -91,9 +91,9 @@ def test_a_base_model_reply_ends_before_the_user_turn_it_starts(metaspace, monke
 def test_the_first_ctrl_c_during_a_long_prompt_stops_it_between_chunks(tmp_path, monkeypatch):
     """A first Ctrl-C only asks to stop (the handler sets stop_requested); the prompt's reading must
     hear it at the next chunk, not after minutes of prefill and a first token."""
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
     from checkpoints import write_checkpoint
-    from h2ochat.models import load
+    from h2ochat.loading.models import load
 
     fresh("model")
     loaded = load(str(write_checkpoint(tmp_path, max_position_embeddings=512)), device="cpu")
@@ -128,7 +128,7 @@ def test_the_first_ctrl_c_during_a_long_prompt_stops_it_between_chunks(tmp_path,
     (["a", "\n", "Use"], "a\nUse", False),  # the end of the reply: what was held back is shown
 ])
 def test_reply_text_holds_back_what_may_be_the_stop_mark(pieces, shown, stopped):
-    from h2ochat.chat import STOP_MARK, ReplyText
+    from h2ochat.chat.replies import STOP_MARK, ReplyText
 
     seen = []
     reply = ReplyText(STOP_MARK, seen.append)

@@ -11,9 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import build_model, random_ids
-from h2ochat import evaluation as ev
+from h2ochat.measure import evaluation as ev
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings, forward
+from h2ochat.engine.generation import CacheSettings, forward
 from lockstep import EvictionRecorder
 
 POLICIES = ("full", "h2o", "local", "sink", "random")

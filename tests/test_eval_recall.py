@@ -16,8 +16,8 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import build_model, random_ids
-from h2ochat import evaluation as ev
-from h2ochat.attention import use_h2o_attention
+from h2ochat.measure import evaluation as ev
+from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.cli import app
 from h2ochat.recall.masked import MaskedRecall
 from test_eval import text_file  # noqa: F401 (fixture)

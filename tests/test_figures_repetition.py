@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from h2ochat.textstats import batch_summary, repetition
+from h2ochat.measure.textstats import batch_summary, repetition
 
 from seeds import seed  # noqa: F401  (fixture)
 from test_repetition import distinct_reference

@@ -13,13 +13,14 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings, Sampling, stream
-from h2ochat.repl import Repl
-from h2ochat.split import amount, cache_split, describe_memory, describe_slots, describe_use, format_bytes, kv_memory
-from h2ochat.ui import make_console, status_line
+from h2ochat.engine.generation import CacheSettings, Sampling, stream
+from h2ochat.chat.repl import Repl
+from h2ochat.chat.split import amount, cache_split, describe_memory, describe_slots, describe_use, format_bytes, kv_memory
+from h2ochat.console import make_console
+from h2ochat.chat.status import status_line
 
 from conftest import build_model, random_ids
 from seeds import seed  # noqa: F401  (fixture)

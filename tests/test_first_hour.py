@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat import gguf_conversion, models
+from conftest import replace_loader
+
+from h2ochat.loading import gguf_conversion, models
 from h2ochat.cli import app
 
 runner = CliRunner()
@@ -25,7 +27,7 @@ def no_load(monkeypatch):
     """The model loader fails the test if anything reaches it."""
     def refuse(*args, **kwargs):
         pytest.fail("the model loader was called")
-    monkeypatch.setattr(models, "load", refuse)
+    replace_loader(monkeypatch, refuse)
 
 
 def one_error_line(result, *needles: str) -> str:
@@ -147,7 +149,7 @@ def test_eval_refuses_an_unwritable_plot_before_the_model_loads(no_load, tmp_pat
 
 
 def test_eval_prints_its_results_when_the_plot_fails_at_the_end(tiny_checkpoint, tmp_path, monkeypatch):
-    from h2ochat import plotting
+    from h2ochat.measure import plotting
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")

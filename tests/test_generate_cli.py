@@ -15,8 +15,8 @@ import torch
 from h2ochat.budget import parse_budget
 from h2ochat.policies import DEFAULT_POLICY
 from h2ochat.cli import main
-from h2ochat.model_memory import check_memory
-from h2ochat.model_sources import ModelError, bundled_smollm2_gguf, resolve
+from h2ochat.loading.memory import check_memory
+from h2ochat.loading.sources import ModelError, bundled_smollm2_gguf, resolve
 
 from checkpoints import write_checkpoint
 
@@ -195,9 +195,9 @@ def test_smollm2_in_a_64_slot_cache():
 
 
 @pytest.mark.parametrize("command, target", [
-    (["generate", "--raw", "-n", "3", "hello"], "h2ochat.generation.stream"),  # generate imports it when it runs
-    (["eval", "--tokens", "20", "--budget", "8", "--policies", "full,h2o"], "h2ochat.evaluation.evaluate_rows"),
-    (["bench", "--context", "16", "--batch", "1", "--steps", "1", "--kv-memory", "0"], "h2ochat.benchmark.run"),
+    (["generate", "--raw", "-n", "3", "hello"], "h2ochat.engine.generation.stream"),  # generate imports it when it runs
+    (["eval", "--tokens", "20", "--budget", "8", "--policies", "full,h2o"], "h2ochat.measure.evaluation.evaluate_rows"),
+    (["bench", "--context", "16", "--batch", "1", "--steps", "1", "--kv-memory", "0"], "h2ochat.measure.benchmark.run"),
 ])
 def test_an_internal_error_keeps_its_traceback(tiny_checkpoint, tmp_path, monkeypatch, command, target):
     """A ValueError from inside the computation is a bug, not the user's mistake: it is not turned

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat.detokenize import TextStream
-from h2ochat.generation import CacheSettings, Sampling, Timing, penalize_repeats, prefill, sample, stream
+from h2ochat.engine.detokenize import TextStream
+from h2ochat.engine.generation import CacheSettings, Sampling, Timing, penalize_repeats, prefill, sample, stream
 
 from checkpoints import _tokenizer
 from conftest import build_model, random_ids
@@ -111,7 +111,7 @@ def test_stream_counts_the_tokens_it_fed_past_a_stop(seed, monkeypatch, leaves_r
     from types import SimpleNamespace
 
     from h2ochat.kv import H2OCache
-    from h2ochat.report import run_record
+    from h2ochat.chat.report import run_record
 
     if not leaves_rows_out:
         monkeypatch.setattr(H2OCache, "masks_inactive_rows", property(lambda self: False))

@@ -223,7 +223,7 @@ def test_compiled_step_times_the_benchmark_model_when_asked(tmp_path, monkeypatc
     argument cannot first show on the device."""
     import dataclasses
 
-    from h2ochat import compiled
+    from h2ochat.engine import compiled
 
     module = gpu_check()
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")

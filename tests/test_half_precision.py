@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from h2ochat.kv import H2OLayer
-from h2ochat.generation import CacheSettings, forward, prefill
+from h2ochat.engine.generation import CacheSettings, forward, prefill
 
 from conftest import FAMILIES, build_model, random_ids
 

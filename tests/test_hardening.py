@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from h2ochat.attention import h2o_attention
+from h2ochat.engine.attention import h2o_attention
 from h2ochat.kv import AttentionMismatchError, H2OCache, PositionLimitError
-from h2ochat.generation import CacheSettings, forward, prefill
+from h2ochat.engine.generation import CacheSettings, forward, prefill
 
 from conftest import FAMILIES, build_model, random_ids
 from test_generate_cli import assert_one_line_error, h2ochat_main  # noqa: F401  (a fixture)

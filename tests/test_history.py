@@ -8,7 +8,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat import history
+from h2ochat.chat import history
 from h2ochat.cli import app
 
 runner = CliRunner()
@@ -26,7 +26,7 @@ def home(tmp_path, monkeypatch):
 
 
 def test_the_home_is_the_one_the_up_arrow_history_uses(home, monkeypatch):
-    from h2ochat.repl import history_path
+    from h2ochat.chat.repl import history_path
 
     assert history.conversations_dir() == home / "conversations" and history_path() == home / "history"
     monkeypatch.delenv("H2OCHAT_HOME")

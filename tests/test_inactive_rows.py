@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat.compiled import CompiledDecode
-from h2ochat.forward_step import EagerDecode
-from h2ochat.generation import CacheSettings, Sampling, Timing, prefill, stream
+from h2ochat.engine.compiled import CompiledDecode
+from h2ochat.engine.forward_step import EagerDecode
+from h2ochat.engine.generation import CacheSettings, Sampling, Timing, prefill, stream
 
 from conftest import FAMILIES, build_model, random_ids, triton_interpreter_ready
 

@@ -225,7 +225,7 @@ def fresh_dynamo():
 def decode_run(model, ids, policy, steps, monkeypatch, decoder=None, kernels="triton", kv_dtype="auto"):
     """Prefill, then ``steps`` greedy decode steps, all on the ``kernels`` path (a layer chooses its
     eviction when it allocates); compiled decode steps when ``decoder`` is given."""
-    from h2ochat.generation import CacheSettings, forward
+    from h2ochat.engine.generation import CacheSettings, forward
 
     monkeypatch.setenv("H2OCHAT_KERNELS", kernels)
     cache = CacheSettings(policy=policy, budget="8", kv_dtype=kv_dtype).build(model, static_shapes=True)
@@ -246,7 +246,7 @@ def decode_run(model, ids, policy, steps, monkeypatch, decoder=None, kernels="tr
     ("opt", "mean:decay=0.5:value_eps=0.1"),  # decayed scores in the decode kernel, value norms in the eviction
 ])
 def test_compiled_triton_decode_is_one_graph_of_opaque_ops(seed, monkeypatch, fresh_dynamo, family, policy):
-    from h2ochat import compiled
+    from h2ochat.engine import compiled
 
     model = build_model(family)
     layers = model.config.num_hidden_layers
@@ -286,7 +286,7 @@ def test_compiled_triton_decode_over_quantised_slots(seed, monkeypatch, fresh_dy
     """With the slots quantised, each layer's attention is still one opaque decode op (the codes,
     scales and offsets its inputs; the layer writes the codes itself), one graph with no recompile,
     and the compiled steps give eager's tokens and slots."""
-    from h2ochat import compiled
+    from h2ochat.engine import compiled
 
     model = build_model("llama")
     layers = model.config.num_hidden_layers
@@ -314,7 +314,7 @@ def test_compiled_triton_decode_over_quantised_slots(seed, monkeypatch, fresh_dy
 def test_compiled_torch_decode_writes_only_state_tensors(seed, monkeypatch, fresh_dynamo):
     """The same check on the torch path (H2OCHAT_KERNELS=torch, what a GPU without triton runs): its
     in-place writes (index_put_, +=) touch nothing but the layers' state tensors."""
-    from h2ochat import compiled
+    from h2ochat.engine import compiled
 
     model = build_model("llama")
     recorder = Recorder()
@@ -355,7 +355,7 @@ def test_inductor_writes_the_cache_in_place(seed, monkeypatch, fresh_dynamo):
     only: later tokens are not compared, a near-tie could pick another)."""
     from torch._inductor.utils import run_and_get_code
 
-    from h2ochat import compiled
+    from h2ochat.engine import compiled
 
     model = build_model("llama", num_hidden_layers=1)
     ids = random_ids(2, 6)

@@ -31,7 +31,7 @@ in_process = pytest.mark.skipif(not triton_interpreter_ready(), reason="triton w
 def _tiny_llama(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import h2ochat.attention  # noqa: F401  registers "h2o"
+    import h2ochat.engine.attention  # noqa: F401  registers "h2o"
 
     config = LlamaConfig(
         vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -52,7 +52,7 @@ def _kernels(backend: str):
 
 
 def _prefilled(model, backend: str, prompt, mask, policy: str, kv_dtype: str = "auto"):
-    from h2ochat.generation import CacheSettings, prefill
+    from h2ochat.engine.generation import CacheSettings, prefill
 
     with _kernels(backend):
         cache = CacheSettings(policy=policy, budget="12", heavy_ratio=0.5, kv_dtype=kv_dtype).build(model)
@@ -60,7 +60,7 @@ def _prefilled(model, backend: str, prompt, mask, policy: str, kv_dtype: str = "
 
 
 def _decoder(model, cache, backend: str):
-    from h2ochat.forward_step import forward
+    from h2ochat.engine.forward_step import forward
 
     def decode(tokens):
         with _kernels(backend):

@@ -17,12 +17,12 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from conftest import FAMILIES, build_model
-from h2ochat import compiled
-from h2ochat.generation import CacheSettings, forward
+from h2ochat.engine import compiled
+from h2ochat.engine.generation import CacheSettings, forward
 from h2ochat.kv import H2OCache
 from h2ochat.kv.slot_format import QUANT_BITS
 from h2ochat.policies import get_policy
-from h2ochat.recall.selectors import spreading_rotation
+from h2ochat_kernels.rotation import spreading_rotation
 from h2ochat.rotary import Rotary, rotate_keys
 from lockstep import kept_agree_or_tie
 
@@ -346,7 +346,7 @@ def test_a_quantized_row_exports_and_imports(family, kv_dtype, seed):
 
 def test_set_kv_dtype_in_the_chat():
     """/set kv-dtype int4 is a setting like the others (a new cache); a bad dtype is the user's to fix."""
-    from h2ochat.chat_settings import ChatSettings
+    from h2ochat.chat.settings import ChatSettings
     from h2ochat.errors import UserError
 
     changed, name = ChatSettings().with_value("kv-dtype", "int4")

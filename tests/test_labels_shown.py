@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import pytest
 
 from h2ochat.cli import app
-from h2ochat.ui import make_console
+from h2ochat.console import make_console
 
 
 def invoke(*args) -> tuple[int, str, str]:

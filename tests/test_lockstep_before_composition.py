@@ -47,7 +47,7 @@ ATOL = RTOL = 1e-5
 @pytest.fixture(autouse=True)
 def restore_backend(monkeypatch):
     """run_case sets compiled.BACKEND to aot_eager; put the module's own back afterwards."""
-    from h2ochat import compiled
+    from h2ochat.engine import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", compiled.BACKEND)
 

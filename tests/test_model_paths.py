@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 import h2ochat_kernels
 from h2ochat.kv import PositionLimitError
-from h2ochat.generation import CacheSettings, forward, prefill
-from h2ochat import hub, model_memory, model_sources, models, random_weights
+from h2ochat.engine.generation import CacheSettings, forward, prefill
+from h2ochat.loading import hub, memory as model_memory, sources as model_sources, models, random_weights
 from h2ochat.cli import app
 from h2ochat.rotary import find_rotary, rotate_keys
 

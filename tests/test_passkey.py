@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import VOCAB, build_model
 
-from h2ochat import passkey as pk
-from h2ochat.generation import CacheSettings
+from h2ochat.measure import passkey as pk
+from h2ochat.engine.generation import CacheSettings
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,?!\n'"
 
@@ -95,7 +95,7 @@ def test_masked_reference_without_recall_is_the_real_cache(family, seed, policy,
 
 def _pairs_switching(model, real_run, masked_run, trial, follow):
     """The two runners need different attention implementations: switch before each feed."""
-    from h2ochat.attention import use_h2o_attention
+    from h2ochat.engine.attention import use_h2o_attention
     from h2ochat.recall.masked import MaskedRecall
 
     class Switching:
@@ -195,7 +195,7 @@ def test_passkey_command_table_and_plot(long_checkpoint, filler_file, tmp_path):
 def test_passkey_plot_draws_one_bar_per_row_and_cell(tmp_path):
     import matplotlib.pyplot as plt
 
-    from h2ochat import plotting
+    from h2ochat.measure import plotting
 
     summary = [{"row": row, "length": 40, "depth": depth, "recalled": got, "trials": 2}
                for row, got in (("full", 2), ("h2o 32", 0)) for depth in (0.1, 0.9)]

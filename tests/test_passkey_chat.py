@@ -7,11 +7,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat import passkey as pk
-from h2ochat import passkey_chat as pc
-from h2ochat.chat import Conversation
+from h2ochat.measure import passkey as pk
+from h2ochat.measure import passkey_chat as pc
+from h2ochat.chat.conversation import Conversation
 from h2ochat.cli import app
-from h2ochat.models import load
+from h2ochat.loading.models import load
 from test_passkey import FILLER, filler_file, long_checkpoint  # noqa: F401 (fixtures)
 
 

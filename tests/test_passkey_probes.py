@@ -12,11 +12,12 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import FAMILIES
-from h2ochat import evaluation as ev
-from h2ochat import passkey as pk
-from h2ochat import passkey_probes as probes
+from h2ochat.measure import evaluation as ev
+from h2ochat.measure import passkey as pk
+from h2ochat.measure.passkey_rows import table_rows
+from h2ochat.measure import passkey_probes as probes
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings
+from h2ochat.engine.generation import CacheSettings
 from test_passkey import FILLER, filler_file  # noqa: F401 (fixture)
 
 
@@ -157,7 +158,7 @@ def test_the_16x_probe_with_two_facts_and_the_exact_selector_beside(family_check
         assert len(entry["recalled_per_fact"]) == 2 and entry["recalled"] <= min(entry["recalled_per_fact"])
     # the table: a column per (length, depth) named by how it was asked, each fact's count, the misses
     plan = probes.LengthPlan(probes.parse_lengths("7x,16x"), [12])
-    titles, cells = probes.with_misses(*pk.table_rows(report["summary"], plan.title), report["misses"])
+    titles, cells = probes.with_misses(*table_rows(report["summary"], plan.title), report["misses"])
     assert titles[1:3] == ["84 tok (7x 12 slots), depth 0.3", "192 tok (16x 12 slots), depth 0.3"]
     assert titles[-1] == "misses: put down to" and [c[0] for c in cells] == rows
     assert cells[0][-1] == "-" and all(c[1].startswith(f"{s['recalled']}/1 (1st ") for c, s in zip(cells, report["summary"][::2]))

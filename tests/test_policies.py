@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat import evaluation as ev
+from h2ochat.measure import evaluation as ev
 from h2ochat import policies
 from h2ochat.kv import H2OCache
 from h2ochat.policies import POLICIES, Policy, get_policy, parse_policy

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat import prompt_progress
+from h2ochat.chat import prompt_progress
 from h2ochat.cli import app
 from h2ochat.errors import EXIT_INTERRUPTED
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import VOCAB, build_model
 
-from h2ochat.attention import use_h2o_attention
-from h2ochat.forward_step import forward
-from h2ochat.generation import max_positions
+from h2ochat.engine.attention import use_h2o_attention
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import max_positions
 from h2ochat.recall.masked import MaskedRecall
 from conftest import recall_cache
 from h2ochat.recall.tiered import RecallConfig

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings, Sampling, stream
-from h2ochat.models import load
-from h2ochat.prompting import encode
+from h2ochat.engine.generation import CacheSettings, Sampling, stream
+from h2ochat.loading.models import load
+from h2ochat.chat.prompting import encode
 
 from seeds import fresh, seed  # noqa: F401  (fixture)
 

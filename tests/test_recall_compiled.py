@@ -9,8 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 from conftest import FAMILIES, VOCAB, build_model
 
-from h2ochat import compiled
-from h2ochat.forward_step import forward
+from h2ochat.engine import compiled
+from h2ochat.engine.forward_step import forward
 from conftest import recall_cache
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary

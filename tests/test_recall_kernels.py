@@ -206,7 +206,7 @@ def test_recall_on_triton_is_the_torch_route(monkeypatch, seed, family, policy):
     differ in rounding only.)"""
     from conftest import VOCAB, build_model, recall_cache
 
-    from h2ochat.forward_step import forward
+    from h2ochat.engine.forward_step import forward
     from h2ochat.recall.tiered import RecallConfig
     from h2ochat.rotary import find_rotary
     from test_recall_cache import _assert_each_token_once

@@ -15,10 +15,10 @@ import torch
 from torch._dynamo.utils import counters
 from conftest import VOCAB, build_model, recall_cache
 
-from h2ochat import compiled
-from h2ochat.attention import use_h2o_attention
-from h2ochat.forward_step import forward
-from h2ochat.generation import max_positions
+from h2ochat.engine import compiled
+from h2ochat.engine.attention import use_h2o_attention
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import max_positions
 from h2ochat.kv.slot_format import QUANT_BITS
 from h2ochat.recall.masked import MaskedRecall
 from h2ochat.recall.tiered import RecallConfig

@@ -18,13 +18,16 @@ import pytest
 import torch
 from rich.control import strip_control_codes
 
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
-from h2ochat.generation import CacheSettings
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
+from h2ochat.engine.generation import CacheSettings
 from h2ochat.kv import H2OCache
 from h2ochat.recall.report import has_cold_tier, recalled_token_indices, summarize_tier
-from h2ochat.repl import Repl
-from h2ochat.ui import RECALLED, STYLES, amount, heavy_hitter_text, make_console, percent, token_classes
+from h2ochat.chat.repl import Repl
+from h2ochat.chat.cache_view import RECALLED, STYLES, heavy_hitter_text, token_classes
+from h2ochat.chat.split import amount
+from h2ochat.console import make_console
+from h2ochat.chat.status import percent
 
 from seeds import seed  # noqa: F401  (fixture)
 
@@ -98,7 +101,7 @@ def test_the_cold_tier_figures_are_the_hand_computed_ones(loaded, cold_limit):
     assert tier.cold_pages == pytest.approx(pages / rows)
     assert tier.cold_tokens == pytest.approx(tokens / rows)
     assert tier.dropped_tokens == pytest.approx(dropped / rows)
-    assert repl.status.summary().split.held.recall == pytest.approx(in_recall / rows)  # the split's (h2ochat/split.py)
+    assert repl.status.summary().split.held.recall == pytest.approx(in_recall / rows)  # the split's (h2ochat/chat/split.py)
     assert tier.pages_copied == pytest.approx(copied / rows)
     assert tier.pages_copied_turn == pytest.approx(copied_turn / rows)
     assert tier.recalled_share_turn == pytest.approx(recalled_turn / attended_turn)

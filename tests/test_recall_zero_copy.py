@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import VOCAB, build_model, recall_cache, triton_interpreter_ready
 
-from h2ochat.attention import use_h2o_attention
-from h2ochat.forward_step import forward
-from h2ochat.generation import max_positions
+from h2ochat.engine.attention import use_h2o_attention
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import max_positions
 from h2ochat.recall import cold_store as cs
 from h2ochat.recall import tier, tiered
 from h2ochat.rotary import Rotary, find_rotary

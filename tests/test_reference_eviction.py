@@ -1,4 +1,4 @@
-"""The eviction the CPU runs is ``kernels/reference.py``'s, and that reference is right.
+"""The eviction the CPU runs is ``h2ochat_kernels/reference.py``'s, and that reference is right.
 
 ``H2OLayer`` on the torch backend calls ``reference.evict_and_insert`` itself (the Triton kernels are
 tested against the same function in test_kernels.py), and the reference is held here to a slow,

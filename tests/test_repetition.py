@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from h2ochat.generation import CacheSettings, Sampling, penalize_repeats, stream
-from h2ochat.repetition import RecentTokens
-from h2ochat.textstats import distinct_ngrams, repetition
+from h2ochat.engine.generation import CacheSettings, Sampling, penalize_repeats, stream
+from h2ochat.engine.repetition import RecentTokens
+from h2ochat.measure.textstats import distinct_ngrams, repetition
 
 from conftest import build_model, random_ids
 from seeds import seed  # noqa: F401  (fixture)
@@ -46,7 +46,7 @@ def test_recent_tokens_hold_exactly_the_last_n(seed, window):
 def test_penalty_at_every_step_comes_from_the_last_n_tokens_only(seed, monkeypatch):
     """Each step's sampling sees the CTRL penalty applied to exactly the tokens among the last N of
     prompt + generated text, and greedy decoding picks the argmax of those penalised logits."""
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     window, penalty = 6, 3.0
     model = build_model("llama", seed=seed)

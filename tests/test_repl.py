@@ -10,13 +10,13 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
-from h2ochat.generation import CacheSettings
-from h2ochat.history import ConversationLog
-from h2ochat.models import load
-from h2ochat.repl import PromptReader, Repl, history_path
-from h2ochat.ui import make_console
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.chat.history import ConversationLog
+from h2ochat.loading.models import load
+from h2ochat.chat.repl import PromptReader, Repl, history_path
+from h2ochat.console import make_console
 
 from seeds import fresh, seed  # noqa: F401  (fixture)
 
@@ -212,7 +212,7 @@ def test_every_turn_and_settings_change_is_kept_atomically(loaded, tmp_path):
 
 
 def test_a_reply_is_kept_while_it_streams_and_when_interrupted(loaded, tmp_path, monkeypatch):
-    import h2ochat.repl as repl_module
+    import h2ochat.chat.repl as repl_module
 
     monkeypatch.setattr(repl_module, "SNAPSHOT_S", 0.0)  # write at every piece
     log = SpyLog(tmp_path)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from h2ochat.kv import CacheShapeError, H2OCache
-from h2ochat.generation import CacheSettings, forward, prefill
+from h2ochat.engine.generation import CacheSettings, forward, prefill
 
 from conftest import build_model, random_ids
 from lockstep import EvictionRecorder, kept_agree_or_tie

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from checkpoints import load_tiny, write_checkpoint, writing
 from conftest import FAMILIES
-from h2ochat import eval_log, ruler
+from h2ochat.measure import eval_log, ruler
 from h2ochat.cli import app
-from h2ochat.generation import CacheSettings
+from h2ochat.engine.generation import CacheSettings
 
 
 def test_string_match_all_is_the_share_of_expected_strings_found():
@@ -55,7 +55,7 @@ def test_the_full_cache_answers_as_the_models_own_greedy_generation(tmp_path_fac
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_sample_scores_what_the_model_writes_through_an_evicting_cache(tmp_path_factory, family):
     loaded = load_tiny(tmp_path_factory, family, "ruler-score", max_position_embeddings=128)
-    from h2ochat.passkey import CacheRow
+    from h2ochat.measure.passkey import CacheRow
 
     row = CacheRow("h2o 16", CacheSettings(policy="h2o", budget="16"), chunk=8)  # a 60-token prompt: it evicts
     prompt = "one two three four five six seven eight nine ten " * 6
@@ -165,7 +165,7 @@ def test_ruler_without_lm_eval_says_how_to_install(checkpoint, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval (the eval extra) is not installed")
 @pytest.mark.parametrize("task", list(ruler.TASKS))
 def test_lm_evals_builders_make_samples_with_the_tokenizer_offline(task):
-    from h2ochat.models import load
+    from h2ochat.loading.models import load
 
     tokenizer = load("smollm2-135m", "cpu", "float32").tokenizer
     few, more = ruler.build_samples(tokenizer, task, 512, 1), ruler.build_samples(tokenizer, task, 512, 2)
@@ -175,7 +175,7 @@ def test_lm_evals_builders_make_samples_with_the_tokenizer_offline(task):
 
 
 def test_the_binomial_interval_is_wilsons():
-    from h2ochat.score_table import wilson
+    from h2ochat.measure.score_table import wilson
 
     assert wilson(0.0, 25) == pytest.approx((0.0, 0.1332), abs=1e-4)  # known values of the Wilson 95% interval
     assert wilson(0.5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)

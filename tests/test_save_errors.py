@@ -12,9 +12,9 @@ import stat
 
 import pytest
 
-from h2ochat import history
+from h2ochat.chat import history
 from h2ochat.errors import one_line
-from h2ochat.history import WriteError, write_atomic
+from h2ochat.chat.history import WriteError, write_atomic
 
 from test_repl import drive, loaded  # noqa: F401  (fixture)
 

@@ -20,9 +20,9 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from h2ochat.chat import ChatSettings, Conversation
-from h2ochat.generation import CacheSettings
-from h2ochat.models import load
+from h2ochat.chat.conversation import ChatSettings, Conversation
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.loading.models import load
 
 from seeds import fresh
 from serve_fakes import chat_beside_the_repl, words

@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-from h2ochat.generation import Sampling
+from h2ochat.engine.generation import Sampling
 from h2ochat.serve.app import build_app
 from h2ochat.serve.engine import Engine, Loaded
 from h2ochat.serve.metrics import Metrics

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from h2ochat import compiled
+from h2ochat.engine import compiled
 from h2ochat.serve.api import RequestParams
 from h2ochat.serve.errors import APIError
 from h2ochat.serve.parked import ParkedStore
@@ -151,7 +151,7 @@ def test_the_full_policy_serves_any_number_of_steps_in_its_reserved_slots(seed):
 def test_the_full_policy_is_served_as_the_full_cache(family, seed):
     """The server's full-policy rows are full-policy caches that keep their columns (a bound the
     preparer holds them to), and a request's tokens are those of the growing full cache alone."""
-    from h2ochat.generation import CacheSettings, forward, prefill
+    from h2ochat.engine.generation import CacheSettings, forward, prefill
 
     rng = random.Random(seed)
     model = build_model(family)

@@ -21,8 +21,8 @@ import time
 import httpx2 as httpx
 import pytest
 
-from h2ochat.generation import CacheSettings
-from h2ochat.models import load
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.loading.models import load
 from h2ochat.serve.app import _deliver_to
 from h2ochat.serve.backend import ModelBackend
 from h2ochat.serve.parked import ParkedStore

@@ -20,9 +20,9 @@ import openai
 import pytest
 import torch
 
-from h2ochat.chat import ChatSettings, Conversation
-from h2ochat.generation import CacheSettings
-from h2ochat.models import load
+from h2ochat.chat.conversation import ChatSettings, Conversation
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.loading.models import load
 
 from conftest import VOCAB, build_model
 from serve_fakes import chat_beside_the_repl, drain, generated, make_request, model_engine

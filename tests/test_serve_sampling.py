@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from h2ochat.generation import Sampling, sample, token_probs
-from h2ochat.repetition import RecentTokens
+from h2ochat.engine.generation import Sampling, sample, token_probs
+from h2ochat.engine.repetition import RecentTokens
 from h2ochat.serve.sampling import SamplingDeviceError, sample_rows
 from h2ochat.serve.scheduler import Scheduler
 

@@ -12,15 +12,15 @@ from dataclasses import fields
 import pytest
 from typer.testing import CliRunner
 
-from h2ochat import history
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import SETTINGS, ChatSettings
+from h2ochat.chat import history
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import SETTINGS, ChatSettings
 from h2ochat.cli import app
 from h2ochat.commands.run import run
-from h2ochat.generation import CacheSettings
-from h2ochat.models import load
-from h2ochat.repl import Repl
-from h2ochat.ui import make_console
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.loading.models import load
+from h2ochat.chat.repl import Repl
+from h2ochat.console import make_console
 
 runner = CliRunner()
 

@@ -1,6 +1,6 @@
 """The chat's status line fits the terminal (issue 31, item 2): never longer than the width, the most
 telling figure (slots held) always there, and as the width grows the next most telling ones come in
-the documented order (ui.STATUS_ORDER): evictions, recall, KV bytes, speed, threads.
+the documented order (status.STATUS_ORDER): evictions, recall, KV bytes, speed, threads.
 
 A chat with a tiny random model of each family, a recall tier and the thread count set, so that every
 figure the line can show is there; its full line is far wider than 80 columns.
@@ -14,11 +14,12 @@ import re
 import pytest
 from rich.console import Console
 
-from h2ochat import threads, ui
-from h2ochat.chat import Conversation
-from h2ochat.chat_settings import ChatSettings
-from h2ochat.generation import CacheSettings
-from h2ochat.repl import Repl
+from h2ochat import threads
+from h2ochat.console import make_console
+from h2ochat.chat.conversation import Conversation
+from h2ochat.chat.settings import ChatSettings
+from h2ochat.engine.generation import CacheSettings
+from h2ochat.chat.repl import Repl
 
 from seeds import seed  # noqa: F401  (fixture)
 
@@ -41,7 +42,7 @@ def repl(loaded, monkeypatch):
     cache = CacheSettings(policy="h2o", budget="24", recall="8", page=4, selector="exact")
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=8, cache=cache))
     conv.stop_ids = set()
-    repl = Repl(conv, ui.make_console(file=io.StringIO()), lambda prompt: "", model_name="tiny")
+    repl = Repl(conv, make_console(file=io.StringIO()), lambda prompt: "", model_name="tiny")
     repl.handle("the quick brown fox jumps over the lazy dog")
     repl.handle("once upon a time there was a dragon")
     return repl

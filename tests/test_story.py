@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 import h2ochat_prompts
 from h2ochat.cli import app
-from h2ochat.commands.story import tell
-from h2ochat.detokenize import TextStream
-from h2ochat.generation import CacheSettings, Sampling
-from h2ochat.models import load
-from h2ochat.prompting import encode
+from h2ochat.commands.story_rows import tell
+from h2ochat.engine.detokenize import TextStream
+from h2ochat.engine.generation import CacheSettings, Sampling
+from h2ochat.loading.models import load
+from h2ochat.chat.prompting import encode
 
 from seeds import fresh, seed  # noqa: F401  (fixture)
 from test_repetition import distinct_reference
@@ -50,8 +50,8 @@ def story(checkpoint, *args, env=None):
 
 def reference_tokens(loaded, text: str, tokens: int, seed: int, **sampling) -> list[int]:
     """The library's continuation of ``text`` with the story command's default sampling."""
-    from h2ochat.generation import inference_steps
-    from h2ochat.generation import stream
+    from h2ochat.engine.generation import inference_steps
+    from h2ochat.engine.generation import stream
 
     settings = dict(temperature=0.8, top_p=0.95, seed=seed, repetition_penalty=1.1, repeat_last_n=64)
     settings.update(sampling)
@@ -193,7 +193,7 @@ def test_an_out_the_permission_bits_allow_but_the_system_refuses_fails_before_lo
 
 
 def test_checking_out_leaves_no_file_behind_and_an_existing_one_as_it_was(tmp_path):
-    from h2ochat.commands.story import check_writable
+    from h2ochat.commands.story_files import check_writable
 
     new, old = tmp_path / "new.txt", tmp_path / "old.txt"
     old.write_bytes(b"kept as it is")
@@ -205,7 +205,7 @@ def test_checking_out_leaves_no_file_behind_and_an_existing_one_as_it_was(tmp_pa
 def test_a_continued_story_joins_the_text_as_written(checkpoint, loaded, tmp_path, monkeypatch):
     """`story --out F` then `story --continue F`: the continuation follows the story's last word,
     with no line break the first run put there of its own (the model is scripted to write words)."""
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     words = loaded.tokenizer(" and the dragon flew", add_special_tokens=False).input_ids
     calls = []
@@ -232,7 +232,7 @@ def test_continue_of_a_missing_file_is_one_line(checkpoint, tmp_path):
 
 def test_stop_at_eos_stops_at_an_end_of_turn_marker_too(checkpoint, loaded, monkeypatch):
     """--stop-at-eos uses the same stop rule as run and generate: <|end|> ends the story."""
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     end = loaded.tokenizer.convert_tokens_to_ids("<|end|>")
     plain = 50  # an ordinary byte-level token
@@ -308,7 +308,7 @@ def test_continue_keeps_every_byte_the_user_wrote(checkpoint, shakespeare, seed)
 
 
 def test_continue_that_writes_nothing_leaves_the_file_as_it_was(checkpoint, loaded, shakespeare, monkeypatch):
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     path, head = shakespeare
     monkeypatch.setattr(generation, "sample", lambda logits, *a, **k: torch.full((logits.shape[0],),
@@ -341,8 +341,8 @@ def test_text_appended_while_the_model_loads_is_kept_and_read(checkpoint, loaded
 
 
 def test_the_story_file_is_locked_while_the_continuation_is_written(checkpoint, loaded, tmp_path, monkeypatch):
-    import h2ochat.generation as generation
-    from h2ochat.commands.story import appending
+    import h2ochat.engine.generation as generation
+    from h2ochat.commands.story_files import appending
     from h2ochat.errors import UserError
 
     path = tmp_path / "tale.txt"
@@ -370,8 +370,8 @@ def test_the_story_file_is_locked_while_the_continuation_is_written(checkpoint, 
 def test_tokens_are_read_back_once_per_burst():
     from torch.overrides import TorchFunctionMode
 
-    from h2ochat.commands.story import read_in_bursts
-    from h2ochat.generation import Step
+    from h2ochat.commands.story_rows import read_in_bursts
+    from h2ochat.engine.generation import Step
 
     class CountReads(TorchFunctionMode):
         reads = 0
@@ -414,7 +414,7 @@ def test_a_story_batch_feeds_no_row_past_its_end(checkpoint, loaded, monkeypatch
     in bursts of 4 as on an accelerator): each finished row's cache holds its opening and its story
     up to the eos (never fed), nothing the other rows went on to generate."""
     import h2ochat.commands.story as story_module
-    import h2ochat.generation as generation
+    import h2ochat.engine.generation as generation
 
     eos, plain = loaded.tokenizer.eos_token_id, 50
     ends = [2, 5, None]  # the step each row draws eos at (None: never)

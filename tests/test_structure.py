@@ -86,9 +86,9 @@ LIBRARY_ATTRIBUTES = {
     ("cli.py", "name"), ("cli.py", "callback"),  # a click command made lazily
     ("options.py", "__signature__"),  # what typer reads a command's options from
     ("console.py", "soft_wrap"),  # rich.Console
-    ("compiled.py", "recompile_limit"),  # torch._dynamo.config
-    ("models.py", "eos_token_id"), ("models.py", "pad_token"),  # transformers generation config, tokenizer
-    ("gguf_conversion.py", "hf_quantizer"), ("gguf_conversion.py", "quantization_config"),  # transformers model
+    ("engine/compiled.py", "recompile_limit"),  # torch._dynamo.config
+    ("loading/models.py", "eos_token_id"), ("loading/models.py", "pad_token"),  # transformers generation config, tokenizer
+    ("loading/gguf_conversion.py", "hf_quantizer"), ("loading/gguf_conversion.py", "quantization_config"),  # transformers model
     ("serve/server.py", "should_exit"),  # uvicorn.Server
     ("bench_context.py", "setattr"),  # a transformers DynamicLayer's keys and values (the baseline's context)
 }

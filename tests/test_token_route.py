@@ -1,7 +1,7 @@
 """How many project files one decoded token of the chat crosses (issue 23: the route a newcomer follows).
 
 The REPL's second turn is traced with ``sys.setprofile``: every call into a file of h2ochat/ or
-kernels/ between two draws of ``generation.sample`` is one token's route (its decode step, its
+h2ochat_kernels/ between two draws of ``generation.sample`` is one token's route (its decode step, its
 sampling, its text and the status line when it is redrawn). The longest route of the steady tokens is
 printed, a figure for the README's "route of one token", not a ceiling: a ceiling was re-set four
 times and code was placed to satisfy it (issue 33). What keeps the route honest are rules a change
@@ -19,7 +19,7 @@ import pytest
 import h2ochat
 import h2ochat_kernels
 
-ROOTS = {Path(h2ochat.__file__).parent: "h2ochat", Path(h2ochat_kernels.__file__).parent: "kernels"}
+ROOTS = {Path(h2ochat.__file__).parent: "h2ochat", Path(h2ochat_kernels.__file__).parent: "h2ochat_kernels"}
 
 def _project_file(filename: str) -> str | None:
     path = Path(filename)
@@ -55,11 +55,11 @@ def token_routes(repl, text: str) -> list[frozenset[str]]:
 def test_the_files_one_decoded_token_crosses(tmp_path, recall, capsys):
     from checkpoints import write_checkpoint
 
-    from h2ochat.chat import ChatSettings, Conversation
-    from h2ochat.generation import CacheSettings
-    from h2ochat.models import load
-    from h2ochat.repl import Repl
-    from h2ochat.ui import make_console
+    from h2ochat.chat.conversation import ChatSettings, Conversation
+    from h2ochat.engine.generation import CacheSettings
+    from h2ochat.loading.models import load
+    from h2ochat.chat.repl import Repl
+    from h2ochat.console import make_console
 
     loaded = load(str(write_checkpoint(tmp_path, "llama", max_position_embeddings=256)), device="cpu")
     cache = CacheSettings(policy="h2o", budget="16", recall=recall, page=4, selector="rot4")
@@ -70,7 +70,7 @@ def test_the_files_one_decoded_token_crosses(tmp_path, recall, capsys):
     routes = token_routes(repl, "tell me more")
     assert len(routes) > 10
     route = max(routes, key=len)
-    assert {"h2ochat/kv/layer.py", "kernels/reference.py", "h2ochat/generation.py"} <= route  # it was traced
+    assert {"h2ochat/kv/layer.py", "h2ochat_kernels/reference.py", "h2ochat/engine/generation.py"} <= route  # it was traced
     assert ("h2ochat/recall/tier.py" in route) == (recall is not None)
     with capsys.disabled():  # the figure, in the test output whatever the capture
         print(f"\none decoded token {'with recall ' if recall else ''}crosses {len(route)} project files: "

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import benchmark as bm  # its variants shape the options
+from ..measure import benchmark as bm  # its variants shape the options
 from .. import options as o
 from ..budget import budget_bytes, parse_budget
 from ..errors import strict_user_errors, user_input
@@ -69,7 +69,7 @@ def bench(
         contexts = bm.parse_ints(context, "--context")
         batches = bm.parse_ints(batch, "--batch")
         chosen_variants = parse_variants(variants)
-        from ..evaluation import parse_kv_dtypes
+        from ..measure.evaluation import parse_kv_dtypes
 
         kv_dtypes = [name for name in parse_kv_dtypes(kv_dtype) if name != "auto"]
         if kv_dtypes and "h2o" not in chosen_variants:
@@ -90,9 +90,9 @@ def bench(
             slots = parse_budget(budget, length)  # bad syntax fails before the model loads
             check_split(slots, min(slots, length))
     from .. import threads
-    from ..models import load
+    from ..loading.models import load
 
-    from ..ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype, random_weights=random_weights)
@@ -122,7 +122,7 @@ def bench(
 
 
 def _print(report: dict) -> None:
-    from ..ui import make_console
+    from ..console import make_console
     out = make_console()
     speed = Table(title=f"Decode at each context and batch ({report['model']}, {report['dtype']}, {report['device']}): "
                         "median ms per step, tokens/s, KV MiB, peak MiB (and its rise during the measurement)", title_justify="left")

@@ -20,7 +20,7 @@ def loading(console, name: str):
     conversion will print its own progress bars, a spinner under it. Nothing in a pipe."""
     if not console.is_terminal:
         return nullcontext()
-    from ..gguf_conversion import first_load_note
+    from ..loading.gguf_conversion import first_load_note
 
     note = first_load_note(name)
     console.print(f"loading {name}…" + (f" ({note})" if note else ""), style="dim", markup=False, highlight=False)

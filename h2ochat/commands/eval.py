@@ -10,10 +10,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .. import evaluation as ev  # its defaults shape the options
+from ..measure import evaluation as ev  # its defaults shape the options
 from .. import options as o
 from ..errors import UserError, one_line, strict_user_errors, user_input
-from ..plotting import check_plot_path
+from ..measure.plotting import check_plot_path
 from .common import loading
 
 
@@ -119,12 +119,12 @@ def eval_command(
         ev.build_rows(names, ev.parse_budgets(budget, tokens), tokens, recalls=recalls, heavy_ratio=heavy_ratio,
                       sinks=sinks, decay=decay)  # bad syntax, knobs or recall settings fail before the model loads
     from .. import threads
-    from ..generation import max_positions
-    from ..models import load
-    from ..prompting import read_text_file
+    from ..engine.generation import max_positions
+    from ..loading.models import load
+    from ..chat.prompting import read_text_file
 
     content = read_text_file(text)
-    from ..ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype)
@@ -192,7 +192,7 @@ def eval_command(
     over = f"{count} tokens of {Path(text).name}" + (f", mean of {windows} windows" if windows > 1 else "")
     plot_failed = None
     if plot is not None:
-        from ..plotting import perplexity_plot
+        from ..measure.plotting import perplexity_plot
 
         try:
             perplexity_plot(summary, plot, title=f"{loaded.name} on {over}")
@@ -219,7 +219,7 @@ def eval_command(
 
 
 def _table(summary: list[dict], budgets: list[int], field: str, title: str, show_bytes: bool = False) -> Table:
-    from ..split import format_bytes
+    from ..chat.split import format_bytes
 
     table = Table(title=title, title_justify="left")
     table.add_column("policy")

@@ -13,7 +13,7 @@ import typer
 from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
-from ..prompting import read_prompt
+from ..chat.prompting import read_prompt
 from .common import RepeatLastN, loading
 
 # the model, generation and report modules are imported when the command runs (--help stays fast)
@@ -52,14 +52,15 @@ def generate(
     sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
     with user_input():
         sampling.validate()
-    from .. import models, threads
-    from ..chat_settings import check_fits
-    from ..replies import stop_token_ids
-    from ..detokenize import TextStream
-    from ..generation import Timing, stop_check_interval, stream
-    from ..prompting import encode
-    from ..report import evictions, run_record
-    from ..ui import make_console
+    from ..loading import models
+    from .. import threads
+    from ..chat.settings import check_fits
+    from ..chat.replies import stop_token_ids
+    from ..engine.detokenize import TextStream
+    from ..engine.generation import Timing, stop_check_interval, stream
+    from ..chat.prompting import encode
+    from ..chat.report import evictions, run_record
+    from ..console import make_console
 
     with loading(make_console(stderr=True), model):
         loaded = models.load(model, device, dtype, device_map, random_weights=random_weights,
@@ -74,7 +75,7 @@ def generate(
     # the same rule as run and story --stop-at-eos
     stops = frozenset() if ignore_eos else stop_token_ids(tokenizer, loaded.model)
     interrupted = False
-    from ..prompt_progress import PromptProgress
+    from ..chat.prompt_progress import PromptProgress
 
     reading = PromptProgress(make_console(stderr=True), cache, input_ids.shape[1])
     try:

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from .. import history as store
+from ..chat import history as store
 from .. import options as o
 from ..errors import strict_user_errors
 from ..console import make_console

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from .. import options as o
 from ..errors import user_errors
-from ..model_sources import ALIASES, DEFAULT_MODEL, bundled_smollm2_gguf, shipped_config_path
-from ..ui import make_console
+from ..loading.sources import ALIASES, DEFAULT_MODEL, bundled_smollm2_gguf, shipped_config_path
+from ..console import make_console
 
 
 def local_copy(alias: str) -> str | None:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import evaluation as ev
-from .. import passkey as pk
-from .. import passkey_chat as chat
-from .. import passkey_probes as probes
+from ..measure import evaluation as ev
+from ..measure import passkey as pk
+from ..measure.passkey_rows import build_rows, parse_numbers, table_rows
+from ..measure import passkey_chat as chat
+from ..measure import passkey_probes as probes
 from .. import threads
 from ..errors import UserError, one_line, user_input
-from ..generation import max_positions
-from ..models import load
-from ..prompting import read_text_file
+from ..engine.generation import max_positions
+from ..loading.models import load
+from ..chat.prompting import read_text_file
 from ..console import print_table
 from .common import loading
 
@@ -32,13 +33,13 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
                              f"got {chat_turns} turns and --facts {facts}")
         names = ev.parse_policies(policies)
         specs = probes.parse_lengths(lengths)
-        depth_list = [0.0] if chat_turns else pk.parse_numbers(depths, float, "--depths")
+        depth_list = [0.0] if chat_turns else parse_numbers(depths, float, "--depths")
         budgets = probes.budgets_for(budget, specs, ev.parse_budgets)
         plan = probes.LengthPlan(specs, budgets)
         length_list = plan.lengths()
-        rows = pk.build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
+        rows = build_rows(names, budgets, recalls, kv_dtypes=kv_dtypes)  # bad settings fail before loading
     content = read_text_file(text)
-    from ..ui import make_console  # reads no markup: a label such as h2o [int8] prints as it is
+    from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
         loaded = load(model, device, dtype)
@@ -82,7 +83,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
             report["question"] = "token by token on the recall rows"
     plot_failed = None
     if plot is not None:
-        from ..plotting import passkey_plot
+        from ..measure.plotting import passkey_plot
 
         try:
             passkey_plot(summary, plot, title=f"pass key, {loaded.name}, filler {Path(text).name}")
@@ -92,7 +93,7 @@ def passkey_task(*, text: Path, model: str, device: str, dtype: str, budget: str
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        titles, cells = pk.table_rows(summary, (lambda length, _: f"{plan.length_title(length)} over {chat_turns} turns") if chat_turns else plan.title)
+        titles, cells = table_rows(summary, (lambda length, _: f"{plan.length_title(length)} over {chat_turns} turns") if chat_turns else plan.title)
         titles, cells = probes.with_misses(titles, cells, probes.miss_counts(results))
         what = f"a {chat_turns}-turn chat, the key in turn 1" if chat_turns else "the key planted in the filler"
         print_table(f"Pass key recalled / trials ({loaded.name}, filler {Path(text).name}, {what})", titles, cells)

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 
-from .. import evaluation as ev
-from .. import passkey as pk
-from .. import score_table
+from ..measure import evaluation as ev
+from ..measure import passkey_rows as pk
+from ..measure import score_table
 from ..console import make_console, print_table
 from ..errors import UserError, one_line, user_input
-from ..eval_log import EvalLog, Eta, fingerprint
+from ..measure.eval_log import EvalLog, Eta, fingerprint
 from .common import loading
 
 
@@ -46,10 +46,10 @@ def rows_for(names, budget: str, tokens: int, recalls, kv_dtypes) -> list[tuple[
 def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, policies: str, lengths: str,
                 ruler_tasks: str, turns: str, samples: int, recalls: list, kv_dtypes: tuple, output: Path | None,
                 seed: int, as_json: bool, plot: Path | None) -> None:
-    from .. import chat_memory as cm
-    from .. import ruler
-    from ..generation import max_positions
-    from ..models import load
+    from ..measure import chat_memory as cm
+    from ..measure import ruler
+    from ..engine.generation import max_positions
+    from ..loading.models import load
 
     with user_input():  # the options as typed, before the model loads
         if samples < 1:
@@ -131,7 +131,7 @@ def sample_task(*, task: str, model: str, device: str, dtype: str, budget: str, 
 def _conversation_tokens(tokenizer, sample) -> int:
     """Tokens a chat-memory conversation reaches, about (its messages, replies and template marks):
     what budget shares are of."""
-    from .. import chat_memory as cm
+    from ..measure import chat_memory as cm
 
     messages = [f.message for f in sample.facts] + list(sample.fillers) + [f.question for f in sample.facts]
     text = len(tokenizer(" ".join(messages), add_special_tokens=False)["input_ids"])

@@ -11,6 +11,7 @@ import typer
 
 from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
+from ..chat.settings import check_recall
 from ..errors import UserError, strict_user_errors
 from .common import RepeatLastN, loading
 
@@ -26,7 +27,7 @@ def given(ctx: typer.Context, name: str) -> bool:
 def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> ChatSettings:
     """The stored conversation's settings, with the options given on this command line on top (every
     setting is a run() option of the same name: tests/test_settings_fields.py holds them to it)."""
-    from ..chat_settings import SETTINGS, ChatSettings
+    from ..chat.settings import SETTINGS, ChatSettings
 
     settings = ChatSettings.from_json(stored)
     for name, setting in SETTINGS.items():
@@ -36,7 +37,7 @@ def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> C
     if given(ctx, "seed"):  # the cache's seed follows the sampling's
         settings = replace(settings, cache=replace(settings.cache, seed=typed.cache.seed))
     settings.validate()
-    o.check_recall(settings.cache)
+    check_recall(settings.cache)
     return settings
 
 
@@ -76,12 +77,12 @@ def run(
     """Chat with a model through the H2O cache. /help inside lists the commands."""
     import h2ochat_prompts
 
-    from .. import history
-    from ..chat import Conversation
-    from ..chat_settings import ChatSettings
-    from ..models import load
-    from ..repl import PromptReader, Repl, StreamReader, history_path
-    from ..ui import make_console
+    from ..chat import history
+    from ..chat.conversation import Conversation
+    from ..chat.settings import ChatSettings
+    from ..loading.models import load
+    from ..chat.repl import PromptReader, Repl, StreamReader, history_path
+    from ..console import make_console
 
     if no_history and (resume_last or conversation_id is not None):
         raise UserError(f"--no-history starts a conversation that is not kept; {'--continue' if resume_last else '--conversation'} "
@@ -90,7 +91,7 @@ def run(
     # before the model loads
     # (``settings``, the cache's, is checked already; the chat's are read from the same options)
     settings = ChatSettings.from_options({**ctx.params, "system": h2ochat_prompts.system_prompt(system) if system else None})
-    o.check_recall(settings.cache)
+    check_recall(settings.cache)
     log, messages = None, []
     if resume_last or conversation_id is not None:
         if resume_last and conversation_id is not None:
@@ -116,7 +117,7 @@ def run(
     if interactive:
         from rich.text import Text
 
-        from ..split import describe_slots, planned_split
+        from ..chat.split import describe_slots, planned_split
 
         console.print(Text.assemble(("h2ochat", "bold"), f" · {loaded.name} · {settings.cache.policy} cache of "
                                     f"{describe_slots(planned_split(conversation.cache))} of a "

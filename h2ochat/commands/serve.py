@@ -10,7 +10,7 @@ from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..sizes import parse_size
 from ..errors import UserError, strict_user_errors
-from ..model_sources import resolve
+from ..loading.sources import resolve
 from .common import RepeatLastN
 
 SERVER = "Server"

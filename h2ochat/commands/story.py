@@ -19,16 +19,14 @@ the time the device took, not the time the host took to queue the work.
 
 from __future__ import annotations
 
-import errno
 import json
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import replace
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Optional
 
-import torch
 import typer
 from rich.console import Group
 from rich.text import Text
@@ -37,188 +35,26 @@ import h2ochat_prompts
 
 from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
-from ..chat_settings import check_fits
-from ..replies import stop_token_ids
-from ..detokenize import TextStream
+from ..chat.settings import check_fits
+from ..chat.replies import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError, one_line, strict_user_errors, user_input
-from ..generation import Sampling, Timing, inference_steps, prefill, stop_check_interval, stream
-from ..models import load
-from ..prompting import encode
-from ..report import cache_record, cache_stats_record, evicted_share, part_shares, peak_memory_bytes
-from ..textstats import batch_summary, repetition
-from ..split import cache_split, describe_memory, describe_slots, kv_memory, layer_splits
-from ..ui import ReplyPrinter, StatusLine, TokenProgress, format_duration, make_console, percent
+from ..engine.generation import Timing, inference_steps, stop_check_interval, stream
+from ..loading.models import load
+from ..chat.prompting import encode
+from ..measure.textstats import repetition
+from ..chat.ui import ReplyPrinter, TokenProgress
+from ..chat.status import StatusLine
+from ..console import make_console
 from .common import RepeatLastN, loading
+from .story_files import appending, check_writable, output_paths, read_story
+from .story_report import story_record, summary_line
+from .story_rows import Row, read_in_bursts, read_long_text
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
 # SmolLM2-135M, 2000 tokens, budget 256, temperature 0.7.
 STORY_REPETITION_PENALTY = 1.1
 STORY_REPEAT_LAST_N = 64
 TAIL_SHOWN = 400  # characters of a continued story shown on a terminal before the new text
-
-
-def tell(model, tokenizer, cache, input_ids, *, tokens: int, sampling: Sampling, stop_ids=frozenset(),
-         prefill_chunk: int = 512, timing: Timing | None = None) -> Iterator[str]:
-    """Text pieces of a continuation of ``input_ids`` [1, T], ``tokens`` long unless a stop id comes."""
-    pieces = TextStream(tokenizer, context=input_ids[0].tolist())
-    steps = stream(model, cache, input_ids, max_new_tokens=tokens, sampling=sampling, stop_ids=stop_ids,
-                   prefill_chunk=prefill_chunk, timing=timing)
-    for step in inference_steps(steps):
-        yield pieces.push(step.tokens[0])
-
-
-def read_in_bursts(steps, every: int) -> Iterator[list[list[int]]]:
-    """The tokens of ``every`` steps at a time, read back from the device in one go: a list per step
-    of the token of each row. The steps are queued on the device without waiting for each other."""
-    held = []
-    for step in steps:
-        held.append(step.tokens)
-        if len(held) == every:
-            yield torch.stack(held).tolist()
-            held.clear()
-    if held:
-        yield torch.stack(held).tolist()
-
-
-def output_paths(out: Path, count: int) -> list[Path]:
-    """``story.txt`` for one story; ``story-1.txt`` ... ``story-N.txt`` for N."""
-    if count == 1:
-        return [out]
-    return [out.with_name(f"{out.stem}-{k}{out.suffix}") for k in range(1, count + 1)]
-
-
-def check_writable(path: Path) -> None:
-    """Refuse an output path that cannot be written before the model loads (minutes, on a big one)."""
-    if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
-    parent = path.parent
-    if not parent.is_dir():
-        raise FileNotFoundError(errno.ENOENT, "no such directory", str(parent))
-    # open it for appending, as writing will: permission bits alone say yes to root on /sys or /proc,
-    # or on a read-only mount (an existing file is not changed; a new one is removed again)
-    existed = path.exists()
-    try:
-        with path.open("ab"):
-            pass
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
-    if not existed:
-        path.unlink(missing_ok=True)
-
-
-def read_story(path: Path) -> str:
-    """The text of a story to continue, exactly as it is in the file."""
-    if not path.is_file():
-        raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text") from None
-
-
-@contextmanager
-def appending(path: Path):
-    """The story file open for appending (never truncated, never rewritten), under an exclusive lock
-    on the file itself, so two `story --continue` runs cannot interleave their text. Yields the
-    binary file."""
-    with path.open("ab") as file:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover  (Windows: no advisory locks; appending still cuts nothing)
-            yield file
-            return
-        try:
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{path} is being written by another h2ochat story; try again when it is done") from None
-        try:
-            yield file
-        finally:
-            file.flush()
-            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
-
-
-class Row:
-    """One story of the batch: its text stream, its file, its tokens."""
-
-    def __init__(self, tokenizer, path: Path | None, keep_text: bool, context: list[int]):
-        self.pieces = TextStream(tokenizer, context=context)
-        self.path, self.file = path, None
-        self.write_error: OSError | None = None  # the file stopped taking text (a full disk): see _write
-        self.tokens: list[int] = []
-        self.done = False
-        self.text_parts: list[str] | None = [] if keep_text else None
-        # the file already ends in whitespace: the continuation's own leading whitespace is dropped
-        # (the model read the text without the trailing whitespace, and picks up after the last word)
-        self.trim_leading = False
-
-    def open(self, opening: str) -> None:
-        """A new story's file, the opening first."""
-        if self.path is not None:
-            self.file = self.path.open("w", encoding="utf-8")
-            self._write(opening)
-
-    def append_to(self, file, existing: str) -> None:
-        """--continue: write after the story's last byte, into ``file`` (see ``appending``)."""
-        self.file = file
-        self.trim_leading = existing != existing.rstrip()
-
-    def add(self, piece: str) -> str:
-        """Take a piece of the continuation; returns the text it adds to the story."""
-        if self.trim_leading and piece:
-            piece = piece.lstrip()
-            self.trim_leading = not piece
-        if self.text_parts is not None:
-            self.text_parts.append(piece)
-        if self.file is not None and piece:
-            self._write(piece.encode("utf-8") if "b" in self.file.mode else piece)
-        return piece
-
-    def _write(self, data) -> None:
-        """Write and flush; a file that fails (no space left, a device gone) is given up, not the run:
-        the story goes on to standard output and the error is told once at the end."""
-        try:
-            self.file.write(data)
-            self.file.flush()
-        except OSError as exc:
-            self.write_error = exc
-            self._give_up_file()
-
-    def _give_up_file(self) -> None:
-        try:
-            if "b" not in self.file.mode:
-                self.file.close()  # it tries to flush what it could not write, and fails again
-        except OSError:
-            pass
-        self.file = None
-
-    def close(self) -> None:
-        """The file ends where the story does: no line break of the tool's own, which a later
-        ``--continue`` would have to follow in mid-sentence (a file's bytes are never rewritten)."""
-        if self.file is not None:
-            try:
-                self.file.flush()
-                if "b" not in self.file.mode:  # a file of ours; an appended story's file belongs to `appending`
-                    self.file.close()
-            except OSError as exc:
-                self.write_error = exc
-                self._give_up_file()
-            self.file = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts or [])
-
-
-def read_long_text(model, cache, input_ids: torch.Tensor, keep: int, chunk: int, on_progress) -> torch.Tensor:
-    """Feed all but the last ``keep`` tokens through the cache chunk by chunk (reporting progress);
-    returns the tail, which ``stream`` reads (it seeds the repetition window with it)."""
-    head = input_ids.shape[1] - keep
-    with torch.inference_mode():  # positions may be re-numbered between chunks, in place
-        for start in range(0, max(head, 0), chunk):
-            prefill(model, cache, input_ids[:, start : min(start + chunk, head)], chunk=chunk)
-            on_progress(min(start + chunk, head))
-    return input_ids[:, max(head, 0) :]
 
 
 @strict_user_errors
@@ -361,7 +197,7 @@ def story(
                                 if row.done:
                                     continue
                                 if token in stops:
-                                    row.done = True
+                                    row.stop()
                                     continue
                                 row.tokens.append(token)
                                 piece = row.add(row.pieces.push(token))
@@ -420,61 +256,6 @@ class _Quiet:
 
     def tick(self) -> None:
         pass
-
-
-def summary_line(cache, rows: list[Row], checks, read_tokens: int, read_s: float, gen_s: float, rate: float,
-                 continued: bool, interrupted: bool) -> str:
-    count = len(rows)
-    written = sum(len(row.tokens) for row in rows)
-    parts = []
-    if continued:
-        parts.append(f"read {read_tokens} tokens in {format_duration(read_s)}")
-    what = f"{written} tokens" if count == 1 else f"{count} stories, {written} tokens"
-    parts.append(f"{what} in {format_duration(gen_s)} at {rate:.1f} tok/s" + (" (all stories together)" if count > 1 else ""))
-    splits = layer_splits(cache)
-    parts.append(f"{describe_slots(cache_split(cache, splits), ' per layer and KV head')}: "
-                 f"{describe_memory(kv_memory(cache, splits))}")
-    parts.append(f"{cache.longest_row_tokens()} tokens seen · positions re-numbered {cache.compactions}×")
-    share = evicted_share(cache)
-    if share is not None:
-        parts.append(f"evicted tokens held {percent(share)} of the attention when dropped")
-    if count == 1:
-        parts.append(checks[0].summary())
-    else:
-        parts.append(batch_summary(checks))
-    files = [str(row.path) for row in rows if row.path is not None]
-    if files:
-        parts.append(("appended to " if continued else "written to ") + (files[0] if count == 1 else f"{files[0]} … {files[-1]}"))
-    if interrupted:
-        parts.append("interrupted")
-    return " · ".join(parts)
-
-
-def story_record(loaded, cache, budget: str, rows: list[Row], checks, timing: Timing, read_tokens: int,
-                 read_s: float, gen_s: float, rate: float, interrupted: bool) -> dict:
-    def parts(row: Row) -> list[tuple[str, int, int]]:
-        return [("opening", 0, read_tokens), ("story", read_tokens, read_tokens + len(row.tokens))]
-
-    return {
-        "model": loaded.name,
-        "budget": budget,
-        **cache_record(cache),
-        "prompt_tokens": read_tokens,
-        "read_s": round(read_s, 3),
-        "generated_tokens": sum(len(row.tokens) for row in rows),
-        "generate_s": round(gen_s, 3),
-        "decode_tokens_per_s": round(rate, 2),
-        "tokens_seen": cache.longest_row_tokens(),
-        "peak_memory_bytes": peak_memory_bytes(loaded.device),
-        "device": str(loaded.device),
-        "dtype": str(loaded.dtype).removeprefix("torch."),
-        "interrupted": interrupted,
-        "cache_stats": cache_stats_record(cache, parts(rows[0])),  # parts: the first story's
-        "stories": [{"file": str(row.path) if row.path else None, "text": row.text if row.text_parts is not None else None,
-                     "generated_tokens": len(row.tokens), "repetition": check.to_json(),
-                     "held": part_shares(cache, parts(row), index)}
-                    for index, (row, check) in enumerate(zip(rows, checks))],
-    }
 
 
 def register(app: typer.Typer) -> None:

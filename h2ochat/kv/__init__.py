@@ -3,10 +3,9 @@ made of slots in a format (``slot_format``), its rows' policy parameters (``rows
 its eviction (``eviction``) and a tier (``tier``: none, or ``h2ochat.recall``'s) reached through a
 port (``tier_port``); step numbering and re-numbering (``numbering``, ``positions``); the host
 counters, one object a cache shares with its views (``host_counters``); one factory from the
-command's settings (``h2ochat.generation.CacheSettings.build``)."""
+command's settings stands above kv and recall (``h2ochat.cache_factory``)."""
 
 from .cache import H2OCache
-from .factory import make_cache, make_mixed_cache, policy_slots
 from .accounting import LayerStats
 from .layer import AttentionMismatchError, H2OLayer, last_update
 from .host_counters import HostCounters, SavedHostCounters
@@ -15,7 +14,7 @@ from .rows import CacheShapeError, RowParameters, RowPolicies, RowSpec, RowState
 from .tier import NO_TIER, NoTier, Tier, TierSpec
 
 __all__ = [
-    "H2OCache", "make_cache", "make_mixed_cache", "policy_slots", "H2OLayer", "LayerStats", "AttentionMismatchError", "last_update", "HostCounters",
+    "H2OCache", "H2OLayer", "LayerStats", "AttentionMismatchError", "last_update", "HostCounters",
     "SavedHostCounters",
     "PositionLimitError", "Renumbering", "StepNumbers", "CacheShapeError", "RowParameters", "RowPolicies",
     "RowSpec", "RowState", "NO_TIER", "NoTier", "Tier", "TierSpec",

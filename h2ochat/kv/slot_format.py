@@ -23,8 +23,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+from h2ochat_kernels.rotation import spreading_rotation
 
-from ..recall.selectors import spreading_rotation
 from ..rotary import rotate_keys
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int8", "int4")

@@ -41,9 +41,10 @@ from __future__ import annotations
 import torch
 
 import h2ochat_kernels as kernels
+from h2ochat_kernels.rotation import spreading_rotation
 
 from .layout import Writes, best_pages, growable, held_pages, tensor_bytes, widened
-from .selectors import packed_quantize, score_pages, spreading_rotation
+from .selectors import packed_quantize, score_pages
 
 
 class KeyCodes:

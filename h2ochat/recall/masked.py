@@ -32,7 +32,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..forward_step import cache_argument
+from ..model_shape import cache_argument
 from ..policies import Policy, get_policy, keep_priority
 from ..rotary import rotate_keys
 from .selectors import Selector, exact_score, get_selector, top_pages

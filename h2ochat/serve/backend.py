@@ -18,7 +18,7 @@ import torch
 
 from ..kv import H2OCache
 from ..kv.tier import pages_recalled
-from ..generation import CacheSettings, max_positions
+from ..engine.generation import CacheSettings, max_positions
 from .parked import ParkedStore
 from .rows import RowPool
 from .runner import ModelRunner

@@ -3,8 +3,8 @@ way the chat REPL does, and held against the server's limits (errors in the Open
 
 from __future__ import annotations
 
-from ..generation import Sampling
-from ..prompting import has_chat_template
+from ..engine.generation import Sampling
+from ..chat.prompting import has_chat_template
 from .api import RequestParams
 from .errors import context_length_exceeded, invalid
 from .parked import ParkedStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generation import forward, prefill
+from ..engine.generation import forward, prefill
 from ..kv import H2OCache
 
 
@@ -16,7 +16,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.decode_step = None
         if compile:
-            from ..compiled import CompiledDecode
+            from ..engine.compiled import CompiledDecode
 
             self.decode_step = CompiledDecode(model, backend=compile_backend)
 

@@ -24,8 +24,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ..generation import Sampling, sample, token_probs
-from ..repetition import RecentTokens
+from ..engine.generation import Sampling, sample, token_probs
+from ..engine.repetition import RecentTokens
 
 
 class SampledRow(Protocol):

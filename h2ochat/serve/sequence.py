@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from ..detokenize import CONTEXT_IDS, TextStream
-from ..generation import Sampling
-from ..repetition import RecentTokens
+from ..engine.detokenize import CONTEXT_IDS, TextStream
+from ..engine.generation import Sampling
+from ..engine.repetition import RecentTokens
 from .api import RequestParams
 
 _ids = itertools.count(1)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import uvicorn
 
-from ..chat import stop_token_ids
+from ..chat.conversation import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError
-from ..generation import CacheSettings, max_positions
-from ..models import available_memory, load, random_source, shipped_config, shipped_config_path
-from ..ui import format_bytes
+from ..engine.generation import CacheSettings, max_positions
+from ..loading.models import available_memory, load, random_source, shipped_config, shipped_config_path
+from ..chat.split import format_bytes
 from .app import build_app
 from .backend import ModelBackend
 from .engine import Engine, Loaded
@@ -88,8 +88,8 @@ def row_bytes_before_loading(config: ServeConfig) -> int | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .. import attention
-    from ..models import pick_device, pick_dtype
+    from ..engine import attention
+    from ..loading.models import pick_device, pick_dtype
 
     model_config = _config_before_loading(config)
     if model_config is None:

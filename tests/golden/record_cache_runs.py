@@ -227,7 +227,10 @@ def run_case(case: Case, feed: torch.Tensor | None = None, watch_ties: bool = Fa
     the prefill and after the run, and with ``watch_ties`` the near-ties met (eager cases only)."""
     from conftest import build_model
 
-    from h2ochat import compiled, generation
+    try:
+        from h2ochat.engine import compiled, generation
+    except ImportError:  # a tree from before issue 33's layout (the commit the goldens were recorded at)
+        from h2ochat import compiled, generation
 
     torch.manual_seed(0)
     model = build_model(case.family, seed=case.seed, max_position_embeddings=case.max_positions)

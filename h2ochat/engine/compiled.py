@@ -1,0 +1,115 @@
+"""The decode step compiled with ``torch.compile``: one token per row through the model and its cache.
+
+``CompiledDecode(model)(cache, tokens)`` is ``forward_step.EagerDecode(model)(cache, tokens)`` (the same
+logits)
+as one compiled graph (inductor; on CUDA ``mode="reduce-overhead"``, i.e. CUDA graphs). Prefill
+stays eager: its chunks change shape, and it runs once per prompt.
+
+What keeps the graph to one per (model, batch, slots), traced once, without a graph break
+(``fullgraph=True``) and without a recompile per step:
+
+- static shapes: the cache is switched to ``static_shapes`` (every step attends over all C slots,
+  empty ones masked by their token index, and evicts one slot per (sequence, KV head) in place), so
+  a growing cache and a full one run the same graph;
+- nothing that changes per step is a Python value inside the graph: the step's token indices and
+  position ids are handed out before it (``cache.position_ids``, eager, where the cache's host
+  counter decides on a re-numbering) and come in as tensors, and so does the step's row mask
+  (``active``: rows that write nothing; always a tensor for a cache that takes one, all True when
+  the caller gives none, so a step with and one without a mask are the same graph), and the step runs inside
+  ``with cache.compiled_decode():``, which leaves the layers' host counters (slots in use, columns
+  fed) to its exit and answers transformers' size queries with a constant (the h2o mask function
+  and our position ids ignore them);
+- no host read inside the step (no ``.item()``, no branch on a tensor's value).
+
+In place: the eviction writes the new token with ``index_put_`` (``H2OLayer._overwrite_lowest``),
+which inductor keeps in place, and inductor's ``reorder_for_locality`` pass is off: it would move
+the attention's read of the value slots after that write, forcing a copy of the whole K/V buffer
+out and back every step.
+
+Caches the step does not cover run the eager forward instead (``H2OCache.compile_blocker`` says
+why): the ``full`` policy (its slots grow), ``random`` (a seeded generator draws on the host), a batch
+mixing row policies (eval), and the bench's slots-only ring before it is full.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv import H2OCache
+from .forward_step import EagerDecode, require_h2o_attention
+from ..model_shape import cache_argument
+
+# one compiled graph per (model class, batch, slots, dtype, device, variant): a bench over several
+# contexts and batches needs more than dynamo's default of 8 per function
+RECOMPILE_LIMIT = 64
+BACKEND = "inductor"  # tests use "aot_eager": the same capture (fullgraph, guards, functionalised mutations), no codegen
+
+
+def unsupported(cache: H2OCache) -> str | None:
+    """Why ``cache`` cannot take the compiled step, or None when it can."""
+    return cache.compile_blocker()
+
+
+def _decode(model, cache, argument: str, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                h2o_cache=cache, **{argument: cache})
+    return out.logits[:, -1]
+
+
+class CompiledDecode:
+    """A compiled decode step for ``model``; call it with a cache and the tokens to feed [B] or [B, 1].
+
+    Compiled graphs live with the function (dynamo's cache), not with this object: a new
+    ``CompiledDecode`` for the same model and shapes (a new turn, a new cache) reuses them.
+    """
+
+    def __init__(self, model, *, mode: str | None = "auto", backend: str | None = None):
+        require_h2o_attention(model)
+        self.model = model
+        self.eager = EagerDecode(model)
+        self.device = next(model.parameters()).device
+        backend = backend or BACKEND
+        if mode == "auto":
+            mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
+        self.mode, self.backend = mode, backend
+        self.argument = cache_argument(model)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        options = None
+        if backend == "inductor":
+            # inductor's locality pass moves the attention's read of the value slots after the
+            # eviction's write to them, which then cannot stay in place: the whole buffer would be
+            # copied out and back every step (mode= and options= exclude each other: the mode's options)
+            from torch._inductor import list_mode_options
+
+            options = {**list_mode_options(mode or "default"), "reorder_for_locality": False}
+            mode = None
+        self.step = torch.compile(_decode, fullgraph=True, dynamic=False, backend=backend, mode=mode,
+                                  options=options)
+
+    def prepare(self, cache: H2OCache) -> bool:
+        """Switch ``cache`` to static shapes for the compiled step; False when it cannot take it."""
+        if unsupported(cache) is not None:
+            return False
+        cache.use_static_shapes()
+        if self.mode == "reduce-overhead":  # CUDA graphs replay fixed addresses
+            cache.mark_static_addresses()
+        return True
+
+    def __call__(self, cache: H2OCache, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token per row (``tokens`` [B] or [B, 1]); returns the next-token logits [B, V].
+        ``active`` [B] bool: the rows that are False write nothing (see ``H2OCache.position_ids``)."""
+        input_ids = tokens.view(-1, 1)
+        if not cache.initialized or not self.prepare(cache):
+            return self.eager(cache, input_ids, active)
+        batch = input_ids.shape[0]
+        if active is None and cache.masks_inactive_rows:  # one graph whether a mask is given or not
+            active = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        # may re-number the cache first (compact positions): eager, and reads no device value
+        position_ids = cache.position_ids(batch, 1, active=active)
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with cache.compiled_decode(), torch.inference_mode():
+            logits = self.step(self.model, cache, self.argument, input_ids, position_ids)
+        # a CUDA graph's output buffer is overwritten by its next replay
+        return logits.clone() if self.mode == "reduce-overhead" else logits
