@@ -90,12 +90,12 @@ LIBRARY_ATTRIBUTES = {
     ("loading/models.py", "eos_token_id"), ("loading/models.py", "pad_token"),  # transformers generation config, tokenizer
     ("loading/gguf_conversion.py", "hf_quantizer"), ("loading/gguf_conversion.py", "quantization_config"),  # transformers model
     ("serve/server.py", "should_exit"),  # uvicorn.Server
-    ("bench_context.py", "setattr"),  # a transformers DynamicLayer's keys and values (the baseline's context)
+    ("measure/bench_context.py", "setattr"),  # a transformers DynamicLayer's keys and values (the baseline's context)
 }
 # Writes into another module's objects found when the test learnt to see setattr, tensor writes and
 # container mutation (issue 33, item 8), in modules other branches own; each is to be fixed there.
 KNOWN_WRITES = {
-    ("chat_settings.py", "setattr"), ("commands/run.py", "setattr"),  # settings copied field by field (item 6)
+    ("chat/settings.py", "setattr"), ("commands/run.py", "setattr"),  # settings copied field by field (item 6)
     ("serve/backend.py", "clear"),  # a prefill job's cache emptied by the runner (item 5: behind a cache method)
 }
 # methods that change a container in place (a tensor's in-place methods end in ``_``)

@@ -199,8 +199,7 @@ def story(
                                 if token in stops:
                                     row.stop()
                                     continue
-                                row.tokens.append(token)
-                                piece = row.add(row.pieces.push(token))
+                                piece = row.take(token)
                                 if streaming:
                                     shown.write(piece)
                         progress.update(sum(len(row.tokens) for row in rows))

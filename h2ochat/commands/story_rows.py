@@ -66,6 +66,11 @@ class Row:
         self.file = file
         self.trim_leading = existing != existing.rstrip()
 
+    def take(self, token: int) -> str:
+        """Take the next token of the continuation; returns the text it adds to the story."""
+        self.tokens.append(token)
+        return self.add(self.pieces.push(token))
+
     def add(self, piece: str) -> str:
         """Take a piece of the continuation; returns the text it adds to the story."""
         if self.trim_leading and piece:
