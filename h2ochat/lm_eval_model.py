@@ -19,7 +19,9 @@ by name from the model arguments; the hub's loader cannot read an alias or a GGU
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import shutil
 import sys
 import tempfile
 from functools import lru_cache
@@ -34,7 +36,7 @@ from .errors import LEGACY_USER_ERRORS, UserError, one_line
 from .evaluation import token_nll
 from .forward_step import forward
 from .generation import max_positions, prefill, sample
-from .models import load
+from .models import load, pick_device
 from .ruler import decode_through_cache
 
 NAME = "h2ochat"
@@ -56,9 +58,32 @@ def _typed(name: str, value):
         raise UserError(f"--model_args {name}={value}: expected {'an integer' if kind.startswith('int') else 'a number'}") from None
 
 
+def _loaded(pretrained: str, device: str | None, dtype: str):
+    """One load per model in a process: ``main`` loads it to save its tokenizer, the LM reuses it.
+    lm-eval's --device defaults to cuda:0: on a machine without one, the device h2ochat picks."""
+    if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+        device = "auto"
+    return _load_once(str(pretrained), pick_device(str(device or "auto")), str(dtype))
+
+
+def settings_from(cache_args: dict) -> CacheSettings:
+    """The ``CacheSettings`` of the model arguments that are its fields; a stranger or a bad value is a UserError."""
+    unknown = sorted(set(cache_args) - set(SETTINGS_FIELDS))
+    if unknown:
+        raise UserError(f"unknown --model_args {', '.join(unknown)}: h2ochat takes "
+                        f"{', '.join(OWN_ARGS[:4] + tuple(SETTINGS_FIELDS))}")
+    try:
+        settings = CacheSettings(**{name: _typed(name, value) for name, value in cache_args.items()})
+        settings.validate()
+    except UserError:
+        raise
+    except ValueError as exc:
+        raise UserError(f"--model_args: {one_line(exc)}") from None
+    return settings
+
+
 @lru_cache(maxsize=2)
-def _loaded(pretrained: str, device: str, dtype: str):
-    """One load per model in a process: ``main`` loads it to save its tokenizer, the LM reuses it."""
+def _load_once(pretrained: str, device: str, dtype: str):
     return load(pretrained, device, dtype)
 
 
@@ -70,22 +95,11 @@ class H2OChatLM(TemplateLM):
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tokenizer: str | None = None, batch_size=1,
                  max_batch_size=None, **cache_args):
         super().__init__()
-        unknown = sorted(set(cache_args) - set(SETTINGS_FIELDS))
-        if unknown:
-            raise UserError(f"unknown --model_args {', '.join(unknown)}: h2ochat takes "
-                            f"{', '.join(OWN_ARGS[:4] + tuple(SETTINGS_FIELDS))}")
-        try:
-            self.settings = CacheSettings(**{name: _typed(name, value) for name, value in cache_args.items()})
-            self.settings.validate()
-        except UserError:
-            raise
-        except ValueError as exc:
-            raise UserError(f"--model_args: {one_line(exc)}") from None
+        self.settings = settings_from(cache_args)
         if int(prefill_chunk) < 1:
             raise UserError(f"--model_args prefill_chunk must be at least 1, got {prefill_chunk}")
         self.chunk = int(prefill_chunk)
-        device = "auto" if device in (None, "cuda") and not torch.cuda.is_available() else device
-        self.loaded = _loaded(str(pretrained), str(device or "auto"), str(dtype))
+        self.loaded = _loaded(str(pretrained), device, str(dtype))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.max_length = max_positions(self.model.config)
         try:  # a budget past the window, a recall count past the budget: before the first request
@@ -195,15 +209,16 @@ class H2OChatLM(TemplateLM):
         return results
 
 
-def with_tokenizer(model_args: dict) -> dict:
+def with_tokenizer(model_args: dict, device: str | None = None) -> dict:
     """``model_args`` with ``tokenizer`` set to a folder holding the model's own tokenizer, so lm-eval's
     synthetic tasks, which load theirs by name, build their samples with it (an alias such as
     smollm2-135m or a GGUF file is no name the hub's loader can read offline)."""
     if model_args.get("tokenizer"):
         return model_args
-    loaded = _loaded(str(model_args.get("pretrained", "smollm2-135m")), str(model_args.get("device") or "auto"),
+    loaded = _loaded(str(model_args.get("pretrained", "smollm2-135m")), model_args.get("device", device),
                      str(model_args.get("dtype", "auto")))
     folder = tempfile.mkdtemp(prefix="h2ochat-tokenizer-")
+    atexit.register(shutil.rmtree, folder, True)
     loaded.tokenizer.save_pretrained(folder)
     return {**model_args, "tokenizer": folder}
 
@@ -213,23 +228,30 @@ def evaluate(tasks, model_args: dict | str = "", **kwargs) -> dict:
     from lm_eval import simple_evaluate
 
     args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args)
-    return simple_evaluate(model=NAME, model_args=with_tokenizer(args), tasks=tasks, **kwargs)
+    return simple_evaluate(model=NAME, model_args=with_tokenizer(args, kwargs.get("device")), tasks=tasks, **kwargs)
 
 
 def _argv_with_tokenizer(argv: list[str]) -> list[str]:
-    """lm-eval's command line with ``tokenizer=...`` added to an h2ochat run's ``--model_args``."""
+    """lm-eval's command line for an h2ochat run: ``tokenizer=...`` added to ``--model_args``, and a
+    ``device=`` there moved to ``--device`` (lm-eval passes its --device, cuda:0 unless given, beside
+    the model arguments: both would be one argument given twice)."""
     argv = list(argv)
     model = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--model"), None)
     if model != NAME:
         return argv
-    if "--model_args" not in argv:
-        argv += ["--model_args", ""]
+    if "--model_args" not in argv or argv.index("--model_args") + 1 == len(argv):
+        argv = [arg for arg in argv if arg != "--model_args"] + ["--model_args", ""]
     where = argv.index("--model_args") + 1
-    if where == len(argv):
-        argv.append("")
     args = simple_parse_args_string(argv[where])
+    settings_from({key: value for key, value in args.items() if key not in OWN_ARGS})  # before the model loads
+    if "device" in args:
+        device = str(args.pop("device"))
+        if "--device" not in argv:
+            argv += ["--device", device]
+    device = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--device"), None)
     if not args.get("tokenizer"):
-        argv[where] = ",".join(part for part in (argv[where], f"tokenizer={with_tokenizer(args)['tokenizer']}") if part)
+        args = with_tokenizer(args, device)
+    argv[where] = ",".join(f"{key}={value}" for key, value in args.items())
     return argv
 
 

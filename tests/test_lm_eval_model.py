@@ -32,7 +32,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def make_lm(checkpoint, **args):
-    lm_eval_model._loaded.cache_clear()  # each its own load: a test that switches attention leaves no trace
+    lm_eval_model._load_once.cache_clear()  # each its own load: a test that switches attention leaves no trace
     return lm_eval_model.H2OChatLM(pretrained=str(checkpoint), device="cpu", dtype="float32", **args)
 
 
@@ -133,7 +133,7 @@ def test_model_args_take_cache_settings_as_lm_eval_types_them(checkpoint):
 
     args = simple_parse_args_string(f"pretrained={checkpoint},device=cpu,budget=64,policy=mean,recall=0.5,"
                                     "kv_dtype=int8,page=8,heavy_ratio=0.25")
-    lm_eval_model._loaded.cache_clear()
+    lm_eval_model._load_once.cache_clear()
     lm = lm_eval_model.H2OChatLM(**args)
     settings = lm.settings
     assert (settings.budget, settings.policy, settings.recall, settings.kv_dtype, settings.page, settings.heavy_ratio) == \
@@ -155,7 +155,21 @@ def test_a_bad_model_arg_is_a_user_error(checkpoint, args, message):
 def test_a_bad_model_arg_on_the_command_line_is_one_line(tmp_path):
     folder = write_checkpoint(tmp_path / "ckpt", max_position_embeddings=256)
     result = subprocess.run([sys.executable, "-m", "h2ochat.lm_eval_model", "--model", "h2ochat", "--model_args",
-                             f"pretrained={folder},device=cpu,budgit=8", "--tasks", "niah_single_1", "--limit", "1"],
+                             f"pretrained={folder},budgit=8", "--device", "cpu", "--tasks", "niah_single_1", "--limit", "1"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: unknown --model_args budgit")
+
+
+def test_the_command_line_gets_the_models_tokenizer_and_one_device(checkpoint):
+    from lm_eval.utils import simple_parse_args_string
+    from transformers import AutoTokenizer
+
+    lm_eval_model._load_once.cache_clear()
+    argv = lm_eval_model._argv_with_tokenizer(["--model", "h2ochat", "--model_args",
+                                               f"pretrained={checkpoint},device=cpu,budget=16", "--tasks", "x"])
+    args = simple_parse_args_string(argv[argv.index("--model_args") + 1])
+    assert "device" not in args and argv[argv.index("--device") + 1] == "cpu"  # lm-eval passes its --device beside
+    tokenizer = AutoTokenizer.from_pretrained(args["tokenizer"])  # how lm-eval's RULER builders load theirs
+    assert tokenizer.encode(TEXT) == lm_eval_model._loaded(str(checkpoint), "cpu", "auto").tokenizer.encode(TEXT)
+    assert lm_eval_model._argv_with_tokenizer(["--model", "hf", "--model_args", "pretrained=x"])[-1] == "pretrained=x"
