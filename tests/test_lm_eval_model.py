@@ -173,3 +173,15 @@ def test_the_command_line_gets_the_models_tokenizer_and_one_device(checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(args["tokenizer"])  # how lm-eval's RULER builders load theirs
     assert tokenizer.encode(TEXT) == lm_eval_model._loaded(str(checkpoint), "cpu", "auto").tokenizer.encode(TEXT)
     assert lm_eval_model._argv_with_tokenizer(["--model", "hf", "--model_args", "pretrained=x"])[-1] == "pretrained=x"
+
+
+def test_evaluate_is_simple_evaluate_with_h2ochat_and_its_tokenizer(checkpoint, monkeypatch):
+    import lm_eval
+
+    seen = {}
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kwargs: seen.update(kwargs) or {"results": {}})
+    lm_eval_model._load_once.cache_clear()
+    assert lm_eval_model.evaluate(["niah_single_1"], f"pretrained={checkpoint},budget=16", device="cpu", limit=2) == \
+        {"results": {}}
+    assert seen["model"] == "h2ochat" and seen["tasks"] == ["niah_single_1"] and seen["limit"] == 2
+    assert seen["model_args"]["budget"] == 16 and seen["model_args"]["tokenizer"]
