@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 from functools import lru_cache
+from unittest import mock
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -262,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        sys.argv = [sys.argv[0], *_argv_with_tokenizer(argv)]
-        cli_evaluate()  # reads sys.argv, as the ``lm_eval`` command does
+        # lm-eval's CLI reads sys.argv (as the ``lm_eval`` command does): lend it the rewritten one
+        with mock.patch.object(sys, "argv", [sys.argv[0], *_argv_with_tokenizer(argv)]):
+            cli_evaluate()
     except LEGACY_USER_ERRORS as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
