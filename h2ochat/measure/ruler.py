@@ -130,6 +130,29 @@ def string_match_all(prediction: str, outputs: Sequence[str]) -> float:
     return float(theirs(postprocess_pred([prediction]), [list(outputs)]))
 
 
+def decode_through_cache(model, settings, ids: torch.Tensor, max_new_tokens: int, *, eos_id: int | None,
+                         chunk: int = DEFAULT_PREFILL_CHUNK, choose=None, done=None) -> tuple[list[int], bool]:
+    """Prefill ``ids`` [1, T] into a fresh cache of ``settings`` (a ``CacheSettings``; the chunked
+    prefill evicts as it goes), then decode up to ``max_new_tokens`` tokens, one cache step each, until
+    ``eos_id``. ``choose(logits [1, V]) -> [1]`` picks each token (default: greedy); ``done(tokens)``,
+    asked after each token, ends the answer early. Returns the tokens and whether ``done`` ended it.
+    The one decode loop of ``generate`` here and of the lm-eval model (``lm_eval_model``)."""
+    cache = settings.build(model, initial_slots=ids.shape[1] + max_new_tokens)
+    with torch.no_grad():
+        logits = prefill(model, cache, ids, chunk=chunk)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            token = choose(logits) if choose is not None else logits.argmax(dim=-1)
+            if int(token[0]) == eos_id:
+                break
+            out.append(int(token[0]))
+            if done is not None and done(out):
+                return out, True
+            if len(out) < max_new_tokens:
+                logits = forward(model, cache, token.view(1, 1), logits_to_keep=1)[:, -1]
+    return out, False
+
+
 def generate(model, tokenizer, settings, prompt: str, max_new_tokens: int,
              chunk: int = DEFAULT_PREFILL_CHUNK, outputs: Sequence[str] = ()) -> tuple[str, bool]:
     """Greedy answer to ``prompt`` through a fresh cache of ``settings`` (a ``CacheSettings``), and
@@ -137,20 +160,13 @@ def generate(model, tokenizer, settings, prompt: str, max_new_tokens: int,
     follows (a found string stays found in a longer answer), so the remaining tokens are not spent.
     lm-eval generates on to ``max_new_tokens``; the score is the same, the logged answer shorter."""
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
-    cache = settings.build(model, initial_slots=ids.shape[1] + max_new_tokens)
-    with torch.no_grad():
-        logits = prefill(model, cache, ids, chunk=chunk)
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            token = logits.argmax(dim=-1)
-            if int(token[0]) == tokenizer.eos_token_id:
-                break
-            out.append(int(token[0]))
-            if outputs and string_match_all(tokenizer.decode(out, skip_special_tokens=True), outputs) == 1.0:
-                return tokenizer.decode(out, skip_special_tokens=True), len(out) < max_new_tokens
-            if len(out) < max_new_tokens:
-                logits = forward(model, cache, token.view(1, 1), logits_to_keep=1)[:, -1]
-    return tokenizer.decode(out, skip_special_tokens=True), False
+
+    def found(tokens: list[int]) -> bool:
+        return string_match_all(tokenizer.decode(tokens, skip_special_tokens=True), outputs) == 1.0
+
+    out, early = decode_through_cache(model, settings, ids, max_new_tokens, eos_id=tokenizer.eos_token_id,
+                                      chunk=chunk, done=found if outputs else None)
+    return tokenizer.decode(out, skip_special_tokens=True), early and len(out) < max_new_tokens
 
 
 def run_sample(model, tokenizer, row, sample: Sample) -> dict:
