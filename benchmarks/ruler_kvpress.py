@@ -16,7 +16,7 @@ grows by the answer's tokens. h2ochat evicts during decode as well, holding its 
 up to 128 answer tokens against budgets of 128-512 that is the gap between the two. The press sees the
 whole prompt, question included (it ends the prompt), as h2ochat's chunked prefill does.
 
-The log is h2ochat's (``h2ochat.eval_log``: one JSON line per finished sample, keyed by row, task,
+The log is h2ochat's (``h2ochat.measure.eval_log``: one JSON line per finished sample, keyed by row, task,
 length, sample id and digest; a rerun skips what is there), rows named ``kvpress snapkv @ 0.125``.
 The answer stops once every expected string is in it, as the table's do (the score is then 1 whatever
 follows); it is scored by lm-eval's RULER ``string_match_all``.
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from h2ochat.eval_log import EvalLog, Eta  # noqa: E402  (stdlib only: it imports in kvpress's venv too)
+from h2ochat.measure.eval_log import EvalLog, Eta  # noqa: E402  (stdlib only: it imports in kvpress's venv too)
 
 # as benchmarks/ruler_table.sh runs `h2ochat eval --task ruler` (its --seed defaults to 0)
 TABLE = {"model": "smollm2-135m", "dtype": "float32", "length": 1024, "seed": 0}
@@ -45,11 +45,11 @@ def export(path: Path, samples: int) -> None:
     """The table's samples (h2ochat's venv): one JSON line each, with its digest as the table logs it."""
     import torch
 
-    from h2ochat import ruler
-    from h2ochat.eval_log import fingerprint
-    from h2ochat.gguf_conversion import converted_gguf_dir
-    from h2ochat.model_sources import resolve
-    from h2ochat.models import load
+    from h2ochat.measure import ruler
+    from h2ochat.measure.eval_log import fingerprint
+    from h2ochat.loading.gguf_conversion import converted_gguf_dir
+    from h2ochat.loading.sources import resolve
+    from h2ochat.loading.models import load
 
     loaded = load(TABLE["model"], "cpu", TABLE["dtype"])
     dtype = str(next(loaded.model.parameters()).dtype)

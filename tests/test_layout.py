@@ -41,7 +41,7 @@ LAYERS: list[dict[str, list[str]]] = [
 LIMIT = 400
 # Past the limit today, and being split on the branch that rewrites the cache's internals (issue 33
 # items 1-3); each may shrink, none may grow. Strike a line when its module is under the limit.
-OVER_LIMIT_TODAY = {"h2ochat/kv/layer.py": 492, "h2ochat/kv/cache.py": 462, "h2ochat/recall/tier.py": 452}
+OVER_LIMIT_TODAY: dict[str, int] = {}  # kv/layer.py, kv/cache.py and recall/tier.py were struck when issue 33 split them
 
 
 def sources() -> dict[str, Path]:

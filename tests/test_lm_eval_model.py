@@ -16,7 +16,7 @@ pytest.importorskip("lm_eval.api.model", reason="lm-eval (the eval extra) is not
 
 from checkpoints import write_checkpoint  # noqa: E402
 from conftest import FAMILIES  # noqa: E402
-from h2ochat import lm_eval_model  # noqa: E402
+from h2ochat.measure import lm_eval_model  # noqa: E402
 from h2ochat.errors import UserError  # noqa: E402
 
 TEXT = "the quick brown fox jumps over the lazy dog once upon a time there was a dragon "
@@ -154,7 +154,7 @@ def test_a_bad_model_arg_is_a_user_error(checkpoint, args, message):
 @pytest.mark.slow  # a subprocess through lm-eval's own CLI
 def test_a_bad_model_arg_on_the_command_line_is_one_line(tmp_path):
     folder = write_checkpoint(tmp_path / "ckpt", max_position_embeddings=256)
-    result = subprocess.run([sys.executable, "-m", "h2ochat.lm_eval_model", "--model", "h2ochat", "--model_args",
+    result = subprocess.run([sys.executable, "-m", "h2ochat.measure.lm_eval_model", "--model", "h2ochat", "--model_args",
                              f"pretrained={folder},budgit=8", "--device", "cpu", "--tasks", "niah_single_1", "--limit", "1"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr

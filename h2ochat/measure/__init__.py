@@ -3,5 +3,6 @@
 ``passkey_chat``), RULER and multi-turn memory (``ruler``, ``chat_memory``) with their resumable log
 and score table (``eval_log``, ``score_table``), the speed and memory benchmark (``benchmark`` over
 ``bench_context``, ``bench_measure``, ``bench_memory``, ``bench_ops``, ``bench_baseline``), the
-figures of a long text (``textstats``) and the plots (``plotting``). It stands above the chat,
+figures of a long text (``textstats``), the plots (``plotting``), and h2ochat as an lm-eval model
+(``lm_eval_model``, with the eval extra). It stands above the chat,
 whose conversation two of its tasks measure."""

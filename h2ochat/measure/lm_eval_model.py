@@ -1,6 +1,6 @@
 """h2ochat as an lm-eval model: every request of any lm-eval task runs through a fresh H2O cache.
 
-    python -m h2ochat.lm_eval_model --model h2ochat \\
+    python -m h2ochat.measure.lm_eval_model --model h2ochat \\
         --model_args pretrained=smollm2-135m,budget=256,policy=h2o,recall=0.5,kv_dtype=int8 \\
         --tasks niah_single_1 --metadata '{"max_seq_lengths":[1024]}' --limit 2
 
@@ -32,12 +32,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
-from .config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
-from .errors import LEGACY_USER_ERRORS, UserError, one_line
+from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings, Sampling
+from ..engine.forward_step import forward
+from ..engine.generation import max_positions, prefill, sample
+from ..errors import LEGACY_USER_ERRORS, UserError, one_line
+from ..loading.models import load, pick_device
 from .evaluation import token_nll
-from .forward_step import forward
-from .generation import max_positions, prefill, sample
-from .models import load, pick_device
 from .ruler import decode_through_cache
 
 NAME = "h2ochat"
@@ -257,7 +257,7 @@ def _argv_with_tokenizer(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m h2ochat.lm_eval_model <lm_eval arguments>``: lm-eval's CLI with h2ochat registered.
+    """``python -m h2ochat.measure.lm_eval_model <lm_eval arguments>``: lm-eval's CLI with h2ochat registered.
     A mistake in the arguments (an unknown model argument, a bad budget) is one line and exit 2."""
     from lm_eval.__main__ import cli_evaluate
 
