@@ -1,5 +1,6 @@
 """CPU time of ``kernels.reference.attend_with_scores`` with the logits query-major [M, S + Q] (the
-decode step's layout) against keys-major [S + Q, M] (what prompt chunks run, issue 35), one thread,
+decode step's layout) against keys-major [S + Q, M] (what full prompt chunks run, issue 35), and of a
+bf16 decode step multiplying its bf16 slots as they are against converting them to fp32, one thread,
 the two taking turns call by call so the machine's load falls on both alike. SmolLM2-135M's shapes:
 3 KV heads, groups of 3, head dim 64; slots full (the server's default 1,638) or not.
 
@@ -51,6 +52,18 @@ def timed(call, keys_major: bool) -> float:
         reference.KEYS_MAJOR_MIN_TOKENS = chosen
 
 
+def timed_bf16(call, native: bool) -> float:
+    chosen = reference._multiplies_bf16_slots
+    if not native:
+        reference._multiplies_bf16_slots = lambda *a: False
+    try:
+        started = time.process_time()
+        call()
+        return time.process_time() - started
+    finally:
+        reference._multiplies_bf16_slots = chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=6, help="calls per layout and shape (more for decode)")
@@ -69,6 +82,14 @@ def main() -> None:
             row = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "new_tokens": q_len, "slots": slots,
                    **{f"{name}_ms": round(1e3 * s / calls, 2) for name, s in spent.items()},
                    "query_major_over_keys_major": round(spent["query_major"] / spent["keys_major"], 3)}
+            if dtype == torch.bfloat16 and q_len == 1:
+                native = converted = 0.0
+                for _ in range(calls):
+                    converted += timed_bf16(call, False)
+                    native += timed_bf16(call, True)
+                row.update(bf16_slots_via_fp32_ms=round(1e3 * converted / calls, 2),
+                           bf16_slots_native_ms=round(1e3 * native / calls, 2),
+                           via_fp32_over_native=round(converted / native, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:

@@ -110,3 +110,29 @@ def test_full_chunks_run_the_keys_major_layout(monkeypatch, seed):
     for q_len in (1, 4, 511, 512):
         reference.attend_with_scores(**inputs(seed, 1, q_len, slots=6, padding=False))
     assert calls == [3 * 512]  # (query rows: the group of 3 times the tokens)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_bf16_decode_step_multiplies_the_slots_as_they_are(monkeypatch, seed, padding):
+    """A CPU decode step of bf16 queries over bf16 slots runs the two slot products in bf16 (no fp32
+    copy of the slots): within bf16 rounding of the slow loop on the same values, scores included."""
+    taken = []
+    original = reference._multiplies_bf16_slots
+    monkeypatch.setattr(reference, "_multiplies_bf16_slots", lambda *a: taken.append(original(*a)) or taken[-1])
+    given = inputs(seed, 3, 1, slots=40, padding=padding, dtype=torch.bfloat16)
+    want_out, want_new, want_scores = slow_attention(**{**given, "scores": given["scores"].clone()}, decay=0.9)
+    scores = given.pop("scores")
+    out, new_scores = reference.attend_with_scores(**given, scores=scores, decay=0.9)
+    assert taken == [True] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(new_scores.double(), want_new, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(scores.double(), want_scores, rtol=2e-2, atol=2e-3)
+
+
+def test_fp32_and_quantized_decode_steps_keep_the_fp32_products(seed):
+    fp32 = inputs(seed, 1, 1, slots=8, padding=False)
+    assert not reference._multiplies_bf16_slots(fp32["query"], fp32["cache_keys"], None, 1)
+    bf16 = inputs(seed, 1, 1, slots=8, padding=False, dtype=torch.bfloat16)
+    assert reference._multiplies_bf16_slots(bf16["query"], bf16["cache_keys"], None, 1)
+    assert not reference._multiplies_bf16_slots(bf16["query"], bf16["cache_keys"], object(), 1)  # quantised slots
+    assert not reference._multiplies_bf16_slots(bf16["query"], bf16["cache_keys"], None, 4)  # a prompt chunk
