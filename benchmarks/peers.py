@@ -77,6 +77,7 @@ class Engine:
     health_path: str = "/health"
     skipped: str | None = None
     version: str | None = None
+    cwd: str | None = None  # (a baseline h2ochat runs from its own tree: `python -m` reads the working folder first)
 
 
 def gguf_hf_folder() -> Path | None:
@@ -106,6 +107,36 @@ def h2ochat_engine(args) -> Engine:
                "--threads", str(args.threads), "--kv-memory", f"{args.kv_gib}GiB", "--max-queue", "1000",
                "--quiet", *args.h2ochat_arg]
     return Engine("h2ochat", command, version=_dist_version("h2ochat"))
+
+
+def baseline_tree(revision: str, work: Path) -> Path:
+    """This checkout's ``revision`` as a source tree under ``work`` (``git archive``), with the package
+    folders pyproject.toml renames (``h2ochat_kernels`` is ``kernels/``) linked, so that tree's h2ochat
+    runs by PYTHONPATH beside the installed one."""
+    import tomllib
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", revision], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    tree = work / f"h2ochat-{commit}"
+    if not tree.exists():
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        renamed = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
+        for package, folder in renamed.items():
+            (tree / package).symlink_to(folder)
+    return tree
+
+
+def h2ochat_baseline_engine(args, work: Path) -> Engine:
+    """``--h2ochat-baseline REV``: the same server command from the tree at REV (the h2ochat a change is measured against)."""
+    engine = h2ochat_engine(args)
+    try:
+        tree = baseline_tree(args.h2ochat_baseline, work)
+    except (subprocess.CalledProcessError, OSError) as error:
+        return Engine("h2ochat-baseline", engine.command, skipped=f"no tree for {args.h2ochat_baseline}: {error}")
+    return Engine("h2ochat-baseline", engine.command, env={"PYTHONPATH": str(tree)}, cwd=str(tree),
+                  version=f"{engine.version} @ {tree.name.removeprefix('h2ochat-')}")
 
 
 def vllm_engine(args) -> Engine:
@@ -139,10 +170,13 @@ def llama_engine(args, preset: Preset) -> Engine:
     return engine
 
 
-def engines_for(args, preset: Preset) -> list[Engine]:
+def engines_for(args, preset: Preset, work: Path) -> list[Engine]:
     chosen = {"h2ochat": lambda: h2ochat_engine(args), "vllm": lambda: vllm_engine(args),
               "llama.cpp": lambda: llama_engine(args, preset)}
-    return [chosen[name]() for name in args.engine]
+    engines = [chosen[name]() for name in args.engine]
+    if args.h2ochat_baseline and "h2ochat" in args.engine:  # (just before the h2ochat it is compared with)
+        engines.insert(args.engine.index("h2ochat"), h2ochat_baseline_engine(args, work))
+    return engines
 
 
 def _run_text(command: list[str]) -> str | None:
@@ -216,7 +250,7 @@ def run_load(engine: Engine, preset: Preset, args, work: Path) -> dict:
               "command": _shell(command, engine.env), "log": str(log), "load_average_before": os.getloadavg()}
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **engine.env},
-                                   start_new_session=True)
+                                   start_new_session=True, cwd=engine.cwd)
     try:
         record["ready_s"] = wait_healthy(f"http://127.0.0.1:{port}{engine.health_path}", process, args.ready_timeout)
         load_json = work / f"{engine.name}-{preset.name}.load.json"
@@ -306,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", default="/work/peers/vllm")
     parser.add_argument("--llama-server", default="/work/peers/llama/bin/llama-server")
     parser.add_argument("--h2ochat-arg", action="append", default=[], help="extra `h2ochat serve` argument (repeat)")
+    parser.add_argument("--h2ochat-baseline", metavar="REV",
+                        help="also run `h2ochat serve` from this git revision of the checkout (named h2ochat-baseline)")
     parser.add_argument("--h2ochat-generate-arg", action="append", default=[], help="extra `h2ochat generate` argument")
     parser.add_argument("--profile", action="append", default=[], choices=sorted(PRESETS),
                         help="py-spy (pip install py-spy) h2ochat's server during this preset's load")
@@ -328,7 +364,7 @@ def run(args) -> dict:
               "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": [], "skipped": []}
     for name in args.preset:
         preset = PRESETS[name]
-        for engine in engines_for(args, preset):
+        for engine in engines_for(args, preset, work):
             if engine.skipped:
                 report["skipped"].append({"engine": engine.name, "preset": name, "reason": engine.skipped})
                 continue

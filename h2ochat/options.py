@@ -21,7 +21,7 @@ Model = Annotated[str, typer.Option("--model", "-m", envvar="H2OCHAT_MODEL", ric
     help="Alias (see `h2ochat models`), hub id, local directory or .gguf file.")]
 Device = Annotated[str, typer.Option(envvar="H2OCHAT_DEVICE", rich_help_panel=MODEL, help="auto | cpu | cuda.")]
 Dtype = Annotated[str, typer.Option(envvar="H2OCHAT_DTYPE", rich_help_panel=MODEL,
-    help="auto (float32 on CPU, bfloat16/float16 on GPU) | float32 | float16 | bfloat16.")]
+    help="auto (bfloat16 on a CPU with native bf16, AMX or AVX512-BF16, else float32; bfloat16/float16 on GPU) | float32 | float16 | bfloat16.")]
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", rich_help_panel=MODEL,
     help="'auto' splits a large model across GPUs / CPU (accelerate); the cache follows each layer.")]
 

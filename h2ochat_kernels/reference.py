@@ -58,6 +58,7 @@ def attend_with_scores(
     new_scores [B, Hkv, Q] float32: the same column sums for the new tokens).
     """
     batch, kv_heads, group, q_len, head_dim = query.shape
+    native = _multiplies_bf16_slots(query, cache_keys, quant, q_len)
     if quant is not None and query.dtype != torch.float32:
         # in the query's dtype: what an unquantised cache of the model's dtype would hold (and what
         # the kernels' 16-bit dots take)
@@ -65,8 +66,19 @@ def attend_with_scores(
         quant = None
     # the scale goes on the queries once, not on both logit blocks
     rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
+    weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
+    _decay_scores(scores, new_valid, batch, q_len, decay, query.device)
+    if quant is None and keys_major_pays(q_len):
+        out, received = _attend_keys_major(rows, cache_keys, cache_values, slot_token_index, new_keys, new_values,
+                                           new_valid, weights, group)
+        scores += received[..., :cache_keys.shape[2]]
+        out = out.view(batch, kv_heads, group, q_len, head_dim)
+        return (out if out.dtype == query.dtype else out.to(query.dtype)), received[..., cache_keys.shape[2]:]
 
-    cache_logits = _slot_logits(rows, cache_keys, quant)
+    if native:
+        cache_logits = torch.matmul(query.reshape(rows.shape), cache_keys.transpose(-1, -2)).float() * scale
+    else:
+        cache_logits = _slot_logits(rows, cache_keys, quant)
     cache_logits = cache_logits.masked_fill((slot_token_index < 0).unsqueeze(2), _MASKED)
     new_logits = torch.matmul(rows, _f32(new_keys).transpose(-1, -2))
     if q_len > 1 or new_valid is not None:  # one real new token sees itself: nothing to mask
@@ -77,21 +89,80 @@ def attend_with_scores(
     probs = torch.cat([cache_logits, new_logits], dim=-1).softmax(dim=-1)
     slots = cache_keys.shape[2]
     cache_probs, new_probs = probs[..., :slots], probs[..., slots:]
-    out = _slot_output(cache_probs, cache_values, quant) + torch.matmul(new_probs, _f32(new_values))
+    if native:
+        out = torch.matmul(cache_probs.to(cache_values.dtype), cache_values).float()
+    else:
+        out = _slot_output(cache_probs, cache_values, quant)
+    out = out + torch.matmul(new_probs, _f32(new_values))
 
-    weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
     if weights is not None:
-        rows_w = weights.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len).reshape(batch, 1, group * q_len, 1)
+        rows_w = _query_row_weights(weights, group)
         cache_probs, new_probs = cache_probs * rows_w, new_probs * rows_w
-    if not _is_one(decay):
-        if new_valid is None and not isinstance(decay, torch.Tensor):
-            scores *= float(decay) ** q_len  # one op: every row decays alike
-        else:
-            scores *= old_score_factor(new_valid, batch, q_len, decay, query.device).view(batch, 1, 1)
     scores += cache_probs.sum(dim=2)
     new_scores = new_probs.sum(dim=2)
     out = out.view(batch, kv_heads, group, q_len, head_dim)
     return (out if out.dtype == query.dtype else out.to(query.dtype)), new_scores
+
+
+# prompt chunks of at least this many tokens run the keys-major layout (``_attend_keys_major``)
+KEYS_MAJOR_MIN_TOKENS = 512
+
+
+def keys_major_pays(q_len: int) -> bool:
+    """Whether a step of ``q_len`` new tokens runs the keys-major layout. Measured on this CPU, one
+    thread (``benchmarks/results_attention_layout.json``): a full 512-token chunk takes 1.09-1.30x less
+    CPU keys-major over 512-1,638 slots, fp32 and bf16 alike; a 300-370-token tail is 0.85-1.14x
+    (no steady gain), and a decode step's 3 query rows gain nothing, the joined keys costing a copy."""
+    return q_len >= KEYS_MAJOR_MIN_TOKENS
+
+
+def _multiplies_bf16_slots(query, cache_keys, quant, q_len: int) -> bool:
+    """A CPU decode step of a bf16 model over bf16 slots multiplies the slots as they are (the two
+    products over the slots in bf16 with fp32 accumulation, their results rounded to bf16: what a
+    bf16 model's own attention does), not converted to fp32 first: the conversion copies every slot
+    every step, and the two products take 2.4x less CPU (8 rows x 1,638 slots, one thread,
+    ``benchmarks/results_attention_layout.json``). The softmax and the scores stay fp32."""
+    return (quant is None and q_len == 1 and query.device.type == "cpu" and query.dtype == torch.bfloat16
+            and cache_keys.dtype == torch.bfloat16)
+
+
+def _decay_scores(scores: torch.Tensor, new_valid, batch: int, q_len: int, decay, device) -> None:
+    """The old scores' part of ``S <- decay * S + a``, in place (nothing at decay 1)."""
+    if _is_one(decay):
+        return
+    if new_valid is None and not isinstance(decay, torch.Tensor):
+        scores *= float(decay) ** q_len  # one op: every row decays alike
+    else:
+        scores *= old_score_factor(new_valid, batch, q_len, decay, device).view(batch, 1, 1)
+
+
+def _query_row_weights(weights: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, Q] per-token weights as [B, 1, G * Q, 1]: one per query row (the G heads of a token alike)."""
+    batch, q_len = weights.shape
+    return weights.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len).reshape(batch, 1, group * q_len, 1)
+
+
+def _attend_keys_major(rows, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, weights,
+                       group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt chunk's attention (Q > 1, unquantised slots) with the logits laid out keys-major,
+    [B, Hkv, S + Q, M]: on the CPU the product keys @ rows^T runs ~2x faster than rows @ keys^T at
+    these shapes, the slots and the new tokens are one product (their keys joined, not their
+    logits), the masks are written in place, and a key's received attention is a contiguous sum.
+    The same numbers as the query-major path up to fp32 rounding. Returns (output [B, Hkv, M, D]
+    fp32, the attention each key received [B, Hkv, S + Q], weighted by ``weights``)."""
+    batch, kv_heads, _, _ = rows.shape
+    slots, q_len = cache_keys.shape[2], new_keys.shape[2]
+    keys = torch.cat([_f32(cache_keys), _f32(new_keys)], dim=2)
+    values = torch.cat([_f32(cache_values), _f32(new_values)], dim=2)
+    logits = torch.matmul(keys, rows.transpose(-1, -2))
+    logits[:, :, :slots].masked_fill_((slot_token_index < 0).unsqueeze(-1), _MASKED)
+    # new key j readable by query row (g, i): _new_key_mask's [i, j], turned to [j, i], for every g
+    readable = _new_key_mask(new_valid, batch, q_len, rows.device).view(-1, 1, q_len, q_len).transpose(-1, -2)
+    logits[:, :, slots:].view(batch, kv_heads, q_len, group, q_len).masked_fill_(~readable.unsqueeze(3), _MASKED)
+    probs = logits.softmax(dim=2)
+    out = torch.matmul(probs.transpose(-1, -2), values)
+    received = probs.sum(dim=-1) if weights is None else torch.matmul(probs, _query_row_weights(weights, group)).squeeze(-1)
+    return out, received
 
 
 def _slot_logits(rows: torch.Tensor, keys: torch.Tensor, quant) -> torch.Tensor:

@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "peers.py"
 
@@ -89,3 +91,30 @@ def test_profile_samples_are_shared_by_phase_and_innermost_frame(tmp_path):
     assert summary["by_phase"] == {"prefill": 0.6, "decode": 0.3, "other (server, tokenizer, waiting)": 0.1}
     assert summary["by_phase_and_leaf"]["prefill: linear layers"] == 0.6
     assert summary["by_phase_and_leaf"]["decode: kv cache (H2O)"] == 0.3
+
+
+@pytest.mark.slow  # (git archive, and a Python started in the tree)
+def test_a_baseline_revision_runs_before_h2ochat_from_its_own_tree(tmp_path):
+    """--h2ochat-baseline REV: the same serve command, from REV's tree (PYTHONPATH and working folder on
+    it, the renamed package folders linked), listed just before h2ochat."""
+    import subprocess
+
+    module = peers()
+    args = module.parse_args(["--engine", "h2ochat", "--h2ochat-baseline", "HEAD", "--out", str(tmp_path / "r.json")])
+    baseline, current = module.engines_for(args, module.PRESETS["chat-8x4"], tmp_path)
+    assert (baseline.name, current.name) == ("h2ochat-baseline", "h2ochat") and baseline.skipped is None
+    assert baseline.command == current.command and baseline.cwd == baseline.env["PYTHONPATH"]
+    tree = Path(baseline.cwd)
+    assert (tree / "h2ochat" / "cli.py").is_file() and (tree / "h2ochat_kernels" / "reference.py").is_file()
+    where = subprocess.run([sys.executable, "-c", "import h2ochat, h2ochat_kernels; print(h2ochat.__file__, "
+                            "h2ochat_kernels.__file__)"], cwd=tree, env={"PYTHONPATH": str(tree)},
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert all(Path(path).resolve().is_relative_to(tree.resolve()) for path in where)
+
+
+@pytest.mark.slow  # (git rev-parse)
+def test_an_unknown_baseline_revision_is_skipped_with_the_reason(tmp_path):
+    module = peers()
+    args = module.parse_args(["--engine", "h2ochat", "--h2ochat-baseline", "no-such-rev", "--out", str(tmp_path / "r")])
+    baseline, _ = module.engines_for(args, module.PRESETS["chat-8x4"], tmp_path)
+    assert baseline.skipped.startswith("no tree for no-such-rev")

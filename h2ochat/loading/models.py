@@ -67,8 +67,10 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
 
     choices = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype == "auto":
-        if device == "cpu":
-            return torch.float32
+        if device == "cpu":  # bf16 only where the CPU multiplies it natively (issue 35's measurements)
+            from .native_bf16 import cpu_has_native_bf16
+
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if dtype not in choices:
         raise ModelError(f"--dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")

@@ -1,0 +1,72 @@
+"""``--dtype auto`` on the CPU: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2ochat import native_bf16
+from h2ochat.models import pick_dtype
+
+X86_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 avx avx2 avx512f avx512bw"
+
+
+def _cpuinfo(tmp_path, flags: str, key: str = "flags") -> str:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\n{key}\t\t: {flags}\n\nprocessor\t: 1\n")
+    return str(path)
+
+
+@pytest.fixture
+def cpu(monkeypatch, tmp_path):
+    """Make the detection read a cpuinfo with the given flags (the suite's pin lifted)."""
+    monkeypatch.delenv(native_bf16.OVERRIDE, raising=False)
+
+    read = native_bf16._cpuinfo_flags.__wrapped__  # (uncached: each test reads its own file)
+
+    def use(flags: str, key: str = "flags"):
+        path = _cpuinfo(tmp_path, flags, key)
+        monkeypatch.setattr(native_bf16, "_cpuinfo_flags", lambda: read(path))
+    return use
+
+
+@pytest.mark.parametrize("flag", native_bf16.NATIVE_BF16_FLAGS)
+def test_auto_is_bf16_on_a_cpu_with_native_bf16(cpu, flag):
+    cpu(f"{X86_FLAGS} {flag}")
+    assert pick_dtype("auto", "cpu") == torch.bfloat16
+
+
+def test_auto_is_fp32_on_a_cpu_without_it(cpu):
+    cpu(X86_FLAGS)  # avx512f alone emulates bf16 through fp32
+    assert pick_dtype("auto", "cpu") == torch.float32
+
+
+def test_auto_is_fp32_where_cpuinfo_is_unreadable(monkeypatch, tmp_path):
+    monkeypatch.delenv(native_bf16.OVERRIDE, raising=False)
+    assert native_bf16._cpuinfo_flags.__wrapped__(str(tmp_path / "absent")) == frozenset()
+    monkeypatch.setattr(native_bf16, "_cpuinfo_flags", lambda: frozenset())
+    assert pick_dtype("auto", "cpu") == torch.float32
+
+
+def test_arm_features_line_is_read(cpu):
+    cpu("fp asimd evtstrm aes pmull sha1 sha2 crc32", key="Features")
+    assert pick_dtype("auto", "cpu") == torch.float32
+    assert "asimd" in native_bf16._cpuinfo_flags()
+
+
+@pytest.mark.parametrize("value, expected", [("1", torch.bfloat16), ("0", torch.float32)])
+def test_the_override_wins_over_the_flags(cpu, monkeypatch, value, expected):
+    cpu(X86_FLAGS if value == "1" else f"{X86_FLAGS} amx_bf16")
+    monkeypatch.setenv(native_bf16.OVERRIDE, value)
+    assert pick_dtype("auto", "cpu") == expected
+
+
+def test_an_explicit_dtype_is_kept_whatever_the_cpu(cpu):
+    cpu(f"{X86_FLAGS} amx_bf16")
+    assert pick_dtype("float32", "cpu") == torch.float32
+    assert pick_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
+def test_the_suite_runs_in_fp32():
+    """conftest pins the detection off: tests compare against fp32 references on every machine."""
+    assert pick_dtype("auto", "cpu") == torch.float32
