@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import reference  # noqa: E402
+from h2ochat_kernels import reference  # noqa: E402
 
 SHAPES = [  # (batch, new tokens, slots)
     (1, 512, 1638), (1, 370, 1638), (1, 300, 1638), (1, 128, 1638), (1, 64, 1638),  # a chat's turn, slots full

@@ -111,8 +111,8 @@ def h2ochat_engine(args) -> Engine:
 
 def baseline_tree(revision: str, work: Path) -> Path:
     """This checkout's ``revision`` as a source tree under ``work`` (``git archive``), with the package
-    folders pyproject.toml renames (``h2ochat_kernels`` is ``kernels/``) linked, so that tree's h2ochat
-    runs by PYTHONPATH beside the installed one."""
+    folders pyproject.toml renames (``h2ochat_prompts`` is ``prompts/``; before the layout ``h2ochat_kernels``
+    was ``kernels/`` too) linked, so that tree's h2ochat runs by PYTHONPATH beside the installed one."""
     import tomllib
 
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", revision], capture_output=True, text=True,

@@ -43,8 +43,8 @@ def main() -> None:
 
     import torch
 
-    from h2ochat.generation import CacheSettings
-    from h2ochat.models import load
+    from h2ochat.config import CacheSettings
+    from h2ochat.loading.models import load
     from h2ochat.serve.backend import ModelBackend
     from h2ochat.serve.parked import ParkedStore
     from h2ochat.serve.scheduler import Scheduler

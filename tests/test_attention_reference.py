@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from h2ochat_kernels import reference
 
 
 def slow_attention(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay):

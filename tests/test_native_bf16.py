@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat import native_bf16
-from h2ochat.models import pick_dtype
+from h2ochat.loading import native_bf16
+from h2ochat.loading.models import pick_dtype
 
 X86_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 avx avx2 avx512f avx512bw"
 

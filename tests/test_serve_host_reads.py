@@ -12,7 +12,7 @@ import torch
 
 from conftest import FAMILIES, build_model
 from serve_fakes import make_request
-from h2ochat.generation import CacheSettings
+from h2ochat.config import CacheSettings
 from h2ochat.serve.backend import ModelBackend
 from h2ochat.serve.parked import ParkedStore
 from h2ochat.serve.scheduler import Scheduler
