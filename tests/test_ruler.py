@@ -168,10 +168,25 @@ def test_lm_evals_builders_make_samples_with_the_tokenizer_offline(task):
     from h2ochat.loading.models import load
 
     tokenizer = load("smollm2-135m", "cpu", "float32").tokenizer
-    few, more = ruler.build_samples(tokenizer, task, 512, 1), ruler.build_samples(tokenizer, task, 512, 2)
+    length = 1024 if task in ("ruler_vt", "ruler_cwe") else 512  # see the next test
+    few, more = ruler.build_samples(tokenizer, task, length, 1), ruler.build_samples(tokenizer, task, length, 2)
     assert len(more) == 2 and all(s.outputs and s.max_new_tokens == ruler.TASKS[task][2] for s in more)
-    assert all(len(tokenizer(s.prompt)["input_ids"]) <= 512 for s in more)
+    assert all(len(tokenizer(s.prompt)["input_ids"]) <= length for s in more)
     assert few[0] == more[0] and more[0] != more[1]  # sample 0 is the same whatever the count
+
+
+@pytest.mark.slow  # the real model's tokenizer
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval (the eval extra) is not installed")
+def test_a_length_the_builders_cannot_fill_is_refused():
+    """At 512 tokens lm-eval's vt builder loops forever (its shortest prompt does not fit) and cwe's
+    samples have no words to find (nothing to score): both are refused."""
+    from h2ochat.loading.models import load
+
+    tokenizer = load("smollm2-135m", "cpu", "float32").tokenizer
+    with pytest.raises(ValueError, match="ruler_vt needs --lengths of at least"):
+        ruler.build_samples(tokenizer, "ruler_vt", 512, 1)
+    with pytest.raises(ValueError, match="ruler_cwe builds samples with nothing to find at 512"):
+        ruler.build_samples(tokenizer, "ruler_cwe", 512, 1)
 
 
 def test_the_binomial_interval_is_wilsons():

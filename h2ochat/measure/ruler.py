@@ -62,6 +62,18 @@ def check_lm_eval() -> None:
                          f"{INSTALL}") from None
 
 
+def shortest_vt_prompt(tokenizer, example: dict) -> int:
+    """Tokens of the shortest prompt lm-eval's vt builder tries (ten noise sentences, one chain of four
+    hops: its defaults), with the in-context example and the 30 answer tokens it reserves, plus a margin
+    for the random names' and numbers' tokens. Draws from Python's random: call it before a sample is seeded."""
+    from lm_eval.tasks.ruler import vt_utils
+
+    text, answer = vt_utils.generate_input_output(10, 1, 4)
+    example_text = example["input"] + " " + " ".join(example["outputs"]) + "\n\n"
+    # counted as the builder counts its first try: the text with its answer list printed after it
+    return len(tokenizer(f"{text} {answer}").input_ids) + len(tokenizer(example_text).input_ids) + 30 + 16
+
+
 def build_samples(tokenizer, task: str, length: int, count: int, seed: int = 42) -> list[Sample]:
     """``count`` samples of ``task`` at ``length`` tokens from lm-eval's builder. Sample ``i`` is built
     alone from its own seed (``seed + i``): lm-eval's builders draw every sample from one stream, and the
@@ -98,6 +110,12 @@ def build_samples(tokenizer, task: str, length: int, count: int, seed: int = 42)
             seeded(seed)
             example = vt_utils.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=500,
                                                            incremental=5)[0]
+            # lm-eval's builder retries forever when its shortest prompt (the example and ten noise
+            # sentences) does not fit: refuse such a length instead of hanging
+            shortest = shortest_vt_prompt(tokenizer, example)
+            if shortest > length:
+                raise ValueError(f"ruler_vt needs --lengths of at least {shortest} tokens with this tokenizer "
+                                 f"(its in-context example and shortest chain), not {length}")
 
             def one(index: int) -> dict:
                 seeded(seed + index)
@@ -108,9 +126,12 @@ def build_samples(tokenizer, task: str, length: int, count: int, seed: int = 42)
 
             def one(index: int) -> dict:
                 seeded(seed + index)
+                cwe_utils.RNG.seed(seed + index)  # its own generator, which earlier samples had drawn from
                 return cwe_utils.sys_word_pair_random(num_samples=1, max_seq_length=length, tokenizer=tokenizer)[0]
 
         docs = [one(index) for index in range(count)]
+    if any(not doc["outputs"] for doc in docs):  # cwe's builder finds no common words in a short list
+        raise ValueError(f"{task} builds samples with nothing to find at {length} tokens: use a longer --lengths")
     return [Sample(task, length, index, doc["input"] + " " + doc["gen_prefix"], tuple(doc["outputs"]), max_new)
             for index, doc in enumerate(docs)]
 
