@@ -75,12 +75,17 @@ class ChatSettings:
             parsed = setting.parse(value.strip())
         except ValueError:
             raise UserError(f"{setting.name} needs {setting.kind} value, got {value.strip()!r}") from None
-        changed = self.copy()
-        setattr(changed.cache if setting.on_cache else changed, setting.name, parsed)
-        if setting.name == "seed":  # one seed: sampling and the random policy
-            changed.cache.seed = parsed
+        changed = self.with_values({setting.name: parsed})
         changed.validate()
         return changed, setting.name
+
+    def with_values(self, values: dict[str, object]) -> "ChatSettings":
+        """A copy with the named settings (``SETTINGS``' names) replaced; self is left as it is."""
+        on_cache = {name: value for name, value in values.items() if SETTINGS[name].on_cache}
+        own = {name: value for name, value in values.items() if not SETTINGS[name].on_cache}
+        if "seed" in values:  # one seed: sampling and the random policy
+            on_cache["seed"] = values["seed"]
+        return replace(self, cache=replace(self.cache, **on_cache), **own)
 
     def listing(self) -> list[tuple[str, object]]:
         """Every setting and its value, in field order (what `/set` alone shows)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -29,13 +28,8 @@ def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> C
     setting is a run() option of the same name: tests/test_settings_fields.py holds them to it)."""
     from ..chat.settings import SETTINGS, ChatSettings
 
-    settings = ChatSettings.from_json(stored)
-    for name, setting in SETTINGS.items():
-        if given(ctx, name):
-            source, target = (typed.cache, settings.cache) if setting.on_cache else (typed, settings)
-            setattr(target, name, getattr(source, name))
-    if given(ctx, "seed"):  # the cache's seed follows the sampling's
-        settings = replace(settings, cache=replace(settings.cache, seed=typed.cache.seed))
+    given_here = {name: typed.get(name) for name in SETTINGS if given(ctx, name)}
+    settings = ChatSettings.from_json(stored).with_values(given_here)
     settings.validate()
     check_recall(settings.cache)
     return settings

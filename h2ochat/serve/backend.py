@@ -112,7 +112,7 @@ class ModelBackend:
                                   pages_recalled(job.cache, 0) - job.recalled_before)
 
     def abort(self, job: PrefillJob) -> None:
-        job.cache.layers.clear()
+        job.cache.reset()  # its slots go back now, not when the job is collected
 
     def bucket(self, rows: int) -> int:
         return self.pool.bucket(rows)
