@@ -81,15 +81,17 @@ def main() -> None:
     out = Path(args.out) if args.out else None
     done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out and out.exists() else []
     seen = {(r["text"], r["row"], r["length"], r["depth"], r["window"]) for r in done}
-    results, texts = list(done), []
+    results, texts, drawn = list(done), [], []
     for path in [Path(part) for part in args.text.split(",") if part.strip()]:
         content = path.read_text()
         texts.append({"file": path.name, "sha256": hashlib.sha256(content.encode()).hexdigest()})
-        trials = [t for t in pk.make_trials(loaded.tokenizer, content, lengths,
-                                            parse_numbers(args.depths, float, "--depths"), args.keys, seed=args.seed)
-                  if t.length in only]
-
-        def progress(record: dict, name=path.name) -> None:
+        drawn += [(path.name, t) for t in pk.make_trials(loaded.tokenizer, content, lengths,
+                                                          parse_numbers(args.depths, float, "--depths"), args.keys,
+                                                          seed=args.seed) if t.length in only]
+    # key by key over every text and depth (each row in turn): a run stopped early holds a balanced share
+    drawn.sort(key=lambda pair: pair[1].window)
+    for name, trial in drawn:
+        def progress(record: dict, name=name) -> None:
             record["text"] = name
             results.append(record)
             if out is not None:
@@ -98,8 +100,8 @@ def main() -> None:
             print(f"{name}: {record['row']}, {record['length']} tokens, depth {record['depth']:g}: "
                   f"{'recalled' if record['recalled'] else 'missed'}", file=sys.stderr, flush=True)
 
-        pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress,
-               wanted=lambda row, t, name=path.name: (name, row.label, t.length, t.depth, t.window) not in seen)
+        pk.run(loaded.model, loaded.tokenizer, [trial], rows, on_trial=progress,
+               wanted=lambda row, t, name=name: (name, row.label, t.length, t.depth, t.window) not in seen)
     print(json.dumps({"model": loaded.name, "texts": texts, "args": vars(args), "threads": threads.current(),
                       "recall": ev.describe_recalls(recalls), "totals": pk.row_totals(results),
                       "summary": pk.summarize(results), "results": results}, indent=1))
