@@ -337,7 +337,7 @@ def wilson_interval(hits: int, trials: int, z: float = 1.96) -> tuple[float, flo
     p = hits / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * ((p * (1 - p) / trials + z * z / (4 * trials * trials)) ** 0.5) / (1 + z * z / trials)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    return (0.0 if hits == 0 else max(0.0, centre - half), 1.0 if hits == trials else min(1.0, centre + half))
 
 
 def row_totals(results: Sequence[dict]) -> list[dict]:
