@@ -11,11 +11,23 @@ trials are those `eval --task passkey` draws for the same --lengths (all of them
 
 --kv-dtype auto,int8 runs each recall row with the model's float slots and with int8 slots;
 --cold-dtype auto,int8 each with the cold store at the model's dtype and as int8 codes (issue 34).
+
+Held-out texts (issue 34): --text takes comma-separated files (each its own trials, drawn as above),
+--rows all adds the full cache and the policy alone at the same device slots beside the recall rows,
+and --out FILE appends each trial to a JSON-lines file as it ends and skips the trials already there
+(a run stopped on a shared CPU resumes where it was). The report gives each row's hits over all
+texts with a 95% Wilson interval (``passkey.row_totals``):
+
+    python benchmarks/heldout_texts.py /tmp/heldout
+    nice -n 5 python benchmarks/recall_rows_passkey.py --text /tmp/heldout/gpl3.txt,... --lengths 900 \
+        --depths 0.1,0.5,0.9 --keys 5 --budget 128 --recall 0.5 --selector rot4 --rows all \
+        --out trials.jsonl > report.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from dataclasses import replace
@@ -44,7 +56,13 @@ def main() -> None:
     parser.add_argument("--selector", default="rot4,exact")
     parser.add_argument("--kv-dtype", default="auto", help="slot formats, comma-separated (rows run side by side)")
     parser.add_argument("--cold-dtype", default="auto", help="cold store formats, comma-separated (rows side by side)")
+    parser.add_argument("--rows", choices=("recall", "all"), default="recall",
+                        help="all: the full cache and the policy alone too")
+    parser.add_argument("--out", default="", help="JSON lines, one per trial: appended, and trials there are skipped")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     args = parser.parse_args()
+    if args.threads:
+        threads.apply(args.threads)
 
     lengths = parse_numbers(args.lengths, int, "--lengths")
     only = set(parse_numbers(args.only, int, "--only")) if args.only else set(lengths)
@@ -56,21 +74,37 @@ def main() -> None:
         cold = "" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}"
         rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + cold)
                  for kv_dtype in kv_dtypes
-                 for row in build_rows([args.policy], [args.budget], recalls, settings={"kv_dtype": kv_dtype})
-                 if row.settings.recall]
+                 for row in build_rows((["full"] if args.rows == "all" else []) + [args.policy], [args.budget], recalls,
+                                       settings={"kv_dtype": kv_dtype})
+                 if row.settings.recall or (args.rows == "all" and kv_dtype == kv_dtypes[0] and cold_dtype == cold_dtypes[0])]
     loaded = load(args.model, "cpu", "float32")
-    text = Path(args.text).read_text()
-    trials = [t for t in pk.make_trials(loaded.tokenizer, text, lengths, parse_numbers(args.depths, float, "--depths"),
-                                        args.keys, seed=args.seed) if t.length in only]
+    out = Path(args.out) if args.out else None
+    done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out and out.exists() else []
+    seen = {(r["text"], r["row"], r["length"], r["depth"], r["window"]) for r in done}
+    results, texts, drawn = list(done), [], []
+    for path in [Path(part) for part in args.text.split(",") if part.strip()]:
+        content = path.read_text()
+        texts.append({"file": path.name, "sha256": hashlib.sha256(content.encode()).hexdigest()})
+        drawn += [(path.name, t) for t in pk.make_trials(loaded.tokenizer, content, lengths,
+                                                          parse_numbers(args.depths, float, "--depths"), args.keys,
+                                                          seed=args.seed) if t.length in only]
+    # key by key over every text and depth (each row in turn): a run stopped early holds a balanced share
+    drawn.sort(key=lambda pair: pair[1].window)
+    for name, trial in drawn:
+        def progress(record: dict, name=name) -> None:
+            record["text"] = name
+            results.append(record)
+            if out is not None:
+                with out.open("a") as sink:
+                    sink.write(json.dumps(record) + "\n")
+            print(f"{name}: {record['row']}, {record['length']} tokens, depth {record['depth']:g}: "
+                  f"{'recalled' if record['recalled'] else 'missed'}", file=sys.stderr, flush=True)
 
-    def progress(record: dict) -> None:
-        print(f"{record['row']}, {record['length']} tokens, depth {record['depth']:g}: "
-              f"{'recalled' if record['recalled'] else 'missed'}", file=sys.stderr, flush=True)
-
-    results = pk.run(loaded.model, loaded.tokenizer, trials, rows, on_trial=progress)
-    print(json.dumps({"model": loaded.name, "text": Path(args.text).name, "args": vars(args), "threads": threads.current(),
-                      "recall": ev.describe_recalls(recalls), "results": results, "summary": pk.summarize(results)},
-                     indent=1))
+        pk.run(loaded.model, loaded.tokenizer, [trial], rows, on_trial=progress,
+               wanted=lambda row, t, name=name: (name, row.label, t.length, t.depth, t.window) not in seen)
+    print(json.dumps({"model": loaded.name, "texts": texts, "args": vars(args), "threads": threads.current(),
+                      "recall": ev.describe_recalls(recalls), "totals": pk.row_totals(results),
+                      "summary": pk.summarize(results), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -228,3 +228,28 @@ def test_passkey_command_refuses_bad_inputs(long_checkpoint, filler_file, args, 
     last = err.strip().splitlines()[-1]
     assert last.startswith("h2ochat: error:") and message in last, last
     assert "Traceback" not in err + out
+
+
+def test_wilson_interval_against_its_formula_and_its_edges():
+    """The Wilson interval: at 0 and all hits it still has width (a row's 0/60 is not certain), it holds
+    the rate, and at 30/60 it is the textbook 0.5 +- 0.1236 (z = 1.96)."""
+    from h2ochat.measure.passkey import wilson_interval
+
+    low, high = wilson_interval(30, 60)
+    assert abs(low - 0.3773) < 1e-3 and abs(high - 0.6227) < 1e-3
+    assert wilson_interval(0, 60)[0] == 0.0 and 0.05 < wilson_interval(0, 60)[1] < 0.07
+    assert wilson_interval(60, 60)[1] == 1.0 and wilson_interval(60, 60)[0] > 0.93
+    for hits in range(0, 11):
+        low, high = wilson_interval(hits, 10)
+        assert low <= hits / 10 <= high
+
+
+def test_row_totals_count_every_trial_of_a_row_in_order_of_appearance():
+    from h2ochat.measure.passkey import row_totals
+
+    results = [{"row": "full", "recalled": True}, {"row": "h2o", "recalled": False},
+               {"row": "full", "recalled": False}, {"row": "full", "recalled": True}]
+    totals = row_totals(results)
+    assert [t["row"] for t in totals] == ["full", "h2o"]
+    assert (totals[0]["recalled"], totals[0]["trials"], totals[0]["rate"]) == (2, 3, 0.6667)
+    assert totals[1]["interval95"][0] == 0.0

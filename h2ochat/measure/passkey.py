@@ -327,3 +327,28 @@ def summarize(results: Sequence[dict]) -> list[dict]:
         if shares:
             out[-1]["exact_top_pages_found"] = sum(shares) / len(shares)
     return out
+
+
+def wilson_interval(hits: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a hit rate (95% at z = 1.96): unlike hits/trials +- z*sd it stays
+    in [0, 1] and is not empty at 0 or all hits, which a pass-key row often scores."""
+    if trials <= 0:
+        return (0.0, 1.0)
+    p = hits / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * ((p * (1 - p) / trials + z * z / (4 * trials * trials)) ** 0.5) / (1 + z * z / trials)
+    return (0.0 if hits == 0 else max(0.0, centre - half), 1.0 if hits == trials else min(1.0, centre + half))
+
+
+def row_totals(results: Sequence[dict]) -> list[dict]:
+    """Hits / trials per row over every trial it ran (all texts, lengths and depths), with the 95%
+    Wilson interval of its hit rate, in the order rows first appear."""
+    groups: dict[str, list[bool]] = {}
+    for r in results:
+        groups.setdefault(r["row"], []).append(bool(r["recalled"]))
+    out = []
+    for row, hits in groups.items():
+        low, high = wilson_interval(sum(hits), len(hits))
+        out.append({"row": row, "recalled": sum(hits), "trials": len(hits), "rate": round(sum(hits) / len(hits), 4),
+                    "interval95": [round(low, 4), round(high, 4)]})
+    return out

@@ -43,7 +43,7 @@ import torch
 import h2ochat_kernels as kernels
 from h2ochat_kernels.rotation import spreading_rotation
 
-from .layout import Writes, best_pages, growable, held_pages, tensor_bytes, widened
+from .layout import Writes, all_candidates, best_pages, growable, held_pages, pages_of, tensor_bytes, widened
 from .selectors import packed_quantize, score_pages
 
 
@@ -221,12 +221,6 @@ CANDIDATES = 128  # pages (2048 tokens) whose token codes stage 2 scores: the pa
 # 880 tokens with 16 or 32 candidates (benchmarks/results_recall_amortized.json), so they only prune past this
 
 
-def _pages_of(entries: torch.Tensor, g: int) -> torch.Tensor:
-    """Summaries [B, H, K] (-1: none) -> their pages [B, H, K * g] (-1 for a none's)."""
-    pages = entries.unsqueeze(-1) * g + torch.arange(g, device=entries.device)
-    return pages.masked_fill((entries < 0).unsqueeze(-1), -1).flatten(2)
-
-
 class TwoStageCodes:
     """The digest contract of ``KeyCodes`` (append, reserve, rebuild, top_pages, count, nbytes) with
     the token codes in the cold store's memory and ``cap`` page summaries on the device."""
@@ -302,15 +296,18 @@ class TwoStageCodes:
         used = min(self.cap, max(1, -(-bound // (self.page * g))))
         entries = self._entry_ids()[:, :, :used]  # [B, H, used]
         valid = self._entry_held(entries)
-        stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
-                             self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
         wanted = max(1, self.candidates // g)  # summaries whose pages stage 2 scores
-        best = kernels.top_pages(stage1, min(used, wanted)).to(host)  # [B, H, k] summary slots
-        # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
-        # does not depend on how many summary slots stage 1 scored
-        best = best.sort(dim=-1).values
-        chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
-        pages = _pages_of(chosen, g)  # [B, H, k * g]
+        if used <= wanted:  # every summary is a candidate: stage 1 would pick them all
+            chosen = all_candidates(entries, valid)
+        else:
+            stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
+                                 self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
+            best = kernels.top_pages(stage1, wanted).to(host)  # [B, H, k] summary slots
+            # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
+            # does not depend on how many summary slots stage 1 scored
+            best = best.sort(dim=-1).values
+            chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+        pages = pages_of(chosen, g)  # [B, H, k * g]
         stage2 = self._page_scores(turned.to(host), pages)
         pick = kernels.top_pages(stage2, count)
         chosen_pages = pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1)
@@ -363,12 +360,15 @@ class TwoStageCodes:
         first, _ = held_pages(store.count, self.page, self.frames)
         token = pages.clamp(min=0).unsqueeze(-1) * self.page + torch.arange(self.page, device=pages.device)
         held = ((pages >= 0) & (pages >= first.unsqueeze(-1))).unsqueeze(-1) & (token < store.count[..., None, None])
-        slot = token % store.capacity if self.frames is not None else token.clamp(max=store.capacity - 1)
-        slot = slot.masked_fill(~held, 0).flatten(2)
+        # whole pages by (row, head, page) index, not a per-token index expanded over the code bytes (a
+        # gather that cost more than scoring them); a slot not held is read but never counted
+        stored = store.capacity // self.page  # the store grows by whole pages
+        frame = pages.clamp(min=0) % stored if self.frames is not None else pages.clamp(min=0, max=stored - 1)
+        row = torch.arange(pages.shape[0], device=pages.device).view(-1, 1, 1)
+        head = torch.arange(pages.shape[1], device=pages.device).view(1, -1, 1)
 
         def take(buffer):
-            index = slot if buffer.dim() == 3 else slot.unsqueeze(-1).expand(*slot.shape, buffer.shape[-1])
-            return buffer.gather(2, index)
+            return buffer[:, :, : stored * self.page].unflatten(2, (stored, self.page))[row, head, frame].flatten(2, 3)
 
         return take(store.codes), take(store.scale), take(store.offset), held.flatten(2)
 
@@ -380,7 +380,7 @@ class TwoStageCodes:
     def _refresh(self, entries: torch.Tensor) -> None:
         """Summaries [B, H, K] (-1: leave alone) made again from the token codes of their pages."""
         g = self.pages_per_entry
-        pages = _pages_of(entries, g)
+        pages = pages_of(entries, g)
         codes, scale, offset, held = self._tokens_of_pages(pages)
         keys = (kernels.unpack_codes(codes, self.bits, self.head_dim).float() * scale.float().unsqueeze(-1)
                 + offset.float().unsqueeze(-1))  # [B, H, K * g * P, D], turned

@@ -104,3 +104,17 @@ class Writes:
         if key not in memo:
             memo[key] = index.view(*index.shape, *([1] * len(tail))).expand(*index.shape, *tail)
         return memo[key]
+
+
+def pages_of(entries: torch.Tensor, g: int) -> torch.Tensor:
+    """Summaries [B, H, K] (-1: none) -> their pages [B, H, K * g] (-1 for a none's)."""
+    pages = entries.unsqueeze(-1) * g + torch.arange(g, device=entries.device)
+    return pages.masked_fill((entries < 0).unsqueeze(-1), -1).flatten(2)
+
+
+def all_candidates(entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """What stage 1 names when it keeps every summary slot: the held summaries in slot order, after a
+    -1 for each slot holding none (top_pages' -1s sort first), with no scoring (issue 34: stage 1
+    was a third of a recall step's selection at 2K, where 128 candidates cover every page)."""
+    order = valid.to(torch.int8).sort(dim=-1, stable=True).indices  # the none's first, each group in slot order
+    return entries.gather(-1, order).masked_fill(~valid.gather(-1, order), -1)
