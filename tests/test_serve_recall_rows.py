@@ -99,3 +99,24 @@ def test_a_parked_conversation_costs_bytes_in_proportion_to_its_length(family, s
     # the whole entry: a fixed part (the hot slots, the summaries) plus the cold bytes
     fixed = entries[0].nbytes - cold(small)
     assert entries[1].nbytes - fixed == pytest.approx(cold(large), rel=0.01)
+
+
+def test_the_row_count_counts_the_cold_stores_host_bytes(family):
+    """With recall each row is costed its device bytes plus the cold store of a conversation of the
+    model's context window (on a CPU, one memory): a budget of three such rows gives three rows."""
+    from h2ochat.serve.server import ServeConfig, choose_rows, cold_row_bytes
+
+    model = build_model(family)
+    backend = engine(model, 1)[0].backend
+    plain = model_engine(model, 1, budget=BUDGET, chunk=CHUNK)[0].backend
+    positions = model.config.max_position_embeddings
+    cold = cold_row_bytes(backend, positions)
+    per_token = backend.cache.tier_host_bytes_per_token()
+    assert cold == int(per_token * (positions - backend.slots)) > 0 and cold_row_bytes(plain, positions) == 0
+    # what one cold token costs: K and V at the model's dtype, its token index, positions and codes
+    layers, heads = model.config.num_hidden_layers, backend.kv_heads
+    assert per_token >= layers * heads * (2 * backend.head_dim * 4 + 3 * 8)
+    row = backend.row_bytes()
+    config = ServeConfig(model="x", settings=None, kv_memory=3 * (row + cold))
+    assert choose_rows(config, row, "cpu", cold)[0] == 3
+    assert choose_rows(config, row, "cpu")[0] > 3

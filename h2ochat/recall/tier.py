@@ -138,6 +138,13 @@ class RecallTier(RecallRowMoves):
         parts = [*self.frames.state_tensors().values(), self.recalled_mass, self.attended_mass]
         return tensor_bytes(parts + ([self.last_query] if self.last_query is not None else []))
 
+    def host_bytes_per_token(self) -> float:
+        """Host bytes one cold token of one row takes in this layer, over its KV heads: the cold store's
+        and the token codes' beside it (every such buffer has a slot per token, and the spill slot)."""
+        batch = self.cold.count.shape[0]
+        parts = [(self.cold.nbytes(), self.cold.capacity), (self.digest.host_nbytes(), self.digest.capacity)]
+        return sum(nbytes / (batch * (capacity + 1)) for nbytes, capacity in parts if nbytes)
+
     def recalled_token_index(self) -> torch.Tensor:
         """[B, H, R]: the token index each recall slot holds, staging page included (-1: empty)."""
         return self.all_columns
@@ -156,7 +163,7 @@ class RecallTier(RecallRowMoves):
         cadence = self.cadence
         if q_len > 1:
             self.step_active = None
-            self._room(port, self.cold.page + q_len)  # (the staged pages, then what the chunk drops)
+            self._room(port, max(cadence.steps) + q_len)  # (the staged pages, then what the chunk drops)
             self.flush(port, rows=cadence.staged())
             self.has_query = True
             return
@@ -176,9 +183,10 @@ class RecallTier(RecallRowMoves):
 
     def _room(self, port, extra: int) -> None:
         """Room for ``extra`` more tokens than the longest row's cold store holds (the store's count is
-        host memory on a CPU: read; under zero-copy on a GPU, the columns fed bound it)."""
-        count = self.cold.count
-        needed = (int(count.max()) if count.device.type == "cpu" else port.tokens_fed_with_padding) + extra
+        host memory on a CPU: read; under zero-copy on a GPU only the bound below), and never more than
+        every token fed so far and ``extra`` (an upper bound of what any row can have evicted)."""
+        count, fed = self.cold.count, port.tokens_fed_with_padding
+        needed = min(int(count.max()), fed) + extra if count.device.type == "cpu" else fed + extra
         self.cold.reserve(needed)
         self.digest.reserve(needed)
 
@@ -189,7 +197,7 @@ class RecallTier(RecallRowMoves):
         rows = self.cadence.staged() if rows is None else rows
         if not rows:
             return
-        self._room(port, self.cold.page + q_len)
+        self._room(port, max(self.cadence.steps[row] for row in rows) + q_len)
         slots = self.staging.slots
         token_index = slots.token_index
         every_row = len(rows) == token_index.shape[0]
@@ -357,6 +365,10 @@ class RecallSpec:
     def cold_bytes(self, cache) -> int:
         """Host bytes of the cold stores and of the token-level codes a two-stage selector keeps beside them."""
         return sum(tier.cold.nbytes() + tier.digest.host_nbytes() for tier in self._tiers(cache))
+
+    def host_bytes_per_token(self, cache) -> float:
+        """Host bytes one evicted token of one row costs, over every layer and KV head (allocated cache)."""
+        return sum(tier.host_bytes_per_token() for tier in self._tiers(cache))
 
     def digest_bytes(self, cache) -> int:
         """Device bytes of what scores the pages (the digests, or a two-stage selector's summaries)."""
