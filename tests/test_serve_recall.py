@@ -6,7 +6,7 @@ On the engine (tiny OPT, Llama-GQA and GPT-NeoX, no HTTP): a parked row's state 
 imported and exported again bit for bit, wherever it goes (a 1-row prefill cache, another row of a
 batch whose stores are larger); it holds the cold tokens the row holds, not the batch's capacity; the
 row a conversation leaves hands nothing of it to the next one (its tokens equal the same request on a
-server that never ran the first); a free row's placeholder tokens never reach its cold store, and the
+server that never ran the first); a free row sits the steps out and its cold store stays empty, and the
 stores grow with the longest conversation, not with the server's uptime. Through HTTP: a multi-turn
 chat on a recall server equals the REPL's chat with the same recall settings, turn after turn
 (each resuming its parked cache), with the pages recalled in ``usage`` and the tier's bytes in /metrics.
@@ -155,8 +155,7 @@ def test_free_rows_keep_their_cold_tier_empty_and_the_stores_grow_with_the_longe
 # -- through HTTP ----------------------------------------------------------------------------------
 # each turn's prompt is read in one piece (the server's default chunk, 512, is longer than any turn
 # here): a prompt whose last piece is one token stages that token's victim in the 1-row prefill
-# cache, and the batch's one staging flush (brought forward when the row joins) then differs from
-# the REPL's by that victim: the recall tier flushes its staging pages per batch, not per row
+# cache, and the row's flush when it joins the batch then comes earlier than the REPL's
 HTTP_BUDGET, HTTP_RECALL, HTTP_PAGE, HTTP_ROWS, HTTP_CHUNK = 16, 8, 4, 3, 512
 
 
