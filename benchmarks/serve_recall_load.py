@@ -74,6 +74,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-dtype", default="int8")
     parser.add_argument("--recall", default="0.5")
     parser.add_argument("--rows", type=int, default=8, help="--max-sequences of both servers")
+    parser.add_argument("--recall-arg", action="append", default=[],
+                        help="more options of the recall server (repeat): e.g. --recall-arg=--recall-every=16")
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--load-timeout", type=float, default=3600)
     parser.add_argument("--ready-timeout", type=float, default=600)
@@ -83,7 +85,7 @@ def main(argv=None) -> dict:
     preset = Preset(f"chat-{args.clients}x{args.turns}", clients=args.clients, turns=args.turns,
                     reply_tokens=args.reply_tokens)
     work = Path(tempfile.mkdtemp(prefix="h2ochat-serve-recall-"))
-    engines = [engine("h2o", args, []), engine("recall", args, ["--recall", args.recall])]
+    engines = [engine("h2o", args, []), engine("recall", args, ["--recall", args.recall, *args.recall_arg])]
     report = {"issue": 34, "machine": machine(), "argv": sys.argv, "preset": preset.name, "runs": [],
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     for _ in range(args.pairs):
