@@ -86,7 +86,9 @@ def test_a_parked_recall_row_comes_back_bit_for_bit_and_holds_what_it_holds(fami
     served(scheduler, prompt(rng, 20, 24), 4)  # a short one: its row holds a few cold tokens only
     assert len(store) == 2
     short = min(store._entries.values(), key=lambda entry: len(entry.tokens))
+    long = max(store._entries.values(), key=lambda entry: len(entry.tokens))
     state = short.state
+    backend.cache.import_row(1, long.state)  # (the batch's stores grow for the long one again)
     for saved, layer in zip(state.layers, backend.cache.layers):
         cold = layer.tier.cold
         held = int(saved["cold_count"].max())
@@ -103,6 +105,9 @@ def test_a_parked_recall_row_comes_back_bit_for_bit_and_holds_what_it_holds(fami
     backend.cache.import_row(2, state)
     same_row(backend.cache.export_row(2), state, page)
     backend.release(2, None)
+    backend.release(1, None)
+    # the long row gone, the batch's cold stores give its room back (whole pages, at least one)
+    assert all(layer.tier.cold.capacity == page for layer in backend.cache.layers)
 
 
 def test_a_resumed_recall_conversation_reads_only_its_new_tokens_and_counts_its_pages(family, seed):

@@ -120,3 +120,19 @@ def test_the_row_count_counts_the_cold_stores_host_bytes(family):
     config = ServeConfig(model="x", settings=None, kv_memory=3 * (row + cold))
     assert choose_rows(config, row, "cpu", cold)[0] == 3
     assert choose_rows(config, row, "cpu")[0] > 3
+
+
+def test_the_cold_stores_give_back_a_long_rows_room_once_it_is_reset(family, seed):
+    """A long chat grows the batch's cold stores; when it ends (its row parked and reset) they shrink to
+    what the rows still running hold, and the chat beside it goes on with the same tokens as alone."""
+    rng = random.Random(seed)
+    model = build_model(family)
+    chat = prompt(rng, 10, 12)
+    alone = run(engine(model, 2)[0], [(0, chat, 30)])[0]
+    scheduler, _ = engine(model, 2)
+    long = prompt(rng, 45, 50)
+    requests = run(scheduler, [(0, long, 12), (2, chat, 30)])
+    assert generated(requests[1]) == generated(alone)
+    # (the long one needed more room than the short one at its end; both rows are free now)
+    for layer in scheduler.backend.cache.layers:
+        assert layer.tier.cold.capacity == 4 and int(layer.tier.cold.count.sum()) == 0

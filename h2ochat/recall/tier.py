@@ -301,6 +301,9 @@ class RecallTier(RecallRowMoves):
         """Row ``row`` was emptied (its state tensors hold their empty values): its clock starts again."""
         if self.cold is not None:
             self.cadence.flushed([row])
+            count = self.cold.count  # the cold store gives back what only a longer conversation needed
+            if count.device.type == "cpu":
+                self.cold.fit(int(count.max()) + self.cold.page)
 
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""
