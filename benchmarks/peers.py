@@ -241,8 +241,9 @@ def client_python(args) -> str:
     raise RuntimeError("no Python with the openai package for chat_load.py (pip install openai)")
 
 
-def run_load(engine: Engine, preset: Preset, args, work: Path) -> dict:
-    """Start the engine, run the preset's load against it, stop it: one result record."""
+def run_load(engine: Engine, preset: Preset, args, work: Path, after=None) -> dict:
+    """Start the engine, run the preset's load against it, stop it: one result record. ``after(url)``:
+    more figures read from the server once the load is done (its /metrics), before it stops."""
     port = _free_port()
     command = [*engine.command, "--host", "127.0.0.1", "--port", str(port)]
     log = work / f"{engine.name}-{preset.name}.log"
@@ -273,6 +274,8 @@ def run_load(engine: Engine, preset: Preset, args, work: Path) -> dict:
         record.update(result_figures(summary), peak_rss_bytes=sampler.peak_rss,
                       server_cpu_s=round(sampler.load_cpu_seconds(), 2))
         record["server_cpu_s_per_generated_token"] = round(record["server_cpu_s"] / max(summary["generated_tokens"], 1), 4)
+        if after is not None:
+            record.update(after(f"http://127.0.0.1:{port}"))
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError) as error:
         record["error"] = f"{type(error).__name__}: {error}"
     finally:

@@ -122,3 +122,31 @@ def test_all_candidates_is_what_stage_one_names_when_it_keeps_every_summary(seed
     best = kernels.top_pages(scores, 9).sort(dim=-1).values
     expected = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
     assert torch.equal(all_candidates(entries, valid), expected)
+
+
+def test_rows_appending_on_their_own_clocks_do_not_coarsen_and_a_reset_row_makes_them_finer(seed):
+    """Issue 34: the rows of a server flush their pages at other steps (one append per row, the others
+    appending nothing): the cap counts the longest row's pages, not the appends; once that row is
+    emptied the summaries are as fine as the rows left need."""
+    generator = torch.Generator().manual_seed(seed)
+    _, two = _pair(4, None, cap=4, candidates=4)
+    for turn in range(12):  # each row in turn appends a page: 6 pages each, over the cap of 4 in all 12
+        row = turn % B
+        keys = torch.randn(B, H, P, D, generator=generator)
+        index = torch.arange(P).expand(B, H, P).clone()
+        index[[r for r in range(B) if r != row]] = -1
+        two.reserve(int(two.count.max()) + P)
+        two.append(keys, index, reserve=False)
+        assert two.pages_per_entry == (1 if turn // B + 1 <= two.cap else 2), turn
+    assert two.pages_per_entry == 2 and int(two.count.max()) == 6 * P
+    # row 0 is emptied (a server's reset: every state tensor at its empty value), row 1 appends again
+    for name, tensor in two.state_tensors().items():
+        tensor[0] = -1 if name in ("token_index",) else 0
+    keys = torch.randn(B, H, 1, D, generator=generator)
+    index = torch.tensor([-1, 0]).view(B, 1, 1).expand(B, H, 1).clone()
+    two.append(keys, index)
+    assert int(two.count[0].max()) == 0 and two.pages_per_entry == 2  # (row 1: 6 pages and a token)
+    for name, tensor in two.state_tensors().items():
+        tensor[1] = -1 if name in ("token_index",) else 0
+    two.append(keys, index)
+    assert two.pages_per_entry == 1

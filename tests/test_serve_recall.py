@@ -6,7 +6,7 @@ On the engine (tiny OPT, Llama-GQA and GPT-NeoX, no HTTP): a parked row's state 
 imported and exported again bit for bit, wherever it goes (a 1-row prefill cache, another row of a
 batch whose stores are larger); it holds the cold tokens the row holds, not the batch's capacity; the
 row a conversation leaves hands nothing of it to the next one (its tokens equal the same request on a
-server that never ran the first); a free row's placeholder tokens never reach its cold store, and the
+server that never ran the first); a free row sits the steps out and its cold store stays empty, and the
 stores grow with the longest conversation, not with the server's uptime. Through HTTP: a multi-turn
 chat on a recall server equals the REPL's chat with the same recall settings, turn after turn
 (each resuming its parked cache), with the pages recalled in ``usage`` and the tier's bytes in /metrics.
@@ -86,7 +86,9 @@ def test_a_parked_recall_row_comes_back_bit_for_bit_and_holds_what_it_holds(fami
     served(scheduler, prompt(rng, 20, 24), 4)  # a short one: its row holds a few cold tokens only
     assert len(store) == 2
     short = min(store._entries.values(), key=lambda entry: len(entry.tokens))
+    long = max(store._entries.values(), key=lambda entry: len(entry.tokens))
     state = short.state
+    backend.cache.import_row(1, long.state)  # (the batch's stores grow for the long one again)
     for saved, layer in zip(state.layers, backend.cache.layers):
         cold = layer.tier.cold
         held = int(saved["cold_count"].max())
@@ -103,6 +105,9 @@ def test_a_parked_recall_row_comes_back_bit_for_bit_and_holds_what_it_holds(fami
     backend.cache.import_row(2, state)
     same_row(backend.cache.export_row(2), state, page)
     backend.release(2, None)
+    backend.release(1, None)
+    # the long row gone, the batch's cold stores give its room back (whole pages, at least one)
+    assert all(layer.tier.cold.capacity == page for layer in backend.cache.layers)
 
 
 def test_a_resumed_recall_conversation_reads_only_its_new_tokens_and_counts_its_pages(family, seed):
@@ -155,8 +160,7 @@ def test_free_rows_keep_their_cold_tier_empty_and_the_stores_grow_with_the_longe
 # -- through HTTP ----------------------------------------------------------------------------------
 # each turn's prompt is read in one piece (the server's default chunk, 512, is longer than any turn
 # here): a prompt whose last piece is one token stages that token's victim in the 1-row prefill
-# cache, and the batch's one staging flush (brought forward when the row joins) then differs from
-# the REPL's by that victim: the recall tier flushes its staging pages per batch, not per row
+# cache, and the row's flush when it joins the batch then comes earlier than the REPL's
 HTTP_BUDGET, HTTP_RECALL, HTTP_PAGE, HTTP_ROWS, HTTP_CHUNK = 16, 8, 4, 3, 512
 
 

@@ -46,9 +46,11 @@ def serve(
         help="The model id clients send and /v1/models lists (default: --model as given).")] = None,
     max_sequences: Annotated[Optional[int], typer.Option("--max-sequences", min=1, rich_help_panel=SERVER,
         help="Sequence rows of the batch (concurrent generations). Default: --kv-memory (or half the free memory) "
-             "divided by one row's KV bytes, at most 64.")] = None,
+             "divided by one row's KV bytes (with --recall, plus its cold store for the model's context window), "
+             "at most 64.")] = None,
     kv_memory: Annotated[Optional[str], typer.Option("--kv-memory", rich_help_panel=SERVER,
-        help="KV memory for the rows when --max-sequences is not given (2GiB, 512MiB).")] = None,
+        help="KV memory for the rows when --max-sequences is not given (2GiB, 512MiB); with --recall on a CPU it "
+             "holds their cold stores too.")] = None,
     parked_bytes: Annotated[str, typer.Option("--parked-bytes", rich_help_panel=SERVER,
         help="Host memory for the caches of finished conversations, kept so the next turn feeds only its new "
              "tokens (least recently used out first).")] = "1GiB",

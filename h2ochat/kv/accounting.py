@@ -88,6 +88,11 @@ class CacheAccounting:
         """The tier's figures (``recall.tiered.TierStats``; None: no tier). Reads the device."""
         return self.tier.stats(self)
 
+    def tier_host_bytes_per_token(self) -> float:
+        """Host bytes one evicted token of one row costs in the tier (0: a tier that keeps none)."""
+        per_token = getattr(self.tier, "host_bytes_per_token", None)
+        return per_token(self) if per_token is not None else 0.0
+
     def tier_record(self) -> dict | None:
         """What the tier holds and did, for ``--json`` records and the views (None: no tier)."""
         return self.tier.record(self)

@@ -306,6 +306,11 @@ class H2OCache(CacheStepping, CacheAccounting, RowMoves, Cache):
         slots does not either."""
         return self.tier.masks_inactive_rows and type(self).layer_type is H2OLayer
 
+    @property
+    def row_prefixes(self) -> bool:
+        """Whether ``prefix`` can make caches over the first rows (a tier keeps state the views do not cover)."""
+        return self.masks_inactive_rows and not self.tier.columns
+
     def host_counters(self) -> SavedHostCounters:
         """The host-side counters now, frozen, to put back with ``restore_host_counters``."""
         return self.host.saved()
@@ -319,7 +324,7 @@ class H2OCache(CacheStepping, CacheAccounting, RowMoves, Cache):
         state the views do not cover, so only a cache without one has prefixes."""
         if not self.initialized:
             raise CacheShapeError("allocate the cache before taking a prefix of its rows")
-        if self.tier.columns or not self.masks_inactive_rows:
+        if not self.row_prefixes:
             raise CacheShapeError("a cache with a tier has no prefix caches (its tier state is per cache)")
         if not 0 < rows <= self.tokens_fed.shape[0]:
             raise CacheShapeError(f"a prefix of {rows} rows of a {self.tokens_fed.shape[0]}-row cache")

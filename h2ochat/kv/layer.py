@@ -216,6 +216,9 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
         """Empty batch row ``row`` (no tokens, scores and counters 0), leaving the other rows alone."""
         for name, tensor in self.state_tensors().items():
             tensor[row] = -1 if name in EMPTY_AS_MINUS_ONE else self.tier.empty_value(name)
+        forget = getattr(self.tier, "reset_row", None)  # (a tier with host counters per row starts them again)
+        if forget is not None:
+            forget(row)
 
     def update(self, key_states, value_states, *args, **_):
         if not self.is_initialized:

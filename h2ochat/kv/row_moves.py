@@ -100,7 +100,7 @@ class RowMoves:
         row's tokens fed: the stores grow with the longest conversation held, not with the uptime."""
         for row in rows:
             self.reset_row(row)
-        if not self.initialized or self.masks_inactive_rows:
+        if not self.initialized or (self.masks_inactive_rows and not self.tier.columns):
             return
         fed = int(self.tokens_fed.max())
         for layer in self.layers:

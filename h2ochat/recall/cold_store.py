@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
-from .layout import Writes, growable, held_pages, tensor_bytes, widened
+from .layout import Writes, growable, held_pages, narrowed, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "int8")
 OLD_COLD_DTYPES = {"same": "auto"}  # the earlier name of auto, still accepted
@@ -131,6 +131,17 @@ class ColdStore:
         never grows): the cache reserves an upper bound, so appending inside the step reads nothing."""
         if self.frames is None and needed > self.capacity:
             self._grow(needed)
+
+    def fit(self, needed: int) -> None:
+        """Give back the room past ``needed`` tokens per (sequence, head), in whole pages (at least one):
+        a server whose longest row was reset (a ring keeps its frames). The caller knows nothing past
+        ``needed`` is held."""
+        size = max(1, -(-needed // self.page)) * self.page
+        if self.frames is not None or size >= self.capacity:
+            return
+        self._settle()
+        for name in self._buffers():
+            setattr(self, name, narrowed(getattr(self, name), size))
 
     def append(self, keys, values, token_index, positions, encoded=None, *, reserve: bool = True) -> torch.Tensor:
         """Store evicted tokens: keys/values [B, H, E, D], token_index/positions [B, H, E] (token index

@@ -267,7 +267,8 @@ class TwoStageCodes:
         host = self.tokens.count.device
         before = self.tokens.count.clone()
         self.tokens.append(keys.to(host), token_index.to(host), reserve=reserve)
-        self.appended += keys.shape[2]
+        # the longest row's count in host memory (rows append on their own clocks): else a bound
+        self.appended = int(self.tokens.count.max()) if host.type == "cpu" else self.appended + keys.shape[2]
         span = self.page * self.pages_per_entry
         if self._coarsen():
             self._refresh(self._entry_ids())
@@ -326,16 +327,18 @@ class TwoStageCodes:
 
     # -- summaries ----------------------------------------------------------------------------------
     def _coarsen(self) -> bool:
-        """Double the pages per summary until the pages appended fit the cap (a ring's held pages
-        span at most one summary more than they fill). True when it changed."""
+        """The pages per summary (a power of two) fitting the pages appended in the cap; without a ring the
+        fewest (finer again once a server resets its longest row); a ring never gets finer. True: changed."""
         pages = -(-self.appended // self.page)
+        g = 1
         if self.frames is not None:
-            pages = min(pages, self.frames + self.pages_per_entry)
-        changed = False
-        while -(-pages // self.pages_per_entry) > self.cap:
-            self.pages_per_entry *= 2
-            changed = True
-        self.coarsenings += changed
+            g = self.pages_per_entry
+            pages = min(pages, self.frames + g)
+        while -(-pages // g) > self.cap:
+            g *= 2
+        changed = g != self.pages_per_entry
+        self.coarsenings += g > self.pages_per_entry
+        self.pages_per_entry = g
         return changed
 
     def _entry_ids(self) -> torch.Tensor:

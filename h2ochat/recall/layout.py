@@ -56,6 +56,15 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
     return growable(new)
 
 
+def narrowed(old: torch.Tensor, size: int) -> torch.Tensor:
+    """``old`` [B, H, S + 1, ...] (the last column its spill slot) cut to its first ``size`` slots and the
+    spill slot, made as ``widened`` makes its buffers (a server gives back the room of a long row gone)."""
+    with torch.inference_mode(old.is_inference()):
+        new = torch.cat([old[:, :, :size], old[:, :, -1:]], dim=2)
+        new = new.pin_memory() if old.is_pinned() else new
+    return growable(new)
+
+
 def best_pages(scores: torch.Tensor, page_numbers: torch.Tensor, count: int) -> torch.Tensor:
     """The absolute page numbers [B, H, k] of the ``count`` best-scoring frames (scores and page
     numbers [B, H, F]), best first; -1 where fewer frames hold a page."""

@@ -153,10 +153,11 @@ class StagingPage:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"count": self.count}
 
-    def put(self, coordinates, victim: dict[str, torch.Tensor]) -> None:
+    def put(self, coordinates, victim: dict[str, torch.Tensor], active: torch.Tensor | None = None) -> None:
         """One entry per (sequence, head) [B, H, ...] into the next staging column (fixed shapes, no
         host read: a compiled step holds it): ``victim`` by name (``TierPort.victims``: keys, values,
-        token_index, positions and, for quantized slots, the scales beside the codes)."""
+        token_index, positions and, for quantized slots, the scales beside the codes). ``active`` [B]
+        bool (None: every row): a row left out writes an empty entry and does not count it."""
         where = (*coordinates, self.count)
         for name, buffer in (self.slots.scales or {}).items():
             buffer.index_put_(where, victim[name])
@@ -164,7 +165,7 @@ class StagingPage:
         self.slots.values.index_put_(where, victim["values"])
         self.slots.token_index.index_put_(where, victim["token_index"])
         self.slots.positions.index_put_(where, victim["positions"])
-        self.count += 1
+        self.count += 1 if active is None else active.view(-1, 1).long()
 
     def count_step(self) -> None:
         """A decode step is about to run: it may stage one entry (host counter)."""
@@ -178,12 +179,17 @@ class StagingPage:
         """[B, H]: real tokens staged now."""
         return (self.slots.token_index >= 0).sum(dim=-1)
 
-    def clear(self) -> None:
-        """After a flush: the columns hold nothing (token index -1: not attended)."""
-        self.slots.token_index.fill_(-1)
-        self.slots.positions.fill_(-1)
-        self.count.zero_()
-        self.steps = 0
+    def clear(self, rows: list[int] | None = None) -> None:
+        """After a flush: the columns of ``rows`` (None: every row) hold nothing (token index -1: not attended)."""
+        if rows is None:
+            self.slots.token_index.fill_(-1)
+            self.slots.positions.fill_(-1)
+            self.count.zero_()
+            self.steps = 0
+            return
+        self.slots.token_index[rows] = -1
+        self.slots.positions[rows] = -1
+        self.count[rows] = 0
 
     def nbytes(self) -> int:
         """Device bytes beyond the slots it lives in: the count."""

@@ -53,7 +53,8 @@ from .bounds import PageBounds
 from .cold_store import ColdStore
 from .layout import tensor_bytes
 from .digests import KeyCodes, TwoStageCodes
-from .step import RecallFrames, RecallSlots, StagingPage, fill_recall_slots
+from .row_cadence import RowCadence
+from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots
 from .tier_rows import RecallRowMoves
 from .tiered import RecallConfig, TierStats
 
@@ -94,6 +95,8 @@ class RecallTier(RecallRowMoves):
         # views of the tier's columns of the layer's slots (the port says where): attended with the hot ones
         self.slots = RecallSlots.of(port.frame_columns(config.page), self.format)
         self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
+        self.cadence = RowCadence(batch, config.page, config.every)  # each row's flush and choice, on its own count
+        self.step_active = None  # the decode step's active rows [B] (None: every row), for ``archive``
         columns = port.tier_columns()
         self.all_columns, self.recall_scores = columns["token_index"], columns["scores"]
         self.decode_steps = 0
@@ -135,6 +138,13 @@ class RecallTier(RecallRowMoves):
         parts = [*self.frames.state_tensors().values(), self.recalled_mass, self.attended_mass]
         return tensor_bytes(parts + ([self.last_query] if self.last_query is not None else []))
 
+    def host_bytes_per_token(self) -> float:
+        """Host bytes one cold token of one row takes in this layer, over its KV heads: the cold store's
+        and the token codes' beside it (every such buffer has a slot per token, and the spill slot)."""
+        batch = self.cold.count.shape[0]
+        parts = [(self.cold.nbytes(), self.cold.capacity), (self.digest.host_nbytes(), self.digest.capacity)]
+        return sum(nbytes / (batch * (capacity + 1)) for nbytes, capacity in parts if nbytes)
+
     def recalled_token_index(self) -> torch.Tensor:
         """[B, H, R]: the token index each recall slot holds, staging page included (-1: empty)."""
         return self.all_columns
@@ -150,35 +160,54 @@ class RecallTier(RecallRowMoves):
             self._prepare(port, q_len, context)
 
     def _prepare(self, port, q_len: int, context) -> None:
-        if q_len > 1 or self.staging.full():
-            self.flush(port, q_len)
-        if q_len == 1:
-            self.decode_steps += 1
-            # the cadence counts from the last flush: every ``every`` steps, and at least once a page
-            cadence = self.staging.steps % self.config.every == 0
-            prefetch = context.static_shapes  # (the compiled step's cache: nothing is chosen inside it)
-            if cadence and prefetch and self.has_query:
-                self.recall(port, self.last_query, context.rotary)
-            self.choose_in_step = cadence and not prefetch
-            self.staging.count_step()
-        else:
-            self._room(port, q_len)
+        cadence = self.cadence
+        if q_len > 1:
+            self.step_active = None
+            self._room(port, max(cadence.steps) + q_len)  # (the staged pages, then what the chunk drops)
+            self.flush(port, rows=cadence.staged())
+            self.has_query = True
+            return
+        active = cadence.active(context.numbers.active if context.numbers is not None else None)
+        self.step_active = context.numbers.active if active is not None else None
+        self.flush(port, rows=cadence.full())
+        self.decode_steps += 1
+        # the cadence counts from each row's last flush: every ``every`` steps, and at least once a page
+        due = cadence.choosing(active)
+        prefetch = context.static_shapes  # (the compiled step's cache: nothing is chosen inside it)
+        if due is not False and prefetch and self.has_query:
+            self.recall(port, self.last_query, context.rotary, due)
+        self.choose_in_step = False if prefetch else due
+        cadence.count_step(active)
+        self.staging.count_step()
         self.has_query = True
 
-    def _room(self, port, q_len: int) -> None:
-        needed = port.tokens_fed_with_padding + q_len  # every token fed so far and these: an upper bound
+    def _room(self, port, extra: int) -> None:
+        """Room for ``extra`` more tokens than the longest row's cold store holds (the store's count is
+        host memory on a CPU: read; under zero-copy on a GPU only the bound below), and never more than
+        every token fed so far and ``extra`` (an upper bound of what any row can have evicted)."""
+        count, fed = self.cold.count, port.tokens_fed_with_padding
+        needed = min(int(count.max()), fed) + extra if count.device.type == "cpu" else fed + extra
         self.cold.reserve(needed)
         self.digest.reserve(needed)
 
-    def flush(self, port, q_len: int = 0) -> None:
-        """The staging page into the cold store and the digest (one append of P entries, in eviction
-        order), then emptied. Eager, before a step (or before a chunk's own drops)."""
-        if self.staging.steps == 0:
+    def flush(self, port, q_len: int = 0, rows: list[int] | None = None) -> None:
+        """The staging pages of ``rows`` (None: every row that staged) into the cold store and the digest
+        (one append of P entries, in eviction order; the other rows append nothing), then emptied.
+        Eager, before a step (or before a chunk's own drops)."""
+        rows = self.cadence.staged() if rows is None else rows
+        if not rows:
             return
-        self._room(port, q_len)
+        self._room(port, max(self.cadence.steps[row] for row in rows) + q_len)
         slots = self.staging.slots
-        self.to_cold(*self.cold_floats(slots), slots.token_index, slots.positions)
-        self.staging.clear()
+        token_index = slots.token_index
+        every_row = len(rows) == token_index.shape[0]
+        if not every_row:
+            keep = torch.zeros(token_index.shape[0], 1, 1, dtype=torch.bool, device=token_index.device)
+            keep[rows] = True
+            token_index = token_index.masked_fill(~keep, -1)
+        self.to_cold(*self.cold_floats(slots), token_index, slots.positions)
+        self.staging.clear(None if every_row else rows)
+        self.cadence.flushed(rows)
 
     def cold_floats(self, slots: RecallSlots) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of these columns as the cold store holds them (``SlotFormat.decoded``:
@@ -197,19 +226,32 @@ class RecallTier(RecallRowMoves):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
             self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
-        elif not context.compiled and self.choose_in_step:  # an eager step: with its own queries
-            self.recall(port, grouped[:, :, :, 0], context.rotary)
-        self.last_query.copy_(grouped[:, :, :, -1])
+        elif not context.compiled and self.choose_in_step is not False:  # an eager step: with its own queries
+            self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step)
+        active = context.numbers.active if q_len == 1 else None  # (a row left out keeps its last queries)
+        if active is None:
+            self.last_query.copy_(grouped[:, :, :, -1])
+        else:
+            self.last_query.copy_(torch.where(active.view(-1, 1, 1, 1), grouped[:, :, :, -1], self.last_query))
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
-        self.attended_mass += rows * group
+        self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
 
-    def recall(self, port, queries: torch.Tensor, rotary) -> None:
-        """The best pages for these queries [B, H, M, D] into the recall frames (eager)."""
+    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
+        """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a
+        boolean per row): only those rows' frames change, the others keep their pages and clocks."""
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
         wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
-        plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
+        if rows is True:
+            plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
+        else:
+            still = torch.tensor([not row for row in rows], device=wanted.device)
+            kept = {name: tensor[still].clone() for name, tensor in self.frames.state_tensors().items()}
+            plan = self.frames.update(wanted, self.digest.count // self.cold.page)
+            for name, tensor in self.frames.state_tensors().items():
+                tensor[still] = kept[name]
+            plan = RecallPlan(plan.frame_page, plan.load & ~still.view(-1, 1, 1))
         fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
 
     def before_insert(self, port) -> None:
@@ -219,8 +261,12 @@ class RecallTier(RecallRowMoves):
         self.recall_scores.zero_()
 
     def archive(self, port, slot: torch.Tensor) -> None:
-        """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush)."""
-        self.staging.put(port.coordinates, port.victims(slot))
+        """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush);
+        a row left out of the step stages nothing (its slot is not overwritten)."""
+        victims, active = port.victims(slot), self.step_active
+        if active is not None:
+            victims["token_index"] = victims["token_index"].masked_fill(~active.view(-1, 1), -1)
+        self.staging.put(port.coordinates, victims, active)
 
     def archive_dropped(self, port, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
         self.flush(port, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
@@ -251,6 +297,14 @@ class RecallTier(RecallRowMoves):
             keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
             self.digest.rebuild(self.format.held_keys(keys))
 
+    def reset_row(self, row: int) -> None:
+        """Row ``row`` was emptied (its state tensors hold their empty values): its clock starts again."""
+        if self.cold is not None:
+            self.cadence.flushed([row])
+            count = self.cold.count  # the cold store gives back what only a longer conversation needed
+            if count.device.type == "cpu":
+                self.cold.fit(int(count.max()) + self.cold.page)
+
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""
         return int(self.frames.copied[row].sum()) if self.frames is not None else 0
@@ -259,7 +313,9 @@ class RecallTier(RecallRowMoves):
 class RecallSpec:
     """The recall tier of a whole cache: R recall columns per layer, one ``RecallTier`` each."""
 
-    masks_inactive_rows = False  # a step's evictions go to the cold tier: every row takes every step
+    # a row left out of a decode step (a free row of a server) writes, evicts and stages nothing, and its
+    # clock stands still (``row_cadence``): a step may leave rows out
+    masks_inactive_rows = True
 
     def __init__(self, config: RecallConfig, tier_type: type[RecallTier] = RecallTier):
         self.config, self.tier_type = config, tier_type
@@ -312,6 +368,10 @@ class RecallSpec:
     def cold_bytes(self, cache) -> int:
         """Host bytes of the cold stores and of the token-level codes a two-stage selector keeps beside them."""
         return sum(tier.cold.nbytes() + tier.digest.host_nbytes() for tier in self._tiers(cache))
+
+    def host_bytes_per_token(self, cache) -> float:
+        """Host bytes one evicted token of one row costs, over every layer and KV head (allocated cache)."""
+        return sum(tier.host_bytes_per_token() for tier in self._tiers(cache))
 
     def digest_bytes(self, cache) -> int:
         """Device bytes of what scores the pages (the digests, or a two-stage selector's summaries)."""

@@ -94,23 +94,23 @@ class RecallRowMoves:
         self._fold_staged(row)
 
     def _fold_staged(self, row: int) -> None:
-        """After an import: the staging page of every row (the imported one's came with the layer's
-        slots) goes to the cold stores and digests, in eviction order, and the page starts again. The
-        page is flushed on the batch's count of decode steps, which a row coming in with staged tokens
-        would overrun; and from here the row's page fills as its own cache's does after a prompt chunk
-        (which flushes), so a conversation resumed alone in a batch stages as it would alone.
-        (The other rows' staged tokens go a little early: the batch shares one flush cadence.)"""
+        """After an import: the imported row's staging page (it came with the layer's slots) goes to its
+        cold store and digest, in eviction order, and its page and cadence start again, as its own
+        cache's do after a prompt chunk (which flushes): a conversation resumed in a batch stages as it
+        would alone. The other rows' pages are left alone (each row flushes on its own count)."""
         staging = getattr(self, "staging", None)
         if staging is None:
             return
         slots = staging.slots
-        if staging.steps == 0 and not bool((slots.token_index >= 0).any()):  # (a host read, once per import)
-            return
-        room = int(self.cold.count.max()) + self.cold.page
-        self.cold.reserve(room)
-        self.digest.reserve(room)
-        self.to_cold(*self.cold_floats(slots), slots.token_index, slots.positions)
-        staging.clear()
+        if bool((slots.token_index[row] >= 0).any()):  # (a host read, once per import)
+            room = int(self.cold.count[row].max()) + self.cold.page
+            self.cold.reserve(room)
+            self.digest.reserve(room)
+            keep = torch.zeros(slots.token_index.shape[0], 1, 1, dtype=torch.bool, device=slots.token_index.device)
+            keep[row] = True
+            self.to_cold(*self.cold_floats(slots), slots.token_index.masked_fill(~keep, -1), slots.positions)
+        staging.clear([row])
+        self.cadence.flushed([row])
 
     def _mark_moved(self) -> None:
         """The imported row's cold tokens were re-numbered: brought-back keys must be rotated from their

@@ -51,13 +51,12 @@ class ModelBackend:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.runner = ModelRunner(model, prefill_chunk=prefill_chunk, compile=compile, compile_backend=compile_backend)
-        # static shapes for the compiled step's graphs and the row buckets; a cache that cannot leave
-        # rows out (a recall tier) runs every row anyway, and with static shapes it chooses a decode
-        # step's pages before the step (the compiled step's rule, not the REPL's): eager, it keeps the
-        # REPL's shapes and rule
-        masks_rows = settings.build(model).masks_inactive_rows  # (an unallocated cache: it holds nothing)
+        # static shapes for the compiled step's graphs and the row buckets; a recall tier has one
+        # bucket (its free rows masked) and, eager, keeps the REPL's shapes and rule (with static shapes
+        # it would choose a decode step's pages before the step, the compiled step's rule)
+        prefixes = settings.build(model).row_prefixes  # (an unallocated cache: it holds nothing)
         self.pool = RowPool(self._new_cache, rows, store=store, device=self.runner.device,
-                            max_positions=max_positions(config), static_shapes=compile or masks_rows, buckets=buckets)
+                            max_positions=max_positions(config), static_shapes=compile or prefixes, buckets=buckets)
 
     def _new_cache(self, batch: int, *, static_shapes: bool) -> H2OCache:
         cache = self.settings.build(self.runner.model, static_shapes=static_shapes)

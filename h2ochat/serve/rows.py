@@ -11,8 +11,9 @@ a 1-row cache of the same settings (resumed from a parked conversation when one 
 copied into free rows with ``H2OCache.import_row``. A row that ends is exported to the parked store
 and reset.
 
-A cache that cannot leave rows out of a step (``masks_inactive_rows`` False: a recall tier, whose
-evictions go to its cold store) runs all N rows every step: free rows are fed a placeholder token
+A recall tier's rows leave free rows out of a step by the ``active`` mask too, in one bucket of every
+row (its tier state is not views of the batch's first rows). A cache that cannot leave rows out of a
+step (``masks_inactive_rows`` False) runs all N rows every step: free rows are fed a placeholder token
 (their output is ignored) and reset before their positions could reach the model's limit.
 
 The full policy never evicts: each row reserves its slots up front and a conversation longer than
@@ -50,7 +51,7 @@ class RowPool:
         # made now: each is allocated before its slots become views (smallest first, so the memory
         # taken at once is the batch cache's and half of it at most), not while requests run
         self.buckets = sorted(set(buckets)) if buckets else bucket_sizes(rows)
-        if not self.masks_rows or self.buckets[-1] != rows:
+        if not self.cache.row_prefixes or self.buckets[-1] != rows:  # (a recall tier: one bucket, rows masked)
             self.buckets = [rows]
         self._prefixes: dict[int, H2OCache] = {rows: self.cache}
         for size in self.buckets[:-1]:

@@ -59,9 +59,11 @@ class ServeConfig:
     quiet: bool = False  # no line per request on stderr
 
 
-def choose_rows(config: ServeConfig, row_bytes: int, device) -> tuple[int, str]:
-    """N, and where it came from (the start-up log says which). A memory that holds no row is refused:
-    a row over the cap would break the cap it was given."""
+def choose_rows(config: ServeConfig, row_bytes: int, device, cold_row_bytes: int = 0) -> tuple[int, str]:
+    """N, and where it came from (the start-up log says which). ``cold_row_bytes``: the host bytes a
+    recall tier's cold store takes for one row of the model's context window (``cold_row_bytes``):
+    counted in the same budget on a CPU (one memory), against half the free host memory beside a GPU.
+    A memory that holds no row is refused: a row over the cap would break the cap it was given."""
     if config.max_sequences:
         return config.max_sequences, "--max-sequences"
     if config.kv_memory:
@@ -69,11 +71,25 @@ def choose_rows(config: ServeConfig, row_bytes: int, device) -> tuple[int, str]:
     else:
         budget = int(AUTO_MEMORY_SHARE * available_memory(str(device)))
         source = f"half the free memory, {budget / 2**20:.0f} MiB"
-    if budget < row_bytes:
-        raise UserError(_no_row(source, row_bytes))
-    rows = min(budget // row_bytes, AUTO_MAX_ROWS)
-    return rows, f"{source} / {row_bytes / 2**20:.2f} MiB per row" + (f", at most {AUTO_MAX_ROWS}" if
-                                                                       budget // row_bytes > AUTO_MAX_ROWS else "")
+    one_memory = getattr(device, "type", str(device)) == "cpu"
+    per_row = row_bytes + (cold_row_bytes if one_memory else 0)
+    if budget < per_row:
+        raise UserError(_no_row(source, per_row))
+    rows = budget // per_row
+    if cold_row_bytes and not one_memory:
+        rows = min(rows, max(1, int(AUTO_MEMORY_SHARE * available_memory("cpu")) // cold_row_bytes))
+    capped = rows > AUTO_MAX_ROWS
+    rows = min(rows, AUTO_MAX_ROWS)
+    cold = f" + {cold_row_bytes / 2**20:.0f} MiB of cold store" if cold_row_bytes else ""
+    return rows, (f"{source} / {row_bytes / 2**20:.2f} MiB{cold} per row" + (f", at most {AUTO_MAX_ROWS}" if capped
+                                                                             else ""))
+
+
+def cold_row_bytes(backend: ModelBackend, positions: int) -> int:
+    """Host bytes a recall tier's cold store takes for one row holding the model's context window of
+    tokens (every token past the row's slots evicted; 0 without a tier that keeps them): what the
+    row count is sized by, a conversation longer than that costs more (the README says how much)."""
+    return int(backend.cache.tier_host_bytes_per_token() * max(positions - backend.slots, 0))
 
 
 def _no_row(source: str, row_bytes: int) -> str:
@@ -140,15 +156,16 @@ def loader(config: ServeConfig, store: ParkedStore):
                       kv_slots=settings.kv_slots_needed(config.prefill_chunk), kv_batch=config.max_sequences or 1)
         probe = ModelBackend(loaded.model, settings, 1, store=store, prefill_chunk=config.prefill_chunk)
         row_bytes = probe.row_bytes()
+        positions = max_positions(loaded.model.config)
+        cold_bytes = cold_row_bytes(probe, positions)
         del probe
-        rows, source = choose_rows(config, row_bytes, loaded.device)
+        rows, source = choose_rows(config, row_bytes, loaded.device, cold_bytes)
         backend = ModelBackend(loaded.model, settings, rows, store=store, prefill_chunk=config.prefill_chunk,
                                compile=config.compile, compile_backend=config.compile_backend)
         if config.compile:  # compile now, while /health says loading, not in the first request
             log.info("compiling the decode step for %d rows…", rows)
             backend.warm_up()
         model_config = loaded.model.config
-        positions = max_positions(model_config)
         policy = settings.resolved_policy()
         bounded = settings.positions == "absolute" or policy.grows or backend.slots >= positions
         # the full cache holds a conversation of its slots at most; the others of the model's positions
@@ -156,15 +173,33 @@ def loader(config: ServeConfig, store: ParkedStore):
         preparer = Preparer(loaded.tokenizer, store, vocab_size=model_config.vocab_size, max_context=context,
                             bounded=bounded, max_tokens_cap=config.max_tokens,
                             repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n)
-        log.info("%s loaded on %s: %s cache of %d slots per row; %d sequence rows (from %s), %.1f MiB of KV in all; "
-                 "parked conversations up to %.0f MiB", loaded.name, loaded.device, policy.name, backend.slots, rows,
-                 source, rows * row_bytes / 2**20, store.capacity / 2**20)
+        log.info("%s loaded on %s: %d sequence rows (from %s); %s cache of %d slots per row at %s, %s; %.1f MiB "
+                 "of device KV in all; parked conversations up to %.0f MiB", loaded.name, loaded.device, rows, source,
+                 policy.name, backend.slots, slot_format(settings, loaded.model), recall_line(backend, cold_bytes,
+                                                                                            positions),
+                 rows * row_bytes / 2**20, store.capacity / 2**20)
         return Loaded(backend, loaded.tokenizer, preparer, frozenset(stop_token_ids(loaded.tokenizer, loaded.model)),
                       config.served_name or config.model, row_bytes=row_bytes,
                       layers=model_config.num_hidden_layers, kv_heads=backend.kv_heads,
                       prefill_chunks=config.prefill_chunks_per_step)
 
     return load_engine
+
+
+def slot_format(settings: CacheSettings, model) -> str:
+    """The slots' format for the start-up line: --kv-dtype, auto named by the model's dtype."""
+    if settings.kv_dtype != "auto":
+        return settings.kv_dtype
+    return f"auto ({str(next(model.parameters()).dtype).replace('torch.', '')})"
+
+
+def recall_line(backend: ModelBackend, cold_bytes: int, positions: int) -> str:
+    """What the start-up line says of recall: its slots and page, or that it is off."""
+    record = backend.cache.tier_record()
+    if not record:
+        return "no recall (evicted tokens are dropped)"
+    return (f"recall {record['recall_slots']} of them (pages of {record['page']}, {record['selector']} selector, "
+            f"a cold store of {cold_bytes / 2**20:.0f} MiB host memory per row at {positions} tokens)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
