@@ -117,8 +117,8 @@ class ExactShareTier(RecallTier):
     reference's ``OverlapStats`` gives, measured on the real two-tier cache. Recalls where every
     cold page fits in the recall slots are left out (any selector finds them all)."""
 
-    def allocate(self, layer, batch, heads, head_dim, value_dim, dtype, device) -> None:
-        super().allocate(layer, batch, heads, head_dim, value_dim, dtype, device)
+    def allocate(self, port, batch, heads, head_dim, value_dim, dtype, device) -> None:
+        super().allocate(port, batch, heads, head_dim, value_dim, dtype, device)
         self.exact = KeyCodes(batch, heads, head_dim, self.cold.page, None, frames=self.cold.frames,
                               device=device, dtype=dtype)
         self.found, self.recalls_counted = 0.0, 0
@@ -127,7 +127,7 @@ class ExactShareTier(RecallTier):
         super().to_cold(keys, values, token_index, positions)
         self.exact.append(keys, token_index)
 
-    def recall(self, layer, queries: torch.Tensor, rotary) -> None:
+    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
         count = self.frames.frame_page.shape[-1]
         pages_held = -(-self.cold.held_tokens() // self.cold.page)
         if int(pages_held.min()) > count:
@@ -135,7 +135,7 @@ class ExactShareTier(RecallTier):
             exact = self.exact.top_pages(queries, count)
             self.found += float((picked.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean())
             self.recalls_counted += 1
-        super().recall(layer, queries, rotary)
+        super().recall(port, queries, rotary, rows)
 
     def exact_share(self) -> float | None:
         return self.found / self.recalls_counted if self.recalls_counted else None
