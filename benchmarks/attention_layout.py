@@ -41,27 +41,24 @@ def case(batch: int, q_len: int, slots: int, dtype: torch.dtype):
     return lambda: reference.attend_with_scores(**tensors, scores=torch.zeros(batch, kv_heads, slots))
 
 
-def timed(call, keys_major: bool) -> float:
-    chosen = reference.KEYS_MAJOR_MIN_TOKENS
-    reference.KEYS_MAJOR_MIN_TOKENS = 2 if keys_major else 1 << 30
+def timed_with(name: str, value, call) -> float:
+    """CPU seconds of ``call`` with ``reference.<name>`` set to ``value`` (put back after)."""
+    chosen = getattr(reference, name)
+    setattr(reference, name, value)
     try:
         started = time.process_time()
         call()
         return time.process_time() - started
     finally:
-        reference.KEYS_MAJOR_MIN_TOKENS = chosen
+        setattr(reference, name, chosen)
+
+
+def timed(call, keys_major: bool) -> float:
+    return timed_with("KEYS_MAJOR_MIN_TOKENS", 2 if keys_major else 1 << 30, call)
 
 
 def timed_bf16(call, native: bool) -> float:
-    chosen = reference._multiplies_bf16_slots
-    if not native:
-        reference._multiplies_bf16_slots = lambda *a: False
-    try:
-        started = time.process_time()
-        call()
-        return time.process_time() - started
-    finally:
-        reference._multiplies_bf16_slots = chosen
+    return timed_with("_multiplies_bf16_slots", reference._multiplies_bf16_slots if native else lambda *a: False, call)
 
 
 def main() -> None:
