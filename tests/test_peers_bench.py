@@ -118,3 +118,15 @@ def test_an_unknown_baseline_revision_is_skipped_with_the_reason(tmp_path):
     args = module.parse_args(["--engine", "h2ochat", "--h2ochat-baseline", "no-such-rev", "--out", str(tmp_path / "r")])
     baseline, _ = module.engines_for(args, module.PRESETS["chat-8x4"], tmp_path)
     assert baseline.skipped.startswith("no tree for no-such-rev")
+
+
+def test_skip_leaves_one_engine_out_of_one_preset_and_says_so(tmp_path):
+    module = peers()
+    args = module.parse_args(["--preset", "chat-8x4", "--preset", "outgrow-32x8", "--engine", "llama.cpp",
+                              "--llama-server", "/bin/true", "--skip", "llama.cpp:outgrow-32x8", "--out", str(tmp_path / "r")])
+    [short] = module.engines_for(args, module.PRESETS["chat-8x4"], tmp_path)
+    [long] = module.engines_for(args, module.PRESETS["outgrow-32x8"], tmp_path)
+    assert long.skipped == "left out by --skip llama.cpp:outgrow-32x8"
+    assert short.skipped is None or short.skipped.startswith("no GGUF")  # (not the --skip)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--skip", "llama.cpp", "--out", str(tmp_path / "r")])
