@@ -30,8 +30,18 @@ def _cache(model, *, selector="int4", every=1, static=True, cold_dtype="same"):
                        max_positions=LIMIT, rotary=find_rotary(model), static_shapes=static)
 
 
+def without_host_reads(monkeypatch) -> None:
+    """The recall step's route for a GPU (nothing read back), here on the CPU, where the eager step
+    may read its CPU-resident state (``recall.step.host_reads_allowed``)."""
+    from h2ochat.recall import step, tier
+
+    for module in (step, tier):
+        monkeypatch.setattr(module, "host_reads_allowed", lambda state: False)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_eager_recall_decode_step_reads_nothing_back(models, family, seed):
+def test_an_eager_recall_decode_step_reads_nothing_back(models, family, seed, monkeypatch):
+    without_host_reads(monkeypatch)
     model = models[family]
     cache = _cache(model, static=False)
     forward(model, cache, torch.randint(3, VOCAB, (2, 30)))
@@ -41,6 +51,32 @@ def test_an_eager_recall_decode_step_reads_nothing_back(models, family, seed):
         forward(model, cache, torch.randint(3, VOCAB, (2, 1)), logits_to_keep=1)
     assert log == [] and mode.reads == [], (log, mode.reads)
     assert all(int(layer.tier.frames.copied.sum()) > 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family,selector,cold_dtype,every", [("opt", "int4", "same", 1), ("llama", "exact", "int8", 3),
+                                                              ("neox", "int4", "int8", 2)])
+def test_the_cpu_route_that_reads_its_state_is_the_route_that_does_not(models, family, seed, selector, cold_dtype,
+                                                                      every, monkeypatch):
+    """A 30-token prompt, then 40 decode steps (evicting, flushing, recalling, growing, re-numbering):
+    the eager CPU step that reads its plan and skips choosing while nothing is cold gives the logits
+    and every state tensor of the step that reads nothing back, bit for bit."""
+    model = models[family]
+    prompt, tokens = torch.randint(3, VOCAB, (2, 30)), torch.randint(3, VOCAB, (40, 2, 1))
+    runs = []
+    for reads in (True, False):
+        with monkeypatch.context() as patch:
+            if not reads:
+                without_host_reads(patch)
+            cache = _cache(model, selector=selector, cold_dtype=cold_dtype, every=every, static=False)
+            logits = [forward(model, cache, prompt, logits_to_keep=1)]
+            logits += [forward(model, cache, step, logits_to_keep=1) for step in tokens]
+            runs.append((torch.stack(logits), cache))
+    (reading, cache), (not_reading, reference) = runs
+    assert torch.equal(reading, not_reading)
+    for layer, other in zip(cache.layers, reference.layers):
+        state, want = layer.state_tensors(), other.state_tensors()
+        assert state.keys() == want.keys() and all(torch.equal(state[name], want[name]) for name in want), layer.layer_idx
+    assert int(cache.layers[0].tier.frames.copied.sum()) > 0 and cache.compactions >= 1
 
 
 @pytest.mark.parametrize("family,selector,cold_dtype,every", [("opt", "int4", "same", 1), ("llama", "exact", "int8", 3),

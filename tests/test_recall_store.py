@@ -192,10 +192,15 @@ def test_device_digest_picks_the_pages_a_slow_loop_over_the_store_picks(seed, bi
     assert bool((digest.valid.sum(-1) == store.held_tokens()).all())
 
 
-def test_recall_slots_hold_the_pages_their_frames_name(seed):
+@pytest.mark.parametrize("host_reads_plan", [True, False])
+def test_recall_slots_hold_the_pages_their_frames_name(seed, host_reads_plan, monkeypatch):
     """After steps of changing wishes, every frame's slots hold exactly its page's tokens as the
-    cold store gives them back; frames that kept their page were not rewritten."""
+    cold store gives them back; frames that kept their page were not rewritten. Both routes: the
+    eager CPU one copying the loaded frames only, and the one with no host read (a GPU, a graph)."""
+    from h2ochat.recall import step
     from h2ochat.recall.step import RecallSlots, fill_recall_slots
+
+    monkeypatch.setattr(step, "host_reads_allowed", lambda state: host_reads_plan)
 
     page, frames = 4, 3
     rng = random.Random(seed)

@@ -89,6 +89,13 @@ class RecallFrames:
             self.complete.copy_(torch.where(load, self.frame_page < complete_pages.unsqueeze(-1), self.complete))
         return RecallPlan(self.frame_page.clone(), load)
 
+    def tick(self, rows: bool | list[bool] = True) -> None:
+        """What ``update`` does when no page is wanted anywhere: the clock of ``rows`` (True: every row) advances."""
+        if rows is True:
+            self.clock += 1
+        else:
+            self.clock += torch.tensor(rows, device=self.clock.device).view(-1, 1, 1).long()
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"frame_page": self.frame_page, "last_used": self.last_used, "clock": self.clock,
                 "copied": self.copied, "complete": self.complete}
@@ -123,6 +130,9 @@ def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, 
     """Copy the pages the plan loads from the cold store into their frames (frames that keep their
     page are not touched). Keys come back rotated to the tokens' current positions; quantized slots
     (``slot_format``) take them encoded as the layer's new tokens are (codes and scales)."""
+    if host_reads_allowed(plan.load):
+        _fill_loaded_frames(slots, store, plan, rotary, slot_format)
+        return
     page = store.page
     wanted = plan.frame_page.masked_fill(~plan.load, -1)  # [B, H, F]: only the frames that change
     keys, values, token_index, positions = store.pages(wanted.to(store.count.device), rotary)  # [B, H, F*P, ...]
@@ -138,6 +148,39 @@ def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, 
     slots.values.copy_(torch.where(change.unsqueeze(-1), values.to(slots.values.dtype), slots.values))
     slots.token_index.copy_(torch.where(change, token_index.to(device), slots.token_index))
     slots.positions.copy_(torch.where(change, positions.to(device), slots.positions))
+
+
+def host_reads_allowed(state: torch.Tensor) -> bool:
+    """Whether the recall step may read ``state`` on the host: an eager step with it in CPU memory
+    (no device to wait for). There the step reads its plan (most decode steps load no page or one or
+    two: copying only those frames beats rewriting every recall column, ``torch.where`` over all R,
+    every step) and skips choosing while the cold store is empty. A GPU's step and a compiled graph
+    read nothing back (tests/test_recall_compiled.py holds both routes to that, this one switched off)."""
+    return state.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _fill_loaded_frames(slots: RecallSlots, store, plan: RecallPlan, rotary, slot_format) -> None:
+    """``fill_recall_slots`` for a plan read on the host: the loaded pages only, gathered from the store
+    as up to k pages per (sequence, head) (k: the most any loads) and written into their frames."""
+    load = plan.load
+    most = int(load.sum(dim=-1).max()) if load.numel() else 0
+    if most == 0:
+        return
+    page, frames = store.page, load.shape[-1]
+    row, head, frame = load.nonzero(as_tuple=True)
+    rank = (load.long().cumsum(dim=-1) - 1)[row, head, frame]  # the page's place among its row and head's loads
+    compact = torch.full((*load.shape[:2], most), -1, dtype=torch.long, device=load.device)
+    compact[row, head, rank] = plan.frame_page[row, head, frame]
+    keys, values, token_index, positions = store.pages(compact.to(store.count.device), rotary)  # [B, H, k*P, ...]
+    new = {"keys": keys, "values": values, "token_index": token_index, "positions": positions}
+    targets = {"keys": slots.keys, "values": slots.values, "token_index": slots.token_index,
+               "positions": slots.positions}
+    if slots.scales is not None:  # (the cold store holds the dequantized floats: the same codes come back)
+        new.update(slot_format.encode(keys, values))
+        targets.update(slots.scales)
+    for name, buffer in targets.items():
+        loaded = new[name].unflatten(2, (most, page))[row, head, rank]  # [N, P, ...]
+        buffer.unflatten(2, (frames, page))[row, head, frame] = loaded.to(buffer.device, buffer.dtype)
 
 
 class StagingPage:

@@ -54,7 +54,7 @@ from .cold_store import ColdStore
 from .layout import tensor_bytes
 from .digests import KeyCodes, TwoStageCodes
 from .row_cadence import RowCadence
-from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots
+from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
 from .tier_rows import RecallRowMoves
 from .tiered import RecallConfig, TierStats
 
@@ -241,6 +241,9 @@ class RecallTier(RecallRowMoves):
     def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a
         boolean per row): only those rows' frames change, the others keep their pages and clocks."""
+        if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
+            self.frames.tick(rows)
+            return
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
         wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
         if rows is True:
@@ -253,6 +256,13 @@ class RecallTier(RecallRowMoves):
                 tensor[still] = kept[name]
             plan = RecallPlan(plan.frame_page, plan.load & ~still.view(-1, 1, 1))
         fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
+
+    def _nothing_flushed_yet(self) -> bool:
+        """No row has a page in the cold store yet, known on the host (the store counts on the CPU and
+        this is no compiled graph): a choice would name no page and load none (the frames' clock alone
+        counts it), so a text that has evicted nothing pays next to nothing for recall."""
+        count = self.cold.count
+        return host_reads_allowed(count) and not bool(count.any())
 
     def before_insert(self, port) -> None:
         """The recall columns' scores are this step's attention to recalled and staged tokens:
