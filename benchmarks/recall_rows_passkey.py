@@ -10,7 +10,8 @@ trials are those `eval --task passkey` draws for the same --lengths (all of them
         --only 880 --budget 128 --recall 0.5 --selector rot4,exact > rows.json
 
 --kv-dtype auto,int8 runs each recall row with the model's float slots and with int8 slots;
---cold-dtype auto,int8 each with the cold store at the model's dtype and as int8 codes (issue 34).
+--cold-dtype auto,int8 each with the cold store at the model's dtype and as int8 codes, --recall-every 1,16
+each choosing its pages every step and every 16th (issue 34).
 
 Held-out texts (issue 34): --text takes comma-separated files (each its own trials, drawn as above),
 --rows all adds the full cache and the policy alone at the same device slots beside the recall rows,
@@ -56,6 +57,8 @@ def main() -> None:
     parser.add_argument("--selector", default="rot4,exact")
     parser.add_argument("--kv-dtype", default="auto", help="slot formats, comma-separated (rows run side by side)")
     parser.add_argument("--cold-dtype", default="auto", help="cold store formats, comma-separated (rows side by side)")
+    parser.add_argument("--recall-every", default="1",
+                        help="decode steps per choice of pages, comma-separated (rows side by side; 1 is run's default)")
     parser.add_argument("--rows", choices=("recall", "all"), default="recall",
                         help="all: the full cache and the policy alone too")
     parser.add_argument("--out", default="", help="JSON lines, one per trial: appended, and trials there are skipped")
@@ -68,15 +71,19 @@ def main() -> None:
     only = set(parse_numbers(args.only, int, "--only")) if args.only else set(lengths)
     cold_dtypes = args.cold_dtype.split(",")
     kv_dtypes = ev.parse_kv_dtypes(args.kv_dtype)
+    everys = parse_numbers(args.recall_every, int, "--recall-every")
     rows = []
     for cold_dtype in cold_dtypes:
-        recalls = ev.recall_settings(args.recall, args.page, selector=args.selector, cold_dtype=cold_dtype)
-        cold = "" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}"
-        rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + cold)
-                 for kv_dtype in kv_dtypes
-                 for row in build_rows((["full"] if args.rows == "all" else []) + [args.policy], [args.budget], recalls,
-                                       settings={"kv_dtype": kv_dtype})
-                 if row.settings.recall or (args.rows == "all" and kv_dtype == kv_dtypes[0] and cold_dtype == cold_dtypes[0])]
+        for every in everys:
+            recalls = ev.recall_settings(args.recall, args.page, selector=args.selector, cold_dtype=cold_dtype,
+                                         recall_every=every)
+            tag = ("" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}") + ("" if every == 1 else f" every {every}")
+            first = kv_dtypes[0], cold_dtypes[0], everys[0]
+            rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + tag)
+                     for kv_dtype in kv_dtypes
+                     for row in build_rows((["full"] if args.rows == "all" else []) + [args.policy], [args.budget],
+                                           recalls, settings={"kv_dtype": kv_dtype})
+                     if row.settings.recall or (args.rows == "all" and (kv_dtype, cold_dtype, every) == first)]
     loaded = load(args.model, "cpu", "float32")
     out = Path(args.out) if args.out else None
     done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out and out.exists() else []
