@@ -258,11 +258,8 @@ class RecallTier(RecallRowMoves):
         fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
 
     def _nothing_flushed_yet(self) -> bool:
-        """No row has a page in the cold store yet, known on the host (the store counts on the CPU and
-        this is no compiled graph): a choice would name no page and load none (the frames' clock alone
-        counts it), so a text that has evicted nothing pays next to nothing for recall."""
-        count = self.cold.count
-        return host_reads_allowed(count) and not bool(count.any())
+        """No row has a cold page yet, read on the host where allowed: a choice would load nothing."""
+        return host_reads_allowed(self.cold.count) and not bool(self.cold.count.any())
 
     def before_insert(self, port) -> None:
         """The recall columns' scores are this step's attention to recalled and staged tokens:
