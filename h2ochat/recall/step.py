@@ -163,12 +163,12 @@ def _fill_loaded_frames(slots: RecallSlots, store, plan: RecallPlan, rotary, slo
     """``fill_recall_slots`` for a plan read on the host: the loaded pages only, gathered from the store
     as up to k pages per (sequence, head) (k: the most any loads) and written into their frames."""
     load = plan.load
-    most = int(load.sum(dim=-1).max()) if load.numel() else 0
-    if most == 0:
+    row, head, frame = load.nonzero(as_tuple=True)
+    if row.numel() == 0:
         return
     page, frames = store.page, load.shape[-1]
-    row, head, frame = load.nonzero(as_tuple=True)
     rank = (load.long().cumsum(dim=-1) - 1)[row, head, frame]  # the page's place among its row and head's loads
+    most = int(rank.max()) + 1
     compact = torch.full((*load.shape[:2], most), -1, dtype=torch.long, device=load.device)
     compact[row, head, rank] = plan.frame_page[row, head, frame]
     keys, values, token_index, positions = store.pages(compact.to(store.count.device), rotary)  # [B, H, k*P, ...]
