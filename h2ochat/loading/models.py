@@ -47,7 +47,9 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        from .packed_linears import weight_bytes
+
+        return weight_bytes(self.model)
 
 
 def pick_device(device: str) -> str:
@@ -114,7 +116,10 @@ def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | N
     params = config_parameters(config)
     check_memory(params, dtype, device, source.name, config=config, kv_slots=_slots_for(kv_slots, config),
                  kv_batch=kv_batch)
+    from .packed_linears import pack_linears
+
     model = build_random(config, dtype, device)
+    pack_linears(model)
     if model.generation_config is not None:  # the real vocabulary's end token is a plain byte here
         model.generation_config.eos_token_id = None
     return LoadedModel(model, ByteTokenizer(config.vocab_size), source, params, torch.device(device), dtype)
@@ -135,6 +140,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..engine import attention
+    from .packed_linears import pack_linears
 
     attention.register()
     if random_weights:
@@ -191,6 +197,8 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     if not device_map:
         model.to(device)
     model.eval()
+    if not device_map:  # (one device: a model spread over several keeps transformers' linears)
+        pack_linears(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model, tokenizer, source, params, torch.device(device if not device_map else model.device), torch_dtype)

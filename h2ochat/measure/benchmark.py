@@ -42,6 +42,7 @@ from .bench_memory import PeakMemory
 from .bench_ops import profile_ops
 from ..engine.generation import max_positions
 from ..loading.memory import kv_bytes
+from ..loading.packed_linears import weight_bytes
 
 CAPACITY_VARIANTS = ("h2o", "full", "hf")
 
@@ -49,10 +50,6 @@ CAPACITY_VARIANTS = ("h2o", "full", "hf")
 def kv_bytes_per_slot(model) -> int:
     """Bytes of keys + values one token takes across all layers and KV heads, for one sequence."""
     return kv_bytes(model.config, slots=1, batch=1, dtype=next(model.parameters()).dtype)
-
-
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def ideal_speedup(weights: int, per_slot: int, batch: int, context: int, slots: int) -> float:
