@@ -1,8 +1,11 @@
 """CPU time of ``kernels.reference.attend_with_scores`` with the logits query-major [M, S + Q] (the
 decode step's layout) against keys-major [S + Q, M] (what full prompt chunks run, issue 35), and of a
-bf16 decode step multiplying its bf16 slots as they are against converting them to fp32, one thread,
-the two taking turns call by call so the machine's load falls on both alike. SmolLM2-135M's shapes:
-3 KV heads, groups of 3, head dim 64; slots full (the server's default 1,638) or not.
+bf16 decode step multiplying its bf16 slots as they are against converting them to fp32, and of a bf16
+decode step over W of C slot columns read three ways (``width`` rows: the view of the first W as it is,
+that view copied to one block first, and all C columns with the empty ones masked:
+``reference.attends_every_column``), one thread, the variants taking turns call by call so the
+machine's load falls on all alike. SmolLM2-135M's shapes: 3 KV heads, groups of 3, head dim 64; slots
+full (the server's default 1,638) or not.
 
     python benchmarks/attention_layout.py --out benchmarks/results_attention_layout.json
 """
@@ -61,14 +64,55 @@ def timed_bf16(call, native: bool) -> float:
     return timed_with("_multiplies_bf16_slots", reference._multiplies_bf16_slots if native else lambda *a: False, call)
 
 
+BF16 = torch.zeros(1, dtype=torch.bfloat16)  # (what attends_every_column reads of the slots: dtype and device)
+WIDTHS = [(batch, used) for batch in (1, 8) for used in (400, 1000, 1100, 1500)]  # of 1,638 columns
+
+
+def width_case(batch: int, used: int, columns: int = 1638):
+    """A bf16 decode step over the first ``used`` of ``columns`` slot columns, as the three calls to time."""
+    g = torch.Generator().manual_seed(0)
+    kv_heads, group, dim = 3, 3, 64
+    full = dict(cache_keys=torch.randn(batch, kv_heads, columns, dim, generator=g).bfloat16(),
+                cache_values=torch.randn(batch, kv_heads, columns, dim, generator=g).bfloat16(),
+                slot_token_index=torch.arange(columns).masked_fill(torch.arange(columns) >= used, -1)
+                .expand(batch, kv_heads, columns).contiguous())
+    view = {name: tensor[:, :, :used] for name, tensor in full.items()}
+    rest = dict(query=torch.randn(batch, kv_heads, group, 1, dim, generator=g).bfloat16(),
+                new_keys=torch.randn(batch, kv_heads, 1, dim, generator=g).bfloat16(),
+                new_values=torch.randn(batch, kv_heads, 1, dim, generator=g).bfloat16(), new_valid=None, scale=dim ** -0.5)
+
+    def call(slots, width):
+        return lambda: reference.attend_with_scores(**slots, **rest, scores=torch.zeros(batch, kv_heads, width))
+
+    return {"view": call(view, used), "copied": call(view, used), "every_column": call(full, columns)}
+
+
+def width_rows(calls: int) -> list[dict]:
+    rows = []
+    for batch, used in WIDTHS:
+        variants = width_case(batch, used)
+        spent = dict.fromkeys(variants, 0.0)
+        for _ in range(calls):
+            spent["view"] += timed_with("_contiguous", lambda slots: slots, variants["view"])
+            spent["copied"] += timed_with("_contiguous", reference._contiguous, variants["copied"])
+            spent["every_column"] += timed_with("_contiguous", reference._contiguous, variants["every_column"])
+        row = {"width": True, "dtype": "bfloat16", "batch": batch, "new_tokens": 1, "slots_in_use": used, "columns": 1638,
+               **{f"{name}_ms": round(1e3 * s / calls, 3) for name, s in spent.items()},
+               "chosen": "every_column" if reference.attends_every_column(1, used, 1638, BF16) else "copied"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=6, help="calls per layout and shape (more for decode)")
     parser.add_argument("--out")
+    parser.add_argument("--width-only", action="store_true", help="only the width rows")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    rows = width_rows(args.calls * 20)
+    for dtype in (() if args.width_only else (torch.float32, torch.bfloat16)):
         for batch, q_len, slots in SHAPES:
             call = case(batch, q_len, slots, dtype)
             calls = args.calls * (10 if q_len == 1 else 1)

@@ -1,4 +1,4 @@
-"""Packed linears (``h2ochat.loading.packed_linears``): a bf16 model on the CPU with its linear weights
+"""Packed linears (``h2ochat.engine.packed_linears``): a bf16 model on the CPU with its linear weights
 packed for oneDNN gives the same bits as transformers' own linears, for every family, through the H2O
 cache; a shared (tied) weight stays shared; the compiled step gets plain linears back."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from h2ochat.engine.generation import CacheSettings, forward, prefill
-from h2ochat.loading.packed_linears import (ENVIRONMENT_SWITCH, PackedLinear, pack_linears, packs, unpack_linears,
+from h2ochat.engine.packed_linears import (ENVIRONMENT_SWITCH, PackedLinear, pack_linears, packs, unpack_linears,
                                             weight_bytes)
 
 from conftest import build_model, random_ids

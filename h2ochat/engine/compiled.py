@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import H2OCache
-from ..loading.packed_linears import unpack_linears
+from .packed_linears import unpack_linears
 from .forward_step import EagerDecode, require_h2o_attention
 from ..model_shape import cache_argument
 
@@ -66,7 +66,7 @@ class CompiledDecode:
 
     def __init__(self, model, *, mode: str | None = "auto", backend: str | None = None):
         require_h2o_attention(model)
-        unpack_linears(model)  # inductor cannot lower oneDNN's packed weights (``loading.packed_linears``)
+        unpack_linears(model)  # inductor cannot lower oneDNN's packed weights (``engine.packed_linears``)
         self.model = model
         self.eager = EagerDecode(model)
         self.device = next(model.parameters()).device

@@ -47,7 +47,7 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        from .packed_linears import weight_bytes
+        from ..engine.packed_linears import weight_bytes
 
         return weight_bytes(self.model)
 
@@ -116,7 +116,7 @@ def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | N
     params = config_parameters(config)
     check_memory(params, dtype, device, source.name, config=config, kv_slots=_slots_for(kv_slots, config),
                  kv_batch=kv_batch)
-    from .packed_linears import pack_linears
+    from ..engine.packed_linears import pack_linears
 
     model = build_random(config, dtype, device)
     pack_linears(model)
@@ -140,7 +140,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..engine import attention
-    from .packed_linears import pack_linears
+    from ..engine.packed_linears import pack_linears
 
     attention.register()
     if random_weights:

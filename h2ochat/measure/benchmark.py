@@ -42,7 +42,7 @@ from .bench_memory import PeakMemory
 from .bench_ops import profile_ops
 from ..engine.generation import max_positions
 from ..loading.memory import kv_bytes
-from ..loading.packed_linears import weight_bytes
+from ..engine.packed_linears import weight_bytes
 
 CAPACITY_VARIANTS = ("h2o", "full", "hf")
 

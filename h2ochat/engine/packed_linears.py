@@ -8,7 +8,7 @@ EPYC (avx512_bf16, one thread; ``benchmarks/packed_linears.py``), SmolLM2-135M's
 was most of it) and ~1.1x less at 300 (a prompt chunk). fp32 weights stay as they are: MKL's sgemm
 is as fast there, and its bits differ from oneDNN's.
 
-Inductor cannot lower the packed weights: the compiled decode step (``engine.compiled``) puts plain
+Inductor cannot lower the packed weights: the compiled decode step (``compiled``) puts plain
 linears back first (``unpack_linears``). A weight another module shares (a head tied to the
 embeddings) is packed as a copy, the original kept for the module that shares it; any other weight
 lives only in its packed form.
@@ -45,9 +45,8 @@ class PackedLinear(nn.Module):
                            device="meta", dtype=self.packed_weight.dtype)
         weight = self._shared_weight[0] if self._shared_weight else nn.Parameter(self.packed_weight.to_dense(),
                                                                                  requires_grad=False)
-        linear.weight = weight
-        if self.bias is not None:
-            linear.bias = self.bias
+        linear.register_parameter("weight", weight)
+        linear.register_parameter("bias", self.bias)
         return linear
 
     def extra_repr(self) -> str:
@@ -69,7 +68,7 @@ def _replace_modules(model: nn.Module, replace) -> int:
         for name, child in list(parent.named_children()):
             new = replace(child)
             if new is not None:
-                setattr(parent, name, new)
+                parent.register_module(name, new)
                 count += 1
     return count
 

@@ -1,0 +1,116 @@
+"""bf16 linears packed for oneDNN (``h2ochat.engine.packed_linears``) against transformers' own, side by
+side in one run, on the real model: the model's 211 linears at several row counts (CPU time, one thread,
+interleaved, the median of the repeats), then ``h2ochat generate`` end to end with the switch off and on
+(alternated; the text must be the same).
+
+    python benchmarks/packed_linears.py --out benchmarks/results_packed_linears.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from h2ochat.loading.models import load
+from h2ochat.engine.packed_linears import ENVIRONMENT_SWITCH, PackedLinear, pack_linears, unpack_linears
+
+
+def linear_pass_seconds(model, rows: int, repeats: int) -> float:
+    """CPU seconds of one pass over every linear of ``model`` with ``rows`` input rows (the median of ``repeats``)."""
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    inputs = {width: torch.randn(rows, width, dtype=torch.bfloat16) for width in {m.in_features for m in layers}}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # (the first pass warms the allocator and oneDNN's primitive cache)
+            start = time.process_time()
+            for layer in layers:
+                layer(inputs[layer.in_features])
+            times.append(time.process_time() - start)
+    return statistics.median(times[1:])
+
+
+def linears_side_by_side(model_name: str, rows: list[int], repeats: int, rounds: int) -> list[dict]:
+    model = load(model_name, device="cpu", dtype="bfloat16").model
+    results = []
+    for count in rows:
+        plain, packed = [], []
+        for _ in range(rounds):  # alternated, so that a change in the machine's load hits both
+            unpack_linears(model)
+            plain.append(linear_pass_seconds(model, count, repeats))
+            pack_linears(model)
+            packed.append(linear_pass_seconds(model, count, repeats))
+        p, q = statistics.median(plain), statistics.median(packed)
+        results.append({"rows": count, "plain_ms": round(p * 1e3, 2), "packed_ms": round(q * 1e3, 2),
+                        "speedup": round(p / q, 3)})
+        print(results[-1], file=sys.stderr)
+    return results
+
+
+def generate_once(args, packed: bool) -> dict:
+    command = [sys.executable, "-m", "h2ochat.cli", "generate", "--model", args.model, "-f", args.prompt_file,
+               "-n", str(args.new_tokens), "--ignore-eos", "--threads", "1", "--dtype", "bfloat16", "--json"]
+    env = {**os.environ, ENVIRONMENT_SWITCH: "1" if packed else "0"}
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    report = json.loads(out)
+    return {"prefill_tokens_per_s": report["prefill_tokens_per_s"], "decode_tokens_per_s": report["decode_tokens_per_s"],
+            "text": report["text"]}
+
+
+def generate_side_by_side(args) -> dict:
+    runs = {"plain": [], "packed": []}
+    for _ in range(args.generate_rounds):
+        for name in runs:
+            runs[name].append(generate_once(args, name == "packed"))
+            print(name, {k: v for k, v in runs[name][-1].items() if k != "text"}, file=sys.stderr)
+    summary = {name: {key: round(statistics.median(r[key] for r in rs), 2)
+                      for key in ("prefill_tokens_per_s", "decode_tokens_per_s")} for name, rs in runs.items()}
+    summary["decode_speedup"] = round(summary["packed"]["decode_tokens_per_s"] / summary["plain"]["decode_tokens_per_s"], 3)
+    summary["prefill_speedup"] = round(summary["packed"]["prefill_tokens_per_s"] / summary["plain"]["prefill_tokens_per_s"], 3)
+    summary["same_text"] = len({r["text"] for rs in runs.values() for r in rs}) == 1
+    summary["runs"] = {name: [{k: v for k, v in r.items() if k != "text"} for r in rs] for name, rs in runs.items()}
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rows", default="1,8,64,331,512")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-file", default=None, help="generate's prompt (default: the peers' first user turn)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--generate-rounds", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.prompt_file is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        prompts = os.path.join(here, "..", "..", "shared", "peers", "prompts", "chat_turns_300.json")
+        args.prompt_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "packed_linears_prompt.txt")
+        with open(prompts) as f, open(args.prompt_file, "w") as out:
+            out.write(json.load(f)["conversations"][0][0])
+    report = {
+        "command": " ".join(["python", *sys.argv]),
+        "machine": {"cpu": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
+                    "torch": torch.__version__, "load_average_before": os.getloadavg()},
+        "unit": "CPU ms per pass over the model's linears (one thread); generate: tokens/s, wall clock",
+        "linears": linears_side_by_side(args.model, [int(r) for r in args.rows.split(",")], args.repeats, args.rounds),
+        "generate": generate_side_by_side(args),
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
