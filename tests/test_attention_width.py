@@ -1,5 +1,5 @@
 """How many slot columns a step reads (``kernels.reference.attends_every_column``): a CPU decode step over
-16-bit slots that are 2/3 full reads every column, the empty ones masked, instead of a view of the
+16-bit slots that are 70% full reads every column, the empty ones masked, instead of a view of the
 first W (which torch's bf16 batched product would take a slow path for). Reading more columns must not
 change what the cache computes: the same tokens kept, the logits and scores within bf16 rounding of
 the run that reads only the columns in use, for every family."""
@@ -14,7 +14,7 @@ from h2ochat_kernels import reference
 
 from conftest import build_model, random_ids
 
-SLOTS, PROMPT, STEPS = 24, 6, 14  # the cache fills from 6 of 24 columns to 20: under and over 2/3
+SLOTS, PROMPT, STEPS = 24, 6, 14  # the cache fills from 6 of 24 columns to 20: under and over 70%
 
 
 def run(model, ids, monkeypatch, share: float):
@@ -48,8 +48,8 @@ def test_reading_every_column_changes_nothing_but_rounding(family, monkeypatch, 
 
 def test_only_a_cpu_decode_step_over_16_bit_slots_two_thirds_full_reads_every_column():
     bf16, fp32 = torch.zeros(1, 1, 30, 4, dtype=torch.bfloat16), torch.zeros(1, 1, 30, 4)
-    assert reference.attends_every_column(1, 20, 30, bf16)
-    assert not reference.attends_every_column(1, 19, 30, bf16)  # under 2/3 in use
-    assert not reference.attends_every_column(4, 20, 30, bf16)  # a prompt chunk
-    assert not reference.attends_every_column(1, 20, 30, fp32)  # fp32 products take the view as it is
-    assert not reference.attends_every_column(1, 20, 30, bf16.to(torch.uint8))  # quantised codes
+    assert reference.attends_every_column(1, 21, 30, bf16)
+    assert not reference.attends_every_column(1, 20, 30, bf16)  # under 70% in use
+    assert not reference.attends_every_column(4, 21, 30, bf16)  # a prompt chunk
+    assert not reference.attends_every_column(1, 21, 30, fp32)  # fp32 products take the view as it is
+    assert not reference.attends_every_column(1, 21, 30, bf16.to(torch.uint8))  # quantised codes
