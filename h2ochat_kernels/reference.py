@@ -121,19 +121,20 @@ def keys_major_pays(q_len: int) -> bool:
     return q_len >= KEYS_MAJOR_MIN_TOKENS
 
 
-# a CPU decode step over 16-bit slots attends every slot column once this share of them is in use
+# a CPU decode step over bf16 slots attends every slot column once this share of them is in use
 FULL_WIDTH_SHARE = 0.7
 
 
 def attends_every_column(q_len: int, in_use: int, columns: int, slots: torch.Tensor) -> bool:
     """Whether a step of ``q_len`` tokens over ``in_use`` of ``columns`` slot columns (``slots``: a slot
     tensor of the layer) reads all of them, the empty ones masked, instead of the first ``in_use``: a
-    CPU decode step over 16-bit slots, once 70% are in use. The view of the first W columns must be
+    CPU decode step over bf16 slots (multiplied as they are: ``_multiplies_bf16_slots``; fp16 slots are
+    converted to fp32, column by column read), once 70% are in use. The view of the first W columns must be
     copied for the batched product (``_contiguous``); the whole block is read as it is. Measured
     (``benchmarks/results_attention_width.json``, one thread, bf16, 1,638 columns, the whole
     ``attend_with_scores``): at 8 rows all columns take 1.31 ms whatever is in use, the copy 1.23 ms at
     1,100 in use and 1.76 ms at 1,500 (crossing near 70%); at 1 row they cross near 60%."""
-    return (q_len == 1 and slots.device.type == "cpu" and slots.dtype in (torch.bfloat16, torch.float16)
+    return (q_len == 1 and slots.device.type == "cpu" and slots.dtype == torch.bfloat16
             and in_use >= FULL_WIDTH_SHARE * columns)
 
 
