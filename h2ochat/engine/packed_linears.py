@@ -11,7 +11,8 @@ is as fast there, and its bits differ from oneDNN's.
 Inductor cannot lower the packed weights: the compiled decode step (``compiled``) puts plain
 linears back first (``unpack_linears``). A weight another module shares (a head tied to the
 embeddings) is packed as a copy, the original kept for the module that shares it; any other weight
-lives only in its packed form.
+lives only in its packed form, and the parameters left are copied out of the loaded file's memory map
+(``_own_the_rest``).
 """
 
 from __future__ import annotations
@@ -90,7 +91,22 @@ def pack_linears(model: nn.Module) -> int:
         return None
 
     with torch.no_grad():
-        return _replace_modules(model, packed)
+        count = _replace_modules(model, packed)
+        if count:
+            _own_the_rest(model)
+    return count
+
+
+def _own_the_rest(model: nn.Module) -> None:
+    """The parameters left (embeddings, norms) copied into memory of their own, in place (a tied weight
+    stays one Parameter): transformers loads a safetensors file as views of one memory map, and while any
+    view of it lives every page the packing read stays in the process's RSS (SmolLM2 in bf16: 994 MB
+    after the load, 789 MB with the map released)."""
+    seen: set[int] = set()
+    for parameter in model.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            parameter.set_(parameter.detach().clone())
 
 
 def unpack_linears(model: nn.Module) -> int:
