@@ -137,6 +137,12 @@ class Backend:
             return ops.attend_with_scores(*args, quant=quant)
         return reference.attend_with_scores(*args, quant=quant)
 
+    def attends_every_column(self, q_len: int, in_use: int, columns: int, slots) -> bool:
+        """Whether this backend's attention would rather read all ``columns`` slot columns (the empty ones
+        masked) than a view of the first ``in_use``: ``reference.attends_every_column`` for the torch
+        path; the Triton kernels take the view as it is."""
+        return not self.triton and reference.attends_every_column(q_len, in_use, columns, slots)
+
     def evict_and_insert(self, priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
                          new_score, new_token_index, new_position, value_norm=None, new_value_norm=None, active=None,
                          *, coordinates=None):

@@ -153,7 +153,7 @@ def _contiguous(slots: torch.Tensor) -> torch.Tensor:
     stride is C, and torch's CPU bf16 batched product takes a slow path for such a view: 3-9x the time of
     a copy and a product on the copy (8 rows, 400-1,500 of 1,638 slots, one thread; the fp32 product
     does not care)."""
-    return slots if slots.is_contiguous() else slots.contiguous()
+    return slots.contiguous()  # (no copy when it already is one)
 
 
 def _decay_scores(scores: torch.Tensor, new_valid, batch: int, q_len: int, decay, device) -> None:

@@ -282,7 +282,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
         # (static_shapes is read first: a compiled step must not read, hence guard on, slots_in_use)
         if (context.static_shapes or self.slots_in_use >= self.capacity
-                or reference.attends_every_column(q_len, self.slots_in_use, self.capacity, self.keys)):
+                or self.kernels.attends_every_column(q_len, self.slots_in_use, self.capacity, self.keys)):
             # every column (no views to make; the empty ones are masked by their token index)
             slots, token_index, scores = self.stored, self.token_index, self.scores
         else:
