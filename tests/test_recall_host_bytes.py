@@ -13,7 +13,7 @@ from h2ochat.recall.tiered import RecallConfig
 
 HOT, RECALL, PAGE = 8, 8, 4
 BATCH, KV_HEADS, DIM = 2, 2, 16
-BOOKKEEPING = 3 * 8  # token index, position and encoded position, int64
+BOOKKEEPING = 3 * 4  # token index, position and encoded position, int32
 
 
 def _per_token_bytes(dtype: torch.dtype, cold_dtype: str) -> int:
@@ -42,3 +42,25 @@ def test_cold_host_bytes_are_the_evicted_tokens_bytes(seed, dtype, cold_dtype):
         allowed = BATCH * KV_HEADS * slots * _per_token_bytes(dtype, cold_dtype)
         reported = cache.tier_record()["cold_host_bytes"]
         assert reported <= allowed, (fed, reported, allowed)
+
+
+def test_int8_cold_store_is_below_the_evicted_tokens_bytes_at_the_models_dtype(seed):
+    """Issue 34's bound, at a real head width (SmolLM2's 64): with int8 cold slots the whole cold tier
+    (codes, scales, bookkeeping and the selector's token codes) holds fewer bytes than the evicted
+    tokens' keys and values at bf16, apart from the pages still filling. At the model's dtype
+    (``auto``) the keys and values alone reach the bound, so it cannot hold there."""
+    dim = 64
+    generator = torch.Generator().manual_seed(seed)
+    cache = recall_cache(1, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, "rot4", cold_dtype="int8"),
+                         max_positions=10_000, positions="absolute")
+    fed = 0
+    for q_len in [12, *[1] * 150]:
+        key, value, query = (torch.randn(BATCH, KV_HEADS, q_len, dim, generator=generator).bfloat16()
+                             for _ in range(3))
+        cache.update(key, value, 0)
+        cache.attend(0, query, key, value, None, dim ** -0.5)
+        fed += q_len
+    evicted = fed - HOT
+    bf16_bytes = BATCH * KV_HEADS * evicted * 2 * dim * 2
+    slack = BATCH * KV_HEADS * (2 * PAGE + HOT) * 2 * dim * 2  # partly filled pages and the chunk's reserve
+    assert cache.tier_record()["cold_host_bytes"] <= 0.75 * bf16_bytes + slack

@@ -9,6 +9,8 @@ pages) makes the store a ring: the oldest pages are overwritten and counted in `
 Each token also keeps the position it was encoded at (``encoded``: what its key's rotation says)
 and its position in the cache's current numbering (``positions``); the two differ after a compact
 re-numbering (``renumber``), and a key is rotated by their difference when it is brought back.
+Token indices and positions are stored as int32 (``BOOKKEEPING``: 12 bytes a token and head, not
+24; issue 34's host bound) and handed out as int64, as the cache's own are.
 
 On a GPU whose driver maps pinned memory into the device's address space (``zero_copy``, probed once
 by ``triton_rows.zero_copy_works``), appends and page gathers are Triton kernels that write and read
@@ -30,6 +32,8 @@ from ..rotary import Rotary, rotate_keys
 from .layout import Writes, growable, held_pages, narrowed, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "int8")
+BOOKKEEPING = torch.int32  # token indices and positions (2**31 tokens of one conversation: far past any context)
+_MINUS_ONE_WHEN_EMPTY = ("token_index", "encoded", "positions")
 OLD_COLD_DTYPES = {"same": "auto"}  # the earlier name of auto, still accepted
 
 
@@ -76,9 +80,9 @@ class ColdStore:
         self.values = self._alloc((batch, heads, slots, value_dim), store_dtype, 0)
         self.key_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized else None
         self.value_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized else None
-        self.token_index = self._alloc((batch, heads, slots), torch.long, -1)
-        self.encoded = self._alloc((batch, heads, slots), torch.long, -1)
-        self.positions = self._alloc((batch, heads, slots), torch.long, -1)
+        self.token_index = self._alloc((batch, heads, slots), BOOKKEEPING, -1)
+        self.encoded = self._alloc((batch, heads, slots), BOOKKEEPING, -1)
+        self.positions = self._alloc((batch, heads, slots), BOOKKEEPING, -1)
         # some token's current position differs from its encoded one (host flag, set by a re-numbering or
         # an explicit ``encoded``): until then a brought-back key needs no rotation, and pages skip it
         self.moved = False
@@ -122,7 +126,7 @@ class ColdStore:
         self._settle()
         for name in self._buffers():
             old = getattr(self, name)
-            setattr(self, name, widened(old, needed, -1 if old.dtype == torch.long else 0, pin=self.pin,
+            setattr(self, name, widened(old, needed, -1 if name in _MINUS_ONE_WHEN_EMPTY else 0, pin=self.pin,
                                         spill=True, page=self.page))
 
     # -- writing ----------------------------------------------------------------------------------
@@ -201,8 +205,8 @@ class ColdStore:
         def take(buffer):
             return self._take(buffer, index)
 
-        token_index = take(self.token_index).masked_fill(~present, -1)
-        positions = take(self.positions).masked_fill(~present, -1)
+        token_index = take(self.token_index).long().masked_fill(~present, -1)
+        positions = take(self.positions).long().masked_fill(~present, -1)
         keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized else None,
                                                positions, take(self.encoded) if rotary is not None and self.moved else None,
                                                present, rotary)
