@@ -112,6 +112,8 @@ def run_record(loaded, cache: H2OCache, timing: Timing, budget: str, text: str) 
         "tokens_fed_past_stop": timing.fed_past_stop,
         "prefill_tokens_per_s": round(timing.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(timing.decode_tokens_per_s, 2),
+        "first_decode_step_s": round(timing.first_step_s, 3) if timing.first_step_s is not None else None,
+        "steady_decode_tokens_per_s": round(timing.steady_decode_tokens_per_s, 2),
         "peak_memory_bytes": peak_memory_bytes(loaded.device),
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),

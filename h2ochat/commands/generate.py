@@ -57,7 +57,7 @@ def generate(
     from ..chat.settings import check_fits
     from ..chat.replies import stop_token_ids
     from ..engine.detokenize import TextStream
-    from ..engine.generation import Timing, stop_check_interval, stream
+    from ..engine.generation import Timing, decoder, stop_check_interval, stream
     from ..chat.prompting import encode
     from ..chat.report import evictions, run_record
     from ..console import make_console
@@ -78,10 +78,11 @@ def generate(
     from ..chat.prompt_progress import PromptProgress
 
     reading = PromptProgress(make_console(stderr=True), cache, input_ids.shape[1])
+    decode = decoder(loaded.model, compile)
     try:
         with reading:
             for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                               stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing, compile=compile,
+                               stop_ids=stops, prefill_chunk=prefill_chunk, timing=timing, decode=decode,
                                stop_check_every=stop_check_interval(loaded.device), should_stop=reading.should_stop):
                 piece = pieces.push(step.tokens[0])
                 if not as_json:
@@ -93,12 +94,16 @@ def generate(
         record = run_record(loaded, cache, timing, settings.budget, pieces.text)
         record["interrupted"] = interrupted
         record["threads"] = threads.current()
+        # the compiled step's weights: frozen into its graph (CPU) or graph inputs, and why
+        record["compiled"] = getattr(decode, "freezing", None) if compile else None
         print(json.dumps(record, indent=2))
     else:
         sys.stdout.write("\n")
         if sys.stderr.isatty():
             print(f"[{timing.prompt_tokens} prompt tokens at {timing.prefill_tokens_per_s:.1f} tok/s, "
                   f"{timing.generated_tokens} generated at {timing.decode_tokens_per_s:.1f} tok/s, "
+                  + (f"{timing.steady_decode_tokens_per_s:.1f} tok/s after the first step's {timing.first_step_s:.1f} s "
+                     "of compilation, " if compile and timing.first_step_s is not None else "") +
                   f"{evictions(cache)}]", file=sys.stderr)
     if interrupted:
         print(reading.stopped(timing.generated_tokens), file=sys.stderr)

@@ -26,6 +26,13 @@ which inductor keeps in place, and inductor's ``reorder_for_locality`` pass is o
 the attention's read of the value slots after that write, forcing a copy of the whole K/V buffer
 out and back every step.
 
+Frozen weights on the CPU, opt in (``H2OCHAT_COMPILE_FREEZE=1``): inductor's ``freezing`` takes the
+weights as constants of the graph and packs them for oneDNN's matrix products. Measured side by side on
+an idle 2-core VM (SmolLM2-135M, bf16, one thread, 256 slots, `bench --context 1024 --compile`): 48.3 ms
+a step frozen against 49.3 ms unfrozen and 57.8 eager, while each frozen graph holds its own packed copy
+of the weights. Not worth a copy of the weights by default; where it is switched on, a step freezes only
+when the free memory holds ``graphs`` more copies with as much again to spare (``freezes_weights``).
+
 Caches the step does not cover run the eager forward instead (``H2OCache.compile_blocker`` says
 why): the ``full`` policy (its slots grow), ``random`` (a seeded generator draws on the host), a batch
 mixing row policies (eval), and the bench's slots-only ring before it is full.
@@ -43,12 +50,35 @@ from ..model_shape import cache_argument
 # one compiled graph per (model class, batch, slots, dtype, device, variant): a bench over several
 # contexts and batches needs more than dynamo's default of 8 per function
 RECOMPILE_LIMIT = 64
+FREEZE_SWITCH = "H2OCHAT_COMPILE_FREEZE"  # "1": freeze the weights into the CPU graph (off by default)
 BACKEND = "inductor"  # tests use "aot_eager": the same capture (fullgraph, guards, functionalised mutations), no codegen
 
 
 def unsupported(cache: H2OCache) -> str | None:
     """Why ``cache`` cannot take the compiled step, or None when it can."""
     return cache.compile_blocker()
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def freezes_weights(model, device: torch.device, graphs: int = 1) -> tuple[bool, str]:
+    """Whether the compiled step on ``device`` takes ``model``'s weights as constants (inductor's
+    freezing), and why: CPU only, switched on, and room for ``graphs`` packed copies twice over."""
+    import os
+
+    from ..loading.memory import available_memory
+
+    if device.type != "cpu":
+        return False, "not on the CPU"
+    if os.environ.get(FREEZE_SWITCH, "0") != "1":
+        return False, f"weights not frozen ({FREEZE_SWITCH}=1 freezes them)"
+    needed = 2 * graphs * weight_bytes(model)
+    free = available_memory("cpu")
+    if free < needed:
+        return False, f"{free / 2**30:.1f} GiB free, {needed / 2**30:.1f} GiB wanted for {graphs} frozen copies"
+    return True, f"frozen: {graphs} packed copies of the weights"
 
 
 def _decode(model, cache, argument: str, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -64,7 +94,9 @@ class CompiledDecode:
     ``CompiledDecode`` for the same model and shapes (a new turn, a new cache) reuses them.
     """
 
-    def __init__(self, model, *, mode: str | None = "auto", backend: str | None = None):
+    def __init__(self, model, *, mode: str | None = "auto", backend: str | None = None, graphs: int = 1):
+        """``graphs``: how many batch shapes the caller will compile (a server's buckets); each frozen
+        graph holds a copy of the weights, counted before freezing them."""
         require_h2o_attention(model)
         unpack_linears(model)  # inductor cannot lower oneDNN's packed weights (``engine.packed_linears``)
         self.model = model
@@ -85,7 +117,12 @@ class CompiledDecode:
             from torch._inductor import list_mode_options
 
             options = {**list_mode_options(mode or "default"), "reorder_for_locality": False}
+            self.frozen, self.freezing = freezes_weights(model, self.device, graphs)
+            if self.frozen:
+                options["freezing"] = True
             mode = None
+        else:
+            self.frozen, self.freezing = False, f"backend {backend}"
         self.step = torch.compile(_decode, fullgraph=True, dynamic=False, backend=backend, mode=mode,
                                   options=options)
 

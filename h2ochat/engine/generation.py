@@ -145,6 +145,9 @@ class Timing:
     # rows out of the decode steps is fed none: only a recall cache counts them): in the cache's
     # counts and statistics, not in the text
     fed_past_stop: int = 0
+    # the first decode step's seconds: with --compile it holds the compilation, which the steady
+    # rate below leaves out
+    first_step_s: float | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -156,6 +159,13 @@ class Timing:
         # the first token comes out of the prefill; decode speed counts the steps after it
         steps = self.generated_tokens - 1
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def steady_decode_tokens_per_s(self) -> float:
+        """Decode speed after the first decode step (its compilation, warm-up of the kernels)."""
+        steps = self.generated_tokens - 2
+        rest = self.decode_s - (self.first_step_s or 0.0)
+        return steps / rest if steps > 0 and rest > 0 else 0.0
 
 
 def stream(
@@ -246,6 +256,8 @@ def stream(
             elapsed = timing.decode_s
         else:
             elapsed = time.perf_counter() - decode_started
+            if index == 1 and timing.first_step_s is None:
+                timing.first_step_s = elapsed
         step = Step(tokens=tokens, index=index, elapsed_s=elapsed)
         if not bursts:
             timing.generated_tokens += 1

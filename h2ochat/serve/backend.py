@@ -50,13 +50,15 @@ class ModelBackend:
         self.slots = settings.slots(config, model)  # (a --budget in bytes: at the model's dtype)
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.runner = ModelRunner(model, prefill_chunk=prefill_chunk, compile=compile, compile_backend=compile_backend)
+        self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
         # static shapes for the compiled step's graphs and the row buckets; a recall tier has one
         # bucket (its free rows masked) and, eager, keeps the REPL's shapes and rule (with static shapes
         # it would choose a decode step's pages before the step, the compiled step's rule)
         prefixes = settings.build(model).row_prefixes  # (an unallocated cache: it holds nothing)
         self.pool = RowPool(self._new_cache, rows, store=store, device=self.runner.device,
                             max_positions=max_positions(config), static_shapes=compile or prefixes, buckets=buckets)
+        if compile:
+            self.runner.compile(compile_backend, graphs=len(self.pool.buckets))
 
     def _new_cache(self, batch: int, *, static_shapes: bool) -> H2OCache:
         cache = self.settings.build(self.runner.model, static_shapes=static_shapes)

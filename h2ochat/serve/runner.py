@@ -10,15 +10,18 @@ from ..kv import H2OCache
 
 
 class ModelRunner:
-    def __init__(self, model, *, prefill_chunk: int, compile: bool = False, compile_backend: str | None = None):
+    def __init__(self, model, *, prefill_chunk: int):
         self.model, self.prefill_chunk = model, prefill_chunk
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.decode_step = None
-        if compile:
-            from ..engine.compiled import CompiledDecode
 
-            self.decode_step = CompiledDecode(model, backend=compile_backend)
+    def compile(self, backend: str | None, graphs: int) -> None:
+        """Decode through the compiled step from now on; ``graphs``: the batch shapes it will be
+        called with (one graph each; with frozen weights, one copy of them each)."""
+        from ..engine.compiled import CompiledDecode
+
+        self.decode_step = CompiledDecode(self.model, backend=backend, graphs=graphs)
 
     def prefill_chunk_of(self, cache: H2OCache, ids: torch.Tensor, start: int) -> tuple[int, torch.Tensor | None]:
         """Feed ``ids`` [1, T] from ``start`` for one chunk: (where the next chunk starts, the
