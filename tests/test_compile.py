@@ -343,8 +343,6 @@ def test_lockstep_fails_on_a_difference_that_is_not_a_tie(models):
 def test_weights_freeze_only_when_switched_on_on_the_cpu_with_room(monkeypatch):
     """Frozen weights are opt in (H2OCHAT_COMPILE_FREEZE=1), CPU only, and refused when the free memory
     cannot hold two packed copies per graph; the reason is said either way."""
-    from h2ochat.loading import memory
-
     model = build_model("llama", seed=6, num_hidden_layers=1)
     cpu = torch.device("cpu")
     weights = compiled.weight_bytes(model)
@@ -353,7 +351,7 @@ def test_weights_freeze_only_when_switched_on_on_the_cpu_with_room(monkeypatch):
     assert compiled.freezes_weights(model, cpu) == (False, "weights not frozen (H2OCHAT_COMPILE_FREEZE=1 freezes them)")
     monkeypatch.setenv(compiled.FREEZE_SWITCH, "1")
     assert compiled.freezes_weights(model, torch.device("cuda"))[0] is False
-    monkeypatch.setattr(memory, "available_memory", lambda device: 2 * 3 * weights)
+    monkeypatch.setattr(compiled, "free_host_bytes", lambda: 2 * 3 * weights)
     assert compiled.freezes_weights(model, cpu, graphs=3)[0] is True
     frozen, why = compiled.freezes_weights(model, cpu, graphs=4)
     assert not frozen and "4 frozen copies" in why

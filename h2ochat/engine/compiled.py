@@ -63,19 +63,23 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def free_host_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def freezes_weights(model, device: torch.device, graphs: int = 1) -> tuple[bool, str]:
     """Whether the compiled step on ``device`` takes ``model``'s weights as constants (inductor's
     freezing), and why: CPU only, switched on, and room for ``graphs`` packed copies twice over."""
     import os
-
-    from ..loading.memory import available_memory
 
     if device.type != "cpu":
         return False, "not on the CPU"
     if os.environ.get(FREEZE_SWITCH, "0") != "1":
         return False, f"weights not frozen ({FREEZE_SWITCH}=1 freezes them)"
     needed = 2 * graphs * weight_bytes(model)
-    free = available_memory("cpu")
+    free = free_host_bytes()
     if free < needed:
         return False, f"{free / 2**30:.1f} GiB free, {needed / 2**30:.1f} GiB wanted for {graphs} frozen copies"
     return True, f"frozen: {graphs} packed copies of the weights"
