@@ -60,7 +60,7 @@ def test_json_contract(tiny_checkpoint):
     assert record["kv_slots"] == 8 and record["policy"] == DEFAULT_POLICY and record["generated_tokens"] == 40
     # the first decode step (with --compile, the compilation) is reported apart from the steady rate
     assert record["first_decode_step_s"] > 0 and record["steady_decode_tokens_per_s"] > 0
-    assert record["compiled"] is None
+    assert record["compiled_weights"] is None
     layers, kv_heads = 2, 2
     seen = record["prompt_tokens"] + record["generated_tokens"] - 1  # the last token is never fed back
     assert record["evicted_tokens"] == layers * kv_heads * (seen - 8)

@@ -95,7 +95,7 @@ def generate(
         record["interrupted"] = interrupted
         record["threads"] = threads.current()
         # the compiled step's weights: frozen into its graph (CPU) or graph inputs, and why
-        record["compiled"] = getattr(decode, "freezing", None) if compile else None
+        record["compiled_weights"] = getattr(decode, "freezing", None) if compile else None
         print(json.dumps(record, indent=2))
     else:
         sys.stdout.write("\n")

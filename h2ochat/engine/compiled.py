@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import H2OCache
-from .packed_linears import unpack_linears
+from .packed_linears import unpack_linears, weight_bytes
 from .forward_step import EagerDecode, require_h2o_attention
 from ..model_shape import cache_argument
 
@@ -57,10 +57,6 @@ BACKEND = "inductor"  # tests use "aot_eager": the same capture (fullgraph, guar
 def unsupported(cache: H2OCache) -> str | None:
     """Why ``cache`` cannot take the compiled step, or None when it can."""
     return cache.compile_blocker()
-
-
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def free_host_bytes() -> int:
