@@ -49,11 +49,14 @@ def _slow_page_scores(q, keys, valid, page):
     return out
 
 
+# 3 queries score from the codes (a decode step's route), 7 (>= dim / 2) from the keys dequantised once
+# (a prompt chunk's): both must be the best q.k of the dequantised keys
+@pytest.mark.parametrize("queries", [3, 7], ids=["codes", "dequantised"])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
-def test_reference_on_packed_codes_scores_the_dequantised_keys(seed, bits):
+def test_reference_on_packed_codes_scores_the_dequantised_keys(seed, bits, queries):
     g = torch.Generator().manual_seed(seed)
     batch, heads, tokens, dim, page = 2, 2, 12, 13, 4
-    q = torch.randn(batch, heads, 3, dim, generator=g)
+    q = torch.randn(batch, heads, queries, dim, generator=g)
     codes = _codes(g, (batch, heads, tokens, dim), bits)
     scale = (torch.rand(batch, heads, tokens, generator=g) * 0.3).half()
     offset = torch.randn(batch, heads, tokens, generator=g).half()
@@ -101,7 +104,7 @@ KINDS = [1, 2, 3, 4, 8, torch.float32, torch.float16]
 
 @needs_interpreter
 @pytest.mark.parametrize("kind", KINDS, ids=str)
-@pytest.mark.parametrize("tokens,page,dim,queries", [(32, 4, 12, 3), (24, 4, 16, 1), (48, 16, 64, 2)])
+@pytest.mark.parametrize("tokens,page,dim,queries", [(32, 4, 12, 3), (24, 4, 16, 1), (48, 16, 64, 2), (32, 4, 12, 8)])
 def test_triton_page_scores_match_the_reference(seed, kind, tokens, page, dim, queries):
     from h2ochat_kernels import triton_recall
 

@@ -109,21 +109,6 @@ def test_the_second_stage_scores_only_the_candidates_and_takes_their_best(seed):
             assert int(picked[b, h, 0]) == int(best)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_all_candidates_is_what_stage_one_names_when_it_keeps_every_summary(seed):
-    """The shortcut (no stage-1 scoring when every summary slot is a candidate) against stage 1 itself:
-    top_pages over all slots (the none's -inf), sorted by slot, the summary numbers gathered."""
-    from h2ochat.recall.layout import all_candidates
-
-    generator = torch.Generator().manual_seed(seed)
-    entries = torch.randint(0, 50, (B, H, 9), generator=generator)
-    valid = torch.rand(B, H, 9, generator=generator) < 0.6
-    scores = torch.randn(B, H, 9, generator=generator).masked_fill(~valid, float("-inf"))
-    best = kernels.top_pages(scores, 9).sort(dim=-1).values
-    expected = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
-    assert torch.equal(all_candidates(entries, valid), expected)
-
-
 def test_rows_appending_on_their_own_clocks_do_not_coarsen_and_a_reset_row_makes_them_finer(seed):
     """Issue 34: the rows of a server flush their pages at other steps (one append per row, the others
     appending nothing): the cap counts the longest row's pages, not the appends; once that row is

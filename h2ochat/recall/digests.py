@@ -26,7 +26,7 @@ Stage 2, where the cold store lives (pinned host memory on a GPU, the same memor
 token-level codes of every cold token (a ``KeyCodes``), of which only the C candidates' are
 read and scored as the one-stage digest scores every page (the best q.k of each page); the best
 pages go to the recall frames. With C pages or fewer held every page is a candidate, so the choice
-is the one-stage digest's.
+is the one-stage digest's, and it is made as the one-stage digest makes it (the store's slots read in place).
 
 At the cap: when the pages appended would need more than ``cap`` summaries, g doubles and every
 summary is made again from the token codes (coarser summaries, never dropped pages: counted in
@@ -43,7 +43,7 @@ import torch
 import h2ochat_kernels as kernels
 from h2ochat_kernels.rotation import spreading_rotation
 
-from .layout import Writes, all_candidates, best_pages, growable, held_pages, pages_of, tensor_bytes, widened
+from .layout import Writes, best_pages, growable, held_pages, pages_of, tensor_bytes, widened, widened_pages
 from .selectors import packed_quantize, score_pages
 
 
@@ -217,8 +217,10 @@ class KeyCodes:
 
 
 SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
-CANDIDATES = 128  # pages (2048 tokens) whose token codes stage 2 scores: the page means lose the pass key at
-# 880 tokens with 16 or 32 candidates (benchmarks/results_recall_amortized.json), so they only prune past this
+CANDIDATES = 256  # pages (4096 tokens) whose token codes stage 2 scores: the page means lose the pass key at
+# 880 tokens with 16 or 32 candidates (benchmarks/results_recall_amortized.json), and at 3,600 tokens with 128
+# (5 of the 8 keys 128 lost were found scoring every page: results_recall_heldout_misses_512.jsonl), so they
+# only prune past this
 
 
 class TwoStageCodes:
@@ -295,27 +297,26 @@ class TwoStageCodes:
         # summaries, not the cap
         bound = max(self.appended, self.reserved)
         used = min(self.cap, max(1, -(-bound // (self.page * g))))
+        wanted = max(1, self.candidates // g)  # summaries whose pages stage 2 scores
+        width = min(count, wanted * g)  # as wide as when every summary slot is scored
+        if used <= wanted:
+            # every summary is a candidate: stage 2 scores every page, the one-stage digest's choice, read
+            # in place (views of the store's leading slots: no page gathered, 0.73 -> 0.49 ms a layer at 2K)
+            return widened_pages(self.tokens.top_pages(queries.to(host), count, upto=bound), width).to(queries.device)
         entries = self._entry_ids()[:, :, :used]  # [B, H, used]
         valid = self._entry_held(entries)
-        wanted = max(1, self.candidates // g)  # summaries whose pages stage 2 scores
-        if used <= wanted:  # every summary is a candidate: stage 1 would pick them all
-            chosen = all_candidates(entries, valid)
-        else:
-            stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
-                                 self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
-            best = kernels.top_pages(stage1, wanted).to(host)  # [B, H, k] summary slots
-            # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
-            # does not depend on how many summary slots stage 1 scored
-            best = best.sort(dim=-1).values
-            chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+        stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
+                             self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
+        best = kernels.top_pages(stage1, wanted).to(host)  # [B, H, k] summary slots
+        # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
+        # does not depend on how many summary slots stage 1 scored
+        best = best.sort(dim=-1).values
+        chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
         pages = pages_of(chosen, g)  # [B, H, k * g]
         stage2 = self._page_scores(turned.to(host), pages)
         pick = kernels.top_pages(stage2, count)
         chosen_pages = pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1)
-        width = min(count, wanted * g)  # as wide as when every summary slot is scored
-        if chosen_pages.shape[-1] < width:  # fewer candidates than that so far: the rest are "none"
-            chosen_pages = torch.nn.functional.pad(chosen_pages, (0, width - chosen_pages.shape[-1]), value=-1)
-        return chosen_pages.to(queries.device)
+        return widened_pages(chosen_pages, width).to(queries.device)
 
     def host_nbytes(self) -> int:
         """The token codes' bytes (the cold store's memory)."""

@@ -121,9 +121,8 @@ def pages_of(entries: torch.Tensor, g: int) -> torch.Tensor:
     return pages.masked_fill((entries < 0).unsqueeze(-1), -1).flatten(2)
 
 
-def all_candidates(entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """What stage 1 names when it keeps every summary slot: the held summaries in slot order, after a
-    -1 for each slot holding none (top_pages' -1s sort first), with no scoring (issue 34: stage 1
-    was a third of a recall step's selection at 2K, where 128 candidates cover every page)."""
-    order = valid.to(torch.int8).sort(dim=-1, stable=True).indices  # the none's first, each group in slot order
-    return entries.gather(-1, order).masked_fill(~valid.gather(-1, order), -1)
+def widened_pages(pages: torch.Tensor, width: int) -> torch.Tensor:
+    """Page numbers [B, H, k] widened to ``width`` with "none" (-1): fewer candidates than that so far."""
+    if pages.shape[-1] < width:
+        pages = torch.nn.functional.pad(pages, (0, width - pages.shape[-1]), value=-1)
+    return pages
