@@ -140,13 +140,13 @@ class KeyCodes:
 
     # -- which token each slot holds, from the count -------------------------------------------------
     def _numbers(self, slots: int) -> torch.Tensor:
-        """[B, H, slots]: the slot number each of the first ``slots`` store slots holds (-1: none):
-        the latest n < count written there, n mod the store's size (a ring's, or a store that never
-        wraps: then n is the slot itself)."""
-        size = self.capacity
+        """[B, H, slots]: the slot number each of the first ``slots`` store slots holds (-1: none): the latest
+        n < count written there, n mod the store's size (a ring's; a store that never wraps: the slot)."""
         slot = torch.arange(slots, device=self.count.device)
         latest = (self.count - 1).unsqueeze(-1)
-        number = latest - (latest - slot).remainder(size)
+        if self.frames is None:  # (never wraps: one compare, not a remainder over every slot)
+            return torch.where(slot <= latest, slot, -1)
+        number = latest - (latest - slot).remainder(self.capacity)
         return number.masked_fill(number < 0, -1)
 
     def _held(self, number: torch.Tensor) -> torch.Tensor:
