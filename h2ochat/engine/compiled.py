@@ -45,6 +45,7 @@ import torch
 from ..kv import H2OCache
 from .packed_linears import unpack_linears, weight_bytes
 from .forward_step import EagerDecode, require_h2o_attention
+from ..host_memory import free_host_bytes
 from ..model_shape import cache_argument
 
 # one compiled graph per (model class, batch, slots, dtype, device, variant): a bench over several
@@ -57,12 +58,6 @@ BACKEND = "inductor"  # tests use "aot_eager": the same capture (fullgraph, guar
 def unsupported(cache: H2OCache) -> str | None:
     """Why ``cache`` cannot take the compiled step, or None when it can."""
     return cache.compile_blocker()
-
-
-def free_host_bytes() -> int:
-    import psutil
-
-    return psutil.virtual_memory().available
 
 
 def freezes_weights(model, device: torch.device, graphs: int = 1) -> tuple[bool, str]:

@@ -63,10 +63,11 @@ def config_parameters(config) -> int:
 
 def available_memory(device: str) -> int:
     """Bytes free for weights on ``device`` ("cpu", "cuda", or "auto" for device_map=auto)."""
-    import psutil
     import torch
 
-    cpu = psutil.virtual_memory().available
+    from ..host_memory import free_host_bytes
+
+    cpu = free_host_bytes()
     if device == "cpu" or not torch.cuda.is_available():
         return cpu
     gpus = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
