@@ -135,3 +135,34 @@ def test_rows_appending_on_their_own_clocks_do_not_coarsen_and_a_reset_row_makes
         tensor[1] = -1 if name in ("token_index",) else 0
     two.append(keys, index)
     assert two.pages_per_entry == 1
+
+
+@pytest.mark.parametrize("short_pages", [1, 3, 4])
+def test_a_row_within_the_candidates_chooses_as_alone_beside_a_row_that_coarsened(seed, short_pages):
+    """The summaries' coarsening is one setting for the batch (the longest row's), but a row holding no
+    more pages than the candidates (here 4: every page scored) chooses the pages it would alone, however
+    coarse the long row made the summaries: its choice does not depend on the other rows."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = TwoStageCodes(2, H, D, P, 4, rotate=True, cap=4, candidates=4)
+    alone = TwoStageCodes(1, H, D, P, 4, rotate=True, cap=4, candidates=4)
+    alone.tokens.rotation = batch.tokens.rotation
+    short = torch.randn(1, H, short_pages * P, D, generator=generator)
+    for chunk in range(10):  # row 0 grows to 40 pages (coarsened to 16 pages a summary), row 1 stays short
+        keys = torch.randn(2, H, 4 * P, D, generator=generator)
+        index = torch.arange(4 * P).expand(2, H, 4 * P).clone()
+        if chunk == 0:
+            keys[1, :, : short.shape[2]] = short[0]
+            index[1, :, short.shape[2]:] = -1
+        else:
+            index[1] = -1
+        batch.reserve(int(batch.count.max()) + 4 * P)
+        batch.append(keys, index, reserve=False)
+    alone.reserve(short.shape[2])
+    alone.append(short, torch.arange(short.shape[2]).expand(1, H, -1).clone(), reserve=False)
+    assert batch.pages_per_entry > 4 and alone.pages_per_entry == 1
+    for _ in range(5):
+        queries = torch.randn(2, H, 3, D, generator=generator)
+        beside = batch.top_pages(queries, 2)[1]
+        own = alone.top_pages(queries[1:], 2)[0]
+        for h in range(H):  # the same pages (the widths differ: "none" pads a row with fewer)
+            assert set(beside[h].tolist()) - {-1} == set(own[h].tolist()) - {-1}, h
