@@ -101,7 +101,7 @@ def code_dots(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
 def dequantized_keys(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int | None,
                      dim: int) -> torch.Tensor:
     """The keys [B, H, T, D] fp32 the packed codes stand for: codes * scale + offset."""
-    values = codes.float() if codes.is_floating_point() or codes_per_byte(bits) == 1 else unpack_codes(codes, bits, dim).float()
+    values = codes.float() if codes.is_floating_point() else unpack_codes(codes, bits, dim).float()
     return values * scale.float().unsqueeze(-1) + offset.float().unsqueeze(-1)
 
 

@@ -290,7 +290,6 @@ class TwoStageCodes:
         the candidates the summaries name. ``upto`` is not needed: stage 1 scores the summary slots filled
         so far (at most ``cap``)."""
         host = self.tokens.count.device
-        turned = self.tokens.turned(queries.to(self.tokens.count.device))
         g = self.pages_per_entry
         # only the summary slots some row can have filled (numbers 0..used-1 live in slots 0..used-1 until
         # the cap), from host bounds of every row's count (nothing read back): a short text scores a few
@@ -303,6 +302,7 @@ class TwoStageCodes:
             # every summary is a candidate: stage 2 scores every page, the one-stage digest's choice, read
             # in place (views of the store's leading slots: no page gathered, 0.73 -> 0.49 ms a layer at 2K)
             return widened_pages(self.tokens.top_pages(queries.to(host), count, upto=bound), width).to(queries.device)
+        turned = self.tokens.turned(queries.to(host))  # (the shortcut's digest turns them itself)
         entries = self._entry_ids()[:, :, :used]  # [B, H, used]
         valid = self._entry_held(entries)
         stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
