@@ -1,5 +1,6 @@
-"""CPU time of ``kernels.reference.attend_with_scores`` with the logits query-major [M, S + Q] (the
-decode step's layout) against keys-major [S + Q, M] (what full prompt chunks run, issue 35), and of a
+"""CPU time of ``kernels.reference.attend_with_scores`` with a chunk's logits query-major [M, S + Q] at
+once (the decode step's layout) against blocked (``reference._attend_blocked``: ``CHUNK_BLOCK`` new
+tokens at a time, what CPU prompt chunks run; also at blocks of 32 and 128), and of a
 bf16 decode step multiplying its bf16 slots as they are against converting them to fp32, and of a bf16
 decode step over W of C slot columns read three ways (``width`` rows: the view of the first W as it is,
 that view copied to one block first, and all C columns with the empty ones masked:
@@ -56,8 +57,14 @@ def timed_with(name: str, value, call) -> float:
         setattr(reference, name, chosen)
 
 
-def timed(call, keys_major: bool) -> float:
-    return timed_with("KEYS_MAJOR_MIN_TOKENS", 2 if keys_major else 1 << 30, call)
+def timed(call, block: int | None) -> float:
+    """CPU seconds of ``call`` blocked by ``block`` new tokens, or query-major (None)."""
+    if block is None:
+        return timed_with("BLOCKED_MIN_TOKENS", 1 << 30, call)
+    return timed_with("CHUNK_BLOCK", block, call)
+
+
+BLOCKS = {"blocked": reference.CHUNK_BLOCK, "blocked_32": 32, "blocked_128": 128}
 
 
 def timed_bf16(call, native: bool) -> float:
@@ -116,13 +123,16 @@ def main() -> None:
         for batch, q_len, slots in SHAPES:
             call = case(batch, q_len, slots, dtype)
             calls = args.calls * (10 if q_len == 1 else 1)
-            spent = {"query_major": 0.0, "keys_major": 0.0}
+            blocks = BLOCKS if q_len > 1 else {}  # (a decode step is query-major either way)
+            spent = dict.fromkeys(["query_major", *blocks], 0.0)
             for _ in range(calls):
-                spent["query_major"] += timed(call, False)
-                spent["keys_major"] += timed(call, True)
+                spent["query_major"] += timed(call, None)
+                for name, block in blocks.items():
+                    spent[name] += timed(call, block)
             row = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "new_tokens": q_len, "slots": slots,
-                   **{f"{name}_ms": round(1e3 * s / calls, 2) for name, s in spent.items()},
-                   "query_major_over_keys_major": round(spent["query_major"] / spent["keys_major"], 3)}
+                   **{f"{name}_ms": round(1e3 * s / calls, 2) for name, s in spent.items()}}
+            if blocks:
+                row["query_major_over_blocked"] = round(spent["query_major"] / spent["blocked"], 3)
             if dtype == torch.bfloat16 and q_len == 1:
                 native = converted = 0.0
                 for _ in range(calls):

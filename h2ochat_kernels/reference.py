@@ -65,16 +65,14 @@ def attend_with_scores(
         cache_keys, cache_values = _quant.dequantized_slots(cache_keys, cache_values, quant, query.dtype)
         quant = None
     # the scale goes on the queries once, not on both logit blocks
-    rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
     weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
     _decay_scores(scores, new_valid, batch, q_len, decay, query.device)
-    if quant is None and keys_major_pays(q_len):
-        out, received = _attend_keys_major(rows, cache_keys, cache_values, slot_token_index, new_keys, new_values,
-                                           new_valid, weights, group)
+    if quant is None and runs_blocked(q_len, query.device):
+        out, received = _attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
+                                        new_valid, weights, scale)
         scores += received[..., :cache_keys.shape[2]]
-        out = out.view(batch, kv_heads, group, q_len, head_dim)
         return (out if out.dtype == query.dtype else out.to(query.dtype)), received[..., cache_keys.shape[2]:]
-
+    rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
     # an empty slot's logit: _MASKED added (one add over the logits, where a masked_fill costs 5x that)
     empty = torch.where(slot_token_index < 0, _MASKED, 0.0).unsqueeze(2)
     if native:
@@ -109,16 +107,22 @@ def attend_with_scores(
     return (out if out.dtype == query.dtype else out.to(query.dtype)), new_scores
 
 
-# prompt chunks of at least this many tokens run the keys-major layout (``_attend_keys_major``)
-KEYS_MAJOR_MIN_TOKENS = 512
+# CPU prompt chunks of at least this many tokens run the blocked layout (``_attend_blocked``)
+BLOCKED_MIN_TOKENS = 2
+# and this many of their new tokens at a time
+CHUNK_BLOCK = 64
 
 
-def keys_major_pays(q_len: int) -> bool:
-    """Whether a step of ``q_len`` new tokens runs the keys-major layout. Measured on this CPU, one
-    thread (``benchmarks/results_attention_layout.json``): a full 512-token chunk takes 1.09-1.30x less
-    CPU keys-major over 512-1,638 slots, fp32 and bf16 alike; a 300-370-token tail is 0.85-1.14x
-    (no steady gain), and a decode step's 3 query rows gain nothing, the joined keys costing a copy."""
-    return q_len >= KEYS_MAJOR_MIN_TOKENS
+def runs_blocked(q_len: int, device: torch.device) -> bool:
+    """Whether a step of ``q_len`` new tokens on ``device`` runs the blocked layout: a CPU prompt chunk.
+    Measured on one thread (``benchmarks/results_attention_layout.json``, SmolLM2's shapes, fp32 and
+    bf16 alike): 1.15-2.0x less CPU than the whole chunk's logits at 300-512 tokens over 512-1,638
+    slots, 0.87-1.08x at 64-128 (no steady difference either way: taken too, one rule); `generate`'s
+    prefill of 2,048 tokens in 512-token chunks 2.2x faster than the keys-major layout it replaces,
+    the same tokens. Blocks of 32 or 128 tokens are within 10% of 64. A decode step (one token) has no
+    block to make; a GPU's torch path keeps the whole chunk (its passes are not bound by one core's
+    cache)."""
+    return q_len >= BLOCKED_MIN_TOKENS and device.type == "cpu"
 
 
 # a CPU decode step over bf16 slots attends every slot column once this share of them is in use
@@ -136,6 +140,42 @@ def attends_every_column(q_len: int, in_use: int, columns: int, slots: torch.Ten
     1,100 in use and 1.76 ms at 1,500 (crossing near 70%); at 1 row they cross near 60%."""
     return (q_len == 1 and slots.device.type == "cpu" and slots.dtype == torch.bfloat16
             and in_use >= FULL_WIDTH_SHARE * columns)
+
+
+def _attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, weights,
+                    scale: float, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt chunk's attention (Q > 1, unquantised slots), ``block`` of its new tokens at a time: the
+    slots' and the new tokens' keys joined once in fp32 (a copy of S + Q keys), then per block one
+    product for the logits, the masks (one add, which also scales), the softmax and the received
+    attention, and one product for the output. A block's logits stay in the CPU's cache through
+    those passes, where the whole chunk's (M x (S + Q) fp32: 40 MB for SmolLM2 at 512 tokens over
+    1,500 slots) went to memory and back at each of them; and a block reads no new key after its
+    last token. The same numbers as the query-major path up to fp32 rounding. Returns (output
+    [B, Hkv, G, Q, D] fp32, the attention each key received [B, Hkv, S + Q], weighted by ``weights``)."""
+    batch, kv_heads, group, q_len, head_dim = query.shape
+    block = block or CHUNK_BLOCK
+    slots = cache_keys.shape[2]
+    keys = torch.cat([_f32(cache_keys), _f32(new_keys)], dim=2)
+    values = torch.cat([_f32(cache_values), _f32(new_values)], dim=2)
+    empty = torch.where(slot_token_index < 0, _MASKED, 0.0)
+    bias = torch.cat([empty, empty.new_zeros(batch, kv_heads, q_len)], dim=2).unsqueeze(2)  # [B, Hkv, 1, S + Q]
+    readable = _new_key_mask(new_valid, batch, q_len, query.device)  # [B, 1, 1, Q, Q]
+    out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=torch.float32, device=query.device)
+    received = torch.zeros(batch, kv_heads, slots + q_len, dtype=torch.float32, device=query.device)
+    for start in range(0, q_len, block):
+        end = min(start + block, q_len)
+        width, tokens = slots + end, end - start
+        rows = _f32(query[:, :, :, start:end].reshape(batch, kv_heads, group * tokens, head_dim))
+        logits = torch.add(bias[..., :width], torch.matmul(rows, keys[:, :, :width].transpose(-1, -2)), alpha=scale)
+        logits[..., slots:].view(batch, kv_heads, group, tokens, end).masked_fill_(~readable[..., start:end, :end],
+                                                                                  _MASKED)
+        probs = logits.softmax(dim=-1)
+        out[:, :, :, start:end] = torch.matmul(probs, values[:, :, :width]).view(batch, kv_heads, group, tokens,
+                                                                                 head_dim)
+        if weights is not None:
+            probs = probs * _query_row_weights(weights[:, start:end], group)
+        received[..., :width] += probs.sum(dim=2)
+    return out, received
 
 
 def _multiplies_bf16_slots(query, cache_keys, quant, q_len: int) -> bool:
@@ -170,29 +210,6 @@ def _query_row_weights(weights: torch.Tensor, group: int) -> torch.Tensor:
     """[B, Q] per-token weights as [B, 1, G * Q, 1]: one per query row (the G heads of a token alike)."""
     batch, q_len = weights.shape
     return weights.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len).reshape(batch, 1, group * q_len, 1)
-
-
-def _attend_keys_major(rows, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, weights,
-                       group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prompt chunk's attention (Q > 1, unquantised slots) with the logits laid out keys-major,
-    [B, Hkv, S + Q, M]: on the CPU the product keys @ rows^T runs ~2x faster than rows @ keys^T at
-    these shapes, the slots and the new tokens are one product (their keys joined, not their
-    logits), the masks are written in place, and a key's received attention is a contiguous sum.
-    The same numbers as the query-major path up to fp32 rounding. Returns (output [B, Hkv, M, D]
-    fp32, the attention each key received [B, Hkv, S + Q], weighted by ``weights``)."""
-    batch, kv_heads, _, _ = rows.shape
-    slots, q_len = cache_keys.shape[2], new_keys.shape[2]
-    keys = torch.cat([_f32(cache_keys), _f32(new_keys)], dim=2)
-    values = torch.cat([_f32(cache_values), _f32(new_values)], dim=2)
-    logits = torch.matmul(keys, rows.transpose(-1, -2))
-    logits[:, :, :slots].masked_fill_((slot_token_index < 0).unsqueeze(-1), _MASKED)
-    # new key j readable by query row (g, i): _new_key_mask's [i, j], turned to [j, i], for every g
-    readable = _new_key_mask(new_valid, batch, q_len, rows.device).view(-1, 1, q_len, q_len).transpose(-1, -2)
-    logits[:, :, slots:].view(batch, kv_heads, q_len, group, q_len).masked_fill_(~readable.unsqueeze(3), _MASKED)
-    probs = logits.softmax(dim=2)
-    out = torch.matmul(probs.transpose(-1, -2), values)
-    received = probs.sum(dim=-1) if weights is None else torch.matmul(probs, _query_row_weights(weights, group)).squeeze(-1)
-    return out, received
 
 
 def _slot_logits(rows: torch.Tensor, keys: torch.Tensor, quant) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """``kernels.reference.attend_with_scores`` against a slow obvious loop: each query row's softmax over
 the slots it may read, and the scores updated token by token (``S <- decay * S + a``), for decode
-steps and prompt chunks (the chunk runs the keys-major layout, issue 35), with padding, empty slots,
+steps and prompt chunks (a CPU chunk runs the blocked layout, issue 35), with padding, empty slots,
 GQA groups, a per-sequence decay and 16-bit slots."""
 
 from __future__ import annotations
@@ -66,10 +66,12 @@ def inputs(seed: int, batch: int, q_len: int, slots: int, padding: bool, dtype=t
                 scores=torch.rand(batch, kv_heads, slots, generator=g))
 
 
-@pytest.fixture(params=["query-major", "keys-major"])
+@pytest.fixture(params=["query-major", "blocked"])
 def layout(request, monkeypatch):
-    """Both layouts of a chunk: keys-major from 2 tokens on, or never."""
-    monkeypatch.setattr(reference, "KEYS_MAJOR_MIN_TOKENS", 2 if request.param == "keys-major" else 1 << 30)
+    """Both layouts of a chunk: blocked (two new tokens a block, so a chunk runs several) from 2 tokens
+    on, or never."""
+    monkeypatch.setattr(reference, "BLOCKED_MIN_TOKENS", 2 if request.param == "blocked" else 1 << 30)
+    monkeypatch.setattr(reference, "CHUNK_BLOCK", 2)
     return request.param
 
 
@@ -102,14 +104,28 @@ def test_a_chunk_over_bf16_slots_matches_the_loop_on_the_same_values(seed, layou
     torch.testing.assert_close(scores.double(), want_scores, rtol=1e-5, atol=1e-6)
 
 
-def test_full_chunks_run_the_keys_major_layout(monkeypatch, seed):
-    """A full 512-token chunk takes the keys-major path; shorter chunks and decode steps the query-major one."""
+def test_cpu_prompt_chunks_run_the_blocked_layout(monkeypatch, seed):
+    """Every CPU prompt chunk takes the blocked path, whatever its length; decode steps the query-major one."""
     calls = []
-    original = reference._attend_keys_major
-    monkeypatch.setattr(reference, "_attend_keys_major", lambda *a, **k: calls.append(a[0].shape[2]) or original(*a, **k))
+    original = reference._attend_blocked
+    monkeypatch.setattr(reference, "_attend_blocked", lambda *a, **k: calls.append(a[0].shape[3]) or original(*a, **k))
     for q_len in (1, 4, 511, 512):
         reference.attend_with_scores(**inputs(seed, 1, q_len, slots=6, padding=False))
-    assert calls == [3 * 512]  # (query rows: the group of 3 times the tokens)
+    assert calls == [4, 511, 512]
+
+
+@pytest.mark.parametrize("block", [1, 3, 64])
+def test_the_blocks_give_the_whole_chunks_numbers(seed, block):
+    """However the chunk is cut into blocks, the output and every key's received attention are the
+    whole chunk's (one block), up to fp32 rounding: padding and a decay per row included."""
+    given = inputs(seed, 2, 7, slots=9, padding=True)
+    weights = reference.row_weights(given["new_valid"], 2, 7, torch.tensor([0.9, 0.5]), torch.device("cpu"))
+    args = [given[name] for name in ("query", "cache_keys", "cache_values", "slot_token_index", "new_keys",
+                                     "new_values", "new_valid")]
+    whole = reference._attend_blocked(*args, weights, given["scale"], block=7)
+    cut = reference._attend_blocked(*args, weights, given["scale"], block=block)
+    for want, got in zip(whole, cut):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("padding", [False, True])
