@@ -1,0 +1,110 @@
+"""How fast one core reads memory, and how fast a one-row decode step's linears stream their weights
+(issue 35's single-stream target): a decode step at one row reads every weight once, so its linears
+cannot beat the weight bytes over the core's read bandwidth.
+
+Measured on one thread, each figure the best of ``--repeats``:
+- the core's read bandwidth: an fp32 sum, an fp32 dot and MKL's fp32 matrix-vector product over 256 MB
+  (far past the caches), and a copy (read and write);
+- SmolLM2-135M's linear shapes as the server runs them (bf16, packed once for oneDNN:
+  ``h2ochat.engine.packed_linears``), each through enough distinct weights that none is in a cache when
+  it is read (what a decode step sees), at 1 and 8 rows; and the same with weight-only int8
+  (``torch._weight_int8pack_mm``, half the bytes), the cheapest way to read fewer weight bytes torch has;
+- the floor those give a one-row decode step of SmolLM2's 269 MB of bf16 weights.
+
+    python benchmarks/weight_streaming.py --out benchmarks/results_weight_streaming.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# SmolLM2-135M: hidden 576, MLP 1,536, 3 KV heads of 64, 30 layers, a tied 49,152-token head
+LINEARS = {"q_proj/o_proj": (576, 576, 60), "k_proj/v_proj": (192, 576, 60), "gate_proj/up_proj": (1536, 576, 60),
+           "down_proj": (576, 1536, 30), "lm_head": (49152, 576, 1)}
+COLD_BYTES = 256 << 20  # distinct weights per timing: past any cache
+
+
+def best_seconds(call, repeats: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def bandwidth(repeats: int) -> dict:
+    x = torch.randn(COLD_BYTES // 4)
+    y = torch.empty_like(x)
+    half = x.numel() // 2
+    matrix, vector = x.view(-1, 4096), torch.randn(4096)
+    gb = x.numel() * 4 / 1e9
+    return {
+        "fp32_sum_gb_per_s": round(gb / best_seconds(x.sum, repeats), 2),
+        "fp32_dot_gb_per_s": round(gb / best_seconds(lambda: torch.dot(x[:half], x[half:]), repeats), 2),
+        "mkl_fp32_matrix_vector_gb_per_s": round(gb / best_seconds(lambda: torch.mv(matrix, vector), repeats), 2),
+        "copy_read_and_write_gb_per_s": round(2 * gb / best_seconds(lambda: y.copy_(x), repeats), 2),
+    }
+
+
+def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = weight.float().abs().amax(1).clamp_min(1e-8) / 127
+    return (weight.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.bfloat16()
+
+
+def linear_rows(repeats: int) -> list[dict]:
+    rows = []
+    for name, (out_features, in_features, per_step) in LINEARS.items():
+        weight_bytes = out_features * in_features * 2
+        copies = max(2, COLD_BYTES // weight_bytes)
+        weights = [(torch.randn(out_features, in_features) * 0.02).bfloat16() for _ in range(copies)]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        quantized = [int8_weights(w) for w in weights]
+        del weights
+        for batch in (1, 8):
+            x = torch.randn(batch, in_features).bfloat16()
+            bf16_s = best_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                           for w in packed], repeats) / copies
+            int8_s = best_seconds(lambda: [torch.ops.aten._weight_int8pack_mm(x, w, s) for w, s in quantized],
+                                  repeats) / copies
+            rows.append({"linear": name, "out": out_features, "in": in_features, "per_decode_step": per_step,
+                         "rows": batch, "bf16_packed_us": round(1e6 * bf16_s, 1),
+                         "bf16_packed_gb_per_s": round(weight_bytes / bf16_s / 1e9, 2),
+                         "int8_weights_us": round(1e6 * int8_s, 1),
+                         "bf16_over_int8": round(bf16_s / int8_s, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    read = bandwidth(args.repeats)
+    print(json.dumps(read), flush=True)
+    rows = linear_rows(args.repeats)
+    one_row = [row for row in rows if row["rows"] == 1]
+    step_bytes = sum(row["out"] * row["in"] * 2 * row["per_decode_step"] for row in one_row)
+    linears_ms = sum(row["bf16_packed_us"] * row["per_decode_step"] for row in one_row) / 1e3
+    fastest_read = max(read.values())
+    floor = {"weight_bytes_per_decode_step": step_bytes,
+             "linears_ms_per_one_row_step_bf16_packed": round(linears_ms, 2),
+             "weights_ms_at_the_fastest_read": round(step_bytes / fastest_read / 1e6, 2),
+             "decode_tokens_per_s_if_only_the_linears": round(1e3 / linears_ms, 1)}
+    print(json.dumps(floor), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"argv": sys.argv, "threads": 1, "read_bandwidth": read,
+                                              "linears": rows, "one_row_decode_floor": floor}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
