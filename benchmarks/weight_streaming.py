@@ -9,7 +9,10 @@ Measured on one thread, each figure the best of ``--repeats``:
   ``h2ochat.engine.packed_linears``), each through enough distinct weights that none is in a cache when
   it is read (what a decode step sees), at 1 and 8 rows; and the same with weight-only int8
   (``torch._weight_int8pack_mm``, half the bytes), the cheapest way to read fewer weight bytes torch has;
-- the floor those give a one-row decode step of SmolLM2's 269 MB of bf16 weights.
+- the floor those give a one-row decode step of SmolLM2's 269 MB of bf16 weights;
+- what a mixed prefill/decode step (one forward for a prompt chunk and the running rows, vLLM's chunked
+  prefill) would save in the linears, the only part the two share: a step's linears at 8 rows plus at a
+  380-token chunk (a chat turn) against at 388 rows.
 
     python benchmarks/weight_streaming.py --out benchmarks/results_weight_streaming.json
 """
@@ -59,7 +62,7 @@ def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.bfloat16()
 
 
-def linear_rows(repeats: int) -> list[dict]:
+def linear_rows(repeats: int, row_counts=(1, 8), int8: bool = True) -> list[dict]:
     rows = []
     for name, (out_features, in_features, per_step) in LINEARS.items():
         weight_bytes = out_features * in_features * 2
@@ -68,17 +71,17 @@ def linear_rows(repeats: int) -> list[dict]:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
         quantized = [int8_weights(w) for w in weights]
         del weights
-        for batch in (1, 8):
+        for batch in row_counts:
             x = torch.randn(batch, in_features).bfloat16()
             bf16_s = best_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                            for w in packed], repeats) / copies
-            int8_s = best_seconds(lambda: [torch.ops.aten._weight_int8pack_mm(x, w, s) for w, s in quantized],
-                                  repeats) / copies
             rows.append({"linear": name, "out": out_features, "in": in_features, "per_decode_step": per_step,
                          "rows": batch, "bf16_packed_us": round(1e6 * bf16_s, 1),
-                         "bf16_packed_gb_per_s": round(weight_bytes / bf16_s / 1e9, 2),
-                         "int8_weights_us": round(1e6 * int8_s, 1),
-                         "bf16_over_int8": round(bf16_s / int8_s, 3)})
+                         "bf16_packed_gb_per_s": round(weight_bytes / bf16_s / 1e9, 2)})
+            if int8:
+                int8_s = best_seconds(lambda: [torch.ops.aten._weight_int8pack_mm(x, w, s) for w, s in quantized],
+                                      repeats) / copies
+                rows[-1].update(int8_weights_us=round(1e6 * int8_s, 1), bf16_over_int8=round(bf16_s / int8_s, 3))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -101,9 +104,24 @@ def main() -> None:
              "weights_ms_at_the_fastest_read": round(step_bytes / fastest_read / 1e6, 2),
              "decode_tokens_per_s_if_only_the_linears": round(1e3 / linears_ms, 1)}
     print(json.dumps(floor), flush=True)
+    mixed = mixed_step(args.repeats)
+    print(json.dumps(mixed), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"argv": sys.argv, "threads": 1, "read_bandwidth": read,
-                                              "linears": rows, "one_row_decode_floor": floor}, indent=1) + "\n")
+                                              "linears": rows, "one_row_decode_floor": floor,
+                                              "mixed_step_linears": mixed}, indent=1) + "\n")
+
+
+def mixed_step(repeats: int, decode_rows: int = 8, chunk: int = 380) -> dict:
+    """A step's linears (every layer's and the head) at ``decode_rows``, at a ``chunk``-token prompt
+    chunk and at both in one forward: what a mixed step would save (the attention is not shared)."""
+    def step_ms(rows_of: int) -> float:
+        rows = linear_rows(repeats, (rows_of,), int8=False)
+        return sum(row["bf16_packed_us"] * row["per_decode_step"] for row in rows) / 1e3
+    decode, prefill, both = step_ms(decode_rows), step_ms(chunk), step_ms(chunk + decode_rows)
+    return {"decode_rows": decode_rows, "chunk_tokens": chunk, "decode_step_linears_ms": round(decode, 2),
+            "chunk_linears_ms": round(prefill, 2), "mixed_step_linears_ms": round(both, 2),
+            "saved_per_mixed_step_ms": round(decode + prefill - both, 2)}
 
 
 if __name__ == "__main__":
