@@ -1,5 +1,5 @@
 """CPU time of ``kernels.reference.attend_with_scores`` with a chunk's logits query-major [M, S + Q] at
-once (the decode step's layout) against blocked (``reference._attend_blocked``: ``CHUNK_BLOCK`` new
+once (the decode step's layout) against blocked (``blocked_chunk.attend_blocked``: ``CHUNK_BLOCK`` new
 tokens at a time, what CPU prompt chunks run; also at blocks of 32 and 128), and of a
 bf16 decode step multiplying its bf16 slots as they are against converting them to fp32, and of a bf16
 decode step over W of C slot columns read three ways (``width`` rows: the view of the first W as it is,
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from h2ochat_kernels import reference  # noqa: E402
+from h2ochat_kernels import blocked_chunk, reference  # noqa: E402
 
 SHAPES = [  # (batch, new tokens, slots)
     (1, 512, 1638), (1, 370, 1638), (1, 300, 1638), (1, 128, 1638), (1, 64, 1638),  # a chat's turn, slots full
@@ -45,26 +45,26 @@ def case(batch: int, q_len: int, slots: int, dtype: torch.dtype):
     return lambda: reference.attend_with_scores(**tensors, scores=torch.zeros(batch, kv_heads, slots))
 
 
-def timed_with(name: str, value, call) -> float:
-    """CPU seconds of ``call`` with ``reference.<name>`` set to ``value`` (put back after)."""
-    chosen = getattr(reference, name)
-    setattr(reference, name, value)
+def timed_with(name: str, value, call, module=reference) -> float:
+    """CPU seconds of ``call`` with ``module.<name>`` set to ``value`` (put back after)."""
+    chosen = getattr(module, name)
+    setattr(module, name, value)
     try:
         started = time.process_time()
         call()
         return time.process_time() - started
     finally:
-        setattr(reference, name, chosen)
+        setattr(module, name, chosen)
 
 
 def timed(call, block: int | None) -> float:
     """CPU seconds of ``call`` blocked by ``block`` new tokens, or query-major (None)."""
     if block is None:
-        return timed_with("BLOCKED_MIN_TOKENS", 1 << 30, call)
-    return timed_with("CHUNK_BLOCK", block, call)
+        return timed_with("BLOCKED_MIN_TOKENS", 1 << 30, call, blocked_chunk)
+    return timed_with("CHUNK_BLOCK", block, call, blocked_chunk)
 
 
-BLOCKS = {"blocked": reference.CHUNK_BLOCK, "blocked_32": 32, "blocked_128": 128}
+BLOCKS = {"blocked": blocked_chunk.CHUNK_BLOCK, "blocked_32": 32, "blocked_128": 128}
 
 
 def timed_bf16(call, native: bool) -> float:

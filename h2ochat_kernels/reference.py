@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from . import blocked_chunk
 from . import quant as _quant
+from .attention_rows import MASKED as _MASKED
+from .attention_rows import f32 as _f32
+from .attention_rows import new_key_mask as _new_key_mask
+from .attention_rows import query_row_weights as _query_row_weights
 
-_MASKED = torch.finfo(torch.float32).min
 
 
 def attend_with_scores(
@@ -67,8 +71,8 @@ def attend_with_scores(
     # the scale goes on the queries once, not on both logit blocks
     weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
     _decay_scores(scores, new_valid, batch, q_len, decay, query.device)
-    if quant is None and runs_blocked(q_len, query.device):
-        out, received = _attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
+    if quant is None and blocked_chunk.runs_blocked(q_len, query.device):
+        out, received = blocked_chunk.attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
                                         new_valid, weights, scale)
         scores += received[..., :cache_keys.shape[2]]
         return (out if out.dtype == query.dtype else out.to(query.dtype)), received[..., cache_keys.shape[2]:]
@@ -107,24 +111,6 @@ def attend_with_scores(
     return (out if out.dtype == query.dtype else out.to(query.dtype)), new_scores
 
 
-# CPU prompt chunks of at least this many tokens run the blocked layout (``_attend_blocked``)
-BLOCKED_MIN_TOKENS = 2
-# and this many of their new tokens at a time
-CHUNK_BLOCK = 64
-
-
-def runs_blocked(q_len: int, device: torch.device) -> bool:
-    """Whether a step of ``q_len`` new tokens on ``device`` runs the blocked layout: a CPU prompt chunk.
-    Measured on one thread (``benchmarks/results_attention_layout.json``, SmolLM2's shapes, fp32 and
-    bf16 alike): 1.15-2.0x less CPU than the whole chunk's logits at 300-512 tokens over 512-1,638
-    slots, 0.87-1.08x at 64-128 (no steady difference either way: taken too, one rule); `generate`'s
-    prefill of 2,048 tokens in 512-token chunks 2.2x faster than the keys-major layout it replaces,
-    the same tokens. Blocks of 32 or 128 tokens are within 10% of 64. A decode step (one token) has no
-    block to make; a GPU's torch path keeps the whole chunk (its passes are not bound by one core's
-    cache)."""
-    return q_len >= BLOCKED_MIN_TOKENS and device.type == "cpu"
-
-
 # a CPU decode step over bf16 slots attends every slot column once this share of them is in use
 FULL_WIDTH_SHARE = 0.7
 
@@ -140,42 +126,6 @@ def attends_every_column(q_len: int, in_use: int, columns: int, slots: torch.Ten
     1,100 in use and 1.76 ms at 1,500 (crossing near 70%); at 1 row they cross near 60%."""
     return (q_len == 1 and slots.device.type == "cpu" and slots.dtype == torch.bfloat16
             and in_use >= FULL_WIDTH_SHARE * columns)
-
-
-def _attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, weights,
-                    scale: float, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prompt chunk's attention (Q > 1, unquantised slots), ``block`` of its new tokens at a time: the
-    slots' and the new tokens' keys joined once in fp32 (a copy of S + Q keys), then per block one
-    product for the logits, the masks (one add, which also scales), the softmax and the received
-    attention, and one product for the output. A block's logits stay in the CPU's cache through
-    those passes, where the whole chunk's (M x (S + Q) fp32: 40 MB for SmolLM2 at 512 tokens over
-    1,500 slots) went to memory and back at each of them; and a block reads no new key after its
-    last token. The same numbers as the query-major path up to fp32 rounding. Returns (output
-    [B, Hkv, G, Q, D] fp32, the attention each key received [B, Hkv, S + Q], weighted by ``weights``)."""
-    batch, kv_heads, group, q_len, head_dim = query.shape
-    block = block or CHUNK_BLOCK
-    slots = cache_keys.shape[2]
-    keys = torch.cat([_f32(cache_keys), _f32(new_keys)], dim=2)
-    values = torch.cat([_f32(cache_values), _f32(new_values)], dim=2)
-    empty = torch.where(slot_token_index < 0, _MASKED, 0.0)
-    bias = torch.cat([empty, empty.new_zeros(batch, kv_heads, q_len)], dim=2).unsqueeze(2)  # [B, Hkv, 1, S + Q]
-    readable = _new_key_mask(new_valid, batch, q_len, query.device)  # [B, 1, 1, Q, Q]
-    out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=torch.float32, device=query.device)
-    received = torch.zeros(batch, kv_heads, slots + q_len, dtype=torch.float32, device=query.device)
-    for start in range(0, q_len, block):
-        end = min(start + block, q_len)
-        width, tokens = slots + end, end - start
-        rows = _f32(query[:, :, :, start:end].reshape(batch, kv_heads, group * tokens, head_dim))
-        logits = torch.add(bias[..., :width], torch.matmul(rows, keys[:, :, :width].transpose(-1, -2)), alpha=scale)
-        logits[..., slots:].view(batch, kv_heads, group, tokens, end).masked_fill_(~readable[..., start:end, :end],
-                                                                                  _MASKED)
-        probs = logits.softmax(dim=-1)
-        out[:, :, :, start:end] = torch.matmul(probs, values[:, :, :width]).view(batch, kv_heads, group, tokens,
-                                                                                 head_dim)
-        if weights is not None:
-            probs = probs * _query_row_weights(weights[:, start:end], group)
-        received[..., :width] += probs.sum(dim=2)
-    return out, received
 
 
 def _multiplies_bf16_slots(query, cache_keys, quant, q_len: int) -> bool:
@@ -206,12 +156,6 @@ def _decay_scores(scores: torch.Tensor, new_valid, batch: int, q_len: int, decay
         scores *= old_score_factor(new_valid, batch, q_len, decay, device).view(batch, 1, 1)
 
 
-def _query_row_weights(weights: torch.Tensor, group: int) -> torch.Tensor:
-    """[B, Q] per-token weights as [B, 1, G * Q, 1]: one per query row (the G heads of a token alike)."""
-    batch, q_len = weights.shape
-    return weights.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len).reshape(batch, 1, group * q_len, 1)
-
-
 def _slot_logits(rows: torch.Tensor, keys: torch.Tensor, quant) -> torch.Tensor:
     """rows [B, Hkv, M, D] fp32 . the slots' keys -> [B, Hkv, M, S]. Quantised keys (fp32 rows):
     q . (c * s + o) = s * (q . c) + o * sum(q), so the codes are converted once and never expanded
@@ -232,11 +176,6 @@ def _slot_output(probs: torch.Tensor, values: torch.Tensor, quant) -> torch.Tens
     codes = _quant.unpacked(values, quant.bits, quant.value_dim).float()
     return (torch.matmul(probs * quant.value_scale.unsqueeze(2), codes)
             + torch.matmul(probs, quant.value_offset.unsqueeze(-1)))
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 view of ``t`` (no op when it already is: every op counts in a CPU decode step)."""
-    return t if t.dtype == torch.float32 else t.float()
 
 
 def _is_one(decay) -> bool:
@@ -267,15 +206,6 @@ def old_score_factor(new_valid: torch.Tensor | None, batch: int, q_len: int, dec
     """[B] float32: what the cached scores are multiplied by this step, decay ** (real rows)."""
     real = torch.full((batch,), q_len, device=device) if new_valid is None else new_valid.sum(1)
     return torch.pow(_decay_per_row(decay, batch, device), real.float())
-
-
-def _new_key_mask(new_valid: torch.Tensor | None, batch: int, q_len: int, device) -> torch.Tensor:
-    """[B, 1, 1, Q, Q] bool: query row i may read new key j (causal, and j is not padding)."""
-    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
-    mask = causal.view(1, 1, 1, q_len, q_len)
-    if new_valid is not None:
-        mask = mask & new_valid.view(batch, 1, 1, 1, q_len)
-    return mask
 
 
 def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat_kernels import reference
+from h2ochat_kernels import blocked_chunk, reference
 
 
 def slow_attention(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay):
@@ -70,8 +70,8 @@ def inputs(seed: int, batch: int, q_len: int, slots: int, padding: bool, dtype=t
 def layout(request, monkeypatch):
     """Both layouts of a chunk: blocked (two new tokens a block, so a chunk runs several) from 2 tokens
     on, or never."""
-    monkeypatch.setattr(reference, "BLOCKED_MIN_TOKENS", 2 if request.param == "blocked" else 1 << 30)
-    monkeypatch.setattr(reference, "CHUNK_BLOCK", 2)
+    monkeypatch.setattr(blocked_chunk, "BLOCKED_MIN_TOKENS", 2 if request.param == "blocked" else 1 << 30)
+    monkeypatch.setattr(blocked_chunk, "CHUNK_BLOCK", 2)
     return request.param
 
 
@@ -107,8 +107,8 @@ def test_a_chunk_over_bf16_slots_matches_the_loop_on_the_same_values(seed, layou
 def test_cpu_prompt_chunks_run_the_blocked_layout(monkeypatch, seed):
     """Every CPU prompt chunk takes the blocked path, whatever its length; decode steps the query-major one."""
     calls = []
-    original = reference._attend_blocked
-    monkeypatch.setattr(reference, "_attend_blocked", lambda *a, **k: calls.append(a[0].shape[3]) or original(*a, **k))
+    original = blocked_chunk.attend_blocked
+    monkeypatch.setattr(blocked_chunk, "attend_blocked", lambda *a, **k: calls.append(a[0].shape[3]) or original(*a, **k))
     for q_len in (1, 4, 511, 512):
         reference.attend_with_scores(**inputs(seed, 1, q_len, slots=6, padding=False))
     assert calls == [4, 511, 512]
@@ -122,8 +122,8 @@ def test_the_blocks_give_the_whole_chunks_numbers(seed, block):
     weights = reference.row_weights(given["new_valid"], 2, 7, torch.tensor([0.9, 0.5]), torch.device("cpu"))
     args = [given[name] for name in ("query", "cache_keys", "cache_values", "slot_token_index", "new_keys",
                                      "new_values", "new_valid")]
-    whole = reference._attend_blocked(*args, weights, given["scale"], block=7)
-    cut = reference._attend_blocked(*args, weights, given["scale"], block=block)
+    whole = blocked_chunk.attend_blocked(*args, weights, given["scale"], block=7)
+    cut = blocked_chunk.attend_blocked(*args, weights, given["scale"], block=block)
     for want, got in zip(whole, cut):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 

@@ -1,0 +1,31 @@
+"""What the torch attention paths share (``reference``'s query-major step, ``blocked_chunk``'s prompt
+chunks): the logit a masked key gets, the causal mask among the new tokens, and per-token weights laid
+out by query row."""
+
+from __future__ import annotations
+
+import torch
+
+# the logit of a key nobody may read: float32's min (not -inf), so a row with every key masked (a
+# padding row) softmaxes to a uniform row instead of NaN
+MASKED = torch.finfo(torch.float32).min
+
+
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 view of ``t`` (no op when it already is: every op counts in a CPU decode step)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def query_row_weights(weights: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, Q] per-token weights as [B, 1, G * Q, 1]: one per query row (the G heads of a token alike)."""
+    batch, q_len = weights.shape
+    return weights.view(batch, 1, 1, q_len).expand(batch, 1, group, q_len).reshape(batch, 1, group * q_len, 1)
+
+
+def new_key_mask(new_valid: torch.Tensor | None, batch: int, q_len: int, device) -> torch.Tensor:
+    """[B, 1, 1, Q, Q] bool: query row i may read new key j (causal, and j is not padding)."""
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    mask = causal.view(1, 1, 1, q_len, q_len)
+    if new_valid is not None:
+        mask = mask & new_valid.view(batch, 1, 1, 1, q_len)
+    return mask
