@@ -21,13 +21,12 @@ def runs_blocked(q_len: int, device: torch.device) -> bool:
     slots, 0.87-1.08x at 64-128 (no steady difference either way: taken too, one rule); `generate`'s
     prefill of 2,048 tokens in 512-token chunks 2.2x faster than the keys-major layout it replaces,
     the same tokens. Blocks of 32 or 128 tokens are within 10% of 64. A decode step (one token) has no
-    block to make; a GPU's torch path keeps the whole chunk (its passes are not bound by one core's
-    cache)."""
+    block to make; a GPU's torch path (no Triton) keeps the whole chunk, not measured there."""
     return q_len >= BLOCKED_MIN_TOKENS and device.type == "cpu"
 
 
 def attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, weights,
-                    scale: float, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A prompt chunk's attention (Q > 1, unquantised slots), ``block`` of its new tokens at a time: the
     slots' and the new tokens' keys joined once in fp32 (a copy of S + Q keys), then per block one
     product for the logits, the masks (one add, which also scales), the softmax and the received

@@ -21,7 +21,6 @@ from .attention_rows import new_key_mask as _new_key_mask
 from .attention_rows import query_row_weights as _query_row_weights
 
 
-
 def attend_with_scores(
     query: torch.Tensor,
     cache_keys: torch.Tensor,
@@ -68,14 +67,14 @@ def attend_with_scores(
         # the kernels' 16-bit dots take)
         cache_keys, cache_values = _quant.dequantized_slots(cache_keys, cache_values, quant, query.dtype)
         quant = None
-    # the scale goes on the queries once, not on both logit blocks
     weights = row_weights(new_valid, batch, q_len, decay, query.device)  # [B, Q] or None
     _decay_scores(scores, new_valid, batch, q_len, decay, query.device)
     if quant is None and blocked_chunk.runs_blocked(q_len, query.device):
-        out, received = blocked_chunk.attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
-                                        new_valid, weights, scale)
+        out, received = blocked_chunk.attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys,
+                                                     new_values, new_valid, weights, scale)
         scores += received[..., :cache_keys.shape[2]]
         return (out if out.dtype == query.dtype else out.to(query.dtype)), received[..., cache_keys.shape[2]:]
+    # the scale goes on the queries once, not on both logit blocks
     rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
     # an empty slot's logit: _MASKED added (one add over the logits, where a masked_fill costs 5x that)
     empty = torch.where(slot_token_index < 0, _MASKED, 0.0).unsqueeze(2)
