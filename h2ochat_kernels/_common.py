@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Logit given to masked keys. It equals reference._MASKED (float32 min), so a row with every key
+# Logit given to masked keys. It equals attention_rows.MASKED (float32 min), so a row with every key
 # masked (possible only for a padding row) gets the same uniform softmax as the reference instead of
 # NaN. Keys that do not exist at all (past the end of a block) get -inf and weigh exactly nothing.
 MASKED = float(torch.finfo(torch.float32).min)

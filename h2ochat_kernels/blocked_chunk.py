@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_rows import MASKED, f32, new_key_mask, query_row_weights
+from .attention_rows import MASKED, empty_slot_bias, f32, new_key_mask, query_row_weights
 
 # CPU prompt chunks of at least this many tokens run the blocked layout (``attend_blocked``)
 BLOCKED_MIN_TOKENS = 2
@@ -40,7 +40,7 @@ def attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, 
     slots = cache_keys.shape[2]
     keys = torch.cat([f32(cache_keys), f32(new_keys)], dim=2)
     values = torch.cat([f32(cache_values), f32(new_values)], dim=2)
-    empty = torch.where(slot_token_index < 0, MASKED, 0.0)
+    empty = empty_slot_bias(slot_token_index)
     bias = torch.cat([empty, empty.new_zeros(batch, kv_heads, q_len)], dim=2).unsqueeze(2)  # [B, Hkv, 1, S + Q]
     readable = new_key_mask(new_valid, batch, q_len, query.device)  # [B, 1, 1, Q, Q]
     out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=torch.float32, device=query.device)

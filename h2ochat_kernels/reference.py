@@ -16,6 +16,7 @@ import torch
 from . import blocked_chunk
 from . import quant as _quant
 from .attention_rows import MASKED as _MASKED
+from .attention_rows import empty_slot_bias
 from .attention_rows import f32 as _f32
 from .attention_rows import new_key_mask as _new_key_mask
 from .attention_rows import query_row_weights as _query_row_weights
@@ -76,8 +77,7 @@ def attend_with_scores(
         return (out if out.dtype == query.dtype else out.to(query.dtype)), received[..., cache_keys.shape[2]:]
     # the scale goes on the queries once, not on both logit blocks
     rows = _f32(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scale
-    # an empty slot's logit: _MASKED added (one add over the logits, where a masked_fill costs 5x that)
-    empty = torch.where(slot_token_index < 0, _MASKED, 0.0).unsqueeze(2)
+    empty = empty_slot_bias(slot_token_index).unsqueeze(2)  # (an empty slot's logit: _MASKED added)
     if native:
         cache_keys, cache_values = _contiguous(cache_keys), _contiguous(cache_values)
         # (the scale and the mask in one op, into fp32: bias + scale * logits)
