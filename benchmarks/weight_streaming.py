@@ -69,7 +69,7 @@ def linear_rows(repeats: int, row_counts=(1, 8), int8: bool = True) -> list[dict
         copies = max(2, COLD_BYTES // weight_bytes)
         weights = [(torch.randn(out_features, in_features) * 0.02).bfloat16() for _ in range(copies)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-        quantized = [int8_weights(w) for w in weights]
+        quantized = [int8_weights(w) for w in weights] if int8 else []
         del weights
         for batch in row_counts:
             x = torch.randn(batch, in_features).bfloat16()
@@ -95,16 +95,15 @@ def main() -> None:
     read = bandwidth(args.repeats)
     print(json.dumps(read), flush=True)
     rows = linear_rows(args.repeats)
-    one_row = [row for row in rows if row["rows"] == 1]
-    step_bytes = sum(row["out"] * row["in"] * 2 * row["per_decode_step"] for row in one_row)
-    linears_ms = sum(row["bf16_packed_us"] * row["per_decode_step"] for row in one_row) / 1e3
+    step_bytes = sum(row["out"] * row["in"] * 2 * row["per_decode_step"] for row in rows if row["rows"] == 1)
+    linears_ms = step_linears_ms(rows, 1)
     fastest_read = max(read.values())
     floor = {"weight_bytes_per_decode_step": step_bytes,
              "linears_ms_per_one_row_step_bf16_packed": round(linears_ms, 2),
              "weights_ms_at_the_fastest_read": round(step_bytes / fastest_read / 1e6, 2),
              "decode_tokens_per_s_if_only_the_linears": round(1e3 / linears_ms, 1)}
     print(json.dumps(floor), flush=True)
-    mixed = mixed_step(args.repeats)
+    mixed = mixed_step(rows, args.repeats)
     print(json.dumps(mixed), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"argv": sys.argv, "threads": 1, "read_bandwidth": read,
@@ -112,13 +111,17 @@ def main() -> None:
                                               "mixed_step_linears": mixed}, indent=1) + "\n")
 
 
-def mixed_step(repeats: int, decode_rows: int = 8, chunk: int = 380) -> dict:
-    """A step's linears (every layer's and the head) at ``decode_rows``, at a ``chunk``-token prompt
-    chunk and at both in one forward: what a mixed step would save (the attention is not shared)."""
-    def step_ms(rows_of: int) -> float:
-        rows = linear_rows(repeats, (rows_of,), int8=False)
-        return sum(row["bf16_packed_us"] * row["per_decode_step"] for row in rows) / 1e3
-    decode, prefill, both = step_ms(decode_rows), step_ms(chunk), step_ms(chunk + decode_rows)
+def step_linears_ms(rows: list[dict], rows_of: int) -> float:
+    """A step's linears (every layer's and the head) at ``rows_of`` rows, from ``linear_rows``' entries."""
+    return sum(row["bf16_packed_us"] * row["per_decode_step"] for row in rows if row["rows"] == rows_of) / 1e3
+
+
+def mixed_step(measured: list[dict], repeats: int, decode_rows: int = 8, chunk: int = 380) -> dict:
+    """A step's linears at ``decode_rows`` (from ``measured``), at a ``chunk``-token prompt chunk and at both
+    in one forward: what a mixed step would save (the attention is not shared)."""
+    rows = linear_rows(repeats, (chunk, chunk + decode_rows), int8=False)
+    decode = step_linears_ms(measured, decode_rows)
+    prefill, both = step_linears_ms(rows, chunk), step_linears_ms(rows, chunk + decode_rows)
     return {"decode_rows": decode_rows, "chunk_tokens": chunk, "decode_step_linears_ms": round(decode, 2),
             "chunk_linears_ms": round(prefill, 2), "mixed_step_linears_ms": round(both, 2),
             "saved_per_mixed_step_ms": round(decode + prefill - both, 2)}
