@@ -71,7 +71,7 @@ def test_story_with_recall(checkpoint):
     (["--recall", "30"], "--recall 30 takes all 16 slots of the budget"),
     (["--recall", "8"], "whole number"),  # 8 slots are not a whole number of 16-token pages
     # refused before the model runs, not when the first layer allocates its cold store
-    (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of auto, int8"),
+    (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of auto, model, int8-values, int8"),
 ])
 def test_bad_recall_settings_are_one_line(checkpoint, extra, message):
     result = runner.invoke(app, ["generate", "hi", "--model", str(checkpoint), "--budget", "16", "-n", "2", *extra])

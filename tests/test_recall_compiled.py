@@ -54,7 +54,7 @@ def test_an_eager_recall_decode_step_reads_nothing_back(models, family, seed, mo
 
 
 @pytest.mark.parametrize("family,selector,cold_dtype,every", [("opt", "int4", "same", 1), ("llama", "exact", "int8", 3),
-                                                              ("neox", "int4", "int8", 2)])
+                                                              ("neox", "int4", "int8-values", 2)])
 def test_the_cpu_route_that_reads_its_state_is_the_route_that_does_not(models, family, seed, selector, cold_dtype,
                                                                       every, monkeypatch):
     """A 30-token prompt, then 40 decode steps (evicting, flushing, recalling, growing, re-numbering):
@@ -80,7 +80,7 @@ def test_the_cpu_route_that_reads_its_state_is_the_route_that_does_not(models, f
 
 
 @pytest.mark.parametrize("family,selector,cold_dtype,every", [("opt", "int4", "same", 1), ("llama", "exact", "int8", 3),
-                                                              ("neox", "int4", "int8", 2)])
+                                                              ("neox", "int4", "int8-values", 2)])
 def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selector, cold_dtype, every):
     """Two rows, a 30-token prompt, then 40 decode steps (evicting, staging, flushing, recalling every
     ``every`` steps, growing the cold store and re-numbering at the 64-position limit): the compiled

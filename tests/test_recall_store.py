@@ -78,26 +78,31 @@ def test_store_holds_exactly_the_evicted_tokens(seed, page, limit):
             assert int(store.held_tokens()[b, h]) == len(held[b][h])
 
 
-def test_int8_store_is_within_half_a_step(seed):
+@pytest.mark.parametrize("cold_dtype", ["int8", "int8-values"])
+def test_int8_store_is_within_half_a_step(seed, cold_dtype):
+    """int8 codes come back within half a quantisation step of what was stored; int8-values keeps the
+    keys exact."""
     events = list(_evictions(6, random.Random(seed)))
-    store = ColdStore(B, H, D, D, 4, torch.float32, cold_dtype="int8")
-    plain = ColdStore(B, H, D, D, 4, torch.float32)
+    store = ColdStore(B, H, D, D, 4, torch.float32, cold_dtype=cold_dtype)
+    plain = ColdStore(B, H, D, D, 4, torch.float32, cold_dtype="model")
     for event in events:
         store.append(*event)
         plain.append(*event)
     pages = torch.arange(int(store.held()[1].max())).expand(B, H, -1)
     got, want = store.pages(pages), plain.pages(pages)
     assert torch.equal(got[2], want[2])
-    for approx, exact in zip(got[:2], want[:2]):
+    if cold_dtype == "int8-values":
+        assert torch.equal(got[0], want[0])
+    for approx, exact in zip(got[:2] if cold_dtype == "int8" else got[1:2], want[:2] if cold_dtype == "int8" else want[1:2]):
         step = exact.abs().amax(dim=-1, keepdim=True) / 127
         assert bool(((approx - exact).abs() <= step / 2 + 1e-6).all())
     assert store.nbytes() < plain.nbytes()
 
 
 def test_store_refuses_bad_settings():
-    with pytest.raises(ValueError, match="cold-dtype must be one of auto, int8"):
+    with pytest.raises(ValueError, match="cold-dtype must be one of auto, model, int8-values, int8"):
         ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="int3")
-    assert not ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="same").quantized  # the old name of auto
+    assert ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="same").cold_dtype == "model"  # its old name
     with pytest.raises(ValueError, match="less than one page"):
         ColdStore(1, 1, 4, 4, 16, torch.float32, limit=8)
 
@@ -365,7 +370,7 @@ def test_digest_bytes_are_the_packed_layout(bits):
     assert digest.nbytes() == B * H * (digest.codes.shape[2] * per_token + 8)
 
 
-@pytest.mark.parametrize("cold_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("cold_dtype", ["model", "int8-values", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_bytes_grow_by_pages_with_the_evicted_tokens(seed, dtype, cold_dtype):
     """Host bytes held are the evicted tokens' (keys and values at the model's dtype, or int8 codes
@@ -373,7 +378,9 @@ def test_store_bytes_grow_by_pages_with_the_evicted_tokens(seed, dtype, cold_dty
     page per (sequence, head) plus the spill slot: growing by pages, not by doubling (issue 34)."""
     page = 4
     store = ColdStore(B, H, D, D, page, dtype, cold_dtype=cold_dtype)
-    kv = 2 * D * (1 if cold_dtype == "int8" else dtype.itemsize) + (2 * 4 if cold_dtype == "int8" else 0)
+    key = D * dtype.itemsize if cold_dtype != "int8" else D + 4  # (int8 codes and an fp32 scale)
+    value = D * dtype.itemsize if cold_dtype == "model" else D + 4
+    kv = key + value
     per_token = kv + 3 * 8
     appended = torch.zeros(B, H, dtype=torch.long)
     for keys, values, token_index, positions in _evictions(40, random.Random(seed)):

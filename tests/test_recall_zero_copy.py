@@ -33,7 +33,7 @@ def _random_appends(g, store_pair, steps, batch, heads, dim):
             store.append(keys, values, index, index.clamp(min=0) * 2, encoded=index.clamp(min=0))  # moved: rotated back
 
 
-@pytest.mark.parametrize("cold_dtype", ["same", "int8"])
+@pytest.mark.parametrize("cold_dtype", ["same", "int8-values", "int8"])
 @pytest.mark.parametrize("limit", [None, 8])
 def test_zero_copy_store_equals_the_torch_store(seed, cold_dtype, limit):
     g = torch.Generator().manual_seed(seed)

@@ -2,8 +2,9 @@
 
 One store per layer, per (sequence, KV head) an append-only sequence of pages of P tokens in eviction
 order (``layout``). Host memory (pinned when the cache lives on a GPU, so copies to the device can
-be asynchronous). ``cold_dtype="auto"`` keeps keys and values at the model's dtype; ``"int8"`` keeps keys and values as int8 with one fp32 scale per token
-and head (symmetric, max |x| / 127). ``limit`` (tokens per sequence and head, rounded up to whole
+be asynchronous). ``cold_dtype``: ``"model"`` keeps keys and values at the model's dtype; ``"int8-values"``
+keeps the keys so and the values as int8 codes with one fp32 scale per token and head (symmetric,
+max |x| / 127); ``"int8"`` keeps both so; ``"auto"`` is ``DEFAULT_COLD_DTYPE``. ``limit`` (tokens per sequence and head, rounded up to whole
 pages) makes the store a ring: the oldest pages are overwritten and counted in ``dropped``.
 
 Each token also keeps the position it was encoded at (``encoded``: what its key's rotation says)
@@ -31,10 +32,11 @@ import torch
 from ..rotary import Rotary, rotate_keys
 from .layout import Writes, growable, held_pages, narrowed, tensor_bytes, widened
 
-COLD_DTYPES = ("auto", "int8")
+COLD_DTYPES = ("auto", "model", "int8-values", "int8")
+DEFAULT_COLD_DTYPE = "model"  # what auto stands for
 BOOKKEEPING = torch.int32  # token indices and positions (2**31 tokens of one conversation: far past any context)
 _MINUS_ONE_WHEN_EMPTY = ("token_index", "encoded", "positions")
-OLD_COLD_DTYPES = {"same": "auto"}  # the earlier name of auto, still accepted
+OLD_COLD_DTYPES = {"same": "model"}  # the earlier name of model, still accepted
 
 
 def cold_dtype_named(name: str) -> str:
@@ -43,6 +45,12 @@ def cold_dtype_named(name: str) -> str:
     if name not in COLD_DTYPES:
         raise ValueError(f"--cold-dtype must be one of {', '.join(COLD_DTYPES)}, got {name!r}")
     return name
+
+
+def resolved_cold_dtype(name: str) -> str:
+    """``--cold-dtype`` as the format the store takes (auto: ``DEFAULT_COLD_DTYPE``)."""
+    name = cold_dtype_named(name)
+    return DEFAULT_COLD_DTYPE if name == "auto" else name
 
 
 def _zero_copy_works(device: torch.device) -> bool:
@@ -59,13 +67,15 @@ class ColdStore:
     def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, page: int, dtype: torch.dtype,
                  *, cold_dtype: str = "auto", limit: int | None = None, pin: bool = False, initial_pages: int = 1,
                  device: torch.device | str | None = None, zero_copy: bool | None = None):
-        cold_dtype = cold_dtype_named(cold_dtype)
+        cold_dtype = resolved_cold_dtype(cold_dtype)
         if page < 1:
             raise ValueError(f"--page must be at least 1, got {page}")
         if limit is not None and limit < page:
             raise ValueError(f"--cold-limit {limit} holds less than one page of {page} tokens")
         self.batch, self.heads, self.page, self.dtype = batch, heads, page, dtype
-        self.quantized = cold_dtype == "int8"
+        self.cold_dtype = cold_dtype
+        self.quantized_keys = cold_dtype == "int8"
+        self.quantized_values = cold_dtype in ("int8", "int8-values")
         self.frames = -(-limit // page) if limit is not None else None  # ring size in pages
         self.pin = pin
         device = torch.device(device or "cpu")
@@ -75,11 +85,10 @@ class ColdStore:
         # tokens ever appended, where the appends are planned (the GPU under zero-copy)
         self.count = torch.zeros(batch, heads, dtype=torch.long, device=device if zero_copy else "cpu")
         slots = (self.frames or initial_pages) * page
-        store_dtype = torch.int8 if self.quantized else dtype
-        self.keys = self._alloc((batch, heads, slots, head_dim), store_dtype, 0)
-        self.values = self._alloc((batch, heads, slots, value_dim), store_dtype, 0)
-        self.key_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized else None
-        self.value_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized else None
+        self.keys = self._alloc((batch, heads, slots, head_dim), torch.int8 if self.quantized_keys else dtype, 0)
+        self.values = self._alloc((batch, heads, slots, value_dim), torch.int8 if self.quantized_values else dtype, 0)
+        self.key_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized_keys else None
+        self.value_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized_values else None
         self.token_index = self._alloc((batch, heads, slots), BOOKKEEPING, -1)
         self.encoded = self._alloc((batch, heads, slots), BOOKKEEPING, -1)
         self.positions = self._alloc((batch, heads, slots), BOOKKEEPING, -1)
@@ -93,12 +102,17 @@ class ColdStore:
         return growable(tensor) if self.frames is None else tensor
 
     @property
+    def quantized(self) -> bool:
+        """Some of the keys and values are held as int8 codes."""
+        return self.quantized_keys or self.quantized_values
+
+    @property
     def capacity(self) -> int:
         return self.token_index.shape[2] - 1  # less the spill slot
 
     def _buffers(self) -> list[str]:
         names = ["keys", "values", "token_index", "encoded", "positions"]
-        return names + (["key_scale", "value_scale"] if self.quantized else [])
+        return names + (["key_scale"] if self.quantized_keys else []) + (["value_scale"] if self.quantized_values else [])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in [*self._buffers(), "count"]}
@@ -159,13 +173,14 @@ class ColdStore:
         writes = Writes.plan(valid, self.count, self.frames * self.page if self.frames is not None else None,
                              spill=self.capacity)
         keys, values = keys.detach().to(device), values.detach().to(device)
-        if self.quantized:
-            (kq, ks), (vq, vs) = _to_int8(keys), _to_int8(values)
-            for buffer, new in ((self.keys, kq), (self.key_scale, ks), (self.values, vq), (self.value_scale, vs)):
+        for quantized, buffer, scale, new in ((self.quantized_keys, self.keys, self.key_scale, keys),
+                                              (self.quantized_values, self.values, self.value_scale, values)):
+            if quantized:
+                codes, scales = _to_int8(new)
+                self._write(writes, buffer, codes)
+                self._write(writes, scale, scales)
+            else:
                 self._write(writes, buffer, new)
-        else:
-            self._write(writes, self.keys, keys)
-            self._write(writes, self.values, values)
         self._write(writes, self.token_index, token_index.to(device))
         self._write(writes, self.positions, positions.to(device))
         self._write(writes, self.encoded, (encoded if encoded is not None else positions).to(device))
@@ -207,11 +222,11 @@ class ColdStore:
 
         token_index = take(self.token_index).long().masked_fill(~present, -1)
         positions = take(self.positions).long().masked_fill(~present, -1)
-        keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized else None,
+        keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized_keys else None,
                                                positions, take(self.encoded) if rotary is not None and self.moved else None,
                                                present, rotary)
         values = take(self.values)
-        values = (values.float() * take(self.value_scale).unsqueeze(-1) if self.quantized else values).to(self.dtype)
+        values = (values.float() * take(self.value_scale).unsqueeze(-1) if self.quantized_values else values).to(self.dtype)
         keys = keys.masked_fill(~present.unsqueeze(-1), 0)
         values = values.masked_fill(~present.unsqueeze(-1), 0)
         return keys, values, token_index, positions
@@ -230,8 +245,8 @@ class ColdStore:
         self._settle()
         slots = slice(0, self.capacity)
         held = self.token_index[:, :, slots] >= 0
-        keys = self.keys[:, :, slots].clone() if not self.quantized else self.keys[:, :, slots]
-        scale = self.key_scale[:, :, slots] if self.quantized else None
+        keys = self.keys[:, :, slots].clone() if not self.quantized_keys else self.keys[:, :, slots]
+        scale = self.key_scale[:, :, slots] if self.quantized_keys else None
         return self._keys_at_current_positions(keys, scale, self.positions[:, :, slots], self.encoded[:, :, slots],
                                                held, rotary)
 
