@@ -78,6 +78,27 @@ def test_store_holds_exactly_the_evicted_tokens(seed, page, limit):
             assert int(store.held_tokens()[b, h]) == len(held[b][h])
 
 
+@pytest.mark.parametrize("cold_dtype", ["model", "int8-values", "int8"])
+@pytest.mark.parametrize("limit", [None, 8])
+def test_pages_named_one_by_one_are_the_pages_laid_out(seed, limit, cold_dtype):
+    """``page_tokens`` (a CPU step's loaded pages, by row, head and page) gives for each page what
+    ``pages`` gives at that (row, head, k): pages past the end, dropped by the ring, or -1 included,
+    with keys rotated after a re-numbering."""
+    rng = random.Random(seed)
+    rotary = Rotary(inv_freq=1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), rotary_dim=D)
+    store = ColdStore(B, H, D, D, 4, torch.float32, limit=limit, cold_dtype=cold_dtype)
+    for event in _evictions(10, rng):
+        store.append(*event)
+    store.positions += 3  # (as a re-numbering leaves them: keys come back turned by the difference)
+    store.moved = True
+    pages = torch.tensor([[[rng.randrange(-1, 6) for _ in range(3)] for _ in range(H)] for _ in range(B)])
+    laid_out = store.pages(pages, rotary)
+    row, head, k = (t.flatten() for t in torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(3), indexing="ij"))
+    one_by_one = store.page_tokens(row, head, pages[row, head, k], rotary)
+    for got, want in zip(one_by_one, laid_out):
+        assert torch.equal(got, want.unflatten(2, (3, 4))[row, head, k])
+
+
 @pytest.mark.parametrize("cold_dtype", ["int8", "int8-values"])
 def test_int8_store_is_within_half_a_step(seed, cold_dtype):
     """int8 codes come back within half a quantisation step of what was stored; int8-values keeps the

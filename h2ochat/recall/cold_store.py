@@ -231,6 +231,35 @@ class ColdStore:
         values = values.masked_fill(~present.unsqueeze(-1), 0)
         return keys, values, token_index, positions
 
+    def page_tokens(self, row: torch.Tensor, head: torch.Tensor, page_ids: torch.Tensor, rotary: Rotary | None = None):
+        """``pages`` for N pages named one by one: page ``page_ids[n]`` (absolute) of sequence ``row[n]`` and
+        head ``head[n]`` ([N] each, CPU store). Returns keys, values [N, P, D] and token_index, positions
+        [N, P], the values ``pages`` gives for them. A CPU step that read its plan loads a few pages of a
+        few heads: indexing the buffers by (row, head, slot) takes one op a buffer, where ``pages`` lays
+        out [B, H, k] pages and the caller picks them out again."""
+        slot = page_ids.unsqueeze(-1) * self.page + torch.arange(self.page, device=page_ids.device)  # [N, P]
+        # (a slot below the count is on a page below the held end: ``pages``' end test is implied)
+        present = (slot < self.count[row, head].unsqueeze(-1)) & (page_ids >= 0).unsqueeze(-1)
+        if self.frames is not None:  # a ring: the oldest pages are gone
+            present &= (page_ids >= self.held()[0][row, head]).unsqueeze(-1)
+        ring = self.frames * self.page if self.frames is not None else None
+        index = (slot % ring if ring is not None else slot).masked_fill(~present, 0)
+        rows, heads = row.unsqueeze(-1), head.unsqueeze(-1)
+
+        def take(buffer):
+            return buffer[rows, heads, index]
+
+        absent = ~present
+        token_index = take(self.token_index).long().masked_fill(absent, -1)
+        positions = take(self.positions).long().masked_fill(absent, -1)
+        keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized_keys else None,
+                                               positions, take(self.encoded) if rotary is not None and self.moved else None,
+                                               present, rotary)
+        values = take(self.values)
+        values = (values.float() * take(self.value_scale).unsqueeze(-1) if self.quantized_values else values).to(self.dtype)
+        absent = absent.unsqueeze(-1)
+        return keys.masked_fill(absent, 0), values.masked_fill(absent, 0), token_index, positions
+
     def _keys_at_current_positions(self, keys, scale, positions, encoded, present, rotary) -> torch.Tensor:
         """Stored keys (a copy: gathered) in the compute dtype, RoPE keys rotated from the position
         they were encoded at to their current one (``encoded`` None: the same)."""

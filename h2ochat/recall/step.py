@@ -160,27 +160,23 @@ def host_reads_allowed(state: torch.Tensor) -> bool:
 
 
 def _fill_loaded_frames(slots: RecallSlots, store, plan: RecallPlan, rotary, slot_format) -> None:
-    """``fill_recall_slots`` for a plan read on the host: the loaded pages only, gathered from the store
-    as up to k pages per (sequence, head) (k: the most any loads) and written into their frames."""
-    load = plan.load
-    row, head, frame = load.nonzero(as_tuple=True)
+    """``fill_recall_slots`` for a plan read on the host: the loaded pages only, each read from the store
+    by (row, head, page) and written into its frame's columns (one read and one write a buffer)."""
+    row, head, frame = plan.load.nonzero(as_tuple=True)
     if row.numel() == 0:
         return
-    page, frames = store.page, load.shape[-1]
-    rank = (load.long().cumsum(dim=-1) - 1)[row, head, frame]  # the page's place among its row and head's loads
-    most = int(rank.max()) + 1
-    compact = torch.full((*load.shape[:2], most), -1, dtype=torch.long, device=load.device)
-    compact[row, head, rank] = plan.frame_page[row, head, frame]
-    keys, values, token_index, positions = store.pages(compact.to(store.count.device), rotary)  # [B, H, k*P, ...]
+    page = store.page
+    keys, values, token_index, positions = store.page_tokens(row, head, plan.frame_page[row, head, frame], rotary)
     new = {"keys": keys, "values": values, "token_index": token_index, "positions": positions}
     targets = {"keys": slots.keys, "values": slots.values, "token_index": slots.token_index,
                "positions": slots.positions}
     if slots.scales is not None:  # (the cold store holds the dequantized floats: the same codes come back)
         new.update(slot_format.encode(keys, values))
         targets.update(slots.scales)
+    columns = frame.unsqueeze(-1) * page + torch.arange(page, device=frame.device)  # [N, P]
+    rows, heads = row.unsqueeze(-1), head.unsqueeze(-1)
     for name, buffer in targets.items():
-        loaded = new[name].unflatten(2, (most, page))[row, head, rank]  # [N, P, ...]
-        buffer.unflatten(2, (frames, page))[row, head, frame] = loaded.to(buffer.device, buffer.dtype)
+        buffer[rows, heads, columns] = new[name].to(buffer.device, buffer.dtype)
 
 
 class StagingPage:
