@@ -1,12 +1,12 @@
 """The recall selection's cost at 2K tokens, one layer (issue 34): TwoStageCodes.top_pages of this tree against
-another tree's digests.py (its path, the first argument), in one process, CPU time, one thread, the same picks asserted.
+another tree's two_stage.py (digests.py before it moved there; its path, the first argument), in one process, CPU time, one thread, the same picks asserted.
 
-    python benchmarks/recall_select_cost.py /path/to/old/h2ochat/recall/digests.py
+    python benchmarks/recall_select_cost.py /path/to/old/h2ochat/recall/two_stage.py
 """
 import importlib.util, sys, time, torch
 torch.set_num_threads(1)
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
-import h2ochat.recall.digests as new
+import h2ochat.recall.two_stage as new
 spec = importlib.util.spec_from_file_location("h2ochat.recall.digests_old", sys.argv[1])
 old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 B, H, D, P, T = 1, 3, 64, 16, 1920

@@ -1,4 +1,4 @@
-"""The two-stage selector (recall/digests.py) against slow statements: with every page a candidate
+"""The two-stage selector (recall/two_stage.py) against slow statements: with every page a candidate
 it picks what the one-stage digest picks; a summary is the mean of its pages' dequantised turned keys;
 at the cap the summaries coarsen (never drop a page) and the device bytes stay those of the cap."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import h2ochat_kernels as kernels
-from h2ochat.recall.digests import KeyCodes, TwoStageCodes
+from h2ochat.recall.digests import KeyCodes
+from h2ochat.recall.two_stage import TwoStageCodes
 from h2ochat.recall.selectors import packed_quantize
 
 B, H, D, P = 2, 3, 16, 4

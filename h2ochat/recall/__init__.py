@@ -8,8 +8,8 @@ page stays on the device, and each step the current queries score the pages thro
 Modules: ``tier`` (the tier of each cache layer: ``RecallTier``, and ``RecallSpec`` for a cache),
 ``tiered`` (its settings and figures: ``RecallConfig``, ``recall_slots``, ``TierStats``),
 ``selectors`` (page digests and their scores: exact, Quest bounds, quantised keys, ...),
-``digests`` (the device digest of the cold keys), ``cold_store`` (the host tier), ``layout`` (where
-appended tokens land, fixed-shape writes, growth), ``step`` (top pages into the recall slots, with
+``digests`` (the device digest of the cold keys), ``two_stage`` (bounded page summaries beside
+the token codes), ``cold_store`` (the host tier), ``layout`` (where appended tokens land, fixed-shape writes, growth), ``step`` (top pages into the recall slots, with
 an LRU), ``masked`` (the slow reference: a full cache whose attention mask admits hot + recalled
 tokens, re-numbering the slow way past the position limit).
 """

@@ -52,7 +52,8 @@ from h2ochat_kernels.reference import row_weights
 from .bounds import PageBounds
 from .cold_store import ColdStore
 from .layout import tensor_bytes
-from .digests import KeyCodes, TwoStageCodes
+from .digests import KeyCodes
+from .two_stage import TwoStageCodes
 from .row_cadence import RowCadence
 from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
 from .tier_rows import RecallRowMoves

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import selector_names
 from .cold_store import cold_dtype_named
 from .default import read_recall
-from .digests import CANDIDATES, SUMMARY_CAP
+from .two_stage import CANDIDATES, SUMMARY_CAP
 
 
 @dataclass(frozen=True)

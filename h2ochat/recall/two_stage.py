@@ -1,0 +1,217 @@
+"""``TwoStageCodes``, the coded selectors' default (intN, rotN): two-stage page selection with bounded
+device memory.
+
+Stage 1, on the device: per (sequence, KV head) at most ``cap`` summaries (allocated once: the
+device bytes do not grow with the text). A summary covers g consecutive pages (g = 1 until the
+cap) and holds the mean of their turned keys (the rotation of ``rotN``) as b-bit codes with an fp16
+scale and offset, the digest's layout: 36 bytes at D = 64 and 4 bits, 2.25 bytes per token at
+pages of 16. Its score is the best q . mean over the step's queries; the top C // g summaries name C
+candidate pages.
+
+Stage 2, where the cold store lives (pinned host memory on a GPU, the same memory on the CPU): the
+token-level codes of every cold token (a ``KeyCodes``), of which only the C candidates' are
+read and scored as the one-stage digest scores every page (the best q.k of each page); the best
+pages go to the recall frames. With C pages or fewer held every page is a candidate, so the choice
+is the one-stage digest's, and it is made as the one-stage digest makes it (the store's slots read in place).
+
+At the cap: when the pages appended would need more than ``cap`` summaries, g doubles and every
+summary is made again from the token codes (coarser summaries, never dropped pages: counted in
+``coarsenings``, shown as the pages per summary in /cache, --json and the tier's stats). Summaries
+are made from the token codes (dequantised), when a flush or a chunk appends tokens (the summaries
+those tokens touch) and after a re-numbering (all). Host counters decide g (an upper bound of the
+tokens appended: nothing is read back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import h2ochat_kernels as kernels
+
+from .digests import KeyCodes
+from .layout import held_pages, pages_of, tensor_bytes, widened_pages
+from .selectors import packed_quantize, score_pages
+
+
+SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
+CANDIDATES = 256  # pages (4096 tokens) whose token codes stage 2 scores: the page means lose the pass key at
+# 880 tokens with 16 or 32 candidates (benchmarks/results_recall_amortized.json), and at 3,600 tokens with 128
+# (5 of the 8 keys 128 lost were found scoring every page: results_recall_heldout_misses_512.jsonl), so they
+# only prune past this
+
+
+class TwoStageCodes:
+    """The digest contract of ``KeyCodes`` (append, reserve, rebuild, top_pages, count, nbytes) with
+    the token codes in the cold store's memory and ``cap`` page summaries on the device."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int, *, frames: int | None = None,
+                 device=None, host=None, dtype=torch.float32, rotate: bool = False,
+                 backend: kernels.Backend | None = None, cap: int = SUMMARY_CAP, candidates: int = CANDIDATES):
+        if cap < 2:
+            raise ValueError(f"the summary cap must be at least 2 summaries, got {cap}")
+        same = host is None or torch.device(host) == torch.device(device or "cpu")
+        self.tokens = KeyCodes(batch, heads, head_dim, page, bits, frames=frames, device=host if not same else device,
+                               dtype=dtype, rotate=rotate, backend=backend if same else None)
+        self.page, self.bits, self.frames, self.cap, self.candidates = page, bits, frames, cap, candidates
+        self.head_dim, self.device, self.backend = head_dim, torch.device(device or "cpu"), backend
+        width = kernels.packed_width(head_dim, bits)
+        self.codes = torch.zeros(batch, heads, cap + 1, width, dtype=torch.uint8, device=device)  # + a spill row
+        self.scale = torch.zeros(batch, heads, cap + 1, dtype=torch.float16, device=device)
+        self.offset = torch.zeros(batch, heads, cap + 1, dtype=torch.float16, device=device)
+        self.pages_per_entry = 1
+        self.coarsenings = 0  # times the cap made the summaries coarser
+        self.appended = 0  # host: an upper bound of the tokens any (sequence, head) appended
+        self.reserved = 0  # host: the most tokens room was asked for (an imported row's count too)
+
+    # -- the digest contract ----------------------------------------------------------------------
+    @property
+    def count(self) -> torch.Tensor:
+        return self.tokens.count
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.capacity
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {**self.tokens.state_tensors(), "summary_codes": self.codes, "summary_scale": self.scale,
+                "summary_offset": self.offset}
+
+    def reserve(self, needed: int) -> None:
+        self.reserved = max(self.reserved, needed)
+        self.tokens.reserve(needed)
+
+    def append(self, keys: torch.Tensor, token_index: torch.Tensor, *, reserve: bool = True) -> None:
+        """The evicted keys [B, H, E, D] (token index -1: none), in eviction order: token codes, then
+        the summaries they touch (all of them when the cap makes the summaries coarser)."""
+        host = self.tokens.count.device
+        before = self.tokens.count.clone()
+        self.tokens.append(keys.to(host), token_index.to(host), reserve=reserve)
+        # the longest row's count in host memory (rows append on their own clocks): else a bound
+        self.appended = int(self.tokens.count.max()) if host.type == "cpu" else self.appended + keys.shape[2]
+        span = self.page * self.pages_per_entry
+        if self._coarsen():
+            self._refresh(self._entry_ids())
+            return
+        first = before // span  # the summary the first new token lands in, and the next ones
+        touched = first.unsqueeze(-1) + torch.arange(-(-keys.shape[2] // span) + 1, device=host)
+        last = (self.tokens.count - 1) // span
+        self._refresh(touched.masked_fill(touched > last.unsqueeze(-1), -1))
+
+    def rebuild(self, keys_by_slot: torch.Tensor) -> None:
+        """After a re-numbering (RoPE): the token codes again, then every summary."""
+        self.tokens.rebuild(keys_by_slot)
+        self._refresh(self._entry_ids())
+
+    def top_pages(self, queries: torch.Tensor, count: int, upto: int | None = None) -> torch.Tensor:
+        """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer), chosen among
+        the candidates the summaries name. ``upto`` is not needed: stage 1 scores the summary slots filled
+        so far (at most ``cap``)."""
+        host = self.tokens.count.device
+        g = self.pages_per_entry
+        # only the summary slots some row can have filled (numbers 0..used-1 live in slots 0..used-1 until
+        # the cap), from host bounds of every row's count (nothing read back): a short text scores a few
+        # summaries, not the cap
+        bound = max(self.appended, self.reserved)
+        used = min(self.cap, max(1, -(-bound // (self.page * g))))
+        wanted = max(1, self.candidates // g)  # summaries whose pages stage 2 scores
+        width = min(count, wanted * g)  # as wide as when every summary slot is scored
+        if used <= wanted:
+            # every summary is a candidate: stage 2 scores every page, the one-stage digest's choice, read
+            # in place (views of the store's leading slots: no page gathered, 0.73 -> 0.49 ms a layer at 2K)
+            return widened_pages(self.tokens.top_pages(queries.to(host), count, upto=bound), width).to(queries.device)
+        turned = self.tokens.turned(queries.to(host))  # (the shortcut's digest turns them itself)
+        entries = self._entry_ids()[:, :, :used]  # [B, H, used]
+        valid = self._entry_held(entries)
+        stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
+                             self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
+        best = kernels.top_pages(stage1, wanted).to(host)  # [B, H, k] summary slots
+        # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
+        # does not depend on how many summary slots stage 1 scored
+        best = best.sort(dim=-1).values
+        chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
+        pages = pages_of(chosen, g)  # [B, H, k * g]
+        stage2 = self._page_scores(turned.to(host), pages)
+        pick = kernels.top_pages(stage2, count)
+        chosen_pages = pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1)
+        return widened_pages(chosen_pages, width).to(queries.device)
+
+    def host_nbytes(self) -> int:
+        """The token codes' bytes (the cold store's memory)."""
+        return self.tokens.nbytes()
+
+    def nbytes(self) -> int:
+        """Device bytes: the summaries (fixed: ``cap`` of them and a spill row)."""
+        return tensor_bytes((self.codes, self.scale, self.offset))
+
+    # -- summaries ----------------------------------------------------------------------------------
+    def _coarsen(self) -> bool:
+        """The pages per summary (a power of two) fitting the pages appended in the cap; without a ring the
+        fewest (finer again once a server resets its longest row); a ring never gets finer. True: changed."""
+        pages = -(-self.appended // self.page)
+        g = 1
+        if self.frames is not None:
+            g = self.pages_per_entry
+            pages = min(pages, self.frames + g)
+        while -(-pages // g) > self.cap:
+            g *= 2
+        changed = g != self.pages_per_entry
+        self.coarsenings += g > self.pages_per_entry
+        self.pages_per_entry = g
+        return changed
+
+    def _entry_ids(self) -> torch.Tensor:
+        """[B, H, cap]: the summary number each summary slot holds now (-1: none): the latest number
+        below the count's end that lives there (number mod cap)."""
+        span = self.page * self.pages_per_entry
+        last = ((self.tokens.count - 1) // span).unsqueeze(-1)
+        slot = torch.arange(self.cap, device=last.device)
+        number = last - (last - slot).remainder(self.cap)
+        return number.masked_fill(number < 0, -1)
+
+    def _entry_held(self, entries: torch.Tensor) -> torch.Tensor:
+        """Summaries covering some held token."""
+        first, _ = held_pages(self.tokens.count, self.page, self.frames)
+        end_page = (entries + 1) * self.pages_per_entry
+        return (entries >= 0) & (end_page > first.unsqueeze(-1))
+
+    def _tokens_of_pages(self, pages: torch.Tensor):
+        """For absolute pages [B, H, K] (-1: none): each page's codes, scale, offset [B, H, K * P, ...]
+        read from the token store, and which of its slots hold a token still held."""
+        store = self.tokens
+        first, _ = held_pages(store.count, self.page, self.frames)
+        token = pages.clamp(min=0).unsqueeze(-1) * self.page + torch.arange(self.page, device=pages.device)
+        held = ((pages >= 0) & (pages >= first.unsqueeze(-1))).unsqueeze(-1) & (token < store.count[..., None, None])
+        # whole pages by (row, head, page) index, not a per-token index expanded over the code bytes (a
+        # gather that cost more than scoring them); a slot not held is read but never counted
+        stored = store.capacity // self.page  # the store grows by whole pages
+        frame = pages.clamp(min=0) % stored if self.frames is not None else pages.clamp(min=0, max=stored - 1)
+        row = torch.arange(pages.shape[0], device=pages.device).view(-1, 1, 1)
+        head = torch.arange(pages.shape[1], device=pages.device).view(1, -1, 1)
+
+        def take(buffer):
+            return buffer[:, :, : stored * self.page].unflatten(2, (stored, self.page))[row, head, frame].flatten(2, 3)
+
+        return take(store.codes), take(store.scale), take(store.offset), held.flatten(2)
+
+    def _page_scores(self, turned: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Stage 2: the best q.k of each candidate page [B, H, K] from its token codes (-inf: none)."""
+        codes, scale, offset, held = self._tokens_of_pages(pages)
+        return score_pages(turned, codes, scale, offset, held, self.page, self.bits, backend=self.tokens.backend)
+
+    def _refresh(self, entries: torch.Tensor) -> None:
+        """Summaries [B, H, K] (-1: leave alone) made again from the token codes of their pages."""
+        g = self.pages_per_entry
+        pages = pages_of(entries, g)
+        codes, scale, offset, held = self._tokens_of_pages(pages)
+        keys = (kernels.unpack_codes(codes, self.bits, self.head_dim).float() * scale.float().unsqueeze(-1)
+                + offset.float().unsqueeze(-1))  # [B, H, K * g * P, D], turned
+        batch, heads, k = entries.shape
+        weight = held.view(batch, heads, k, g * self.page, 1).float()
+        mean = (keys.view(batch, heads, k, g * self.page, -1) * weight).sum(-2) / weight.sum(-2).clamp_min(1)
+        new_codes, new_scale, new_offset = packed_quantize(mean, self.bits)
+        write = (entries >= 0) & held.view(batch, heads, k, -1).any(-1)
+        target = entries.remainder(self.cap).masked_fill(~write, self.cap).to(self.device)  # (else the spill row)
+        self.codes.scatter_(2, target.unsqueeze(-1).expand(*target.shape, self.codes.shape[-1]),
+                            new_codes.to(self.device))
+        self.scale.scatter_(2, target, new_scale.to(self.device))
+        self.offset.scatter_(2, target, new_offset.to(self.device))
