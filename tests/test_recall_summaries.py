@@ -138,29 +138,33 @@ def test_rows_appending_on_their_own_clocks_do_not_coarsen_and_a_reset_row_makes
     assert two.pages_per_entry == 1
 
 
-@pytest.mark.parametrize("short_pages", [1, 3, 4])
-def test_a_row_within_the_candidates_chooses_as_alone_beside_a_row_that_coarsened(seed, short_pages):
-    """The summaries' coarsening is one setting for the batch (the longest row's), but a row holding no
-    more pages than the candidates (here 4: every page scored) chooses the pages it would alone, however
-    coarse the long row made the summaries: its choice does not depend on the other rows."""
+@pytest.mark.parametrize("short_pages", [1, 3, 4, 6, 12])
+def test_a_row_chooses_as_alone_beside_a_row_that_coarsened(seed, short_pages):
+    """Each row's summaries coarsen by its own count (issue 34: a served chat's tokens do not depend on
+    the other chats), so a row chooses the pages it would alone, however long the row beside it grew:
+    one holding no more pages than the candidates (here 4: every page scored), and one holding more
+    (6 or 12 pages: 2 or 4 pages a summary, stage 1 prunes) beside a row of 40 (16 pages a summary)."""
     generator = torch.Generator().manual_seed(seed)
     batch = TwoStageCodes(2, H, D, P, 4, rotate=True, cap=4, candidates=4)
     alone = TwoStageCodes(1, H, D, P, 4, rotate=True, cap=4, candidates=4)
     alone.tokens.rotation = batch.tokens.rotation
     short = torch.randn(1, H, short_pages * P, D, generator=generator)
+    chunk_tokens = 4 * P
     for chunk in range(10):  # row 0 grows to 40 pages (coarsened to 16 pages a summary), row 1 stays short
-        keys = torch.randn(2, H, 4 * P, D, generator=generator)
-        index = torch.arange(4 * P).expand(2, H, 4 * P).clone()
-        if chunk == 0:
-            keys[1, :, : short.shape[2]] = short[0]
-            index[1, :, short.shape[2]:] = -1
-        else:
-            index[1] = -1
-        batch.reserve(int(batch.count.max()) + 4 * P)
+        keys = torch.randn(2, H, chunk_tokens, D, generator=generator)
+        index = torch.arange(chunk * chunk_tokens, (chunk + 1) * chunk_tokens).expand(2, H, chunk_tokens).clone()
+        part = short[0, :, chunk * chunk_tokens:(chunk + 1) * chunk_tokens]  # row 1's share of this chunk
+        keys[1, :, :part.shape[1]] = part
+        index[1, :, part.shape[1]:] = -1
+        batch.reserve(int(batch.count.max()) + chunk_tokens)
         batch.append(keys, index, reserve=False)
-    alone.reserve(short.shape[2])
-    alone.append(short, torch.arange(short.shape[2]).expand(1, H, -1).clone(), reserve=False)
-    assert batch.pages_per_entry > 4 and alone.pages_per_entry == 1
+        if part.shape[1]:  # (the same appends alone)
+            alone.reserve(int(alone.count.max()) + part.shape[1])
+            alone.append(part.unsqueeze(0), index[1:, :, :part.shape[1]].clone(), reserve=False)
+    alone_scale = 1
+    while -(-short_pages // alone_scale) > 4:  # (the cap: the fewest pages a summary, a power of two)
+        alone_scale *= 2
+    assert batch.pages_per_entry == 16 and alone.pages_per_entry == alone_scale
     for _ in range(5):
         queries = torch.randn(2, H, 3, D, generator=generator)
         beside = batch.top_pages(queries, 2)[1]

@@ -58,6 +58,38 @@ def test_a_chat_served_beside_others_gives_its_tokens_alone(family, seed, every)
                          next(r for r in beside if r.prompt_ids == chat)) == generated(alone), f"joins at {joins}"
 
 
+def test_a_chat_beside_longer_ones_gives_its_tokens_alone_when_their_summaries_coarsen(family, seed, monkeypatch):
+    """With two page summaries per row and head (the cap, and two candidates), the long chats beside it
+    coarsen their summaries to 8 pages each and the chat to 2: each row's scale is its own, so the chat
+    still gives the tokens it gives alone."""
+    from h2ochat.recall import tier
+    from h2ochat.recall.two_stage import TwoStageCodes
+
+    seen = set()  # each row's scale after every coarsening, over the run
+
+    class Tight(TwoStageCodes):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "cap": 2, "candidates": 2})
+
+        def _coarsen(self):
+            changed = super()._coarsen()
+            seen.add(tuple(self._row_pages()))
+            return changed
+
+    monkeypatch.setattr(tier, "TwoStageCodes", Tight)
+    rng = random.Random(seed)
+    model = build_model(family)
+    chat = prompt(rng, 18, 20)
+    scheduler, _ = engine(model, 4)
+    alone = run(scheduler, [(0, chat, 14)])[0]
+    # (every row stays inside the tiny models' 64 positions: past them a re-numbering moves positions)
+    others = [(0, prompt(rng, 38, 40), 20), (2, prompt(rng, 38, 40), 20)]
+    scheduler, _ = engine(model, 4)
+    beside = run(scheduler, [*others, (4, chat, 14)])
+    assert any(max(rows) >= 8 and min(rows) < max(rows) for rows in seen), seen  # (rows at different scales)
+    assert generated(next(r for r in beside if r.prompt_ids == chat)) == generated(alone)
+
+
 def test_free_rows_write_nothing_with_recall(family, seed):
     """A free row of a recall server sits decode steps out: its cold store, staging page and
     counters stay empty while another row decodes."""

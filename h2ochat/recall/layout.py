@@ -115,10 +115,17 @@ class Writes:
         return memo[key]
 
 
-def pages_of(entries: torch.Tensor, g: int) -> torch.Tensor:
-    """Summaries [B, H, K] (-1: none) -> their pages [B, H, K * g] (-1 for a none's)."""
-    pages = entries.unsqueeze(-1) * g + torch.arange(g, device=entries.device)
-    return pages.masked_fill((entries < 0).unsqueeze(-1), -1).flatten(2)
+def pages_of(entries: torch.Tensor, g, width: int | None = None) -> torch.Tensor:
+    """Summaries [B, H, K] (-1: none) of ``g`` pages each -> their pages [B, H, K * width] (-1 for a none's).
+    ``g`` an int (``width`` = g), or a tensor [B, 1, 1, 1] of each row's with ``width`` its largest: a row
+    of fewer pages per summary fills its last ones with -1."""
+    width = g if width is None else width
+    within = torch.arange(width, device=entries.device)
+    pages = entries.unsqueeze(-1) * g + within
+    none = (entries < 0).unsqueeze(-1)
+    if not isinstance(g, int):
+        none = none | (within >= g)
+    return pages.masked_fill(none, -1).flatten(2)
 
 
 def widened_pages(pages: torch.Tensor, width: int) -> torch.Tensor:

@@ -305,14 +305,6 @@ class RecallTier(RecallRowMoves):
             keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
             self.digest.rebuild(self.format.held_keys(keys))
 
-    def reset_row(self, row: int) -> None:
-        """Row ``row`` was emptied (its state tensors hold their empty values): its clock starts again."""
-        if self.cold is not None:
-            self.cadence.flushed([row])
-            count = self.cold.count  # the cold store gives back what only a longer conversation needed
-            if count.device.type == "cpu":
-                self.cold.fit(int(count.max()) + self.cold.page)
-
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""
         return int(self.frames.copied[row].sum()) if self.frames is not None else 0

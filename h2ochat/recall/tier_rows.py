@@ -16,7 +16,23 @@ import torch
 
 class RecallRowMoves:
     """Export and import of one row of a ``RecallTier`` (its ``cold``, ``digest``, ``frames``,
-    ``staging``, ``state_tensors``, ``empty_value`` and ``to_cold``)."""
+    ``staging``, ``cadence``, ``state_tensors``, ``empty_value`` and ``to_cold``); and the reset of a row."""
+
+    def reset_row(self, row: int) -> None:
+        """Row ``row`` was emptied (its state tensors hold their empty values): its clock starts again."""
+        if self.cold is not None:
+            self.cadence.flushed([row])
+            self._digest_state_written()
+            count = self.cold.count  # the cold store gives back what only a longer conversation needed
+            if count.device.type == "cpu":
+                self.cold.fit(int(count.max()) + self.cold.page)
+
+    def _digest_state_written(self) -> None:
+        """The digest's state was written from outside it (a row reset or imported): it reads its host copies
+        again (a two-stage digest's per-row scale)."""
+        written = getattr(self.digest, "state_written", None)
+        if written is not None:
+            written()
 
     def _row_extents(self, row: int) -> dict[str, int]:
         """Slot columns row ``row`` uses, by state name, in the stores that grow with the text."""
@@ -88,6 +104,7 @@ class RecallRowMoves:
             if held is not None and held < target.shape[1]:  # (past a row's tokens a store holds nothing)
                 target[:, held:] = self.empty_value(name)
         self.has_query = getattr(self, "has_query", False) or "last_query" in state  # (its next step recalls)
+        self._digest_state_written()
         positions, encoded = self._part_names(self.cold, "positions", "encoded")
         if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
             self._mark_moved()

@@ -14,12 +14,15 @@ read and scored as the one-stage digest scores every page (the best q.k of each 
 pages go to the recall frames. With C pages or fewer held every page is a candidate, so the choice
 is the one-stage digest's, and it is made as the one-stage digest makes it (the store's slots read in place).
 
-At the cap: when the pages appended would need more than ``cap`` summaries, g doubles and every
-summary is made again from the token codes (coarser summaries, never dropped pages: counted in
-``coarsenings``, shown as the pages per summary in /cache, --json and the tier's stats). Summaries
-are made from the token codes (dequantised), when a flush or a chunk appends tokens (the summaries
-those tokens touch) and after a re-numbering (all). Host counters decide g (an upper bound of the
-tokens appended: nothing is read back).
+At the cap: when the pages a row appended would need more than ``cap`` summaries, that row's g doubles
+and every summary of it is made again from the token codes (coarser summaries, never dropped pages:
+counted in ``coarsenings``, shown as the pages per summary in /cache, --json and the tier's stats,
+the largest of any row). Each row's g follows its own count (``doublings``, a state tensor that moves
+with the row when a server parks or resumes it), so a row's choice does not depend on the other rows
+(on a GPU under zero-copy the counts live on the device, and the rows coarsen together by a host
+bound of the longest). Summaries are made from the token codes (dequantised), when a flush or a
+chunk appends tokens (the summaries those tokens touch) and after a re-numbering (all); rows of one
+scale are made together, as many tokens a mean as the row alone takes.
 """
 
 from __future__ import annotations
@@ -58,9 +61,13 @@ class TwoStageCodes:
         self.codes = torch.zeros(batch, heads, cap + 1, width, dtype=torch.uint8, device=device)  # + a spill row
         self.scale = torch.zeros(batch, heads, cap + 1, dtype=torch.float16, device=device)
         self.offset = torch.zeros(batch, heads, cap + 1, dtype=torch.float16, device=device)
-        self.pages_per_entry = 1
-        self.coarsenings = 0  # times the cap made the summaries coarser
-        self.appended = 0  # host: an upper bound of the tokens any (sequence, head) appended
+        # each row's pages per summary, as log2 (0: one page), in host memory: a state tensor, so a row's
+        # summaries travel with the scale they were made at (a parked row, a row moved), and a reset row
+        # (state emptied to 0) starts again at one page
+        self.doublings = torch.zeros(batch, dtype=torch.long)
+        self._rows = [1] * batch  # (``_row_pages``)
+        self.coarsenings = 0  # times the cap made some row's summaries coarser
+        self.appended = [0] * batch  # host: per row, an upper bound of the tokens any of its heads appended
         self.reserved = 0  # host: the most tokens room was asked for (an imported row's count too)
 
     # -- the digest contract ----------------------------------------------------------------------
@@ -74,7 +81,25 @@ class TwoStageCodes:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {**self.tokens.state_tensors(), "summary_codes": self.codes, "summary_scale": self.scale,
-                "summary_offset": self.offset}
+                "summary_offset": self.offset, "summary_doublings": self.doublings}
+
+    @property
+    def pages_per_entry(self) -> int:
+        """The most pages a summary of any row covers (the tier's statistics)."""
+        return 1 << int(self.doublings.max())
+
+    def _row_pages(self) -> list[int]:
+        """Each row's pages per summary (the host's copy of ``doublings``: a decode step reads nothing)."""
+        return self._rows
+
+    def state_written(self) -> None:
+        """Rows of the state were written from outside (a row imported or reset by its cache): the host's
+        copy of each row's scale is read again."""
+        self._rows = [1 << d for d in self.doublings.tolist()]
+
+    def _spans(self, device) -> torch.Tensor:
+        """[B, 1]: each row's pages per summary, as a tensor on ``device``."""
+        return (1 << self.doublings).view(-1, 1).to(device)
 
     def reserve(self, needed: int) -> None:
         self.reserved = max(self.reserved, needed)
@@ -86,16 +111,24 @@ class TwoStageCodes:
         host = self.tokens.count.device
         before = self.tokens.count.clone()
         self.tokens.append(keys.to(host), token_index.to(host), reserve=reserve)
-        # the longest row's count in host memory (rows append on their own clocks): else a bound
-        self.appended = int(self.tokens.count.max()) if host.type == "cpu" else self.appended + keys.shape[2]
-        span = self.page * self.pages_per_entry
-        if self._coarsen():
-            self._refresh(self._entry_ids())
-            return
+        # each row's longest count in host memory (rows append on their own clocks); else a bound of every
+        # row's (under zero-copy the counts live on the GPU: the rows coarsen together, by the longest)
+        if host.type == "cpu":
+            self.appended = self.tokens.count.amax(dim=1).tolist()
+        else:
+            self.appended = [max(max(self.appended) + keys.shape[2], self.reserved)] * len(self.appended)
+        changed = self._coarsen()
+        if changed:  # those rows' summaries all again, at their new scale
+            keep = torch.tensor([row not in changed for row in range(len(self.appended))], device=host)
+            self._refresh(self._entry_ids().masked_fill(keep.view(-1, 1, 1), -1))
+        span = self.page * self._spans(host)  # [B, 1] tokens per summary
         first = before // span  # the summary the first new token lands in, and the next ones
-        touched = first.unsqueeze(-1) + torch.arange(-(-keys.shape[2] // span) + 1, device=host)
+        touched = first.unsqueeze(-1) + torch.arange(-(-keys.shape[2] // int(span.min())) + 1, device=host)
         last = (self.tokens.count - 1) // span
-        self._refresh(touched.masked_fill(touched > last.unsqueeze(-1), -1))
+        touched = touched.masked_fill(touched > last.unsqueeze(-1), -1)
+        if changed:
+            touched[changed] = -1  # (made whole above)
+        self._refresh(touched)
 
     def rebuild(self, keys_by_slot: torch.Tensor) -> None:
         """After a re-numbering (RoPE): the token codes again, then every summary."""
@@ -107,29 +140,34 @@ class TwoStageCodes:
         the candidates the summaries name. ``upto`` is not needed: stage 1 scores the summary slots filled
         so far (at most ``cap``)."""
         host = self.tokens.count.device
-        g = self.pages_per_entry
+        rows = self._row_pages()
         # only the summary slots some row can have filled (numbers 0..used-1 live in slots 0..used-1 until
         # the cap), from host bounds of every row's count (nothing read back): a short text scores a few
         # summaries, not the cap
-        bound = max(self.appended, self.reserved)
-        used = min(self.cap, max(1, -(-bound // (self.page * g))))
-        wanted = max(1, self.candidates // g)  # summaries whose pages stage 2 scores
-        width = min(count, wanted * g)  # as wide as when every summary slot is scored
-        if used <= wanted:
+        bound = max(max(self.appended), self.reserved)
+        used = [min(self.cap, max(1, -(-bound // (self.page * g)))) for g in rows]
+        wanted = [max(1, self.candidates // g) for g in rows]  # summaries whose pages stage 2 scores, per row
+        width = min(count, max(w * g for w, g in zip(wanted, rows)))  # as wide as when every summary is scored
+        if all(u <= w for u, w in zip(used, wanted)):
             # every summary is a candidate: stage 2 scores every page, the one-stage digest's choice, read
             # in place (views of the store's leading slots: no page gathered, 0.73 -> 0.49 ms a layer at 2K)
             return widened_pages(self.tokens.top_pages(queries.to(host), count, upto=bound), width).to(queries.device)
+        # stage 1 for every row, each to its own number of candidates (a row whose summaries are all
+        # candidates keeps them all: the choice above); the widths are the widest row's, the rest "none"
         turned = self.tokens.turned(queries.to(host))  # (the shortcut's digest turns them itself)
-        entries = self._entry_ids()[:, :, :used]  # [B, H, used]
+        entries = self._entry_ids()[:, :, :max(used)]  # [B, H, used]
         valid = self._entry_held(entries)
-        stage1 = score_pages(turned.to(self.device), self.codes[:, :, :used], self.scale[:, :, :used],
-                             self.offset[:, :, :used], valid.to(self.device), 1, self.bits, backend=self.backend)
-        best = kernels.top_pages(stage1, wanted).to(host)  # [B, H, k] summary slots
+        stage1 = score_pages(turned.to(self.device), self.codes[:, :, :max(used)], self.scale[:, :, :max(used)],
+                             self.offset[:, :, :max(used)], valid.to(self.device), 1, self.bits, backend=self.backend)
+        best = kernels.top_pages(stage1, max(wanted)).to(host)  # [B, H, k] summary slots, best first
+        if min(wanted) < max(wanted):  # (a coarser row takes fewer summaries, as many pages)
+            rank = torch.arange(best.shape[-1], device=host)
+            best = best.masked_fill(rank >= torch.tensor(wanted, device=host).view(-1, 1, 1), -1)
         # the candidates in slot order, not score order: stage 2 breaks its ties by position, which then
         # does not depend on how many summary slots stage 1 scored
         best = best.sort(dim=-1).values
         chosen = entries.gather(-1, best.clamp(min=0)).masked_fill(best < 0, -1)
-        pages = pages_of(chosen, g)  # [B, H, k * g]
+        pages = pages_of(chosen, self._spans(host).view(-1, 1, 1, 1), max(rows))  # [B, H, k * g]
         stage2 = self._page_scores(turned.to(host), pages)
         pick = kernels.top_pages(stage2, count)
         chosen_pages = pages.gather(-1, pick.clamp(min=0)).masked_fill(pick < 0, -1)
@@ -144,25 +182,29 @@ class TwoStageCodes:
         return tensor_bytes((self.codes, self.scale, self.offset))
 
     # -- summaries ----------------------------------------------------------------------------------
-    def _coarsen(self) -> bool:
-        """The pages per summary (a power of two) fitting the pages appended in the cap; without a ring the
-        fewest (finer again once a server resets its longest row); a ring never gets finer. True: changed."""
-        pages = -(-self.appended // self.page)
-        g = 1
-        if self.frames is not None:
-            g = self.pages_per_entry
-            pages = min(pages, self.frames + g)
-        while -(-pages // g) > self.cap:
-            g *= 2
-        changed = g != self.pages_per_entry
-        self.coarsenings += g > self.pages_per_entry
-        self.pages_per_entry = g
+    def _coarsen(self) -> list[int]:
+        """Each row's pages per summary (a power of two) fitting the pages it appended in the cap; without
+        a ring the fewest (finer again once a server resets a long row); a ring never gets finer. A row's
+        scale follows its own count only, so its choice does not depend on the other rows. Returns the
+        rows whose scale changed."""
+        changed = []
+        for row, (appended, now) in enumerate(zip(self.appended, self._row_pages())):
+            pages, g = -(-appended // self.page), 1
+            if self.frames is not None:
+                g, pages = now, min(pages, self.frames + now)
+            while -(-pages // g) > self.cap:
+                g *= 2
+            if g != now:
+                self.coarsenings += g > now
+                self.doublings[row] = g.bit_length() - 1
+                self._rows[row] = g
+                changed.append(row)
         return changed
 
     def _entry_ids(self) -> torch.Tensor:
         """[B, H, cap]: the summary number each summary slot holds now (-1: none): the latest number
         below the count's end that lives there (number mod cap)."""
-        span = self.page * self.pages_per_entry
+        span = self.page * self._spans(self.tokens.count.device)
         last = ((self.tokens.count - 1) // span).unsqueeze(-1)
         slot = torch.arange(self.cap, device=last.device)
         number = last - (last - slot).remainder(self.cap)
@@ -171,7 +213,7 @@ class TwoStageCodes:
     def _entry_held(self, entries: torch.Tensor) -> torch.Tensor:
         """Summaries covering some held token."""
         first, _ = held_pages(self.tokens.count, self.page, self.frames)
-        end_page = (entries + 1) * self.pages_per_entry
+        end_page = (entries + 1) * self._spans(entries.device).unsqueeze(-1)
         return (entries >= 0) & (end_page > first.unsqueeze(-1))
 
     def _tokens_of_pages(self, pages: torch.Tensor):
@@ -199,8 +241,15 @@ class TwoStageCodes:
         return score_pages(turned, codes, scale, offset, held, self.page, self.bits, backend=self.tokens.backend)
 
     def _refresh(self, entries: torch.Tensor) -> None:
-        """Summaries [B, H, K] (-1: leave alone) made again from the token codes of their pages."""
-        g = self.pages_per_entry
+        """Summaries [B, H, K] (-1: leave alone) made again from the token codes of their pages, the rows
+        of each scale together (a mean over as many tokens as the row alone would take: the same bits)."""
+        rows = self._row_pages()
+        for g in sorted(set(rows)):
+            other = torch.tensor([r != g for r in rows], device=entries.device).view(-1, 1, 1)
+            self._refresh_at(entries.masked_fill(other, -1) if len(set(rows)) > 1 else entries, g)
+
+    def _refresh_at(self, entries: torch.Tensor, g: int) -> None:
+        """``_refresh`` of summaries covering ``g`` pages each."""
         pages = pages_of(entries, g)
         codes, scale, offset, held = self._tokens_of_pages(pages)
         keys = (kernels.unpack_codes(codes, self.bits, self.head_dim).float() * scale.float().unsqueeze(-1)
