@@ -139,6 +139,11 @@ def tiny_checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
+# the cold store at the model's dtype: recalled tokens come back as stored, so a recall cache equals its
+# masked reference exactly (the default, int8 values, is held to its bound in test_recall_store.py)
+EXACT = "model"
+
+
 def recall_cache(num_layers: int, policy, hot_slots: int, *, recall, **kwargs):
     """An H2OCache of ``hot_slots`` policy slots per layer with a recall tier of ``recall.slots`` more
     (``kv.make_cache`` takes the device total instead)."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import build_model, random_ids
+from conftest import EXACT, build_model, random_ids
 from h2ochat.measure import evaluation as ev
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.cli import app
@@ -43,7 +43,7 @@ def _masked_nll(model, ids, policy, selector) -> torch.Tensor:
 def test_a_recall_rows_perplexity_is_the_masked_reference(family, seed, policy, selector):
     model = build_model(family, seed=seed, max_position_embeddings=256)
     ids = random_ids(1, 64)[0]
-    recalls = ev.recall_settings(str(RECALL), str(PAGE), selector=selector)
+    recalls = ev.recall_settings(str(RECALL), str(PAGE), selector=selector, cold_dtype=EXACT)
     rows = ev.build_rows(["full", policy], [SLOTS], len(ids), recalls=recalls, seed=seed)
     results = {r.row.label: r for r in ev.evaluate_rows(model, ids, rows)}
     recall = results[f"{policy} + recall {RECALL} ({selector}, pages of {PAGE})"]

@@ -10,7 +10,7 @@ from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
 from h2ochat.recall.masked import MaskedRecall
-from conftest import recall_cache
+from conftest import EXACT, recall_cache
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
@@ -21,7 +21,7 @@ def _caches(model, policy, selector, every=1, prefetch=False):
     """The real cache and its reference; ``prefetch``: the compiled step's static-shape cache, which
     chooses a decode step's pages before it with the last step's queries."""
     layers = model.config.num_hidden_layers
-    real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector, every=every),
+    real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=EXACT, every=every),
                         max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model),
                         static_shapes=prefetch)
     masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction", staged=True, every=every,
@@ -164,7 +164,7 @@ def test_recalling_every_page_is_the_full_cache(family, seed):
 
     model = build_model(family, seed=seed, max_position_embeddings=256)
     layers, rotary = model.config.num_hidden_layers, find_rotary(model)
-    real = recall_cache(layers, "h2o", 8, recall=RecallConfig(48, PAGE, "exact"), max_positions=256, rotary=rotary)
+    real = recall_cache(layers, "h2o", 8, recall=RecallConfig(48, PAGE, "exact", cold_dtype=EXACT), max_positions=256, rotary=rotary)
     full = H2OCache(layers, "full", 8, max_positions=256, rotary=rotary)
     ids = torch.randint(3, VOCAB, (2, 50))
     use_h2o_attention(model)

@@ -43,9 +43,9 @@ def test_generate_with_recall_keeps_the_budget_and_reports_the_cold_tier(checkpo
     assert record["kv_slots"] == 16 and record["kv_bytes"] == kv_bytes(16)  # recall slots are budget slots
     tier = record["recall"]
     assert (tier["recall_slots"], tier["page"], tier["selector"]) == (8, 4, "exact")
-    # every token evicted from the 8 hot slots sits in the cold store (keys and values, fp32, with their
-    # token index and positions beside them): at least their K/V bytes
-    assert record["evicted_tokens"] > 0 and tier["cold_host_bytes"] >= record["evicted_tokens"] * HEAD_DIM * 2 * 4
+    # every token evicted from the 8 hot slots sits in the cold store (keys fp32 and values as int8 codes,
+    # the default cold format, with their token index and positions beside them): at least those bytes
+    assert record["evicted_tokens"] > 0 and tier["cold_host_bytes"] >= record["evicted_tokens"] * HEAD_DIM * (4 + 1)
     assert tier["pages_copied"] > 0
 
     # the same settings driven in-process give the same text

@@ -11,7 +11,7 @@ from conftest import VOCAB, build_model
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.recall.masked import MaskedRecall
-from conftest import recall_cache
+from conftest import EXACT, recall_cache
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
@@ -41,7 +41,7 @@ def test_recall_past_the_position_limit_is_the_masked_reference(family, seed, se
     order, and each recalled key is the reference's key of that token at its current position."""
     model = build_model(family, seed=seed, max_position_embeddings=LIMIT)
     layers, rotary = model.config.num_hidden_layers, find_rotary(model)
-    real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector, candidates=64), max_positions=LIMIT,
+    real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector, candidates=64, cold_dtype=EXACT), max_positions=LIMIT,
                        positions="compact", rotary=rotary)
     masked = MaskedRecall(layers, "h2o", HOT, RECALL, PAGE, selector, grouping="eviction", measure=False, staged=True,
                           max_positions=LIMIT, rotary=rotary)

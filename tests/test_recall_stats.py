@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import recall_cache
+from conftest import EXACT, recall_cache
 from h2ochat.recall.tiered import RecallConfig
 
 HOT, RECALL, PAGE = 8, 4, 2
@@ -15,7 +15,7 @@ SCALE = 0.35
 
 
 def _cache(policy="h2o", cold_limit=None):
-    return recall_cache(1, policy, HOT, recall=RecallConfig(RECALL, PAGE, "exact", cold_limit=cold_limit),
+    return recall_cache(1, policy, HOT, recall=RecallConfig(RECALL, PAGE, "exact", cold_dtype=EXACT, cold_limit=cold_limit),
                        max_positions=10_000, positions="absolute")
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h2ochat.kv import Renumbering
+from conftest import EXACT
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.step import RecallFrames
 from h2ochat.rotary import Rotary, rotate_keys
@@ -58,7 +59,7 @@ def test_store_holds_exactly_the_evicted_tokens(seed, page, limit):
     if limit is not None and limit < page:
         pytest.skip("a limit under one page is refused")
     events = list(_evictions(12, random.Random(seed)))
-    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1)
+    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1, cold_dtype=EXACT)
     for event in events:
         store.append(*event)
     held, dropped = _reference(events, page, limit)
@@ -136,7 +137,7 @@ def test_renumber_keeps_order_and_recalled_keys_sit_at_their_new_position(seed):
     encoded_at = torch.tensor([[[1, 4, 6, 9, 12, 15]]])
     keys = raw.clone()
     rotate_keys(keys, encoded_at, rotary)
-    store = ColdStore(1, 1, D, D, 2, torch.float32)
+    store = ColdStore(1, 1, D, D, 2, torch.float32, cold_dtype=EXACT)
     store.append(keys, keys.clone(), torch.arange(6).view(1, 1, 6), encoded_at)
     hot_before = torch.tensor([[[0, 5, 10, 11, 16, -1]]])  # hot tokens' positions before; re-numbered 0..4
     store.renumber(Renumbering.of(1, [(hot_before, hot_before >= 0)], span=100))
@@ -194,7 +195,7 @@ def test_device_digest_picks_the_pages_a_slow_loop_over_the_store_picks(seed, bi
     from h2ochat.recall.selectors import dequantize, quantize, rotated
 
     page = 4
-    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1)
+    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1, cold_dtype=EXACT)
     digest = KeyCodes(B, H, D, page, bits, frames=store.frames, initial_pages=1, rotate=rotate)
     for event in _evictions(14, random.Random(seed)):
         store.append(*event)
@@ -230,7 +231,7 @@ def test_recall_slots_hold_the_pages_their_frames_name(seed, host_reads_plan, mo
 
     page, frames = 4, 3
     rng = random.Random(seed)
-    store = ColdStore(B, H, D, D, page, torch.float32)
+    store = ColdStore(B, H, D, D, page, torch.float32, cold_dtype=EXACT)
     for event in _evictions(16, rng):
         store.append(*event)
     lru = RecallFrames(B, H, frames)
@@ -257,7 +258,7 @@ def test_digest_rebuilt_after_a_renumbering_is_the_digest_of_the_moved_keys(seed
 
     rotary = Rotary(inv_freq=1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), rotary_dim=D)
     events = list(_evictions(12, random.Random(seed)))
-    store = ColdStore(B, H, D, D, 4, torch.float32, limit=limit, initial_pages=1)
+    store = ColdStore(B, H, D, D, 4, torch.float32, limit=limit, initial_pages=1, cold_dtype=EXACT)
     digest = KeyCodes(B, H, D, 4, None, frames=store.frames, initial_pages=1)
     for keys, values, token_index, positions in events:
         store.append(keys, values, token_index, positions)
@@ -363,7 +364,7 @@ def test_scoring_up_to_a_bound_is_the_leading_part_of_the_full_scores(seed, limi
     from h2ochat.recall.digests import KeyCodes
 
     page = 4
-    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1)
+    store = ColdStore(B, H, D, D, page, torch.float32, limit=limit, initial_pages=1, cold_dtype=EXACT)
     digest = KeyCodes(B, H, D, page, 4, frames=store.frames, initial_pages=1)
     for keys, _, token_index, _ in _evictions(9, random.Random(seed)):
         digest.append(keys, token_index)

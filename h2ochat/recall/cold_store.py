@@ -33,7 +33,7 @@ from ..rotary import Rotary, rotate_keys
 from .layout import Writes, growable, held_pages, narrowed, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "int8")
-DEFAULT_COLD_DTYPE = "model"  # what auto stands for
+DEFAULT_COLD_DTYPE = "int8-values"  # what auto stands for
 BOOKKEEPING = torch.int32  # token indices and positions (2**31 tokens of one conversation: far past any context)
 _MINUS_ONE_WHEN_EMPTY = ("token_index", "encoded", "positions")
 OLD_COLD_DTYPES = {"same": "model"}  # the earlier name of model, still accepted

@@ -50,7 +50,7 @@ import torch
 from h2ochat_kernels.reference import row_weights
 
 from .bounds import PageBounds
-from .cold_store import ColdStore
+from .cold_store import ColdStore, resolved_cold_dtype
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
@@ -383,7 +383,7 @@ class RecallSpec:
         stats = self.stats(cache)
         config = self.config
         return {"recall_slots": config.slots, "page": config.page, "selector": config.selector,
-                "every": config.every, "cold_dtype": config.cold_dtype, "cold_limit": config.cold_limit,
+                "every": config.every, "cold_dtype": resolved_cold_dtype(config.cold_dtype), "cold_limit": config.cold_limit,
                 "digest_device_bytes": stats.digest_device_bytes, "cold_host_bytes": stats.host_bytes,
                 "pages_copied": stats.pages_copied, "staged_tokens": stats.staged_tokens,
                 "device_bytes_selector": stats.device_bytes_selector,
