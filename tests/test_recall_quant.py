@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from conftest import VOCAB, build_model, recall_cache
+from conftest import EXACT, VOCAB, build_model, recall_cache
 
 from h2ochat.engine import compiled
 from h2ochat.engine.attention import use_h2o_attention
@@ -55,7 +55,7 @@ class RoundTripMasked(MaskedRecall):
 
 def _caches(model, kv_dtype, selector, *, limit=None, prefetch=False, **kwargs):
     layers = model.config.num_hidden_layers
-    real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector), kv_dtype=kv_dtype,
+    real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=EXACT), kv_dtype=kv_dtype,
                         max_positions=limit or max_positions(model.config),
                         positions="compact" if limit else "absolute", rotary=find_rotary(model),
                         static_shapes=prefetch, **kwargs)

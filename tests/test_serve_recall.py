@@ -24,7 +24,7 @@ from h2ochat.chat.conversation import ChatSettings, Conversation
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.loading.models import load
 
-from conftest import VOCAB, build_model
+from conftest import EXACT, VOCAB, build_model
 from serve_fakes import chat_beside_the_repl, drain, generated, make_request, model_engine
 from serve_harness import fresh_checkpoint, running
 
@@ -80,7 +80,9 @@ def same_row(a, b, page: int) -> None:
 
 def test_a_parked_recall_row_comes_back_bit_for_bit_and_holds_what_it_holds(family, seed):
     rng = random.Random(seed)
-    scheduler, store = engine(build_model(family))
+    # (the cold store at the model's dtype: a staged token and the same token flushed compare equal)
+    scheduler, store = model_engine(build_model(family), ROWS, budget=BUDGET, chunk=CHUNK,
+                                    cache={**RECALL, "cold_dtype": EXACT})
     backend = scheduler.backend
     served(scheduler, prompt(rng, 50, 60), 40)  # fills its row's cold store: the batch's grows for it
     served(scheduler, prompt(rng, 20, 24), 4)  # a short one: its row holds a few cold tokens only
