@@ -102,11 +102,6 @@ class ColdStore:
         return growable(tensor) if self.frames is None else tensor
 
     @property
-    def quantized(self) -> bool:
-        """Some of the keys and values are held as int8 codes."""
-        return self.quantized_keys or self.quantized_values
-
-    @property
     def capacity(self) -> int:
         return self.token_index.shape[2] - 1  # less the spill slot
 
@@ -216,20 +211,7 @@ class ColdStore:
         ring = self.frames * self.page if self.frames is not None else None
         index = (slot % ring if ring is not None else slot).masked_fill(~present, 0).flatten(2)
         present = present.flatten(2)
-
-        def take(buffer):
-            return self._take(buffer, index)
-
-        token_index = take(self.token_index).long().masked_fill(~present, -1)
-        positions = take(self.positions).long().masked_fill(~present, -1)
-        keys = self._keys_at_current_positions(take(self.keys), take(self.key_scale) if self.quantized_keys else None,
-                                               positions, take(self.encoded) if rotary is not None and self.moved else None,
-                                               present, rotary)
-        values = take(self.values)
-        values = (values.float() * take(self.value_scale).unsqueeze(-1) if self.quantized_values else values).to(self.dtype)
-        keys = keys.masked_fill(~present.unsqueeze(-1), 0)
-        values = values.masked_fill(~present.unsqueeze(-1), 0)
-        return keys, values, token_index, positions
+        return self._tokens(lambda buffer: self._take(buffer, index), present, rotary)
 
     def page_tokens(self, row: torch.Tensor, head: torch.Tensor, page_ids: torch.Tensor, rotary: Rotary | None = None):
         """``pages`` for N pages named one by one: page ``page_ids[n]`` (absolute) of sequence ``row[n]`` and
@@ -245,10 +227,12 @@ class ColdStore:
         ring = self.frames * self.page if self.frames is not None else None
         index = (slot % ring if ring is not None else slot).masked_fill(~present, 0)
         rows, heads = row.unsqueeze(-1), head.unsqueeze(-1)
+        return self._tokens(lambda buffer: buffer[rows, heads, index], present, rotary)
 
-        def take(buffer):
-            return buffer[rows, heads, index]
-
+    def _tokens(self, take, present: torch.Tensor, rotary: Rotary | None):
+        """The slots ``take(buffer)`` reads of every buffer, as ``pages`` returns them: keys (rotated to
+        their current positions) and values in the compute dtype, token indices and positions as int64,
+        and -1 or 0 where not ``present``."""
         absent = ~present
         token_index = take(self.token_index).long().masked_fill(absent, -1)
         positions = take(self.positions).long().masked_fill(absent, -1)

@@ -86,7 +86,7 @@ class TwoStageCodes:
     @property
     def pages_per_entry(self) -> int:
         """The most pages a summary of any row covers (the tier's statistics)."""
-        return 1 << int(self.doublings.max())
+        return max(self._rows)
 
     def _row_pages(self) -> list[int]:
         """Each row's pages per summary (the host's copy of ``doublings``: a decode step reads nothing)."""
@@ -99,7 +99,7 @@ class TwoStageCodes:
 
     def _spans(self, device) -> torch.Tensor:
         """[B, 1]: each row's pages per summary, as a tensor on ``device``."""
-        return (1 << self.doublings).view(-1, 1).to(device)
+        return torch.tensor(self._rows, device=device).view(-1, 1)
 
     def reserve(self, needed: int) -> None:
         self.reserved = max(self.reserved, needed)
