@@ -59,15 +59,21 @@ class Renumbering:
     head: a row's distinct held positions, sorted, are numbered by rank (gaps closed); when there are
     more than ``span``, the newest span // 2 keep consecutive numbers and the older ones are squeezed
     into the rest in proportion. A position that was not among the held ones (a token held elsewhere,
-    e.g. in a cold tier) takes the number of the first held position after it."""
+    e.g. in a cold tier) takes the number of the first held position after it.
+
+    Only the rows in ``rows`` move (None: every row): each row is re-numbered when its own next tokens
+    would pass the limit, so a row's positions, and so its keys and tokens, never depend on how long
+    the rows beside it are (a server's chats, a story's continuations); the others keep theirs exactly."""
 
     distinct: torch.Tensor  # sorted keys row * stride + position over every row's held positions
     first: torch.Tensor  # [B + 1] where each row's keys start in ``distinct``
     stride: int
     span: int
+    rows: torch.Tensor | None = None  # [B] bool: the rows that move (None: all)
 
     @classmethod
-    def of(cls, batch: int, held: list[tuple[torch.Tensor, torch.Tensor]], span: int) -> "Renumbering":
+    def of(cls, batch: int, held: list[tuple[torch.Tensor, torch.Tensor]], span: int,
+           rows: torch.Tensor | None = None) -> "Renumbering":
         """From ``held`` (positions [B, ...], valid [B, ...]) pairs: every layer's slots."""
         device = held[0][0].device
         stride = int(max(int(positions.max()) for positions, _ in held)) + 1
@@ -77,7 +83,7 @@ class Renumbering:
             keys.append((positions + row_base)[valid])
         distinct = torch.unique(torch.cat(keys))  # sorted
         first = torch.searchsorted(distinct, torch.arange(batch + 1, device=device) * stride)
-        return cls(distinct, first, stride, span)
+        return cls(distinct, first, stride, span, rows)
 
     def _row_shape(self, like: torch.Tensor) -> tuple[int, ...]:
         return (-1, *([1] * (like.dim() - 1)))
@@ -99,10 +105,17 @@ class Renumbering:
         rank = rank.clamp(max=(count - 1).clamp(min=0))
         squeezed = rank * (width - newest) // (count - newest).clamp(min=1)
         new_positions = torch.where(rank >= count - newest, rank - (count - width), squeezed)
-        return new_positions.masked_fill(~valid, -1)
+        return self._moving(new_positions.masked_fill(~valid, -1), positions)
 
-    def next_position(self) -> torch.Tensor:
-        """[B]: the position each row's next token gets (one past its newest held token)."""
+    def next_position(self, now: torch.Tensor) -> torch.Tensor:
+        """[B]: the position each row's next token gets (one past its newest held token; ``now``, the
+        rows' next positions before, for the rows that do not move)."""
         count = self.first[1:] - self.first[:-1]
-        return count.clamp(max=self.span)
+        return self._moving(count.clamp(max=self.span).to(now.device), now)
+
+    def _moving(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """``new`` for the rows that move, ``old`` (bit for bit) for the others."""
+        if self.rows is None:
+            return new
+        return torch.where(self.rows.to(new.device).view(self._row_shape(new)), new, old)
 

@@ -44,7 +44,7 @@ class CacheStepping:
         if active is not None and not self.masks_inactive_rows:
             raise ValueError(f"{type(self).__name__} cannot leave rows out of a step (its layers do more than write)")
         if self.largest_next_position + q_len > self.max_positions:
-            self._make_room(q_len)
+            self._make_room(q_len, new_valid)
         position_ids = self._begin_step(batch, q_len, new_valid, device, active).position_ids
         for layer in self.layers:  # room the tiers need for what these tokens can evict (host counters)
             if layer.is_initialized:
@@ -106,7 +106,14 @@ class CacheStepping:
         self.step_layer = -1
         return self.step
 
-    def _make_room(self, q_len: int) -> None:
+    def _make_room(self, q_len: int, new_valid: torch.Tensor | None = None) -> None:
+        """Re-number the rows whose next tokens would pass the model's limit (each row on its own
+        count, ``Renumbering.rows``); the host bound that sent us here may be loose (rows left out of
+        steps advance it), and then it is only made exact. One read-back."""
+        due = self._rows_due(q_len, new_valid)
+        if due is not None and not bool(due.any()):
+            self.largest_next_position = int(self.next_position.max())
+            return
         if self.position_mode == "absolute":
             raise PositionLimitError(
                 f"the conversation reached the model's {self.max_positions}-position limit "
@@ -122,20 +129,31 @@ class CacheStepping:
                 "a budget of the whole window can never re-number, use a smaller --budget to go past the limit"
             )
         if self.initialized:
-            self._renumber(span=min(self.max_positions - q_len, max(largest, self.max_positions // 2)))
+            self._renumber(span=min(self.max_positions - q_len, max(largest, self.max_positions // 2)), rows=due)
         self.compactions += 1
 
-    def _renumber(self, span: int) -> None:
+    def _rows_due(self, q_len: int, new_valid: torch.Tensor | None) -> torch.Tensor | None:
+        """[B] bool: the rows whose next tokens (a padded chunk: each row's real ones) would pass the
+        limit; None before the first step (no counters yet)."""
+        if self.next_position is None:
+            return None
+        new = new_valid.sum(dim=1).to(self.next_position.device) if new_valid is not None else q_len
+        return self.next_position + new > self.max_positions
+
+    def _renumber(self, span: int, rows: torch.Tensor | None = None) -> None:
         """Give the tokens held anywhere in a row new positions below ``span``, the same in every layer
         and head (``Renumbering``: by rank among all of the row's held tokens, order kept, gaps
         closed; when a row holds more than ``span`` distinct ones, the newest span // 2 keep
         consecutive positions and the older ones share the rest in proportion). RoPE keys are rotated
         to their new positions; everything is updated in place (a CUDA graph keeps reading the same
-        buffers). One read-back per re-numbering."""
+        buffers). One read-back per re-numbering. ``rows`` [B] bool: only these rows move (None: all);
+        the others keep every position, key and code bit for bit."""
         layers = [layer for layer in self.layers if layer.is_initialized]
+        if rows is not None and bool(rows.all()):
+            rows = None
         with torch.inference_mode():
             renumbering = Renumbering.of(self.tokens_fed.shape[0], [(layer.positions, layer.token_index >= 0)
-                                                                     for layer in layers], span)
+                                                                     for layer in layers], span, rows)
             self._apply_renumbering(renumbering, layers)
         self.largest_next_position = int(self.next_position.max())
 
@@ -144,7 +162,7 @@ class CacheStepping:
         included), then the tokens each tier holds elsewhere (a cold store), with the same function."""
         for layer in layers:
             layer.renumber(renumbering, self.rotary)
-        self.next_position.copy_(renumbering.next_position())
+        self.next_position.copy_(renumbering.next_position(self.next_position))
 
     def room_before_renumbering(self) -> int:
         """New tokens that fit before the next re-numbering (prefill caps its chunks to this only

@@ -85,7 +85,7 @@ class RecallTier(RecallRowMoves):
             self.digest = TwoStageCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                         device=device, host=self.cold.count.device, dtype=dtype,
                                         rotate=config.rotate, backend=port.kernels, cap=config.summary_cap,
-                                        candidates=config.candidates)
+                                        candidates=config.candidate_pages)
         else:
             self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                    device=device, dtype=dtype, rotate=config.rotate, backend=port.kernels)
@@ -303,7 +303,14 @@ class RecallTier(RecallRowMoves):
         self.cold.renumber(renumbering)  # (the staging page moved with the layer's slots)
         if rotary is not None:  # the digest scores keys as they will be attended: at their new positions
             keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
+            # rows that did not move keep their digest as appended (a rebuild could round it otherwise)
+            still = ~renumbering.rows if renumbering.rows is not None else None
+            kept = {name: tensor[still.to(tensor.device)].clone()
+                    for name, tensor in self.digest.state_tensors().items()} if still is not None else {}
             self.digest.rebuild(self.format.held_keys(keys))
+            for name, tensor in self.digest.state_tensors().items():
+                if name in kept:
+                    tensor[still.to(tensor.device)] = kept[name]
 
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import selector_names
 from .cold_store import cold_dtype_named
 from .default import read_recall
-from .two_stage import CANDIDATES, SUMMARY_CAP
+from .two_stage import CANDIDATE_TOKENS, SUMMARY_CAP
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class RecallConfig:
     # the coded selectors' (intN, rotN) two stages (``summaries``): page summaries on the device, at
     # most this many per (layer, sequence, KV head) (None: one stage, every token's codes on the device)
     summary_cap: int | None = SUMMARY_CAP
-    candidates: int = CANDIDATES  # pages whose token codes the second stage scores
+    candidates: int | None = None  # pages whose token codes the second stage scores (None: CANDIDATE_TOKENS' worth)
 
     def __post_init__(self):
         self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every)
@@ -33,7 +33,7 @@ class RecallConfig:
                              "(the last one stages evicted tokens)")
         if self.summary_cap is not None and self.summary_cap < 2:
             raise ValueError(f"the summary cap must be at least 2 summaries, got {self.summary_cap}")
-        if self.candidates < 1:
+        if self.candidates is not None and self.candidates < 1:
             raise ValueError(f"the second stage must score at least one page, got {self.candidates}")
         if self.cold_limit is not None and self.cold_limit < self.slots:
             raise ValueError(f"--cold-limit {self.cold_limit} must hold at least the {self.slots} recall slots")
@@ -50,6 +50,11 @@ class RecallConfig:
             raise ValueError(f"--recall-every must be >= 1, got {every}")
         cold_dtype_named(cold_dtype)  # here, not when the first layer allocates mid-run
         _selector_kind(selector)
+
+    @property
+    def candidate_pages(self) -> int:
+        """The pages stage 2 scores: as given, else as many pages as hold ``CANDIDATE_TOKENS`` tokens."""
+        return self.candidates if self.candidates is not None else max(1, CANDIDATE_TOKENS // self.page)
 
     @property
     def frames(self) -> int:

@@ -37,10 +37,12 @@ from .selectors import packed_quantize, score_pages
 
 
 SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
-CANDIDATES = 256  # pages (4096 tokens) whose token codes stage 2 scores: the page means lose the pass key at
-# 880 tokens with 16 or 32 candidates (benchmarks/results_recall_amortized.json), and at 3,600 tokens with 128
-# (5 of the 8 keys 128 lost were found scoring every page: results_recall_heldout_misses_512.jsonl), so they
-# only prune past this
+CANDIDATE_TOKENS = 4096  # cold tokens whose codes stage 2 scores (256 pages of 16): the page means lose the
+# pass key at 880 tokens with 16 or 32 candidate pages of 16 (benchmarks/results_recall_amortized.json), and at
+# 3,600 tokens with 128 (5 of the 8 keys 128 lost were found scoring every page:
+# results_recall_heldout_misses_512.jsonl), so they only prune past this; counted in tokens, so a smaller
+# --page scores as many tokens (in more, smaller candidate pages)
+CANDIDATES = CANDIDATE_TOKENS // 16  # candidate pages at the default page of 16
 
 
 class TwoStageCodes:
