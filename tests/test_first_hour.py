@@ -104,7 +104,7 @@ def test_set_page_zero_is_one_line_in_the_chat_with_and_without_recall(tiny_chec
     assert "page 4: new cache" in result.output  # a good value still works afterwards
     # 8: without recall the same values were accepted (and re-read the conversation)
     # and a later /set recall failed on them; now the page is still the default 16 and recall turns on
-    # (two pages of 16: the last one stages evicted tokens)
+    # (four pages of 8: the last one stages evicted tokens)
     result = chat(tiny_checkpoint, tmp_path, ["/set page 0", "/set page -3", "/set recall 32"], "--budget", "64")
     assert "Traceback" not in result.output
     assert result.output.count("error: --page must be a whole number of tokens >= 1") == 2

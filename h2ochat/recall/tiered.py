@@ -16,7 +16,7 @@ from .two_stage import CANDIDATE_TOKENS, SUMMARY_CAP
 @dataclass(frozen=True)
 class RecallConfig:
     slots: int  # R device slots per (layer, sequence, KV head) for recalled tokens
-    page: int = 16
+    page: int = 8  # (CacheSettings.page's default: recall.default says why)
     selector: str = "rot4"  # see SELECTOR_HELP
     cold_dtype: str = "auto"
     cold_limit: int | None = None  # tokens per (layer, sequence, KV head) kept in the cold store
