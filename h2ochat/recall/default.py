@@ -17,12 +17,13 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
 - pages of 8 rather than 16 (session 47, the same 60 trials, the cold store's default format): 45 keys
   at 128 slots against 40 (the full cache 44; every key pages of 16 found, and 5 more), the same 24 at
   512 (every trial's verdict the same), perplexity over 1,000 GFDL tokens 17.97 against 18.11 at 128
-  slots and 17.55 against 17.57 at 256 (Tiny Shakespeare 42.52 against 42.62, 40.88 against 40.91); a recall step costs about the same at 2K / 128 slots and ~10%
-  more at 4K at the default budget (twice the pages, each half as long: results_recall_cost_page8_s47.json).
-  The default budget is not measured on held-out text (7x its slots is past SmolLM2's 8,192 positions).
+  slots and 17.55 against 17.57 at 256 (Tiny Shakespeare 42.52 against 42.62, 40.88 against 40.91);
+  a recall step costs about the same at 2K / 128 slots and ~10% more at 4K at the default budget
+  (twice the pages, each half as long: results_recall_cost_page8_s47.json). The default budget is not
+  measured on held-out text (7x its slots is past SmolLM2's 8,192 positions).
 
-So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds at least ``SMALLEST_BUDGET``
-slots (below that the measured split leaves the policy too short a window, and nothing was measured);
+So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
+at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window, and nothing was measured);
 off for a policy that never evicts (nothing goes cold). The server keeps recall off unless asked
 (``serve --recall R``): it halved the load benchmark's tokens/s and took 2.7x the host memory
 (results_serve_load_recall.json), a cost every row pays.
