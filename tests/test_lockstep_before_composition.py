@@ -69,8 +69,6 @@ def renumbering_as_recorded(monkeypatch):
     """The recordings re-numbered every row of a batch when the longest reached the position limit (the
     rule then); each row is re-numbered on its own count since (tests/test_row_renumbering.py). Their
     batches pad one row, so that row moved with the other: the old rule, restated, for the replay."""
-    import torch
-
     from h2ochat.kv.stepping import CacheStepping
 
     def every_row_when_the_longest_is_due(self, q_len, new_valid):

@@ -23,7 +23,8 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
   measured on held-out text (7x its slots is past SmolLM2's 8,192 positions).
 
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
-at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window, and nothing was measured);
+at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,
+and nothing was measured);
 off for a policy that never evicts (nothing goes cold). The server keeps recall off unless asked
 (``serve --recall R``): it halved the load benchmark's tokens/s and took 2.7x the host memory
 (results_serve_load_recall.json), a cost every row pays.

@@ -46,6 +46,8 @@ memory (see ``step``'s docstring and ``cold_store``'s zero-copy route).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from h2ochat_kernels.reference import row_weights
 
@@ -56,7 +58,7 @@ from .digests import KeyCodes
 from .two_stage import TwoStageCodes
 from .row_cadence import RowCadence
 from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
-from .tier_rows import RecallRowMoves
+from .tier_rows import RecallRowMoves, rows_kept
 from .tiered import RecallConfig, TierStats
 
 # state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
@@ -85,7 +87,7 @@ class RecallTier(RecallRowMoves):
             self.digest = TwoStageCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                         device=device, host=self.cold.count.device, dtype=dtype,
                                         rotate=config.rotate, backend=port.kernels, cap=config.summary_cap,
-                                        candidates=config.candidate_pages)
+                                        candidates=config.candidates)
         else:
             self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                    device=device, dtype=dtype, rotate=config.rotate, backend=port.kernels)
@@ -251,10 +253,8 @@ class RecallTier(RecallRowMoves):
             plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
         else:
             still = torch.tensor([not row for row in rows], device=wanted.device)
-            kept = {name: tensor[still].clone() for name, tensor in self.frames.state_tensors().items()}
-            plan = self.frames.update(wanted, self.digest.count // self.cold.page)
-            for name, tensor in self.frames.state_tensors().items():
-                tensor[still] = kept[name]
+            with rows_kept(self.frames, still):
+                plan = self.frames.update(wanted, self.digest.count // self.cold.page)
             plan = RecallPlan(plan.frame_page, plan.load & ~still.view(-1, 1, 1))
         fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
 
@@ -304,13 +304,9 @@ class RecallTier(RecallRowMoves):
         if rotary is not None:  # the digest scores keys as they will be attended: at their new positions
             keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
             # rows that did not move keep their digest as appended (a rebuild could round it otherwise)
-            still = ~renumbering.rows if renumbering.rows is not None else None
-            kept = {name: tensor[still.to(tensor.device)].clone()
-                    for name, tensor in self.digest.state_tensors().items()} if still is not None else {}
-            self.digest.rebuild(self.format.held_keys(keys))
-            for name, tensor in self.digest.state_tensors().items():
-                if name in kept:
-                    tensor[still.to(tensor.device)] = kept[name]
+            moved = renumbering.rows
+            with rows_kept(self.digest, ~moved) if moved is not None else contextlib.nullcontext():
+                self.digest.rebuild(self.format.held_keys(keys))
 
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""

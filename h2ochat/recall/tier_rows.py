@@ -6,12 +6,25 @@ Written against the stores' public state only (``state_tensors``, ``count``, ``c
 ``reserve``): a store whose slot dimension is its ``capacity`` plus the spill slot grows with the
 text, and a row keeps of it the slots its tokens reach; every other tensor goes whole. After an
 import the staging page is folded into the cold store (``_fold_staged``), so the row's page fills
-as its own cache's would.
+as its own cache's would. ``rows_kept``: some rows of a part's state held through an update of every
+row (a choice some rows do not take, a re-numbering some rows do not undergo).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+@contextlib.contextmanager
+def rows_kept(part, still: torch.Tensor):
+    """The rows ``still`` [B] bool of ``part``'s state tensors (``state_tensors``) come out of the block
+    as they went in: an update of every row that only some rows should take."""
+    kept = {name: tensor[still.to(tensor.device)].clone() for name, tensor in part.state_tensors().items()}
+    yield
+    for name, tensor in part.state_tensors().items():
+        tensor[still.to(tensor.device)] = kept[name]
 
 
 class RecallRowMoves:

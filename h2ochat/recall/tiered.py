@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import selector_names
 from .cold_store import cold_dtype_named
 from .default import read_recall
-from .two_stage import CANDIDATE_TOKENS, SUMMARY_CAP
+from .two_stage import SUMMARY_CAP
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,8 @@ class RecallConfig:
     # the coded selectors' (intN, rotN) two stages (``summaries``): page summaries on the device, at
     # most this many per (layer, sequence, KV head) (None: one stage, every token's codes on the device)
     summary_cap: int | None = SUMMARY_CAP
-    candidates: int | None = None  # pages whose token codes the second stage scores (None: CANDIDATE_TOKENS' worth)
+    # pages whose token codes the second stage scores (None: two_stage.CANDIDATE_TOKENS' worth of pages)
+    candidates: int | None = None
 
     def __post_init__(self):
         self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every)
@@ -50,11 +51,6 @@ class RecallConfig:
             raise ValueError(f"--recall-every must be >= 1, got {every}")
         cold_dtype_named(cold_dtype)  # here, not when the first layer allocates mid-run
         _selector_kind(selector)
-
-    @property
-    def candidate_pages(self) -> int:
-        """The pages stage 2 scores: as given, else as many pages as hold ``CANDIDATE_TOKENS`` tokens."""
-        return self.candidates if self.candidates is not None else max(1, CANDIDATE_TOKENS // self.page)
 
     @property
     def frames(self) -> int:

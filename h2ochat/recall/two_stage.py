@@ -42,7 +42,6 @@ CANDIDATE_TOKENS = 4096  # cold tokens whose codes stage 2 scores (256 pages of 
 # 3,600 tokens with 128 (5 of the 8 keys 128 lost were found scoring every page:
 # results_recall_heldout_misses_512.jsonl), so they only prune past this; counted in tokens, so a smaller
 # --page scores as many tokens (in more, smaller candidate pages)
-CANDIDATES = CANDIDATE_TOKENS // 16  # candidate pages at the default page of 16
 
 
 class TwoStageCodes:
@@ -51,13 +50,16 @@ class TwoStageCodes:
 
     def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int, *, frames: int | None = None,
                  device=None, host=None, dtype=torch.float32, rotate: bool = False,
-                 backend: kernels.Backend | None = None, cap: int = SUMMARY_CAP, candidates: int = CANDIDATES):
+                 backend: kernels.Backend | None = None, cap: int = SUMMARY_CAP,
+                 candidates: int | None = None):
         if cap < 2:
             raise ValueError(f"the summary cap must be at least 2 summaries, got {cap}")
         same = host is None or torch.device(host) == torch.device(device or "cpu")
         self.tokens = KeyCodes(batch, heads, head_dim, page, bits, frames=frames, device=host if not same else device,
                                dtype=dtype, rotate=rotate, backend=backend if same else None)
-        self.page, self.bits, self.frames, self.cap, self.candidates = page, bits, frames, cap, candidates
+        self.page, self.bits, self.frames, self.cap = page, bits, frames, cap
+        # pages whose token codes stage 2 scores (None: as many as hold CANDIDATE_TOKENS tokens)
+        self.candidates = candidates if candidates is not None else max(1, CANDIDATE_TOKENS // page)
         self.head_dim, self.device, self.backend = head_dim, torch.device(device or "cpu"), backend
         width = kernels.packed_width(head_dim, bits)
         self.codes = torch.zeros(batch, heads, cap + 1, width, dtype=torch.uint8, device=device)  # + a spill row
