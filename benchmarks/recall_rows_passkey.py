@@ -11,7 +11,9 @@ trials are those `eval --task passkey` draws for the same --lengths (all of them
 
 --kv-dtype auto,int8 runs each recall row with the model's float slots and with int8 slots;
 --cold-dtype auto,int8 each with the cold store at the model's dtype and as int8 codes, --recall-every 1,16
-each choosing its pages every step and every 16th (issue 34).
+each choosing its pages every step and every 16th (issue 34). --question-chunk 512 feeds the recall rows'
+question as one prompt chunk, as a served chat's turn comes (its queries choose pages before the answer), where
+the default 1 feeds it token by token (each token choosing for itself: the harder case).
 
 Held-out texts (issue 34): --text takes comma-separated files (each its own trials, drawn as above),
 --rows all adds the full cache and the policy alone at the same device slots beside the recall rows,
@@ -59,6 +61,9 @@ def main() -> None:
     parser.add_argument("--cold-dtype", default="auto", help="cold store formats, comma-separated (rows side by side)")
     parser.add_argument("--recall-every", default="1",
                         help="decode steps per choice of pages, comma-separated (rows side by side; 1 is run's default)")
+    parser.add_argument("--question-chunk", type=int, default=1,
+                        help="the recall rows' question fed in chunks of this many tokens (1: token by token, each "
+                             "token choosing its pages; a chat's turn comes as one prompt: 512, the prefill chunk)")
     parser.add_argument("--rows", choices=("recall", "all"), default="recall",
                         help="all: the full cache and the policy alone too")
     parser.add_argument("--out", default="", help="JSON lines, one per trial: appended, and trials there are skipped")
@@ -78,11 +83,13 @@ def main() -> None:
             recalls = ev.recall_settings(args.recall, args.page, selector=args.selector, cold_dtype=cold_dtype,
                                          recall_every=every)
             tag = ("" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}") + ("" if every == 1 else f" every {every}")
+            tag += "" if args.question_chunk == 1 else f" question in chunks of {args.question_chunk}"
             first = kv_dtypes[0], cold_dtypes[0], everys[0]
             rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + tag)
                      for kv_dtype in kv_dtypes
                      for row in build_rows((["full"] if args.rows == "all" else []) + [args.policy], [args.budget],
-                                           recalls, settings={"kv_dtype": kv_dtype})
+                                           recalls, settings={"kv_dtype": kv_dtype},
+                                           recall_chunk=args.question_chunk)
                      if row.settings.recall or (args.rows == "all" and (kv_dtype, cold_dtype, every) == first)]
     loaded = load(args.model, "cpu", "float32")
     out = Path(args.out) if args.out else None

@@ -21,7 +21,7 @@ read) first waits for those kernels (``_settle``). Elsewhere the buffers are rea
 ordinary torch ops (a GPU without zero-copy pays a synchronising copy per layer and step).
 
 Every buffer has one column past its slots, the spill slot: a step's appends write the rows and heads
-that evicted nothing there (``layout.Writes``), so an append is one scatter per buffer whatever was
+that evicted nothing there (``layout.Writes``), so an append is one indexed write per buffer whatever was
 evicted. It is never read, and its token index stays -1 (only entries with index -1 land there).
 """
 

@@ -50,9 +50,12 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
     while size < needed:
         size *= 2
     with torch.inference_mode(old.is_inference()):
-        new = torch.full((*old.shape[:2], size + spill, *old.shape[3:]), fill, dtype=old.dtype, device=old.device)
+        # (empty, then the held slots copied and only the rest filled: a store grows a page at a time, and
+        # filling the whole buffer first was ~18% of a recall step's CPU at 8 rows x 1,200 tokens)
+        new = torch.empty((*old.shape[:2], size + spill, *old.shape[3:]), dtype=old.dtype, device=old.device)
         new = new.pin_memory() if pin else new
         new[:, :, :held] = old[:, :, :held]
+        new[:, :, held:] = fill
     return growable(new)
 
 
@@ -86,8 +89,8 @@ def frame_of(pages: torch.Tensor, frames: int | None) -> torch.Tensor:
 class Writes:
     """Where E appended entries [B, H, E] are written, with fixed shapes (no host read, no
     data-dependent shape: a compiled step can hold it): a valid entry at its slot (mod the ring),
-    every other entry in the store's spill slot (one column past its slots, never read). One scatter
-    per buffer; duplicate targets are spill writes only, whose value nobody reads."""
+    every other entry in the store's spill slot (one column past its slots, never read). One indexed
+    write per buffer; duplicate targets are spill writes only, whose value nobody reads."""
 
     slots: torch.Tensor  # [B, H, E] slot numbers of the valid entries (-1 for the others)
     target: torch.Tensor  # [B, H, E] storage slot each entry writes
@@ -99,20 +102,21 @@ class Writes:
         return cls(slots, target)
 
     def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
-        """``buffer`` [B, H, S + 1, ...] <- ``new`` [B, H, E, ...] in place."""
-        buffer.scatter_(2, self._expanded(self.target, buffer), new if new.dtype == buffer.dtype else new.to(buffer.dtype))
+        """``buffer`` [B, H, S + 1, ...] <- ``new`` [B, H, E, ...] in place. An ``index_put_`` by (row, head,
+        slot), not a ``scatter_`` along the slots: torch's CPU scatter of half-precision rows is 20-30x
+        slower (a flush's bf16 keys, 8 rows x 3 heads x 8 tokens of 64 channels: 0.33 ms against 0.011)."""
+        buffer.index_put_(self._coordinates(), new if new.dtype == buffer.dtype else new.to(buffer.dtype))
 
-    def _expanded(self, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """``index`` [B, H, E] broadcast over ``like``'s trailing dims (made once per trailing shape:
-        keys and values share theirs, the per-token buffers theirs)."""
-        tail = tuple(like.shape[3:])
-        if not tail:
-            return index
-        key = (id(index), tail)
-        memo = self.__dict__.setdefault("_memo", {})
-        if key not in memo:
-            memo[key] = index.view(*index.shape, *([1] * len(tail))).expand(*index.shape, *tail)
-        return memo[key]
+    def _coordinates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row [B, 1, 1], head [1, H, 1], target [B, H, E]): every buffer's index (made once)."""
+        memo = self.__dict__.get("_index")
+        if memo is None:
+            batch, heads = self.target.shape[:2]
+            device = self.target.device
+            memo = (torch.arange(batch, device=device).view(-1, 1, 1), torch.arange(heads, device=device).view(1, -1, 1),
+                    self.target)
+            self.__dict__["_index"] = memo
+        return memo
 
 
 def pages_of(entries: torch.Tensor, g, width: int | None = None) -> torch.Tensor:
