@@ -86,19 +86,15 @@ def page_scores(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor 
 def code_dots(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
               bits: int | None) -> torch.Tensor:
     """q . k of every query and token [B, H, M, T] straight from the packed codes: the codes are never
-    expanded to fp32 keys, q . (c * s + o) = s * (q . c) + o * sum(q). The code blocks are laid side by
-    side (the padded channel order) and multiplied in one product: 1.7x faster than a product per block
-    at a decode step's 3 queries over 1,080 tokens of 8 rows x 3 heads (1.49 -> 0.86 ms, one thread)."""
+    expanded to fp32 keys, q . (c * s + o) = s * (q . c) + o * sum(q)."""
     width = codes.shape[-1]
     per_byte = 1 if codes.is_floating_point() else codes_per_byte(bits)
     q = queries.float()
-    if per_byte * width != q.shape[-1]:
-        q = F.pad(q, (0, per_byte * width - q.shape[-1]))
-    blocks = [code_block(codes, bits, i) for i in range(per_byte)]
-    channels = (torch.cat(blocks, dim=-1) if per_byte > 1 else blocks[0]).float()
-    dots = q @ channels.transpose(-1, -2)
+    blocks = F.pad(q, (0, per_byte * width - q.shape[-1])).unflatten(-1, (per_byte, width))
+    dots = sum(torch.einsum("bhmw,bhtw->bhmt", blocks[..., i, :], code_block(codes, bits, i).float())
+               for i in range(per_byte))
     if scale is not None:
-        dots = dots * scale.float().unsqueeze(2) + offset.float().unsqueeze(2) * queries.float().sum(-1, keepdim=True)
+        dots = dots * scale.float().unsqueeze(2) + offset.float().unsqueeze(2) * q.sum(-1, keepdim=True)
     return dots
 
 
