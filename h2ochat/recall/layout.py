@@ -13,6 +13,8 @@ import torch
 
 import h2ochat_kernels as kernels
 
+from .host_buffers import store_buffer
+
 
 def append_slots(valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Slot numbers [B, H, E] for the valid entries of ``valid`` [B, H, E] appended after ``count``
@@ -35,25 +37,32 @@ def growable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+GROWTH_MARGIN = 32  # a paged store grows by at least 1/32 of its size: ~3% of bytes, well inside issue 34's bound
+# (int8 cold values hold 244 of the 256 bytes a bf16 token and head would), for 5-16x fewer copies past 256 tokens
+
+
 def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False,
             page: int | None = None) -> torch.Tensor:
     """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (new slots hold
     ``fill``), made in the same inference mode as ``old`` (else a compiled step would see a different
     kind of tensor and compile again) and marked ``growable``. ``page``: ``needed`` rounded up to whole
-    pages (host memory: at most one partly filled page past what is held; issue 34); else S doubles
-    until it fits. ``spill``: the last column of ``old`` and of the result is the spill slot
-    (``Writes``), not counted in S."""
+    pages, plus 1 / ``GROWTH_MARGIN`` of that in whole pages (host memory: at most one partly filled page
+    and a ~3% margin past what is held, issue 34; a store that grew by one page at every flush was copied
+    whole every P decode steps); else S doubles until it fits. ``spill``: the last column of ``old`` and of
+    the result is the spill slot (``Writes``), not counted in S."""
     held = old.shape[2] - spill
     size = held
-    if page is not None:
-        size = max(held, -(-needed // page) * page)
+    if page is not None and needed > held:
+        size = -(-needed // page) * page
+        size += size // GROWTH_MARGIN // page * page
     while size < needed:
         size *= 2
     with torch.inference_mode(old.is_inference()):
         # (empty, then the held slots copied and only the rest filled: a store grows a page at a time, and
         # filling the whole buffer first was ~18% of a recall step's CPU at 8 rows x 1,200 tokens)
-        new = torch.empty((*old.shape[:2], size + spill, *old.shape[3:]), dtype=old.dtype, device=old.device)
-        new = new.pin_memory() if pin else new
+        shape = (*old.shape[:2], size + spill, *old.shape[3:])
+        new = (torch.empty(shape, dtype=old.dtype).pin_memory() if pin
+               else store_buffer(shape, old.dtype, old.device))  # (its own mapping: see host_buffers)
         new[:, :, :held] = old[:, :, :held]
         new[:, :, held:] = fill
     return growable(new)
@@ -63,8 +72,10 @@ def narrowed(old: torch.Tensor, size: int) -> torch.Tensor:
     """``old`` [B, H, S + 1, ...] (the last column its spill slot) cut to its first ``size`` slots and the
     spill slot, made as ``widened`` makes its buffers (a server gives back the room of a long row gone)."""
     with torch.inference_mode(old.is_inference()):
-        new = torch.cat([old[:, :, :size], old[:, :, -1:]], dim=2)
-        new = new.pin_memory() if old.is_pinned() else new
+        shape = (*old.shape[:2], size + 1, *old.shape[3:])
+        new = torch.empty(shape, dtype=old.dtype).pin_memory() if old.is_pinned() else store_buffer(shape, old.dtype, old.device)
+        new[:, :, :size] = old[:, :, :size]
+        new[:, :, size:] = old[:, :, -1:]
     return growable(new)
 
 
