@@ -1,5 +1,6 @@
-"""The growing stores' large buffers are host memory of their own (``recall.host_buffers``): freed, their
-pages go back to the system at once, so a server's RSS follows what its cold stores hold (issue 34)."""
+"""Host buffers whose bytes follow what they hold (``h2ochat.host_buffers``, issue 34): the growing stores'
+large buffers are memory of their own, given back at once when freed, and a row emptied to zeros gives its
+pages back, so a server's RSS follows what its cold stores and parked conversations hold."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from h2ochat.recall.host_buffers import MAPPED_BYTES, store_buffer
+from h2ochat.host_buffers import MAPPED_BYTES, fill_empty, store_buffer
 from h2ochat.recall.layout import GROWTH_MARGIN, narrowed, widened
 
 
@@ -69,3 +70,20 @@ def test_a_grown_cold_tier_stays_under_the_evicted_tokens_bytes_at_bf16(needed):
     assert store.capacity >= needed and codes.capacity >= needed
     per_token = 2 * dim + (dim + 4) + 12 + (dim // 2 + 4)  # 244: key, value codes and scale, bookkeeping, codes
     assert store.nbytes() + codes.nbytes() <= needed * 2 * dim * 2 + (page + 1) * per_token
+
+
+@pytest.mark.parametrize("make", [store_buffer, torch.empty])
+def test_emptying_a_row_to_zero_gives_its_pages_back_and_reads_as_written(make):
+    rows, row_floats = 3, (24 << 20) // 4 + 3  # (odd: the middle row starts and ends inside a page)
+    buffer = make((rows, row_floats), dtype=torch.float32)
+    buffer.fill_(1.5)
+    held = _rss()
+    fill_empty(buffer[1], 0)
+    after = _rss()
+    assert bool((buffer[1] == 0).all()) and bool((buffer[0] == 1.5).all()) and bool((buffer[2] == 1.5).all())
+    if sys.platform.startswith("linux"):
+        assert held - after >= (24 << 20) * 0.9
+    fill_empty(buffer[2], -1)  # (not zero: written)
+    assert bool((buffer[2] == -1).all()) and bool((buffer[0] == 1.5).all())
+    buffer[1, :10] = 2.0  # (a given-back page is written again as usual)
+    assert bool((buffer[1, :10] == 2).all()) and bool((buffer[1, 10:] == 0).all())

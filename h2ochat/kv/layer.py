@@ -25,6 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 import h2ochat_kernels as kernels
 from h2ochat_kernels import reference
 
+from ..host_buffers import fill_empty
 from ..policies import SlotBudget
 from .accounting import layer_stats
 from .eviction import LayerEviction
@@ -215,7 +216,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
     def reset_row(self, row: int) -> None:
         """Empty batch row ``row`` (no tokens, scores and counters 0), leaving the other rows alone."""
         for name, tensor in self.state_tensors().items():
-            tensor[row] = -1 if name in EMPTY_AS_MINUS_ONE else self.tier.empty_value(name)
+            fill_empty(tensor[row], -1 if name in EMPTY_AS_MINUS_ONE else self.tier.empty_value(name))
         forget = getattr(self.tier, "reset_row", None)  # (a tier with host counters per row starts them again)
         if forget is not None:
             forget(row)

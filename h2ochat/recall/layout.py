@@ -13,7 +13,7 @@ import torch
 
 import h2ochat_kernels as kernels
 
-from .host_buffers import store_buffer
+from ..host_buffers import store_buffer
 
 
 def append_slots(valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""Host buffers whose bytes follow what they hold: the recall tier's stores that grow with the text, and
+the rows a server empties.
+
+A store grows page by page: each growth allocates a longer buffer and frees the old one. Inside glibc's
+heap the freed buffers left holes that no later, longer buffer fits, so a served chat load's RSS grew far
+past what its stores held (8 chats x 4 turns, ``benchmarks/serve_recall_load.py``: RSS +750 MB while the
+cold stores grew by 204 MB). A buffer of ``MAPPED_BYTES`` or more (``store_buffer``) is therefore a
+private anonymous mapping of its own: freed, it goes back to the system at once.
+
+A server parks a finished conversation (a copy) and empties its row, while the batch's stores keep the
+longest row's length; emptying a row to zeros (``fill_empty``) hands its whole pages back to the system
+(``madvise(MADV_DONTNEED)``: they read as zeros again, and cost nothing until written), so a parked
+conversation is not held twice. Elsewhere (another system, pinned or device memory) both are plain torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import torch
+
+MAPPED_BYTES = 256 << 10  # (a mapping costs a system call and its page faults: worth it from a few pages of a store up)
+_DISCARD = sys.platform.startswith("linux") and hasattr(mmap, "MAP_PRIVATE")
+_MADV_DONTNEED = 4  # Linux: private anonymous pages are dropped and read as zeros afterwards
+_PAGE = mmap.PAGESIZE
+
+
+def store_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """An uninitialised buffer of ``shape``: in a mapping of its own when it is a large CPU buffer on Linux,
+    else ``torch.empty``. The tensor keeps its mapping alive; the mapping is unmapped when the tensor is freed."""
+    device = torch.device(device or "cpu")
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < MAPPED_BYTES or not _DISCARD:
+        return torch.empty(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (private: discardable)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
+
+
+def fill_empty(target: torch.Tensor, value) -> None:
+    """``target.fill_(value)``; a large contiguous CPU block emptied to zero gives its whole pages back to the
+    system instead of writing them (the bytes past the first and last whole page are written)."""
+    nbytes = target.numel() * target.element_size()
+    if (value != 0 or not _DISCARD or nbytes < MAPPED_BYTES or target.device.type != "cpu" or target.is_pinned()
+            or not target.is_contiguous()):
+        target.fill_(value)
+        return
+    start = target.data_ptr()
+    first, last = -(-start // _PAGE) * _PAGE, (start + nbytes) // _PAGE * _PAGE
+    flat = target.reshape(-1).view(torch.uint8)
+    flat[: first - start].zero_()
+    flat[last - start:].zero_()
+    if ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+        flat[first - start: last - start].zero_()  # (refused: written as usual)
