@@ -16,6 +16,8 @@ import contextlib
 
 import torch
 
+from ..host_buffers import store_buffer
+
 
 @contextlib.contextmanager
 def rows_kept(part, still: torch.Tensor):
@@ -25,6 +27,16 @@ def rows_kept(part, still: torch.Tensor):
     yield
     for name, tensor in part.state_tensors().items():
         tensor[still.to(tensor.device)] = kept[name]
+
+
+def _copied(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device``; in host memory, a large one in a buffer of its own (a parked
+    conversation's stores are freed when it comes back: ``host_buffers``)."""
+    if torch.device(device).type != "cpu":
+        return tensor.to(device, copy=True)
+    copy = store_buffer(tuple(tensor.shape), tensor.dtype)
+    copy.copy_(tensor)
+    return copy
 
 
 class RecallRowMoves:
@@ -79,7 +91,7 @@ class RecallRowMoves:
             return {}
         self._settle()
         extents = self._row_extents(row)
-        return {name: (tensor[row, :, :extents[name]] if name in extents else tensor[row]).to(device, copy=True)
+        return {name: _copied(tensor[row, :, :extents[name]] if name in extents else tensor[row], device)
                 for name, tensor in self.state_tensors().items()}
 
     def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
