@@ -43,7 +43,9 @@ def store_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 def fill_empty(target: torch.Tensor, value) -> None:
     """``target.fill_(value)``; a large contiguous CPU block emptied to zero gives its whole pages back to the
-    system instead of writing them (the bytes past the first and last whole page are written)."""
+    system instead of writing them (the bytes past the first and last whole page are written). For the
+    caches' own buffers, which are anonymous memory (torch's allocator or ``store_buffer``): a page of a
+    file-backed tensor would read its file again, not zeros."""
     nbytes = target.numel() * target.element_size()
     if (value != 0 or not _DISCARD or nbytes < MAPPED_BYTES or target.device.type != "cpu" or target.is_pinned()
             or not target.is_contiguous()):
