@@ -16,6 +16,8 @@ conversation is not held twice. Elsewhere (another system, pinned or device memo
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import mmap
 import sys
 
@@ -27,18 +29,24 @@ _MADV_DONTNEED = 4  # Linux: private anonymous pages are dropped and read as zer
 _PAGE = mmap.PAGESIZE
 
 
-def store_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """An uninitialised buffer of ``shape``: in a mapping of its own when it is a large CPU buffer on Linux,
-    else ``torch.empty``. The tensor keeps its mapping alive; the mapping is unmapped when the tensor is freed."""
+def store_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None, *,
+                 pin: bool = False) -> torch.Tensor:
+    """An uninitialised buffer of ``shape``: pinned host memory when ``pin`` (a GPU's cold store); a mapping of
+    its own when it is a large CPU buffer on Linux; else ``torch.empty``. The tensor keeps its mapping alive;
+    the mapping is unmapped when the tensor is freed."""
     device = torch.device(device or "cpu")
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < MAPPED_BYTES or not _DISCARD:
+    if pin:
+        return torch.empty(shape, dtype=dtype).pin_memory()
+    count = math.prod(shape)
+    if device.type != "cpu" or count * dtype.itemsize < MAPPED_BYTES or not _DISCARD:
         return torch.empty(shape, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (private: discardable)
+    mapping = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (discardable)
     return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
 
 
 def fill_empty(target: torch.Tensor, value) -> None:
@@ -56,5 +64,5 @@ def fill_empty(target: torch.Tensor, value) -> None:
     flat = target.reshape(-1).view(torch.uint8)
     flat[: first - start].zero_()
     flat[last - start:].zero_()
-    if ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+    if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
         flat[first - start: last - start].zero_()  # (refused: written as usual)

@@ -38,7 +38,8 @@ def growable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 GROWTH_MARGIN = 32  # a paged store grows by at least 1/32 of its size: ~3% of bytes, well inside issue 34's bound
-# (int8 cold values hold 244 of the 256 bytes a bf16 token and head would), for 5-16x fewer copies past 256 tokens
+# (int8 cold values hold 244 of the 256 bytes a bf16 token and head would), for 4x fewer copies at 1,000 tokens
+# and 16x at 4,000 (pages of 8)
 
 
 def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False,
@@ -61,8 +62,7 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
         # (empty, then the held slots copied and only the rest filled: a store grows a page at a time, and
         # filling the whole buffer first was ~18% of a recall step's CPU at 8 rows x 1,200 tokens)
         shape = (*old.shape[:2], size + spill, *old.shape[3:])
-        new = (torch.empty(shape, dtype=old.dtype).pin_memory() if pin
-               else store_buffer(shape, old.dtype, old.device))  # (its own mapping: see host_buffers)
+        new = store_buffer(shape, old.dtype, old.device, pin=pin)  # (its own mapping: see host_buffers)
         new[:, :, :held] = old[:, :, :held]
         new[:, :, held:] = fill
     return growable(new)
@@ -73,7 +73,7 @@ def narrowed(old: torch.Tensor, size: int) -> torch.Tensor:
     spill slot, made as ``widened`` makes its buffers (a server gives back the room of a long row gone)."""
     with torch.inference_mode(old.is_inference()):
         shape = (*old.shape[:2], size + 1, *old.shape[3:])
-        new = torch.empty(shape, dtype=old.dtype).pin_memory() if old.is_pinned() else store_buffer(shape, old.dtype, old.device)
+        new = store_buffer(shape, old.dtype, old.device, pin=old.is_pinned())
         new[:, :, :size] = old[:, :, :size]
         new[:, :, size:] = old[:, :, -1:]
     return growable(new)
