@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 import urllib.request
@@ -23,6 +24,7 @@ GAUGES = ("parked_bytes", "recall_cold_host_bytes", "rows_in_use", "requests_run
 
 def server_pid(pattern: str) -> str | None:
     found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    found = [pid for pid in found if pid != str(os.getpid())]  # (a --match pattern also matches this process's own command line)
     return found[0] if found else None
 
 

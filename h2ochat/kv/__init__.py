@@ -7,7 +7,8 @@ command's settings stands above kv and recall (``h2ochat.cache_factory``)."""
 
 from .cache import H2OCache
 from .accounting import LayerStats
-from .layer import AttentionMismatchError, H2OLayer, last_update
+from .last_update import last_update
+from .layer import AttentionMismatchError, H2OLayer
 from .host_counters import HostCounters, SavedHostCounters
 from .numbering import PositionLimitError, Renumbering, StepNumbers
 from .rows import CacheShapeError, RowParameters, RowPolicies, RowSpec, RowState

@@ -31,7 +31,8 @@ from ..policies import Policy, SlotBudget, get_policy
 from ..rotary import Rotary
 from .accounting import CacheAccounting
 from .full import BOUNDED, cache_kind
-from .layer import AttentionMismatchError, H2OLayer, LayerSetup, last_update
+from .last_update import last_update
+from .layer import AttentionMismatchError, H2OLayer, LayerSetup
 from .host_counters import HostCounters, SavedHostCounters
 from .numbering import StepContext, StepNumbers
 from .row_moves import RowMoves
@@ -198,6 +199,7 @@ class H2OCache(CacheStepping, CacheAccounting, RowMoves, Cache):
         layer = self.layers[layer_idx]
         layer.take_pending(key)
         self.pending = None  # the next ``update`` may park more
+        last_update.release(self)
         batch, _, q_len, _ = query.shape
         return layer.attend(query, key, value, new_valid, scale,
                             self.step_context(layer_idx, batch, q_len, new_valid, query.device))

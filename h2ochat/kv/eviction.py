@@ -22,12 +22,16 @@ class LayerEviction:
     """The eviction of an ``H2OLayer`` (its slots, ``rows``, ``kernels``, ``format``, ``tier``, ``port``)."""
 
     def choose_eviction(self):
-        """The steady-state eviction for this layer's kernels, policy, format and tier."""
+        """The steady-state eviction for this layer's kernels, policy, format and tier: a function of
+        the layer (the class's, not a bound method: a layer holding a method of its own is a reference
+        cycle, freed only when Python's cycle collector runs, and a server's prompt caches piled up
+        until it did)."""
+        kind = type(self)
         if self.tier.archives or not self.format.fused_writes:
-            return self._evict_to_tier
+            return kind._evict_to_tier
         if self.fused_eviction_parameters is not None and not self.rows.spare_slots:
-            return self._evict_fused
-        return self._evict_by_priority
+            return kind._evict_fused
+        return kind._evict_by_priority
 
     def priority(self, scores, token_index, newest, value_norm) -> torch.Tensor:
         """Keep priority [B, Hkv, S] of every slot (higher = keep): each row by its policy (a built-in
@@ -48,7 +52,7 @@ class LayerEviction:
         """Put the new token [B, Hkv, 1, D] in place of each (sequence, head)'s lowest-priority slot,
         by the route ``allocate`` chose for this device and policy. ``active`` [B] bool (None: every
         row): a row left out writes nothing and counts no eviction."""
-        self.evictor(key, value, new_score, token_index, position, value_norm, active)
+        self.evictor(self, key, value, new_score, token_index, position, value_norm, active)
 
     def _evict_by_priority(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
         """The policy's priority computed in torch (the kernels' rules), then the backend's

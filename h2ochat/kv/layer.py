@@ -16,7 +16,6 @@ each (sequence, head)'s lowest-priority slot in place; a tier that archives sees
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -35,26 +34,6 @@ from .numbering import StepContext
 from .slot_format import slot_format
 from .tier_port import TierPort
 
-
-class LastUpdate(threading.local):
-    """The cache whose ``update`` last parked keys in one of its layers, on this thread: how the
-    attention function finds its cache under transformers' own generate(), which passes it no
-    ``h2o_cache`` (every family calls ``update`` just before its attention)."""
-
-    cache = None
-    layer: "H2OLayer | None" = None
-
-    def record(self, cache, layer: "H2OLayer") -> None:
-        self.cache, self.layer = cache, layer
-
-    def take(self):
-        """The cache recorded, once: None when nothing was, or when its keys were attended already."""
-        cache, layer = self.cache, self.layer
-        self.cache = self.layer = None
-        return cache if layer is not None and layer.pending_key is not None else None
-
-
-last_update = LastUpdate()
 
 # every per-row tensor a layer keeps beside its slot format's (value_norm: None unless the policy ranks by it)
 BOOKKEEPING_TENSORS = ("scores", "token_index", "positions", "value_norm", "evicted", "evicted_share")
@@ -167,7 +146,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
         self.is_initialized = True
 
     def _make_port(self) -> TierPort:
-        return TierPort(self.capacity, self.tier.columns, self.per_slot_tensors, self.counters,
+        return TierPort(self.capacity, self.tier.columns, self.per_slot_tensors(), self.counters,
                         coordinates=self.coordinates, slot_format=self.format, kernels=self.kernels, rows=self.rows)
 
     def share_rows(self, source: "H2OLayer", rows: int) -> None:

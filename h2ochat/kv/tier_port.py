@@ -13,8 +13,6 @@ format and its policy's decay come through the port too.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from .host_counters import LayerCounters
@@ -26,10 +24,13 @@ POLICY_BOOKKEEPING = ("scores", "value_norm")  # what a slot holds for the polic
 class TierPort:
     """One layer's side of its tier: made by the layer at allocation (``H2OLayer.allocate``)."""
 
-    def __init__(self, capacity: int, columns: int, tensors: Callable[[], dict[str, torch.Tensor]],
+    def __init__(self, capacity: int, columns: int, tensors: dict[str, torch.Tensor],
                  counters: LayerCounters, *, coordinates, slot_format, kernels, rows):
         self.capacity, self.columns = capacity, columns  # the policy's columns, then the tier's
-        self._tensors = tensors  # the layer's per-slot tensors by name, as they are now
+        # the layer's per-slot tensors by name, handed over, not fetched: the layer makes a new port whenever
+        # it replaces them, and a port holding its layer (or a method of it) would make every cache a reference
+        # cycle, whose buffers wait for Python's cycle collector (a server's 1-row prompt caches held ~230 MB so)
+        self._slot_tensors = dict(tensors)
         self._counters = counters
         self.coordinates = coordinates  # (sequence, head) index tensors: one slot per (sequence, KV head)
         self.format = slot_format  # ``kv.slot_format``: how the columns hold keys and values
@@ -45,7 +46,7 @@ class TierPort:
         if not 0 <= start <= stop <= self.columns:
             raise ValueError(f"tier columns [{start}, {stop}) outside the tier's {self.columns}")
         begin = self.capacity
-        return {name: tensor[:, :, begin + start:begin + stop] for name, tensor in self._tensors().items()}
+        return {name: tensor[:, :, begin + start:begin + stop] for name, tensor in self._slot_tensors.items()}
 
     def frame_columns(self, page: int) -> dict[str, torch.Tensor]:
         """The tier's columns before its last page (recall's frames of recalled pages)."""
@@ -68,7 +69,7 @@ class TierPort:
         (the format's tensors, token_index, positions; not the policy's scores): what a decode
         step's eviction is about to overwrite (read before it does)."""
         where = (*self.coordinates, slot)
-        return {name: tensor[where] for name, tensor in self._tensors().items()
+        return {name: tensor[where] for name, tensor in self._slot_tensors.items()
                 if name not in POLICY_BOOKKEEPING}
 
     # -- what else a tier may read of its layer -----------------------------------------------------
@@ -85,4 +86,4 @@ class TierPort:
     @property
     def inference(self) -> bool:
         """Whether the slots were made under inference mode (a tier's eager work runs in the same)."""
-        return self._tensors()["token_index"].is_inference()
+        return self._slot_tensors["token_index"].is_inference()
