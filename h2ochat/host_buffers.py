@@ -30,16 +30,17 @@ _PAGE = mmap.PAGESIZE
 
 
 def store_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None, *,
-                 pin: bool = False) -> torch.Tensor:
-    """An uninitialised buffer of ``shape``: pinned host memory when ``pin`` (a GPU's cold store); a mapping of
-    its own when it is a large CPU buffer on Linux; else ``torch.empty``. The tensor keeps its mapping alive;
-    the mapping is unmapped when the tensor is freed."""
+                 pin: bool = False, zeroed: bool = False) -> torch.Tensor:
+    """A buffer of ``shape``, uninitialised unless ``zeroed``: pinned host memory when ``pin`` (a GPU's cold
+    store); a mapping of its own when it is a large CPU buffer on Linux; else ``torch.empty``. The tensor keeps
+    its mapping alive; the mapping is unmapped when the tensor is freed. A new mapping reads as zeros and
+    costs no memory until a page is written, so ``zeroed`` writes nothing there: a store's rows become
+    resident only as far as they are written (reading an unwritten page maps the system's shared zero page: no memory)."""
     device = torch.device(device or "cpu")
-    if pin:
-        return torch.empty(shape, dtype=dtype).pin_memory()
     count = math.prod(shape)
-    if device.type != "cpu" or count * dtype.itemsize < MAPPED_BYTES or not _DISCARD:
-        return torch.empty(shape, dtype=dtype, device=device)
+    if pin or device.type != "cpu" or count * dtype.itemsize < MAPPED_BYTES or not _DISCARD:
+        buffer = torch.empty(shape, dtype=dtype).pin_memory() if pin else torch.empty(shape, dtype=dtype, device=device)
+        return buffer.zero_() if zeroed else buffer
     mapping = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (discardable)
     return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
@@ -66,3 +67,4 @@ def fill_empty(target: torch.Tensor, value) -> None:
     flat[last - start:].zero_()
     if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
         flat[first - start: last - start].zero_()  # (refused: written as usual)
+

@@ -104,3 +104,81 @@ def test_emptying_a_row_to_zero_gives_its_pages_back_and_reads_as_written(make):
     assert bool((buffer[2] == -1).all()) and bool((buffer[0] == 1.5).all())
     buffer[1, :10] = 2.0  # (a given-back page is written again as usual)
     assert bool((buffer[1, :10] == 2).all()) and bool((buffer[1, 10:] == 0).all())
+
+
+def _append_tokens(store, rows_tokens: list[int], chunk: int = 512) -> None:
+    """Append to each row of ``store`` its number of tokens (random keys and values), ``chunk`` at a time."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads = store.count.shape
+    done = [0] * batch
+    while any(d < n for d, n in zip(done, rows_tokens)):
+        take = [min(chunk, n - d) for d, n in zip(done, rows_tokens)]
+        width = max(take)
+        index = torch.full((batch, heads, width), -1, dtype=torch.long)
+        for row, count in enumerate(take):
+            index[row, :, :count] = torch.arange(done[row], done[row] + count)
+        shape = (batch, heads, width, store.keys.shape[-1])
+        store.append(torch.randn(shape, generator=generator, dtype=torch.bfloat16),
+                     torch.randn(shape, generator=generator, dtype=torch.bfloat16), index, index)
+        done = [d + t for d, t in zip(done, take)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a new mapping's pages cost nothing until written: Linux")
+def test_a_batch_stores_rows_are_resident_only_as_far_as_each_row_reaches():
+    """Issue 34: cold stores sized by each row's own length. One row of four holds 20,000 tokens, the others
+    200: the store's capacity follows the long row, but its growth copies each row only as far as the row
+    reaches into a buffer that reads as zeros, so the short rows' pages past their tokens are never written
+    and cost nothing; reading them (a page score reads every slot) maps the system's zero page, which costs
+    nothing either. Before, every growth wrote every row's whole length (RSS ~ the store's capacity)."""
+    from h2ochat.recall.cold_store import ColdStore
+
+    rows = [20_000, 200, 200, 200]
+    store = ColdStore(4, 3, 64, 64, 8, torch.bfloat16, cold_dtype="int8-values")
+    before = _rss()
+    _append_tokens(store, rows)
+    float(store.keys.float().sum() + store.values.float().sum())  # (a read of every slot)
+    grown = _rss() - before
+    assert store.capacity >= 20_000 and store.count.tolist() == [[n] * 3 for n in rows]
+    held = sum(rows) * 3 * (64 * 2 + 64 + 4 + 12)  # each token and head: bf16 key, int8 value and scale, bookkeeping
+    bookkeeping = 4 * 3 * (store.capacity + 1) * 12  # (token indices and positions are -1 when empty: written whole)
+    assert store.nbytes() > 3.5 * held  # (the capacity: four rows of the long row's length)
+    assert grown <= 1.25 * (held + bookkeeping) + (4 << 20), (grown, held, store.nbytes())
+    kept = store.keys[0, :, :20_000].clone()
+    _append_tokens(store, [0, 500, 0, 0])  # (a short row grows: written as usual)
+    assert torch.equal(store.keys[0, :, :20_000], kept) and store.count[1].tolist() == [700] * 3
+    assert bool((store.keys[2, :, 200:store.capacity] == 0).all())  # (past its tokens, up to the spill slot)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a given-back page costs nothing: Linux")
+def test_a_row_imported_into_a_long_batch_gives_back_the_pages_past_its_tokens():
+    """A server imports a short conversation into a row a long one held: past the short row's tokens
+    ``import_row`` empties each head's tail by giving its pages back, not by writing zeros over them."""
+    from h2ochat.recall.cold_store import ColdStore
+    from h2ochat.recall.tier_rows import RecallRowMoves
+
+    store = ColdStore(2, 3, 64, 64, 8, torch.bfloat16, cold_dtype="int8-values")
+    _append_tokens(store, [20_000, 20_000])
+
+    class Tier(RecallRowMoves):  # (the row moves over this store alone)
+        cold, digest, staging = store, store, None
+
+        def state_tensors(self):
+            return {f"cold_{name}": tensor for name, tensor in store.state_tensors().items()}
+
+        def empty_value(self, name):
+            return -1 if name in ("cold_token_index", "cold_encoded", "cold_positions") else 0
+
+        def _digest_state_written(self):
+            pass
+
+    tier = Tier()
+    exported = tier.export_row(0)
+    assert exported["cold_keys"].shape[1] == 20_000  # (cut to the row's tokens)
+    short = {name: tensor[:, :300] if tensor.dim() >= 2 and tensor.shape[1] == 20_000 else tensor
+             for name, tensor in exported.items()}
+    short["cold_count"] = torch.full((3,), 300)
+    before = _rss()
+    tier.import_row(1, short)
+    assert before - _rss() >= 0.9 * 19_700 * 3 * (64 * 2 + 64 + 4)  # (keys, values and scales past 300 tokens)
+    assert torch.equal(store.keys[1, :, :300], store.keys[0, :, :300]) and bool((store.keys[1, :, 300:] == 0).all())
+    assert bool((store.token_index[1, :, 300:] == -1).all())

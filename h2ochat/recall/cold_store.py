@@ -131,12 +131,17 @@ class ColdStore:
             return gather_rows(buffer, index)
         return buffer.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.shape[-1]) if buffer.dim() == 4 else index)
 
+    def rows_held(self) -> list[int]:
+        """[B]: the slots each row has written (its longest head's count; a growable store is no ring)."""
+        return self.count.amax(dim=1).tolist()
+
     def _grow(self, needed: int) -> None:
         self._settle()
+        rows_held = self.rows_held()  # (keys and values are copied row by row: a row's memory follows its length)
         for name in self._buffers():
             old = getattr(self, name)
             setattr(self, name, widened(old, needed, -1 if name in _MINUS_ONE_WHEN_EMPTY else 0, pin=self.pin,
-                                        spill=True, page=self.page))
+                                        spill=True, page=self.page, rows_held=rows_held))
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:
@@ -153,8 +158,10 @@ class ColdStore:
         if self.frames is not None or size >= self.capacity:
             return
         self._settle()
+        rows_held = self.rows_held()
         for name in self._buffers():
-            setattr(self, name, narrowed(getattr(self, name), size))
+            setattr(self, name, narrowed(getattr(self, name), size, rows_held,
+                                         -1 if name in _MINUS_ONE_WHEN_EMPTY else 0))
 
     def append(self, keys, values, token_index, positions, encoded=None, *, reserve: bool = True) -> torch.Tensor:
         """Store evicted tokens: keys/values [B, H, E, D], token_index/positions [B, H, E] (token index

@@ -55,8 +55,10 @@ class KeyCodes:
         return ("codes",) if self.bits is None else ("codes", "scale", "offset")
 
     def _grow(self, needed: int) -> None:
+        rows_held = self.count.amax(dim=1).tolist()  # (copied row by row: a row's memory follows its length)
         for name in self._per_slot():
-            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True, page=self.page))
+            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True, page=self.page,
+                                        rows_held=rows_held))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in (*self._per_slot(), "count")}

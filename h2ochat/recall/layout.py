@@ -43,14 +43,16 @@ GROWTH_MARGIN = 32  # a paged store grows by at least 1/32 of its size: ~3% of b
 
 
 def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False,
-            page: int | None = None) -> torch.Tensor:
+            page: int | None = None, rows_held: list[int] | None = None) -> torch.Tensor:
     """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (new slots hold
     ``fill``), made in the same inference mode as ``old`` (else a compiled step would see a different
     kind of tensor and compile again) and marked ``growable``. ``page``: ``needed`` rounded up to whole
     pages, plus 1 / ``GROWTH_MARGIN`` of that in whole pages (host memory: at most one partly filled page
     and a ~3% margin past what is held, issue 34; a store that grew by one page at every flush was copied
     whole every P decode steps); else S doubles until it fits. ``spill``: the last column of ``old`` and of
-    the result is the spill slot (``Writes``), not counted in S."""
+    the result is the spill slot (``Writes``), not counted in S. ``rows_held`` [B]: the slots each row has
+    written (past them a row holds ``fill``, which must then be 0): only those are copied, into a buffer
+    that reads as zeros, so a row's memory follows its own length, not the longest row's."""
     held = old.shape[2] - spill
     size = held
     if page is not None and needed > held:
@@ -58,25 +60,41 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
         size += size // GROWTH_MARGIN // page * page
     while size < needed:
         size *= 2
+    by_row = rows_held is not None and fill == 0
     with torch.inference_mode(old.is_inference()):
         # (empty, then the held slots copied and only the rest filled: a store grows a page at a time, and
         # filling the whole buffer first was ~18% of a recall step's CPU at 8 rows x 1,200 tokens)
         shape = (*old.shape[:2], size + spill, *old.shape[3:])
-        new = store_buffer(shape, old.dtype, old.device, pin=pin)  # (its own mapping: see host_buffers)
-        new[:, :, :held] = old[:, :, :held]
-        new[:, :, held:] = fill
+        new = store_buffer(shape, old.dtype, old.device, pin=pin, zeroed=by_row)  # (its own mapping: see host_buffers)
+        if by_row:
+            _copy_rows(new, old, rows_held)
+        else:
+            new[:, :, :held] = old[:, :, :held]
+            new[:, :, held:] = fill
     return growable(new)
 
 
-def narrowed(old: torch.Tensor, size: int) -> torch.Tensor:
+def narrowed(old: torch.Tensor, size: int, rows_held: list[int] | None = None, fill=None) -> torch.Tensor:
     """``old`` [B, H, S + 1, ...] (the last column its spill slot) cut to its first ``size`` slots and the
-    spill slot, made as ``widened`` makes its buffers (a server gives back the room of a long row gone)."""
+    spill slot, made as ``widened`` makes its buffers (a server gives back the room of a long row gone).
+    ``rows_held`` with ``fill`` 0: as ``widened``'s (the spill slot, never read, is not copied)."""
+    by_row = rows_held is not None and fill == 0
     with torch.inference_mode(old.is_inference()):
         shape = (*old.shape[:2], size + 1, *old.shape[3:])
-        new = store_buffer(shape, old.dtype, old.device, pin=old.is_pinned())
-        new[:, :, :size] = old[:, :, :size]
-        new[:, :, size:] = old[:, :, -1:]
+        new = store_buffer(shape, old.dtype, old.device, pin=old.is_pinned(), zeroed=by_row)
+        if by_row:
+            _copy_rows(new, old, [min(held, size) for held in rows_held])
+        else:
+            new[:, :, :size] = old[:, :, :size]
+            new[:, :, size:] = old[:, :, -1:]
     return growable(new)
+
+
+def _copy_rows(new: torch.Tensor, old: torch.Tensor, rows_held: list[int]) -> None:
+    """Each row's first ``rows_held[b]`` slots of ``old`` into ``new`` (a row's pages past them stay unwritten)."""
+    for row, held in enumerate(rows_held):
+        if held > 0:
+            new[row, :, :held] = old[row, :, :held]
 
 
 def best_pages(scores: torch.Tensor, page_numbers: torch.Tensor, count: int) -> torch.Tensor:

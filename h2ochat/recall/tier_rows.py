@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from ..host_buffers import store_buffer
+from ..host_buffers import fill_empty, store_buffer
 
 
 @contextlib.contextmanager
@@ -127,7 +127,8 @@ class RecallRowMoves:
             held = min(saved.shape[1], target.shape[1]) if target.dim() >= 2 else None
             target[:, :held].copy_(saved[:, :held]) if held is not None else target.copy_(saved)
             if held is not None and held < target.shape[1]:  # (past a row's tokens a store holds nothing)
-                target[:, held:] = self.empty_value(name)
+                for head in target[:, held:].unbind(0):  # (each head's tail is one block: emptied, its pages go back)
+                    fill_empty(head, self.empty_value(name))
         self.has_query = getattr(self, "has_query", False) or "last_query" in state  # (its next step recalls)
         self._digest_state_written()
         positions, encoded = self._part_names(self.cold, "positions", "encoded")
