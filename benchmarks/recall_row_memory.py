@@ -24,6 +24,7 @@ import torch
 
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.digests import KeyCodes
+from h2ochat.recall.synthetic import append_rows
 
 LAYERS, HEADS, DIM, PAGE = 30, 3, 64, 8
 
@@ -39,26 +40,6 @@ def resident(tensor: torch.Tensor) -> int:
     return sum(flag & 1 for flag in flags) * page
 
 
-def fill(store: ColdStore, codes: KeyCodes, rows_tokens: list[int], generator, chunk: int = 512) -> None:
-    """Each row's evicted tokens appended to ``store`` and ``codes``, ``chunk`` at a time (random keys)."""
-    batch = len(rows_tokens)
-    done = [0] * batch
-    while any(d < n for d, n in zip(done, rows_tokens)):
-        take = [min(chunk, n - d) for d, n in zip(done, rows_tokens)]
-        width = max(take)
-        index = torch.full((batch, HEADS, width), -1, dtype=torch.long)
-        for row, count in enumerate(take):
-            index[row, :, :count] = torch.arange(done[row], done[row] + count)
-        keys = torch.randn(batch, HEADS, width, DIM, generator=generator, dtype=torch.bfloat16)
-        values = torch.randn(batch, HEADS, width, DIM, generator=generator, dtype=torch.bfloat16)
-        needed = max(d + t for d, t in zip(done, take))
-        store.reserve(needed)
-        codes.reserve(needed)
-        store.append(keys, values, index, index, reserve=False)
-        codes.append(keys, index)
-        done = [d + t for d, t in zip(done, take)]
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -72,7 +53,7 @@ def main(argv=None) -> dict:
     for _ in range(LAYERS):
         store = ColdStore(args.rows, HEADS, DIM, DIM, PAGE, torch.bfloat16, cold_dtype="int8-values")
         codes = KeyCodes(args.rows, HEADS, DIM, PAGE, 4, rotate=True)
-        fill(store, codes, rows_tokens, generator)
+        append_rows(store, rows_tokens, generator, codes)
         layers.append((store, codes))
     in_memory = sum(resident(tensor) for store, codes in layers
                     for tensor in (*(getattr(store, n) for n in store._buffers()), *(getattr(codes, n) for n in codes._per_slot())))

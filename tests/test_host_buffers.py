@@ -106,21 +106,10 @@ def test_emptying_a_row_to_zero_gives_its_pages_back_and_reads_as_written(make):
     assert bool((buffer[1, :10] == 2).all()) and bool((buffer[1, 10:] == 0).all())
 
 
-def _append_tokens(store, rows_tokens: list[int], chunk: int = 512) -> None:
-    """Append to each row of ``store`` its number of tokens (random keys and values), ``chunk`` at a time."""
-    generator = torch.Generator().manual_seed(0)
-    batch, heads = store.count.shape
-    done = [0] * batch
-    while any(d < n for d, n in zip(done, rows_tokens)):
-        take = [min(chunk, n - d) for d, n in zip(done, rows_tokens)]
-        width = max(take)
-        index = torch.full((batch, heads, width), -1, dtype=torch.long)
-        for row, count in enumerate(take):
-            index[row, :, :count] = torch.arange(done[row], done[row] + count)
-        shape = (batch, heads, width, store.keys.shape[-1])
-        store.append(torch.randn(shape, generator=generator, dtype=torch.bfloat16),
-                     torch.randn(shape, generator=generator, dtype=torch.bfloat16), index, index)
-        done = [d + t for d, t in zip(done, take)]
+def _append_tokens(store, rows_tokens: list[int]) -> None:
+    from h2ochat.recall.synthetic import append_rows
+
+    append_rows(store, rows_tokens, torch.Generator().manual_seed(0))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a new mapping's pages cost nothing until written: Linux")
