@@ -132,6 +132,8 @@ def test_a_batch_stores_rows_are_resident_only_as_far_as_each_row_reaches():
     bookkeeping = 4 * 3 * (store.capacity + 1) * 12  # (token indices and positions are -1 when empty: written whole)
     assert store.nbytes() > 3.5 * held  # (the capacity: four rows of the long row's length)
     assert grown <= 1.25 * (held + bookkeeping) + (4 << 20), (grown, held, store.nbytes())
+    assert store.written_nbytes() == sum(rows) * 3 * (64 * 2 + 64 + 4) + bookkeeping  # (what /metrics says is in memory)
+    assert store.written_nbytes() <= grown + (4 << 20)
     kept = store.keys[0, :, :20_000].clone()
     _append_tokens(store, [0, 500, 0, 0])  # (a short row grows: written as usual)
     assert torch.equal(store.keys[0, :, :20_000], kept) and store.count[1].tolist() == [700] * 3

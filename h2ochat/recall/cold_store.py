@@ -285,4 +285,20 @@ class ColdStore:
         """Host bytes held (allocated)."""
         return tensor_bytes(getattr(self, name) for name in self._buffers())
 
+    def written_nbytes(self) -> int:
+        """Host bytes of the slots the rows have written: each row's keys, values and scales as far as its
+        tokens reach, the token indices and positions whole (an empty slot reads -1: written). What the store
+        takes in memory where its buffers are mappings of their own (``host_buffers``: the batch's capacity
+        follows its longest row, but a row's pages past its tokens are never written)."""
+        per_row = [min(held, self.capacity) for held in self.rows_held()]
+        total = 0
+        for name in self._buffers():
+            tensor = getattr(self, name)
+            if name in _MINUS_ONE_WHEN_EMPTY:
+                total += tensor.numel() * tensor.element_size()
+            else:
+                slot = tensor[0, 0, 0].numel() * tensor.element_size()
+                total += sum(per_row) * self.heads * slot
+        return total
+
 

@@ -366,7 +366,8 @@ class RecallSpec:
             device_bytes_frames=sum(tier.bookkeeping_bytes() for tier in tiers),
             selector_host_bytes=sum(tier.digest.host_nbytes() for tier in tiers),
             pages_per_summary=max((tier.digest.pages_per_entry for tier in tiers), default=1),
-            summary_cap=tiers[0].digest.cap if tiers else None)
+            summary_cap=tiers[0].digest.cap if tiers else None,
+            host_bytes_written=sum(tier.cold.written_nbytes() + tier.digest.host_nbytes() for tier in tiers))
 
     def cold_bytes(self, cache) -> int:
         """Host bytes of the cold stores and of the token-level codes a two-stage selector keeps beside them."""
@@ -388,6 +389,7 @@ class RecallSpec:
         return {"recall_slots": config.slots, "page": config.page, "selector": config.selector,
                 "every": config.every, "cold_dtype": resolved_cold_dtype(config.cold_dtype), "cold_limit": config.cold_limit,
                 "digest_device_bytes": stats.digest_device_bytes, "cold_host_bytes": stats.host_bytes,
+                "cold_host_bytes_written": stats.host_bytes_written,
                 "pages_copied": stats.pages_copied, "staged_tokens": stats.staged_tokens,
                 "device_bytes_selector": stats.device_bytes_selector,
                 "device_bytes_staging": stats.device_bytes_staging, "device_bytes_frames": stats.device_bytes_frames,

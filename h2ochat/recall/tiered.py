@@ -112,6 +112,7 @@ class TierStats:
     selector_host_bytes: int = 0  # token-level codes kept beside the cold store (two-stage selectors)
     pages_per_summary: int = 1  # pages each device summary covers (> 1: the cap was reached and it coarsened)
     summary_cap: int | None = None  # device summaries per (layer, sequence, KV head); None: no cap
+    host_bytes_written: int = 0  # of ``host_bytes``, the slots the rows have written (what is in memory)
 
     @property
     def cold_host_bytes(self) -> int:

@@ -166,8 +166,10 @@ class ModelBackend:
         def figure(*names):  # (the first field the tier's stats have: their names have changed before)
             return next((getattr(stats, name) for name in names if getattr(stats, name, None) is not None), 0)
         return {
-            "recall_cold_host_bytes": ("Host bytes of the recall tier's cold stores (every row of the batch).",
-                                       figure("cold_host_bytes", "host_bytes")),
+            "recall_cold_host_bytes": ("Host bytes of the recall tier's cold stores (every row of the batch; allocated: "
+                                       "the longest row's capacity).", figure("cold_host_bytes", "host_bytes")),
+            "recall_cold_host_bytes_written": ("Of those, the slots the rows have written: each row's tokens, "
+                                               "what the stores take in memory.", figure("host_bytes_written")),
             "recall_selector_device_bytes": ("Device bytes of the recall tier's page selector (digests).",
                                              figure("device_bytes_selector", "digest_device_bytes")),
             "recall_device_bytes": ("Device bytes of the recall tier beyond its slots (selector, staging, frames).",
