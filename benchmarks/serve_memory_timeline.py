@@ -19,7 +19,8 @@ import subprocess
 import time
 import urllib.request
 
-GAUGES = ("parked_bytes", "recall_cold_host_bytes", "rows_in_use", "requests_running", "requests_waiting")
+GAUGES = ("parked_bytes", "recall_cold_host_bytes", "recall_cold_host_bytes_written", "rows_in_use", "requests_running",
+          "requests_waiting")
 
 
 def server_pid(pattern: str) -> str | None:
