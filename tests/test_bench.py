@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -380,3 +383,32 @@ def test_bench_recall_with_capacity_runs_and_repeats(tiny_checkpoint):
     report = json.loads(out)
     assert report["capacity"] and all(entry["decode_tokens_per_s"] for entry in report["capacity"])
     assert {r["policy"] for r in report["results"]} == {"h2o", "recall"}
+
+
+_STEP_TEMPORARIES = """
+import ctypes, torch
+from h2ochat.measure.bench_memory import PeakMemory
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+memory = PeakMemory(torch.device("cpu"))
+memory.reset()
+mapped = 0
+for _ in range(10):  # a step's temporary, made and freed at every step
+    before = libc.mallinfo2().hblks
+    temporary = torch.empty(1 << 20, dtype=torch.uint8)
+    mapped += libc.mallinfo2().hblks > before
+    del temporary
+print(mapped)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator")
+def test_the_memory_probe_leaves_the_allocator_as_the_product_runs_it():
+    """``bench`` measured its steps with glibc's mmap threshold fixed at 256 KiB (to keep one measurement's
+    freed tensors out of the next one's RSS): every larger temporary was then a fresh mapping, its pages
+    faulted in at every step (int8 slots at 8 rows timed 3.5x slower than they run). After a reset, a 1 MiB
+    temporary made and freed ten times is a mapping of its own once at most, as in ``generate``."""
+    run = subprocess.run([sys.executable, "-c", _STEP_TEMPORARIES], capture_output=True, text=True, check=True)
+    assert int(run.stdout.split()[-1]) <= 1
