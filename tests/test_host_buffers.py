@@ -112,30 +112,55 @@ def _append_tokens(store, rows_tokens: list[int]) -> None:
     append_rows(store, rows_tokens, torch.Generator().manual_seed(0))
 
 
+_ROWS_GROWN = """
+import json, torch
+from h2ochat.recall.cold_store import ColdStore
+from h2ochat.recall.synthetic import append_rows
+def rss():
+    with open("/proc/self/status") as status:
+        return int(status.read().split("VmRSS:")[1].split()[0]) * 1024
+warm = ColdStore(4, 3, 64, 64, 8, torch.bfloat16, cold_dtype="int8-values")  # (the code's first run pages in
+append_rows(warm, [1_000, 10, 10, 10], torch.Generator().manual_seed(1))         # its libraries: not the store)
+int(warm.keys.view(torch.uint8).max())
+del warm
+store = ColdStore(4, 3, 64, 64, 8, torch.bfloat16, cold_dtype="int8-values")
+before = rss()
+append_rows(store, [20_000, 200, 200, 200], torch.Generator().manual_seed(0))
+int(store.keys.view(torch.uint8).max()) + int(store.values.view(torch.uint8).max())  # (a read of every slot, no copy made)
+print(json.dumps({"grown": rss() - before, "capacity": store.capacity, "nbytes": store.nbytes(),
+                  "written": store.written_nbytes(), "count": store.count.tolist(),
+                  "short_tail_zero": bool((store.keys[2, :, 200:store.capacity] == 0).all())}))
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a new mapping's pages cost nothing until written: Linux")
 def test_a_batch_stores_rows_are_resident_only_as_far_as_each_row_reaches():
     """Issue 34: cold stores sized by each row's own length. One row of four holds 20,000 tokens, the others
     200: the store's capacity follows the long row, but its growth copies each row only as far as the row
     reaches into a buffer that reads as zeros, so the short rows' pages past their tokens are never written
     and cost nothing; reading them (a page score reads every slot) maps the system's zero page, which costs
-    nothing either. Before, every growth wrote every row's whole length (RSS ~ the store's capacity)."""
+    nothing either. Before, every growth wrote every row's whole length (RSS ~ the store's capacity). In a
+    fresh process: RSS is process-wide, and the suite's earlier tests free memory while this one runs."""
+    import json
+
+    run = subprocess.run([sys.executable, "-c", _ROWS_GROWN], capture_output=True, text=True, check=True)
+    found = json.loads(run.stdout.splitlines()[-1])
+    rows = [20_000, 200, 200, 200]
+    assert found["capacity"] >= 20_000 and found["count"] == [[n] * 3 for n in rows] and found["short_tail_zero"]
+    held = sum(rows) * 3 * (64 * 2 + 64 + 4 + 12)  # each token and head: bf16 key, int8 value and scale, bookkeeping
+    bookkeeping = 4 * 3 * (found["capacity"] + 1) * 12  # (token indices and positions are -1 when empty: written whole)
+    assert found["nbytes"] > 3.5 * held  # (the capacity: four rows of the long row's length)
+    assert found["grown"] <= 1.25 * (held + bookkeeping) + (4 << 20), found
+    assert found["written"] == sum(rows) * 3 * (64 * 2 + 64 + 4) + bookkeeping  # (what /metrics says is in memory)
+
+
+def test_a_short_row_of_a_long_batch_grows_as_usual():
     from h2ochat.recall.cold_store import ColdStore
 
-    rows = [20_000, 200, 200, 200]
     store = ColdStore(4, 3, 64, 64, 8, torch.bfloat16, cold_dtype="int8-values")
-    before = _rss()
-    _append_tokens(store, rows)
-    float(store.keys.float().sum() + store.values.float().sum())  # (a read of every slot)
-    grown = _rss() - before
-    assert store.capacity >= 20_000 and store.count.tolist() == [[n] * 3 for n in rows]
-    held = sum(rows) * 3 * (64 * 2 + 64 + 4 + 12)  # each token and head: bf16 key, int8 value and scale, bookkeeping
-    bookkeeping = 4 * 3 * (store.capacity + 1) * 12  # (token indices and positions are -1 when empty: written whole)
-    assert store.nbytes() > 3.5 * held  # (the capacity: four rows of the long row's length)
-    assert grown <= 1.25 * (held + bookkeeping) + (4 << 20), (grown, held, store.nbytes())
-    assert store.written_nbytes() == sum(rows) * 3 * (64 * 2 + 64 + 4) + bookkeeping  # (what /metrics says is in memory)
-    assert store.written_nbytes() <= grown + (4 << 20)
+    _append_tokens(store, [20_000, 200, 200, 200])
     kept = store.keys[0, :, :20_000].clone()
-    _append_tokens(store, [0, 500, 0, 0])  # (a short row grows: written as usual)
+    _append_tokens(store, [0, 500, 0, 0])
     assert torch.equal(store.keys[0, :, :20_000], kept) and store.count[1].tolist() == [700] * 3
     assert bool((store.keys[2, :, 200:store.capacity] == 0).all())  # (past its tokens, up to the spill slot)
 
