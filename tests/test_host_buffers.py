@@ -150,7 +150,8 @@ def test_a_batch_stores_rows_are_resident_only_as_far_as_each_row_reaches():
     held = sum(rows) * 3 * (64 * 2 + 64 + 4 + 12)  # each token and head: bf16 key, int8 value and scale, bookkeeping
     bookkeeping = 4 * 3 * (found["capacity"] + 1) * 12  # (token indices and positions are -1 when empty: written whole)
     assert found["nbytes"] > 3.5 * held  # (the capacity: four rows of the long row's length)
-    assert found["grown"] <= 1.25 * (held + bookkeeping) + (4 << 20), found
+    # (measured: ~24 MB with the rows copied as far as they reach, 56 MB with every row written whole)
+    assert found["grown"] <= 1.5 * (held + bookkeeping) + (8 << 20), found
     assert found["written"] == sum(rows) * 3 * (64 * 2 + 64 + 4) + bookkeeping  # (what /metrics says is in memory)
 
 
