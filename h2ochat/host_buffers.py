@@ -67,4 +67,3 @@ def fill_empty(target: torch.Tensor, value) -> None:
     flat[last - start:].zero_()
     if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
         flat[first - start: last - start].zero_()  # (refused: written as usual)
-

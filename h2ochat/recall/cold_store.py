@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
-from .layout import Writes, growable, held_pages, narrowed, tensor_bytes, widened
+from .layout import Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "int8")
 DEFAULT_COLD_DTYPE = "int8-values"  # what auto stands for
@@ -133,7 +133,7 @@ class ColdStore:
 
     def rows_held(self) -> list[int]:
         """[B]: the slots each row has written (its longest head's count; a growable store is no ring)."""
-        return self.count.amax(dim=1).tolist()
+        return rows_held(self.count)
 
     def _grow(self, needed: int) -> None:
         self._settle()

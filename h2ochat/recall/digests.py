@@ -23,7 +23,7 @@ import torch
 import h2ochat_kernels as kernels
 from h2ochat_kernels.rotation import spreading_rotation
 
-from .layout import Writes, best_pages, growable, held_pages, tensor_bytes, widened
+from .layout import Writes, best_pages, growable, held_pages, rows_held, tensor_bytes, widened
 from .selectors import packed_quantize, score_pages
 
 
@@ -55,10 +55,9 @@ class KeyCodes:
         return ("codes",) if self.bits is None else ("codes", "scale", "offset")
 
     def _grow(self, needed: int) -> None:
-        rows_held = self.count.amax(dim=1).tolist()  # (copied row by row: a row's memory follows its length)
+        held = rows_held(self.count)  # (copied row by row: a row's memory follows its length)
         for name in self._per_slot():
-            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True, page=self.page,
-                                        rows_held=rows_held))
+            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True, page=self.page, rows_held=held))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in (*self._per_slot(), "count")}

@@ -90,6 +90,11 @@ def narrowed(old: torch.Tensor, size: int, rows_held: list[int] | None = None, f
     return growable(new)
 
 
+def rows_held(count: torch.Tensor) -> list[int]:
+    """[B]: the slots each row of a growable store has written, from its ``count`` [B, H] (the longest head's)."""
+    return count.amax(dim=1).tolist()
+
+
 def _copy_rows(new: torch.Tensor, old: torch.Tensor, rows_held: list[int]) -> None:
     """Each row's first ``rows_held[b]`` slots of ``old`` into ``new`` (a row's pages past them stay unwritten)."""
     for row, held in enumerate(rows_held):
