@@ -5,9 +5,9 @@ A server's batch keeps one cold store and one digest per layer for all its rows,
 capacity. This builds SmolLM2-135M's 30 layers of them (3 KV heads of 64, pages of 8, the default cold
 format and the rot4 selector's 4-bit codes), appends each row's evicted tokens in 512-token chunks (the
 stores grow as a served batch's do), and reports the bytes of the stores' pages in memory (``mincore``: the
-pages written; nothing is read here, since a read of an unwritten page maps the system's zero page, which
-``mincore`` counts and RSS does not: ``tests/test_host_buffers.py`` checks that by RSS), the bytes the rows'
-tokens take, and the bytes allocated (``nbytes``).
+pages written, through ``host_buffers.resident_bytes``; nothing is read here, since a read of an unwritten page
+maps the system's zero page, which ``mincore`` counts and RSS does not), the bytes the rows' tokens take, and
+the bytes allocated (``nbytes``).
 
     python benchmarks/recall_row_memory.py --rows 16 --long 4000 --short 300 --out FILE
 """
@@ -15,29 +15,17 @@ tokens take, and the bytes allocated (``nbytes``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import mmap
 import sys
 
 import torch
 
+from h2ochat.host_buffers import resident_bytes
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.digests import KeyCodes
 from h2ochat.recall.synthetic import append_rows
 
 LAYERS, HEADS, DIM, PAGE = 30, 3, 64, 8
-
-
-def resident(tensor: torch.Tensor) -> int:
-    """Bytes of the pages under ``tensor``'s storage that are in memory (Linux ``mincore``)."""
-    storage = tensor.untyped_storage()
-    start, size, page = storage.data_ptr(), storage.nbytes(), mmap.PAGESIZE
-    first, last = start // page * page, -(-(start + size) // page) * page
-    flags = (ctypes.c_ubyte * ((last - first) // page))()
-    if ctypes.CDLL(None).mincore(ctypes.c_void_p(first), ctypes.c_size_t(last - first), flags) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(flag & 1 for flag in flags) * page
 
 
 def main(argv=None) -> dict:
@@ -55,7 +43,7 @@ def main(argv=None) -> dict:
         codes = KeyCodes(args.rows, HEADS, DIM, PAGE, 4, rotate=True)
         append_rows(store, rows_tokens, generator, codes)
         layers.append((store, codes))
-    in_memory = sum(resident(tensor) for store, codes in layers
+    in_memory = sum(resident_bytes(tensor) for store, codes in layers
                     for tensor in (*(getattr(store, n) for n in store._buffers()), *(getattr(codes, n) for n in codes._per_slot())))
     def slot_bytes(part, names):  # bytes one token of one (row, head) takes in ``part``'s per-slot tensors
         return sum(getattr(part, name)[0, 0, 0].numel() * getattr(part, name).element_size() for name in names)

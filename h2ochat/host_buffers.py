@@ -67,3 +67,17 @@ def fill_empty(target: torch.Tensor, value) -> None:
     flat[last - start:].zero_()
     if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
         flat[first - start: last - start].zero_()  # (refused: written as usual)
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the pages under ``tensor``'s storage that are in memory (Linux ``mincore``): the pages a
+    store's rows have written, where its buffers are mappings of their own. Exact and private to the tensor,
+    where the process's RSS moves with everything else it allocates. A read of a never-written page maps the
+    system's zero page, which ``mincore`` counts (and RSS does not): measure before reading."""
+    storage = tensor.untyped_storage()
+    start, size = storage.data_ptr(), storage.nbytes()
+    first, last = start // _PAGE * _PAGE, -(-(start + size) // _PAGE) * _PAGE
+    flags = (ctypes.c_ubyte * ((last - first) // _PAGE))()
+    if _libc().mincore(ctypes.c_void_p(first), ctypes.c_size_t(last - first), flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(flag & 1 for flag in flags) * _PAGE
