@@ -106,6 +106,29 @@ def test_free_rows_write_nothing_with_recall(family, seed):
     assert int(backend.cache.tokens_fed[1:].sum()) == 0
 
 
+def test_a_decode_steps_choice_of_pages_reads_only_the_rows_in_use(family, seed, monkeypatch):
+    """Free rows are skipped with recall too: a decode step's choice of pages scores the rows up to the
+    last one in use, not the batch's free rows after it (each row's choice is its own, so the tokens are
+    the ones a lone row gives: the test above). One chat on a 4-row server: one row scored."""
+    from h2ochat.recall.two_stage import TwoStageCodes
+
+    scored = []
+    top_pages = TwoStageCodes.top_pages
+
+    def counted(self, queries, count, upto=None):
+        scored.append((queries.shape[0], len(self._row_pages()), self.count.shape[0]))
+        return top_pages(self, queries, count, upto)
+
+    monkeypatch.setattr(TwoStageCodes, "top_pages", counted)
+    rng = random.Random(seed)
+    scheduler, _ = engine(build_model(family), 4, store_bytes=0)
+    request = make_request(prompt(rng, 30, 34), max_tokens=24, stop_ids=())
+    scheduler.submit(request)
+    drain(scheduler)
+    decode = [rows for rows in scored if rows != (1, 1, 1)]  # (the prompt's own 1-row cache chooses too)
+    assert len(scored) > 20 and not decode, decode  # (before: every decode step scored all 4 rows)
+
+
 def test_a_parked_conversation_costs_bytes_in_proportion_to_its_length(family, seed):
     rng = random.Random(seed)
     scheduler, store = engine(build_model(family), 2)

@@ -58,7 +58,7 @@ from .digests import KeyCodes
 from .two_stage import TwoStageCodes
 from .row_cadence import RowCadence
 from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
-from .tier_rows import RecallRowMoves, rows_kept
+from .tier_rows import RecallRowMoves, first_rows, rows_kept
 from .tiered import RecallConfig, TierStats
 
 # state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
@@ -247,14 +247,23 @@ class RecallTier(RecallRowMoves):
         if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
             self.frames.tick(rows)
             return
+        digest, frames = self.digest, self.frames
+        if rows is not True and host_reads_allowed(frames.frame_page):  # (the plan read on the host: a CPU)
+            # only the rows up to the last one choosing (a server's rows in use sit at the front): a free
+            # row's empty store is not scored as far as the longest row's. The plan's rows are the first
+            # ones of the batch, so the frames fill from the whole store and slots (read on the host)
+            last = max((row for row, due in enumerate(rows) if due), default=-1) + 1
+            if last < len(rows):
+                digest, frames, queries, rows = (first_rows(digest, last), first_rows(frames, last),
+                                                 queries[:last], rows[:last])
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
-        wanted = self.digest.top_pages(queries, self.frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
-        if rows is True:
-            plan = self.frames.update(wanted, self.digest.count // self.cold.page)  # (the digest counts on the device)
+        wanted = digest.top_pages(queries, frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
+        if rows is True or all(rows):
+            plan = frames.update(wanted, digest.count // self.cold.page)  # (the digest counts on the device)
         else:
             still = torch.tensor([not row for row in rows], device=wanted.device)
-            with rows_kept(self.frames, still):
-                plan = self.frames.update(wanted, self.digest.count // self.cold.page)
+            with rows_kept(frames, still):
+                plan = frames.update(wanted, digest.count // self.cold.page)
             plan = RecallPlan(plan.frame_page, plan.load & ~still.view(-1, 1, 1))
         fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
 

@@ -27,6 +27,8 @@ scale are made together, as many tokens a mean as the row alone takes.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import h2ochat_kernels as kernels
@@ -34,6 +36,7 @@ import h2ochat_kernels as kernels
 from .digests import KeyCodes
 from .layout import held_pages, pages_of, tensor_bytes, widened_pages
 from .selectors import packed_quantize, score_pages
+from .tier_rows import first_rows
 
 
 SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
@@ -95,6 +98,15 @@ class TwoStageCodes:
     def _row_pages(self) -> list[int]:
         """Each row's pages per summary (the host's copy of ``doublings``: a decode step reads nothing)."""
         return self._rows
+
+    def first_rows(self, rows: int) -> "TwoStageCodes":
+        """This digest over its first ``rows`` rows, for a choice of those rows only (``tier_rows.first_rows``):
+        views of the state, the host's per-row lists cut to them."""
+        view = copy.copy(self)
+        view.tokens = first_rows(self.tokens, rows)
+        view.codes, view.scale, view.offset = self.codes[:rows], self.scale[:rows], self.offset[:rows]
+        view.doublings, view._rows, view.appended = self.doublings[:rows], self._rows[:rows], self.appended[:rows]
+        return view
 
     def state_written(self) -> None:
         """Rows of the state were written from outside (a row imported or reset by its cache): the host's
