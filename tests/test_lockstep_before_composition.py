@@ -101,6 +101,7 @@ def differences(want: dict, got: dict) -> list[str]:
                 found.append(f"{stage} counter {name}: {value.tolist()} recorded, {now} now")
         for index, (mine, theirs) in enumerate(zip(got[stage]["layers"], want[stage]["layers"])):
             where = f"{stage} layer {index}"
+            theirs = _as_the_exact_digest_reads_the_store(theirs, mine)
             for name, empty in ADDED_SINCE.items():
                 if name in mine and not bool((mine[name] == empty).all()):
                     found.append(f"{where} {name}: {mine[name].tolist()} where every recorded run holds {empty}")
@@ -123,6 +124,25 @@ def differences(want: dict, got: dict) -> list[str]:
                     found.append(f"{where} {name}: differs at {diff}: {b.long()[tuple(diff)]} recorded, "
                                  f"{a.long()[tuple(diff)]} now ({(a.long() != b.long()).sum()} of {a.numel()})")
     return found
+
+
+def _as_the_exact_digest_reads_the_store(theirs: dict, mine: dict) -> dict:
+    """Since session 50 the exact selector scores the cold store's own keys on the CPU (``recall.cold_keys``)
+    instead of a copy of them: the recorded copy (``digest_codes``, its ``digest_count``) is gone, and after a
+    re-numbering the store holds each held key at its new position, encoded there, as the copy did. So the
+    recorded copy is what the store's keys must now hold, and where the copy was turned (RoPE) a held token's
+    encoded position is its position."""
+    if "digest_codes.sum" not in theirs or "digest_codes.sum" in mine or "cold_keys.sum" not in mine:
+        return theirs
+    recorded = theirs
+    theirs = {name: value for name, value in theirs.items() if name != "digest_count" and not name.startswith("digest_codes")}
+    for summary in ("sum", "norm"):
+        theirs[f"cold_keys.{summary}"] = recorded[f"digest_codes.{summary}"]
+    slots = min(recorded["cold_keys.sum"].shape[2], recorded["digest_codes.sum"].shape[2])
+    if not torch.equal(recorded["cold_keys.sum"][:, :, :slots], recorded["digest_codes.sum"][:, :, :slots]):
+        held = theirs["cold_token_index"] >= 0  # (keys turned to new positions: RoPE; OPT's do not turn)
+        theirs["cold_encoded"] = torch.where(held, theirs["cold_positions"], theirs["cold_encoded"])
+    return theirs
 
 
 def _slot_capacity_only(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:

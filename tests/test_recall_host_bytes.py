@@ -69,3 +69,39 @@ def test_int8_cold_store_is_below_the_evicted_tokens_bytes_at_the_models_dtype(s
     bf16_bytes = BATCH * KV_HEADS * evicted * 2 * dim * 2
     slack = BATCH * KV_HEADS * (2 * PAGE + HOT) * 2 * dim * 2  # partly filled pages and the chunk's reserve
     assert cache.tier_record()["cold_host_bytes"] <= share * bf16_bytes + slack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_exact_selector_scores_the_cold_stores_own_keys_and_chooses_as_a_copy_would(seed, dtype, monkeypatch):
+    """On a CPU the exact selector keeps no copy of the evicted keys (``recall.cold_keys``): its digest
+    holds no bytes and no state of its own, and a cache with it chooses the same pages, step by step, as
+    the same cache with the copy (``KeyCodes(bits=None)``, what it replaced), so it gives the same
+    attention outputs, and reports no digest bytes where the copy's were its keys' size."""
+    from h2ochat.recall import cold_keys, tier
+    from h2ochat.recall.digests import KeyCodes
+
+    def run(in_place: bool):
+        if not in_place:
+            monkeypatch.setattr(tier.ColdKeys, "fits", staticmethod(lambda cold, device: False))
+        generator = torch.Generator().manual_seed(seed)
+        cache = recall_cache(1, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, "exact"), max_positions=10_000,
+                             positions="absolute")
+        outputs, frames = [], []
+        for q_len in [12, *[1] * 60]:
+            key, value, query = (torch.randn(BATCH, KV_HEADS, q_len, DIM, generator=generator).to(dtype)
+                                 for _ in range(3))
+            cache.update(key, value, 0)
+            outputs.append(cache.attend(0, query, key, value, None, DIM ** -0.5)[0])
+            frames.append(cache.layers[0].tier.frames.frame_page.clone())
+        monkeypatch.undo()
+        return cache, outputs, frames
+
+    copied, copy_outputs, copy_frames = run(False)
+    shared, outputs, chosen = run(True)
+    digest = shared.layers[0].tier.digest
+    assert isinstance(digest, cold_keys.ColdKeys) and digest.codes is shared.layers[0].tier.cold.keys
+    assert isinstance(copied.layers[0].tier.digest, KeyCodes) and copied.layers[0].tier.digest.nbytes() > 0
+    assert digest.nbytes() == 0 and digest.state_tensors() == {}
+    assert all(torch.equal(a, b) for a, b in zip(chosen, copy_frames)) and bool((chosen[-1] >= 0).any())
+    assert all(torch.equal(a, b) for a, b in zip(outputs, copy_outputs))
+    assert shared.tier_record()["digest_device_bytes"] == 0 < copied.tier_record()["digest_device_bytes"]

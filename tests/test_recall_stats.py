@@ -100,7 +100,8 @@ def test_tier_stats_count_what_the_cold_stores_hold(seed, cold_limit):
     assert stats.cold_pages == -(-(flushed - dropped) // PAGE) * BATCH * KV_HEADS
     assert stats.host_bytes == sum(getattr(cold, n).numel() * getattr(cold, n).element_size()
                                    for n in ("keys", "values", "token_index", "encoded", "positions"))
-    assert stats.digest_device_bytes == layer.tier.digest.nbytes() > 0
+    # (the exact selector on a CPU scores the cold store's own keys: no bytes of its own, ``recall.cold_keys``)
+    assert stats.digest_device_bytes == layer.tier.digest.nbytes() == 0
     assert stats.pages_copied == int(layer.tier.frames.copied.sum()) > 0
     layer_stats = cache.layer_stats()[0]
     assert layer_stats.capacity == HOT + RECALL and HOT < layer_stats.held <= HOT + RECALL

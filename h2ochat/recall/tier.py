@@ -52,6 +52,7 @@ import torch
 from h2ochat_kernels.reference import row_weights
 
 from .bounds import PageBounds
+from .cold_keys import ColdKeys
 from .cold_store import ColdStore, resolved_cold_dtype
 from .layout import tensor_bytes
 from .digests import KeyCodes
@@ -80,7 +81,9 @@ class RecallTier(RecallRowMoves):
         config = self.config
         self.cold = ColdStore(batch, heads, head_dim, value_dim, config.page, dtype, cold_dtype=config.cold_dtype,
                               limit=config.cold_limit, pin=device.type == "cuda", device=device)
-        if config.selector == "quest":
+        if config.selector == "exact" and ColdKeys.fits(self.cold, device):  # the store's own keys, not a copy
+            self.digest = ColdKeys(self.cold, backend=port.kernels)
+        elif config.selector == "quest":
             self.digest = PageBounds(batch, heads, head_dim, config.page, frames=self.cold.frames, device=device,
                                      dtype=dtype)
         elif config.bits is not None and config.summary_cap is not None:  # token codes beside the cold store
@@ -314,7 +317,8 @@ class RecallTier(RecallRowMoves):
             keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
             # rows that did not move keep their digest as appended (a rebuild could round it otherwise)
             moved = renumbering.rows
-            with rows_kept(self.digest, ~moved) if moved is not None else contextlib.nullcontext():
+            written = self.cold if isinstance(self.digest, ColdKeys) else self.digest  # (the exact digest writes the store)
+            with rows_kept(written, ~moved) if moved is not None else contextlib.nullcontext():
                 self.digest.rebuild(self.format.held_keys(keys))
 
     def pages_recalled(self, row: int) -> int:
