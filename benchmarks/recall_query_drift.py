@@ -37,7 +37,8 @@ from h2ochat.loading.models import load
 from h2ochat.measure import evaluation as ev
 from h2ochat.measure import passkey as pk
 from h2ochat.measure.passkey_rows import build_rows, parse_numbers
-from h2ochat.recall.tier import RecallSpec, RecallTier
+from h2ochat.recall.spec import RecallSpec
+from h2ochat.recall.tier import RecallTier
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)
 

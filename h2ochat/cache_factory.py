@@ -21,7 +21,7 @@ def make_cache(num_layers: int, policy, device_slots: int, *, recall=None, **kwa
     positions, rotary, seed, static_shapes, rows)."""
     if recall is None:
         return H2OCache(num_layers, policy, device_slots, **kwargs)
-    from .recall.tier import RecallSpec  # (recall builds on kv: the tier is named only when asked for)
+    from .recall.spec import RecallSpec  # (recall builds on kv: the tier is named only when asked for)
 
     return H2OCache(num_layers, policy, policy_slots(device_slots, recall), tier=RecallSpec(recall), **kwargs)
 

@@ -35,7 +35,7 @@ class CacheSettings:
     # two tiers (h2ochat.recall): R of the budget's slots hold tokens recalled from the cold store
     recall: str | None = None  # slots (64), a share of the budget (0.5), auto (recall.default); None or 0: no recall
     page: int = 8  # recall's pages (--page): 8 found 45 of 60 held-out keys at 128 slots, 16 found 40 (recall.default)
-    selector: str = "rot4"
+    selector: str = "auto"  # exact on a CPU, rot4 on a GPU (recall.selector_names.resolved_selector)
     cold_dtype: str = "auto"
     cold_limit: int | None = None
     recall_every: int = 1

@@ -148,7 +148,7 @@ def recall_cache(num_layers: int, policy, hot_slots: int, *, recall, **kwargs):
     """An H2OCache of ``hot_slots`` policy slots per layer with a recall tier of ``recall.slots`` more
     (``kv.make_cache`` takes the device total instead)."""
     from h2ochat.kv import H2OCache
-    from h2ochat.recall.tier import RecallSpec
+    from h2ochat.recall.spec import RecallSpec
 
     return H2OCache(num_layers, policy, hot_slots, tier=RecallSpec(recall), **kwargs)
 

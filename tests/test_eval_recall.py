@@ -92,10 +92,10 @@ def test_eval_recall_json_and_table(long_checkpoint, text_file):
     code, out, err = run(*common, "--json")
     assert code == 0, err
     report = json.loads(out)
-    label = "h2o + recall 8 (rot4, pages of 4)"
+    label = "h2o + recall 8 (auto, pages of 4)"
     assert {(r["policy"], r["budget_slots"]) for r in report["results"]} == {
         (p, b) for p in ("full", "h2o", label) for b in (16, 24)}
-    assert report["recall"] == [{"recall": "8", "page": 4, "selector": "rot4", "cold_dtype": "auto",
+    assert report["recall"] == [{"recall": "8", "page": 4, "selector": "auto", "cold_dtype": "auto",
                                  "cold_limit": None, "recall_every": 1}]
     by = {(r["policy"], r["budget_slots"]): r for r in report["results"]}
     for slots in (16, 24):
@@ -112,7 +112,7 @@ def test_eval_recall_json_and_table(long_checkpoint, text_file):
     (["--recall", "16"], "--recall 16 takes all 16 slots of the budget"),
     (["--recall", "6", "--page", "4"], "whole number (>= 2) of --page 4 pages"),
     (["--recall", "8", "--page", "four"], "--page takes comma-separated numbers"),
-    (["--recall", "8", "--page", "4", "--selector", "quest4"], "--selector 'quest4': choose exact"),
+    (["--recall", "8", "--page", "4", "--selector", "quest4"], "--selector 'quest4': choose auto"),
     (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of"),
     (["--recall", "many"], "--recall must be a slot count like 64"),
     (["--chat-turns", "4"], "--chat-turns is for --task passkey"),

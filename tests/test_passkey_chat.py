@@ -46,7 +46,7 @@ def test_each_row_runs_every_turn_through_the_conversation(long_checkpoint, fill
                                       "--policies", "full,h2o", "--recall", "16", "--page", "8", "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
-    rows = ["full", "h2o 32", "h2o 32 = 16 hot + 16 recall (rot4, pages of 8)"]
+    rows = ["full", "h2o 32", "h2o 32 = 16 hot + 16 recall (auto, pages of 8)"]
     assert [r["row"] for r in report["results"]] == [row for row in rows for _ in range(2)]
     assert report["chat"]["turns"] == 4
     assert len(sent) == 3 * 2 * 4

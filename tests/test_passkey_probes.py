@@ -187,7 +187,7 @@ def test_slot_formats_side_by_side_with_recall(family_checkpoint, filler_file):
                              "--recall", "4", "--page", "2", "--kv-dtype", "auto,int8", "--json")
     assert code == 0, err
     results = json.loads(out)["results"]
-    recall = "h2o 12 = 8 hot + 4 recall (rot4, pages of 2)"
+    recall = "h2o 12 = 8 hot + 4 recall (auto, pages of 2)"
     assert [(r["row"], r["kv_dtype"]) for r in results] == [
         ("full", "auto"), ("h2o 12", "auto"), (recall, "auto"), ("h2o 12 [int8]", "int8"), (f"{recall} [int8]", "int8")]
     assert all(r["device_slots"] == 12 for r in results[1:])

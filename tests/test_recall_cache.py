@@ -106,7 +106,7 @@ def test_recall_settings_are_checked():
     with pytest.raises(ValueError, match="whole number"):
         RecallConfig(10, 4)
     for wrong in ("quest2", "int9", "rot0", "int", "exact4"):
-        with pytest.raises(ValueError, match="--selector .* choose exact .* quest .* intN .* rotN"):
+        with pytest.raises(ValueError, match="--selector .* choose auto .* exact .* quest .* intN .* rotN"):
             RecallConfig(8, 4, wrong)
     assert (RecallConfig(8, 4, "rot4").bits, RecallConfig(8, 4, "rot4").rotate) == (4, True)
     assert (RecallConfig(8, 4, "int2").bits, RecallConfig(8, 4, "int2").rotate) == (2, False)

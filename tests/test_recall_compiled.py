@@ -118,7 +118,7 @@ def test_what_the_compiled_step_does_not_take(models):
     model = models["llama"]
     assert _cache(model).compile_blocker() is None
     assert _cache(model, every=2).compile_blocker() is None  # (the choice of pages runs before the step)
-    from h2ochat.recall.tier import RecallSpec
+    from h2ochat.recall.spec import RecallSpec
 
     # a row left out of a step stages nothing (issue 34: a server's free rows sit recall steps out), but a
     # recall cache has no prefix caches over its first rows (its tier state is not views of them)

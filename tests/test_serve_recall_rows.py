@@ -17,9 +17,9 @@ from serve_fakes import drain, generated, make_request, model_engine
 BUDGET, CHUNK = "16", 5
 
 
-def engine(model, rows, every=1, **kwargs):
+def engine(model, rows, every=1, selector="auto", **kwargs):
     return model_engine(model, rows, budget=BUDGET, chunk=CHUNK,
-                        cache=dict(recall="8", page=4, recall_every=every), **kwargs)
+                        cache=dict(recall="8", page=4, recall_every=every, selector=selector), **kwargs)
 
 
 def prompt(rng, low, high):
@@ -80,11 +80,11 @@ def test_a_chat_beside_longer_ones_gives_its_tokens_alone_when_their_summaries_c
     rng = random.Random(seed)
     model = build_model(family)
     chat = prompt(rng, 18, 20)
-    scheduler, _ = engine(model, 4)
+    scheduler, _ = engine(model, 4, selector="rot4")  # (the two-stage digest: the default's on a GPU)
     alone = run(scheduler, [(0, chat, 14)])[0]
     # (every row stays inside the tiny models' 64 positions: past them a re-numbering moves positions)
     others = [(0, prompt(rng, 38, 40), 20), (2, prompt(rng, 38, 40), 20)]
-    scheduler, _ = engine(model, 4)
+    scheduler, _ = engine(model, 4, selector="rot4")
     beside = run(scheduler, [*others, (4, chat, 14)])
     assert any(max(rows) >= 8 and min(rows) < max(rows) for rows in seen), seen  # (rows at different scales)
     assert generated(next(r for r in beside if r.prompt_ids == chat)) == generated(alone)
@@ -121,7 +121,7 @@ def test_a_decode_steps_choice_of_pages_reads_only_the_rows_in_use(family, seed,
 
     monkeypatch.setattr(TwoStageCodes, "top_pages", counted)
     rng = random.Random(seed)
-    scheduler, _ = engine(build_model(family), 4, store_bytes=0)
+    scheduler, _ = engine(build_model(family), 4, selector="rot4", store_bytes=0)  # (the digest with most row state)
     request = make_request(prompt(rng, 30, 34), max_tokens=24, stop_ids=())
     scheduler.submit(request)
     drain(scheduler)

@@ -10,7 +10,7 @@ from disk_tier import DiskSpec
 
 from h2ochat.kv import H2OCache
 from h2ochat.kv.full import BOUNDED
-from h2ochat.recall.tier import RecallSpec
+from h2ochat.recall.spec import RecallSpec
 from h2ochat.recall.tiered import RecallConfig
 
 HEADS, DIM = 2, 8

@@ -59,7 +59,7 @@ class H2OCache(CacheStepping, CacheAccounting, RowMoves, Cache):
     or the first layer to attend when nobody asked: transformers' ``generate()``) and every layer
     records exactly those.
 
-    ``tier``: a second home for evicted tokens (``kv.tier``; ``recall.tier.RecallSpec`` keeps them in
+    ``tier``: a second home for evicted tokens (``kv.tier``; ``recall.spec.RecallSpec`` keeps them in
     a cold store and recalls pages of them into ``tier.columns`` extra slots per layer). ``slots``
     are the policy's, the tier's columns come on top.
     ``kv_dtype``: how the slots hold keys and values (``kv.slot_format``: auto, a float type, int8, int4).

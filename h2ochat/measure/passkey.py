@@ -24,7 +24,9 @@ import torch
 
 from ..engine.generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
 from ..recall.digests import KeyCodes
-from ..recall.tier import RecallSpec, RecallTier
+from ..recall.selector_names import resolved_selector
+from ..recall.spec import RecallSpec
+from ..recall.tier import RecallTier
 
 KEY_SENTENCE = " The {which}pass key is {key}. Remember it. {key} is the {which}pass key."
 QUESTION = "\nWhat is the {which}pass key? The {which}pass key is"
@@ -176,7 +178,9 @@ class CacheRow:
     def instrument(self, cache):
         """A fresh cache of this row's, set to measure its selector where the row asks (the exact
         selector finds its own pages: nothing to measure): its recall tier becomes ``ExactShareTier``."""
-        if self.measure and self.settings.recall and self.settings.selector != "exact":
+        # (auto is exact where the model runs on the CPU, the product's device when no GPU is there)
+        selector = resolved_selector(self.settings.selector, keys_in_place=not torch.cuda.is_available())
+        if self.measure and self.settings.recall and selector != "exact":
             cache.use_tier(RecallSpec(cache.tier.config, ExactShareTier))
         return cache
 

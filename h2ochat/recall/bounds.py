@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .layout import append_slots, best_pages, frame_of, growable, held_pages, tensor_bytes, widened
+from .layout import FirstRows, append_slots, best_pages, frame_of, growable, held_pages, tensor_bytes, widened
 from .selectors import bound_score, bounds
 
 INF = float("inf")
 
 
-class PageBounds:
+class PageBounds(FirstRows):
     """Per (sequence, KV head) and frame the min (``low``) and max (``high``) per channel of the keys
     of the page the frame holds, in the cold store's layout (``layout``: page n // P of the n-th
     evicted token; a ring of ``frames`` pages under --cold-limit). ``low``/``high`` are

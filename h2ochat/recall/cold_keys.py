@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from .digests import KeyCodes
-from .tier_rows import first_rows
 
 
 class ColdKeys(KeyCodes):
@@ -44,7 +43,7 @@ class ColdKeys(KeyCodes):
         return self.cold.count
 
     def first_rows(self, rows: int) -> "ColdKeys":
-        return ColdKeys(first_rows(self.cold, rows), backend=self.backend)
+        return ColdKeys(self.cold.first_rows(rows), backend=self.backend)
 
     # -- the store does these ----------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:

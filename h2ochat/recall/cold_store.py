@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
-from .layout import Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
+from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "int8")
 DEFAULT_COLD_DTYPE = "int8-values"  # what auto stands for
@@ -63,7 +63,7 @@ def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.squeeze(-1)
 
 
-class ColdStore:
+class ColdStore(FirstRows):
     def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, page: int, dtype: torch.dtype,
                  *, cold_dtype: str = "auto", limit: int | None = None, pin: bool = False, initial_pages: int = 1,
                  device: torch.device | str | None = None, zero_copy: bool | None = None):

@@ -23,11 +23,11 @@ import torch
 import h2ochat_kernels as kernels
 from h2ochat_kernels.rotation import spreading_rotation
 
-from .layout import Writes, best_pages, growable, held_pages, rows_held, tensor_bytes, widened
+from .layout import FirstRows, Writes, best_pages, growable, held_pages, rows_held, tensor_bytes, widened
 from .selectors import packed_quantize, score_pages
 
 
-class KeyCodes:
+class KeyCodes(FirstRows):
     def __init__(self, batch: int, heads: int, head_dim: int, page: int, bits: int | None, *,
                  frames: int | None = None, device=None, dtype=torch.float32, initial_pages: int = 4,
                  rotate: bool = False, backend: kernels.Backend | None = None):

@@ -7,6 +7,7 @@ p lives in frame p % frames, and writing the first token of page p drops page p 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -171,3 +172,21 @@ def widened_pages(pages: torch.Tensor, width: int) -> torch.Tensor:
     if pages.shape[-1] < width:
         pages = torch.nn.functional.pad(pages, (0, width - pages.shape[-1]), value=-1)
     return pages
+
+
+class FirstRows:
+    """``first_rows``: a part of a tier (a store, a digest, the frames) over its first rows only, for a
+    decode step's choice of those rows (``RecallTier.recall``: a server's rows in use sit at the front)."""
+
+    def first_rows(self, rows: int):
+        """A shallow copy whose state tensors are views of this one's first ``rows`` rows: what it reads
+        is this part's, and what it writes in place lands here."""
+        view = copy.copy(self)
+        view.keep_first_rows(rows)
+        return view
+
+    def keep_first_rows(self, rows: int) -> None:
+        """(On the copy.) Each state tensor cut to its first ``rows`` rows; a part with host state per
+        row of its own cuts that too."""
+        for name, tensor in self.state_tensors().items():
+            setattr(self, name, tensor[:rows])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tier import RecallSpec
+from .spec import RecallSpec
 from .tiered import TierStats
 
 
@@ -82,7 +82,7 @@ def summarize_tier(cache, since: TurnStart | None = None) -> TierSummary | None:
 
     config = cache.tier.config
     return TierSummary(
-        recall_slots=config.slots, page=config.page, selector=config.selector, cold_limit=config.cold_limit,
+        recall_slots=config.slots, page=config.page, selector=cache.tier.selector(cache), cold_limit=config.cold_limit,
         rows=rows, cold_pages=mean(stats.cold_pages), cold_tokens=mean(stats.cold_tokens),
         dropped_tokens=mean(stats.dropped_tokens),
         host_bytes=stats.host_bytes, digest_bytes=stats.digest_device_bytes, staged_tokens=mean(stats.staged_tokens),

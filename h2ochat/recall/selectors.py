@@ -26,7 +26,7 @@ from h2ochat_kernels.quant import level_codes as quantize
 from h2ochat_kernels.quant import level_values as dequantize  # noqa: F401  (selectors.dequantize: the tests')
 from h2ochat_kernels.rotation import spreading_rotation
 
-from .selector_names import CODE_BITS
+from .selector_names import AUTO, CODE_BITS
 
 NEG_INF = float("-inf")
 
@@ -202,6 +202,8 @@ def _selectors() -> dict[str, Selector]:
         table[f"box{bits}"] = Selector(f"box{bits}", box_digest(bits), box_score, lambda p, d, b=bits: 2 / p + b / 16)
     for count in (1, 2, 4):
         table[f"reps{count}"] = Selector(f"reps{count}", reps_digest(count), exact_score, lambda p, d, r=count: r / p)
+    # the default: exact where the reference runs, in host memory beside the keys (selector_names.resolved_selector)
+    table[AUTO] = Selector(AUTO, table["exact"].digest, table["exact"].score, lambda p, d: 0.0)
     return table
 
 

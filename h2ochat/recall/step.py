@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import FirstRows
+
 
 @dataclass
 class RecallPlan:
@@ -46,7 +48,7 @@ class RecallPlan:
     load: torch.Tensor  # [B, H, F] bool: the frame gets a new page this step (copy it in)
 
 
-class RecallFrames:
+class RecallFrames(FirstRows):
     """Which cold page sits in each recall frame, per (sequence, KV head)."""
 
     def __init__(self, batch: int, heads: int, frames: int, device=None):

@@ -53,14 +53,15 @@ from h2ochat_kernels.reference import row_weights
 
 from .bounds import PageBounds
 from .cold_keys import ColdKeys
-from .cold_store import ColdStore, resolved_cold_dtype
+from .cold_store import ColdStore
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
 from .row_cadence import RowCadence
+from .selector_names import resolved_selector, selector_kind
 from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
-from .tier_rows import RecallRowMoves, first_rows, rows_kept
-from .tiered import RecallConfig, TierStats
+from .tier_rows import RecallRowMoves, rows_kept
+from .tiered import RecallConfig
 
 # state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
 _EMPTY_IS_MINUS_ONE = {"cold_token_index", "cold_positions", "cold_encoded", "frames_frame_page"}
@@ -81,19 +82,22 @@ class RecallTier(RecallRowMoves):
         config = self.config
         self.cold = ColdStore(batch, heads, head_dim, value_dim, config.page, dtype, cold_dtype=config.cold_dtype,
                               limit=config.cold_limit, pin=device.type == "cuda", device=device)
-        if config.selector == "exact" and ColdKeys.fits(self.cold, device):  # the store's own keys, not a copy
+        in_place = ColdKeys.fits(self.cold, device)
+        self.selector = resolved_selector(config.selector, in_place)
+        kind, bits = selector_kind(self.selector)
+        if self.selector == "exact" and in_place:  # the store's own keys, not a copy
             self.digest = ColdKeys(self.cold, backend=port.kernels)
-        elif config.selector == "quest":
+        elif self.selector == "quest":
             self.digest = PageBounds(batch, heads, head_dim, config.page, frames=self.cold.frames, device=device,
                                      dtype=dtype)
-        elif config.bits is not None and config.summary_cap is not None:  # token codes beside the cold store
-            self.digest = TwoStageCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
+        elif bits is not None and config.summary_cap is not None:  # token codes beside the cold store
+            self.digest = TwoStageCodes(batch, heads, head_dim, config.page, bits, frames=self.cold.frames,
                                         device=device, host=self.cold.count.device, dtype=dtype,
-                                        rotate=config.rotate, backend=port.kernels, cap=config.summary_cap,
+                                        rotate=kind == "rot", backend=port.kernels, cap=config.summary_cap,
                                         candidates=config.candidates)
         else:
-            self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
-                                   device=device, dtype=dtype, rotate=config.rotate, backend=port.kernels)
+            self.digest = KeyCodes(batch, heads, head_dim, config.page, bits, frames=self.cold.frames,
+                                   device=device, dtype=dtype, rotate=kind == "rot", backend=port.kernels)
         self.frames = RecallFrames(batch, heads, config.frames - 1, device)  # (the last page stages)
         # the layer's slot format (``kv.slot_format``): quantized slots hold codes with scales beside
         # them; the cold store and the digest take their floats (``decoded``)
@@ -137,6 +141,7 @@ class RecallTier(RecallRowMoves):
 
     def reset(self) -> None:
         self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = None
+        self.selector = self.config.selector  # (``auto`` resolved when allocated: ``resolved_selector``)
         self.recalled_mass = self.attended_mass = self.last_query = self.all_columns = None
 
     def bookkeeping_bytes(self) -> int:
@@ -257,8 +262,8 @@ class RecallTier(RecallRowMoves):
             # ones of the batch, so the frames fill from the whole store and slots (read on the host)
             last = max((row for row, due in enumerate(rows) if due), default=-1) + 1
             if last < len(rows):
-                digest, frames, queries, rows = (first_rows(digest, last), first_rows(frames, last),
-                                                 queries[:last], rows[:last])
+                digest, frames = digest.first_rows(last), frames.first_rows(last)
+                queries, rows = queries[:last], rows[:last]
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
         wanted = digest.top_pages(queries, frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
         if rows is True or all(rows):
@@ -324,87 +329,3 @@ class RecallTier(RecallRowMoves):
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""
         return int(self.frames.copied[row].sum()) if self.frames is not None else 0
-
-
-class RecallSpec:
-    """The recall tier of a whole cache: R recall columns per layer, one ``RecallTier`` each."""
-
-    # a row left out of a decode step (a free row of a server) writes, evicts and stages nothing, and its
-    # clock stands still (``row_cadence``): a step may leave rows out
-    masks_inactive_rows = True
-
-    def __init__(self, config: RecallConfig, tier_type: type[RecallTier] = RecallTier):
-        self.config, self.tier_type = config, tier_type
-        self.columns = config.slots
-
-    def make(self) -> RecallTier:
-        return self.tier_type(self.config)
-
-    def check(self, cache) -> None:
-        if cache.mixed:
-            raise ValueError("recall serves one policy for every row (not eval's mixed rows)")
-        if cache.grows:
-            raise ValueError("the full policy evicts nothing: recall needs an evicting policy")
-
-    def compile_blocker(self, cache) -> str | None:
-        """The compiled decode step takes recall on a CPU: the choice of pages and the flush of the
-        staging page run before it (``RecallTier.reserve``), so the step itself only stages its victim
-        and reads no host value."""
-        if cache.initialized and cache.layers[0].device.type != "cpu":
-            return "recall on an accelerator runs eagerly: its cold store is host memory (see recall/step.py)"
-        return None
-
-    @staticmethod
-    def _tiers(cache) -> list[RecallTier]:
-        return [layer.tier for layer in cache.layers if layer.is_initialized]
-
-    def stats(self, cache) -> TierStats:
-        """What the cold tier holds and did, summed over layers, rows and KV heads (reads the device)."""
-        tiers = self._tiers(cache)
-        pages = tokens = dropped = staged = 0
-        for tier in tiers:
-            first, end = tier.cold.held()
-            pages += int((end - first).sum())
-            tokens += int(tier.cold.held_tokens().sum())
-            dropped += int(tier.cold.dropped().sum())
-            staged += int(tier.staging.held().sum())
-        return TierStats(
-            cold_pages=pages, cold_tokens=tokens, dropped_tokens=dropped, host_bytes=self.cold_bytes(cache),
-            digest_device_bytes=self.digest_bytes(cache),
-            pages_copied=sum(int(tier.frames.copied.sum()) for tier in tiers),
-            recalled_mass=sum(float(tier.recalled_mass.sum()) for tier in tiers),
-            attended_mass=sum(float(tier.attended_mass.sum()) for tier in tiers),
-            staged_tokens=staged, device_bytes_selector=self.digest_bytes(cache),
-            device_bytes_staging=sum(tier.staging.nbytes() for tier in tiers),
-            device_bytes_frames=sum(tier.bookkeeping_bytes() for tier in tiers),
-            selector_host_bytes=sum(tier.digest.host_nbytes() for tier in tiers),
-            pages_per_summary=max((tier.digest.pages_per_entry for tier in tiers), default=1),
-            summary_cap=tiers[0].digest.cap if tiers else None,
-            host_bytes_written=sum(tier.cold.written_nbytes() + tier.digest.host_nbytes() for tier in tiers))
-
-    def cold_bytes(self, cache) -> int:
-        """Host bytes of the cold stores and of the token-level codes a two-stage selector keeps beside them."""
-        return sum(tier.cold.nbytes() + tier.digest.host_nbytes() for tier in self._tiers(cache))
-
-    def host_bytes_per_token(self, cache) -> float:
-        """Host bytes one evicted token of one row costs, over every layer and KV head (allocated cache)."""
-        return sum(tier.host_bytes_per_token() for tier in self._tiers(cache))
-
-    def digest_bytes(self, cache) -> int:
-        """Device bytes of what scores the pages (the digests, or a two-stage selector's summaries)."""
-        return sum(tier.digest.nbytes() for tier in self._tiers(cache))
-
-    def record(self, cache) -> dict:
-        """What the cold tier holds and did, for ``--json`` records: recall slots per layer (part of the
-        device budget), the digests' device bytes, the cold stores' host bytes, pages copied in."""
-        stats = self.stats(cache)
-        config = self.config
-        return {"recall_slots": config.slots, "page": config.page, "selector": config.selector,
-                "every": config.every, "cold_dtype": resolved_cold_dtype(config.cold_dtype), "cold_limit": config.cold_limit,
-                "digest_device_bytes": stats.digest_device_bytes, "cold_host_bytes": stats.host_bytes,
-                "cold_host_bytes_written": stats.host_bytes_written,
-                "pages_copied": stats.pages_copied, "staged_tokens": stats.staged_tokens,
-                "device_bytes_selector": stats.device_bytes_selector,
-                "device_bytes_staging": stats.device_bytes_staging, "device_bytes_frames": stats.device_bytes_frames,
-                "device_bytes": stats.device_bytes, "selector_host_bytes": stats.selector_host_bytes,
-                "pages_per_summary": stats.pages_per_summary, "summary_cap": stats.summary_cap}

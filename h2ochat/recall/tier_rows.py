@@ -13,7 +13,6 @@ row (a choice some rows do not take, a re-numbering some rows do not undergo).
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 
@@ -28,19 +27,6 @@ def rows_kept(part, still: torch.Tensor):
     yield
     for name, tensor in part.state_tensors().items():
         tensor[still.to(tensor.device)] = kept[name]
-
-
-def first_rows(part, rows: int):
-    """``part`` (a digest or the frames) over its first ``rows`` rows: a shallow copy whose state tensors
-    are views of ``part``'s, so what it reads is ``part``'s and what it writes in place lands there. A part
-    with host state per row of its own says how (``first_rows`` of its own)."""
-    own = getattr(part, "first_rows", None)
-    if own is not None:
-        return own(rows)
-    view = copy.copy(part)
-    for name, tensor in part.state_tensors().items():
-        setattr(view, name, tensor[:rows])
-    return view
 
 
 def _copied(tensor: torch.Tensor, device) -> torch.Tensor:

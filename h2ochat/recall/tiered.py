@@ -17,7 +17,7 @@ from .two_stage import SUMMARY_CAP
 class RecallConfig:
     slots: int  # R device slots per (layer, sequence, KV head) for recalled tokens
     page: int = 8  # (CacheSettings.page's default: recall.default says why)
-    selector: str = "rot4"  # see SELECTOR_HELP
+    selector: str = selector_names.AUTO  # see SELECTOR_HELP (resolved by the tier: ``resolved_selector``)
     cold_dtype: str = "auto"
     cold_limit: int | None = None  # tokens per (layer, sequence, KV head) kept in the cold store
     every: int = 1  # decode steps between recalls (prefill chunks always recall)

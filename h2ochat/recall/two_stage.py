@@ -27,16 +27,13 @@ scale are made together, as many tokens a mean as the row alone takes.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 import h2ochat_kernels as kernels
 
 from .digests import KeyCodes
-from .layout import held_pages, pages_of, tensor_bytes, widened_pages
+from .layout import FirstRows, held_pages, pages_of, tensor_bytes, widened_pages
 from .selectors import packed_quantize, score_pages
-from .tier_rows import first_rows
 
 
 SUMMARY_CAP = 256  # summaries per (layer, sequence, KV head): 9 KiB at 4 bits and D = 64
@@ -47,7 +44,7 @@ CANDIDATE_TOKENS = 4096  # cold tokens whose codes stage 2 scores (256 pages of 
 # --page scores as many tokens (in more, smaller candidate pages)
 
 
-class TwoStageCodes:
+class TwoStageCodes(FirstRows):
     """The digest contract of ``KeyCodes`` (append, reserve, rebuild, top_pages, count, nbytes) with
     the token codes in the cold store's memory and ``cap`` page summaries on the device."""
 
@@ -99,14 +96,12 @@ class TwoStageCodes:
         """Each row's pages per summary (the host's copy of ``doublings``: a decode step reads nothing)."""
         return self._rows
 
-    def first_rows(self, rows: int) -> "TwoStageCodes":
-        """This digest over its first ``rows`` rows, for a choice of those rows only (``tier_rows.first_rows``):
-        views of the state, the host's per-row lists cut to them."""
-        view = copy.copy(self)
-        view.tokens = first_rows(self.tokens, rows)
-        view.codes, view.scale, view.offset = self.codes[:rows], self.scale[:rows], self.offset[:rows]
-        view.doublings, view._rows, view.appended = self.doublings[:rows], self._rows[:rows], self.appended[:rows]
-        return view
+    def keep_first_rows(self, rows: int) -> None:
+        """(``layout.FirstRows``, on the copy.) The token codes and summaries cut to the first rows, and
+        the host's per-row lists with them."""
+        self.tokens = self.tokens.first_rows(rows)
+        self.codes, self.scale, self.offset = self.codes[:rows], self.scale[:rows], self.offset[:rows]
+        self.doublings, self._rows, self.appended = self.doublings[:rows], self._rows[:rows], self.appended[:rows]
 
     def state_written(self) -> None:
         """Rows of the state were written from outside (a row imported or reset by its cache): the host's
