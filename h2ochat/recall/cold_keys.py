@@ -58,12 +58,7 @@ class ColdKeys(KeyCodes):
     def rebuild(self, keys_by_slot: torch.Tensor) -> None:
         """After a re-numbering: the held keys at their new positions into the store, encoded there (the
         rows that did not move are the caller's to keep: ``RecallTier.renumber`` keeps the store's)."""
-        cold, held = self.cold, self.valid
-        slots = slice(0, self.capacity)
-        keys = cold.keys[:, :, slots]
-        keys.copy_(torch.where(held.unsqueeze(-1), keys_by_slot.to(keys.dtype), keys))
-        encoded = cold.encoded[:, :, slots]
-        encoded.copy_(torch.where(held, cold.positions[:, :, slots], encoded))
+        self.cold.encode_where_they_are(keys_by_slot, self.valid)
 
     def nbytes(self) -> int:
         return 0

@@ -280,6 +280,16 @@ class ColdStore(FirstRows):
         self.positions.copy_(renumbering.apply(self.positions, self.token_index >= 0))
         self.moved = True
 
+    def encode_where_they_are(self, keys_by_slot: torch.Tensor, held: torch.Tensor) -> None:
+        """The ``held`` [B, H, S] slots' keys replaced by ``keys_by_slot`` [B, H, S, D] (the keys at their
+        current positions, ``keys_by_slot``) and marked encoded there: a page brought back is not turned
+        again. For a selector that scores these keys in place (``cold_keys``) after a re-numbering."""
+        self._settle()
+        slots = slice(0, keys_by_slot.shape[2])
+        keys, encoded = self.keys[:, :, slots], self.encoded[:, :, slots]
+        keys.copy_(torch.where(held.unsqueeze(-1), keys_by_slot.to(keys.dtype), keys))
+        encoded.copy_(torch.where(held, self.positions[:, :, slots], encoded))
+
     # -- accounting -------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Host bytes held (allocated)."""
