@@ -24,7 +24,6 @@ import torch
 
 from ..engine.generation import DEFAULT_PREFILL_CHUNK, CacheSettings, forward, prefill
 from ..recall.digests import KeyCodes
-from ..recall.selector_names import resolved_selector
 from ..recall.spec import RecallSpec
 from ..recall.tier import RecallTier
 
@@ -117,22 +116,24 @@ class ExactShareTier(RecallTier):
     """A recall tier that keeps the exact selector's digest beside its own selector's and counts, at
     each recall, the share of the exact top pages its selector picked: the figure the masked
     reference's ``OverlapStats`` gives, measured on the real two-tier cache. Recalls where every
-    cold page fits in the recall slots are left out (any selector finds them all)."""
+    cold page fits in the recall slots are left out (any selector finds them all), and so is a tier
+    whose selector turned out exact (``auto`` on a CPU: the tier resolves it when allocated)."""
 
     def allocate(self, port, batch, heads, head_dim, value_dim, dtype, device) -> None:
         super().allocate(port, batch, heads, head_dim, value_dim, dtype, device)
-        self.exact = KeyCodes(batch, heads, head_dim, self.cold.page, None, frames=self.cold.frames,
-                              device=device, dtype=dtype)
+        self.exact = None if self.selector == "exact" else KeyCodes(
+            batch, heads, head_dim, self.cold.page, None, frames=self.cold.frames, device=device, dtype=dtype)
         self.found, self.recalls_counted = 0.0, 0
 
     def to_cold(self, keys, values, token_index, positions) -> None:
         super().to_cold(keys, values, token_index, positions)
-        self.exact.append(keys, token_index)
+        if self.exact is not None:
+            self.exact.append(keys, token_index)
 
     def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
         count = self.frames.frame_page.shape[-1]
         pages_held = -(-self.cold.held_tokens() // self.cold.page)
-        if int(pages_held.min()) > count:
+        if self.exact is not None and int(pages_held.min()) > count:
             picked = self.digest.top_pages(queries, count)
             exact = self.exact.top_pages(queries, count)
             self.found += float((picked.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean())
@@ -146,7 +147,8 @@ class ExactShareTier(RecallTier):
 def exact_share_record(cache) -> dict | None:
     """The share of the exact top pages found, per layer and its mean over layers (None: no recall
     had more cold pages than recall frames); None for a cache whose tiers do not measure it."""
-    tiers = [layer.tier for layer in cache.layers if isinstance(layer.tier, ExactShareTier)]
+    tiers = [layer.tier for layer in cache.layers
+             if isinstance(layer.tier, ExactShareTier) and getattr(layer.tier, "exact", None) is not None]
     if not tiers:
         return None
     per_layer = [tier.exact_share() for tier in tiers]
@@ -178,9 +180,7 @@ class CacheRow:
     def instrument(self, cache):
         """A fresh cache of this row's, set to measure its selector where the row asks (the exact
         selector finds its own pages: nothing to measure): its recall tier becomes ``ExactShareTier``."""
-        # (auto is exact where the model runs on the CPU, the product's device when no GPU is there)
-        selector = resolved_selector(self.settings.selector, keys_in_place=not torch.cuda.is_available())
-        if self.measure and self.settings.recall and selector != "exact":
+        if self.measure and self.settings.recall and self.settings.selector != "exact":
             cache.use_tier(RecallSpec(cache.tier.config, ExactShareTier))
         return cache
 

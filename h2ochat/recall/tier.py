@@ -47,6 +47,7 @@ memory (see ``step``'s docstring and ``cold_store``'s zero-copy route).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 from h2ochat_kernels.reference import row_weights
@@ -58,7 +59,7 @@ from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
 from .row_cadence import RowCadence
-from .selector_names import resolved_selector, selector_kind
+from .selector_names import resolved_selector
 from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
 from .tier_rows import RecallRowMoves, rows_kept
 from .tiered import RecallConfig
@@ -83,21 +84,21 @@ class RecallTier(RecallRowMoves):
         self.cold = ColdStore(batch, heads, head_dim, value_dim, config.page, dtype, cold_dtype=config.cold_dtype,
                               limit=config.cold_limit, pin=device.type == "cuda", device=device)
         in_place = ColdKeys.fits(self.cold, device)
-        self.selector = resolved_selector(config.selector, in_place)
-        kind, bits = selector_kind(self.selector)
+        config = replace(config, selector=resolved_selector(config.selector, in_place))  # (auto: what it stands for)
+        self.selector = config.selector
         if self.selector == "exact" and in_place:  # the store's own keys, not a copy
             self.digest = ColdKeys(self.cold, backend=port.kernels)
         elif self.selector == "quest":
             self.digest = PageBounds(batch, heads, head_dim, config.page, frames=self.cold.frames, device=device,
                                      dtype=dtype)
-        elif bits is not None and config.summary_cap is not None:  # token codes beside the cold store
-            self.digest = TwoStageCodes(batch, heads, head_dim, config.page, bits, frames=self.cold.frames,
+        elif config.bits is not None and config.summary_cap is not None:  # token codes beside the cold store
+            self.digest = TwoStageCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
                                         device=device, host=self.cold.count.device, dtype=dtype,
-                                        rotate=kind == "rot", backend=port.kernels, cap=config.summary_cap,
+                                        rotate=config.rotate, backend=port.kernels, cap=config.summary_cap,
                                         candidates=config.candidates)
         else:
-            self.digest = KeyCodes(batch, heads, head_dim, config.page, bits, frames=self.cold.frames,
-                                   device=device, dtype=dtype, rotate=kind == "rot", backend=port.kernels)
+            self.digest = KeyCodes(batch, heads, head_dim, config.page, config.bits, frames=self.cold.frames,
+                                   device=device, dtype=dtype, rotate=config.rotate, backend=port.kernels)
         self.frames = RecallFrames(batch, heads, config.frames - 1, device)  # (the last page stages)
         # the layer's slot format (``kv.slot_format``): quantized slots hold codes with scales beside
         # them; the cold store and the digest take their floats (``decoded``)
