@@ -1,6 +1,6 @@
 """Packed linears (``h2ochat.engine.packed_linears``): a bf16 model on the CPU with its linear weights
 packed for oneDNN gives the same bits as transformers' own linears, for every family, through the H2O
-cache; a shared (tied) weight stays shared; the compiled step gets plain linears back."""
+cache; a shared (tied) weight stays shared; the compiled step runs the packed weights too."""
 
 from __future__ import annotations
 
@@ -71,13 +71,43 @@ def test_only_bf16_on_the_cpu_is_packed_and_the_switch_turns_it_off(monkeypatch)
     assert pack_linears(off) == 0 and linears(off)[1] == 0
 
 
-def test_the_compiled_step_runs_plain_linears():
+def decoded_compiled(model, ids, backend: str, slots: int, steps: int) -> tuple[torch.Tensor, int]:
+    """``decoded`` with the decode steps through the compiled step; and how many packed products the
+    last compiled step ran."""
     from h2ochat.engine.compiled import CompiledDecode
 
-    model = bf16_model("llama")
-    pack_linears(model)
-    CompiledDecode(model, backend="aot_eager")
-    assert linears(model)[1] == 0 and linears(model)[0] > 0
+    decoder = CompiledDecode(model, backend=backend)
+    cache = CacheSettings(budget=str(slots)).build(model)
+    with torch.inference_mode():
+        logits = [prefill(model, cache, ids[:, :slots // 2])]
+        logits += [decoder(cache, ids[:, t]) for t in range(slots // 2, slots // 2 + steps - 1)]
+        with torch.profiler.profile() as profile:
+            logits.append(decoder(cache, ids[:, slots // 2 + steps - 1]))
+    ran = sum(event.name == "h2ochat::packed_linear" for event in profile.events())
+    return torch.stack(logits, 1), ran
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_compiled_step_runs_the_packed_linears_and_gives_eagers_logits(backend):
+    """The compiled step keeps the packed weights (inductor has no lowering for them as graph inputs;
+    plain linears there reorder every weight on every call): each of the model's linears runs as the
+    opaque ``h2ochat::packed_linear`` op, and the logits are eager's. aot_eager runs the same products
+    bit for bit; inductor fuses the rest of the step, so bf16 rounding differs there. No eviction (32
+    slots for 24 tokens): a rounding difference cannot change which tokens are kept."""
+    layers = {"num_hidden_layers": 1} if backend == "inductor" else {}  # inductor's C++ takes long per layer
+    model = build_model("llama", seed=6, **layers).to(torch.bfloat16)
+    count = pack_linears(model)
+    ids = random_ids(2, 24, torch.Generator().manual_seed(5))
+    eager_cache = CacheSettings(budget="32").build(model)
+    with torch.inference_mode():
+        eager = [prefill(model, eager_cache, ids[:, :16])]
+        eager += [forward(model, eager_cache, ids[:, t:t + 1])[:, -1] for t in range(16, 24)]
+    compiled, ran = decoded_compiled(model, ids, backend, slots=32, steps=8)
+    assert linears(model) == (0, count) and ran == count
+    if backend == "aot_eager":
+        assert torch.equal(compiled, torch.stack(eager, 1))
+    else:
+        torch.testing.assert_close(compiled, torch.stack(eager, 1), atol=0.05, rtol=0.05)
 
 
 def test_random_weight_loading_packs_a_bf16_model():

@@ -26,12 +26,17 @@ which inductor keeps in place, and inductor's ``reorder_for_locality`` pass is o
 the attention's read of the value slots after that write, forcing a copy of the whole K/V buffer
 out and back every step.
 
+A bf16 model's packed linears (``engine.packed_linears``) stay packed in the graph, as the opaque op
+``h2ochat::packed_linear``: SmolLM2-135M's one-row step, bf16, one thread, 400 slots, 41.5 -> ~31-33 ms
+against plain linears (``aten::mm`` reorders each weight on every call).
+
 Frozen weights on the CPU, opt in (``H2OCHAT_COMPILE_FREEZE=1``): inductor's ``freezing`` takes the
-weights as constants of the graph and packs them for oneDNN's matrix products. Measured side by side on
+plain weights as constants of the graph and packs them for oneDNN's matrix products. Measured side by side on
 an idle 2-core VM (SmolLM2-135M, bf16, one thread, 256 slots, `bench --context 1024 --compile`): 48.3 ms
-a step frozen against 49.3 ms unfrozen and 57.8 eager, while each frozen graph holds its own packed copy
-of the weights. Not worth a copy of the weights by default; where it is switched on, a step freezes only
-when the free memory holds ``graphs`` more copies with as much again to spare (``freezes_weights``).
+a step frozen against 49.3 ms unfrozen (plain linears, before the packed op) and 57.8 eager, while each
+frozen graph holds its own packed copy of the weights. Not worth a copy of the weights by default; where it
+is switched on, a step freezes only when the free memory holds ``graphs`` more copies with as much again to
+spare (``freezes_weights``).
 
 Caches the step does not cover run the eager forward instead (``H2OCache.compile_blocker`` says
 why): the ``full`` policy (its slots grow), ``random`` (a seeded generator draws on the host), a batch
@@ -93,7 +98,6 @@ class CompiledDecode:
         """``graphs``: how many batch shapes the caller will compile (a server's buckets); each frozen
         graph holds a copy of the weights, counted before freezing them."""
         require_h2o_attention(model)
-        unpack_linears(model)  # inductor cannot lower oneDNN's packed weights (``engine.packed_linears``)
         self.model = model
         self.eager = EagerDecode(model)
         self.device = next(model.parameters()).device
@@ -113,7 +117,8 @@ class CompiledDecode:
 
             options = {**list_mode_options(mode or "default"), "reorder_for_locality": False}
             self.frozen, self.freezing = freezes_weights(model, self.device, graphs)
-            if self.frozen:
+            if self.frozen:  # freezing packs the plain weights itself, as constants of the graph
+                unpack_linears(model)
                 options["freezing"] = True
             mode = None
         else:

@@ -8,8 +8,11 @@ EPYC (avx512_bf16, one thread; ``benchmarks/packed_linears.py``), SmolLM2-135M's
 was most of it) and ~1.1x less at 300 (a prompt chunk). fp32 weights stay as they are: MKL's sgemm
 is as fast there, and its bits differ from oneDNN's.
 
-Inductor cannot lower the packed weights: the compiled decode step (``compiled``) puts plain
-linears back first (``unpack_linears``). A weight another module shares (a head tied to the
+Inside a compiled graph (``compiled``) the packed product runs as the opaque op ``h2ochat::packed_linear``:
+inductor has no lowering for a packed weight that is a graph input (only for the constants its own
+freezing packs), and with plain linears put back the compiled one-row step ran its products through
+``aten::mm``, which reorders every weight on every call (34 of a 41.5 ms SmolLM2 step, against ~23 ms
+packed). Eager calls oneDNN directly: the op's Python dispatch adds ~5 us a call. A weight another module shares (a head tied to the
 embeddings) is packed as a copy, the original kept for the module that shares it; any other weight
 lives only in its packed form, and the parameters left are copied out of the loaded file's memory map
 (``_own_the_rest``).
@@ -25,6 +28,19 @@ from torch import nn
 ENVIRONMENT_SWITCH = "H2OCHAT_PACK_LINEARS"  # "0": leave the linears as transformers built them
 
 
+@torch.library.custom_op("h2ochat::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``x`` times a weight packed by ``mkldnn._reorder_linear_weight`` (plus ``bias``), as one op a
+    compiled graph calls without looking inside."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, packed_weight, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight in oneDNN's packed layout (a non-persistent buffer)."""
 
@@ -38,6 +54,8 @@ class PackedLinear(nn.Module):
         self._shared_weight = (linear.weight,) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def unpacked(self) -> nn.Linear:
