@@ -226,6 +226,12 @@ RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel
          "values). Text goes through a byte-level tokenizer and comes out as noise.")]
 
 
+ServeCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", rich_help_panel=MODEL,
+    help="Compile the decode step with torch.compile while the server loads (default: on, except with --recall, "
+         "whose served rule chooses pages inside an eager step, and the random and full policies): one graph for "
+         "one row and one for more, 1-5 minutes on a CPU the first time, ~30 s once inductor's cache holds them. "
+         "Where compiling fails (no C++ compiler), the server says so and decodes eagerly.")]
+
 Compile = Annotated[bool, typer.Option("--compile", rich_help_panel=MODEL,
     help="Compile the decode step with torch.compile (inductor on the CPU, CUDA graphs on a GPU); prefill stays "
          "eager. The first generated token waits for the compilation (a minute or more on a CPU). The random "

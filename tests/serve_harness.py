@@ -46,7 +46,11 @@ def fresh_checkpoint(tmp_path_factory, name: str) -> Path:
 
 @contextmanager
 def running(folder: Path, *args: str, log_dir: Path):
-    """A ready server on ``folder`` with ``args``; stopped after, and its output must hold no traceback."""
+    """A ready server on ``folder`` with ``args``; stopped after, and its output must hold no traceback.
+    Eager unless ``args`` ask for ``--compile`` (what these servers test is not the compiled step, whose
+    own tests compare it with eager; inductor's C++ would add a minute per server on CI)."""
+    if "--compile" not in args:
+        args = (*args, "--no-compile")
     server = ServerProcess(str(folder), *args, log_path=log_dir / "server.log")
     try:
         server.wait_ready(timeout=180)

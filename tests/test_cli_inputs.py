@@ -197,3 +197,16 @@ def test_help_typos_and_history_answer_within_a_second_of_cpu(tmp_path, args, co
     assert done.returncode == code, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert spent <= 1.0 + baseline, f"h2ochat {' '.join(args)} took {spent:.2f} s of CPU (python alone {baseline:.2f} s)"
+
+
+@pytest.mark.parametrize("flags, compile", [([], None), (["--compile"], True), (["--no-compile"], False)])
+def test_serve_compiles_unless_told_not_to(monkeypatch, flags, compile):
+    """`serve` hands the server compile=None when not told (compiled where the step covers its rows:
+    ``serve.backend.compiles_by_default``); --compile and --no-compile decide it."""
+    from h2ochat.serve import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda config: seen.setdefault("config", config) and 0)
+    result = CliRunner().invoke(app, ["serve", "--random-weights", "--model", "smollm2-135m", *flags])
+    assert result.exit_code == 0, result.output
+    assert seen["config"].compile is compile

@@ -14,8 +14,10 @@ import random
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from h2ochat.engine import compiled
+from h2ochat.engine.generation import CacheSettings
 from h2ochat.serve.api import RequestParams
 from h2ochat.serve.errors import APIError
 from h2ochat.serve.parked import ParkedStore
@@ -97,7 +99,10 @@ def test_the_compiled_step_gives_the_eager_tokens(monkeypatch, seed):
     model = build_model("llama")
     eager, _ = engine(model)
     fast, _ = engine(model, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
     fast.backend.warm_up()  # (the server compiles while loading): dummy tokens in every row, then all reset
+    # one graph for one row and one for every larger bucket (the batch turns dynamic at its second size)
+    assert len(fast.backend.buckets) >= 3 and counters["stats"]["unique_graphs"] - graphs == 2
     runs = {}
     for name, scheduler in (("eager", eager), ("compiled", fast)):
         requests = [make_request(prompt, max_tokens=12, stop_ids=()) for prompt in prompts(random.Random(seed), 4)]
@@ -106,7 +111,52 @@ def test_the_compiled_step_gives_the_eager_tokens(monkeypatch, seed):
         drain(scheduler)
         runs[name] = [generated(request) for request in requests]
     assert runs["compiled"] == runs["eager"]
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # the requests' steps compiled nothing more
     assert fast.backend.decode_step is not None and fast.backend.cache.static_shapes
+
+
+def test_a_server_compiles_its_step_by_default_where_the_step_covers_its_rows(monkeypatch):
+    """``compile=None`` (the CLI's default): compiled for an evicting policy over bucket views; eager for
+    a recall tier (its served rule chooses pages inside the eager step), the full policy (its slots grow)
+    and a policy that ranks on the host (random)."""
+    from h2ochat.serve.backend import compiles_by_default
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    model = build_model("llama")
+    expected = {("h2o", None): True, ("tova", None): True, ("h2o", "4"): False, ("full", None): False,
+                ("random", None): False}
+    for (policy, recall), compiles in expected.items():
+        settings = CacheSettings(policy=policy, budget="12", recall=recall, page=2)
+        assert compiles_by_default(settings.build(model)) is compiles, (policy, recall)
+        scheduler, _ = engine(model, policy=policy, compile=None, cache={"recall": recall, "page": 2})
+        assert scheduler.backend.compiled is compiles, (policy, recall)
+    assert engine(model, compile=False)[0].backend.compiled is False
+
+
+def test_a_compile_that_fails_leaves_the_server_decoding_eagerly(monkeypatch, seed):
+    """A backend that cannot compile (inductor without a C++ compiler): the warm-up says why in one line
+    and every later step runs eagerly, giving the eager server's tokens."""
+    def no_compiler(graph, example_inputs):
+        raise RuntimeError("no C++ compiler found\n(the rest of a long report)")
+
+    monkeypatch.setattr(compiled, "BACKEND", no_compiler)
+    torch._dynamo.reset()
+    model = build_model("llama")
+    failing, _ = engine(model, compile=True)
+    assert failing.backend.compiled
+    reason = failing.backend.compiled_warm_up()
+    assert reason is not None and "no C++ compiler found" in reason and "\n" not in reason
+    assert not failing.backend.compiled
+    eager, _ = engine(model)
+    runs = []
+    for scheduler in (eager, failing):
+        requests = [make_request(prompt, max_tokens=6, stop_ids=()) for prompt in prompts(random.Random(seed), 3)]
+        for request in requests:
+            scheduler.submit(request)
+        drain(scheduler)
+        runs.append([generated(request) for request in requests])
+    assert runs[0] == runs[1]
+    torch._dynamo.reset()
 
 
 def test_the_preparer_holds_requests_to_the_context(tmp_path):

@@ -35,7 +35,7 @@ from seeds import fresh
 from serve_fakes import FakeBackend, make_request
 from serve_harness import clean_checkpoint, running
 
-ROWS = ("--budget", "16", "--max-sequences", "2", "--prefill-chunk", "8")
+ROWS = ("--budget", "16", "--max-sequences", "2", "--prefill-chunk", "8", "--no-compile")  # (eager: see serve_harness)
 LONG = 100_000  # tokens a held stream asks for: it runs until the server stops it
 BROKEN = ("Traceback", "terminate called", "Aborted", "Exception in thread", "graceful shutdown")
 REQUEST_LINE = re.compile(r"request (\S+): prompt=(\d+) cached=(\d+) generated=(\d+) evicted=(\d+) "

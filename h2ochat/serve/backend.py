@@ -39,11 +39,21 @@ def row_evictions(state_layers) -> int:
     return sum(int(layer["evicted"].sum()) for layer in state_layers)
 
 
+def compiles_by_default(cache: H2OCache) -> bool:
+    """Whether a server compiles its decode step when not told: when the step covers the cache
+    (``H2OCache.compile_blocker``) and its rows run as bucket views (no recall tier: served recall keeps
+    the eager rule, choosing a step's pages inside the step; static shapes would choose them before it)."""
+    return cache.row_prefixes and cache.compile_blocker() is None
+
+
 class ModelBackend:
     """Backend over ``model`` with ``rows`` sequence rows of ``settings``' cache."""
 
     def __init__(self, model, settings: CacheSettings, rows: int, *, store: ParkedStore, prefill_chunk: int,
-                 compile: bool = False, compile_backend: str | None = None, buckets: Sequence[int] | None = None):
+                 compile: bool | None = False, compile_backend: str | None = None,
+                 buckets: Sequence[int] | None = None):
+        """``compile``: decode through the compiled step; None: where it serves the cache's rows as they
+        are (``compiles_by_default``)."""
         self.settings, self.rows = settings, rows
         config = model.config
         self.policy = settings.resolved_policy()
@@ -54,11 +64,18 @@ class ModelBackend:
         # static shapes for the compiled step's graphs and the row buckets; a recall tier has one
         # bucket (its free rows masked) and, eager, keeps the REPL's shapes and rule (with static shapes
         # it would choose a decode step's pages before the step, the compiled step's rule)
-        prefixes = settings.build(model).row_prefixes  # (an unallocated cache: it holds nothing)
+        plain = settings.build(model)  # (an unallocated cache: it holds nothing)
+        prefixes = plain.row_prefixes
+        if compile is None:
+            compile = compiles_by_default(plain)
         self.pool = RowPool(self._new_cache, rows, store=store, device=self.runner.device,
                             max_positions=max_positions(config), static_shapes=compile or prefixes, buckets=buckets)
         if compile:
             self.runner.compile(compile_backend, graphs=len(self.pool.buckets))
+
+    @property
+    def compiled(self) -> bool:
+        return self.runner.decode_step is not None
 
     def _new_cache(self, batch: int, *, static_shapes: bool) -> H2OCache:
         cache = self.settings.build(self.runner.model, static_shapes=static_shapes)
@@ -155,6 +172,19 @@ class ModelBackend:
             for size in self.pool.buckets:
                 with self.pool.bucket_cache(size) as cache:
                     self.runner.decode(cache, [0] * size, [False] * size)
+
+    def compiled_warm_up(self) -> str | None:
+        """``warm_up`` building the compiled step's graphs; where compiling fails (inductor needs a C++
+        compiler on a CPU), every later step runs eagerly instead and the reason is returned (else None)."""
+        try:
+            self.warm_up()
+        except Exception as error:  # dynamo and inductor raise many kinds; the eager step needs none of it
+            self.runner.decode_eagerly()
+            while getattr(error, "inner_exception", None) is not None:  # dynamo wraps the backend's own error
+                error = error.inner_exception
+            lines = str(error).strip().splitlines()
+            return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+        return None
 
     def tier_gauges(self) -> dict[str, tuple[str, float]]:
         """The tier's figures for ``/metrics`` (none without a tier): its host bytes (the cold stores)

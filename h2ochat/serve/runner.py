@@ -18,10 +18,14 @@ class ModelRunner:
 
     def compile(self, backend: str | None, graphs: int) -> None:
         """Decode through the compiled step from now on; ``graphs``: the batch shapes it will be
-        called with (one graph each; with frozen weights, one copy of them each)."""
+        called with (on the CPU, more than one: a graph for one row and a dynamic one for the rest)."""
         from ..engine.compiled import CompiledDecode
 
         self.decode_step = CompiledDecode(self.model, backend=backend, graphs=graphs)
+
+    def decode_eagerly(self) -> None:
+        """Decode through the eager forward from now on (a compiled step that could not be built)."""
+        self.decode_step = None
 
     def prefill_chunk_of(self, cache: H2OCache, ids: torch.Tensor, start: int) -> tuple[int, torch.Tensor | None]:
         """Feed ``ids`` [1, T] from ``start`` for one chunk: (where the next chunk starts, the

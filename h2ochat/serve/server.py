@@ -51,7 +51,7 @@ class ServeConfig:
     prefill_chunks_per_step: int = 1  # prompt chunks one engine step may read before its decode step
     repetition_penalty: float = 1.0
     repeat_last_n: int = 64
-    compile: bool = False
+    compile: bool | None = False  # None: when the step covers the rows (serve.backend.compiles_by_default)
     compile_backend: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -162,9 +162,11 @@ def loader(config: ServeConfig, store: ParkedStore):
         rows, source = choose_rows(config, row_bytes, loaded.device, cold_bytes)
         backend = ModelBackend(loaded.model, settings, rows, store=store, prefill_chunk=config.prefill_chunk,
                                compile=config.compile, compile_backend=config.compile_backend)
-        if config.compile:  # compile now, while /health says loading, not in the first request
-            log.info("compiling the decode step for %d rows…", rows)
-            backend.warm_up()
+        if backend.compiled:  # compile now, while /health says loading, not in the first request
+            log.info("compiling the decode step for %d rows (a graph for one row, one for more)…", rows)
+            failed = backend.compiled_warm_up()
+            if failed:
+                log.warning("compiling the decode step failed, decoding eagerly: %s", failed)
         model_config = loaded.model.config
         policy = settings.resolved_policy()
         bounded = settings.positions == "absolute" or policy.grows or backend.slots >= positions
@@ -174,10 +176,10 @@ def loader(config: ServeConfig, store: ParkedStore):
                             bounded=bounded, max_tokens_cap=config.max_tokens,
                             repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n)
         log.info("%s loaded on %s: %d sequence rows (from %s); %s cache of %d slots per row at %s, %s; %.1f MiB "
-                 "of device KV in all; parked conversations up to %.0f MiB", loaded.name, loaded.device, rows, source,
-                 policy.name, backend.slots, slot_format(settings, loaded.model), recall_line(backend, cold_bytes,
-                                                                                            positions),
-                 rows * row_bytes / 2**20, store.capacity / 2**20)
+                 "of device KV in all; parked conversations up to %.0f MiB; %s decode step", loaded.name,
+                 loaded.device, rows, source, policy.name, backend.slots, slot_format(settings, loaded.model),
+                 recall_line(backend, cold_bytes, positions), rows * row_bytes / 2**20, store.capacity / 2**20,
+                 "compiled" if backend.compiled else "eager")
         return Loaded(backend, loaded.tokenizer, preparer, frozenset(stop_token_ids(loaded.tokenizer, loaded.model)),
                       config.served_name or config.model, row_bytes=row_bytes,
                       layers=model_config.num_hidden_layers, kv_heads=backend.kv_heads,
