@@ -122,6 +122,8 @@ class CompiledDecode:
             mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
         self.mode, self.backend = mode, backend
         self.argument = cache_argument(model)
+        self.dynamic_batch = graphs > 1 and self.device.type == "cpu"
+        self.graphs = 2 if self.dynamic_batch else graphs  # the graphs it builds: one row, and the rest
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         options = None
@@ -132,18 +134,24 @@ class CompiledDecode:
             from torch._inductor import list_mode_options
 
             options = {**list_mode_options(mode or "default"), "reorder_for_locality": False}
-            self.frozen, self.freezing = freezes_weights(model, self.device, min(graphs, 2))  # (see dynamic below)
+            self.frozen, self.freezing = freezes_weights(model, self.device, self.graphs)
             if self.frozen:  # freezing packs the plain weights itself, as constants of the graph
                 unpack_linears(model)
                 options["freezing"] = True
             mode = None
         else:
             self.frozen, self.freezing = False, f"backend {backend}"
-        self.dynamic_batch = graphs > 1 and self.device.type == "cpu"
         step = _decode_any_batch if self.dynamic_batch else _decode
         # dynamic None: static shapes until a second batch size makes the batch symbolic
         self.step = torch.compile(step, fullgraph=True, dynamic=None if self.dynamic_batch else False,
                                   backend=backend, mode=mode, options=options)
+
+    @property
+    def shapes(self) -> str:
+        """The graphs it builds, in words (the server's loading line)."""
+        if self.dynamic_batch:
+            return "a graph for one row, one for more"
+        return "one graph" if self.graphs == 1 else "a graph per batch size"
 
     def prepare(self, cache: H2OCache) -> bool:
         """Switch ``cache`` to static shapes for the compiled step; False when it cannot take it."""

@@ -28,12 +28,16 @@ from torch import nn
 ENVIRONMENT_SWITCH = "H2OCHAT_PACK_LINEARS"  # "0": leave the linears as transformers built them
 
 
+def _onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` times a weight packed by ``mkldnn._reorder_linear_weight`` (plus ``bias``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 @torch.library.custom_op("h2ochat::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
-    """``x`` times a weight packed by ``mkldnn._reorder_linear_weight`` (plus ``bias``), as one op a
-    compiled graph calls without looking inside."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """``_onednn_product`` as one op a compiled graph calls without looking inside."""
+    return _onednn_product(x, packed_weight, bias)
 
 
 @packed_linear.register_fake
@@ -56,7 +60,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return _onednn_product(x, self.packed_weight, self.bias)
 
     def unpacked(self) -> nn.Linear:
         """The plain ``nn.Linear`` with the same weight (the shared one itself, when it was shared)."""

@@ -163,8 +163,7 @@ def loader(config: ServeConfig, store: ParkedStore):
         backend = ModelBackend(loaded.model, settings, rows, store=store, prefill_chunk=config.prefill_chunk,
                                compile=config.compile, compile_backend=config.compile_backend)
         if backend.compiled:  # compile now, while /health says loading, not in the first request
-            graphs = "a graph for one row, one for more" if len(backend.buckets) > 1 else "one graph"
-            log.info("compiling the decode step for %d rows (%s)…", rows, graphs)
+            log.info("compiling the decode step for %d rows (%s)…", rows, backend.decode_step.shapes)
             failed = backend.compiled_warm_up()
             if failed:
                 log.warning("compiling the decode step failed, decoding eagerly: %s", failed)
