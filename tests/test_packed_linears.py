@@ -1,6 +1,7 @@
-"""Packed linears (``h2ochat.engine.packed_linears``): a bf16 model on the CPU with its linear weights
+"""The linear forms (``h2ochat.engine.packed_linears``): a bf16 model on the CPU with its linear weights
 packed for oneDNN gives the same bits as transformers' own linears, for every family, through the H2O
-cache; a shared (tied) weight stays shared; the compiled step runs the packed weights too."""
+cache, and with its few-row products on the row kernel the same logits to bf16 rounding; a shared (tied)
+weight stays shared; a model moves between the forms; the compiled step runs either form as its op."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from torch import nn
 
 from h2ochat.engine.generation import CacheSettings, forward, prefill
-from h2ochat.engine.packed_linears import (ENVIRONMENT_SWITCH, PackedLinear, pack_linears, packs, unpack_linears,
-                                            weight_bytes)
+from h2ochat.engine import row_products
+from h2ochat.engine.packed_linears import (ENVIRONMENT_SWITCH, PackedLinear, RowLinear, form_for, pack_linears, packs,
+                                            unpack_linears, weight_bytes)
 
 from conftest import build_model, random_ids
 
@@ -31,8 +33,26 @@ def decoded(model, ids, slots: int = 8, steps: int = 12) -> torch.Tensor:
     return torch.stack(logits, 1)
 
 
+PACKED_ROWS = row_products.MAX_ROWS + 1  # a decode batch past the row kernel's: the packed form
+needs_row_kernel = pytest.mark.skipif(not row_products.available(), reason=f"no row kernel: {row_products.why_not()}")
+
+
+def decoded_without_eviction(model, ids, slots: int) -> torch.Tensor:
+    """Logits of a prefill of half of ``ids`` and teacher-forced decode steps over the rest, in ``slots``."""
+    half = ids.shape[1] // 2
+    cache = CacheSettings(budget=str(slots)).build(model)
+    with torch.inference_mode():
+        logits = [prefill(model, cache, ids[:, :half])]
+        logits += [forward(model, cache, ids[:, t:t + 1])[:, -1] for t in range(half, ids.shape[1])]
+    return torch.stack(logits, 1)
+
+
 def linears(model) -> tuple[int, int]:
     return (sum(type(m) is nn.Linear for m in model.modules()), sum(isinstance(m, PackedLinear) for m in model.modules()))
+
+
+def row_linears(model) -> int:
+    return sum(type(m) is RowLinear for m in model.modules())
 
 
 def test_packed_linears_give_the_same_logits_bit_for_bit_through_the_cache(family):
@@ -41,7 +61,7 @@ def test_packed_linears_give_the_same_logits_bit_for_bit_through_the_cache(famil
     reference = decoded(plain, ids)
     packed = bf16_model(family)
     before = linears(packed)
-    assert pack_linears(packed) == before[0] > 0
+    assert pack_linears(packed, PACKED_ROWS) == before[0] > 0
     assert linears(packed) == (0, before[0])
     assert torch.equal(decoded(packed, ids), reference)
     assert unpack_linears(packed) == before[0] and linears(packed) == before
@@ -53,7 +73,7 @@ def test_a_tied_head_stays_tied_and_every_weight_byte_is_counted():
     embeddings = model.get_input_embeddings().weight
     assert model.lm_head.weight is embeddings
     plain_bytes = weight_bytes(model)
-    pack_linears(model)
+    pack_linears(model, PACKED_ROWS)
     head = model.lm_head
     assert isinstance(head, PackedLinear) and model.get_input_embeddings().weight is embeddings
     # the untied weights live only packed; the tied head is a packed copy beside the embeddings
@@ -64,16 +84,56 @@ def test_a_tied_head_stays_tied_and_every_weight_byte_is_counted():
 
 def test_only_bf16_on_the_cpu_is_packed_and_the_switch_turns_it_off(monkeypatch):
     fp32 = build_model("llama", seed=0)
-    assert pack_linears(fp32) == 0 and linears(fp32)[1] == 0
+    assert pack_linears(fp32) == 0 and linears(fp32)[1] == 0 and row_linears(fp32) == 0
     assert not packs(torch.device("meta"), torch.bfloat16)
     monkeypatch.setenv(ENVIRONMENT_SWITCH, "0")
     off = bf16_model("llama")
-    assert pack_linears(off) == 0 and linears(off)[1] == 0
+    assert pack_linears(off) == 0 and pack_linears(off, PACKED_ROWS) == 0 and linears(off)[1] == row_linears(off) == 0
 
 
-def decoded_compiled(model, ids, backend: str, slots: int, steps: int) -> tuple[torch.Tensor, int]:
-    """``decoded`` with the decode steps through the compiled step; and how many packed products the
-    last compiled step ran."""
+def test_the_form_follows_the_decode_rows():
+    assert form_for(PACKED_ROWS) is PackedLinear
+    assert form_for(1) is form_for(row_products.MAX_ROWS) is (RowLinear if row_products.available() else PackedLinear)
+
+
+@needs_row_kernel
+def test_row_linears_give_the_plain_logits_to_rounding_and_share_the_weights(family):
+    """Through the cache with no eviction (24 slots for 20 tokens, so a rounding difference cannot change
+    which tokens are kept): the row kernel's logits are transformers' own to bf16 rounding, the weights are
+    the very parameters (no copy: the same bytes, a tied head still tied)."""
+    ids = random_ids(2, 20, torch.Generator().manual_seed(3))
+    plain = bf16_model(family)
+    cache_tokens = 24
+    plain_logits = decoded_without_eviction(plain, ids, cache_tokens)
+    model = bf16_model(family)
+    count, plain_bytes = linears(model)[0], weight_bytes(model)
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert pack_linears(model, 1) == count and row_linears(model) == count and linears(model) == (0, 0)
+    assert weight_bytes(model) == plain_bytes
+    assert (model.get_input_embeddings().weight is model.get_output_embeddings().weight) == tied
+    torch.testing.assert_close(decoded_without_eviction(model, ids, cache_tokens), plain_logits, atol=0.05, rtol=0.02)
+
+
+@needs_row_kernel
+def test_a_model_moves_between_the_forms_and_back():
+    """Row form -> packed (a server that sized itself past the row kernel) -> row -> plain: the tied head
+    stays tied, and the packed form's logits are the plain model's bit for bit."""
+    ids = random_ids(1, 20, torch.Generator().manual_seed(4))
+    model = bf16_model("opt")
+    count = linears(model)[0]
+    reference = decoded(bf16_model("opt"), ids)
+    assert pack_linears(model, 1) == count and pack_linears(model, 1) == 0
+    assert pack_linears(model, PACKED_ROWS) == count and linears(model) == (0, count)
+    assert torch.equal(decoded(model, ids), reference)
+    assert pack_linears(model, 1) == count and row_linears(model) == count
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert unpack_linears(model) == count and linears(model) == (count, 0)
+    assert torch.equal(decoded(model, ids), reference)
+
+
+def decoded_compiled(model, ids, backend: str, slots: int, steps: int, op: str) -> tuple[torch.Tensor, int]:
+    """``decoded`` with the decode steps through the compiled step; and how many times the last compiled
+    step ran ``op``."""
     from h2ochat.engine.compiled import CompiledDecode
 
     decoder = CompiledDecode(model, backend=backend)
@@ -83,27 +143,32 @@ def decoded_compiled(model, ids, backend: str, slots: int, steps: int) -> tuple[
         logits += [decoder(cache, ids[:, t]) for t in range(slots // 2, slots // 2 + steps - 1)]
         with torch.profiler.profile() as profile:
             logits.append(decoder(cache, ids[:, slots // 2 + steps - 1]))
-    ran = sum(event.name == "h2ochat::packed_linear" for event in profile.events())
+    ran = sum(event.name == op for event in profile.events())
     return torch.stack(logits, 1), ran
 
 
+FORMS = [pytest.param(PACKED_ROWS, "h2ochat::packed_linear", id="packed"),
+         pytest.param(1, "h2ochat::row_linear", id="row", marks=needs_row_kernel)]
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_the_compiled_step_runs_the_packed_linears_and_gives_eagers_logits(backend):
-    """The compiled step keeps the packed weights (inductor has no lowering for them as graph inputs;
-    plain linears there reorder every weight on every call): each of the model's linears runs as the
-    opaque ``h2ochat::packed_linear`` op, and the logits are eager's. aot_eager runs the same products
-    bit for bit; inductor fuses the rest of the step, so bf16 rounding differs there. No eviction (32
-    slots for 24 tokens): a rounding difference cannot change which tokens are kept."""
+@pytest.mark.parametrize("rows, op", FORMS)
+def test_the_compiled_step_runs_the_linears_as_their_op_and_gives_eagers_logits(backend, rows, op):
+    """The compiled step keeps each form's weights (inductor has no lowering for packed ones as graph
+    inputs; plain linears there reorder every weight on every call): each of the model's linears runs
+    as its form's opaque op, and the logits are eager's. aot_eager runs the same products bit for bit;
+    inductor fuses the rest of the step, so bf16 rounding differs there. No eviction (32 slots for 24
+    tokens): a rounding difference cannot change which tokens are kept."""
     layers = {"num_hidden_layers": 1} if backend == "inductor" else {}  # inductor's C++ takes long per layer
     model = build_model("llama", seed=6, **layers).to(torch.bfloat16)
-    count = pack_linears(model)
+    count = pack_linears(model, rows)
     ids = random_ids(2, 24, torch.Generator().manual_seed(5))
     eager_cache = CacheSettings(budget="32").build(model)
     with torch.inference_mode():
         eager = [prefill(model, eager_cache, ids[:, :16])]
         eager += [forward(model, eager_cache, ids[:, t:t + 1])[:, -1] for t in range(16, 24)]
-    compiled, ran = decoded_compiled(model, ids, backend, slots=32, steps=8)
-    assert linears(model) == (0, count) and ran == count
+    compiled, ran = decoded_compiled(model, ids, backend, slots=32, steps=8, op=op)
+    assert linears(model)[0] == 0 and ran == count
     if backend == "aot_eager":
         assert torch.equal(compiled, torch.stack(eager, 1))
     else:
@@ -114,5 +179,6 @@ def test_random_weight_loading_packs_a_bf16_model():
     from h2ochat.loading.models import load
 
     loaded = load("smollm2-135m", device="cpu", dtype="bfloat16", random_weights=True)
-    assert linears(loaded.model)[0] == 0 and linears(loaded.model)[1] > 0
+    form = form_for(1)
+    assert linears(loaded.model)[0] == 0 and sum(type(m) is form for m in loaded.model.modules()) > 0
     assert loaded.weight_bytes == weight_bytes(loaded.model)

@@ -90,12 +90,13 @@ def bench(
             slots = parse_budget(budget, length)  # bad syntax fails before the model loads
             check_split(slots, min(slots, length))
     from .. import threads
+    from ..engine.packed_linears import form_of
     from ..loading.models import load
 
     from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
     err = make_console(stderr=True)
     with loading(err, model):
-        loaded = load(model, device, dtype, random_weights=random_weights)
+        loaded = load(model, device, dtype, random_weights=random_weights, decode_rows=max(batches))
     with user_input():
         if sized:  # the slots whose bytes (at the model's dtype) fit the size, at every context length
             fitting = settings.slots(loaded.model.config, loaded.model)
@@ -114,7 +115,7 @@ def bench(
     report = {"model": loaded.name, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), "budget": budget,
               "policy": chosen.label, "recall": recall_options["recall"] if recall_on else None,
-              "threads": threads.current(), **report}
+              "threads": threads.current(), "linears": form_of(loaded.model), **report}
     if as_json:
         print(json.dumps(report, indent=2))
         return

@@ -122,6 +122,7 @@ def eval_command(
     from ..engine.generation import max_positions
     from ..loading.models import load
     from ..chat.prompting import read_text_file
+    from ..engine.packed_linears import pack_linears
 
     content = read_text_file(text)
     from ..console import make_console  # reads no markup: a label such as h2o [int8] prints as it is
@@ -138,6 +139,7 @@ def eval_command(
         rows = [row for window in range(windows) for index, (name, per_dtype) in enumerate(dtype_budgets.items())
                 for row in ev.build_rows(names, per_dtype, count, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
                                          seed=seed, window=window, recalls=recalls, kv_dtype=name, full=index == 0)]
+    pack_linears(loaded.model, min(len(rows), max_rows))  # the linears' form for the rows a step runs
 
     speed = ev.Speed()
     batches = len(ev.batches(rows, max_rows))

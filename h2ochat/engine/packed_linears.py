@@ -1,20 +1,29 @@
-"""A bf16 model's linear layers on the CPU, with their weights packed once into oneDNN's blocked layout.
+"""A bf16 model's linear layers on the CPU, each in the form that multiplies its step's rows fastest.
 
-``torch.nn.functional.linear`` on bf16 CPU tensors already runs oneDNN's matrix product, but it
-reorders the weight into oneDNN's layout on every call. Packed once at load (``pack_linears``), the
-same product gives the same bits (``tests/test_packed_linears.py``) and, measured on this 2-core AMD
-EPYC (avx512_bf16, one thread; ``benchmarks/packed_linears.py``), SmolLM2-135M's 211 linears take
-1.6-1.8x less time at 1-8 rows (a decode step: the weights are read once per step, and the reorder
-was most of it) and ~1.1x less at 300 (a prompt chunk). fp32 weights stay as they are: MKL's sgemm
-is as fast there, and its bits differ from oneDNN's.
+Two forms, chosen by ``pack_linears`` from the most rows a decode step multiplies:
 
-Inside a compiled graph (``compiled``) the packed product runs as the opaque op ``h2ochat::packed_linear``:
+- ``RowLinear`` (up to ``row_products.MAX_ROWS`` rows, where the CPU runs the row kernel): the weight
+  stays as transformers loaded it, and one to eight rows go through ``row_products.product``, which
+  reads each weight once at memory speed (SmolLM2-135M's 211 linears, one thread: ~11.7 ms a pass at one
+  row against ~20 ms for the packed form). More rows (a prompt chunk) take ``torch.nn.functional.linear``,
+  which reorders the weight on the call (~6% slower than packed at 256 rows).
+- ``PackedLinear`` (more rows, a server's batch): the weight packed once into oneDNN's blocked layout.
+  ``torch.nn.functional.linear`` on bf16 reorders the weight into that layout on every call; packed once at
+  load, the same product gives the same bits (``tests/test_packed_linears.py``) and, measured on this 2-core
+  AMD EPYC (avx512_bf16, one thread; ``benchmarks/packed_linears.py``), SmolLM2-135M's 211 linears take
+  1.6-1.8x less time at 1-8 rows and ~1.1x less at 300.
+
+fp32 weights stay as they are: MKL's sgemm is as fast there, and its bits differ from oneDNN's.
+
+Inside a compiled graph each form runs as one opaque op (``h2ochat::row_linear``, ``h2ochat::packed_linear``):
 inductor has no lowering for a packed weight that is a graph input (only for the constants its own
 freezing packs), and with plain linears put back the compiled one-row step ran its products through
 ``aten::mm``, which reorders every weight on every call (34 of a 41.5 ms SmolLM2 step, against ~23 ms
-packed). Eager calls oneDNN directly: the op's Python dispatch adds ~5 us a call. A weight another module shares (a head tied to the
-embeddings) is packed as a copy, the original kept for the module that shares it; any other weight
-lives only in its packed form, and the parameters left are copied out of the loaded file's memory map
+packed). The ops are registered with the low-level ``Library`` API (~2.4 us a call against ~8.7 us for
+``torch.library.custom_op``'s wrapper, 211 calls a step). Eager calls go straight to the product. A
+weight another module shares (a head tied to the embeddings) is packed as a copy, the original kept for
+the module that shares it (a ``RowLinear`` reads the shared weight itself); any other weight lives only
+in its packed form, and the parameters left are copied out of the loaded file's memory map
 (``_own_the_rest``).
 """
 
@@ -25,7 +34,11 @@ import os
 import torch
 from torch import nn
 
+
+from . import row_products
+
 ENVIRONMENT_SWITCH = "H2OCHAT_PACK_LINEARS"  # "0": leave the linears as transformers built them
+_LIBRARY = torch.library.Library("h2ochat", "FRAGMENT")
 
 
 def _onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -33,16 +46,38 @@ def _onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("h2ochat::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
-    """``_onednn_product`` as one op a compiled graph calls without looking inside."""
-    return _onednn_product(x, packed_weight, bias)
+def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` times a plain weight: the row kernel for a few rows, torch's product for more."""
+    if row_products.fits(x):
+        return row_products.product(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
-@packed_linear.register_fake
-def _packed_linear_shape(x, packed_weight, bias, out_features):
+def _packed_shape(x, packed_weight, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _row_shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _as_op(name: str, schema: str, product, shape) -> None:
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, product, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"h2ochat::{name}", shape, lib=_LIBRARY)
+
+
+_as_op("packed_linear", "(Tensor x, Tensor packed_weight, Tensor? bias, SymInt out_features) -> Tensor",
+       lambda x, packed_weight, bias, out_features: _onednn_product(x, packed_weight, bias), _packed_shape)
+_as_op("row_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _row_product, _row_shape)
+
+
+def _holding(linear_type: type[nn.Linear], weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+    """A ``linear_type`` (``nn.Linear`` or a subclass) holding these very parameters (no copy)."""
+    linear = linear_type(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    linear.register_parameter("weight", weight)
+    linear.register_parameter("bias", bias)
+    return linear
 
 
 class PackedLinear(nn.Module):
@@ -59,21 +94,42 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+            return torch.ops.h2ochat.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         return _onednn_product(x, self.packed_weight, self.bias)
 
     def unpacked(self) -> nn.Linear:
         """The plain ``nn.Linear`` with the same weight (the shared one itself, when it was shared)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device="meta", dtype=self.packed_weight.dtype)
         weight = self._shared_weight[0] if self._shared_weight else nn.Parameter(self.packed_weight.to_dense(),
                                                                                  requires_grad=False)
-        linear.register_parameter("weight", weight)
-        linear.register_parameter("bias", self.bias)
-        return linear
+        return _holding(nn.Linear, weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+class RowLinear(nn.Linear):
+    """``nn.Linear`` whose few-row products go through the row kernel (``row_products``), its weight
+    the one transformers loaded (a tied one shared as it was)."""
+
+    @classmethod
+    def reading(cls, linear: nn.Linear) -> "RowLinear":
+        """A ``RowLinear`` holding ``linear``'s own parameters (the kernel reads the weight's rows whole)."""
+        weight = linear.weight
+        if not weight.is_contiguous():  # (a copy: a weight tied elsewhere is no longer shared then)
+            weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        return _holding(cls, weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.h2ochat.row_linear(x, self.weight, self.bias)
+        return _row_product(x, self.weight, self.bias)
+
+    def plain(self) -> nn.Linear:
+        """The plain ``nn.Linear`` with the same parameters."""
+        return _holding(nn.Linear, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", row kernel"
 
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -96,24 +152,46 @@ def _replace_modules(model: nn.Module, replace) -> int:
     return count
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Every ``nn.Linear`` of ``model`` (bf16, on the CPU) swapped for a ``PackedLinear``, in place;
-    returns how many were. A model ``packs`` says no to is left alone (0)."""
+def form_for(rows: int) -> type[nn.Module]:
+    """The linear form for decode steps of at most ``rows`` rows: ``RowLinear`` where the row kernel runs
+    and takes that many, else ``PackedLinear``."""
+    return RowLinear if rows <= row_products.MAX_ROWS and row_products.available() else PackedLinear
+
+
+def _plain(module: nn.Module) -> nn.Linear | None:
+    """``module`` as a plain bf16 ``nn.Linear`` (the same parameters), or None for any other module."""
+    if isinstance(module, PackedLinear):
+        return module.unpacked()
+    if type(module) in (nn.Linear, RowLinear) and module.weight.dtype == torch.bfloat16:
+        return module
+    return None
+
+
+def pack_linears(model: nn.Module, rows: int = 1) -> int:
+    """Every bf16 linear of ``model`` (on the CPU) put in ``form_for(rows)``, in place, whatever form it
+    was in; returns how many were swapped. A model ``packs`` says no to is left alone (0)."""
     parameter = next(model.parameters(), None)
     if parameter is None or not packs(parameter.device, parameter.dtype):
         return 0
+    form = form_for(rows)
     uses: dict[int, int] = {}
     for module in model.modules():
-        for tensor in module.parameters(recurse=False):
+        held = list(module.parameters(recurse=False))
+        if isinstance(module, PackedLinear) and module._shared_weight:
+            held.append(module._shared_weight[0])
+        for tensor in held:
             uses[id(tensor)] = uses.get(id(tensor), 0) + 1
 
-    def packed(module):
-        if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
-            return PackedLinear(module, shared=uses[id(module.weight)] > 1)
-        return None
+    def swapped(module):
+        linear = None if isinstance(module, form) else _plain(module)
+        if linear is None:
+            return None
+        if form is RowLinear:
+            return RowLinear.reading(linear)
+        return PackedLinear(linear, shared=uses.get(id(linear.weight), 0) > 1)
 
     with torch.no_grad():
-        count = _replace_modules(model, packed)
+        count = _replace_modules(model, swapped)
         if count:
             _own_the_rest(model)
     return count
@@ -132,9 +210,21 @@ def _own_the_rest(model: nn.Module) -> None:
 
 
 def unpack_linears(model: nn.Module) -> int:
-    """Every ``PackedLinear`` of ``model`` back to a plain ``nn.Linear`` (the same bits); how many were."""
+    """Every ``PackedLinear`` and ``RowLinear`` of ``model`` back to a plain ``nn.Linear`` (the same
+    weights); how many were."""
+    def plain(module):
+        if isinstance(module, PackedLinear):
+            return module.unpacked()
+        return module.plain() if isinstance(module, RowLinear) else None
+
     with torch.no_grad():
-        return _replace_modules(model, lambda module: module.unpacked() if isinstance(module, PackedLinear) else None)
+        return _replace_modules(model, plain)
+
+
+def form_of(model: nn.Module) -> str:
+    """The form ``model``'s linears are in, for records and log lines: "row kernel", "packed" or "plain"."""
+    kinds = {type(module) for module in model.modules()}
+    return "row kernel" if RowLinear in kinds else "packed" if PackedLinear in kinds else "plain"
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -105,7 +105,8 @@ def _local_config(source: ModelSource, folder: Path):
 
 
 def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | None, kv_slots: KVSlots,
-                 kv_batch: int, check_config: Callable[[object], None] | None = None) -> LoadedModel:
+                 kv_batch: int, check_config: Callable[[object], None] | None = None,
+                 decode_rows: int | None = None) -> LoadedModel:
     import torch
 
     if device_map:
@@ -119,7 +120,7 @@ def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | N
     from ..engine.packed_linears import pack_linears
 
     model = build_random(config, dtype, device)
-    pack_linears(model)
+    pack_linears(model, decode_rows or kv_batch)
     if model.generation_config is not None:  # the real vocabulary's end token is a plain byte here
         model.generation_config.eos_token_id = None
     return LoadedModel(model, ByteTokenizer(config.vocab_size), source, params, torch.device(device), dtype)
@@ -127,7 +128,7 @@ def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | N
 
 def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str | None = None, *,
          random_weights: bool = False, kv_slots: KVSlots = None, kv_batch: int = 1,
-         check_config: Callable[[object], None] | None = None) -> LoadedModel:
+         check_config: Callable[[object], None] | None = None, decode_rows: int | None = None) -> LoadedModel:
     """Load ``name`` with the h2o attention implementation, ready for an ``H2OCache``.
 
     ``random_weights``: build it from its shipped configuration (or a directory's config.json) with
@@ -135,7 +136,9 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     or a function of the model's configuration returning them) and ``kv_batch`` (sequences) add the
     KV cache the caller will allocate to the memory check made before loading. ``check_config`` is
     called with the model's configuration as soon as it is read (before the memory check and the
-    weights: a budget past the context window is refused in a second, not after the load)."""
+    weights: a budget past the context window is refused in a second, not after the load).
+    ``decode_rows`` (default ``kv_batch``): the most rows a decode step multiplies, which chooses the
+    linears' form (``engine.packed_linears.pack_linears``; a caller that learns it later packs again)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -145,7 +148,8 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     attention.register()
     if random_weights:
         device = pick_device(device)
-        return _load_random(name, device, pick_dtype(dtype, device), device_map, kv_slots, kv_batch, check_config)
+        return _load_random(name, device, pick_dtype(dtype, device), device_map, kv_slots, kv_batch, check_config,
+                            decode_rows)
     source = resolve(name)
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
@@ -198,7 +202,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
         model.to(device)
     model.eval()
     if not device_map:  # (one device: a model spread over several keeps transformers' linears)
-        pack_linears(model)
+        pack_linears(model, decode_rows or kv_batch)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model, tokenizer, source, params, torch.device(device if not device_map else model.device), torch_dtype)

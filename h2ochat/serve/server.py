@@ -17,6 +17,7 @@ import uvicorn
 from ..chat.conversation import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError
 from ..engine.generation import CacheSettings, max_positions
+from ..engine.packed_linears import form_of, pack_linears
 from ..loading.models import available_memory, load, random_source, shipped_config, shipped_config_path
 from ..chat.split import format_bytes
 from .app import build_app
@@ -160,6 +161,7 @@ def loader(config: ServeConfig, store: ParkedStore):
         cold_bytes = cold_row_bytes(probe, positions)
         del probe
         rows, source = choose_rows(config, row_bytes, loaded.device, cold_bytes)
+        pack_linears(loaded.model, rows)  # (loaded for max_sequences or one row: the form for the rows chosen)
         backend = ModelBackend(loaded.model, settings, rows, store=store, prefill_chunk=config.prefill_chunk,
                                compile=config.compile, compile_backend=config.compile_backend)
         if backend.compiled:  # compile now, while /health says loading, not in the first request
@@ -176,10 +178,10 @@ def loader(config: ServeConfig, store: ParkedStore):
                             bounded=bounded, max_tokens_cap=config.max_tokens,
                             repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n)
         log.info("%s loaded on %s: %d sequence rows (from %s); %s cache of %d slots per row at %s, %s; %.1f MiB "
-                 "of device KV in all; parked conversations up to %.0f MiB; %s decode step", loaded.name,
+                 "of device KV in all; parked conversations up to %.0f MiB; %s decode step, %s linears", loaded.name,
                  loaded.device, rows, source, policy.name, backend.slots, slot_format(settings, loaded.model),
                  recall_line(backend, cold_bytes, positions), rows * row_bytes / 2**20, store.capacity / 2**20,
-                 "compiled" if backend.compiled else "eager")
+                 "compiled" if backend.compiled else "eager", form_of(loaded.model))
         return Loaded(backend, loaded.tokenizer, preparer, frozenset(stop_token_ids(loaded.tokenizer, loaded.model)),
                       config.served_name or config.model, row_bytes=row_bytes,
                       layers=model_config.num_hidden_layers, kv_heads=backend.kv_heads,
