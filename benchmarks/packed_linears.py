@@ -1,7 +1,8 @@
-"""bf16 linears packed for oneDNN (``h2ochat.engine.packed_linears``) against transformers' own, side by
-side in one run, on the real model: the model's 211 linears at several row counts (CPU time, one thread,
-interleaved, the median of the repeats), then ``h2ochat generate`` end to end with the switch off and on
-(alternated; the text must be the same).
+"""The bf16 linear forms (``h2ochat.engine.packed_linears``) side by side in one run, on the real model:
+transformers' own (plain), packed for oneDNN, and the row kernel's (``engine.row_products``, up to 8
+rows; more fall back to the plain product). First the model's 211 linears at several row counts (CPU
+time, one thread, interleaved, the median of the repeats), then ``h2ochat generate`` end to end in each
+form (alternated; the texts are compared).
 
     python benchmarks/packed_linears.py --out benchmarks/results_packed_linears.json
 """
@@ -20,7 +21,11 @@ import time
 import torch
 
 from h2ochat.loading.models import load
+from h2ochat.engine import row_products
 from h2ochat.engine.packed_linears import ENVIRONMENT_SWITCH, PackedLinear, pack_linears, unpack_linears
+
+FORMS = ("plain", "packed", "row")
+FORM_ENVIRONMENT = {"plain": {ENVIRONMENT_SWITCH: "0"}, "packed": {row_products.ENVIRONMENT_SWITCH: "0"}, "row": {}}
 
 
 def linear_pass_seconds(model, rows: int, repeats: int) -> float:
@@ -37,27 +42,37 @@ def linear_pass_seconds(model, rows: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def put_in_form(model, form: str) -> None:
+    unpack_linears(model)
+    if form == "packed":
+        pack_linears(model, row_products.MAX_ROWS + 1)
+    elif form == "row":
+        pack_linears(model, 1)
+
+
 def linears_side_by_side(model_name: str, rows: list[int], repeats: int, rounds: int) -> list[dict]:
     model = load(model_name, device="cpu", dtype="bfloat16").model
+    forms = FORMS if row_products.available() else FORMS[:2]
     results = []
     for count in rows:
-        plain, packed = [], []
-        for _ in range(rounds):  # alternated, so that a change in the machine's load hits both
-            unpack_linears(model)
-            plain.append(linear_pass_seconds(model, count, repeats))
-            pack_linears(model)
-            packed.append(linear_pass_seconds(model, count, repeats))
-        p, q = statistics.median(plain), statistics.median(packed)
-        results.append({"rows": count, "plain_ms": round(p * 1e3, 2), "packed_ms": round(q * 1e3, 2),
-                        "speedup": round(p / q, 3)})
+        times = {form: [] for form in forms}
+        for _ in range(rounds):  # alternated, so that a change in the machine's load hits every form
+            for form in forms:
+                put_in_form(model, form)
+                times[form].append(linear_pass_seconds(model, count, repeats))
+        median = {form: statistics.median(t) for form, t in times.items()}
+        result = {"rows": count, **{f"{form}_ms": round(m * 1e3, 2) for form, m in median.items()}}
+        result.update({f"{form}_speedup_vs_plain": round(median["plain"] / m, 3) for form, m in median.items()
+                       if form != "plain"})
+        results.append(result)
         print(results[-1], file=sys.stderr)
     return results
 
 
-def generate_once(args, packed: bool) -> dict:
+def generate_once(args, form: str) -> dict:
     command = [sys.executable, "-m", "h2ochat.cli", "generate", "--model", args.model, "-f", args.prompt_file,
                "-n", str(args.new_tokens), "--ignore-eos", "--threads", "1", "--dtype", "bfloat16", "--json"]
-    env = {**os.environ, ENVIRONMENT_SWITCH: "1" if packed else "0"}
+    env = {**os.environ, **FORM_ENVIRONMENT[form]}
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     report = json.loads(out)
     return {"prefill_tokens_per_s": report["prefill_tokens_per_s"], "decode_tokens_per_s": report["decode_tokens_per_s"],
@@ -65,16 +80,20 @@ def generate_once(args, packed: bool) -> dict:
 
 
 def generate_side_by_side(args) -> dict:
-    runs = {"plain": [], "packed": []}
+    runs = {form: [] for form in (FORMS if row_products.available() else FORMS[:2])}
     for _ in range(args.generate_rounds):
         for name in runs:
-            runs[name].append(generate_once(args, name == "packed"))
+            runs[name].append(generate_once(args, name))
             print(name, {k: v for k, v in runs[name][-1].items() if k != "text"}, file=sys.stderr)
     summary = {name: {key: round(statistics.median(r[key] for r in rs), 2)
                       for key in ("prefill_tokens_per_s", "decode_tokens_per_s")} for name, rs in runs.items()}
-    summary["decode_speedup"] = round(summary["packed"]["decode_tokens_per_s"] / summary["plain"]["decode_tokens_per_s"], 3)
-    summary["prefill_speedup"] = round(summary["packed"]["prefill_tokens_per_s"] / summary["plain"]["prefill_tokens_per_s"], 3)
-    summary["same_text"] = len({r["text"] for rs in runs.values() for r in rs}) == 1
+    for form in runs:
+        if form != "plain":
+            for what in ("decode", "prefill"):
+                key = f"{what}_tokens_per_s"
+                summary[f"{form}_{what}_speedup_vs_plain"] = round(summary[form][key] / summary["plain"][key], 3)
+    summary["same_text"] = {form: len({r["text"] for r in rs}) == 1 and rs[0]["text"] == runs["plain"][0]["text"]
+                            for form, rs in runs.items()}
     summary["runs"] = {name: [{k: v for k, v in r.items() if k != "text"} for r in rs] for name, rs in runs.items()}
     return summary
 
@@ -82,7 +101,7 @@ def generate_side_by_side(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--rows", default="1,8,64,331,512")
+    parser.add_argument("--rows", default="1,2,4,8,16,64,331")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-file", default=None, help="generate's prompt (default: the peers' first user turn)")
@@ -100,7 +119,8 @@ def main() -> None:
     report = {
         "command": " ".join(["python", *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
-                    "torch": torch.__version__, "load_average_before": os.getloadavg()},
+                    "torch": torch.__version__, "load_average_before": os.getloadavg(),
+                    "row_kernel": row_products.why_not() or "available"},
         "unit": "CPU ms per pass over the model's linears (one thread); generate: tokens/s, wall clock",
         "linears": linears_side_by_side(args.model, [int(r) for r in args.rows.split(",")], args.repeats, args.rounds),
         "generate": generate_side_by_side(args),

@@ -3,10 +3,10 @@
 Two forms, chosen by ``pack_linears`` from the most rows a decode step multiplies:
 
 - ``RowLinear`` (up to ``row_products.MAX_ROWS`` rows, where the CPU runs the row kernel): the weight
-  stays as transformers loaded it, and one to eight rows go through ``row_products.product``, which
-  reads each weight once at memory speed (SmolLM2-135M's 211 linears, one thread: ~11.7 ms a pass at one
-  row against ~20 ms for the packed form). More rows (a prompt chunk) take ``torch.nn.functional.linear``,
-  which reorders the weight on the call (~6% slower than packed at 256 rows).
+  stays as transformers loaded it, and one to three rows go through ``row_products.product``, which
+  reads each weight once at memory speed (SmolLM2-135M's 211 linears, one thread: 15.4 ms a pass at one
+  row against 21.7 ms for the packed form). More rows (a prompt chunk) take ``torch.nn.functional.linear``,
+  which reorders the weight on the call (5% slower than packed at 331 rows, 22% at 64).
 - ``PackedLinear`` (more rows, a server's batch): the weight packed once into oneDNN's blocked layout.
   ``torch.nn.functional.linear`` on bf16 reorders the weight into that layout on every call; packed once at
   load, the same product gives the same bits (``tests/test_packed_linears.py``) and, measured on this 2-core

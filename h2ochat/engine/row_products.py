@@ -1,11 +1,13 @@
 """A decode step's products (one to ``MAX_ROWS`` rows) on a plain bf16 weight, read at memory speed.
 
-A decode step multiplies a few rows by every weight, so its time is the time it takes to read the
+A decode step multiplies a row or two by every weight, so its time is the time it takes to read the
 weights. ``row_kernel.c`` reads each weight once, as one sequential stream per thread, and sums in fp32
-with AVX512-BF16. Measured on this project's 2-core AMD EPYC (one thread, SmolLM2-135M's 211 weights,
-``benchmarks/row_products.py``): 11.7 ms a pass at one row against 20 ms for oneDNN's packed product,
-13.7 against 16.7 at four rows, even at eight, slower from nine on (where a matrix product stops being
-a read of the weights), so it runs for up to ``MAX_ROWS`` rows and oneDNN for more.
+with AVX512-BF16. Measured on this project's 2-core AMD EPYC (SmolLM2-135M's 211 linears through their
+modules, one thread, CPU ms a pass; ``benchmarks/packed_linears.py``,
+``benchmarks/results_packed_linears_s52_row_kernel.json``): 15.4 at one row against 21.7 for oneDNN's
+packed product, 15.6 against 24.3 at two, 17.7 against 20.6 at three, then slower: 22.0 against 20.4 at
+four, 30.8 against 24.1 at eight (past a few rows the product stops being a read of the weights, and
+oneDNN's blocking wins). So the kernel takes up to ``MAX_ROWS`` rows.
 
 The kernel is C, built once per machine with the system's C compiler into the user's cache folder
 and called through ctypes (which lets the GIL go while it runs). Where it cannot run (no
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 ENVIRONMENT_SWITCH = "H2OCHAT_ROW_KERNEL"  # "0": never use the kernel
-MAX_ROWS = 8  # up to here the kernel beats or matches oneDNN (measured above)
+MAX_ROWS = 3  # up to here the kernel beats oneDNN (measured above)
 SOURCE = Path(__file__).with_name("row_kernel.c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 
@@ -79,14 +81,14 @@ def _bind(library: Path):
 
 
 def _agrees_with_torch(function) -> bool:
-    """One product of every row count, odd sizes and a bias, against torch's fp32 product: a
-    miscompiled or misloaded kernel is never used."""
+    """One product of five rows (a group of four and one more), odd sizes and a bias, on two threads,
+    against torch's fp32 product: a miscompiled or misloaded kernel is never used."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(MAX_ROWS, 99, generator=generator).to(torch.bfloat16)
+    x = torch.randn(5, 99, generator=generator).to(torch.bfloat16)
     weight = torch.randn(131, 99, generator=generator).to(torch.bfloat16)
     bias = torch.randn(131, generator=generator).to(torch.bfloat16)
-    out = torch.empty(MAX_ROWS, 131, dtype=torch.bfloat16)
-    function(x.data_ptr(), MAX_ROWS, x.stride(0), weight.data_ptr(), 131, 99, bias.data_ptr(), out.data_ptr(),
+    out = torch.empty(5, 131, dtype=torch.bfloat16)
+    function(x.data_ptr(), 5, x.stride(0), weight.data_ptr(), 131, 99, bias.data_ptr(), out.data_ptr(),
              out.stride(0), 2)
     expected = (x.float() @ weight.float().T + bias.float()).to(torch.bfloat16).float()
     return torch.allclose(out.float(), expected, rtol=2 ** -7, atol=1e-2)
