@@ -70,7 +70,7 @@ def generate(
     input_ids = encode(tokenizer, text, chat=False if raw else None, system=system).to(loaded.device)
     if input_ids.shape[1] == 0:
         raise UserError("the prompt is empty once tokenized")
-    cache = settings.build(loaded.model)
+    cache, recall_left_out = settings.build_for(loaded.model, input_ids.shape[1] + max_new_tokens)
     timing, pieces = Timing(), TextStream(tokenizer, context=input_ids[0].tolist())  # the first word joins the prompt
     # the same rule as run and story --stop-at-eos
     stops = frozenset() if ignore_eos else stop_token_ids(tokenizer, loaded.model)
@@ -94,6 +94,8 @@ def generate(
         record = run_record(loaded, cache, timing, settings.budget, pieces.text)
         record["interrupted"] = interrupted
         record["threads"] = threads.current()
+        if recall_left_out:  # (asked for, or on by default)
+            record["recall_left_out"] = "the prompt and --max-new-tokens fit the policy's slots: nothing is evicted"
         # the compiled step's weights: frozen into its graph (CPU) or graph inputs, and why
         record["compiled_weights"] = getattr(decode, "freezing", None) if compile else None
         print(json.dumps(record, indent=2))
