@@ -115,6 +115,34 @@ def test_the_compiled_step_gives_the_eager_tokens(monkeypatch, seed):
     assert fast.backend.decode_step is not None and fast.backend.cache.static_shapes
 
 
+def test_a_compiled_recall_server_builds_its_step_before_any_request_and_gives_the_eager_tokens(monkeypatch, seed):
+    """``serve --recall --compile``: the warm-up builds the step on a cache no request has touched (its
+    recall tier's last queries are made by an eager step first: without it the trace failed on
+    ``None.copy_`` and the server fell back to eager decoding), the requests compile nothing more, and
+    the tokens are those of the same server decoding eagerly (its fallback: the static-shape cache, whose
+    pages are chosen before each step with the last step's queries; the default eager server chooses
+    inside the step with its own, so its tokens may differ). A query group of 2 (4 heads over 2 KV
+    heads), int8 slots, as the failing SmolLM2 server had (9 over 3)."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    model = build_model("llama", num_key_value_heads=2)
+    cache = {"recall": "4", "page": 2, "kv_dtype": "int8"}
+    eager, _ = engine(model, compile=True, cache=cache)
+    eager.backend.runner.decode_eagerly()
+    fast, _ = engine(model, compile=True, cache=cache)
+    assert fast.backend.compiled_warm_up() is None  # (a failure returns its reason and decodes eagerly)
+    graphs = counters["stats"]["unique_graphs"]
+    runs = {}
+    for name, scheduler in (("eager", eager), ("compiled", fast)):
+        requests = [make_request(prompt, max_tokens=10, stop_ids=()) for prompt in prompts(random.Random(seed), 3)]
+        for request in requests:
+            scheduler.submit(request)
+        drain(scheduler)
+        runs[name] = [generated(request) for request in requests]
+    assert fast.backend.decode_step is not None and counters["stats"]["unique_graphs"] == graphs
+    assert runs["compiled"] == runs["eager"]
+
+
 def test_a_server_compiles_its_step_by_default_where_the_step_covers_its_rows(monkeypatch):
     """``compile=None`` (the CLI's default): compiled for an evicting policy over bucket views; eager for
     a recall tier (its served rule chooses pages inside the eager step), the full policy (its slots grow)

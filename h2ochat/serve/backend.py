@@ -171,6 +171,8 @@ class ModelBackend:
         with self.pool.counters_kept():
             for size in self.pool.buckets:
                 with self.pool.bucket_cache(size) as cache:
+                    if self.runner.decode_step is not None:
+                        self.runner.prime(cache, size)
                     self.runner.decode(cache, [0] * size, [False] * size)
 
     def compiled_warm_up(self) -> str | None:

@@ -35,6 +35,17 @@ class ModelRunner:
             logits = prefill(self.model, cache, ids[:, start:end], chunk=self.prefill_chunk)
         return end, (logits[0] if end == ids.shape[1] else None)
 
+    def prime(self, cache: H2OCache, rows: int) -> None:
+        """One eager decode step with all ``rows`` of ``cache`` left out (it writes nothing), before a
+        compiled step is first built on it: what the graph reads but only an eager step allocates
+        exists then (a recall tier's last queries, sized by the model's query group). A server's first
+        compiled step otherwise ran on a cache no eager step had touched, and its recall tier failed
+        to trace (``None.copy_``)."""
+        input_ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            forward(self.model, cache, input_ids, logits_to_keep=1,
+                    active=torch.zeros(rows, dtype=torch.bool, device=self.device))
+
     def decode(self, cache: H2OCache, tokens: list[int], active: list[bool] | None) -> torch.Tensor:
         """One decode step of every row of ``cache`` (``active``: the rows taking part; None: all):
         the next-token logits [R, V] (a row left out's are meaningless)."""
