@@ -41,6 +41,15 @@ def prompts(rng, count):
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 23))] for _ in range(count)]
 
 
+def served(scheduler, seed, count, max_tokens):
+    """The tokens of ``count`` requests (``prompts`` from ``seed``) submitted at once and run to the end."""
+    requests = [make_request(prompt, max_tokens=max_tokens, stop_ids=()) for prompt in prompts(random.Random(seed), count)]
+    for request in requests:
+        scheduler.submit(request)
+    drain(scheduler)
+    return [generated(request) for request in requests]
+
+
 def alone(model, prompt, max_tokens, **kwargs):
     scheduler, _ = engine(model, **kwargs)
     request = make_request(prompt, max_tokens=max_tokens, stop_ids=())
@@ -103,14 +112,7 @@ def test_the_compiled_step_gives_the_eager_tokens(monkeypatch, seed):
     fast.backend.warm_up()  # (the server compiles while loading): dummy tokens in every row, then all reset
     # one graph for one row and one for every larger bucket (the batch turns dynamic at its second size)
     assert len(fast.backend.buckets) >= 3 and counters["stats"]["unique_graphs"] - graphs == 2
-    runs = {}
-    for name, scheduler in (("eager", eager), ("compiled", fast)):
-        requests = [make_request(prompt, max_tokens=12, stop_ids=()) for prompt in prompts(random.Random(seed), 4)]
-        for request in requests:
-            scheduler.submit(request)
-        drain(scheduler)
-        runs[name] = [generated(request) for request in requests]
-    assert runs["compiled"] == runs["eager"]
+    assert served(fast, seed, count=4, max_tokens=12) == served(eager, seed, count=4, max_tokens=12)
     assert counters["stats"]["unique_graphs"] - graphs == 2  # the requests' steps compiled nothing more
     assert fast.backend.decode_step is not None and fast.backend.cache.static_shapes
 
@@ -132,15 +134,8 @@ def test_a_compiled_recall_server_builds_its_step_before_any_request_and_gives_t
     fast, _ = engine(model, compile=True, cache=cache)
     assert fast.backend.compiled_warm_up() is None  # (a failure returns its reason and decodes eagerly)
     graphs = counters["stats"]["unique_graphs"]
-    runs = {}
-    for name, scheduler in (("eager", eager), ("compiled", fast)):
-        requests = [make_request(prompt, max_tokens=10, stop_ids=()) for prompt in prompts(random.Random(seed), 3)]
-        for request in requests:
-            scheduler.submit(request)
-        drain(scheduler)
-        runs[name] = [generated(request) for request in requests]
+    assert served(fast, seed, count=3, max_tokens=10) == served(eager, seed, count=3, max_tokens=10)
     assert fast.backend.decode_step is not None and counters["stats"]["unique_graphs"] == graphs
-    assert runs["compiled"] == runs["eager"]
 
 
 def test_a_server_compiles_its_step_by_default_where_the_step_covers_its_rows(monkeypatch):
