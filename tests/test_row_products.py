@@ -122,6 +122,22 @@ def test_the_build_is_cached_per_source_and_compiler(monkeypatch, tmp_path):
     assert row_products._build(compiler) == first and first.stat().st_mtime_ns == stamp  # not built again
 
 
+@needs_kernel
+def test_cc_is_split_as_the_shell_would_and_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch,
+                                                                                            tmp_path):
+    """$CC with a wrapper in front ("env gcc", as "ccache gcc"); a compiler that refuses -fopenmp (a
+    script standing in for clang without libomp) still builds the kernel, without threads."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    real = row_products._compiler()
+    assert row_products._build(f"env {real}").is_file()
+    no_openmp = tmp_path / "cc-without-openmp"
+    no_openmp.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    no_openmp.chmod(0o755)
+    library = row_products._build(str(no_openmp))
+    function = row_products._bind(library)
+    assert row_products._agrees_with_torch(function)
+
+
 def test_a_kernel_that_disagrees_with_torch_is_not_used(fresh_load, monkeypatch):
     if row_products._compiler() is None or not row_products._cpu_has_avx512_bf16():
         pytest.skip("no row kernel to break")

@@ -22,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +33,8 @@ import torch
 ENVIRONMENT_SWITCH = "H2OCHAT_ROW_KERNEL"  # "0": never use the kernel
 MAX_ROWS = 3  # up to here the kernel beats oneDNN (measured above)
 SOURCE = Path(__file__).with_name("row_kernel.c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-shared", "-fPIC"]
+THREADED = ["-fopenmp"]  # (a compiler without OpenMP, clang without libomp, builds it single-threaded)
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -48,27 +50,32 @@ def _cache_folder() -> Path:
 
 
 def _compiler() -> str | None:
+    """The C compiler's command line: $CC as the shell would split it ("ccache gcc"), else cc or gcc."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _build(compiler: str) -> Path:
     """The shared library for this source and these flags, compiled unless the cache already has it
-    (written under a temporary name and renamed, so two processes building at once both load a whole file)."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    library = _cache_folder() / f"row_kernel-{digest}.so"
-    if library.is_file():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as work:
-        partial = Path(work) / library.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True,
-                                text=True, timeout=120)
-        if result.returncode != 0:
+    (written under a temporary name and renamed, so two processes building at once both load a whole
+    file): with OpenMP, else without."""
+    failure = "no output"
+    for flags in ([*FLAGS, *THREADED], FLAGS):
+        source = SOURCE.read_bytes()
+        digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+        library = _cache_folder() / f"row_kernel-{digest}.so"
+        if library.is_file():
+            return library
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as work:
+            partial = Path(work) / library.name
+            result = subprocess.run([*shlex.split(compiler), *flags, str(SOURCE), "-o", str(partial)],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                os.replace(partial, library)
+                return library
             lines = (result.stderr or result.stdout).strip().splitlines()
-            raise OSError(f"{compiler} failed: {lines[0] if lines else 'no output'}")
-        os.replace(partial, library)
-    return library
+            failure = lines[0] if lines else "no output"
+    raise OSError(f"{compiler} failed: {failure}")
 
 
 def _bind(library: Path):
