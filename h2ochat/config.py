@@ -125,10 +125,10 @@ class CacheSettings:
         --max-new-tokens), and whether recall was left out: it is when every layer's policy slots hold
         all ``tokens`` (nothing is evicted, so nothing could be recalled, and the same tokens come out
         without recall's per-step work: 28 against 31 tok/s for SmolLM2 bf16 on one thread)."""
+        from .kv.tier import NO_TIER
+
         cache = self.build(model)
-        layers = getattr(cache, "layers", [])
-        if self.recall_config(self.slots(model.config, model)) is None or not layers or \
-                any(layer.capacity < tokens for layer in layers):
+        if cache.tier is NO_TIER or any(layer.capacity < tokens for layer in cache.layers):
             return cache, False
         return replace(self, recall=None).build(model), True
 

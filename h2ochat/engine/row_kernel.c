@@ -98,6 +98,3 @@ void h2ochat_rows_bf16(const uint16_t *x, int64_t M, int64_t x_stride, const uin
     weight_rows(x, M, x_stride, w, b * block, last, K, bias, y, y_stride);
   }
 }
-
-/* 1: this file was built for the CPU it runs on (row_products.py checks before the first product). */
-int h2ochat_rows_version(void) { return 1; }

@@ -58,9 +58,8 @@ def _build(compiler: str) -> Path:
     """The shared library for this source and these flags, compiled unless the cache already has it
     (written under a temporary name and renamed, so two processes building at once both load a whole
     file): with OpenMP, else without."""
-    failure = "no output"
+    failure, source = "no output", SOURCE.read_bytes()
     for flags in ([*FLAGS, *THREADED], FLAGS):
-        source = SOURCE.read_bytes()
         digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
         library = _cache_folder() / f"row_kernel-{digest}.so"
         if library.is_file():
