@@ -54,20 +54,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str) -> Path:
-    """The shared library for this source and these flags, compiled unless the cache already has it
-    (written under a temporary name and renamed, so two processes building at once both load a whole
+def _build(compiler: str, path: Path = SOURCE) -> Path:
+    """The shared library for this source (``path``: the row kernel's, or another C file built the same
+    way, as ``built`` does for the recall step's) and these flags, compiled unless the cache already has
+    it (written under a temporary name and renamed, so two processes building at once both load a whole
     file): with OpenMP, else without."""
-    failure, source = "no output", SOURCE.read_bytes()
+    failure, source = "no output", path.read_bytes()
     for flags in ([*FLAGS, *THREADED], FLAGS):
         digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-        library = _cache_folder() / f"row_kernel-{digest}.so"
+        library = _cache_folder() / f"{path.stem}-{digest}.so"
         if library.is_file():
             return library
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as work:
             partial = Path(work) / library.name
-            result = subprocess.run([*shlex.split(compiler), *flags, str(SOURCE), "-o", str(partial)],
+            result = subprocess.run([*shlex.split(compiler), *flags, str(path), "-o", str(partial)],
                                     capture_output=True, text=True, timeout=120)
             if result.returncode == 0:
                 os.replace(partial, library)
@@ -77,13 +78,18 @@ def _build(compiler: str) -> Path:
     raise OSError(f"{compiler} failed: {failure}")
 
 
-def _bind(library: Path):
-    handle = ctypes.CDLL(str(library))
-    function = handle.h2ochat_rows_bf16
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, size, size, pointer, size, size, pointer, pointer, size, ctypes.c_int]
+def signed(library: Path, name: str, argtypes: list):
+    """The C function ``name`` of ``library`` with these argument types, returning nothing."""
+    function = getattr(ctypes.CDLL(str(library)), name)
+    function.argtypes = argtypes
     function.restype = None
     return function
+
+
+def _bind(library: Path):
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    return signed(library, "h2ochat_rows_bf16", [pointer, size, size, pointer, size, size, pointer, pointer, size,
+                                                 ctypes.c_int])
 
 
 def _agrees_with_torch(function) -> bool:
@@ -117,6 +123,15 @@ def _loaded() -> tuple[object | None, str]:
     if not _agrees_with_torch(function):
         return None, "the row kernel's first product disagreed with torch's"
     return function, ""
+
+
+def built(path: Path) -> Path:
+    """Another C file for this CPU (``path``), built as the row kernel is, where the row kernel runs
+    (``available``: the CPU's flags, a compiler, the switch): its library's path. Raises OSError (or
+    SubprocessError) where it does not build."""
+    if not available():
+        raise OSError(f"no row kernel: {why_not()}")
+    return _build(_compiler(), path)
 
 
 def available() -> bool:

@@ -24,6 +24,7 @@ import h2ochat_kernels as kernels
 from h2ochat_kernels.rotation import spreading_rotation
 
 from .layout import FirstRows, Writes, best_pages, growable, held_pages, rows_held, tensor_bytes, widened
+from . import native
 from .selectors import packed_quantize, score_pages
 
 
@@ -182,6 +183,10 @@ class KeyCodes(FirstRows):
     def top_pages(self, queries: torch.Tensor, count: int, upto: int | None = None) -> torch.Tensor:
         """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer pages; k is
         fewer than ``count`` only where fewer frames are scored)."""
+        if self.bits is None and self.frames is None:  # the keys themselves, never a ring: one C call (a CPU's)
+            wanted = native.top_pages(queries, self.codes[:, :, :self._scored_slots(upto)], self.count, self.page, count)
+            if wanted is not None:
+                return wanted
         number = self._numbers(self._scored_slots(upto))
         return best_pages(self._scores(queries, number), self._page_numbers(number), count)
 

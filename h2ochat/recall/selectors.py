@@ -26,6 +26,7 @@ from h2ochat_kernels.quant import level_codes as quantize
 from h2ochat_kernels.quant import level_values as dequantize  # noqa: F401  (selectors.dequantize: the tests')
 from h2ochat_kernels.rotation import spreading_rotation
 
+from . import native
 from .selector_names import AUTO, CODE_BITS
 
 NEG_INF = float("-inf")
@@ -39,8 +40,13 @@ def score_pages(queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor 
     the keys themselves when scale is None), valid [B, H, T] -> [B, H, T // page]. Codes, scale and
     offset may be views into bigger buffers (the leading slots of a store): nothing is copied. The
     Triton kernel on a GPU (through its op, so a compiled step holds it), its torch reference elsewhere:
-    ``backend``'s choice (a cache layer's, made once), else the codes' device's."""
+    ``backend``'s choice (a cache layer's, made once), else the codes' device's; the keys themselves
+    (no scale) on a CPU in bf16: the C kernel (``native.page_best``: the same sums, in another order)."""
     backend = backend if backend is not None else kernels.backend_for(codes.device)
+    if scale is None and not backend.triton:  # the keys themselves on a CPU: the C kernel where it runs
+        best = native.page_best(queries, codes, valid, page)
+        if best is not None:
+            return best
     return backend.page_scores(queries, codes, scale, offset, valid, page, bits)
 
 

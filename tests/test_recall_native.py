@@ -1,0 +1,106 @@
+"""The recall step's C kernels (``h2ochat.recall.native``) against the torch routes they replace on a CPU:
+page scores against the torch reference (fp64 sums as the yardstick), the best pages against the digest's
+torch route, and a bf16 model's recall cache with the kernels against the same cache without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, build_model, recall_cache
+
+from h2ochat.engine.attention import use_h2o_attention
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import max_positions
+from h2ochat.recall import native
+from h2ochat.recall.digests import KeyCodes
+from h2ochat.recall.tiered import RecallConfig
+from h2ochat.rotary import find_rotary
+from h2ochat_kernels.recall_reference import page_scores, top_pages
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
+
+
+@pytest.fixture
+def without_kernel(monkeypatch):
+    """The torch routes only, for this test (as on a CPU where the kernel does not build)."""
+    def off():
+        monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    return off
+
+
+def _bf16(*shape, generator):
+    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("queries,dim", [(1, 64), (3, 64), (5, 67), (16, 128)])
+def test_page_best_is_the_reference_to_fp32_rounding(queries, dim):
+    generator = torch.Generator().manual_seed(queries * dim)
+    store = _bf16(2, 3, 130, dim + 5, generator=generator)
+    keys = store[:, :, :96, :dim]  # a view of a bigger store, as the digest scores it
+    q = _bf16(2, 3, queries, dim, generator=generator)
+    valid = torch.rand(2, 3, 96, generator=generator) > 0.2
+    valid[0, 1, 16:24] = False  # an empty page
+    got = native.page_best(q, keys, valid, 8)
+    dots = torch.einsum("bhmd,bhtd->bhmt", q.double(), keys.double()).amax(dim=2).masked_fill(~valid, float("-inf"))
+    exact = dots.view(2, 3, 12, 8).amax(dim=-1)  # the best q.k per page, summed in fp64
+    finite = exact.isfinite()
+    assert torch.equal(got.isfinite(), finite) and bool((got[0, 1, 2] == float("-inf")))
+    torch.testing.assert_close(got[finite].double(), exact[finite], rtol=1e-6, atol=1e-5)
+    reference = page_scores(q, keys, None, None, valid, 8)
+    assert torch.equal(top_pages(got, 5), top_pages(reference, 5))
+
+
+def test_page_best_declines_what_it_does_not_take():
+    q = torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)
+    keys = torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16)
+    valid = torch.ones(1, 1, 16, dtype=torch.bool)
+    assert native.page_best(q.float(), keys.float(), valid, 8) is None  # fp32: the reference's
+    many = torch.zeros(1, 1, native.MAX_QUERIES + 1, 8, dtype=torch.bfloat16)
+    assert native.page_best(many, keys, valid, 8) is None  # a prompt chunk's queries
+
+
+def _digest(counts, generator, dim=64, page=8, slots=200):
+    digest = KeyCodes(len(counts), len(counts[0]), dim, page, None, dtype=torch.bfloat16)
+    digest.reserve(slots)
+    keys = _bf16(len(counts), len(counts[0]), slots, dim, generator=generator)
+    index = torch.tensor([[list(range(c)) + [-1] * (slots - c) for c in row] for row in counts])
+    digest.append(keys, index)
+    return digest
+
+
+@needs_kernel
+@pytest.mark.parametrize("upto", [None, 100, 13])
+def test_top_pages_is_the_digests_torch_route(without_kernel, upto):
+    """Rows and heads holding nothing, a part page, fewer pages than wanted; ``upto`` cutting the scored slots."""
+    generator = torch.Generator().manual_seed(7)
+    digest = _digest([[0, 5, 197], [64, 130, 9]], generator)
+    q = _bf16(2, 3, 3, 64, generator=generator)
+    got = [digest.top_pages(q, k, upto=upto) for k in (1, 7, 40)]
+    without_kernel()
+    want = [digest.top_pages(q, k, upto=upto) for k in (1, 7, 40)]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def _run_recall_cache(model, ids):
+    cache = recall_cache(model.config.num_hidden_layers, "h2o", 12, recall=RecallConfig(16, 4, "exact"),
+                         max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
+    use_h2o_attention(model)
+    logits = [forward(model, cache, ids[:, :30], logits_to_keep=1)[:, -1]]
+    logits += [forward(model, cache, ids[:, i:i + 1], logits_to_keep=1)[:, -1] for i in range(30, ids.shape[1])]
+    frames = [layer.tier.frames.frame_page.clone() for layer in cache.layers]
+    return torch.stack(logits), frames, [int(layer.tier.frames.copied.sum()) for layer in cache.layers]
+
+
+@needs_kernel
+def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel):
+    """A bf16 llama's two-tier cache (the exact selector over int8-value cold pages, as by default) through a chunk
+    and 40 decode steps: the same logits, the same pages in the frames and the same copies as without the kernels."""
+    model = build_model("llama", seed=3, max_position_embeddings=256).to(torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (1, 70), generator=torch.Generator().manual_seed(3))
+    got = _run_recall_cache(model, ids)
+    without_kernel()
+    want = _run_recall_cache(model, ids)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
