@@ -104,3 +104,59 @@ def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel):
     want = _run_recall_cache(model, ids)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
+
+
+@needs_kernel
+def test_the_frames_plan_is_the_torch_routes(without_kernel):
+    """60 updates of random wanted pages (some -1, some already held), pages still filling: the same
+    plans and the same frame state."""
+    from h2ochat.recall.step import RecallFrames
+
+    def run():
+        generator = torch.Generator().manual_seed(11)
+        frames, plans = RecallFrames(2, 3, 5), []
+        for step in range(60):
+            wanted = torch.randperm(12, generator=generator)[:4].expand(2, 3, 4).clone()
+            wanted[torch.rand(2, 3, 4, generator=generator) < 0.2] = -1
+            complete = torch.full((2, 3), step // 6, dtype=torch.long) if step % 3 else None
+            plan = frames.update(wanted, complete)
+            plans.append((plan.frame_page, plan.load))
+        return plans, frames.state_tensors()
+
+    got = run()
+    without_kernel()
+    want = run()
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got[0], want[0]))
+    assert all(torch.equal(got[1][name], want[1][name]) for name in want[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("cold_dtype,limit,dtype", [("int8-values", None, torch.bfloat16),
+                                                     ("model", 24, torch.bfloat16), ("int8-values", 16, torch.float32)])
+def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limit, dtype):
+    """A store (a ring under a limit, int8 values or the model's) holding a part page, a plan loading
+    held pages, dropped ones, the part page and -1 into views of bigger slot buffers: the same slots."""
+    from h2ochat.recall.cold_store import ColdStore
+    from h2ochat.recall.step import RecallPlan, RecallSlots, fill_recall_slots
+
+    generator = torch.Generator().manual_seed(5)
+    store = ColdStore(2, 3, 16, 12, 4, dtype, cold_dtype=cold_dtype, limit=limit)
+    tokens = 37
+    index = torch.arange(tokens).expand(2, 3, tokens)
+    store.append(torch.randn(2, 3, tokens, 16, generator=generator).to(dtype),
+                 torch.randn(2, 3, tokens, 12, generator=generator).to(dtype), index, index + 100)
+    frame_page = torch.tensor([0, 9, 8, -1, 2]).expand(2, 3, 5).clone()
+    load = torch.rand(2, 3, 5, generator=generator) < 0.7
+
+    def filled():
+        layer = {"keys": torch.full((2, 3, 30, 16), 7.0, dtype=dtype), "values": torch.full((2, 3, 30, 12), 7.0, dtype=dtype),
+                 "token_index": torch.full((2, 3, 30), 5), "positions": torch.full((2, 3, 30), 5)}
+        views = {name: tensor[:, :, 8:28] for name, tensor in layer.items()}
+        fill_recall_slots(RecallSlots(**views), store, RecallPlan(frame_page, load))
+        return layer
+
+    got = filled()
+    without_kernel()
+    want = filled()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
+from . import native
 from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "int8")
@@ -235,6 +236,17 @@ class ColdStore(FirstRows):
         index = (slot % ring if ring is not None else slot).masked_fill(~present, 0)
         rows, heads = row.unsqueeze(-1), head.unsqueeze(-1)
         return self._tokens(lambda buffer: buffer[rows, heads, index], present, rotary)
+
+    def fill_frames(self, slots: dict[str, torch.Tensor], plan, rotary: Rotary | None) -> bool:
+        """The pages ``plan`` (a ``step.RecallPlan`` read on the host) loads into its frames of ``slots`` (keys,
+        values, token_index, positions [B, H, R, ...]), as ``page_tokens`` gives them, in one C call
+        (``native.fill_frames``); False where it does not run (int8 keys, keys to turn, a GPU's store):
+        nothing written, the caller copies them."""
+        if self.quantized_keys or (rotary is not None and self.moved) or self.zero_copy:
+            return False
+        store = {name: getattr(self, name) for name in ("keys", "values", "token_index", "positions")}
+        store["value_scale"] = self.value_scale
+        return native.fill_frames(slots, store, self.count, self.frames, self.page, plan.load, plan.frame_page)
 
     def _tokens(self, take, present: torch.Tensor, rotary: Rotary | None):
         """The slots ``take(buffer)`` reads of every buffer, as ``pages`` returns them: keys (rotated to

@@ -35,13 +35,27 @@ MAX_QUERIES = 16  # a decode step's group (a prompt chunk's thousands of queries
 class Kernels:
     page_best: object
     top_pages: object
+    frames_update: object
+    fill_frames: object
+
+
+class Strided(ctypes.Structure):
+    """A buffer's base and its (sequence, head, slot) strides, in elements (``strided_t``)."""
+    _fields_ = [("data", ctypes.c_void_p), ("b", ctypes.c_int64), ("h", ctypes.c_int64), ("s", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor | None) -> "Strided":
+        return cls(None, 0, 0, 0) if tensor is None else cls(tensor.data_ptr(), *tensor.stride()[:3])
 
 
 def _bind(library: Path) -> Kernels:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     scoring = [pointer, size, size, size, size, pointer, size, size, size, pointer, size, size]
     return Kernels(page_best=row_products.signed(library, "h2ochat_page_best_bf16", [*scoring, pointer]),
-                   top_pages=row_products.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]))
+                   top_pages=row_products.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]),
+                   frames_update=row_products.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
+                   fill_frames=row_products.signed(library, "h2ochat_fill_frames",
+                                                   [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4))
 
 
 def _scoring(queries, keys) -> list:
@@ -135,3 +149,57 @@ def _taking(queries: torch.Tensor, keys: torch.Tensor, page: int) -> Kernels | N
             and keys.shape[2] % page == 0 and not torch.compiler.is_compiling()):
         return None
     return _loaded()[0]
+
+
+def _host_rows(*tensors: torch.Tensor) -> bool:
+    """Contiguous CPU tensors (state the kernels write through their pointers), outside a compiled graph."""
+    return not torch.compiler.is_compiling() and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def frames_update(wanted: torch.Tensor, frame_page, last_used, clock, copied, complete,
+                  complete_pages: torch.Tensor | None) -> torch.Tensor | None:
+    """``RecallFrames.update``'s state change (its tensors, updated in place) in one call: the frames
+    that load a page [B, H, F] bool; None where the kernel does not take them (the caller's torch route)."""
+    kernels = _loaded()[0]
+    state = (frame_page, last_used, clock, copied, complete)
+    if kernels is None or not _host_rows(*state) or complete.dtype != torch.bool or any(
+            t.dtype != torch.long for t in state[:4]):
+        return None
+    wanted = wanted.to(torch.long).contiguous()
+    if complete_pages is not None:
+        complete_pages = complete_pages.to(torch.long).contiguous()
+    rows, frames = frame_page.shape[0] * frame_page.shape[1], frame_page.shape[2]
+    load = torch.empty(frame_page.shape, dtype=torch.bool)
+    kernels.frames_update(rows, frames, wanted.shape[-1], wanted.data_ptr(), *(t.data_ptr() for t in state),
+                          None if complete_pages is None else complete_pages.data_ptr(), load.data_ptr())
+    return load
+
+
+def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], count: torch.Tensor,
+                ring: int | None, page: int, load: torch.Tensor, frame_page: torch.Tensor) -> bool:
+    """The loaded frames' pages from the cold store into the recall slots (``step.fill_recall_slots``
+    for a plan read on the host), in one call: ``slots`` keys, values, token_index and positions
+    [B, H, R, ...] (float slots, views of the layer's); ``store`` the same names [B, H, S, ...] (keys as the
+    slots hold them, values so or int8 with ``value_scale``, token index and positions int32, keys at the
+    positions they are attended at). False where the kernel does not take them (nothing written)."""
+    kernels = _loaded()[0]
+    keys, values = slots["keys"], slots["values"]
+    scale = store.get("value_scale")
+    cold_values = store["values"].dtype == (torch.int8 if scale is not None else values.dtype)
+    if (kernels is None or torch.compiler.is_compiling() or store["keys"].dtype != keys.dtype
+            or keys.dtype not in (torch.bfloat16, torch.float32) or values.dtype not in (torch.bfloat16, torch.float32)
+            or not cold_values or (scale is not None and scale.dtype != torch.float32)
+            or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (*slots.values(), *store.values()) if t is not None and t.dim() == 4)
+            or any(t.device.type != "cpu" for t in (*slots.values(), *store.values(), count) if t is not None)
+            or slots["token_index"].dtype != torch.long or slots["positions"].dtype != torch.long
+            or store["token_index"].dtype != torch.int32 or store["positions"].dtype != torch.int32):
+        return False
+    load, frame_page, count = load.contiguous(), frame_page.contiguous(), count.contiguous()
+    batch, heads, frames = load.shape
+    names = ("keys", "values", "token_index", "positions")
+    sources = (Strided * 5)(*(Strided.of(store[name]) for name in names), Strided.of(scale))
+    targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
+    kernels.fill_frames(batch, heads, frames, page, load.data_ptr(), frame_page.data_ptr(), count.data_ptr(),
+                        ring or 0, sources, targets, keys.shape[-1], keys.element_size(), values.shape[-1],
+                        values.element_size())
+    return True

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
 #define LOAD_MASKED(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
@@ -87,5 +88,128 @@ void h2ochat_top_pages_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
         if (at < k) top[at] = n, top_score[at] = score;
       }
       for (int64_t j = held; j < k; j++) top[j] = -1;
+    }
+}
+
+/* RecallFrames.update for frames in host memory (contiguous int64 / bool rows, one per (sequence, head)):
+   the same plan, op for op (step.py has the torch version and its reasons). wanted [R, k]; frame_page,
+   last_used, complete [R, F]; clock, copied [R]; complete_pages [R] or NULL; load [R, F] out. */
+void h2ochat_frames_update(int64_t rows, int64_t F, int64_t k, const int64_t *wanted, int64_t *frame_page,
+                           int64_t *last_used, int64_t *clock, int64_t *copied, uint8_t *complete,
+                           const int64_t *complete_pages, uint8_t *load) {
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t *want = wanted + r * k;
+    int64_t *page = frame_page + r * F, *used = last_used + r * F;
+    uint8_t *done = complete + r * F, *loads = load + r * F;
+    const int64_t now = ++clock[r];
+    uint8_t kept[F > 0 ? F : 1];
+    int64_t order[F > 0 ? F : 1], target[k > 0 ? k : 1];
+    for (int64_t f = 0; f < F; f++) {
+      kept[f] = 0;
+      for (int64_t j = 0; j < k; j++) kept[f] |= want[j] >= 0 && page[f] == want[j];
+      loads[f] = 0;
+    }
+    /* free frames, least recently used first (stable: equal clocks in frame order), kept frames last */
+    for (int64_t f = 0; f < F; f++) {
+      int64_t at = f;
+      while (at > 0) {
+        const int64_t other = order[at - 1];
+        const int big_f = kept[f], big_o = kept[other];
+        if (big_o < big_f || (big_o == big_f && (big_f || used[other] <= used[f]))) break;
+        order[at] = other;
+        at--;
+      }
+      order[at] = f;
+    }
+    /* the j-th missing page (in wanted order) to the j-th free frame */
+    int64_t missing = 0;
+    for (int64_t j = 0; j < k; j++) {
+      target[j] = -1;
+      if (want[j] < 0) continue;
+      int found = 0;
+      for (int64_t f = 0; f < F; f++) found |= page[f] == want[j];
+      if (!found && missing < F) target[j] = order[missing++];
+    }
+    for (int64_t j = 0; j < k; j++)
+      if (target[j] >= 0) loads[target[j]] = 1;
+    int64_t new_page[F > 0 ? F : 1];
+    for (int64_t j = 0; j < k; j++)
+      if (target[j] >= 0) new_page[target[j]] = want[j];
+    for (int64_t f = 0; f < F; f++) {
+      if (loads[f]) page[f] = new_page[f];
+      if (kept[f] || loads[f]) used[f] = now;
+      copied[r] += loads[f];
+    }
+    if (complete_pages)
+      for (int64_t f = 0; f < F; f++) {
+        loads[f] |= !done[f] && page[f] >= 0;
+        if (loads[f]) done[f] = page[f] < complete_pages[r];
+      }
+  }
+}
+
+/* Where a store's buffer and a layer's slot columns are: base pointer and strides (elements) of the
+   (sequence, head, slot) dims. */
+typedef struct {
+  void *data;
+  int64_t b, h, s;
+} strided_t;
+
+static inline void *at(const strided_t *t, int64_t b, int64_t h, int64_t s, int64_t item) {
+  return (char *)t->data + (b * t->b + h * t->h + s * t->s) * item;
+}
+
+static inline uint16_t to_bf16(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+  bits += 0x7fffu + ((bits >> 16) & 1u);                                            /* nearest, ties to even */
+  return (uint16_t)(bits >> 16);
+}
+
+/* fill_recall_slots for a plan read on the host: each loaded frame f of (b, h) takes page frame_page of the
+   cold store, slot by slot (an absent slot: zeros, token index and position -1). Keys are copied as they
+   are (key_bytes each: the slots' dtype is the store's); values too (value_scale NULL) or int8 codes times
+   the token's fp32 scale, to bf16 (value_bytes 2) or fp32 (4). Store token indices and positions are
+   int32, the slots' int64. ring: the store's frames (0: it never wraps). */
+void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8_t *load, const int64_t *frame_page,
+                         const int64_t *count, int64_t ring, const strided_t *store, const strided_t *slots,
+                         int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes) {
+  /* store/slots: [0] keys, [1] values, [2] token index, [3] positions; store [4]: value scales (data NULL: none) */
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t row = b * H + h, held = count[row];
+      const int64_t end = (held + P - 1) / P, first = ring && end > ring ? end - ring : 0;
+      for (int64_t f = 0; f < F; f++) {
+        if (!load[row * F + f]) continue;
+        const int64_t page = frame_page[row * F + f];
+        for (int64_t i = 0; i < P; i++) {
+          const int64_t slot = page * P + i, column = f * P + i;
+          const int present = page >= 0 && slot < held && page >= first;
+          const int64_t source = ring ? slot % (ring * P) : slot;
+          void *key = at(&slots[0], b, h, column, key_bytes), *value = at(&slots[1], b, h, column, value_bytes);
+          int64_t *token = at(&slots[2], b, h, column, 8), *position = at(&slots[3], b, h, column, 8);
+          if (!present) {
+            memset(key, 0, D * key_bytes);
+            memset(value, 0, Dv * value_bytes);
+            *token = *position = -1;
+            continue;
+          }
+          memcpy(key, at(&store[0], b, h, source, key_bytes), D * key_bytes);
+          *token = *(const int32_t *)at(&store[2], b, h, source, 4);
+          *position = *(const int32_t *)at(&store[3], b, h, source, 4);
+          if (!store[4].data) {
+            memcpy(value, at(&store[1], b, h, source, value_bytes), Dv * value_bytes);
+            continue;
+          }
+          const int8_t *codes = at(&store[1], b, h, source, 1);
+          const float scale = *(const float *)at(&store[4], b, h, source, 4);
+          for (int64_t d = 0; d < Dv; d++) {
+            const float x = (float)codes[d] * scale;
+            if (value_bytes == 2) ((uint16_t *)value)[d] = to_bf16(x);
+            else ((float *)value)[d] = x;
+          }
+        }
+      }
     }
 }

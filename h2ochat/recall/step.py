@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .layout import FirstRows
 
 
@@ -66,6 +67,11 @@ class RecallFrames(FirstRows):
         frames = self.frame_page.shape[-1]
         if wanted.shape[-1] > frames:
             raise ValueError(f"{wanted.shape[-1]} pages wanted but only {frames} recall frames")
+        if host_reads_allowed(self.frame_page):  # the same plan in one C call (``native``), where it runs
+            load = native.frames_update(wanted, self.frame_page, self.last_used, self.clock, self.copied,
+                                        self.complete, complete_pages)
+            if load is not None:
+                return RecallPlan(self.frame_page.clone(), load)
         self.clock += 1
         real = wanted >= 0
         match = (self.frame_page.unsqueeze(-1) == wanted.unsqueeze(-2)) & real.unsqueeze(-2)  # [B, H, F, k]
@@ -133,6 +139,9 @@ def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, 
     page are not touched). Keys come back rotated to the tokens' current positions; quantized slots
     (``slot_format``) take them encoded as the layer's new tokens are (codes and scales)."""
     if host_reads_allowed(plan.load):
+        if slots.scales is None and store.fill_frames(slots.named() | {"token_index": slots.token_index,
+                                                                       "positions": slots.positions}, plan, rotary):
+            return  # (float slots: one C call, ``native.fill_frames``)
         _fill_loaded_frames(slots, store, plan, rotary, slot_format)
         return
     page = store.page
