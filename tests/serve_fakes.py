@@ -77,6 +77,7 @@ class FakeBackend:
         self.released: list[tuple[int, object]] = []
         self.aborted: list[object] = []
         self.fail_prefill = self.fail_decode = False
+        self.mix = False  # run a prompt chunk and the decode step as one "forward" (``mixed``)
         self.poisoned: set[int] = set()  # rows whose next logits are NaN (a broken model)
 
     def begin(self, request):
@@ -126,6 +127,15 @@ class FakeBackend:
             if row in self.poisoned:
                 logits[row, 5] = float("nan")
         return logits
+
+    def mixes(self, job):
+        return self.mix
+
+    def mixed(self, job, tokens):
+        logits = self.prefill(job)
+        decoded = self.decode(tokens)
+        self.log.append(("mixed",))
+        return logits, decoded
 
     def release(self, row, choice):
         self.released.append((row, choice))

@@ -37,6 +37,7 @@ def serve(
     repetition_penalty: o.RepetitionPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
     compile: o.ServeCompile = None,
+    mixed_steps: o.ServeMixedSteps = None,
     host: Annotated[str, typer.Option("--host", rich_help_panel=SERVER,
         help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, rich_help_panel=SERVER)] = 8000,
@@ -78,6 +79,7 @@ def serve(
                          max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
                          prefill_chunks_per_step=prefill_chunks_per_step,
                          repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, compile=compile,
+                         mixed_steps=mixed_steps,
                          host=host, port=port, api_key=api_key, quiet=quiet)
     status = run_server(config)  # 130 when stopped by SIGINT, 0 by SIGTERM
     if status:

@@ -51,6 +51,18 @@ def inference_steps(steps: Iterator):
         yield item
 
 
+def chunk_size(cache: H2OCache, remaining: int, chunk: int) -> int:
+    """How many of the ``remaining`` prompt tokens the next forward reads: ``chunk`` at most, and
+    where a re-numbering is due inside it, up to the re-numbering (then a chunk that fits beside the
+    re-numbered slots, positions 0..C-1)."""
+    size = min(chunk, remaining)
+    room = cache.room_before_renumbering()
+    if cache.evicts and cache.position_mode == "compact" and size > room:
+        largest = max(layer.capacity for layer in cache.layers)
+        size = room if room > 0 else max(1, min(size, cache.max_positions - largest))
+    return size
+
+
 def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             chunk: int = DEFAULT_PREFILL_CHUNK, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """Feed a prompt [B, T] in chunks; returns the logits of its last token [B, V].
@@ -66,13 +78,7 @@ def prefill(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask: tor
     while start < total:
         if should_stop is not None and start > 0 and should_stop():
             raise KeyboardInterrupt
-        size = min(chunk, total - start)
-        room = cache.room_before_renumbering()
-        if cache.evicts and cache.position_mode == "compact" and size > room:
-            # a re-numbering is due inside this chunk: feed up to it, then a chunk that fits beside
-            # the re-numbered slots (positions 0..C-1)
-            largest = max(layer.capacity for layer in cache.layers)
-            size = room if room > 0 else max(1, min(size, cache.max_positions - largest))
+        size = chunk_size(cache, total - start, chunk)
         piece = input_ids[:, start : start + size]
         mask = attention_mask[:, start : start + size] if attention_mask is not None else None
         logits = forward(model, cache, piece, mask, logits_to_keep=1)

@@ -51,10 +51,12 @@ class ModelBackend:
 
     def __init__(self, model, settings: CacheSettings, rows: int, *, store: ParkedStore, prefill_chunk: int,
                  compile: bool | None = False, compile_backend: str | None = None,
-                 buckets: Sequence[int] | None = None):
+                 buckets: Sequence[int] | None = None, mixed_steps: bool | None = None):
         """``compile``: decode through the compiled step; None: where it serves the cache's rows as they
-        are (``compiles_by_default``)."""
+        are (``compiles_by_default``). ``mixed_steps``: read a prompt chunk and decode the running rows
+        in one forward (``mixes``); None: while the decode step is eager (``MIXES_WHEN_COMPILED``)."""
         self.settings, self.rows = settings, rows
+        self.mixed_steps = mixed_steps
         config = model.config
         self.policy = settings.resolved_policy()
         self.slots = settings.slots(config, model)  # (a --budget in bytes: at the model's dtype)
@@ -156,10 +158,40 @@ class ModelBackend:
                 logits = self.runner.decode(cache, fed, None)
             self.pool.stepped_free_rows([row for row, token in enumerate(tokens) if token is None])
             return logits
+        size, active = self._bucket_of(tokens)
+        with self.pool.bucket_cache(size) as cache:
+            return self.runner.decode(cache, fed[:size], active)
+
+    def _bucket_of(self, tokens: list[int | None]) -> tuple[int, list[bool]]:
+        """The bucket a masked step runs for these rows in use, and which of its rows take part."""
         in_use = [row for row, token in enumerate(tokens) if token is not None]
         size = self.pool.bucket(in_use[-1] + 1 if in_use else 1)
+        return size, [token is not None for token in tokens[:size]]
+
+    @property
+    def mixes_steps(self) -> bool:
+        """Whether prompt chunks run in one forward with the decode steps (``mixes``)."""
+        wanted = self.mixed_steps if self.mixed_steps is not None else not self.compiled
+        return wanted and self.pool.masks_rows
+
+    def mixes(self, job: PrefillJob) -> bool:
+        """Whether the job's next chunk and the next decode step run as one forward (``mixed``): where
+        told to (``mixed_steps``), else while the decode step is eager. On one CPU core a prompt chunk
+        is compute-bound and the decode step mostly streams the weights, so sharing the linears saves
+        the decode's weight reads: ``benchmarks/mixed_step.py`` (SmolLM2-135M, bf16, 8 rows, a
+        380-token chunk) measured a mixed step 3.3% below the chunk and an eager decode step, but
+        0.7% above the chunk and the compiled step, whose eager half loses what the graph saves. A
+        step needs the rows left out of it masked (``masks_rows``)."""
+        return self.mixes_steps and job.fed < job.ids.shape[1]
+
+    def mixed(self, job: PrefillJob, tokens: list[int | None]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``prefill`` and ``decode`` as one forward (``mixes`` said it may): the prompt's logits [V] once
+        it is read (else None), and the bucket's rows' logits [R, V]."""
+        size, active = self._bucket_of(tokens)
+        fed = [token if token is not None else 0 for token in tokens[:size]]
         with self.pool.bucket_cache(size) as cache:
-            return self.runner.decode(cache, fed[:size], [token is not None for token in tokens[:size]])
+            job.fed, prompt_logits, logits = self.runner.mixed(job.cache, job.ids, job.fed, cache, fed, active)
+        return prompt_logits, logits
 
     def warm_up(self) -> None:
         """One decode step of every bucket with every row left out (a compiled step is built here for

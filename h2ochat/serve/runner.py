@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.generation import forward, prefill
+from ..engine.generation import chunk_size, forward, prefill
+from ..engine.mixed_step import mixed_forward
 from ..kv import H2OCache
 
 
@@ -34,6 +35,18 @@ class ModelRunner:
         with torch.inference_mode():
             logits = prefill(self.model, cache, ids[:, start:end], chunk=self.prefill_chunk)
         return end, (logits[0] if end == ids.shape[1] else None)
+
+    def mixed(self, prompt: H2OCache, ids: torch.Tensor, start: int, batch: H2OCache, tokens: list[int],
+              active: list[bool]) -> tuple[int, torch.Tensor | None, torch.Tensor]:
+        """``prefill_chunk_of`` and ``decode`` in one forward (``engine.mixed_step``; always eager): where
+        the next chunk starts, the prompt's next-token logits [V] once its last token is fed (else None),
+        and the decode rows' logits [R, V]."""
+        end = start + chunk_size(prompt, ids.shape[1] - start, self.prefill_chunk)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        mask = torch.tensor(active, dtype=torch.bool, device=self.device)
+        with torch.inference_mode():
+            prompt_logits, logits = mixed_forward(self.model, prompt, ids[:, start:end], batch, input_ids, mask)
+        return end, (prompt_logits if end == ids.shape[1] else None), logits
 
     def prime(self, cache: H2OCache, rows: int) -> None:
         """One eager decode step with all ``rows`` of ``cache`` left out (it writes nothing), before a

@@ -6,9 +6,10 @@ the highest one down, only when that lets the step run fewer rows): the backend 
 of its bucket sizes (1, 2, 4, ... N rows) that holds them and leaves the free rows among them out of
 the step, so one chat on a large server costs what it costs on a 1-row server, and ``--compile``
 captures one graph per bucket. A newcomer is prefilled on a cache of its own, chunk by chunk between
-the others' decode steps, and moved into free rows when its prompt is read, so it never stalls the
-batch for more than one chunk. A row is recycled the step after its choice finishes, hits a stop or
-is cancelled: its cache is parked and the row reset. Rows never grow, so nothing is ever preempted.
+the others' decode steps (or, where the backend mixes them, in the same forward as a decode step), and
+moved into free rows when its prompt is read, so it never stalls the batch for more than one chunk.
+A row is recycled the step after its choice finishes, hits a stop or is cancelled: its cache is parked
+and the row reset. Rows never grow, so nothing is ever preempted.
 
 Every step's tokens are sampled in one call (``serve.sampling``); a request whose sampling or text
 fails fails alone, the others go on. The model sits behind ``Backend``; the scheduler only decides
@@ -61,6 +62,13 @@ class Backend(Protocol):
 
     def recalled(self, row: int) -> int:
         """Pages a recall tier brought back into ``row`` so far (per layer and KV head, summed; 0 without)."""
+
+    def mixes(self, job) -> bool:
+        """Whether the job's next chunk and the next decode step run as one forward (``mixed``)."""
+
+    def mixed(self, job, tokens: list[int | None]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``prefill`` of the job's next chunk and ``decode`` of ``tokens`` in one forward: the prompt's
+        next-token logits [V] once it is read (else None), and the decode step's [R, V]."""
 
 
 class Scheduler:
@@ -117,10 +125,14 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> bool:
-        """At most ``prefill_chunks`` prefill chunks, then one decode step of the rows; False when there
-        was nothing to do."""
+        """At most ``prefill_chunks`` prefill chunks, then one decode step of the rows; the last chunk
+        and the decode step run as one forward where the backend mixes them (``Backend.mixes``).
+        False when there was nothing to do."""
         worked = False
-        for _ in range(self.prefill_chunks):
+        for chunk in range(self.prefill_chunks):
+            if chunk == self.prefill_chunks - 1 and self._mixes():
+                self._mixed_step()
+                return True
             if not self._prefill_step():
                 break
             worked = True
@@ -129,49 +141,99 @@ class Scheduler:
             worked = True
         return worked
 
-    def _prefill_step(self) -> bool:
+    def _admit(self) -> bool:
+        """Begin admitting the first waiting request when none is being admitted and its choices fit
+        the free rows; False when beginning it failed (the request fails)."""
         if self.job is None and self.waiting and len(self.free_rows) >= self.waiting[0].n:
             request = self.waiting.popleft()
             try:
                 self.job = self.backend.begin(request)
             except Exception as exc:  # noqa: BLE001  one request's failure must not stop the engine
                 request.fail(_as_api_error(exc))
-                return True
+                return False
             self.admitting = request
+        return True
+
+    def _mixes(self) -> bool:
+        """Whether this step's prompt chunk runs in one forward with the decode step."""
+        if not self.rows_in_use or not self._admit():
+            return False
+        return self.job is not None and self.backend.mixes(self.job)
+
+    def _prefill_step(self) -> bool:
+        if not self._admit():
+            return True
         if self.job is None:
             return False
-        request = self.admitting
         try:
             logits = self.backend.prefill(self.job)
-            if logits is None:
-                return True
-            rows = self.free_rows[: request.n]
+        except Exception as exc:  # noqa: BLE001
+            self._drop_job(exc)
+            return True
+        if logits is not None:
+            self._install(logits)
+        return True
+
+    def _install(self, logits: torch.Tensor) -> None:
+        """The admitted request's prompt is read (``logits`` [V]: its next token's): its cache goes
+        into free rows, one per choice, and each samples its first token."""
+        request = self.admitting
+        rows = self.free_rows[: request.n]
+        try:
             self.backend.install(self.job, rows)
         except Exception as exc:  # noqa: BLE001
-            self.backend.abort(self.job)
-            self.job = self.admitting = None
-            request.fail(_as_api_error(exc))
-            return True
+            self._drop_job(exc)
+            return
         self.job = self.admitting = None
         for row, choice in zip(rows, request.choices):
             choice.place(row, self.backend.evicted(row), self.backend.recalled(row))
             self.rows[row] = choice
         self._advance(list(zip(rows, request.choices)), logits.unsqueeze(0).expand(len(rows), -1))
-        return True
+
+    def _drop_job(self, exc: Exception) -> None:
+        """The admitted request fails (its prompt could not be read or installed); its job goes."""
+        request = self.admitting
+        self.backend.abort(self.job)
+        self.job = self.admitting = None
+        request.fail(_as_api_error(exc))
 
     def _decode_step(self) -> None:
         self._pack()
-        tokens = [choice.last if choice is not None else None for choice in self.rows]
         try:
-            logits = self.backend.decode(tokens)
+            logits = self.backend.decode(self._tokens())
         except Exception as exc:  # noqa: BLE001  the batch's state is unknown: fail its requests, free every row
-            error = _as_api_error(exc)
-            for row, choice in enumerate(self.rows):
-                if choice is not None:
-                    self._free(row, park=False)
-                    if choice.finish_reason is None:
-                        choice.request.fail(error)
+            self._fail_batch(_as_api_error(exc))
             return
+        self._advance_rows(logits)
+
+    def _mixed_step(self) -> None:
+        """The admitted request's next chunk and the decode step of the rows, in one forward; when it
+        fails, the request and the batch fail (neither cache's state is known)."""
+        self._pack()
+        try:
+            prompt_logits, logits = self.backend.mixed(self.job, self._tokens())
+        except Exception as exc:  # noqa: BLE001
+            self._fail_batch(_as_api_error(exc))
+            self._drop_job(exc)
+            return
+        self._advance_rows(logits)
+        if prompt_logits is not None:
+            self._install(prompt_logits)
+
+    def _tokens(self) -> list[int | None]:
+        """What each row feeds its next decode step (None: a free row)."""
+        return [choice.last if choice is not None else None for choice in self.rows]
+
+    def _fail_batch(self, error: APIError) -> None:
+        """Every row's request fails and every row is freed (nothing parked)."""
+        for row, choice in enumerate(self.rows):
+            if choice is not None:
+                self._free(row, park=False)
+                if choice.finish_reason is None:
+                    choice.request.fail(error)
+
+    def _advance_rows(self, logits: torch.Tensor) -> None:
+        """Sample the rows in use from a decode step's ``logits`` (rows 0..R-1 of the bucket)."""
         running = [(row, choice) for row, choice in enumerate(self.rows) if choice is not None]
         in_use = [row for row, _ in running]
         if in_use != list(range(len(in_use))):  # (packed rows need no gather)

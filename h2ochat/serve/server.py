@@ -54,6 +54,7 @@ class ServeConfig:
     repeat_last_n: int = 64
     compile: bool | None = False  # None: when the step covers the rows (serve.backend.compiles_by_default)
     compile_backend: str | None = None
+    mixed_steps: bool | None = None  # None: while the decode step is eager (serve.backend.ModelBackend.mixes)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -163,7 +164,8 @@ def loader(config: ServeConfig, store: ParkedStore):
         rows, source = choose_rows(config, row_bytes, loaded.device, cold_bytes)
         pack_linears(loaded.model, rows)  # (loaded for max_sequences or one row: the form for the rows chosen)
         backend = ModelBackend(loaded.model, settings, rows, store=store, prefill_chunk=config.prefill_chunk,
-                               compile=config.compile, compile_backend=config.compile_backend)
+                               compile=config.compile, compile_backend=config.compile_backend,
+                               mixed_steps=config.mixed_steps)
         if backend.compiled:  # compile now, while /health says loading, not in the first request
             log.info("compiling the decode step for %d rows (%s)…", rows, backend.decode_step.shapes)
             failed = backend.compiled_warm_up()
@@ -178,10 +180,12 @@ def loader(config: ServeConfig, store: ParkedStore):
                             bounded=bounded, max_tokens_cap=config.max_tokens,
                             repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n)
         log.info("%s loaded on %s: %d sequence rows (from %s); %s cache of %d slots per row at %s, %s; %.1f MiB "
-                 "of device KV in all; parked conversations up to %.0f MiB; %s decode step, %s linears", loaded.name,
+                 "of device KV in all; parked conversations up to %.0f MiB; %s decode step, prompt chunks %s, %s linears",
+                 loaded.name,
                  loaded.device, rows, source, policy.name, backend.slots, slot_format(settings, loaded.model),
                  recall_line(backend, cold_bytes, positions), rows * row_bytes / 2**20, store.capacity / 2**20,
-                 "compiled" if backend.compiled else "eager", form_of(loaded.model))
+                 "compiled" if backend.compiled else "eager",
+                 "in the decode steps" if backend.mixes_steps else "apart", form_of(loaded.model))
         return Loaded(backend, loaded.tokenizer, preparer, frozenset(stop_token_ids(loaded.tokenizer, loaded.model)),
                       config.served_name or config.model, row_bytes=row_bytes,
                       layers=model_config.num_hidden_layers, kv_heads=backend.kv_heads,
