@@ -83,8 +83,9 @@ def test_top_pages_is_the_digests_torch_route(without_kernel, upto):
         assert torch.equal(g, w)
 
 
-def _run_recall_cache(model, ids):
-    cache = recall_cache(model.config.num_hidden_layers, "h2o", 12, recall=RecallConfig(16, 4, "exact"),
+def _run_recall_cache(model, ids, cold_dtype="auto"):
+    cache = recall_cache(model.config.num_hidden_layers, "h2o", 12,
+                         recall=RecallConfig(16, 4, "exact", cold_dtype=cold_dtype),
                          max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
     use_h2o_attention(model)
     logits = [forward(model, cache, ids[:, :30], logits_to_keep=1)[:, -1]]
@@ -94,14 +95,16 @@ def _run_recall_cache(model, ids):
 
 
 @needs_kernel
-def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel):
-    """A bf16 llama's two-tier cache (the exact selector over int8-value cold pages, as by default) through a chunk
-    and 40 decode steps: the same logits, the same pages in the frames and the same copies as without the kernels."""
+@pytest.mark.parametrize("cold_dtype,batch", [("auto", 1), ("model", 2)])
+def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_dtype, batch):
+    """A bf16 llama's two-tier cache (the exact selector over int8-value cold pages, as by default, or the
+    model's) through a chunk and 40 decode steps: the same logits, the same pages in the frames and the same
+    copies as without the kernels (the decode steps' choice in one call, ``native.DecodeChoice``)."""
     model = build_model("llama", seed=3, max_position_embeddings=256).to(torch.bfloat16)
-    ids = torch.randint(3, VOCAB, (1, 70), generator=torch.Generator().manual_seed(3))
-    got = _run_recall_cache(model, ids)
+    ids = torch.randint(3, VOCAB, (batch, 70), generator=torch.Generator().manual_seed(3))
+    got = _run_recall_cache(model, ids, cold_dtype)
     without_kernel()
-    want = _run_recall_cache(model, ids)
+    want = _run_recall_cache(model, ids, cold_dtype)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
 

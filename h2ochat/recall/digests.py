@@ -140,7 +140,7 @@ class KeyCodes(FirstRows):
         latest = number.view(batch, heads, slots // self.page, self.page).amax(dim=-1)
         return torch.where(latest >= 0, latest // self.page, -1)
 
-    def _scored_slots(self, upto: int | None) -> int:
+    def scored_slots(self, upto: int | None) -> int:
         """The leading slots to score: all, or ``upto`` rounded up to whole pages (at least one page,
         at most the store)."""
         size = self.capacity
@@ -162,7 +162,7 @@ class KeyCodes(FirstRows):
     def page_numbers(self, upto: int | None = None) -> torch.Tensor:
         """[B, H, F]: the absolute page number each frame holds now (-1: none); the first F frames
         with ``upto`` (as ``scores``)."""
-        return self._page_numbers(self._numbers(self._scored_slots(upto)))
+        return self._page_numbers(self._numbers(self.scored_slots(upto)))
 
     # -- scoring --------------------------------------------------------------------------------------
     def _scores(self, queries: torch.Tensor, number: torch.Tensor) -> torch.Tensor:
@@ -178,16 +178,16 @@ class KeyCodes(FirstRows):
         """queries [B, H, M, D] -> [B, H, F]: each stored page's best q.k (-inf: no token). ``upto``: a
         bound known on the host of the slots in use (every row's count, or more); only the first
         F = ceil(upto / page) frames are scored (without a ring up to half the store is empty)."""
-        return self._scores(queries, self._numbers(self._scored_slots(upto)))
+        return self._scores(queries, self._numbers(self.scored_slots(upto)))
 
     def top_pages(self, queries: torch.Tensor, count: int, upto: int | None = None) -> torch.Tensor:
         """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer pages; k is
         fewer than ``count`` only where fewer frames are scored)."""
         if self.bits is None and self.frames is None:  # the keys themselves, never a ring: one C call (a CPU's)
-            wanted = native.top_pages(queries, self.codes[:, :, :self._scored_slots(upto)], self.count, self.page, count)
+            wanted = native.top_pages(queries, self.codes[:, :, :self.scored_slots(upto)], self.count, self.page, count)
             if wanted is not None:
                 return wanted
-        number = self._numbers(self._scored_slots(upto))
+        number = self._numbers(self.scored_slots(upto))
         return best_pages(self._scores(queries, number), self._page_numbers(number), count)
 
     cap = None  # (one stage: every page scored on the device, no cap)

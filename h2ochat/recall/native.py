@@ -37,6 +37,7 @@ class Kernels:
     top_pages: object
     frames_update: object
     fill_frames: object
+    recall_step: object
 
 
 class Strided(ctypes.Structure):
@@ -55,7 +56,10 @@ def _bind(library: Path) -> Kernels:
                    top_pages=row_products.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]),
                    frames_update=row_products.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
                    fill_frames=row_products.signed(library, "h2ochat_fill_frames",
-                                                   [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4))
+                                                   [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4),
+                   recall_step=row_products.signed(library, "h2ochat_recall_step",
+                                                   [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
+                                                   + [size] * 2))
 
 
 def _scoring(queries, keys) -> list:
@@ -203,3 +207,50 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
                         ring or 0, sources, targets, keys.shape[-1], keys.element_size(), values.shape[-1],
                         values.element_size())
     return True
+
+
+class DecodeChoice:
+    """One layer's whole choice of a decode step in one C call (``h2ochat_recall_step``): the best pages
+    (``top_pages``), the frames' plan (``frames_update``, the store's full pages complete) and the loaded
+    pages' copy (``fill_frames``), where all three run: the exact selector on the store's own keys, a
+    store that never wraps, bf16 keys and float slots, every row choosing, keys not to turn. ``of``
+    says whether it takes a layer; a call returns False where it does not take this step."""
+
+    def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor]):
+        self.kernels, self.cold, self.frames = kernels, cold, frames
+        names = ("keys", "values", "token_index", "positions")
+        self.targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
+        self._slots = slots  # (the views the targets point into, held while they are)
+        self.value_dim, self.value_bytes = slots["values"].shape[-1], slots["values"].element_size()
+        shape = frames.frame_page.shape
+        self.wanted = torch.empty(shape, dtype=torch.long)
+        self.load = torch.empty(shape, dtype=torch.bool)
+
+    @classmethod
+    def of(cls, cold, frames, slots: dict[str, torch.Tensor], keys_in_place: bool) -> "DecodeChoice | None":
+        kernels = _loaded()[0]
+        keys, values = slots["keys"], slots["values"]
+        state = (frames.frame_page, frames.last_used, frames.clock, frames.copied, frames.complete)
+        if (kernels is None or not keys_in_place or cold.frames is not None or cold.quantized_keys or cold.zero_copy
+                or cold.keys.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16
+                or cold.values.dtype != (torch.int8 if cold.quantized_values else torch.bfloat16)
+                or not _host_rows(*state) or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values))
+                or slots["token_index"].dtype != torch.long or slots["positions"].dtype != torch.long):
+            return None
+        return cls(kernels, cold, frames, slots)
+
+    def __call__(self, queries: torch.Tensor, scored: int) -> bool:
+        """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots."""
+        if queries.dtype != torch.bfloat16 or queries.shape[2] > MAX_QUERIES or torch.compiler.is_compiling():
+            return False
+        cold, frames = self.cold, self.frames
+        queries = queries.contiguous()
+        batch, heads, count, dim = queries.shape
+        sources = (Strided * 5)(Strided.of(cold.keys), Strided.of(cold.values), Strided.of(cold.token_index),
+                                Strided.of(cold.positions), Strided.of(cold.value_scale))
+        self.kernels.recall_step(
+            queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
+            frames.frame_page.shape[-1], self.wanted.data_ptr(), frames.frame_page.data_ptr(),
+            frames.last_used.data_ptr(), frames.clock.data_ptr(), frames.copied.data_ptr(), frames.complete.data_ptr(),
+            self.load.data_ptr(), sources, self.targets, self.value_dim, self.value_bytes)
+        return True

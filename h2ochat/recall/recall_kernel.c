@@ -62,90 +62,97 @@ void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
     }
 }
 
-/* The best k pages of an append-only store that never wraps (slot n holds the n-th token; slots at or
-   past count[b, h] are empty), scoring the first T slots: their page numbers, best first, -1 past the
-   pages that hold a token (torch.topk of page_best's scores with -inf masked to -1; equal scores in
-   page order). wanted: [B, H, k]. */
+/* The best k pages of one (sequence, head) of an append-only store that never wraps (slot n holds the
+   n-th token; slots at or past `held` are empty), scoring its first T slots: their page numbers, best
+   first, -1 past the pages that hold a token (torch.topk of page_best's scores with -inf masked to -1;
+   equal scores in page order). */
+static void top_pages_row(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
+                          int64_t held, int64_t T, int64_t page, int64_t k, int64_t *top) {
+  float top_score[k > 0 ? k : 1];
+  int64_t found = 0;
+  const int64_t filled = held < T ? held : T;
+  for (int64_t n = 0; n * page < filled; n++) {
+    const int64_t last = (n + 1) * page < filled ? (n + 1) * page : filled;
+    const float score = slots_best(keys, key_t, NULL, n * page, last, q, M, D);
+    if (score == -INFINITY) continue;
+    int64_t at = found < k ? found++ : k;
+    while (at > 0 && score > top_score[at - 1]) {
+      if (at < k) top[at] = top[at - 1], top_score[at] = top_score[at - 1];
+      at--;
+    }
+    if (at < k) top[at] = n, top_score[at] = score;
+  }
+  for (int64_t j = found; j < k; j++) top[j] = -1;
+}
+
+/* top_pages_row for every (sequence, head): count [B, H], wanted [B, H, k]. */
 void h2ochat_top_pages_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const uint16_t *keys,
                             int64_t key_b, int64_t key_h, int64_t key_t, const int64_t *count, int64_t T,
                             int64_t page, int64_t k, int64_t *wanted) {
   for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < H; h++) {
-      const int64_t row = b * H + h;
-      int64_t *top = wanted + row * k;
-      float top_score[k > 0 ? k : 1];
-      int64_t held = 0;
-      const int64_t filled = count[row] < T ? count[row] : T;
-      for (int64_t n = 0; n * page < filled; n++) {
-        const int64_t last = (n + 1) * page < filled ? (n + 1) * page : filled;
-        const float score = slots_best(keys + b * key_b + h * key_h, key_t, NULL, n * page, last, q + row * M * D, M, D);
-        if (score == -INFINITY) continue;
-        int64_t at = held < k ? held++ : k;
-        while (at > 0 && score > top_score[at - 1]) {
-          if (at < k) top[at] = top[at - 1], top_score[at] = top_score[at - 1];
-          at--;
-        }
-        if (at < k) top[at] = n, top_score[at] = score;
-      }
-      for (int64_t j = held; j < k; j++) top[j] = -1;
-    }
+    for (int64_t h = 0; h < H; h++)
+      top_pages_row(q + (b * H + h) * M * D, M, D, keys + b * key_b + h * key_h, key_t, count[b * H + h], T, page, k,
+                    wanted + (b * H + h) * k);
 }
 
 /* RecallFrames.update for frames in host memory (contiguous int64 / bool rows, one per (sequence, head)):
    the same plan, op for op (step.py has the torch version and its reasons). wanted [R, k]; frame_page,
    last_used, complete [R, F]; clock, copied [R]; complete_pages [R] or NULL; load [R, F] out. */
+static void frames_update_row(int64_t F, int64_t k, const int64_t *want, int64_t *page, int64_t *used,
+                              int64_t *clock, int64_t *copied, uint8_t *done, const int64_t *complete_pages,
+                              uint8_t *loads) {
+  const int64_t now = ++*clock;
+  uint8_t kept[F > 0 ? F : 1];
+  int64_t order[F > 0 ? F : 1], target[k > 0 ? k : 1];
+  for (int64_t f = 0; f < F; f++) {
+    kept[f] = 0;
+    for (int64_t j = 0; j < k; j++) kept[f] |= want[j] >= 0 && page[f] == want[j];
+    loads[f] = 0;
+  }
+  /* free frames, least recently used first (stable: equal clocks in frame order), kept frames last */
+  for (int64_t f = 0; f < F; f++) {
+    int64_t at = f;
+    while (at > 0) {
+      const int64_t other = order[at - 1];
+      const int big_f = kept[f], big_o = kept[other];
+      if (big_o < big_f || (big_o == big_f && (big_f || used[other] <= used[f]))) break;
+      order[at] = other;
+      at--;
+    }
+    order[at] = f;
+  }
+  /* the j-th missing page (in wanted order) to the j-th free frame */
+  int64_t missing = 0;
+  for (int64_t j = 0; j < k; j++) {
+    target[j] = -1;
+    if (want[j] < 0) continue;
+    int found = 0;
+    for (int64_t f = 0; f < F; f++) found |= page[f] == want[j];
+    if (!found && missing < F) target[j] = order[missing++];
+  }
+  for (int64_t j = 0; j < k; j++)
+    if (target[j] >= 0) loads[target[j]] = 1;
+  int64_t new_page[F > 0 ? F : 1];
+  for (int64_t j = 0; j < k; j++)
+    if (target[j] >= 0) new_page[target[j]] = want[j];
+  for (int64_t f = 0; f < F; f++) {
+    if (loads[f]) page[f] = new_page[f];
+    if (kept[f] || loads[f]) used[f] = now;
+    *copied += loads[f];
+  }
+  if (complete_pages)
+    for (int64_t f = 0; f < F; f++) {
+      loads[f] |= !done[f] && page[f] >= 0;
+      if (loads[f]) done[f] = page[f] < *complete_pages;
+    }
+}
+
 void h2ochat_frames_update(int64_t rows, int64_t F, int64_t k, const int64_t *wanted, int64_t *frame_page,
                            int64_t *last_used, int64_t *clock, int64_t *copied, uint8_t *complete,
                            const int64_t *complete_pages, uint8_t *load) {
-  for (int64_t r = 0; r < rows; r++) {
-    const int64_t *want = wanted + r * k;
-    int64_t *page = frame_page + r * F, *used = last_used + r * F;
-    uint8_t *done = complete + r * F, *loads = load + r * F;
-    const int64_t now = ++clock[r];
-    uint8_t kept[F > 0 ? F : 1];
-    int64_t order[F > 0 ? F : 1], target[k > 0 ? k : 1];
-    for (int64_t f = 0; f < F; f++) {
-      kept[f] = 0;
-      for (int64_t j = 0; j < k; j++) kept[f] |= want[j] >= 0 && page[f] == want[j];
-      loads[f] = 0;
-    }
-    /* free frames, least recently used first (stable: equal clocks in frame order), kept frames last */
-    for (int64_t f = 0; f < F; f++) {
-      int64_t at = f;
-      while (at > 0) {
-        const int64_t other = order[at - 1];
-        const int big_f = kept[f], big_o = kept[other];
-        if (big_o < big_f || (big_o == big_f && (big_f || used[other] <= used[f]))) break;
-        order[at] = other;
-        at--;
-      }
-      order[at] = f;
-    }
-    /* the j-th missing page (in wanted order) to the j-th free frame */
-    int64_t missing = 0;
-    for (int64_t j = 0; j < k; j++) {
-      target[j] = -1;
-      if (want[j] < 0) continue;
-      int found = 0;
-      for (int64_t f = 0; f < F; f++) found |= page[f] == want[j];
-      if (!found && missing < F) target[j] = order[missing++];
-    }
-    for (int64_t j = 0; j < k; j++)
-      if (target[j] >= 0) loads[target[j]] = 1;
-    int64_t new_page[F > 0 ? F : 1];
-    for (int64_t j = 0; j < k; j++)
-      if (target[j] >= 0) new_page[target[j]] = want[j];
-    for (int64_t f = 0; f < F; f++) {
-      if (loads[f]) page[f] = new_page[f];
-      if (kept[f] || loads[f]) used[f] = now;
-      copied[r] += loads[f];
-    }
-    if (complete_pages)
-      for (int64_t f = 0; f < F; f++) {
-        loads[f] |= !done[f] && page[f] >= 0;
-        if (loads[f]) done[f] = page[f] < complete_pages[r];
-      }
-  }
+  for (int64_t r = 0; r < rows; r++)
+    frames_update_row(F, k, wanted + r * k, frame_page + r * F, last_used + r * F, clock + r, copied + r,
+                      complete + r * F, complete_pages ? complete_pages + r : NULL, load + r * F);
 }
 
 /* Where a store's buffer and a layer's slot columns are: base pointer and strides (elements) of the
@@ -172,44 +179,76 @@ static inline uint16_t to_bf16(float value) {
    are (key_bytes each: the slots' dtype is the store's); values too (value_scale NULL) or int8 codes times
    the token's fp32 scale, to bf16 (value_bytes 2) or fp32 (4). Store token indices and positions are
    int32, the slots' int64. ring: the store's frames (0: it never wraps). */
+static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *load, const int64_t *frame_page,
+                     int64_t held, int64_t ring, const strided_t *store, const strided_t *slots, int64_t D,
+                     int64_t key_bytes, int64_t Dv, int64_t value_bytes) {
+  /* store/slots: [0] keys, [1] values, [2] token index, [3] positions; store [4]: value scales (data NULL: none) */
+  const int64_t end = (held + P - 1) / P, first = ring && end > ring ? end - ring : 0;
+  for (int64_t f = 0; f < F; f++) {
+    if (!load[f]) continue;
+    const int64_t page = frame_page[f];
+    for (int64_t i = 0; i < P; i++) {
+      const int64_t slot = page * P + i, column = f * P + i;
+      const int present = page >= 0 && slot < held && page >= first;
+      const int64_t source = ring ? slot % (ring * P) : slot;
+      void *key = at(&slots[0], b, h, column, key_bytes), *value = at(&slots[1], b, h, column, value_bytes);
+      int64_t *token = at(&slots[2], b, h, column, 8), *position = at(&slots[3], b, h, column, 8);
+      if (!present) {
+        memset(key, 0, D * key_bytes);
+        memset(value, 0, Dv * value_bytes);
+        *token = *position = -1;
+        continue;
+      }
+      memcpy(key, at(&store[0], b, h, source, key_bytes), D * key_bytes);
+      *token = *(const int32_t *)at(&store[2], b, h, source, 4);
+      *position = *(const int32_t *)at(&store[3], b, h, source, 4);
+      if (!store[4].data) {
+        memcpy(value, at(&store[1], b, h, source, value_bytes), Dv * value_bytes);
+        continue;
+      }
+      const int8_t *codes = at(&store[1], b, h, source, 1);
+      const float scale = *(const float *)at(&store[4], b, h, source, 4);
+      for (int64_t d = 0; d < Dv; d++) {
+        const float x = (float)codes[d] * scale;
+        if (value_bytes == 2) ((uint16_t *)value)[d] = to_bf16(x);
+        else ((float *)value)[d] = x;
+      }
+    }
+  }
+}
+
 void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8_t *load, const int64_t *frame_page,
                          const int64_t *count, int64_t ring, const strided_t *store, const strided_t *slots,
                          int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes) {
-  /* store/slots: [0] keys, [1] values, [2] token index, [3] positions; store [4]: value scales (data NULL: none) */
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++) {
-      const int64_t row = b * H + h, held = count[row];
-      const int64_t end = (held + P - 1) / P, first = ring && end > ring ? end - ring : 0;
-      for (int64_t f = 0; f < F; f++) {
-        if (!load[row * F + f]) continue;
-        const int64_t page = frame_page[row * F + f];
-        for (int64_t i = 0; i < P; i++) {
-          const int64_t slot = page * P + i, column = f * P + i;
-          const int present = page >= 0 && slot < held && page >= first;
-          const int64_t source = ring ? slot % (ring * P) : slot;
-          void *key = at(&slots[0], b, h, column, key_bytes), *value = at(&slots[1], b, h, column, value_bytes);
-          int64_t *token = at(&slots[2], b, h, column, 8), *position = at(&slots[3], b, h, column, 8);
-          if (!present) {
-            memset(key, 0, D * key_bytes);
-            memset(value, 0, Dv * value_bytes);
-            *token = *position = -1;
-            continue;
-          }
-          memcpy(key, at(&store[0], b, h, source, key_bytes), D * key_bytes);
-          *token = *(const int32_t *)at(&store[2], b, h, source, 4);
-          *position = *(const int32_t *)at(&store[3], b, h, source, 4);
-          if (!store[4].data) {
-            memcpy(value, at(&store[1], b, h, source, value_bytes), Dv * value_bytes);
-            continue;
-          }
-          const int8_t *codes = at(&store[1], b, h, source, 1);
-          const float scale = *(const float *)at(&store[4], b, h, source, 4);
-          for (int64_t d = 0; d < Dv; d++) {
-            const float x = (float)codes[d] * scale;
-            if (value_bytes == 2) ((uint16_t *)value)[d] = to_bf16(x);
-            else ((float *)value)[d] = x;
-          }
-        }
+      const int64_t row = b * H + h;
+      fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], ring, store, slots, D, key_bytes, Dv,
+               value_bytes);
+    }
+}
+
+/* A decode step's whole choice for the exact selector over a store that never wraps, every row choosing:
+   top_pages_row (k = min(F, T / P) pages, wanted [B, H, k] out), frames_update_row with the store's
+   full pages complete, fill_row (load [B, H, F] out) for each (sequence, head), in one call; a row and
+   head with nothing in the store only counts the choice on its clock (its frames are empty: what the
+   update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]). */
+void h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
+                         int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
+                         int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
+                         const strided_t *slots, int64_t Dv, int64_t value_bytes) {
+  const int64_t k = F < T / P ? F : T / P;
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t row = b * H + h, complete_pages = count[row] / P;
+      if (!count[row]) { /* nothing flushed yet: the clock counts the choice (RecallFrames.tick) */
+        clock[row]++;
+        memset(load + row * F, 0, F);
+        continue;
       }
+      top_pages_row(q + row * M * D, M, D, at(&store[0], b, h, 0, 2), store[0].s, count[row], T, P, k, wanted + row * k);
+      frames_update_row(F, k, wanted + row * k, frame_page + row * F, last_used + row * F, clock + row, copied + row,
+                        complete + row * F, &complete_pages, load + row * F);
+      fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv, value_bytes);
     }
 }

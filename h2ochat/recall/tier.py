@@ -55,6 +55,7 @@ from h2ochat_kernels.reference import row_weights
 from .bounds import PageBounds
 from .cold_keys import ColdKeys
 from .cold_store import ColdStore
+from . import native
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
@@ -106,6 +107,10 @@ class RecallTier(RecallRowMoves):
         # views of the tier's columns of the layer's slots (the port says where): attended with the hot ones
         self.slots = RecallSlots.of(port.frame_columns(config.page), self.format)
         self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
+        # a CPU decode step's whole choice in one C call, where it runs (``native.DecodeChoice``)
+        self.decode_choice = None if self.slots.scales is not None else native.DecodeChoice.of(
+            self.cold, self.frames, {**self.slots.named(), "token_index": self.slots.token_index,
+                                     "positions": self.slots.positions}, isinstance(self.digest, ColdKeys))
         self.cadence = RowCadence(batch, config.page, config.every)  # each row's flush and choice, on its own count
         self.step_active = None  # the decode step's active rows [B] (None: every row), for ``archive``
         columns = port.tier_columns()
@@ -142,6 +147,7 @@ class RecallTier(RecallRowMoves):
 
     def reset(self) -> None:
         self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = None
+        self.decode_choice = None
         self.selector = self.config.selector  # (``auto`` resolved when allocated: ``resolved_selector``)
         self.recalled_mass = self.attended_mass = self.last_query = self.all_columns = None
 
@@ -253,6 +259,9 @@ class RecallTier(RecallRowMoves):
     def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a
         boolean per row): only those rows' frames change, the others keep their pages and clocks."""
+        fused = self.decode_choice if rows is True and (rotary is None or not self.cold.moved) else None
+        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding)):
+            return
         if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
             self.frames.tick(rows)
             return
