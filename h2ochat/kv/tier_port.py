@@ -48,6 +48,10 @@ class TierPort:
         begin = self.capacity
         return {name: tensor[:, :, begin + start:begin + stop] for name, tensor in self._slot_tensors.items()}
 
+    def policy_columns(self) -> dict[str, torch.Tensor]:
+        """Views of the policy's columns of every per-slot tensor (where ``victims`` reads)."""
+        return {name: tensor[:, :, :self.capacity] for name, tensor in self._slot_tensors.items()}
+
     def frame_columns(self, page: int) -> dict[str, torch.Tensor]:
         """The tier's columns before its last page (recall's frames of recalled pages)."""
         return self.tier_columns(0, self.columns - page)

@@ -38,6 +38,7 @@ class Kernels:
     frames_update: object
     fill_frames: object
     recall_step: object
+    stage: object
 
 
 class Strided(ctypes.Structure):
@@ -59,7 +60,8 @@ def _bind(library: Path) -> Kernels:
                                                    [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4),
                    recall_step=row_products.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
-                                                   + [size] * 2))
+                                                   + [size] * 2),
+                   stage=row_products.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4))
 
 
 def _scoring(queries, keys) -> list:
@@ -253,4 +255,43 @@ class DecodeChoice:
             frames.frame_page.shape[-1], self.wanted.data_ptr(), frames.frame_page.data_ptr(),
             frames.last_used.data_ptr(), frames.clock.data_ptr(), frames.copied.data_ptr(), frames.complete.data_ptr(),
             self.load.data_ptr(), sources, self.targets, self.value_dim, self.value_bytes)
+        return True
+
+
+class Stager:
+    """``StagingPage.put`` of a decode step every row takes part in, in one C call (``h2ochat_stage``):
+    each (sequence, head)'s victim copied from its policy column into the next staging column, counted.
+    For float slots in host memory; ``of`` says whether it takes a layer's columns."""
+
+    def __init__(self, kernels: Kernels, policy: dict[str, torch.Tensor], staging: dict[str, torch.Tensor],
+                 count: torch.Tensor):
+        names = ("keys", "values", "token_index", "positions")
+        self.kernels, self.count, self.page = kernels, count, staging["token_index"].shape[-1]
+        self.sources = (Strided * 4)(*(Strided.of(policy[name]) for name in names))
+        self.targets = (Strided * 4)(*(Strided.of(staging[name]) for name in names))
+        self._views = (policy, staging)  # (what the pointers point into, held while they are)
+        keys, values = staging["keys"], staging["values"]
+        self.sizes = (keys.shape[-1], keys.element_size(), values.shape[-1], values.element_size())
+
+    @classmethod
+    def of(cls, policy: dict[str, torch.Tensor], staging: dict[str, torch.Tensor],
+           count: torch.Tensor) -> "Stager | None":
+        kernels = _loaded()[0]
+        views = [policy[name] for name in ("keys", "values", "token_index", "positions")]
+        views += [staging[name] for name in ("keys", "values", "token_index", "positions")]
+        if (kernels is None or not _host_rows(count) or count.dtype != torch.long
+                or any(t.device.type != "cpu" for t in views) or any(t.stride(-1) != 1 for t in views if t.dim() == 4)
+                or any(t.dtype != torch.long for t in views if t.dim() == 3)
+                or policy["keys"].dtype != staging["keys"].dtype or policy["values"].dtype != staging["values"].dtype):
+            return None
+        return cls(kernels, policy, staging, count)
+
+    def __call__(self, slot: torch.Tensor) -> bool:
+        """The victims at policy columns ``slot`` [B, H] into the staging page."""
+        if slot.dtype != torch.long or slot.device.type != "cpu" or torch.compiler.is_compiling():
+            return False
+        slot = slot.contiguous()
+        batch, heads = slot.shape
+        self.kernels.stage(batch, heads, self.page, slot.data_ptr(), self.count.data_ptr(), self.sources, self.targets,
+                           *self.sizes)
         return True

@@ -252,3 +252,21 @@ void h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int
       fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv, value_bytes);
     }
 }
+
+/* StagingPage.put for a step every row takes part in: the victim in policy column slot[b, h] of each
+   (sequence, head) copied into staging column count[b, h] (< P), then counted. sources/targets: [0] keys
+   (D elements of key_bytes), [1] values (Dv of value_bytes), [2] token index, [3] positions (int64): the
+   layer's policy columns and its staging columns. */
+void h2ochat_stage(int64_t B, int64_t H, int64_t P, const int64_t *slot, int64_t *count, const strided_t *sources,
+                   const strided_t *targets, int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes) {
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t row = b * H + h, from = slot[row], to = count[row];
+      if (to >= P) continue; /* (never: the page is flushed before a step that could fill it past P) */
+      memcpy(at(&targets[0], b, h, to, key_bytes), at(&sources[0], b, h, from, key_bytes), D * key_bytes);
+      memcpy(at(&targets[1], b, h, to, value_bytes), at(&sources[1], b, h, from, value_bytes), Dv * value_bytes);
+      *(int64_t *)at(&targets[2], b, h, to, 8) = *(const int64_t *)at(&sources[2], b, h, from, 8);
+      *(int64_t *)at(&targets[3], b, h, to, 8) = *(const int64_t *)at(&sources[3], b, h, from, 8);
+      count[row] = to + 1;
+    }
+}

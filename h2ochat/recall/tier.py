@@ -108,6 +108,7 @@ class RecallTier(RecallRowMoves):
         self.slots = RecallSlots.of(port.frame_columns(config.page), self.format)
         self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
         # a CPU decode step's whole choice in one C call, where it runs (``native.DecodeChoice``)
+        self.stager_of = (None, None)  # (the port, the C staging of its columns or None: ``_stager``)
         self.decode_choice = None if self.slots.scales is not None else native.DecodeChoice.of(
             self.cold, self.frames, {**self.slots.named(), "token_index": self.slots.token_index,
                                      "positions": self.slots.positions}, isinstance(self.digest, ColdKeys))
@@ -147,7 +148,7 @@ class RecallTier(RecallRowMoves):
 
     def reset(self) -> None:
         self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = None
-        self.decode_choice = None
+        self.decode_choice, self.stager_of = None, (None, None)
         self.selector = self.config.selector  # (``auto`` resolved when allocated: ``resolved_selector``)
         self.recalled_mass = self.attended_mass = self.last_query = self.all_columns = None
 
@@ -298,10 +299,22 @@ class RecallTier(RecallRowMoves):
     def archive(self, port, slot: torch.Tensor) -> None:
         """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush);
         a row left out of the step stages nothing (its slot is not overwritten)."""
+        stager = self._stager(port) if self.step_active is None else None
+        if stager is not None and stager(slot):
+            return  # (float slots on a CPU, every row in the step: one C call, ``native.Stager``)
         victims, active = port.victims(slot), self.step_active
         if active is not None:
             victims["token_index"] = victims["token_index"].masked_fill(~active.view(-1, 1), -1)
         self.staging.put(port.coordinates, victims, active)
+
+    def _stager(self, port) -> "native.Stager | None":
+        """The C staging for this port's columns (made again for a new port: new tensors), or None."""
+        if self.stager_of[0] is not port:
+            staging = self.staging.slots
+            self.stager_of = (port, None if staging.scales is not None else native.Stager.of(
+                port.policy_columns(), {**staging.named(), "token_index": staging.token_index,
+                                        "positions": staging.positions}, self.staging.count))
+        return self.stager_of[1]
 
     def archive_dropped(self, port, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
         self.flush(port, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
