@@ -20,6 +20,14 @@ from h2ochat_kernels.recall_reference import page_scores, top_pages
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
 
 
+def test_the_kernels_run_wherever_the_row_kernel_does():
+    """(Else every test here would skip: a kernel that stopped agreeing with torch goes unnoticed.)"""
+    from h2ochat.engine import row_products
+
+    if row_products.available():
+        assert native.available(), native.why_not()
+
+
 @pytest.fixture
 def without_kernel(monkeypatch):
     """The torch routes only, for this test (as on a CPU where the kernel does not build)."""
