@@ -171,3 +171,36 @@ def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limi
     want = filled()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("cold_dtype,dtype", [("int8-values", torch.bfloat16), ("int8-values", torch.float32),
+                                              ("model", torch.bfloat16)])
+def test_appending_to_the_store_is_the_torch_routes(without_kernel, cold_dtype, dtype):
+    """Two appends of views of bigger buffers (a flush's staging page), entries with token index -1 among
+    them, one head appending nothing: the same buffers, counts and slots."""
+    from h2ochat.recall.cold_store import ColdStore
+
+    generator = torch.Generator().manual_seed(9)
+    batches = []
+    for _ in range(2):
+        keys = (torch.randn(2, 3, 12, 16, generator=generator) * 3).to(dtype)[:, :, 2:10]
+        values = (torch.randn(2, 3, 12, 12, generator=generator) * 3).to(dtype)[:, :, 2:10]
+        index = torch.randint(0, 500, (2, 3, 12), generator=generator)[:, :, 2:10]
+        index = index.masked_fill(torch.rand(2, 3, 8, generator=generator) < 0.3, -1)
+        index[1, 2] = -1
+        batches.append((keys, values, index, index + 7))
+
+    def stored():
+        store = ColdStore(2, 3, 16, 12, 4, dtype, cold_dtype=cold_dtype)
+        store.reserve(16)
+        slots = [store.append(*batch, reserve=False) for batch in batches]
+        return slots, store.state_tensors()
+
+    got = stored()
+    without_kernel()
+    want = stored()
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    for name, tensor in want[1].items():
+        held = (slice(None), slice(None), slice(0, -1)) if tensor.dim() >= 3 else ()  # (not the spill slot: never read)
+        assert torch.equal(got[1][name][held], tensor[held]), name

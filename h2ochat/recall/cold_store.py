@@ -169,6 +169,11 @@ class ColdStore(FirstRows):
         -1: nothing evicted there). Returns their slot numbers [B, H, E] (-1 where nothing).
         ``reserve=False``: the caller reserved room (``reserve``); else growing reads the count back."""
         device = self.count.device
+        if not reserve and encoded is None and self.frames is None and not self.quantized_keys and not self.zero_copy:
+            slots = native.cold_append({"keys": keys, "values": values, "token_index": token_index,
+                                        "positions": positions}, self._named_buffers(), self.count, self.capacity)
+            if slots is not None:  # (a CPU's flush of its staging page: one C call)
+                return slots
         valid = (token_index >= 0).to(device)
         added = valid.sum(dim=-1)
         if reserve:
@@ -244,9 +249,13 @@ class ColdStore(FirstRows):
         nothing written, the caller copies them."""
         if self.quantized_keys or (rotary is not None and self.moved) or self.zero_copy:
             return False
-        store = {name: getattr(self, name) for name in ("keys", "values", "token_index", "positions")}
-        store["value_scale"] = self.value_scale
-        return native.fill_frames(slots, store, self.count, self.frames, self.page, plan.load, plan.frame_page)
+        return native.fill_frames(slots, self._named_buffers(), self.count, self.frames, self.page, plan.load,
+                                  plan.frame_page)
+
+    def _named_buffers(self) -> dict[str, torch.Tensor | None]:
+        """Every buffer by name, value_scale None for float values (what the C kernels take)."""
+        return {**{name: getattr(self, name) for name in ("keys", "values", "token_index", "positions", "encoded")},
+                "value_scale": self.value_scale}
 
     def _tokens(self, take, present: torch.Tensor, rotary: Rotary | None):
         """The slots ``take(buffer)`` reads of every buffer, as ``pages`` returns them: keys (rotated to

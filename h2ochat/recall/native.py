@@ -39,6 +39,7 @@ class Kernels:
     fill_frames: object
     recall_step: object
     stage: object
+    cold_append: object
 
 
 class Strided(ctypes.Structure):
@@ -61,7 +62,9 @@ def _bind(library: Path) -> Kernels:
                    recall_step=row_products.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
                                                    + [size] * 2),
-                   stage=row_products.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4))
+                   stage=row_products.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4),
+                   cold_append=row_products.signed(library, "h2ochat_cold_append",
+                                                   [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]))
 
 
 def _scoring(queries, keys) -> list:
@@ -295,3 +298,31 @@ class Stager:
         self.kernels.stage(batch, heads, self.page, slot.data_ptr(), self.count.data_ptr(), self.sources, self.targets,
                            *self.sizes)
         return True
+
+
+def cold_append(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], count: torch.Tensor,
+                capacity: int) -> torch.Tensor | None:
+    """``ColdStore.append`` of ``new`` (keys, values [B, H, E, ...], token_index, positions [B, H, E] int64) into a
+    store that never wraps, room reserved: ``store``'s keys (the new keys' dtype), values (the same dtype, or
+    int8 codes with ``value_scale``: of bf16 or fp32 values), token_index, positions and encoded (int32);
+    ``count`` [B, H] advanced. The slots written [B, H, E] (-1: none), or None where it does not take these."""
+    kernels = _loaded()[0]
+    keys, values, scale = new["keys"], new["values"], store["value_scale"]
+    stored = [store[name] for name in ("keys", "values", "token_index", "positions", "encoded")]
+    quantized = scale is not None
+    if (kernels is None or torch.compiler.is_compiling() or not _host_rows(count) or count.dtype != torch.long
+            or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values, *stored[:2]))
+            or keys.dtype != stored[0].dtype
+            or (values.dtype not in (torch.bfloat16, torch.float32) if quantized else values.dtype != stored[1].dtype)
+            or (quantized and (stored[1].dtype != torch.int8 or scale.dtype != torch.float32))
+            or any(t.dtype != torch.int32 for t in stored[2:])
+            or new["token_index"].dtype != torch.long or new["positions"].dtype != torch.long
+            or any(t.device.type != "cpu" for t in (new["token_index"], new["positions"]))):
+        return None
+    batch, heads, entries = new["token_index"].shape
+    sources = (Strided * 4)(*(Strided.of(new[name]) for name in ("keys", "values", "token_index", "positions")))
+    targets = (Strided * 6)(*(Strided.of(t) for t in stored), Strided.of(scale))
+    slots = torch.empty(batch, heads, entries, dtype=torch.long)
+    kernels.cold_append(batch, heads, entries, count.data_ptr(), capacity, sources, targets, keys.shape[-1],
+                        keys.element_size(), values.shape[-1], values.element_size(), slots.data_ptr())
+    return slots

@@ -166,6 +166,13 @@ static inline void *at(const strided_t *t, int64_t b, int64_t h, int64_t s, int6
   return (char *)t->data + (b * t->b + h * t->h + s * t->s) * item;
 }
 
+static inline float from_bf16(uint16_t half) {
+  uint32_t bits = (uint32_t)half << 16;
+  float value;
+  memcpy(&value, &bits, 4);
+  return value;
+}
+
 static inline uint16_t to_bf16(float value) {
   uint32_t bits;
   memcpy(&bits, &value, 4);
@@ -268,5 +275,52 @@ void h2ochat_stage(int64_t B, int64_t H, int64_t P, const int64_t *slot, int64_t
       *(int64_t *)at(&targets[2], b, h, to, 8) = *(const int64_t *)at(&sources[2], b, h, from, 8);
       *(int64_t *)at(&targets[3], b, h, to, 8) = *(const int64_t *)at(&sources[3], b, h, from, 8);
       count[row] = to + 1;
+    }
+}
+
+/* ColdStore.append for a store that never wraps, room reserved: each (sequence, head)'s entries e < E whose
+   token index is >= 0 go to slots count, count + 1, ... in order (slots[b, h, e] out: the slot, or -1).
+   in/store: [0] keys, [1] values, [2] token index (int64 in, int32 stored), [3] positions (likewise;
+   stored as positions and as encoded, store[4]); store[5] value scales (data NULL: values copied as
+   they are, value_bytes each; else int8 codes of bf16 (value_bytes 2) or fp32 (4) values with one fp32
+   scale, max |x| / 127, as cold_store._to_int8 makes them). Keys are copied (D elements of key_bytes). */
+void h2ochat_cold_append(int64_t B, int64_t H, int64_t E, int64_t *count, int64_t capacity, const strided_t *in,
+                         const strided_t *store, int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes,
+                         int64_t *slots) {
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t row = b * H + h;
+      for (int64_t e = 0; e < E; e++) {
+        const int64_t token = *(const int64_t *)at(&in[2], b, h, e, 8);
+        if (token < 0) {
+          slots[row * E + e] = -1;
+          continue;
+        }
+        const int64_t slot = count[row]++;
+        slots[row * E + e] = slot;
+        if (slot >= capacity) continue; /* (never: the caller reserved room) */
+        const int64_t position = *(const int64_t *)at(&in[3], b, h, e, 8);
+        *(int32_t *)at(&store[2], b, h, slot, 4) = (int32_t)token;
+        *(int32_t *)at(&store[3], b, h, slot, 4) = (int32_t)position;
+        *(int32_t *)at(&store[4], b, h, slot, 4) = (int32_t)position;
+        memcpy(at(&store[0], b, h, slot, key_bytes), at(&in[0], b, h, e, key_bytes), D * key_bytes);
+        const void *values = at(&in[1], b, h, e, value_bytes);
+        if (!store[5].data) {
+          memcpy(at(&store[1], b, h, slot, value_bytes), values, Dv * value_bytes);
+          continue;
+        }
+        float x[Dv], largest = 0.0f;
+        for (int64_t d = 0; d < Dv; d++) {
+          x[d] = value_bytes == 2 ? from_bf16(((const uint16_t *)values)[d]) : ((const float *)values)[d];
+          if (fabsf(x[d]) > largest) largest = fabsf(x[d]);
+        }
+        const float scale = (largest > 1e-30f ? largest : 1e-30f) / 127.0f;
+        int8_t *codes = at(&store[1], b, h, slot, 1);
+        for (int64_t d = 0; d < Dv; d++) {
+          const float code = nearbyintf(x[d] / scale);
+          codes[d] = (int8_t)(code > 127.0f ? 127.0f : code < -127.0f ? -127.0f : code);
+        }
+        *(float *)at(&store[5], b, h, slot, 4) = scale;
+      }
     }
 }
