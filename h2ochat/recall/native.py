@@ -230,6 +230,10 @@ class DecodeChoice:
         shape = frames.frame_page.shape
         self.wanted = torch.empty(shape, dtype=torch.long)
         self.load = torch.empty(shape, dtype=torch.bool)
+        # the frames' state and these outputs stay where they are: their pointers once
+        self.state = [t.data_ptr() for t in (self.wanted, frames.frame_page, frames.last_used, frames.clock,
+                                             frames.copied, frames.complete, self.load)]
+        self.store, self.sources = None, None  # the store's buffers the sources point into (a grown store: new ones)
 
     @classmethod
     def of(cls, cold, frames, slots: dict[str, torch.Tensor], keys_in_place: bool) -> "DecodeChoice | None":
@@ -248,16 +252,15 @@ class DecodeChoice:
         """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots."""
         if queries.dtype != torch.bfloat16 or queries.shape[2] > MAX_QUERIES or torch.compiler.is_compiling():
             return False
-        cold, frames = self.cold, self.frames
+        cold = self.cold
         queries = queries.contiguous()
         batch, heads, count, dim = queries.shape
-        sources = (Strided * 5)(Strided.of(cold.keys), Strided.of(cold.values), Strided.of(cold.token_index),
-                                Strided.of(cold.positions), Strided.of(cold.value_scale))
-        self.kernels.recall_step(
-            queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
-            frames.frame_page.shape[-1], self.wanted.data_ptr(), frames.frame_page.data_ptr(),
-            frames.last_used.data_ptr(), frames.clock.data_ptr(), frames.copied.data_ptr(), frames.complete.data_ptr(),
-            self.load.data_ptr(), sources, self.targets, self.value_dim, self.value_bytes)
+        buffers = (cold.keys, cold.values, cold.token_index, cold.positions, cold.value_scale)
+        if self.store is None or any(a is not b for a, b in zip(buffers, self.store)):
+            self.store, self.sources = buffers, (Strided * 5)(*(Strided.of(t) for t in buffers))
+        self.kernels.recall_step(queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
+                                 self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets,
+                                 self.value_dim, self.value_bytes)
         return True
 
 
