@@ -151,16 +151,17 @@ def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limi
     from h2ochat.recall.step import RecallPlan, RecallSlots, fill_recall_slots
 
     generator = torch.Generator().manual_seed(5)
-    store = ColdStore(2, 3, 16, 12, 4, dtype, cold_dtype=cold_dtype, limit=limit)
+    store = ColdStore(2, 3, 16, 20, 4, dtype, cold_dtype=cold_dtype, limit=limit)
     tokens = 37
     index = torch.arange(tokens).expand(2, 3, tokens)
     store.append(torch.randn(2, 3, tokens, 16, generator=generator).to(dtype),
-                 torch.randn(2, 3, tokens, 12, generator=generator).to(dtype), index, index + 100)
+                 torch.randn(2, 3, tokens, 20, generator=generator).to(dtype), index, index + 100)
     frame_page = torch.tensor([0, 9, 8, -1, 2]).expand(2, 3, 5).clone()
     load = torch.rand(2, 3, 5, generator=generator) < 0.7
 
     def filled():
-        layer = {"keys": torch.full((2, 3, 30, 16), 7.0, dtype=dtype), "values": torch.full((2, 3, 30, 12), 7.0, dtype=dtype),
+        layer = {"keys": torch.full((2, 3, 30, 16), 7.0, dtype=dtype),
+                 "values": torch.full((2, 3, 30, 20), 7.0, dtype=dtype),
                  "token_index": torch.full((2, 3, 30), 5), "positions": torch.full((2, 3, 30), 5)}
         views = {name: tensor[:, :, 8:28] for name, tensor in layer.items()}
         fill_recall_slots(RecallSlots(**views), store, RecallPlan(frame_page, load))
@@ -185,14 +186,17 @@ def test_appending_to_the_store_is_the_torch_routes(without_kernel, cold_dtype, 
     batches = []
     for _ in range(2):
         keys = (torch.randn(2, 3, 12, 16, generator=generator) * 3).to(dtype)[:, :, 2:10]
-        values = (torch.randn(2, 3, 12, 12, generator=generator) * 3).to(dtype)[:, :, 2:10]
+        values = (torch.randn(2, 3, 12, 20, generator=generator) * 3).to(dtype)[:, :, 2:10]
         index = torch.randint(0, 500, (2, 3, 12), generator=generator)[:, :, 2:10]
         index = index.masked_fill(torch.rand(2, 3, 8, generator=generator) < 0.3, -1)
         index[1, 2] = -1
         batches.append((keys, values, index, index + 7))
+    ties = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 1.5, 0.5, -127.0])  # x / scale half-way: rounded to even
+    batches[0][1][0, 0, 0] = torch.cat([ties, torch.zeros(12)]).to(dtype)
+    batches[0][2][0, 0, 0] = 3
 
     def stored():
-        store = ColdStore(2, 3, 16, 12, 4, dtype, cold_dtype=cold_dtype)
+        store = ColdStore(2, 3, 16, 20, 4, dtype, cold_dtype=cold_dtype)
         store.reserve(16)
         slots = [store.append(*batch, reserve=False) for batch in batches]
         return slots, store.state_tensors()

@@ -198,8 +198,9 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
     if (kernels is None or torch.compiler.is_compiling() or store["keys"].dtype != keys.dtype
             or keys.dtype not in (torch.bfloat16, torch.float32) or values.dtype not in (torch.bfloat16, torch.float32)
             or not cold_values or (scale is not None and scale.dtype != torch.float32)
-            or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (*slots.values(), *store.values()) if t is not None and t.dim() == 4)
-            or any(t.device.type != "cpu" for t in (*slots.values(), *store.values(), count) if t is not None)
+            or any(t.device.type != "cpu" or (t.dim() == 4 and t.stride(-1) != 1) for t in (*slots.values(),
+                                                                                        *store.values(), count)
+                   if t is not None)
             or slots["token_index"].dtype != torch.long or slots["positions"].dtype != torch.long
             or store["token_index"].dtype != torch.int32 or store["positions"].dtype != torch.int32):
         return False

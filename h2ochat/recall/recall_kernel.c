@@ -166,19 +166,46 @@ static inline void *at(const strided_t *t, int64_t b, int64_t h, int64_t s, int6
   return (char *)t->data + (b * t->b + h * t->h + s * t->s) * item;
 }
 
-static inline float from_bf16(uint16_t half) {
-  uint32_t bits = (uint32_t)half << 16;
-  float value;
-  memcpy(&value, &bits, 4);
-  return value;
+/* The lanes of the n - d values left from d (all 16 past the last chunk). */
+static inline __mmask16 lanes(int64_t n, int64_t d) {
+  return n - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - d)) - 1u);
 }
 
-static inline uint16_t to_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u);                                            /* nearest, ties to even */
-  return (uint16_t)(bits >> 16);
+/* 16 values (fewer: mask) from bf16 (bytes 2) or fp32 (4), as fp32; lanes past the mask read 0. */
+static inline __m512 load_floats(const void *p, int64_t bytes, __mmask16 mask) {
+  if (bytes == 4) return _mm512_maskz_loadu_ps(mask, p);
+  const __m256i halves = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+/* out[d] = codes[d] * scale for d < n, as bf16 (bytes 2: VCVTNEPS2BF16 rounds to nearest even as torch does;
+   a product of a code and a scale of max |x| / 127 is never subnormal) or fp32 (4). */
+static inline void store_scaled(const int8_t *codes, float scale, int64_t n, void *out, int64_t bytes) {
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 mask = lanes(n, d);
+    const __m128i bytes16 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8((__mmask64)mask, codes + d));
+    const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16)), _mm512_set1_ps(scale));
+    if (bytes == 4) _mm512_mask_storeu_ps((float *)out + d, mask, x);
+    else _mm512_mask_storeu_epi16((uint16_t *)out + d, (__mmask32)mask, _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(x)));
+  }
+}
+
+/* n values (bf16 or fp32, value_bytes) as int8 codes with one fp32 scale, max |x| / 127: cold_store._to_int8's
+   codes, bit for bit (fp32 division, rounded to nearest even, clamped to +-127). Returns the scale. */
+static inline float quantize(const void *values, int64_t n, int64_t value_bytes, int8_t *codes) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16)
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(load_floats((const char *)values + d * value_bytes, value_bytes,
+                                                               lanes(n, d))));
+  const float top = _mm512_reduce_max_ps(largest), scale = (top > 1e-30f ? top : 1e-30f) / 127.0f;
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 mask = lanes(n, d);
+    const __m512 x = load_floats((const char *)values + d * value_bytes, value_bytes, mask);
+    __m512 code = _mm512_roundscale_ps(_mm512_div_ps(x, _mm512_set1_ps(scale)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    code = _mm512_min_ps(_mm512_max_ps(code, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    _mm512_mask_storeu_epi8(codes + d, (__mmask64)mask, _mm512_castsi128_si512(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code))));
+  }
+  return scale;
 }
 
 /* fill_recall_slots for a plan read on the host: each loaded frame f of (b, h) takes page frame_page of the
@@ -213,13 +240,8 @@ static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *
         memcpy(value, at(&store[1], b, h, source, value_bytes), Dv * value_bytes);
         continue;
       }
-      const int8_t *codes = at(&store[1], b, h, source, 1);
-      const float scale = *(const float *)at(&store[4], b, h, source, 4);
-      for (int64_t d = 0; d < Dv; d++) {
-        const float x = (float)codes[d] * scale;
-        if (value_bytes == 2) ((uint16_t *)value)[d] = to_bf16(x);
-        else ((float *)value)[d] = x;
-      }
+      store_scaled(at(&store[1], b, h, source, 1), *(const float *)at(&store[4], b, h, source, 4), Dv, value,
+                   value_bytes);
     }
   }
 }
@@ -309,17 +331,7 @@ void h2ochat_cold_append(int64_t B, int64_t H, int64_t E, int64_t *count, int64_
           memcpy(at(&store[1], b, h, slot, value_bytes), values, Dv * value_bytes);
           continue;
         }
-        float x[Dv], largest = 0.0f;
-        for (int64_t d = 0; d < Dv; d++) {
-          x[d] = value_bytes == 2 ? from_bf16(((const uint16_t *)values)[d]) : ((const float *)values)[d];
-          if (fabsf(x[d]) > largest) largest = fabsf(x[d]);
-        }
-        const float scale = (largest > 1e-30f ? largest : 1e-30f) / 127.0f;
-        int8_t *codes = at(&store[1], b, h, slot, 1);
-        for (int64_t d = 0; d < Dv; d++) {
-          const float code = nearbyintf(x[d] / scale);
-          codes[d] = (int8_t)(code > 127.0f ? 127.0f : code < -127.0f ? -127.0f : code);
-        }
+        const float scale = quantize(values, Dv, value_bytes, at(&store[1], b, h, slot, 1));
         *(float *)at(&store[5], b, h, slot, 4) = scale;
       }
     }
