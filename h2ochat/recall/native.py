@@ -1,16 +1,25 @@
-"""The recall step's C kernels (``recall_kernel.c``) for a CPU step over a cold store in the same memory.
+"""The recall step's C kernels (``recall_kernel.c``) for a CPU step over a cold store in the same memory
+(issue 34, "Cost": a recall decode step was 1.89x h2o's at 2K tokens, ~27 ms a step of small torch ops).
 
-A decode step of the exact selector scores every cold key against the group's few queries. The torch
-reference (``h2ochat_kernels.recall_reference.page_scores``) makes fp32 copies of the keys and of the
-[M, T] dots before two maxima: ~170 us a layer at 2K bf16 keys on this project's 2-core AMD EPYC, where
-the same sums read straight from the bf16 keys by VDPBF16PS (products exact in fp32, summed in fp32)
-are one pass over the keys. The scores are the reference's up to the order the fp32 sums are added in.
+- ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the bf16 keys by
+  VDPBF16PS (products exact in fp32, summed in fp32; the torch reference, ``h2ochat_kernels.
+  recall_reference.page_scores``, makes fp32 copies of the keys and of the [M, T] dots before two
+  maxima): the same scores up to the order the fp32 sums are added in, ~55 us a layer at 2K keys
+  against ~170 (then bound by the keys' reading; a tree of shuffles for the horizontal sums was faster
+  with the keys in cache and slower without, as was prefetching).
+- ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into
+  the recall slots; ``cold_append``: a flush into the store (int8 values as ``cold_store._to_int8``
+  makes them, bit for bit); ``Stager``: a decode step's victim into the staging page.
+- ``DecodeChoice``: a decode step's best pages, plan and copy in one call a layer (one ctypes call
+  instead of ~60 torch ops), where all of it runs.
 
 Built like the row kernel (``engine.row_products.built``: the CPU's AVX512-BF16 flag, a C compiler, once
-per machine) and checked against the torch reference on first use; where it cannot run, or with
-``H2OCHAT_RECALL_KERNEL=0``, ``page_best`` returns None and the caller keeps the torch reference.
+per machine; ``H2OCHAT_ROW_KERNEL=0`` turns these off too) and checked against the torch reference on
+first use. Where they cannot run, or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None
+or False and the caller keeps its torch route (a GPU's, a compiled step's, quantized slots', a ring's,
+keys to turn after a re-numbering: those routes are unchanged). tests/test_recall_native.py holds each
+kernel to the route it replaces.
 """
-
 from __future__ import annotations
 
 import ctypes
