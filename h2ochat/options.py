@@ -232,10 +232,10 @@ ServeCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", 
          "one row and one for more, 1-5 minutes on a CPU the first time, ~30 s once inductor's cache holds them. "
          "Where compiling fails (no C++ compiler), the server says so and decodes eagerly.")]
 
-ServeMixedSteps = Annotated[Optional[bool], typer.Option("--mixed-steps/--no-mixed-steps", rich_help_panel=MODEL,
+ServeMixedSteps = Annotated[bool, typer.Option("--mixed-steps/--no-mixed-steps", rich_help_panel=MODEL,
     help="Read a waiting prompt's chunk and decode the running rows in one forward, so the linear layers read "
-         "the weights once for both (vLLM's chunked prefill). Default: on while the decode step is eager (3%% "
-         "less time per such step on a CPU), off with the compiled step, whose graph then saves more.")]
+         "the weights once for both (vLLM's chunked prefill; measured: ~10% more tokens/s on a CPU chat load "
+         "with the compiled step, even with the eager one). --no-mixed-steps runs them one after the other.")]
 
 Compile = Annotated[bool, typer.Option("--compile", rich_help_panel=MODEL,
     help="Compile the decode step with torch.compile (inductor on the CPU, CUDA graphs on a GPU); prefill stays "

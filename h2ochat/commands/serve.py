@@ -37,7 +37,7 @@ def serve(
     repetition_penalty: o.RepetitionPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
     compile: o.ServeCompile = None,
-    mixed_steps: o.ServeMixedSteps = None,
+    mixed_steps: o.ServeMixedSteps = True,
     host: Annotated[str, typer.Option("--host", rich_help_panel=SERVER,
         help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, rich_help_panel=SERVER)] = 8000,

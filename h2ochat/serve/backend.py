@@ -51,10 +51,10 @@ class ModelBackend:
 
     def __init__(self, model, settings: CacheSettings, rows: int, *, store: ParkedStore, prefill_chunk: int,
                  compile: bool | None = False, compile_backend: str | None = None,
-                 buckets: Sequence[int] | None = None, mixed_steps: bool | None = None):
+                 buckets: Sequence[int] | None = None, mixed_steps: bool = True):
         """``compile``: decode through the compiled step; None: where it serves the cache's rows as they
         are (``compiles_by_default``). ``mixed_steps``: read a prompt chunk and decode the running rows
-        in one forward (``mixes``); None: while the decode step is eager (``MIXES_WHEN_COMPILED``)."""
+        in one forward (``mixes``)."""
         self.settings, self.rows = settings, rows
         self.mixed_steps = mixed_steps
         config = model.config
@@ -170,18 +170,20 @@ class ModelBackend:
 
     @property
     def mixes_steps(self) -> bool:
-        """Whether prompt chunks run in one forward with the decode steps (``mixes``)."""
-        wanted = self.mixed_steps if self.mixed_steps is not None else not self.compiled
-        return wanted and self.pool.masks_rows
+        """Whether prompt chunks run in one forward with the decode steps (``mixes``): when told to
+        (``mixed_steps``) and the rows left out of a step are masked (``masks_rows``)."""
+        return self.mixed_steps and self.pool.masks_rows
 
     def mixes(self, job: PrefillJob) -> bool:
-        """Whether the job's next chunk and the next decode step run as one forward (``mixed``): where
-        told to (``mixed_steps``), else while the decode step is eager. On one CPU core a prompt chunk
-        is compute-bound and the decode step mostly streams the weights, so sharing the linears saves
-        the decode's weight reads: ``benchmarks/mixed_step.py`` (SmolLM2-135M, bf16, 8 rows, a
-        380-token chunk) measured a mixed step 3.3% below the chunk and an eager decode step, but
-        0.7% above the chunk and the compiled step, whose eager half loses what the graph saves. A
-        step needs the rows left out of it masked (``masks_rows``)."""
+        """Whether the job's next chunk and the next decode step run as one forward (``mixed``).
+
+        Measured on SmolLM2-135M, bf16, one thread: one step alone is even (``benchmarks/mixed_step.py``,
+        8 rows, a 380-token chunk: 644 ms mixed against 636 for the chunk and the compiled step, 657 with
+        the eager step; the chunk's products are compute-bound, and the decode's weight reads it saves
+        are what the eager half of the step loses against the graph). Served, the chat-8x4 load gave
+        46.6 tok/s mixed against 42.1 apart with the compiled step (4 and 5 runs, every mixed run above
+        every apart one) and 41.4 against 40.9 eager (``results_mixed_steps_served_s53.json``); so mixing
+        is the default, and ``--no-mixed-steps`` keeps the steps apart."""
         return self.mixes_steps and job.fed < job.ids.shape[1]
 
     def mixed(self, job: PrefillJob, tokens: list[int | None]) -> tuple[torch.Tensor | None, torch.Tensor]:

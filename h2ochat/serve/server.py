@@ -54,7 +54,7 @@ class ServeConfig:
     repeat_last_n: int = 64
     compile: bool | None = False  # None: when the step covers the rows (serve.backend.compiles_by_default)
     compile_backend: str | None = None
-    mixed_steps: bool | None = None  # None: while the decode step is eager (serve.backend.ModelBackend.mixes)
+    mixed_steps: bool = True  # a prompt chunk and the decode step in one forward (serve.backend.ModelBackend.mixes)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
