@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv import H2OCache
+from ..kv import AttentionMismatchError, H2OCache
 from ..model_shape import cache_argument
 from .forward_step import require_h2o_attention
 
@@ -39,13 +39,16 @@ class TwoCaches:
         t = self.chunk
         prompt_kv = self.prompt.update(key_states[:, :, :t], value_states[:, :, :t], layer_idx)
         decode_kv = self.batch.update(self.as_rows(key_states[:, :, t:]), self.as_rows(value_states[:, :, t:]), layer_idx)
-        self._parts = (prompt_kv, decode_kv)
+        self._parts = (key_states, prompt_kv, decode_kv)
         return key_states, value_states
 
     def attend(self, layer_idx: int, query, key, value, new_valid, scale) -> torch.Tensor:
         """Both parts' attention, as one sequence's [1, Hkv, G, T + R, D]."""
-        (prompt_key, prompt_value), (decode_key, decode_value) = self._parts
+        parked, (prompt_key, prompt_value), (decode_key, decode_value) = self._parts
         self._parts = None
+        if key is not parked:  # (what ``H2OLayer.take_pending`` checks for a cache of its own)
+            raise AttentionMismatchError(f"layer {layer_idx}: the keys given to the attention are not the ones "
+                                         "the mixed step's update received")
         t = self.chunk
         prompt_out = self.prompt.attend(layer_idx, query[:, :, :t], prompt_key, prompt_value, None, scale)
         decode_out = self.batch.attend(layer_idx, self.as_rows(query[:, :, t:]), decode_key, decode_value, None, scale)
