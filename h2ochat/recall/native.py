@@ -70,8 +70,9 @@ def _bind(library: Path) -> Kernels:
                                                    [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4),
                    recall_step=row_products.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
-                                                   + [size] * 2),
-                   stage=row_products.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4),
+                                                   + [size] * 2 + [pointer]),
+                   stage=row_products.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
+                                             + [pointer]),
                    cold_append=row_products.signed(library, "h2ochat_cold_append",
                                                    [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]))
 
@@ -228,8 +229,9 @@ class DecodeChoice:
     """One layer's whole choice of a decode step in one C call (``h2ochat_recall_step``): the best pages
     (``top_pages``), the frames' plan (``frames_update``, the store's full pages complete) and the loaded
     pages' copy (``fill_frames``), where all three run: the exact selector on the store's own keys, a
-    store that never wraps, bf16 keys and float slots, every row choosing, keys not to turn. ``of``
-    says whether it takes a layer; a call returns False where it does not take this step."""
+    store that never wraps, bf16 keys and float slots, keys not to turn; every row choosing, or some
+    (``rows``: the others keep their frames, clocks and slots). ``of`` says whether it takes a layer; a
+    call returns False where it does not take this step."""
 
     def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor]):
         self.kernels, self.cold, self.frames = kernels, cold, frames
@@ -258,10 +260,12 @@ class DecodeChoice:
             return None
         return cls(kernels, cold, frames, slots)
 
-    def __call__(self, queries: torch.Tensor, scored: int) -> bool:
-        """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots."""
+    def __call__(self, queries: torch.Tensor, scored: int, rows: bool | list[bool] = True) -> bool:
+        """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots, by the
+        rows ``rows`` (True: every row; else a boolean per row)."""
         if queries.dtype != torch.bfloat16 or queries.shape[2] > MAX_QUERIES or torch.compiler.is_compiling():
             return False
+        choosing = None if rows is True else _row_bytes(rows)
         cold = self.cold
         queries = queries.contiguous()
         batch, heads, count, dim = queries.shape
@@ -270,13 +274,19 @@ class DecodeChoice:
             self.store, self.sources = buffers, (Strided * 5)(*(Strided.of(t) for t in buffers))
         self.kernels.recall_step(queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
                                  self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets,
-                                 self.value_dim, self.value_bytes)
+                                 self.value_dim, self.value_bytes, None if choosing is None else choosing.data_ptr())
         return True
 
 
+def _row_bytes(rows: list[bool]) -> torch.Tensor:
+    """One byte per row (1: the row takes part), for a kernel's row mask."""
+    return torch.tensor(rows, dtype=torch.uint8)
+
+
 class Stager:
-    """``StagingPage.put`` of a decode step every row takes part in, in one C call (``h2ochat_stage``):
-    each (sequence, head)'s victim copied from its policy column into the next staging column, counted.
+    """``StagingPage.put`` of a decode step, in one C call (``h2ochat_stage``): each (sequence, head)'s victim
+    copied from its policy column into the next staging column, counted (a row left out of the step: an
+    empty entry, not counted).
     For float slots in host memory; ``of`` says whether it takes a layer's columns."""
 
     def __init__(self, kernels: Kernels, policy: dict[str, torch.Tensor], staging: dict[str, torch.Tensor],
@@ -302,14 +312,17 @@ class Stager:
             return None
         return cls(kernels, policy, staging, count)
 
-    def __call__(self, slot: torch.Tensor) -> bool:
-        """The victims at policy columns ``slot`` [B, H] into the staging page."""
-        if slot.dtype != torch.long or slot.device.type != "cpu" or torch.compiler.is_compiling():
+    def __call__(self, slot: torch.Tensor, active: torch.Tensor | None = None) -> bool:
+        """The victims at policy columns ``slot`` [B, H] into the staging page; ``active`` [B] bool (None:
+        every row): a row left out writes an empty entry (token index -1) and does not count it."""
+        if (slot.dtype != torch.long or slot.device.type != "cpu" or torch.compiler.is_compiling()
+                or (active is not None and (active.device.type != "cpu" or active.dtype != torch.bool))):
             return False
         slot = slot.contiguous()
+        active = None if active is None else active.contiguous()
         batch, heads = slot.shape
         self.kernels.stage(batch, heads, self.page, slot.data_ptr(), self.count.data_ptr(), self.sources, self.targets,
-                           *self.sizes)
+                           *self.sizes, None if active is None else active.data_ptr())
         return True
 
 

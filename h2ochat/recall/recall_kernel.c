@@ -261,14 +261,16 @@ void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8
    top_pages_row (k = min(F, T / P) pages, wanted [B, H, k] out), frames_update_row with the store's
    full pages complete, fill_row (load [B, H, F] out) for each (sequence, head), in one call; a row and
    head with nothing in the store only counts the choice on its clock (its frames are empty: what the
-   update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]). */
+   update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]).
+   choosing [B] (bytes; NULL: every row): a row not choosing is left as it is (its frames, clock and slots
+   untouched, its load and wanted not written), as the torch route's rows_kept leaves it. */
 void h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
                          int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
                          int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
-                         const strided_t *slots, int64_t Dv, int64_t value_bytes) {
+                         const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing) {
   const int64_t k = F < T / P ? F : T / P;
   for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = 0; h < H && (!choosing || choosing[b]); h++) {
       const int64_t row = b * H + h, complete_pages = count[row] / P;
       if (!count[row]) { /* nothing flushed yet: the clock counts the choice (RecallFrames.tick) */
         clock[row]++;
@@ -282,21 +284,24 @@ void h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int
     }
 }
 
-/* StagingPage.put for a step every row takes part in: the victim in policy column slot[b, h] of each
-   (sequence, head) copied into staging column count[b, h] (< P), then counted. sources/targets: [0] keys
-   (D elements of key_bytes), [1] values (Dv of value_bytes), [2] token index, [3] positions (int64): the
-   layer's policy columns and its staging columns. */
+/* StagingPage.put: the victim in policy column slot[b, h] of each (sequence, head) copied into staging
+   column count[b, h] (< P), then counted. sources/targets: [0] keys (D elements of key_bytes), [1] values
+   (Dv of value_bytes), [2] token index, [3] positions (int64): the layer's policy columns and its staging
+   columns. active [B] (bytes; NULL: every row): a row left out writes an empty entry (its victim with
+   token index -1) and does not count it, as the torch route's put does. */
 void h2ochat_stage(int64_t B, int64_t H, int64_t P, const int64_t *slot, int64_t *count, const strided_t *sources,
-                   const strided_t *targets, int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes) {
+                   const strided_t *targets, int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes,
+                   const uint8_t *active) {
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = b * H + h, from = slot[row], to = count[row];
+      const int in_step = !active || active[b];
       if (to >= P) continue; /* (never: the page is flushed before a step that could fill it past P) */
       memcpy(at(&targets[0], b, h, to, key_bytes), at(&sources[0], b, h, from, key_bytes), D * key_bytes);
       memcpy(at(&targets[1], b, h, to, value_bytes), at(&sources[1], b, h, from, value_bytes), Dv * value_bytes);
-      *(int64_t *)at(&targets[2], b, h, to, 8) = *(const int64_t *)at(&sources[2], b, h, from, 8);
+      *(int64_t *)at(&targets[2], b, h, to, 8) = in_step ? *(const int64_t *)at(&sources[2], b, h, from, 8) : -1;
       *(int64_t *)at(&targets[3], b, h, to, 8) = *(const int64_t *)at(&sources[3], b, h, from, 8);
-      count[row] = to + 1;
+      count[row] = to + in_step;
     }
 }
 

@@ -264,8 +264,8 @@ class RecallTier(RecallRowMoves):
     def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a
         boolean per row): only those rows' frames change, the others keep their pages and clocks."""
-        fused = self.decode_choice if rows is True and (rotary is None or not self.cold.moved) else None
-        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding)):
+        fused = self.decode_choice if rotary is None or not self.cold.moved else None
+        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding), rows):
             return
         if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
             self.frames.tick(rows)
@@ -303,9 +303,9 @@ class RecallTier(RecallRowMoves):
     def archive(self, port, slot: torch.Tensor) -> None:
         """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush);
         a row left out of the step stages nothing (its slot is not overwritten)."""
-        stager = self._stager(port) if self.step_active is None else None
-        if stager is not None and stager(slot):
-            return  # (float slots on a CPU, every row in the step: one C call, ``native.Stager``)
+        stager = None if torch.compiler.is_compiling() else self._stager(port)  # (a compiled step: torch's)
+        if stager is not None and stager(slot, self.step_active):
+            return  # (float slots on a CPU: one C call, ``native.Stager``)
         victims, active = port.victims(slot), self.step_active
         if active is not None:
             victims["token_index"] = victims["token_index"].masked_fill(~active.view(-1, 1), -1)
