@@ -142,11 +142,16 @@ def test_the_frames_plan_is_the_torch_routes(without_kernel):
 
 
 @needs_kernel
-@pytest.mark.parametrize("cold_dtype,limit,dtype", [("int8-values", None, torch.bfloat16),
-                                                     ("model", 24, torch.bfloat16), ("int8-values", 16, torch.float32)])
-def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limit, dtype):
+@pytest.mark.parametrize("cold_dtype,limit,dtype,kv_dtype", [
+    ("int8-values", None, torch.bfloat16, "auto"), ("model", 24, torch.bfloat16, "auto"),
+    ("int8-values", 16, torch.float32, "auto"), ("int8-values", None, torch.bfloat16, "int8"),
+    ("model", 24, torch.bfloat16, "int8"), ("int8-values", 16, torch.float32, "int8")])
+def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limit, dtype, kv_dtype):
     """A store (a ring under a limit, int8 values or the model's) holding a part page, a plan loading
-    held pages, dropped ones, the part page and -1 into views of bigger slot buffers: the same slots."""
+    held pages, dropped ones, the part page and -1 into views of bigger slot buffers: the same slots. Int8
+    slots: the same codes, scales and offsets as the torch route's ``slot_format.encode`` (keys and values of
+    other widths, and a key whose codes fall half-way between two levels: ties to even)."""
+    from h2ochat.kv.slot_format import slot_format
     from h2ochat.recall.cold_store import ColdStore
     from h2ochat.recall.step import RecallPlan, RecallSlots, fill_recall_slots
 
@@ -154,17 +159,19 @@ def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limi
     store = ColdStore(2, 3, 16, 20, 4, dtype, cold_dtype=cold_dtype, limit=limit)
     tokens = 37
     index = torch.arange(tokens).expand(2, 3, tokens)
-    store.append(torch.randn(2, 3, tokens, 16, generator=generator).to(dtype),
-                 torch.randn(2, 3, tokens, 20, generator=generator).to(dtype), index, index + 100)
+    keys = torch.randn(2, 3, tokens, 16, generator=generator)
+    keys[0, 0, 1] = torch.tensor([0.0, 255.0, 1.5, 2.5, 3.5, 100.5, -0.0, 7.5] * 2)  # int8: scale 1, ties
+    store.append(keys.to(dtype), torch.randn(2, 3, tokens, 20, generator=generator).to(dtype), index, index + 100)
     frame_page = torch.tensor([0, 9, 8, -1, 2]).expand(2, 3, 5).clone()
     load = torch.rand(2, 3, 5, generator=generator) < 0.7
+    load[0, 0, 0] = True
+    layout = slot_format(kv_dtype, 16, 20, dtype)
 
     def filled():
-        layer = {"keys": torch.full((2, 3, 30, 16), 7.0, dtype=dtype),
-                 "values": torch.full((2, 3, 30, 20), 7.0, dtype=dtype),
-                 "token_index": torch.full((2, 3, 30), 5), "positions": torch.full((2, 3, 30), 5)}
+        layer = {name: tensor.fill_(7) for name, tensor in layout.allocate((2, 3, 30), "cpu").items()}
+        layer.update({"token_index": torch.full((2, 3, 30), 5), "positions": torch.full((2, 3, 30), 5)})
         views = {name: tensor[:, :, 8:28] for name, tensor in layer.items()}
-        fill_recall_slots(RecallSlots(**views), store, RecallPlan(frame_page, load))
+        fill_recall_slots(RecallSlots.of(views, layout), store, RecallPlan(frame_page, load), None, layout)
         return layer
 
     got = filled()

@@ -41,8 +41,8 @@ def _snapshot(cache) -> dict[str, torch.Tensor]:
             for index, layer in enumerate(cache.layers) for name, tensor in layer.state_tensors().items()}
 
 
-def _run(model, ids, masks, every: int, cold_dtype: str):
-    cache = recall_cache(model.config.num_hidden_layers, "h2o", 12,
+def _run(model, ids, masks, every: int, cold_dtype: str, kv_dtype: str):
+    cache = recall_cache(model.config.num_hidden_layers, "h2o", 12, kv_dtype=kv_dtype,
                          recall=RecallConfig(16, 4, "exact", cold_dtype=cold_dtype, every=every),
                          max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
     use_h2o_attention(model)
@@ -56,11 +56,13 @@ def _run(model, ids, masks, every: int, cold_dtype: str):
 
 
 @needs_kernel
-@pytest.mark.parametrize("every,cold_dtype", [(1, "auto"), (3, "model")])
-def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypatch, every, cold_dtype):
-    """48 decode steps of 4 rows, some left out of most steps (``_masks``), after a 30-token prompt: the
-    kernels' route (the choice of only some rows and the staging with rows left out in one C call each)
-    gives the torch route's logits and state after every step, and it did run on the masked steps."""
+@pytest.mark.parametrize("every,cold_dtype,kv_dtype", [(1, "auto", "auto"), (3, "model", "auto"), (1, "auto", "int8"),
+                                                       (2, "model", "int8"), (1, "auto", "int4")])
+def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypatch, every, cold_dtype, kv_dtype):
+    """48 decode steps of 4 rows, some left out of most steps (``_masks``), after a 30-token prompt, in bf16
+    slots or quantized ones: the kernels' route (the choice of only some rows and the staging with rows left
+    out in one C call each; int8 codes and scales encoded in C as the layer encodes them; int4: the staging
+    only) gives the torch route's logits and state after every step, and it did run on the masked steps."""
     model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (BATCH, PROMPT + STEPS), generator=torch.Generator().manual_seed(5))
     masks = _masks(every)
@@ -79,10 +81,10 @@ def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypat
 
     monkeypatch.setattr(native.DecodeChoice, "__call__", counted_choice)
     monkeypatch.setattr(native.Stager, "__call__", counted_stage)
-    got = _run(model, ids, masks, every, cold_dtype)
-    assert calls["choice"] > 0 and calls["stage"] > 0, calls
+    got = _run(model, ids, masks, every, cold_dtype, kv_dtype)
+    assert (calls["choice"] > 0 or kv_dtype == "int4") and calls["stage"] > 0, calls
     without_kernel()
-    want = _run(model, ids, masks, every, cold_dtype)
+    want = _run(model, ids, masks, every, cold_dtype, kv_dtype)
     assert got[2] == want[2] and got[2] > 0
     for step, active in enumerate(masks):
         assert torch.equal(got[0][step], want[0][step]), f"step {step} logits"
@@ -97,3 +99,4 @@ def without_kernel(monkeypatch):
     def off():
         monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
     return off
+

@@ -30,13 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from h2ochat_kernels.quant import level_codes
 from h2ochat_kernels.recall_reference import page_scores as reference_page_scores
 from h2ochat_kernels.recall_reference import top_pages as kernels_top_pages
 
 from ..engine import row_products
+from ..kv.slot_format import SCALE_TENSORS
 
 ENVIRONMENT_SWITCH = "H2OCHAT_RECALL_KERNEL"  # "0": the torch reference only
 SOURCE = Path(__file__).with_name("recall_kernel.c")
+# the least scale quantized slots take (a slot of equal values: ``level_codes``' clamp), for the C route's codes
+TINY_SCALE = float(level_codes(torch.zeros(1, 1), 8)[1])
 MAX_QUERIES = 16  # a decode step's group (a prompt chunk's thousands of queries: one fp32 product is faster)
 
 
@@ -67,12 +71,13 @@ def _bind(library: Path) -> Kernels:
                    top_pages=row_products.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]),
                    frames_update=row_products.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
                    fill_frames=row_products.signed(library, "h2ochat_fill_frames",
-                                                   [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4),
+                                                   [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4
+                                                   + [pointer, ctypes.c_float]),
                    recall_step=row_products.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
-                                                   + [size] * 2 + [pointer]),
+                                                   + [size] * 2 + [pointer] * 2 + [ctypes.c_float]),
                    stage=row_products.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
-                                             + [pointer]),
+                                             + [pointer, size]),
                    cold_append=row_products.signed(library, "h2ochat_cold_append",
                                                    [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]))
 
@@ -194,20 +199,40 @@ def frames_update(wanted: torch.Tensor, frame_page, last_used, clock, copied, co
     return load
 
 
+def _scales_of(slots: dict[str, torch.Tensor], head_dim: int, value_dim: int):
+    """Quantized slots' scales and offsets as the kernels take them (``Strided * 4``); None for float slots;
+    False where the kernels do not take these slots (codes of fewer bits than 8, scales not fp32 on the CPU)."""
+    if "key_scale" not in slots:
+        return None
+    scales = [slots[name] for name in SCALE_TENSORS]
+    keys, values = slots["keys"], slots["values"]
+    if (keys.dtype != torch.uint8 or values.dtype != torch.uint8 or keys.shape[-1] != head_dim
+            or values.shape[-1] != value_dim or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in scales)):
+        return False
+    return (Strided * 4)(*(Strided.of(t) for t in scales))
+
+
 def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], count: torch.Tensor,
                 ring: int | None, page: int, load: torch.Tensor, frame_page: torch.Tensor) -> bool:
     """The loaded frames' pages from the cold store into the recall slots (``step.fill_recall_slots``
     for a plan read on the host), in one call: ``slots`` keys, values, token_index and positions
-    [B, H, R, ...] (float slots, views of the layer's); ``store`` the same names [B, H, S, ...] (keys as the
-    slots hold them, values so or int8 with ``value_scale``, token index and positions int32, keys at the
-    positions they are attended at). False where the kernel does not take them (nothing written)."""
+    [B, H, R, ...] (views of the layer's: float slots, or 8-bit codes with ``SCALE_TENSORS`` beside them,
+    encoded as ``slot_format.encode`` does); ``store`` the same names [B, H, S, ...] (keys as the slots hold
+    them or, for codes, in the store's float dtype; values so or int8 with ``value_scale``, token index and
+    positions int32, keys at the positions they are attended at). False where the kernel does not take them
+    (nothing written)."""
     kernels = _loaded()[0]
     keys, values = slots["keys"], slots["values"]
     scale = store.get("value_scale")
-    cold_values = store["values"].dtype == (torch.int8 if scale is not None else values.dtype)
-    if (kernels is None or torch.compiler.is_compiling() or store["keys"].dtype != keys.dtype
-            or keys.dtype not in (torch.bfloat16, torch.float32) or values.dtype not in (torch.bfloat16, torch.float32)
-            or not cold_values or (scale is not None and scale.dtype != torch.float32)
+    scales = _scales_of(slots, store["keys"].shape[-1], store["values"].shape[-1])
+    # the dtypes keys and values come as: the slots' (copied), or the store's (encoded into codes)
+    key_dtype = keys.dtype if scales is None else store["keys"].dtype
+    value_dtype = values.dtype if scales is None else store["keys" if scale is not None else "values"].dtype
+    floats = (torch.bfloat16, torch.float32)
+    if (kernels is None or scales is False or torch.compiler.is_compiling() or store["keys"].dtype != key_dtype
+            or key_dtype not in floats or value_dtype not in floats
+            or store["values"].dtype != (torch.int8 if scale is not None else value_dtype)
+            or (scale is not None and scale.dtype != torch.float32)
             or any(t.device.type != "cpu" or (t.dim() == 4 and t.stride(-1) != 1) for t in (*slots.values(),
                                                                                         *store.values(), count)
                    if t is not None)
@@ -220,8 +245,8 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
     sources = (Strided * 5)(*(Strided.of(store[name]) for name in names), Strided.of(scale))
     targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
     kernels.fill_frames(batch, heads, frames, page, load.data_ptr(), frame_page.data_ptr(), count.data_ptr(),
-                        ring or 0, sources, targets, keys.shape[-1], keys.element_size(), values.shape[-1],
-                        values.element_size())
+                        ring or 0, sources, targets, keys.shape[-1], key_dtype.itemsize, values.shape[-1],
+                        value_dtype.itemsize, scales, TINY_SCALE)
     return True
 
 
@@ -229,16 +254,17 @@ class DecodeChoice:
     """One layer's whole choice of a decode step in one C call (``h2ochat_recall_step``): the best pages
     (``top_pages``), the frames' plan (``frames_update``, the store's full pages complete) and the loaded
     pages' copy (``fill_frames``), where all three run: the exact selector on the store's own keys, a
-    store that never wraps, bf16 keys and float slots, keys not to turn; every row choosing, or some
+    store that never wraps, bf16 keys, bf16 slots or 8-bit codes, keys not to turn; every row choosing, or some
     (``rows``: the others keep their frames, clocks and slots). ``of`` says whether it takes a layer; a
     call returns False where it does not take this step."""
 
-    def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor]):
+    def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor], scales):
         self.kernels, self.cold, self.frames = kernels, cold, frames
         names = ("keys", "values", "token_index", "positions")
         self.targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
+        self.scales = scales  # (quantized slots' scales and offsets, ``_scales_of``; None: bf16 slots)
         self._slots = slots  # (the views the targets point into, held while they are)
-        self.value_dim, self.value_bytes = slots["values"].shape[-1], slots["values"].element_size()
+        self.value_dim, self.value_bytes = slots["values"].shape[-1], 2  # (bf16: the slots' or the store's)
         shape = frames.frame_page.shape
         self.wanted = torch.empty(shape, dtype=torch.long)
         self.load = torch.empty(shape, dtype=torch.bool)
@@ -252,13 +278,15 @@ class DecodeChoice:
         kernels = _loaded()[0]
         keys, values = slots["keys"], slots["values"]
         state = (frames.frame_page, frames.last_used, frames.clock, frames.copied, frames.complete)
+        scales = _scales_of(slots, cold.keys.shape[-1], cold.values.shape[-1])
         if (kernels is None or not keys_in_place or cold.frames is not None or cold.quantized_keys or cold.zero_copy
-                or cold.keys.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16
+                or scales is False or cold.keys.dtype != torch.bfloat16
+                or (scales is None and (keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16))
                 or cold.values.dtype != (torch.int8 if cold.quantized_values else torch.bfloat16)
                 or not _host_rows(*state) or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values))
                 or slots["token_index"].dtype != torch.long or slots["positions"].dtype != torch.long):
             return None
-        return cls(kernels, cold, frames, slots)
+        return cls(kernels, cold, frames, slots, scales)
 
     def __call__(self, queries: torch.Tensor, scored: int, rows: bool | list[bool] = True) -> bool:
         """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots, by the
@@ -274,7 +302,8 @@ class DecodeChoice:
             self.store, self.sources = buffers, (Strided * 5)(*(Strided.of(t) for t in buffers))
         self.kernels.recall_step(queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
                                  self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets,
-                                 self.value_dim, self.value_bytes, None if choosing is None else choosing.data_ptr())
+                                 self.value_dim, self.value_bytes, None if choosing is None else choosing.data_ptr(),
+                                 self.scales, TINY_SCALE)
         return True
 
 
@@ -283,18 +312,25 @@ def _row_bytes(rows: list[bool]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.uint8)
 
 
+def _extras(staging: dict[str, torch.Tensor]) -> list[str]:
+    """The scales and offsets a quantized slot holds beside its codes (none for float slots)."""
+    return [name for name in SCALE_TENSORS if name in staging]
+
+
 class Stager:
     """``StagingPage.put`` of a decode step, in one C call (``h2ochat_stage``): each (sequence, head)'s victim
     copied from its policy column into the next staging column, counted (a row left out of the step: an
     empty entry, not counted).
-    For float slots in host memory; ``of`` says whether it takes a layer's columns."""
+    For slots in host memory (floats, or codes with their ``SCALE_TENSORS``, copied as they are); ``of``
+    says whether it takes a layer's columns."""
 
     def __init__(self, kernels: Kernels, policy: dict[str, torch.Tensor], staging: dict[str, torch.Tensor],
                  count: torch.Tensor):
-        names = ("keys", "values", "token_index", "positions")
+        names = ("keys", "values", "token_index", "positions", *_extras(staging))
         self.kernels, self.count, self.page = kernels, count, staging["token_index"].shape[-1]
-        self.sources = (Strided * 4)(*(Strided.of(policy[name]) for name in names))
-        self.targets = (Strided * 4)(*(Strided.of(staging[name]) for name in names))
+        self.extras = len(names) - 4
+        self.sources = (Strided * len(names))(*(Strided.of(policy[name]) for name in names))
+        self.targets = (Strided * len(names))(*(Strided.of(staging[name]) for name in names))
         self._views = (policy, staging)  # (what the pointers point into, held while they are)
         keys, values = staging["keys"], staging["values"]
         self.sizes = (keys.shape[-1], keys.element_size(), values.shape[-1], values.element_size())
@@ -303,12 +339,14 @@ class Stager:
     def of(cls, policy: dict[str, torch.Tensor], staging: dict[str, torch.Tensor],
            count: torch.Tensor) -> "Stager | None":
         kernels = _loaded()[0]
-        views = [policy[name] for name in ("keys", "values", "token_index", "positions")]
-        views += [staging[name] for name in ("keys", "values", "token_index", "positions")]
+        extras = _extras(staging)
+        views = [part[name] for part in (policy, staging) for name in ("keys", "values", "token_index", "positions")]
         if (kernels is None or not _host_rows(count) or count.dtype != torch.long
                 or any(t.device.type != "cpu" for t in views) or any(t.stride(-1) != 1 for t in views if t.dim() == 4)
                 or any(t.dtype != torch.long for t in views if t.dim() == 3)
-                or policy["keys"].dtype != staging["keys"].dtype or policy["values"].dtype != staging["values"].dtype):
+                or policy["keys"].dtype != staging["keys"].dtype or policy["values"].dtype != staging["values"].dtype
+                or any(name not in policy or part[name].dtype != torch.float32 or part[name].device.type != "cpu"
+                       for name in extras for part in (policy, staging) if name in part)):
             return None
         return cls(kernels, policy, staging, count)
 
@@ -322,7 +360,7 @@ class Stager:
         active = None if active is None else active.contiguous()
         batch, heads = slot.shape
         self.kernels.stage(batch, heads, self.page, slot.data_ptr(), self.count.data_ptr(), self.sources, self.targets,
-                           *self.sizes, None if active is None else active.data_ptr())
+                           *self.sizes, None if active is None else active.data_ptr(), self.extras)
         return True
 
 

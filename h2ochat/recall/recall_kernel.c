@@ -208,16 +208,47 @@ static inline float quantize(const void *values, int64_t n, int64_t value_bytes,
   return scale;
 }
 
+/* n values (bf16: bytes 2, fp32: 4) as quantized slots hold them (h2ochat_kernels.quant.level_codes, 8 bits):
+   offset = min, scale = max((max - min) / 255, tiny), codes = round((x - min) / scale) to nearest even, as
+   uint8; each an IEEE fp32 op, as torch's, so the same codes and scales bit for bit. */
+static inline void level_codes(const void *values, int64_t n, int64_t bytes, float tiny, uint8_t *codes,
+                               float *scale_out, float *offset_out) {
+  __m512 low = _mm512_set1_ps(INFINITY), high = _mm512_set1_ps(-INFINITY);
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 mask = lanes(n, d);
+    const __m512 x = load_floats((const char *)values + d * bytes, bytes, mask);
+    low = _mm512_mask_min_ps(low, mask, low, x);
+    high = _mm512_mask_max_ps(high, mask, high, x);
+  }
+  const float offset = _mm512_reduce_min_ps(low), top = _mm512_reduce_max_ps(high);
+  float scale = (top - offset) / 255.0f;
+  if (!(scale >= tiny)) scale = tiny;
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 mask = lanes(n, d);
+    const __m512 x = load_floats((const char *)values + d * bytes, bytes, mask);
+    const __m512 code = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(x, _mm512_set1_ps(offset)), _mm512_set1_ps(scale)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm512_mask_storeu_epi8(codes + d, (__mmask64)mask, _mm512_castsi128_si512(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code))));
+  }
+  *scale_out = scale;
+  *offset_out = offset;
+}
+
 /* fill_recall_slots for a plan read on the host: each loaded frame f of (b, h) takes page frame_page of the
    cold store, slot by slot (an absent slot: zeros, token index and position -1). Keys are copied as they
    are (key_bytes each: the slots' dtype is the store's); values too (value_scale NULL) or int8 codes times
    the token's fp32 scale, to bf16 (value_bytes 2) or fp32 (4). Store token indices and positions are
-   int32, the slots' int64. ring: the store's frames (0: it never wraps). */
+   int32, the slots' int64. ring: the store's frames (0: it never wraps). scales (NULL: float slots): the
+   slots are 8-bit codes (D and Dv bytes) with [0] key_scale, [1] key_offset, [2] value_scale, [3] value_offset
+   (fp32) beside them; key_bytes and value_bytes are then the store's float dtype's, and each slot's keys and
+   values as page_tokens gives them (absent: zeros) are encoded by level_codes, as slot_format.encode does. */
 static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *load, const int64_t *frame_page,
                      int64_t held, int64_t ring, const strided_t *store, const strided_t *slots, int64_t D,
-                     int64_t key_bytes, int64_t Dv, int64_t value_bytes) {
+                     int64_t key_bytes, int64_t Dv, int64_t value_bytes, const strided_t *scales, float tiny) {
   /* store/slots: [0] keys, [1] values, [2] token index, [3] positions; store [4]: value scales (data NULL: none) */
   const int64_t end = (held + P - 1) / P, first = ring && end > ring ? end - ring : 0;
+  const int64_t key_item = scales ? 1 : key_bytes, value_item = scales ? 1 : value_bytes;
+  uint8_t scratch[scales ? (D > Dv ? D : Dv) * 4 : 1]; /* (zeros, or a slot's values as the store's dtype) */
   for (int64_t f = 0; f < F; f++) {
     if (!load[f]) continue;
     const int64_t page = frame_page[f];
@@ -225,8 +256,28 @@ static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *
       const int64_t slot = page * P + i, column = f * P + i;
       const int present = page >= 0 && slot < held && page >= first;
       const int64_t source = ring ? slot % (ring * P) : slot;
-      void *key = at(&slots[0], b, h, column, key_bytes), *value = at(&slots[1], b, h, column, value_bytes);
+      void *key = at(&slots[0], b, h, column, key_item), *value = at(&slots[1], b, h, column, value_item);
       int64_t *token = at(&slots[2], b, h, column, 8), *position = at(&slots[3], b, h, column, 8);
+      if (scales) {
+        const void *keys = scratch, *values = scratch;
+        if (present) {
+          keys = at(&store[0], b, h, source, key_bytes);
+          values = at(&store[1], b, h, source, store[4].data ? 1 : value_bytes);
+          *token = *(const int32_t *)at(&store[2], b, h, source, 4);
+          *position = *(const int32_t *)at(&store[3], b, h, source, 4);
+        } else {
+          memset(scratch, 0, sizeof scratch);
+          *token = *position = -1;
+        }
+        level_codes(keys, D, key_bytes, tiny, key, at(&scales[0], b, h, column, 4), at(&scales[1], b, h, column, 4));
+        if (present && store[4].data) {
+          store_scaled(values, *(const float *)at(&store[4], b, h, source, 4), Dv, scratch, value_bytes);
+          values = scratch;
+        }
+        level_codes(values, Dv, value_bytes, tiny, value, at(&scales[2], b, h, column, 4),
+                    at(&scales[3], b, h, column, 4));
+        continue;
+      }
       if (!present) {
         memset(key, 0, D * key_bytes);
         memset(value, 0, Dv * value_bytes);
@@ -248,12 +299,13 @@ static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *
 
 void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8_t *load, const int64_t *frame_page,
                          const int64_t *count, int64_t ring, const strided_t *store, const strided_t *slots,
-                         int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes) {
+                         int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes, const strided_t *scales,
+                         float tiny) {
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = b * H + h;
       fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], ring, store, slots, D, key_bytes, Dv,
-               value_bytes);
+               value_bytes, scales, tiny);
     }
 }
 
@@ -263,11 +315,13 @@ void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8
    head with nothing in the store only counts the choice on its clock (its frames are empty: what the
    update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]).
    choosing [B] (bytes; NULL: every row): a row not choosing is left as it is (its frames, clock and slots
-   untouched, its load and wanted not written), as the torch route's rows_kept leaves it. */
+   untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
+   quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's. */
 void h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
                          int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
                          int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
-                         const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing) {
+                         const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing,
+                         const strided_t *scales, float tiny) {
   const int64_t k = F < T / P ? F : T / P;
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H && (!choosing || choosing[b]); h++) {
@@ -280,18 +334,20 @@ void h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int
       top_pages_row(q + row * M * D, M, D, at(&store[0], b, h, 0, 2), store[0].s, count[row], T, P, k, wanted + row * k);
       frames_update_row(F, k, wanted + row * k, frame_page + row * F, last_used + row * F, clock + row, copied + row,
                         complete + row * F, &complete_pages, load + row * F);
-      fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv, value_bytes);
+      fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv, value_bytes,
+               scales, tiny);
     }
 }
 
 /* StagingPage.put: the victim in policy column slot[b, h] of each (sequence, head) copied into staging
    column count[b, h] (< P), then counted. sources/targets: [0] keys (D elements of key_bytes), [1] values
    (Dv of value_bytes), [2] token index, [3] positions (int64): the layer's policy columns and its staging
-   columns. active [B] (bytes; NULL: every row): a row left out writes an empty entry (its victim with
-   token index -1) and does not count it, as the torch route's put does. */
+   columns; [4 ...] (extras of them): 4-byte values a slot (a quantized slot's scales and offsets). active
+   [B] (bytes; NULL: every row): a row left out writes an empty entry (its victim with token index -1) and
+   does not count it, as the torch route's put does. */
 void h2ochat_stage(int64_t B, int64_t H, int64_t P, const int64_t *slot, int64_t *count, const strided_t *sources,
                    const strided_t *targets, int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes,
-                   const uint8_t *active) {
+                   const uint8_t *active, int64_t extras) {
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = b * H + h, from = slot[row], to = count[row];
@@ -301,6 +357,8 @@ void h2ochat_stage(int64_t B, int64_t H, int64_t P, const int64_t *slot, int64_t
       memcpy(at(&targets[1], b, h, to, value_bytes), at(&sources[1], b, h, from, value_bytes), Dv * value_bytes);
       *(int64_t *)at(&targets[2], b, h, to, 8) = in_step ? *(const int64_t *)at(&sources[2], b, h, from, 8) : -1;
       *(int64_t *)at(&targets[3], b, h, to, 8) = *(const int64_t *)at(&sources[3], b, h, from, 8);
+      for (int64_t e = 4; e < 4 + extras; e++)
+        *(uint32_t *)at(&targets[e], b, h, to, 4) = *(const uint32_t *)at(&sources[e], b, h, from, 4);
       count[row] = to + in_step;
     }
 }

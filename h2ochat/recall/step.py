@@ -139,9 +139,9 @@ def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, 
     page are not touched). Keys come back rotated to the tokens' current positions; quantized slots
     (``slot_format``) take them encoded as the layer's new tokens are (codes and scales)."""
     if host_reads_allowed(plan.load):
-        if slots.scales is None and store.fill_frames(slots.named() | {"token_index": slots.token_index,
-                                                                       "positions": slots.positions}, plan, rotary):
-            return  # (float slots: one C call, ``native.fill_frames``)
+        if store.fill_frames(slots.named() | {"token_index": slots.token_index, "positions": slots.positions}, plan,
+                             rotary):
+            return  # (float slots or 8-bit codes: one C call, ``native.fill_frames``)
         _fill_loaded_frames(slots, store, plan, rotary, slot_format)
         return
     page = store.page
