@@ -8,16 +8,23 @@
   against ~170 (then bound by the keys' reading; a tree of shuffles for the horizontal sums was faster
   with the keys in cache and slower without, as was prefetching).
 - ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into
-  the recall slots; ``cold_append``: a flush into the store (int8 values as ``cold_store._to_int8``
-  makes them, bit for bit); ``Stager``: a decode step's victim into the staging page.
+  the recall slots (float slots, or int8 codes encoded as ``slot_format.encode`` does, bit for bit);
+  ``cold_append``: a flush into the store (int8 values as ``cold_store._to_int8`` makes them, bit for
+  bit); ``Stager``: a decode step's victim into the staging page (codes and scales as they are).
 - ``DecodeChoice``: a decode step's best pages, plan and copy in one call a layer (one ctypes call
   instead of ~60 torch ops), where all of it runs.
+- A server's decode step (one bucket of rows, its free rows left out by the ``active`` mask; each row
+  choosing on its own cadence): ``DecodeChoice`` takes the rows that choose and leaves the others as
+  they are, ``Stager`` writes a left-out row's empty entry without counting it, as the torch routes do
+  (tests/test_recall_served_native.py, bit for bit). Measured (``benchmarks/recall_served_step.py``, 8
+  rows, 3 left out, bf16, budget 256, recall 0.5, 1K tokens a row): 2.08x h2o's step on the torch
+  route, 1.42x with the kernels before they took such steps, 1.19x after.
 
 Built like the row kernel (``engine.row_products.built``: the CPU's AVX512-BF16 flag, a C compiler, once
 per machine; ``H2OCHAT_ROW_KERNEL=0`` turns these off too) and checked against the torch reference on
 first use. Where they cannot run, or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None
-or False and the caller keeps its torch route (a GPU's, a compiled step's, quantized slots', a ring's,
-keys to turn after a re-numbering: those routes are unchanged). tests/test_recall_native.py holds each
+or False and the caller keeps its torch route (a GPU's, a compiled step's, int4 slots' choice, a ring's
+in the decode step, keys to turn after a re-numbering: those routes are unchanged). tests/test_recall_native.py holds each
 kernel to the route it replaces.
 """
 from __future__ import annotations

@@ -40,7 +40,8 @@ fp32, is not done: the floats are simpler to move, rotate and score.)
 
 On a CPU with AVX512-BF16 (the cold store in the step's memory) the eager decode step's choice of pages
 (scores, plan and copy), its staging and a flush's append are each one C call a layer (``native``: the
-same pages and logits, measured 1.89x -> ~1.13x h2o's step at 2K tokens); elsewhere the torch routes below.
+same pages and logits, measured 1.89x -> ~1.13x h2o's step at 2K tokens), a server's step with rows left
+out and int8 slots included; elsewhere the torch routes below.
 
 The decode step reads no host value and touches no store that grows: the compiled decode step
 takes it as one static graph whatever the length and the cadence (the flush, the choice of pages,
