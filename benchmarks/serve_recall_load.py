@@ -76,6 +76,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=8, help="--max-sequences of both servers")
     parser.add_argument("--recall-arg", action="append", default=[],
                         help="more options of the recall server (repeat): e.g. --recall-arg=--recall-every=16")
+    parser.add_argument("--h2o-arg", action="append", default=[],
+                        help="more options of the server without recall (repeat): e.g. --h2o-arg=--no-compile")
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--load-timeout", type=float, default=3600)
     parser.add_argument("--ready-timeout", type=float, default=600)
@@ -85,7 +87,7 @@ def main(argv=None) -> dict:
     preset = Preset(f"chat-{args.clients}x{args.turns}", clients=args.clients, turns=args.turns,
                     reply_tokens=args.reply_tokens)
     work = Path(tempfile.mkdtemp(prefix="h2ochat-serve-recall-"))
-    engines = [engine("h2o", args, []), engine("recall", args, ["--recall", args.recall, *args.recall_arg])]
+    engines = [engine("h2o", args, args.h2o_arg), engine("recall", args, ["--recall", args.recall, *args.recall_arg])]
     report = {"issue": 34, "machine": machine(), "argv": sys.argv, "preset": preset.name, "runs": [],
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     for _ in range(args.pairs):

@@ -28,6 +28,17 @@ def test_the_kernels_run_wherever_the_row_kernel_does():
         assert native.available(), native.why_not()
 
 
+def test_the_row_kernel_switch_turns_the_recall_kernels_off_too(monkeypatch):
+    """``H2OCHAT_ROW_KERNEL=0`` is the one switch for every C kernel (``native_build``)."""
+    native._loaded.cache_clear()
+    monkeypatch.setenv("H2OCHAT_ROW_KERNEL", "0")
+    try:
+        assert not native.available() and "H2OCHAT_ROW_KERNEL=0" in native.why_not()
+    finally:
+        monkeypatch.undo()
+        native._loaded.cache_clear()
+
+
 @pytest.fixture
 def without_kernel(monkeypatch):
     """The torch routes only, for this test (as on a CPU where the kernel does not build)."""

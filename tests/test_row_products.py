@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h2ochat import native_build
 from h2ochat.engine import row_products
 
 needs_kernel = pytest.mark.skipif(not row_products.available(), reason=f"no row kernel: {row_products.why_not()}")
@@ -116,10 +117,10 @@ def test_no_compiler_or_a_failing_build_says_why_in_one_line(fresh_load, monkeyp
 def test_the_build_is_cached_per_source_and_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = row_products._compiler()
-    first = row_products._build(compiler)
+    first = native_build.build(compiler, row_products.SOURCE)
     assert first.parent == tmp_path / "h2ochat" / "native" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert row_products._build(compiler) == first and first.stat().st_mtime_ns == stamp  # not built again
+    assert native_build.build(compiler, row_products.SOURCE) == first and first.stat().st_mtime_ns == stamp  # not built again
 
 
 @needs_kernel
@@ -129,11 +130,11 @@ def test_cc_is_split_as_the_shell_would_and_a_compiler_without_openmp_builds_it_
     script standing in for clang without libomp) still builds the kernel, without threads."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     real = row_products._compiler()
-    assert row_products._build(f"env {real}").is_file()
+    assert native_build.build(f"env {real}", row_products.SOURCE).is_file()
     no_openmp = tmp_path / "cc-without-openmp"
     no_openmp.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
     no_openmp.chmod(0o755)
-    library = row_products._build(str(no_openmp))
+    library = native_build.build(str(no_openmp), row_products.SOURCE)
     function = row_products._bind(library)
     assert row_products._agrees_with_torch(function)
 

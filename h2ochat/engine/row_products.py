@@ -10,7 +10,7 @@ four, 30.8 against 24.1 at eight (past a few rows the product stops being a read
 oneDNN's blocking wins). So the kernel takes up to ``MAX_ROWS`` rows.
 
 The kernel is C, built once per machine with the system's C compiler into the user's cache folder
-and called through ctypes (which lets the GIL go while it runs). Where it cannot run (no
+and called through ctypes (``native_build``, which builds the recall step's kernels too). Where it cannot run (no
 ``avx512_bf16`` in the CPU's flags, no compiler, a build that fails, its first product disagreeing
 with torch's, or ``H2OCHAT_ROW_KERNEL=0``), ``available()`` says no and ``why_not()`` says why: the
 caller keeps oneDNN's packed product.
@@ -20,70 +20,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shlex
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-ENVIRONMENT_SWITCH = "H2OCHAT_ROW_KERNEL"  # "0": never use the kernel
+from ..native_build import ENVIRONMENT_SWITCH, build, signed
+# (module names the tests replace: a CPU without the flag, no compiler)
+from ..native_build import compiler as _compiler
+from ..native_build import cpu_has_avx512_bf16 as _cpu_has_avx512_bf16
+
 MAX_ROWS = 3  # up to here the kernel beats oneDNN (measured above)
 SOURCE = Path(__file__).with_name("row_kernel.c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-shared", "-fPIC"]
-THREADED = ["-fopenmp"]  # (a compiler without OpenMP, clang without libomp, builds it single-threaded)
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux
-        return False
-
-
-def _cache_folder() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "h2ochat" / "native"
-
-
-def _compiler() -> str | None:
-    """The C compiler's command line: $CC as the shell would split it ("ccache gcc"), else cc or gcc."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(compiler: str, path: Path = SOURCE) -> Path:
-    """The shared library for this source (``path``: the row kernel's, or another C file built the same
-    way, as ``built`` does for the recall step's) and these flags, compiled unless the cache already has
-    it (written under a temporary name and renamed, so two processes building at once both load a whole
-    file): with OpenMP, else without."""
-    failure, source = "no output", path.read_bytes()
-    for flags in ([*FLAGS, *THREADED], FLAGS):
-        digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-        library = _cache_folder() / f"{path.stem}-{digest}.so"
-        if library.is_file():
-            return library
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as work:
-            partial = Path(work) / library.name
-            result = subprocess.run([*shlex.split(compiler), *flags, str(path), "-o", str(partial)],
-                                    capture_output=True, text=True, timeout=120)
-            if result.returncode == 0:
-                os.replace(partial, library)
-                return library
-            lines = (result.stderr or result.stdout).strip().splitlines()
-            failure = lines[0] if lines else "no output"
-    raise OSError(f"{compiler} failed: {failure}")
-
-
-def signed(library: Path, name: str, argtypes: list):
-    """The C function ``name`` of ``library`` with these argument types, returning nothing."""
-    function = getattr(ctypes.CDLL(str(library)), name)
-    function.argtypes = argtypes
-    function.restype = None
-    return function
 
 
 def _bind(library: Path):
@@ -117,21 +66,12 @@ def _loaded() -> tuple[object | None, str]:
     if compiler is None:
         return None, "no C compiler (cc or gcc) on PATH"
     try:
-        function = _bind(_build(compiler))
+        function = _bind(build(compiler, SOURCE))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"the row kernel did not build: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if not _agrees_with_torch(function):
         return None, "the row kernel's first product disagreed with torch's"
     return function, ""
-
-
-def built(path: Path) -> Path:
-    """Another C file for this CPU (``path``), built as the row kernel is, where the row kernel runs
-    (``available``: the CPU's flags, a compiler, the switch): its library's path. Raises OSError (or
-    SubprocessError) where it does not build."""
-    if not available():
-        raise OSError(f"no row kernel: {why_not()}")
-    return _build(_compiler(), path)
 
 
 def available() -> bool:

@@ -20,7 +20,7 @@
   rows, 3 left out, bf16, budget 256, recall 0.5, 1K tokens a row): 2.08x h2o's step on the torch
   route, 1.42x with the kernels before they took such steps, 1.19x after.
 
-Built like the row kernel (``engine.row_products.built``: the CPU's AVX512-BF16 flag, a C compiler, once
+Built like the row kernel (``native_build.built``: the CPU's AVX512-BF16 flag, a C compiler, once
 per machine; ``H2OCHAT_ROW_KERNEL=0`` turns these off too) and checked against the torch reference on
 first use. Where they cannot run, or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None
 or False and the caller keeps its torch route (a GPU's, a compiled step's, int4 slots' choice, a ring's
@@ -41,7 +41,7 @@ from h2ochat_kernels.quant import level_codes
 from h2ochat_kernels.recall_reference import page_scores as reference_page_scores
 from h2ochat_kernels.recall_reference import top_pages as kernels_top_pages
 
-from ..engine import row_products
+from .. import native_build
 from ..kv.slot_format import SCALE_TENSORS
 
 ENVIRONMENT_SWITCH = "H2OCHAT_RECALL_KERNEL"  # "0": the torch reference only
@@ -74,18 +74,18 @@ class Strided(ctypes.Structure):
 def _bind(library: Path) -> Kernels:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     scoring = [pointer, size, size, size, size, pointer, size, size, size, pointer, size, size]
-    return Kernels(page_best=row_products.signed(library, "h2ochat_page_best_bf16", [*scoring, pointer]),
-                   top_pages=row_products.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]),
-                   frames_update=row_products.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
-                   fill_frames=row_products.signed(library, "h2ochat_fill_frames",
+    return Kernels(page_best=native_build.signed(library, "h2ochat_page_best_bf16", [*scoring, pointer]),
+                   top_pages=native_build.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]),
+                   frames_update=native_build.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
+                   fill_frames=native_build.signed(library, "h2ochat_fill_frames",
                                                    [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4
                                                    + [pointer, ctypes.c_float]),
-                   recall_step=row_products.signed(library, "h2ochat_recall_step",
+                   recall_step=native_build.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
                                                    + [size] * 2 + [pointer] * 2 + [ctypes.c_float]),
-                   stage=row_products.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
+                   stage=native_build.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
                                              + [pointer, size]),
-                   cold_append=row_products.signed(library, "h2ochat_cold_append",
+                   cold_append=native_build.signed(library, "h2ochat_cold_append",
                                                    [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]))
 
 
@@ -136,7 +136,7 @@ def _loaded() -> tuple[Kernels | None, str]:
     if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
         return None, f"{ENVIRONMENT_SWITCH}=0"
     try:
-        kernels = _bind(row_products.built(SOURCE))
+        kernels = _bind(native_build.built(SOURCE))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"the recall kernel did not build: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if not _agrees_with_torch(kernels):

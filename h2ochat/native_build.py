@@ -1,0 +1,92 @@
+"""Building this project's C kernels (``engine/row_kernel.c``, ``recall/recall_kernel.c``) on the user's
+machine: once per machine, with the system's C compiler, into the user's cache folder, and binding their
+functions through ctypes (which lets the GIL go while they run).
+
+A kernel is built only where it can run: the CPU has ``avx512_bf16`` (every kernel here uses
+VDPBF16PS), a C compiler is on PATH (or $CC), and ``H2OCHAT_ROW_KERNEL`` is not "0" (the one switch that
+turns every C kernel off; each kernel may have its own switch too). Each kernel's module checks its
+first results against torch before using it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+ENVIRONMENT_SWITCH = "H2OCHAT_ROW_KERNEL"  # "0": no C kernel at all
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-shared", "-fPIC"]
+THREADED = ["-fopenmp"]  # (a compiler without OpenMP, clang without libomp, builds it single-threaded)
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux
+        return False
+
+
+def cache_folder() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "h2ochat" / "native"
+
+
+def compiler() -> str | None:
+    """The C compiler's command line: $CC as the shell would split it ("ccache gcc"), else cc or gcc."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(command: str, path: Path) -> Path:
+    """The shared library for the C file ``path`` built by ``command`` with these flags, compiled unless the
+    cache already has it (written under a temporary name and renamed, so two processes building at once
+    both load a whole file): with OpenMP, else without. Raises OSError where it does not build."""
+    failure, source = "no output", path.read_bytes()
+    for flags in ([*FLAGS, *THREADED], FLAGS):
+        digest = hashlib.sha256(source + " ".join([command, *flags]).encode()).hexdigest()[:16]
+        library = cache_folder() / f"{path.stem}-{digest}.so"
+        if library.is_file():
+            return library
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as work:
+            partial = Path(work) / library.name
+            result = subprocess.run([*shlex.split(command), *flags, str(path), "-o", str(partial)],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                os.replace(partial, library)
+                return library
+            lines = (result.stderr or result.stdout).strip().splitlines()
+            failure = lines[0] if lines else "no output"
+    raise OSError(f"{command} failed: {failure}")
+
+
+def why_not_here() -> str:
+    """Why no C kernel is built on this machine ("" where they are): the switch, the CPU, the compiler."""
+    if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
+        return f"{ENVIRONMENT_SWITCH}=0"
+    if not cpu_has_avx512_bf16():
+        return "the CPU has no avx512_bf16"
+    if compiler() is None:
+        return "no C compiler (cc or gcc) on PATH"
+    return ""
+
+
+def built(path: Path) -> Path:
+    """The library of the C file ``path`` for this machine (``build`` with ``compiler()``). Raises
+    OSError (or SubprocessError) where no C kernel is built here (``why_not_here``) or it does not build."""
+    reason = why_not_here()
+    if reason:
+        raise OSError(reason)
+    return build(compiler(), path)
+
+
+def signed(library: Path, name: str, argtypes: list):
+    """The C function ``name`` of ``library`` with these argument types, returning nothing."""
+    function = getattr(ctypes.CDLL(str(library)), name)
+    function.argtypes = argtypes
+    function.restype = None
+    return function
