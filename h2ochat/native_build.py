@@ -75,13 +75,16 @@ def why_not_here() -> str:
     return ""
 
 
-def built(path: Path) -> Path:
-    """The library of the C file ``path`` for this machine (``build`` with ``compiler()``). Raises
-    OSError (or SubprocessError) where no C kernel is built here (``why_not_here``) or it does not build."""
-    reason = why_not_here()
-    if reason:
-        raise OSError(reason)
-    return build(compiler(), path)
+def checked(what: str, path: Path, command: str, bind, agrees) -> tuple[object | None, str]:
+    """Build ``path`` with ``command``, ``bind`` its library and check the result with ``agrees`` (its first
+    results against torch's): (what ``bind`` returned, "") or (None, why it is not used, one line)."""
+    try:
+        kernel = bind(build(command, path))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        return None, f"the {what} did not build: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    if not agrees(kernel):
+        return None, f"the {what}'s first results disagreed with torch's"
+    return kernel, ""
 
 
 def signed(library: Path, name: str, argtypes: list):

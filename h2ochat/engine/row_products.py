@@ -21,12 +21,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
-from ..native_build import ENVIRONMENT_SWITCH, build, signed
+from ..native_build import ENVIRONMENT_SWITCH, checked, signed
 # (module names the tests replace: a CPU without the flag, no compiler)
 from ..native_build import compiler as _compiler
 from ..native_build import cpu_has_avx512_bf16 as _cpu_has_avx512_bf16
@@ -65,13 +64,7 @@ def _loaded() -> tuple[object | None, str]:
     compiler = _compiler()
     if compiler is None:
         return None, "no C compiler (cc or gcc) on PATH"
-    try:
-        function = _bind(build(compiler, SOURCE))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        return None, f"the row kernel did not build: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    if not _agrees_with_torch(function):
-        return None, "the row kernel's first product disagreed with torch's"
-    return function, ""
+    return checked("row kernel", SOURCE, compiler, _bind, _agrees_with_torch)
 
 
 def available() -> bool:

@@ -20,7 +20,7 @@
   rows, 3 left out, bf16, budget 256, recall 0.5, 1K tokens a row): 2.08x h2o's step on the torch
   route, 1.42x with the kernels before they took such steps, 1.19x after.
 
-Built like the row kernel (``native_build.built``: the CPU's AVX512-BF16 flag, a C compiler, once
+Built like the row kernel (``native_build.checked``: the CPU's AVX512-BF16 flag, a C compiler, once
 per machine; ``H2OCHAT_ROW_KERNEL=0`` turns these off too) and checked against the torch reference on
 first use. Where they cannot run, or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None
 or False and the caller keeps its torch route (a GPU's, a compiled step's, int4 slots' choice, a ring's
@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,13 +134,10 @@ def _loaded() -> tuple[Kernels | None, str]:
     """(the bound kernels, "") or (None, why they are not used)."""
     if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
         return None, f"{ENVIRONMENT_SWITCH}=0"
-    try:
-        kernels = _bind(native_build.built(SOURCE))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        return None, f"the recall kernel did not build: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    if not _agrees_with_torch(kernels):
-        return None, "the recall kernel's page scores disagreed with torch's"
-    return kernels, ""
+    reason = native_build.why_not_here()
+    if reason:
+        return None, reason
+    return native_build.checked("recall kernel", SOURCE, native_build.compiler(), _bind, _agrees_with_torch)
 
 
 def available() -> bool:
