@@ -24,11 +24,13 @@ from .forward_step import require_h2o_attention
 class TwoCaches:
     """The cache a mixed forward hands the model: the first ``chunk`` tokens of the one sequence go to
     ``prompt`` (one row), the other R to ``batch`` (one per row). Only what transformers' models and
-    the h2o attention call is here: ``update`` (parks each part's keys on its cache) and ``attend``."""
+    the h2o attention call is here: ``update`` (parks each part's keys on its cache) and ``attend``;
+    transformers' size queries go to the prompt cache (``__getattr__``)."""
 
     def __init__(self, prompt: H2OCache, batch: H2OCache, chunk: int):
         self.prompt, self.batch, self.chunk = prompt, batch, chunk
-        self._parts: tuple | None = None  # the parked (prompt keys, decode keys) of the layer in flight
+        # the layer in flight: the keys update was given, and each cache's parked (keys, values)
+        self._parts: tuple | None = None
 
     @staticmethod
     def as_rows(part: torch.Tensor) -> torch.Tensor:

@@ -133,14 +133,17 @@ class RecallSlots:
         """The slot format's tensors by name (keys, values and any scales)."""
         return {"keys": self.keys, "values": self.values, **(self.scales or {})}
 
+    def columns(self) -> dict[str, torch.Tensor]:
+        """Every per-slot tensor by name: the slot format's (``named``), the token indices and positions."""
+        return {**self.named(), "token_index": self.token_index, "positions": self.positions}
+
 
 def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, slot_format=None) -> None:
     """Copy the pages the plan loads from the cold store into their frames (frames that keep their
     page are not touched). Keys come back rotated to the tokens' current positions; quantized slots
     (``slot_format``) take them encoded as the layer's new tokens are (codes and scales)."""
     if host_reads_allowed(plan.load):
-        if store.fill_frames(slots.named() | {"token_index": slots.token_index, "positions": slots.positions}, plan,
-                             rotary):
+        if store.fill_frames(slots.columns(), plan, rotary):
             return  # (float slots or 8-bit codes: one C call, ``native.fill_frames``)
         _fill_loaded_frames(slots, store, plan, rotary, slot_format)
         return
@@ -179,11 +182,9 @@ def _fill_loaded_frames(slots: RecallSlots, store, plan: RecallPlan, rotary, slo
     page = store.page
     keys, values, token_index, positions = store.page_tokens(row, head, plan.frame_page[row, head, frame], rotary)
     new = {"keys": keys, "values": values, "token_index": token_index, "positions": positions}
-    targets = {"keys": slots.keys, "values": slots.values, "token_index": slots.token_index,
-               "positions": slots.positions}
+    targets = slots.columns()  # (with any scales)
     if slots.scales is not None:  # (the cold store holds the dequantized floats: the same codes come back)
         new.update(slot_format.encode(keys, values))
-        targets.update(slots.scales)
     columns = frame.unsqueeze(-1) * page + torch.arange(page, device=frame.device)  # [N, P]
     rows, heads = row.unsqueeze(-1), head.unsqueeze(-1)
     for name, buffer in targets.items():

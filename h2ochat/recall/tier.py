@@ -114,9 +114,8 @@ class RecallTier(RecallRowMoves):
         self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
         # a CPU decode step's whole choice in one C call, where it runs (``native.DecodeChoice``)
         self.stager_of = (None, None)  # (the port, the C staging of its columns or None: ``_stager``)
-        self.decode_choice = native.DecodeChoice.of(
-            self.cold, self.frames, {**self.slots.named(), "token_index": self.slots.token_index,
-                                     "positions": self.slots.positions}, isinstance(self.digest, ColdKeys))
+        self.decode_choice = native.DecodeChoice.of(self.cold, self.frames, self.slots.columns(),
+                                                    isinstance(self.digest, ColdKeys))
         self.cadence = RowCadence(batch, config.page, config.every)  # each row's flush and choice, on its own count
         self.step_active = None  # the decode step's active rows [B] (None: every row), for ``archive``
         columns = port.tier_columns()
@@ -315,10 +314,8 @@ class RecallTier(RecallRowMoves):
     def _stager(self, port) -> "native.Stager | None":
         """The C staging for this port's columns (made again for a new port: new tensors), or None."""
         if self.stager_of[0] is not port:
-            staging = self.staging.slots
-            self.stager_of = (port, native.Stager.of(port.policy_columns(), {**staging.named(), "token_index":
-                                                                             staging.token_index, "positions":
-                                                                             staging.positions}, self.staging.count))
+            self.stager_of = (port, native.Stager.of(port.policy_columns(), self.staging.slots.columns(),
+                                                     self.staging.count))
         return self.stager_of[1]
 
     def archive_dropped(self, port, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:

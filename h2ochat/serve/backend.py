@@ -152,7 +152,7 @@ class ModelBackend:
     def decode(self, tokens: list[int | None]) -> torch.Tensor:
         """One step of the rows in use (``tokens[row]``, None for a free row): the logits of the
         bucket's rows [R, V] (the free rows' are meaningless)."""
-        fed = [token if token is not None else 0 for token in tokens]  # (a free row reads nothing or a placeholder)
+        fed = self._fed(tokens)
         if not self.pool.masks_rows:
             with self.pool.bucket_cache(self.rows) as cache:
                 logits = self.runner.decode(cache, fed, None)
@@ -167,6 +167,11 @@ class ModelBackend:
         in_use = [row for row, token in enumerate(tokens) if token is not None]
         size = self.pool.bucket(in_use[-1] + 1 if in_use else 1)
         return size, [token is not None for token in tokens[:size]]
+
+    @staticmethod
+    def _fed(tokens: list[int | None]) -> list[int]:
+        """What each row reads: its token, or a placeholder for a free row (which reads nothing)."""
+        return [token if token is not None else 0 for token in tokens]
 
     @property
     def mixes_steps(self) -> bool:
@@ -190,9 +195,9 @@ class ModelBackend:
         """``prefill`` and ``decode`` as one forward (``mixes`` said it may): the prompt's logits [V] once
         it is read (else None), and the bucket's rows' logits [R, V]."""
         size, active = self._bucket_of(tokens)
-        fed = [token if token is not None else 0 for token in tokens[:size]]
         with self.pool.bucket_cache(size) as cache:
-            job.fed, prompt_logits, logits = self.runner.mixed(job.cache, job.ids, job.fed, cache, fed, active)
+            job.fed, prompt_logits, logits = self.runner.mixed(job.cache, job.ids, job.fed, cache,
+                                                               self._fed(tokens[:size]), active)
         return prompt_logits, logits
 
     def warm_up(self) -> None:
