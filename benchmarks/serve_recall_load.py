@@ -48,7 +48,7 @@ def engine(name: str, args, extra: list[str]) -> Engine:
     command = [sys.executable, "-m", "h2ochat.cli", "serve", "--model", MODEL, "--served-model-name", MODEL,
                "--threads", "1", "--max-queue", "1000", "--quiet", "--budget", args.budget, "--kv-dtype", args.kv_dtype,
                "--max-sequences", str(args.rows), *extra]
-    return Engine(name, command, version=_dist_version("h2ochat"))
+    return Engine(name, command, version=_dist_version("h2ochat"), python_server=True)
 
 
 def ratios(runs: list[dict]) -> dict:
@@ -79,15 +79,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--h2o-arg", action="append", default=[],
                         help="more options of the server without recall (repeat): e.g. --h2o-arg=--no-compile")
     parser.add_argument("--pairs", type=int, default=1)
+    parser.add_argument("--only", choices=("h2o", "recall"), help="run one of the two servers (a profile, a check)")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample each server with py-spy during its load (raw stacks beside the run's log)")
     parser.add_argument("--load-timeout", type=float, default=3600)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    args.profile, args.vllm_venv = [], "/nonexistent"  # (what peers.run_load reads)
     preset = Preset(f"chat-{args.clients}x{args.turns}", clients=args.clients, turns=args.turns,
                     reply_tokens=args.reply_tokens)
+    args.profile, args.vllm_venv = [preset.name] if args.profile else [], "/nonexistent"  # (what peers.run_load reads)
     work = Path(tempfile.mkdtemp(prefix="h2ochat-serve-recall-"))
     engines = [engine("h2o", args, args.h2o_arg), engine("recall", args, ["--recall", args.recall, *args.recall_arg])]
+    engines = [server for server in engines if args.only in (None, server.name)]
     report = {"issue": 34, "machine": machine(), "argv": sys.argv, "preset": preset.name, "runs": [],
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     for _ in range(args.pairs):

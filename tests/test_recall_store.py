@@ -411,3 +411,24 @@ def test_store_bytes_grow_by_pages_with_the_evicted_tokens(seed, dtype, cold_dty
         longest = int(appended.max())  # one tensor per buffer: every (sequence, head) sized by the longest
         assert store.nbytes() <= B * H * ((-(-longest // page)) * page + 1) * per_token
     assert longest > 8 * page  # past several doublings of the first page
+
+
+def test_a_store_gives_back_room_only_past_a_quarter_of_its_slots(seed):
+    """``fit`` (a server's longest row reset): room is given back in whole pages when what the rows still
+    hold needs at most 3/4 of the slots, and kept otherwise (a chat nearly as long grows it back soon);
+    the tokens held are kept either way."""
+    page = 4
+    store = ColdStore(B, H, D, D, page, torch.float32, cold_dtype=EXACT)
+    store.reserve(64)
+    capacity = store.capacity
+    keys, values = torch.randn(B, H, 5, D), torch.randn(B, H, 5, D)
+    index = torch.arange(5).expand(B, H, 5).contiguous()
+    store.append(keys, values, index, index.clone())
+    held = store.keys[:, :, :5].clone()
+    store.fit(capacity * 3 // 4 + 1)  # (needs more than 3/4: kept)
+    assert store.capacity == capacity
+    store.fit(capacity * 3 // 4)  # (3/4 exactly: given back, to whole pages)
+    assert store.capacity == -(-capacity * 3 // 4 // page) * page < capacity
+    store.fit(5)
+    assert store.capacity == 2 * page and torch.equal(store.keys[:, :, :5], held)
+    assert torch.equal(store.count, torch.full((B, H), 5))
