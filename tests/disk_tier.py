@@ -64,7 +64,7 @@ class DiskTier:
     def renumber(self, port: TierPort, renumbering, rotary) -> None:
         pass  # (the archive keeps the keys as they were encoded)
 
-    def export_row(self, row: int, device) -> dict[str, torch.Tensor]:
+    def export_row(self, row: int, device, copy: bool = True) -> dict[str, torch.Tensor]:
         return {}
 
     def import_row(self, row: int, state) -> None:

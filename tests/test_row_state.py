@@ -139,3 +139,24 @@ def test_a_row_state_that_does_not_fit_is_refused(seed):
         other.import_row(0, small.export_row(0))
     with pytest.raises(CacheShapeError, match="allocate"):
         CacheSettings(policy="h2o", budget="6").build(model).import_row(0, small.export_row(0))
+
+
+@pytest.mark.parametrize("recall", [None, "8"])
+def test_a_row_exported_in_place_is_views_of_the_cache_that_equal_its_copy(seed, recall):
+    """``export_row(copy=False)`` (a server installing its 1-row prefill cache, which it drops after): every
+    tensor is a view of the cache's own memory, with the values ``export_row`` copies; with a recall tier,
+    its stores cut to the row's tokens as in the copy."""
+    model = build_model("llama")
+    settings = CacheSettings(policy="h2o", budget="16", recall=recall, page=4 if recall else None)
+    cache = settings.build(model)
+    prefill(model, cache, random_ids(1, 40))
+    copied, viewed = cache.export_row(0), cache.export_row(0, copy=False)
+    owned = {tensor.untyped_storage().data_ptr() for layer in cache.layers for tensor in layer.state_tensors().values()}
+    owned |= {tensor.untyped_storage().data_ptr() for tensor in cache._row_counters().values()}
+    for got_part, want_part in zip([*viewed.layers, viewed.counters], [*copied.layers, copied.counters]):
+        assert set(got_part) == set(want_part)
+        for name, tensor in want_part.items():
+            assert torch.equal(got_part[name], tensor), name
+            assert got_part[name].untyped_storage().data_ptr() in owned, name
+    if recall:
+        assert any(name.startswith("cold_") for name in copied.layers[0])

@@ -18,15 +18,21 @@ class RowMoves:
     """What ``H2OCache`` does to one batch row (``layers``, ``tokens_fed``, ``next_position``,
     ``largest_next_position``)."""
 
-    def export_row(self, row: int, device="cpu") -> RowState:
+    def export_row(self, row: int, device="cpu", *, copy: bool = True) -> RowState:
         """A copy of batch row ``row``'s state in every layer (on ``device``): the layer's slot tensors
-        and its tier's (``Tier.export_row``: a store that grows with the text keeps what this row holds)."""
+        and its tier's (``Tier.export_row``: a store that grows with the text keeps what this row holds).
+        ``copy=False``: views of this cache's tensors where they are (``device`` unused), for a cache that
+        is imported from and then dropped (a server's 1-row prefill cache: one copy of its state, not two)."""
         if not self.initialized:
             raise CacheShapeError("the cache holds nothing yet: nothing to export")
-        layers = [{**{name: tensor[row].to(device, copy=True) for name, tensor in layer.state_tensors().items()
-                      if name not in layer.tier.state_tensors()}, **layer.tier.export_row(row, device)}
+
+        def taken(tensor):
+            return tensor.to(device, copy=True) if copy else tensor
+
+        layers = [{**{name: taken(tensor[row]) for name, tensor in layer.state_tensors().items()
+                      if name not in layer.tier.state_tensors()}, **layer.tier.export_row(row, device, copy=copy)}
                   for layer in self.layers]
-        counters = {name: tensor[row].to(device, copy=True) for name, tensor in self._row_counters().items()}
+        counters = {name: taken(tensor[row]) for name, tensor in self._row_counters().items()}
         return RowState(layers, counters)
 
     def _row_counters(self) -> dict[str, torch.Tensor]:

@@ -22,9 +22,10 @@ tier at fixed points of a step, always with its port and, where the step matters
 
 A row moves between caches (a server parks a finished conversation in host memory and imports it
 into a row again when it comes back: ``H2OCache.export_row`` / ``import_row``) with its tier:
-``export_row(row, device)`` copies the row's ``state_tensors()`` (the same names), where a store that
-grows with the text keeps only the slots this row's tokens reach (not the capacity the whole batch
-allocated), so a parked row costs what it holds; ``import_row(row, state)`` makes room for them and
+``export_row(row, device, copy=True)`` copies the row's ``state_tensors()`` (the same names), where a
+store that grows with the text keeps only the slots this row's tokens reach (not the capacity the whole
+batch allocated), so a parked row costs what it holds (``copy=False``: views of them, for a cache about
+to be dropped); ``import_row(row, state)`` makes room for them and
 overwrites the whole row, the slots past them emptied (nothing of the row's last conversation stays).
 A tier that recalls may say how many pages it brought back into one row (``pages_recalled(row)``,
 optional: ``pages_recalled`` below reads 0 without it).
@@ -63,7 +64,7 @@ class Tier(Protocol):
     def archive(self, port: TierPort, slot: torch.Tensor) -> None: ...
     def archive_dropped(self, port: TierPort, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
     def renumber(self, port: TierPort, renumbering: Renumbering, rotary) -> None: ...
-    def export_row(self, row: int, device) -> dict[str, torch.Tensor]: ...
+    def export_row(self, row: int, device, copy: bool = True) -> dict[str, torch.Tensor]: ...
     def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None: ...
 
 
@@ -103,7 +104,7 @@ class NoTier:
     def renumber(self, port, renumbering, rotary) -> None:
         pass
 
-    def export_row(self, row: int, device) -> dict[str, torch.Tensor]:
+    def export_row(self, row: int, device, copy: bool = True) -> dict[str, torch.Tensor]:
         return {}
 
     def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:

@@ -84,14 +84,16 @@ class RecallRowMoves:
         if self.cold.zero_copy and self.cold.device.type == "cuda":
             torch.cuda.synchronize(self.cold.device)
 
-    def export_row(self, row: int, device="cpu") -> dict[str, torch.Tensor]:
+    def export_row(self, row: int, device="cpu", copy: bool = True) -> dict[str, torch.Tensor]:
         """Row ``row``'s state (``state_tensors`` names) on ``device``: the growing stores cut to the
-        slots the row's tokens reach, so a parked row costs what it holds, not the batch's capacity."""
+        slots the row's tokens reach, so a parked row costs what it holds, not the batch's capacity
+        (``copy=False``: views of them where they are)."""
         if self.cold is None:
             return {}
         self._settle()
         extents = self._row_extents(row)
-        return {name: _copied(tensor[row, :, :extents[name]] if name in extents else tensor[row], device)
+        taken = (lambda tensor: _copied(tensor, device)) if copy else (lambda tensor: tensor)
+        return {name: taken(tensor[row, :, :extents[name]] if name in extents else tensor[row])
                 for name, tensor in self.state_tensors().items()}
 
     def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:

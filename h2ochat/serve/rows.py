@@ -82,8 +82,8 @@ class RowPool:
         return cache, parked
 
     def install(self, source: H2OCache, rows: list[int]) -> None:
-        """Copy row 0 of ``source`` into each of ``rows``."""
-        state = source.export_row(0, device=self.device)
+        """Copy row 0 of ``source`` into each of ``rows`` (``source`` is dropped after: read in place)."""
+        state = source.export_row(0, copy=False)
         for row in rows:
             self.cache.import_row(row, state)
             self.free_steps[row] = 0
