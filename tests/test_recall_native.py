@@ -70,13 +70,42 @@ def test_page_best_is_the_reference_to_fp32_rounding(queries, dim):
     assert torch.equal(top_pages(got, 5), top_pages(reference, 5))
 
 
+@needs_kernel
+@pytest.mark.parametrize("queries", [6, 17, 100, 900])
+@pytest.mark.parametrize("dim", [64, 40, 67])
+def test_a_chunks_page_scores_are_the_fp64_sums(queries, dim):
+    """A prompt chunk's many queries (by blocks of 16 keys in C): head dims a multiple of 32, not one, odd;
+    104 slots (a last block of 8 keys), a view of a bigger store, invalid slots and an empty page; then the
+    best pages of a store holding 0, 5 (a part page), 61 and all of its slots (-1 past the pages held)."""
+    generator = torch.Generator().manual_seed(queries + dim)
+    store = _bf16(2, 3, 140, dim + 7, generator=generator)
+    keys = store[:, :, 8:112, 3:dim + 3]
+    q = _bf16(2, 3, queries, dim, generator=generator)
+    valid = torch.rand(2, 3, 104, generator=generator) > 0.3
+    valid[1, 2, 96:] = False  # an empty page in the last block
+    dots = torch.einsum("bhmd,bhtd->bhmt", q.double(), keys.double()).amax(dim=2)
+
+    def exact(valid):  # the best q.k per page, summed in fp64
+        return dots.masked_fill(~valid, float("-inf")).view(2, 3, 13, 8).amax(dim=-1)
+
+    got, want = native.page_best(q, keys, valid, 8), exact(valid)
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite) and bool(got[1, 2, 12] == float("-inf"))
+    torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-6, atol=1e-5)
+    count = torch.tensor([[0, 5, 61], [104, 130, 1]])
+    held = torch.arange(104) < count.unsqueeze(-1)
+    wanted = native.top_pages(q, keys, count, 8, 9)
+    assert torch.equal(wanted, top_pages(exact(held), 9))
+    assert bool((wanted[0, 0] == -1).all()) and bool((wanted[0, 1, 1:] == -1).all())
+
+
 def test_page_best_declines_what_it_does_not_take():
     q = torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)
     keys = torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16)
     valid = torch.ones(1, 1, 16, dtype=torch.bool)
     assert native.page_best(q.float(), keys.float(), valid, 8) is None  # fp32: the reference's
-    many = torch.zeros(1, 1, native.MAX_QUERIES + 1, 8, dtype=torch.bfloat16)
-    assert native.page_best(many, keys, valid, 8) is None  # a prompt chunk's queries
+    assert native.page_best(q[..., :4], keys[..., ::2], valid, 8) is None  # keys with gaps along D
+    assert native.page_best(q, keys[:, :, :12], valid[:, :, :12], 8) is None  # a part page
 
 
 def _digest(counts, generator, dim=64, page=8, slots=200):
@@ -89,12 +118,13 @@ def _digest(counts, generator, dim=64, page=8, slots=200):
 
 
 @needs_kernel
-@pytest.mark.parametrize("upto", [None, 100, 13])
-def test_top_pages_is_the_digests_torch_route(without_kernel, upto):
-    """Rows and heads holding nothing, a part page, fewer pages than wanted; ``upto`` cutting the scored slots."""
+@pytest.mark.parametrize("upto,queries", [(None, 3), (100, 3), (13, 3), (None, 100), (13, 100)])
+def test_top_pages_is_the_digests_torch_route(without_kernel, upto, queries):
+    """Rows and heads holding nothing, a part page, fewer pages than wanted; ``upto`` cutting the scored
+    slots; a decode step's queries and a prompt chunk's."""
     generator = torch.Generator().manual_seed(7)
     digest = _digest([[0, 5, 197], [64, 130, 9]], generator)
-    q = _bf16(2, 3, 3, 64, generator=generator)
+    q = _bf16(2, 3, queries, 64, generator=generator)
     got = [digest.top_pages(q, k, upto=upto) for k in (1, 7, 40)]
     without_kernel()
     want = [digest.top_pages(q, k, upto=upto) for k in (1, 7, 40)]
@@ -126,6 +156,47 @@ def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_d
     want = _run_recall_cache(model, ids, cold_dtype)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
+
+
+@needs_kernel
+def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch):
+    """Prompt chunks read into a bf16 recall cache whose store already holds pages (a chunk's choice: the
+    group's 2 query heads times 30 tokens in one C call, ``native.DecodeChoice``), then decode steps: the
+    same logits, frames and copies as with ``H2OCHAT_RECALL_KERNEL=0`` (the torch routes only)."""
+    model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 100), generator=torch.Generator().manual_seed(5))
+    chosen = []  # (queries, whether the store held a page) of each choice the C kernel made
+    call = native.DecodeChoice.__call__
+
+    def spied(self, queries, scored, rows=True):
+        taken = call(self, queries, scored, rows)
+        if taken:
+            chosen.append((queries.shape[2], bool(self.cold.count.any())))
+        return taken
+
+    def run():
+        cache = recall_cache(model.config.num_hidden_layers, "h2o", 12, recall=RecallConfig(16, 4, "exact"),
+                             max_positions=max_positions(model.config), positions="absolute",
+                             rotary=find_rotary(model))
+        use_h2o_attention(model)
+        logits = [forward(model, cache, ids[:, start:start + 30], logits_to_keep=1)[:, -1] for start in (0, 30, 60)]
+        logits += [forward(model, cache, ids[:, i:i + 1], logits_to_keep=1)[:, -1] for i in range(90, 100)]
+        return (torch.stack(logits), [layer.tier.frames.frame_page.clone() for layer in cache.layers],
+                [int(layer.tier.frames.copied.sum()) for layer in cache.layers])
+
+    monkeypatch.setattr(native.DecodeChoice, "__call__", spied)
+    got = run()
+    assert (60, True) in chosen
+    monkeypatch.setenv(native.ENVIRONMENT_SWITCH, "0")
+    native._loaded.cache_clear()
+    try:
+        assert not native.available()
+        want = run()
+    finally:
+        monkeypatch.undo()
+        native._loaded.cache_clear()
+    assert torch.equal(got[0], want[0]) and got[2] == want[2] and sum(got[2]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
 
 
 @needs_kernel

@@ -6,13 +6,15 @@
   recall_reference.page_scores``, makes fp32 copies of the keys and of the [M, T] dots before two
   maxima): the same scores up to the order the fp32 sums are added in, ~55 us a layer at 2K keys
   against ~170 (then bound by the keys' reading; a tree of shuffles for the horizontal sums was faster
-  with the keys in cache and slower without, as was prefetching).
+  with the keys in cache and slower without, as was prefetching). A prompt chunk's many queries go by
+  blocks of 16 keys laid out by channel pairs, near one VDPBF16PS a cycle: ~4x the torch reference at
+  900 queries over 0.5-1K keys, ~10x over 4K (``benchmarks/results_page_scores_chunk_s54.json``).
 - ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into
   the recall slots (float slots, or int8 codes encoded as ``slot_format.encode`` does, bit for bit);
   ``cold_append``: a flush into the store (int8 values as ``cold_store._to_int8`` makes them, bit for
   bit); ``Stager``: a decode step's victim into the staging page (codes and scales as they are).
-- ``DecodeChoice``: a decode step's best pages, plan and copy in one call a layer (one ctypes call
-  instead of ~60 torch ops), where all of it runs.
+- ``DecodeChoice``: a step's best pages, plan and copy in one call a layer (one ctypes call instead of
+  ~60 torch ops), where all of it runs: a decode step's, or a prompt chunk's.
 - A server's decode step (one bucket of rows, its free rows left out by the ``active`` mask; each row
   choosing on its own cadence): ``DecodeChoice`` takes the rows that choose and leaves the others as
   they are, ``Stager`` writes a left-out row's empty entry without counting it, as the torch routes do
@@ -47,7 +49,6 @@ ENVIRONMENT_SWITCH = "H2OCHAT_RECALL_KERNEL"  # "0": the torch reference only
 SOURCE = Path(__file__).with_name("recall_kernel.c")
 # the least scale quantized slots take (a slot of equal values: ``level_codes``' clamp), for the C route's codes
 TINY_SCALE = float(level_codes(torch.zeros(1, 1), 8)[1])
-MAX_QUERIES = 16  # a decode step's group (a prompt chunk's thousands of queries: one fp32 product is faster)
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,13 @@ def _agrees_with_torch(kernels: Kernels) -> bool:
     expected = reference_page_scores(queries, keys, None, None, valid, 8)
     agrees = bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4)) and bool((got[:, :, 1] == float("-inf")).all())
     count = torch.tensor([[0, 1, 17], [23, 40, 39]])
-    top = _call_top_pages(kernels, queries, keys, count, 8, 4)
     slots = torch.arange(40)
     scores = reference_page_scores(queries, keys, None, None, slots < count.unsqueeze(-1), 8)
-    return agrees and torch.equal(top, kernels_top_pages(scores, 4))
+    agrees = agrees and torch.equal(_call_top_pages(kernels, queries, keys, count, 8, 4), kernels_top_pages(scores, 4))
+    many = torch.randn(2, 3, 21, 67, generator=generator).to(torch.bfloat16)  # (a chunk's: by blocks of keys)
+    got = _call_page_best(kernels, many, keys, valid, 8)
+    expected = reference_page_scores(many, keys, None, None, valid, 8)
+    return agrees and bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4))
 
 
 @functools.cache
@@ -151,9 +155,9 @@ def why_not() -> str:
 
 def page_best(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, page: int) -> torch.Tensor | None:
     """``recall_reference.page_scores(queries, keys, None, None, valid, page)`` (queries [B, H, M, D],
-    keys [B, H, T, D] bf16 on the CPU, unit stride along D, valid [B, H, T]) from the C kernel; None
-    where it does not take these (another dtype or device, many queries, no kernel): the caller's
-    torch reference then."""
+    keys [B, H, T, D] bf16 on the CPU, unit stride along D, valid [B, H, T]) from the C kernel (a few
+    queries key by key, more by blocks of keys: a prompt chunk's); None where it does not take
+    these (another dtype or device, no kernel): the caller's torch reference then."""
     kernels = _taking(queries, keys, page)
     return None if kernels is None else _call_page_best(kernels, queries, keys, valid.to(torch.bool), page)
 
@@ -172,7 +176,7 @@ def top_pages(queries: torch.Tensor, keys: torch.Tensor, count: torch.Tensor, pa
 def _taking(queries: torch.Tensor, keys: torch.Tensor, page: int) -> Kernels | None:
     """The kernels, where they take these queries and keys."""
     if not (keys.dtype == queries.dtype == torch.bfloat16 and keys.device.type == "cpu"
-            and queries.device.type == "cpu" and queries.shape[2] <= MAX_QUERIES and keys.stride(-1) == 1
+            and queries.device.type == "cpu" and keys.stride(-1) == 1
             and keys.shape[2] % page == 0 and not torch.compiler.is_compiling()):
         return None
     return _loaded()[0]
@@ -254,7 +258,7 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
 
 
 class DecodeChoice:
-    """One layer's whole choice of a decode step in one C call (``h2ochat_recall_step``): the best pages
+    """One layer's whole choice of a step in one C call (``h2ochat_recall_step``): the best pages
     (``top_pages``), the frames' plan (``frames_update``, the store's full pages complete) and the loaded
     pages' copy (``fill_frames``), where all three run: the exact selector on the store's own keys, a
     store that never wraps, bf16 keys, bf16 slots or 8-bit codes, keys not to turn; every row choosing, or some
@@ -294,7 +298,7 @@ class DecodeChoice:
     def __call__(self, queries: torch.Tensor, scored: int, rows: bool | list[bool] = True) -> bool:
         """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots, by the
         rows ``rows`` (True: every row; else a boolean per row)."""
-        if queries.dtype != torch.bfloat16 or queries.shape[2] > MAX_QUERIES or torch.compiler.is_compiling():
+        if queries.dtype != torch.bfloat16 or torch.compiler.is_compiling():
             return False
         choosing = None if rows is True else _row_bytes(rows)
         cold = self.cold

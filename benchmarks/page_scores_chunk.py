@@ -1,0 +1,99 @@
+"""CPU time of a prompt chunk's page scores for the exact selector (the keys themselves, bf16), one thread:
+the torch reference (``recall_reference.page_scores``: fp32 copies of the keys, the [M, T] dots, two
+maxima) against the C kernel's route for many queries (``native.page_best``: blocks of 16 keys laid out by
+channel pairs, VDPBF16PS), and the C ``top_pages`` a chunk's choice calls. A 300-token chunk of a
+3-query-head group is 900 queries a KV head; keys are the leading slots of a bigger store (a view, as the
+digest scores them). The ways take turns call by call so the machine's load falls on all alike; the
+answers are compared (largest difference against the reference, fp32 sums in another order).
+
+    taskset -c 1 python benchmarks/page_scores_chunk.py --out benchmarks/results_page_scores_chunk_s54.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h2ochat.recall import native  # noqa: E402
+from h2ochat_kernels import recall_reference as ref  # noqa: E402
+
+
+def inputs(batch: int, heads: int, queries: int, tokens: int, dim: int):
+    g = torch.Generator().manual_seed(0)
+    store = torch.randn(batch, heads, 2 * tokens, dim, generator=g).to(torch.bfloat16)
+    keys = store[:, :, :tokens]  # (strided: the store's leading slots)
+    q = torch.randn(batch, heads, queries, dim, generator=g).to(torch.bfloat16)
+    return q, keys, torch.ones(batch, heads, tokens, dtype=torch.bool)
+
+
+def timed(ways, repeats: int) -> dict[str, float]:
+    """Median milliseconds of a call of each way, over ``repeats`` rounds of the ways taking turns."""
+    spent = {name: [] for name in ways}
+    for way in ways.values():
+        way()  # warm up
+    for _ in range(repeats):
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            spent[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(times) * 1e3, 4) for name, times in spent.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--queries", type=int, nargs="+", default=[900], help="M a KV head")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 4096], help="T, the scored slots")
+    parser.add_argument("--heads", type=int, default=3, help="KV heads")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dim", type=int, default=64, help="head dim")
+    parser.add_argument("--page", type=int, default=8)
+    parser.add_argument("--frames", type=int, default=16, help="pages top_pages chooses")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if not native.available():
+        print(f"no recall kernel: {native.why_not()}", file=sys.stderr)
+        return 1
+    rows = []
+    for queries in args.queries:
+        for tokens in args.tokens:
+            q, keys, valid = inputs(args.batch, args.heads, queries, tokens, args.dim)
+            count = torch.full((args.batch, args.heads), tokens)
+            ways = {"torch": lambda: ref.page_scores(q, keys, None, None, valid, args.page),
+                    "c": lambda: native.page_best(q, keys, valid, args.page),
+                    "c_top_pages": lambda: native.top_pages(q, keys, count, args.page, args.frames)}
+            reference = ways["torch"]()
+            gap = float((ways["c"]() - reference).abs().max())
+            same_pages = torch.equal(ways["c_top_pages"](), ref.top_pages(reference, args.frames))
+            ms = timed(ways, args.repeats)
+            # the dots' VDPBF16PS count (16 products of pairs each) a millisecond: against the core's ~1 a cycle
+            dots = args.batch * args.heads * queries * tokens * -(-args.dim // 2) / 16
+            rows.append({"queries": queries, "tokens": tokens, "ms": ms, "speedup": round(ms["torch"] / ms["c"], 2),
+                         "c_vdpbf16ps_per_ns": round(dots / (ms["c"] * 1e6), 2), "largest_difference": gap,
+                         "same_top_pages": same_pages})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    report = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
+              "affinity": sorted(os.sched_getaffinity(0)),
+              "shapes": {"batch": args.batch, "kv_heads": args.heads, "head_dim": args.dim, "page": args.page,
+                         "frames": args.frames, "repeats": args.repeats},
+              "command": " ".join(["python benchmarks/page_scores_chunk.py", *(argv or sys.argv[1:])]),
+              "rows": rows}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
