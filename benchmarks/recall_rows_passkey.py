@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--question-chunk", type=int, default=1,
                         help="the recall rows' question fed in chunks of this many tokens (1: token by token, each "
                              "token choosing its pages; a chat's turn comes as one prompt: 512, the prefill chunk)")
+    parser.add_argument("--decode-rule", choices=("in-step", "before"), default="in-step",
+                        help="before: the recall rows' decode steps choose their pages before the step with the last "
+                             "step's queries, as a compiled server's static-shape cache does (in-step: the REPL's rule)")
     parser.add_argument("--rows", choices=("recall", "all"), default="recall",
                         help="all: the full cache and the policy alone too")
     parser.add_argument("--out", default="", help="JSON lines, one per trial: appended, and trials there are skipped")
@@ -84,8 +87,10 @@ def main() -> None:
                                          recall_every=every)
             tag = ("" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}") + ("" if every == 1 else f" every {every}")
             tag += "" if args.question_chunk == 1 else f" question in chunks of {args.question_chunk}"
+            tag += " pages chosen before each decode step" if args.decode_rule == "before" else ""
             first = kv_dtypes[0], cold_dtypes[0], everys[0]
-            rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + tag)
+            rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + tag,
+                             static_shapes=args.decode_rule == "before" and bool(row.settings.recall))
                      for kv_dtype in kv_dtypes
                      for row in build_rows((["full"] if args.rows == "all" else []) + [args.policy], [args.budget],
                                            recalls, settings={"kv_dtype": kv_dtype},

@@ -167,6 +167,9 @@ class CacheRow:
     chunk: int = DEFAULT_PREFILL_CHUNK
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: questions token by token (each token recalls for itself)
     measure: bool = False
+    # a compiled server's cache (static shapes): a decode step's pages are chosen before it, with the
+    # last step's queries; the REPL's own cache chooses them inside the step, with its own
+    static_shapes: bool = False
 
     @property
     def device_slots(self) -> int | None:
@@ -186,7 +189,7 @@ class CacheRow:
 
     def runner(self, model, trial: Trial) -> Runner:
         initial = trial.context.shape[1] + trial.question.shape[1] + ANSWER_TOKENS
-        cache = self.instrument(self.settings.build(model, initial_slots=initial))
+        cache = self.instrument(self.settings.build(model, initial_slots=initial, static_shapes=self.static_shapes))
         row = self
 
         class _Run:
