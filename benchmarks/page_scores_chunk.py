@@ -7,6 +7,14 @@ digest scores them). The ways take turns call by call so the machine's load fall
 answers are compared (largest difference against the reference, fp32 sums in another order).
 
     taskset -c 1 python benchmarks/page_scores_chunk.py --out benchmarks/results_page_scores_chunk_s54.json
+
+--decode: a decode step's few queries (a group of 1-5 query heads, 8 rows: what ``DecodeChoice`` scores
+over a served bucket's store) by the C route against the same kernel file at ``--baseline`` (key by key,
+one horizontal sum a key and query), built beside it: page_best and top_pages, with the keys in the
+caches (``warm``: the call before, another C way's, left them there) and from memory (``cold``: 128 MiB
+read before each call, as a served step's other layers and weights evict them).
+
+    taskset -c 1 python benchmarks/page_scores_chunk.py --decode --out benchmarks/results_page_scores_decode_s54.json
 """
 
 from __future__ import annotations
@@ -16,13 +24,16 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h2ochat import native_build  # noqa: E402
 from h2ochat.recall import native  # noqa: E402
 from h2ochat_kernels import recall_reference as ref  # noqa: E402
 
@@ -35,35 +46,68 @@ def inputs(batch: int, heads: int, queries: int, tokens: int, dim: int):
     return q, keys, torch.ones(batch, heads, tokens, dtype=torch.bool)
 
 
-def timed(ways, repeats: int) -> dict[str, float]:
-    """Median milliseconds of a call of each way, over ``repeats`` rounds of the ways taking turns."""
+def timed(ways, repeats: int, before=None) -> dict[str, float]:
+    """Median milliseconds of a call of each way, over ``repeats`` rounds of the ways taking turns
+    (``before``: called, untimed, before each call)."""
     spent = {name: [] for name in ways}
     for way in ways.values():
         way()  # warm up
     for _ in range(repeats):
         for name, way in ways.items():
+            if before:
+                before()
             start = time.perf_counter()
             way()
             spent[name].append(time.perf_counter() - start)
     return {name: round(statistics.median(times) * 1e3, 4) for name, times in spent.items()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--queries", type=int, nargs="+", default=[900], help="M a KV head")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 4096], help="T, the scored slots")
-    parser.add_argument("--heads", type=int, default=3, help="KV heads")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dim", type=int, default=64, help="head dim")
-    parser.add_argument("--page", type=int, default=8)
-    parser.add_argument("--frames", type=int, default=16, help="pages top_pages chooses")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    if not native.available():
-        print(f"no recall kernel: {native.why_not()}", file=sys.stderr)
-        return 1
+def baseline_kernels(commit: str) -> native.Kernels:
+    """The recall kernel file as it was at ``commit``, built and bound as native.py builds the current one."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{commit}:h2ochat/recall/recall_kernel.c"], cwd=root, check=True,
+                            capture_output=True).stdout
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "recall_kernel.c"
+        path.write_bytes(source)
+        return native._bind(native_build.build(native_build.compiler(), path))
+
+
+def decode_rows(args) -> list[dict]:
+    """--decode: each (queries, tokens), warm and cold, the C route against ``args.baseline``'s (the C ways
+    taking turns among themselves: the torch reference's fp32 copies would evict the keys of the way after
+    it, so it is timed on its own)."""
+    baseline, current = baseline_kernels(args.baseline), native._loaded()[0]
+    flush = torch.ones(128 << 20, dtype=torch.uint8)
+    rows = []
+    for queries in args.queries:
+        for tokens in args.tokens:
+            q, keys, valid = inputs(args.batch, args.heads, queries, tokens, args.dim)
+            count = torch.full((args.batch, args.heads), tokens)
+            ways = {}
+            for name, kernels in (("c", current), ("c_baseline", baseline)):
+                ways[name] = lambda kernels=kernels: native._call_page_best(kernels, q, keys, valid, args.page)
+            for name, kernels in (("c", current), ("c_baseline", baseline)):
+                ways[f"{name}_top_pages"] = lambda kernels=kernels: native._call_top_pages(kernels, q, keys, count,
+                                                                                           args.page, args.frames)
+            torch_way = {"torch": lambda: ref.page_scores(q, keys, None, None, valid, args.page)}
+            reference = torch_way["torch"]()
+            row = {"queries": queries, "tokens": tokens,
+                   "largest_difference": float((ways["c"]() - reference).abs().max()),
+                   "same_as_baseline": torch.equal(ways["c"](), ways["c_baseline"]()),
+                   "same_top_pages": torch.equal(ways["c_top_pages"](), ref.top_pages(reference, args.frames))}
+            for caches, before in (("warm", None), ("cold", lambda: int(flush.view(torch.int64).sum()))):
+                ms = {**timed(ways, args.repeats, before), **timed(torch_way, args.repeats, before)}
+                row[caches] = {"ms": ms, "speedup_page_best": round(ms["c_baseline"] / ms["c"], 2),
+                               "speedup_top_pages": round(ms["c_baseline_top_pages"] / ms["c_top_pages"], 2),
+                               "speedup_over_torch": round(ms["torch"] / ms["c"], 2)}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def chunk_rows(args) -> list[dict]:
+    """Each (queries, tokens): the torch reference against the C route."""
     rows = []
     for queries in args.queries:
         for tokens in args.tokens:
@@ -82,12 +126,38 @@ def main(argv=None) -> int:
                          "c_vdpbf16ps_per_ns": round(dots / (ms["c"] * 1e6), 2), "largest_difference": gap,
                          "same_top_pages": same_pages})
             print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--decode", action="store_true", help="a decode step's few queries, against --baseline")
+    parser.add_argument("--baseline", default="2062e16", help="(--decode) the commit whose kernel file to beat")
+    parser.add_argument("--queries", type=int, nargs="+", help="M a KV head (900; --decode: 1 2 3 4 5)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="T, the scored slots (512 1024 4096; --decode: 512 2048)")
+    parser.add_argument("--heads", type=int, default=3, help="KV heads")
+    parser.add_argument("--batch", type=int, help="rows (1; --decode: 8)")
+    parser.add_argument("--dim", type=int, default=64, help="head dim")
+    parser.add_argument("--page", type=int, default=8)
+    parser.add_argument("--frames", type=int, default=16, help="pages top_pages chooses")
+    parser.add_argument("--repeats", type=int, help="rounds of the ways (15; --decode: 31)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    defaults = ([1, 2, 3, 4, 5], [512, 2048], 8, 31) if args.decode else ([900], [512, 1024, 4096], 1, 15)
+    for name, default in zip(("queries", "tokens", "batch", "repeats"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    torch.set_num_threads(1)
+    if not native.available():
+        print(f"no recall kernel: {native.why_not()}", file=sys.stderr)
+        return 1
+    rows = decode_rows(args) if args.decode else chunk_rows(args)
     report = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
               "affinity": sorted(os.sched_getaffinity(0)),
               "shapes": {"batch": args.batch, "kv_heads": args.heads, "head_dim": args.dim, "page": args.page,
                          "frames": args.frames, "repeats": args.repeats},
               "command": " ".join(["python benchmarks/page_scores_chunk.py", *(argv or sys.argv[1:])]),
-              "rows": rows}
+              **({"baseline": f"{args.baseline}:h2ochat/recall/recall_kernel.c"} if args.decode else {}), "rows": rows}
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

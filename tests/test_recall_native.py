@@ -99,6 +99,47 @@ def test_a_chunks_page_scores_are_the_fp64_sums(queries, dim):
     assert bool((wanted[0, 0] == -1).all()) and bool((wanted[0, 1, 1:] == -1).all())
 
 
+@needs_kernel
+@pytest.mark.parametrize("queries", [1, 2, 3, 5])
+@pytest.mark.parametrize("dim", [64, 128, 40, 67])
+def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim):
+    """A decode step's few queries (16 keys at a time in C, each query's per-key sums added across lanes):
+    head dims a multiple of 32 (the two C has as constants), not one, odd; 120 slots of a view of a bigger
+    store (a last block of 8), invalid slots, a whole block invalid and an empty page; pages of 8 and 16
+    (a block's tree of maxima), 4 and 24 (lane ranges; a page across blocks); then the best pages of stores
+    holding 0, 5, 61, all and more than all of their slots, and of one of over 256 pages (scored 256 at a
+    time)."""
+    generator = torch.Generator().manual_seed(10 * queries + dim)
+    store = _bf16(2, 3, 150, dim + 7, generator=generator)
+    keys = store[:, :, 5:125, 2:dim + 2]
+    q = _bf16(2, 3, queries, dim, generator=generator)
+    valid = torch.rand(2, 3, 120, generator=generator) > 0.3
+    valid[0, 1, 32:48] = False  # a block with no valid slot
+    valid[1, 2, 96:104] = False  # an empty page of 8
+    dots = torch.einsum("bhmd,bhtd->bhmt", q.double(), keys.double()).amax(dim=2)
+
+    def exact(valid, page, tokens=120):  # the best q.k per page, summed in fp64
+        return dots[..., :tokens].masked_fill(~valid[..., :tokens], float("-inf")).view(2, 3, -1, page).amax(dim=-1)
+
+    for page, tokens in ((8, 120), (16, 112), (4, 120), (24, 120)):
+        got, want = native.page_best(q, keys[:, :, :tokens], valid[..., :tokens], page), exact(valid, page, tokens)
+        finite = want.isfinite()
+        assert torch.equal(got.isfinite(), finite) and (page > 16 or not finite.all()), page  # (-inf: the block)
+        torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-6, atol=1e-5)
+    assert bool(native.page_best(q, keys, valid, 8)[1, 2, 12] == float("-inf"))
+    count = torch.tensor([[0, 5, 61], [120, 130, 17]])
+    held = torch.arange(120) < count.unsqueeze(-1)
+    wanted = native.top_pages(q, keys, count, 8, 9)
+    assert torch.equal(wanted, top_pages(exact(held, 8), 9)) and bool((wanted[0, 0] == -1).all())
+    many_pages = _bf16(1, 2, 620, dim, generator=generator)[:, :, :600]
+    q = q[:1, :2]
+    dots = torch.einsum("bhmd,bhtd->bhmt", q.double(), many_pages.double()).amax(dim=2)
+    count = torch.tensor([[599, 300]])
+    held = torch.arange(600) < count.unsqueeze(-1)
+    want = dots.masked_fill(~held, float("-inf")).view(1, 2, 300, 2).amax(dim=-1)
+    assert torch.equal(native.top_pages(q, many_pages, count, 2, 6), top_pages(want, 6))
+
+
 def test_page_best_declines_what_it_does_not_take():
     q = torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)
     keys = torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16)
@@ -118,7 +159,8 @@ def _digest(counts, generator, dim=64, page=8, slots=200):
 
 
 @needs_kernel
-@pytest.mark.parametrize("upto,queries", [(None, 3), (100, 3), (13, 3), (None, 100), (13, 100)])
+@pytest.mark.parametrize("upto,queries", [(None, 3), (100, 3), (13, 3), (None, 1), (100, 5), (None, 100),
+                                          (13, 100)])
 def test_top_pages_is_the_digests_torch_route(without_kernel, upto, queries):
     """Rows and heads holding nothing, a part page, fewer pages than wanted; ``upto`` cutting the scored
     slots; a decode step's queries and a prompt chunk's."""
@@ -154,6 +196,33 @@ def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_d
     got = _run_recall_cache(model, ids, cold_dtype)
     without_kernel()
     want = _run_recall_cache(model, ids, cold_dtype)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (6, 2, 40), (4, 1, 16)])
+def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, monkeypatch, heads, kv_heads, head_dim):
+    """The decode steps' one-call choice (``native.DecodeChoice``) for groups of 1, 3 and 4 query heads and
+    head dims 64, 40 (a tail of 8 channels) and 16 (only a tail): the same logits, frames and copies as the
+    torch route."""
+    model = build_model("llama", seed=3, max_position_embeddings=256, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=head_dim).to(torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 70), generator=torch.Generator().manual_seed(4))
+    chosen = set()  # (queries, head dim) of each choice the C kernel made
+    call = native.DecodeChoice.__call__
+
+    def spied(self, queries, scored, rows=True):
+        taken = call(self, queries, scored, rows)
+        if taken and self.cold.count.any():
+            chosen.add(tuple(queries.shape[2:]))
+        return taken
+
+    monkeypatch.setattr(native.DecodeChoice, "__call__", spied)
+    got = _run_recall_cache(model, ids)
+    assert (heads // kv_heads, head_dim) in chosen
+    without_kernel()
+    want = _run_recall_cache(model, ids)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
 

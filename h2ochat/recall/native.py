@@ -4,11 +4,11 @@
 - ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the bf16 keys by
   VDPBF16PS (products exact in fp32, summed in fp32; the torch reference, ``h2ochat_kernels.
   recall_reference.page_scores``, makes fp32 copies of the keys and of the [M, T] dots before two
-  maxima): the same scores up to the order the fp32 sums are added in, ~55 us a layer at 2K keys
-  against ~170 (then bound by the keys' reading; a tree of shuffles for the horizontal sums was faster
-  with the keys in cache and slower without, as was prefetching). A prompt chunk's many queries go by
-  blocks of 16 keys laid out by channel pairs, near one VDPBF16PS a cycle: ~4x the torch reference at
-  900 queries over 0.5-1K keys, ~10x over 4K (``benchmarks/results_page_scores_chunk_s54.json``).
+  maxima): the same scores up to the order the fp32 sums are added in. A decode step's 1-6 queries go 16
+  keys at a time, key by key for all of them, the sums added across lanes by folds: at 2-5 queries
+  1.3-1.9x one horizontal sum a key and query (keys in the caches; from memory 1.0-1.6x), the same at 1.
+  A prompt chunk's many go by blocks of 16 keys by channel pairs, near one VDPBF16PS a cycle: ~4x the
+  torch reference at 900 queries over 0.5-1K keys, ~10x over 4K (benchmarks/results_page_scores_*_s54.json).
 - ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into
   the recall slots (float slots, or int8 codes encoded as ``slot_format.encode`` does, bit for bit);
   ``cold_append``: a flush into the store (int8 values as ``cold_store._to_int8`` makes them, bit for
@@ -156,7 +156,7 @@ def why_not() -> str:
 def page_best(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, page: int) -> torch.Tensor | None:
     """``recall_reference.page_scores(queries, keys, None, None, valid, page)`` (queries [B, H, M, D],
     keys [B, H, T, D] bf16 on the CPU, unit stride along D, valid [B, H, T]) from the C kernel (a few
-    queries key by key, more by blocks of keys: a prompt chunk's); None where it does not take
+    queries 16 keys at a time, more by blocks of keys: a prompt chunk's); None where it does not take
     these (another dtype or device, no kernel): the caller's torch reference then."""
     kernels = _taking(queries, keys, page)
     return None if kernels is None else _call_page_best(kernels, queries, keys, valid.to(torch.bool), page)

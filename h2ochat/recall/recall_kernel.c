@@ -6,8 +6,9 @@
    (-inf where the page has no valid slot). bf16 products are exact in fp32 and summed in fp32 by
    VDPBF16PS: the same sums as the torch reference's fp32 product, up to the order they are added in
    (the reference materialises fp32 copies of the keys and the [M, T] dots, then two maxima).
-   Up to FEW_QUERIES queries (a decode step's group) go key by key (best_dot); more (a prompt chunk's
-   hundreds or thousands) go by blocks of keys (many_page_scores), near one VDPBF16PS a cycle.
+   Up to FEW_QUERIES queries (a decode step's group) go 16 keys at a time, key by key for all the queries,
+   the per-key sums added across lanes by folds for the 16 (few_page_scores); more (a prompt chunk's hundreds
+   or thousands) go by blocks of keys laid out by channel pairs (many_page_scores), near one VDPBF16PS a cycle.
 
    Keys are read where the store keeps them: [B, H, T, D] with any strides but a unit one along D (the
    store's leading slots, a view). Queries [B, H, M, D] and valid [B, H, T] (bytes) contiguous.
@@ -23,39 +24,162 @@
 #define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
 #define LOAD_MASKED(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
 
-/* q . k of one key against M queries (D bf16 each), the best of them. */
-static inline float best_dot(const uint16_t *key, const uint16_t *q, int64_t M, int64_t D) {
-  const int64_t full = D / 32, tail = D % 32;
-  const __mmask32 tail_mask = (__mmask32)((1ull << tail) - 1u);
-  float best = -INFINITY;
-  for (int64_t m = 0; m < M; m++) {
-    const uint16_t *qm = q + m * D;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c < full; c++) acc = _mm512_dpbf16_ps(acc, LOAD(key + c * 32), LOAD(qm + c * 32));
-    if (tail) acc = _mm512_dpbf16_ps(acc, LOAD_MASKED(tail_mask, key + c * 32), LOAD_MASKED(tail_mask, qm + c * 32));
-    const float dot = _mm512_reduce_add_ps(acc);
-    if (dot > best) best = dot;
-  }
-  return best;
-}
-
-/* The best dot of slots [first, last) of one (sequence, head)'s keys (-inf: none valid); valid NULL: all are. */
-static inline float slots_best(const uint16_t *keys, int64_t key_t, const uint8_t *valid, int64_t first,
-                               int64_t last, const uint16_t *q, int64_t M, int64_t D) {
-  float best = -INFINITY;
-  for (int64_t t = first; t < last; t++) {
-    if (valid && !valid[t]) continue;
-    const float dot = best_dot(keys + t * key_t, q, M, D);
-    if (dot > best) best = dot;
-  }
-  return best;
-}
-
-/* Up to this many queries, key by key is faster (its per-key sums beat a block's layout); from 6 on,
-   blocks (1.1x at 6, 1.4-1.7x at 8 on Zen 4, head dims 64 and 128). */
-#define FEW_QUERIES 5
 #define KEY_BLOCK 16  /* keys a block: one fp32 lane each */
+/* Up to this many queries, few_page_scores is faster (per-key sums added across lanes beat a block's
+   layout: 1.2x at 6 and head dim 64, 1.05x at 128); from 7 on, blocks (1.0-1.15x at 7 and 8; Zen 4). */
+#define FEW_QUERIES 6
+
+/* sum[m] = q_m . key for the M queries (D bf16 each, q_m at q + m * D): each of the key's 32-channel
+   chunks read once for all of them, 16 lanes of channel-pair products to add across lanes. */
+static inline __attribute__((always_inline)) void key_sums(const uint16_t *key, const uint16_t *q, const int M,
+                                                           const int64_t D, __m512 *sum) {
+  const int64_t full = D / 32;
+  const __mmask32 tail = (__mmask32)((1ull << (D % 32)) - 1u);
+  for (int m = 0; m < M; m++) sum[m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; c++) {
+    const __m512bh k = LOAD(key + c * 32);
+    for (int m = 0; m < M; m++) sum[m] = _mm512_dpbf16_ps(sum[m], k, LOAD(q + m * D + c * 32));
+  }
+  if (tail) {
+    const __m512bh k = LOAD_MASKED(tail, key + full * 32);
+    for (int m = 0; m < M; m++) sum[m] = _mm512_dpbf16_ps(sum[m], k, LOAD_MASKED(tail, q + m * D + full * 32));
+  }
+}
+
+/* Two vectors of lane sums folded into one of half as many: a's in the lanes of a mask, b's in the others
+   (a blend of the lanes that stay, plus one shuffle of the lanes that cross over). By 256, 128, 64 and 32
+   bits, four folds take 16 keys' vectors to one lane a key (_mm512_reduce_add_ps's adds, in its order:
+   the same fp32 sums), 15 adds for the 16 where each horizontal sum takes ~4 shuffles and 4 adds. */
+static inline __m512 fold_256(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xff00, a, b), _mm512_shuffle_f32x4(a, b, 0x4e));
+}
+static inline __m512 fold_128(__m512 a, __m512 b) {
+  const __m512i crossed = _mm512_set_epi32(27, 26, 25, 24, 15, 14, 13, 12, 19, 18, 17, 16, 7, 6, 5, 4);
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xf0f0, a, b), _mm512_permutex2var_ps(a, crossed, b));
+}
+static inline __m512 fold_64(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xcccc, a, b), _mm512_shuffle_ps(a, b, 0x4e));
+}
+static inline __m512 fold_32(__m512 a, __m512 b) {
+  const __m512i crossed = _mm512_set_epi32(30, 15, 28, 13, 26, 11, 24, 9, 22, 7, 20, 5, 18, 3, 16, 1);
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xaaaa, a, b), _mm512_permutex2var_ps(a, crossed, b));
+}
+
+/* The best q.k over M <= FEW_QUERIES queries of each of KEY_BLOCK keys (key j at first + j * key_t),
+   lane j key j. Key by key, each read once for every query (its loads spread through the block's work,
+   so the next keys' loads go out while this block's sums are folded: 1.1-1.4x each query over the block
+   in turn, with the keys from memory), each pair's sums folded as they come; the folds leave key j in
+   the lane of j's 4 bits reversed, put back at the end.
+   M and D constants (keys_best's): the queries' sums stay in registers, D's chunks unrolled. */
+static inline __attribute__((always_inline)) __m512 group_best(const uint16_t *first, int64_t key_t,
+                                                               const uint16_t *q, const int M, const int64_t D) {
+  __m512 pair[FEW_QUERIES][2], quad[FEW_QUERIES][2], octet[FEW_QUERIES][2];
+  const uint16_t *key = first;
+#pragma GCC unroll 8
+  for (int p = 0; p < KEY_BLOCK / 2; p++, key += 2 * key_t) {
+    __m512 a[FEW_QUERIES], b[FEW_QUERIES];
+    key_sums(key, q, M, D, a);
+    key_sums(key + key_t, q, M, D, b);
+    for (int m = 0; m < M; m++) pair[m][p & 1] = fold_256(a[m], b[m]);
+    if (p % 2 == 1)
+      for (int m = 0; m < M; m++) quad[m][p / 2 % 2] = fold_128(pair[m][0], pair[m][1]);
+    if (p % 4 == 3)
+      for (int m = 0; m < M; m++) octet[m][p / 4] = fold_64(quad[m][0], quad[m][1]);
+  }
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int m = 0; m < M; m++) best = _mm512_max_ps(best, fold_32(octet[m][0], octet[m][1]));
+  const __m512i reversed = _mm512_set_epi32(15, 7, 11, 3, 13, 5, 9, 1, 14, 6, 10, 2, 12, 4, 8, 0);
+  return _mm512_permutexvar_ps(reversed, best);
+}
+
+/* group_best for M queries as a constant, D as one at head dims 64 and 128 (without: ~1.2x slower). */
+static inline __attribute__((always_inline)) __m512 group_of(const uint16_t *first, int64_t key_t,
+                                                             const uint16_t *q, const int M, int64_t D) {
+  if (D == 64) return group_best(first, key_t, q, M, 64);
+  if (D == 128) return group_best(first, key_t, q, M, 128);
+  return group_best(first, key_t, q, M, D);
+}
+
+/* The best q.k over M queries (any number: groups of FEW_QUERIES) of each of KEY_BLOCK keys, lane j key j. */
+static __m512 keys_best(const uint16_t *first, int64_t key_t, const uint16_t *q, int64_t M, int64_t D) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t m = 0; m < M; m += FEW_QUERIES) {
+    const uint16_t *group = q + m * D;
+    __m512 top;
+    switch (M - m < FEW_QUERIES ? M - m : FEW_QUERIES) {
+    case 1: top = group_of(first, key_t, group, 1, D); break;
+    case 2: top = group_of(first, key_t, group, 2, D); break;
+    case 3: top = group_of(first, key_t, group, 3, D); break;
+    case 4: top = group_of(first, key_t, group, 4, D); break;
+    case 5: top = group_of(first, key_t, group, 5, D); break;
+    default: top = group_of(first, key_t, group, FEW_QUERIES, D); break;
+    }
+    best = _mm512_max_ps(best, top);
+  }
+  return best;
+}
+
+/* Asks for a block's keys (KEY_BLOCK from first) a block ahead: block_pairs' strided loads leave the
+   hardware's prefetchers behind (1.6x at 8 queries over 2K keys a row from the L3; few_page_scores'
+   key-by-key loads do not: slower with it). */
+static inline void prefetch_block(const uint16_t *first, int64_t key_t, int64_t D) {
+  for (int j = 0; j < KEY_BLOCK; j++)
+    for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(first + j * key_t + c), _MM_HINT_T0);
+}
+
+/* The lanes of a block of n keys from slot t0 that are valid (valid NULL: all n). */
+static inline __mmask16 live_lanes(const uint8_t *valid, int64_t t0, int64_t n) {
+  const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
+  if (!valid) return lanes;
+  const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)lanes, valid + t0);
+  return (__mmask16)_mm512_test_epi8_mask(bytes, bytes);
+}
+
+static inline float larger(float a, float b) { return b > a ? b : a; } /* (fmaxf: a libm call, NaN rules) */
+
+/* Raises the scores of the pages a block of n keys from slot t0 falls in to the best of their live lanes:
+   a whole block of pages of 8 or 16 (the usual; blocks start at multiples of 16) by one tree of maxima
+   (lanes 0 and 8, or 0), else each page's lanes by a masked maximum. */
+static inline void raise_pages(__m512 best, __mmask16 live, int64_t t0, int64_t n, int64_t page, float *scores) {
+  if (n == KEY_BLOCK && (page == 8 || page == 16)) {
+    __m512 top = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, best);
+    top = _mm512_max_ps(top, _mm512_permute_ps(top, 0xb1));
+    top = _mm512_max_ps(top, _mm512_permute_ps(top, 0x4e));
+    top = _mm512_max_ps(top, _mm512_shuffle_f32x4(top, top, 0xb1));
+    if (page == 16) top = _mm512_max_ps(top, _mm512_shuffle_f32x4(top, top, 0x4e));
+    float *score = scores + t0 / page;
+    score[0] = larger(score[0], _mm512_cvtss_f32(top));
+    if (page == 8) score[1] = larger(score[1], _mm_cvtss_f32(_mm512_extractf32x4_ps(top, 2)));
+    return;
+  }
+  for (int64_t first = t0, last; first < t0 + n; first = last) {
+    const int64_t at = first / page;
+    last = (at + 1) * page < t0 + n ? (at + 1) * page : t0 + n;
+    const __mmask16 lanes = (__mmask16)(((1u << (last - t0)) - 1u) & ~((1u << (first - t0)) - 1u)) & live;
+    if (lanes) scores[at] = larger(scores[at], _mm512_mask_reduce_max_ps(lanes, best));
+  }
+}
+
+/* Raises scores[n] (page n of `page` slots from keys[0]) to the best q.k over M queries of each valid slot
+   below `filled` (valid NULL: all are), KEY_BLOCK keys at a time, read where they are (a last block of
+   fewer: from a zero-padded copy). Any M: the route for few queries, and the many's where memory runs out. */
+static void few_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
+                            const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+  for (int64_t t0 = 0; t0 < filled; t0 += KEY_BLOCK) {
+    const int64_t n = filled - t0 < KEY_BLOCK ? filled - t0 : KEY_BLOCK;
+    const __mmask16 live = live_lanes(valid, t0, n);
+    if (!live) continue;
+    if (n == KEY_BLOCK) {
+      raise_pages(keys_best(keys + t0 * key_t, key_t, q, M, D), live, t0, n, page, scores);
+      continue;
+    }
+    uint16_t copy[KEY_BLOCK * D];
+    memset(copy, 0, sizeof copy);
+    for (int64_t j = 0; j < n; j++) memcpy(copy + j * D, keys + (t0 + j) * key_t, D * sizeof(uint16_t));
+    raise_pages(keys_best(copy, D, q, M, D), live, t0, n, page, scores);
+  }
+}
+
 #define QUERY_GROUP 8 /* queries a pass over a block: independent VDPBF16PS chains to cover its latency */
 
 /* A block's n <= KEY_BLOCK keys (key j at first + j * key_t) by channel pairs: block[p * KEY_BLOCK + j] =
@@ -110,54 +234,49 @@ static inline __m512 block_best(const uint32_t *block, const uint32_t *pairs, in
   return best;
 }
 
-/* page_best's scores of one (sequence, head) for M > FEW_QUERIES: the pages' maxima over their valid
-   slots below `filled` (valid NULL: all are), ceil(filled / page) of them, in a malloc'ed array the
-   caller frees (NULL where memory runs out: the caller goes key by key). Keys are taken KEY_BLOCK at a
-   time, laid out by channel pairs once (L1-resident), and every query passes over them. */
-static float *many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
-                               const uint8_t *valid, int64_t filled, int64_t page) {
-  const int64_t pages = (filled + page - 1) / page, D2 = (D + 1) / 2;
-  const int64_t rows = (M + QUERY_GROUP - 1) / QUERY_GROUP * QUERY_GROUP;
-  /* one allocation: the scores (what is returned and freed), the queries' pairs, a block's pairs */
-  float *scores = malloc(pages * sizeof(float) + (rows * D2 + KEY_BLOCK * ((D2 + 15) / 16 * 16)) * sizeof(uint32_t));
-  if (!scores) return NULL;
-  uint32_t *pairs = (uint32_t *)(scores + pages), *block = pairs + rows * D2;
+/* few_page_scores' work for M > FEW_QUERIES: keys are taken KEY_BLOCK at a time, laid out by channel
+   pairs once (L1-resident), and every query passes over them. 0 where memory runs out (scores untouched). */
+static int many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
+                            const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+  const int64_t D2 = (D + 1) / 2, rows = (M + QUERY_GROUP - 1) / QUERY_GROUP * QUERY_GROUP;
+  /* one allocation: the queries' pairs, a block's pairs */
+  uint32_t *pairs = malloc((rows * D2 + KEY_BLOCK * ((D2 + 15) / 16 * 16)) * sizeof(uint32_t));
+  if (!pairs) return 0;
+  uint32_t *block = pairs + rows * D2;
   for (int64_t m = 0; m < rows; m++) { /* the last query repeated up to a whole group: no maximum moves */
     pairs[m * D2 + D2 - 1] = 0; /* (an odd D's last pair: its channel and 0) */
     memcpy(pairs + m * D2, q + (m < M ? m : M - 1) * D, D * sizeof(uint16_t));
   }
-  for (int64_t n = 0; n < pages; n++) scores[n] = -INFINITY;
   for (int64_t t0 = 0; t0 < filled; t0 += KEY_BLOCK) {
     const int64_t n = filled - t0 < KEY_BLOCK ? filled - t0 : KEY_BLOCK;
-    int any = 0;
-    for (int64_t j = 0; j < n; j++) any |= !valid || valid[t0 + j];
-    if (!any) continue;
+    const __mmask16 live = live_lanes(valid, t0, n);
+    if (!live) continue;
+    if (t0 + 2 * KEY_BLOCK <= filled) prefetch_block(keys + (t0 + KEY_BLOCK) * key_t, key_t, D);
     block_pairs(keys + t0 * key_t, key_t, n, D, block); /* (a tail's absent keys: lanes never read) */
-    float best[KEY_BLOCK];
-    _mm512_storeu_ps(best, block_best(block, pairs, rows, D2));
-    for (int64_t j = 0; j < n; j++) {
-      float *score = scores + (t0 + j) / page;
-      if ((!valid || valid[t0 + j]) && best[j] > *score) *score = best[j];
-    }
+    raise_pages(block_best(block, pairs, rows, D2), live, t0, n, page, scores);
   }
-  return scores;
+  free(pairs);
+  return 1;
+}
+
+/* page_best's scores of one (sequence, head): scores[n] for the ceil(filled / page) pages of the slots below
+   `filled`, the best q.k over the queries and the page's valid slots (valid NULL: all are), -inf: none. */
+static void page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
+                        const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+  for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
+  if (M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores))
+    few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores);
 }
 
 void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const uint16_t *keys,
                             int64_t key_b, int64_t key_h, int64_t key_t, const uint8_t *valid, int64_t T,
                             int64_t page, float *out) {
-  const int64_t pages = T / page;
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < H; h++) {
-      const int64_t row = b * H + h;
-      const uint16_t *row_keys = keys + b * key_b + h * key_h, *row_q = q + row * M * D;
-      float *many = M > FEW_QUERIES ? many_page_scores(row_q, M, D, row_keys, key_t, valid + row * T, T, page) : NULL;
-      for (int64_t n = 0; n < pages; n++)
-        out[row * pages + n] = many ? many[n] : slots_best(row_keys, key_t, valid + row * T, n * page, (n + 1) * page,
-                                                           row_q, M, D);
-      free(many);
-    }
+  for (int64_t row = 0; row < B * H; row++)
+    page_scores(q + row * M * D, M, D, keys + row / H * key_b + row % H * key_h, key_t, valid + row * T, T, page,
+                out + row * (T / page));
 }
+
+#define SCORED_PAGES 256 /* pages top_pages_row scores at a time (on the stack) */
 
 /* The best k pages of one (sequence, head) of an append-only store that never wraps (slot n holds the
    n-th token; slots at or past `held` are empty), scoring its first T slots: their page numbers, best
@@ -165,13 +284,16 @@ void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
    equal scores in page order). */
 static void top_pages_row(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
                           int64_t held, int64_t T, int64_t page, int64_t k, int64_t *top) {
-  float top_score[k > 0 ? k : 1];
+  float top_score[k > 0 ? k : 1], scores[SCORED_PAGES];
   int64_t found = 0;
   const int64_t filled = held < T ? held : T;
-  float *many = M > FEW_QUERIES ? many_page_scores(q, M, D, keys, key_t, NULL, filled, page) : NULL;
   for (int64_t n = 0; n * page < filled; n++) {
-    const int64_t last = (n + 1) * page < filled ? (n + 1) * page : filled;
-    const float score = many ? many[n] : slots_best(keys, key_t, NULL, n * page, last, q, M, D);
+    if (n % SCORED_PAGES == 0) {
+      const int64_t first = n * page, left = filled - first;
+      page_scores(q, M, D, keys + first * key_t, key_t, NULL, left < SCORED_PAGES * page ? left : SCORED_PAGES * page,
+                  page, scores);
+    }
+    const float score = scores[n % SCORED_PAGES];
     if (score == -INFINITY) continue;
     int64_t at = found < k ? found++ : k;
     while (at > 0 && score > top_score[at - 1]) {
@@ -181,7 +303,6 @@ static void top_pages_row(const uint16_t *q, int64_t M, int64_t D, const uint16_
     if (at < k) top[at] = n, top_score[at] = score;
   }
   for (int64_t j = found; j < k; j++) top[j] = -1;
-  free(many);
 }
 
 /* top_pages_row for every (sequence, head): count [B, H], wanted [B, H, k]. */
