@@ -23,6 +23,7 @@ import torch
 from h2ochat.loading.models import load
 from h2ochat.engine import row_products
 from h2ochat.engine.packed_linears import ENVIRONMENT_SWITCH, PackedLinear, pack_linears, unpack_linears
+from json_report import emit
 
 FORMS = ("plain", "packed", "row")
 FORM_ENVIRONMENT = {"plain": {ENVIRONMENT_SWITCH: "0"}, "packed": {row_products.ENVIRONMENT_SWITCH: "0"}, "row": {}}
@@ -125,11 +126,7 @@ def main() -> None:
         "linears": linears_side_by_side(args.model, [int(r) for r in args.rows.split(",")], args.repeats, args.rounds),
         "generate": generate_side_by_side(args),
     }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

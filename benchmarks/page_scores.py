@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h2ochat_kernels import recall_reference as ref  # noqa: E402
+from json_report import emit  # noqa: E402
 
 KV_HEADS, DIM, PAGE, BITS = 3, 64, 16, 4
 QUERIES = (3, 12, 24, 36, 48, 96, 384, 900)  # a decode step's group (3) up to a 300-token chunk's 900
@@ -83,10 +84,7 @@ def main(argv=None) -> int:
               "shapes": {"kv_heads": KV_HEADS, "head_dim": DIM, "page": PAGE, "bits": BITS},
               "command": "python benchmarks/page_scores.py" + (f" --out {args.out}" if args.out else ""),
               "rows": rows}
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(report, args.out)
     return 0
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h2ochat import native_build  # noqa: E402
 from h2ochat.recall import native  # noqa: E402
 from h2ochat_kernels import recall_reference as ref  # noqa: E402
+from json_report import emit  # noqa: E402
 
 
 def inputs(batch: int, heads: int, queries: int, tokens: int, dim: int):
@@ -158,10 +159,7 @@ def main(argv=None) -> int:
                          "frames": args.frames, "repeats": args.repeats},
               "command": " ".join(["python benchmarks/page_scores_chunk.py", *(argv or sys.argv[1:])]),
               **({"baseline": f"{args.baseline}:h2ochat/recall/recall_kernel.c"} if args.decode else {}), "rows": rows}
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(report, args.out)
     return 0
 
 

@@ -78,7 +78,7 @@ class Engine:
     skipped: str | None = None
     version: str | None = None
     cwd: str | None = None  # (a baseline h2ochat runs from its own tree: `python -m` reads the working folder first)
-    python_server: bool = False  # (py-spy can sample it: --profile; h2ochat's servers)
+    python_server: bool = False  # (py-spy can sample it, --profile: h2ochat's servers under test)
 
 
 def gguf_hf_folder() -> Path | None:
@@ -104,7 +104,7 @@ def h2ochat_engine(args) -> Engine:
     command = [sys.executable, "-m", "h2ochat.cli", "serve", "--model", MODEL, "--served-model-name", MODEL,
                "--threads", str(args.threads), "--kv-memory", f"{args.kv_gib}GiB", "--max-queue", "1000",
                "--quiet", *args.h2ochat_arg]
-    return Engine("h2ochat", command, version=_dist_version("h2ochat"))
+    return Engine("h2ochat", command, version=_dist_version("h2ochat"), python_server=True)
 
 
 def baseline_tree(revision: str, work: Path) -> Path:
@@ -287,7 +287,7 @@ def run_load(engine: Engine, preset: Preset, args, work: Path, after=None) -> di
 
 def _start_profile(args, engine: Engine, preset: Preset, pid: int, work: Path) -> subprocess.Popen | None:
     """py-spy sampling h2ochat's server (without pausing it) during the load, when --profile names the preset."""
-    if not (engine.python_server or engine.name == "h2ochat") or preset.name not in args.profile:
+    if not engine.python_server or preset.name not in args.profile:
         return None
     out = work / f"{engine.name}-{preset.name}.pyspy.txt"
     return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "20", "--nonblocking",

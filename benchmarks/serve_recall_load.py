@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
                         help="more options of the server without recall (repeat): e.g. --h2o-arg=--no-compile")
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--only", choices=("h2o", "recall"), help="run one of the two servers (a profile, a check)")
-    parser.add_argument("--profile", action="store_true",
+    parser.add_argument("--profile", action="store_true", dest="profiled",
                         help="sample each server with py-spy during its load (raw stacks beside the run's log)")
     parser.add_argument("--load-timeout", type=float, default=3600)
     parser.add_argument("--ready-timeout", type=float, default=600)
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     preset = Preset(f"chat-{args.clients}x{args.turns}", clients=args.clients, turns=args.turns,
                     reply_tokens=args.reply_tokens)
-    args.profile, args.vllm_venv = [preset.name] if args.profile else [], "/nonexistent"  # (what peers.run_load reads)
+    args.profile, args.vllm_venv = [preset.name] if args.profiled else [], "/nonexistent"  # (what peers.run_load reads)
     work = Path(tempfile.mkdtemp(prefix="h2ochat-serve-recall-"))
     engines = [engine("h2o", args, args.h2o_arg), engine("recall", args, ["--recall", args.recall, *args.recall_arg])]
     engines = [server for server in engines if args.only in (None, server.name)]
