@@ -64,7 +64,7 @@ def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.squeeze(-1)
 
 
-KEEP_SHARE = (3, 4)  # ``fit`` keeps a store needed to 3/4 of its slots: (3, 4)
+KEEP_SHARE = (3, 4)  # ``fit`` keeps a store whose rows need more than this share of its slots (3/4)
 
 
 class ColdStore(FirstRows):
