@@ -66,7 +66,8 @@ def main() -> None:
                              "token choosing its pages; a chat's turn comes as one prompt: 512, the prefill chunk)")
     parser.add_argument("--decode-rule", choices=("in-step", "before"), default="in-step",
                         help="before: the recall rows' decode steps choose their pages before the step with the last "
-                             "step's queries, as a compiled server's static-shape cache does (in-step: the REPL's rule)")
+                             "step's queries, as a GPU's compiled step does (in-step: with their own queries, the "
+                             "eager step's rule and a CPU's compiled step's)")
     parser.add_argument("--rows", choices=("recall", "all"), default="recall",
                         help="all: the full cache and the policy alone too")
     parser.add_argument("--out", default="", help="JSON lines, one per trial: appended, and trials there are skipped")
@@ -90,6 +91,7 @@ def main() -> None:
             tag += " pages chosen before each decode step" if args.decode_rule == "before" else ""
             first = kv_dtypes[0], cold_dtypes[0], everys[0]
             rows += [replace(row, label=(row.label if kv_dtype == "auto" else f"{row.label} {kv_dtype} slots") + tag,
+                             settings=replace(row.settings, recall_decode_rule=args.decode_rule),
                              static_shapes=args.decode_rule == "before" and bool(row.settings.recall))
                      for kv_dtype in kv_dtypes
                      for row in build_rows((["full"] if args.rows == "all" else []) + [args.policy], [args.budget],

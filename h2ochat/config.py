@@ -39,6 +39,7 @@ class CacheSettings:
     cold_dtype: str = "auto"
     cold_limit: int | None = None
     recall_every: int = 1
+    recall_decode_rule: str = "in-step"  # a compiled step's choice of pages (``RecallConfig.decode_rule``)
     # how the slots hold keys and values (kv.slot_format): auto (the model's dtype), a float type, int8, int4
     kv_dtype: str = "auto"
 
@@ -53,7 +54,7 @@ class CacheSettings:
         from .recall.tiered import RecallConfig, recall_slots
 
         return RecallConfig(recall_slots(spec, slots), self.page, self.selector, self.cold_dtype,
-                            self.cold_limit, self.recall_every)
+                            self.cold_limit, self.recall_every, decode_rule=self.recall_decode_rule)
 
     def resolved_policy(self) -> Policy:
         """The policy with the knobs given on the command line applied."""

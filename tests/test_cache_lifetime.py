@@ -30,7 +30,7 @@ def _cache(model, kind: str, rows: int = 1) -> H2OCache:
     common = dict(max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
     if kind == "recall":
         return recall_cache(layers, "h2o", SLOTS, recall=RecallConfig(8, 4, "rot4"), **common)
-    if kind == "recall-static":  # (the compiled step's kind: static shapes, prefetched pages)
+    if kind == "recall-static":  # (the compiled step's kind: static shapes, the tier held by ``graph_choice``)
         return recall_cache(layers, "h2o", SLOTS, recall=RecallConfig(8, 4, "rot4"), static_shapes=True, **common)
     if kind == "int8":
         return H2OCache(layers, "h2o", SLOTS, kv_dtype="int8", **common)

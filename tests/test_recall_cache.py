@@ -18,10 +18,12 @@ HOT, RECALL, PAGE = 12, 8, 4
 
 
 def _caches(model, policy, selector, every=1, prefetch=False):
-    """The real cache and its reference; ``prefetch``: the compiled step's static-shape cache, which
-    chooses a decode step's pages before it with the last step's queries."""
+    """The real cache and its reference; ``prefetch``: a static-shape cache by the "before" rule (a GPU's
+    compiled step), which chooses a decode step's pages before it with the last step's queries."""
     layers = model.config.num_hidden_layers
-    real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=EXACT, every=every),
+    rule = "before" if prefetch else "in-step"
+    real = recall_cache(layers, policy, HOT, recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=EXACT, every=every,
+                                                                 decode_rule=rule),
                         max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model),
                         static_shapes=prefetch)
     masked = MaskedRecall(layers, policy, HOT, RECALL, PAGE, selector, grouping="eviction", staged=True, every=every,

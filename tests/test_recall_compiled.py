@@ -4,6 +4,8 @@ that evict, recall and re-number)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -24,9 +26,9 @@ def models():
     return {family: build_model(family, seed=0) for family in FAMILIES}  # 64 positions
 
 
-def _cache(model, *, selector="int4", every=1, static=True, cold_dtype="same"):
+def _cache(model, *, selector="int4", every=1, static=True, cold_dtype="same", rule="in-step"):
     return recall_cache(model.config.num_hidden_layers, "h2o", HOT,
-                       recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=cold_dtype, every=every),
+                       recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=cold_dtype, every=every, decode_rule=rule),
                        max_positions=LIMIT, rotary=find_rotary(model), static_shapes=static)
 
 
@@ -79,29 +81,37 @@ def test_the_cpu_route_that_reads_its_state_is_the_route_that_does_not(models, f
     assert int(cache.layers[0].tier.frames.copied.sum()) > 0 and cache.compactions >= 1
 
 
-@pytest.mark.parametrize("family,selector,cold_dtype,every", [("opt", "int4", "same", 1), ("llama", "exact", "int8", 3),
-                                                              ("neox", "int4", "int8-values", 2)])
-def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selector, cold_dtype, every):
+@pytest.mark.parametrize("family,selector,cold_dtype,every,rule", [
+    ("opt", "int4", "same", 1, "in-step"), ("llama", "exact", "int8", 3, "in-step"),
+    ("neox", "int4", "int8-values", 2, "in-step"), ("llama", "exact", "same", 1, "before")])
+def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selector, cold_dtype, every, rule):
     """Two rows, a 30-token prompt, then 40 decode steps (evicting, staging, flushing, recalling every
     ``every`` steps, growing the cold store and re-numbering at the 64-position limit): the compiled
-    step's logits and every state tensor equal the eager step's exactly, in one graph."""
+    step's logits and every state tensor equal the eager step's exactly, in one graph. By the in-step
+    rule the graph chooses with the step's own queries (``graph_choice``): a cache by the other rule
+    (pages chosen before the step) holds other pages on some step, so the two are told apart."""
     model = models[family]
-    caches = [_cache(model, selector=selector, cold_dtype=cold_dtype, every=every) for _ in range(2)]
+    other = "before" if rule == "in-step" else "in-step"
+    caches = [_cache(model, selector=selector, cold_dtype=cold_dtype, every=every, rule=r) for r in (rule, rule, other)]
     prompt = torch.randint(3, VOCAB, (2, 30))
     for cache in caches:
         forward(model, cache, prompt)
     step = compiled.CompiledDecode(model, backend="aot_eager")
     assert step.prepare(caches[1])
     graphs = counters["stats"]["unique_graphs"]
-    recalled_during_decode = 0
+    recalled_during_decode, steps_the_rules_differ = 0, 0
     for index in range(40):
         tokens = torch.randint(3, VOCAB, (2,))
         before = int(caches[0].layers[0].tier.frames.copied.sum())
         want = forward(model, caches[0], tokens.view(-1, 1), logits_to_keep=1)[:, -1]
         got = step(caches[1], tokens)
+        forward(model, caches[2], tokens.view(-1, 1), logits_to_keep=1)
         recalled_during_decode += int(caches[0].layers[0].tier.frames.copied.sum()) - before
         assert torch.equal(got, want), f"step {index}: {(got - want).abs().max()}"
-    for eager_layer, compiled_layer in zip(*(cache.layers for cache in caches)):
+        steps_the_rules_differ += any(not torch.equal(a.tier.frames.frame_page, b.tier.frames.frame_page)
+                                      for a, b in zip(caches[1].layers, caches[2].layers))
+    assert steps_the_rules_differ > 0
+    for eager_layer, compiled_layer in zip(caches[0].layers, caches[1].layers):
         eager_state, compiled_state = eager_layer.state_tensors(), compiled_layer.state_tensors()
         assert eager_state.keys() == compiled_state.keys()
         for name, tensor in eager_state.items():
@@ -117,10 +127,41 @@ def test_compiled_recall_decode_is_eager_bit_for_bit(models, family, seed, selec
 def test_what_the_compiled_step_does_not_take(models):
     model = models["llama"]
     assert _cache(model).compile_blocker() is None
-    assert _cache(model, every=2).compile_blocker() is None  # (the choice of pages runs before the step)
+    assert _cache(model, every=2).compile_blocker() is None  # (the cadence is decided before the step)
     from h2ochat.recall.spec import RecallSpec
 
     # a row left out of a step stages nothing (issue 34: a server's free rows sit recall steps out), but a
     # recall cache has no prefix caches over its first rows (its tier state is not views of them)
     assert RecallSpec.masks_inactive_rows is True and _cache(model).masks_inactive_rows
     assert not _cache(model).row_prefixes
+
+
+def test_inductor_hands_the_choice_the_layer_s_own_slots(seed):
+    """Inductor (what a server's --compile runs) calls the choice op (``graph_choice``) on the layer's
+    own per-slot buffers, not copies of them (the pages land where the attention reads them, with no
+    copy of the slots in and out each step), once a layer; its steps choose the pages the eager step
+    chooses and give its logits (a one-layer Llama: inductor's C++ takes minutes a layer on this CPU)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = build_model("llama", seed=0, num_hidden_layers=1)
+    caches, prompt = [_cache(model, selector="exact") for _ in range(2)], torch.randint(3, VOCAB, (2, 30))
+    for cache in caches:
+        forward(model, cache, prompt)
+    step = compiled.CompiledDecode(model, backend="inductor")
+    for index in range(12):
+        tokens = torch.randint(3, VOCAB, (2,))
+        want = forward(model, caches[0], tokens.view(-1, 1), logits_to_keep=1)[:, -1]
+        if index == 0:
+            got, codes = run_and_get_code(step, caches[1], tokens)
+            calls = [line for code in codes for line in code.splitlines() if "h2ochat.recall_choose.default(" in line]
+            assert len(calls) == 1, calls
+            # keys, values, token index, positions: graph inputs (argN_1) or views of them, not copies (bufN)
+            written = re.findall(r"\b(arg\d+_1|buf\d+)\b", calls[0].split("[", 1)[1].split("]", 1)[0])
+            assert len(written) == 4 and all(arg.startswith("arg") for arg in written), calls
+        else:
+            got = step(caches[1], tokens)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(caches[1].layers[0].tier.frames.frame_page, caches[0].layers[0].tier.frames.frame_page)
+    assert int(caches[1].layers[0].tier.frames.copied.sum()) > 0
+    torch._dynamo.reset()

@@ -55,7 +55,9 @@ class RoundTripMasked(MaskedRecall):
 
 def _caches(model, kv_dtype, selector, *, limit=None, prefetch=False, **kwargs):
     layers = model.config.num_hidden_layers
-    real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=EXACT), kv_dtype=kv_dtype,
+    real = recall_cache(layers, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, selector, cold_dtype=EXACT,
+                                                                 decode_rule="before" if prefetch else "in-step"),
+                        kv_dtype=kv_dtype,
                         max_positions=limit or max_positions(model.config),
                         positions="compact" if limit else "absolute", rotary=find_rotary(model),
                         static_shapes=prefetch, **kwargs)
@@ -142,7 +144,7 @@ def test_recalled_pages_hold_the_codes_the_slots_held(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 def test_compiled_quantized_recall_is_eager(kv_dtype):
-    """The compiled decode step (aot_eager; the static-shape cache prefetches its pages) with
+    """The compiled decode step (aot_eager; its graph chooses pages with the step's own queries) with
     quantized recall columns: two rows, 24 decode steps that stage, flush, recall and re-number at
     a 48-position limit, the eager step's logits and state tensors exactly, in one graph."""
     model = build_model("llama", seed=0, max_position_embeddings=256)

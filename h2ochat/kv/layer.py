@@ -147,7 +147,8 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
 
     def _make_port(self) -> TierPort:
         return TierPort(self.capacity, self.tier.columns, self.per_slot_tensors(), self.counters,
-                        coordinates=self.coordinates, slot_format=self.format, kernels=self.kernels, rows=self.rows)
+                        coordinates=self.coordinates, slot_format=self.format, kernels=self.kernels, rows=self.rows,
+                        layer=self.layer_idx)
 
     def share_rows(self, source: "H2OLayer", rows: int) -> None:
         """This layer as rows [0, rows) of ``source`` (``H2OCache.prefix``): its state tensors are

@@ -25,8 +25,9 @@ class TierPort:
     """One layer's side of its tier: made by the layer at allocation (``H2OLayer.allocate``)."""
 
     def __init__(self, capacity: int, columns: int, tensors: dict[str, torch.Tensor],
-                 counters: LayerCounters, *, coordinates, slot_format, kernels, rows):
+                 counters: LayerCounters, *, coordinates, slot_format, kernels, rows, layer: int = 0):
         self.capacity, self.columns = capacity, columns  # the policy's columns, then the tier's
+        self.layer = layer  # the layer's index in its cache
         # the layer's per-slot tensors by name, handed over, not fetched: the layer makes a new port whenever
         # it replaces them, and a port holding its layer (or a method of it) would make every cache a reference
         # cycle, whose buffers wait for Python's cycle collector (a server's 1-row prompt caches held ~230 MB so)
@@ -67,6 +68,11 @@ class TierPort:
     def tier_part(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tier's columns of a per-slot tensor whose last dimension is the slot column."""
         return tensor[..., self.capacity:]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The layer's whole per-slot tensors a tier may write (not the policy's bookkeeping), in a
+        fixed order: what an opaque op that writes the tier's columns declares it writes."""
+        return [tensor for name, tensor in self._slot_tensors.items() if name not in POLICY_BOOKKEEPING]
 
     def victims(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """What slot ``slot`` [B, Hkv] (a policy column) of each (sequence, KV head) holds, by name

@@ -167,8 +167,8 @@ class CacheRow:
     chunk: int = DEFAULT_PREFILL_CHUNK
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: questions token by token (each token recalls for itself)
     measure: bool = False
-    # a compiled server's cache (static shapes): a decode step's pages are chosen before it, with the
-    # last step's queries; the REPL's own cache chooses them inside the step, with its own
+    # a compiled step's cache (static shapes): by the settings' decode rule "before" (a GPU's), a decode
+    # step's pages are chosen before it with the last step's queries; by "in-step", inside it with its own
     static_shapes: bool = False
 
     @property

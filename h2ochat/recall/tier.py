@@ -60,7 +60,7 @@ from h2ochat_kernels.reference import row_weights
 from .bounds import PageBounds
 from .cold_keys import ColdKeys
 from .cold_store import ColdStore
-from . import native
+from . import graph_choice, native
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
@@ -128,6 +128,11 @@ class RecallTier(RecallRowMoves):
         self.last_query = None
         self.has_query = False
         self.choose_in_step = False  # this decode step chooses its pages with its own queries (eager)
+        # a static-shape cache's decode step chooses before it, with the last step's queries: by its
+        # rule, and always on a GPU (a CUDA graph's replay runs no Python); else inside the compiled
+        # step with its own (``graph_choice``: the port and rotary of the step it prepared)
+        self.prefetches = config.decode_rule == "before" or device.type != "cpu"
+        self.prepared_step = None
         # attention statistics since allocation, per (sequence, KV head), weighted as the scores are
         # (each real query row's probabilities, summed over the group's query heads)
         self.recalled_mass = torch.zeros(batch, heads, dtype=torch.float32, device=device)
@@ -196,10 +201,13 @@ class RecallTier(RecallRowMoves):
         self.decode_steps += 1
         # the cadence counts from each row's last flush: every ``every`` steps, and at least once a page
         due = cadence.choosing(active)
-        prefetch = context.static_shapes  # (the compiled step's cache: nothing is chosen inside it)
+        prefetch = context.static_shapes and self.prefetches  # (the compiled step's cache by the "before" rule)
         if due is not False and prefetch and self.has_query:
             self.recall(port, self.last_query, context.rotary, due)
         self.choose_in_step = False if prefetch else due
+        if context.static_shapes and not prefetch:  # (a compiled step's op asks for this tier: ``choose_prepared``)
+            self.prepared_step = port, context.rotary
+            graph_choice.prepare(port.layer, self)
         cadence.count_step(active)
         self.staging.count_step()
         self.has_query = True
@@ -249,7 +257,10 @@ class RecallTier(RecallRowMoves):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
             self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
-        elif not context.compiled and self.choose_in_step is not False:  # an eager step: with its own queries
+        elif context.compiled:  # a CPU graph holds the choice as an op (a fixed rule: no guard per step)
+            if not self.prefetches:
+                graph_choice.choose(grouped[:, :, :, 0], port.slot_tensors(), port.layer)
+        elif self.choose_in_step is not False:  # an eager step: with its own queries
             self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step)
         active = context.numbers.active if q_len == 1 else None  # (a row left out keeps its last queries)
         if active is None:
@@ -260,6 +271,18 @@ class RecallTier(RecallRowMoves):
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
+
+    def choose_prepared(self, queries: torch.Tensor, given: list[torch.Tensor]) -> None:
+        """The compiled step's op (``graph_choice``), at run time: the eager step's choice for the step
+        ``reserve`` prepared. ``given``: the layer's per-slot tensors as the graph handed them over; a
+        copy of them (a functionalising backend's) is brought up to date with the buffers it copied."""
+        port, rotary = self.prepared_step
+        if self.choose_in_step is not False:
+            with torch.inference_mode(port.inference):
+                self.recall(port, queries, rotary, self.choose_in_step)
+        for tensor, own in zip(given, port.slot_tensors()):
+            if tensor.data_ptr() != own.data_ptr():
+                tensor.copy_(own)
 
     def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a

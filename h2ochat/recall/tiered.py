@@ -13,6 +13,9 @@ from .default import read_recall
 from .two_stage import SUMMARY_CAP
 
 
+DECODE_RULES = ("in-step", "before")
+
+
 @dataclass(frozen=True)
 class RecallConfig:
     slots: int  # R device slots per (layer, sequence, KV head) for recalled tokens
@@ -26,9 +29,15 @@ class RecallConfig:
     summary_cap: int | None = SUMMARY_CAP
     # pages whose token codes the second stage scores (None: two_stage.CANDIDATE_TOKENS' worth of pages)
     candidates: int | None = None
+    # when a decode step of a static-shape cache (the compiled step's) chooses its pages: "in-step" with
+    # its own queries, as the eager step does (a CPU graph calls the choice as an op: ``graph_choice``),
+    # or "before" it with the last step's queries (prefetch; what a GPU's CUDA graph always does)
+    decode_rule: str = "in-step"
 
     def __post_init__(self):
         self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every)
+        if self.decode_rule not in DECODE_RULES:
+            raise ValueError(f"the decode rule must be one of {', '.join(DECODE_RULES)}, got {self.decode_rule!r}")
         if self.slots < 2 * self.page or self.slots % self.page:
             raise ValueError(f"--recall {self.slots} must be a whole number (>= 2) of --page {self.page} pages "
                              "(the last one stages evicted tokens)")
