@@ -62,6 +62,9 @@ ColdLimit = Annotated[Optional[int], typer.Option("--cold-limit", min=1, rich_he
     help="With --recall: tokens per layer and KV head the cold store keeps (the oldest go). Default: all.")]
 RecallEvery = Annotated[int, typer.Option("--recall-every", min=1, rich_help_panel=CACHE,
     help="With --recall: decode steps between two recalls (prompt chunks always recall).")]
+RecallDecodeRule = Annotated[str, typer.Option("--recall-decode-rule", rich_help_panel=CACHE,
+    help="With --recall: when a compiled decode step chooses its pages: in-step (with its own queries, as an "
+         "eager step does) or before (before the step, with the last step's: a GPU's compiled step always does).")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, rich_help_panel=CACHE,
     help="Prompt tokens fed per forward; peak KV memory is slots + chunk whatever the prompt length.")]
 
@@ -77,7 +80,8 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Prin
 
 def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: int | None, positions: str,
                    seed: int | None, decay: float | None = None, kv_dtype: str = "auto", **recall) -> CacheSettings:
-    """``recall``: the two-tier fields (recall, page, selector, cold_dtype, cold_limit, recall_every)."""
+    """``recall``: the two-tier fields (recall, page, selector, cold_dtype, cold_limit, recall_every,
+    recall_decode_rule)."""
     return checked_cache(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
                          positions=positions, seed=seed, kv_dtype=kv_dtype, **recall)
 
@@ -102,13 +106,15 @@ def sampling(temperature: float, top_p: float, top_k: int, seed: int | None, rep
 DEFAULTS = dict(model=DEFAULT_MODEL, device="auto", dtype="auto", budget="0.2", policy=DEFAULT_POLICY, heavy_ratio=None,
                 sinks=None, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0,
                 # the two-tier options' defaults are CacheSettings' own: one place to change them
-                **{name: getattr(CacheSettings, name) for name in ("page", "selector", "cold_dtype", "recall_every")})
+                **{name: getattr(CacheSettings, name) for name in ("page", "selector", "cold_dtype", "recall_every",
+                                                               "recall_decode_rule")})
 
 
 # the two-tier options, as CacheSettings names them: (annotation, default)
 RECALL_OPTIONS = {"recall": (Recall, None), "page": (Page, DEFAULTS["page"]), "selector": (Selector, DEFAULTS["selector"]),
                   "cold_dtype": (ColdDtype, DEFAULTS["cold_dtype"]), "cold_limit": (ColdLimit, None),
-                  "recall_every": (RecallEvery, DEFAULTS["recall_every"])}
+                  "recall_every": (RecallEvery, DEFAULTS["recall_every"]),
+                  "recall_decode_rule": (RecallDecodeRule, DEFAULTS["recall_decode_rule"])}
 
 # every CacheSettings field a command line sets (all but the seed, which is the sampling's --seed), in
 # the order --help lists them; the defaults are the dataclass's (``takes_cache_options``)
@@ -130,8 +136,8 @@ def _replace_parameters(command, replaced: dict[str, list[inspect.Parameter]]):
 
 
 def takes_recall_options(command=None, *, recall: str | None = "auto"):
-    """Give a typer command --recall, --page, --selector, --cold-dtype, --cold-limit and --recall-every
-    without restating them in its signature: it receives them as one ``recall_options`` dict (keyword
+    """Give a typer command --recall, --page, --selector, --cold-dtype, --cold-limit, --recall-every and
+    --recall-decode-rule without restating them in its signature: it receives them as one ``recall_options`` dict (keyword
     arguments of ``cache_settings``). ``recall``: the command's --recall default (``auto``, recall by
     default: ``recall.default``; None: off unless asked, as ``serve`` and ``bench`` are)."""
     if command is None:

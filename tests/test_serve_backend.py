@@ -139,14 +139,17 @@ def test_a_compiled_recall_server_builds_its_step_before_any_request_and_gives_t
 
 
 def test_a_server_compiles_its_step_by_default_where_the_step_covers_its_rows(monkeypatch):
-    """``compile=None`` (the CLI's default): compiled for an evicting policy over bucket views; eager for
-    a recall tier (its served rule chooses pages inside the eager step), the full policy (its slots grow)
-    and a policy that ranks on the host (random)."""
+    """``compile=None`` (the CLI's default): compiled for an evicting policy over bucket views and for a
+    recall tier on the CPU (its graph chooses a step's pages inside the step, as the eager step does:
+    ``recall.graph_choice``; not on a GPU, whose graph would choose them before it); eager for the full
+    policy (its slots grow) and a policy that ranks on the host (random)."""
     from h2ochat.serve.backend import compiles_by_default
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     model = build_model("llama")
-    expected = {("h2o", None): True, ("tova", None): True, ("h2o", "4"): False, ("full", None): False,
+    recall = CacheSettings(policy="h2o", budget="12", recall="4", page=2).build(model)
+    assert compiles_by_default(recall, "cpu") and not compiles_by_default(recall, "cuda")
+    expected = {("h2o", None): True, ("tova", None): True, ("h2o", "4"): True, ("full", None): False,
                 ("random", None): False}
     for (policy, recall), compiles in expected.items():
         settings = CacheSettings(policy=policy, budget="12", recall=recall, page=2)

@@ -35,9 +35,7 @@ class RecallConfig:
     decode_rule: str = "in-step"
 
     def __post_init__(self):
-        self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every)
-        if self.decode_rule not in DECODE_RULES:
-            raise ValueError(f"the decode rule must be one of {', '.join(DECODE_RULES)}, got {self.decode_rule!r}")
+        self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every, self.decode_rule)
         if self.slots < 2 * self.page or self.slots % self.page:
             raise ValueError(f"--recall {self.slots} must be a whole number (>= 2) of --page {self.page} pages "
                              "(the last one stages evicted tokens)")
@@ -49,7 +47,8 @@ class RecallConfig:
             raise ValueError(f"--cold-limit {self.cold_limit} must hold at least the {self.slots} recall slots")
 
     @staticmethod
-    def check_options(page: int, selector: str, cold_dtype: str, cold_limit: int | None, every: int) -> None:
+    def check_options(page: int, selector: str, cold_dtype: str, cold_limit: int | None, every: int,
+                      decode_rule: str = "in-step") -> None:
         """The options that do not depend on the slot count, so they can be refused while recall is off
         too (a later --recall would fail on them)."""
         if isinstance(page, bool) or not isinstance(page, int) or page < 1:  # before any `% page`
@@ -58,6 +57,8 @@ class RecallConfig:
             raise ValueError(f"--cold-limit must be >= 1 token, got {cold_limit}")
         if every < 1:
             raise ValueError(f"--recall-every must be >= 1, got {every}")
+        if decode_rule not in DECODE_RULES:
+            raise ValueError(f"--recall-decode-rule must be one of {', '.join(DECODE_RULES)}, got {decode_rule!r}")
         cold_dtype_named(cold_dtype)  # here, not when the first layer allocates mid-run
         _selector_kind(selector)
 

@@ -39,11 +39,14 @@ def row_evictions(state_layers) -> int:
     return sum(int(layer["evicted"].sum()) for layer in state_layers)
 
 
-def compiles_by_default(cache: H2OCache) -> bool:
+def compiles_by_default(cache: H2OCache, device: torch.device | str = "cpu") -> bool:
     """Whether a server compiles its decode step when not told: when the step covers the cache
-    (``H2OCache.compile_blocker``) and its rows run as bucket views (no recall tier: served recall keeps
-    the eager rule, choosing a step's pages inside the step; static shapes would choose them before it)."""
-    return cache.row_prefixes and cache.compile_blocker() is None
+    (``H2OCache.compile_blocker``) and its rows run as bucket views, or it is a recall tier's on the CPU,
+    whose graph chooses a step's pages inside it with the step's own queries, as the eager step does
+    (``recall.graph_choice``; a GPU's graph would choose them before the step)."""
+    if cache.compile_blocker() is not None:
+        return False
+    return cache.row_prefixes or (bool(cache.tier.columns) and torch.device(device).type == "cpu")
 
 
 class ModelBackend:
@@ -64,12 +67,11 @@ class ModelBackend:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
         # static shapes for the compiled step's graphs and the row buckets; a recall tier has one
-        # bucket (its free rows masked) and, eager, keeps the REPL's shapes and rule (with static shapes
-        # it would choose a decode step's pages before the step, the compiled step's rule)
+        # bucket (its free rows masked); eager, it keeps the REPL's shapes
         plain = settings.build(model)  # (an unallocated cache: it holds nothing)
         prefixes = plain.row_prefixes
         if compile is None:
-            compile = compiles_by_default(plain)
+            compile = compiles_by_default(plain, self.runner.device)
         self.pool = RowPool(self._new_cache, rows, store=store, device=self.runner.device,
                             max_positions=max_positions(config), static_shapes=compile or prefixes, buckets=buckets)
         if compile:
