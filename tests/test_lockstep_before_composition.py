@@ -65,6 +65,24 @@ def cold_store_as_recorded(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def decode_rule_as_recorded(monkeypatch):
+    """The recordings' compiled step chose a decode step's pages before the step, with the last step's
+    queries (the rule then, ``--recall-decode-rule before`` now); a CPU's compiled step chooses them inside
+    it since session 55 (tests/test_recall_compiled.py holds that one to the eager step)."""
+    from dataclasses import replace
+
+    from h2ochat.config import CacheSettings
+
+    recall_config = CacheSettings.recall_config
+
+    def as_recorded(self, slots):
+        config = recall_config(self, slots)
+        return None if config is None else replace(config, decode_rule="before")
+
+    monkeypatch.setattr(CacheSettings, "recall_config", as_recorded)
+
+
+@pytest.fixture(autouse=True)
 def renumbering_as_recorded(monkeypatch):
     """The recordings re-numbered every row of a batch when the longest reached the position limit (the
     rule then); each row is re-numbered on its own count since (tests/test_row_renumbering.py). Their

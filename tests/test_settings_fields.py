@@ -46,6 +46,7 @@ SAMPLE = {
     "cold_dtype": ("int8", "int8"),
     "cold_limit": ("64", 64),
     "recall_every": ("2", 2),
+    "recall_decode_rule": ("before", "before"),
     "kv_dtype": ("float16", "float16"),  # (a float cast: it goes with the sample --recall)
 }
 

@@ -18,7 +18,7 @@ LAYER_MODULES = ("kv/layer.py", "kv/eviction.py")  # the layer and the eviction 
 # every tier of the project and the test tier that sketches a second one (``kv.tier``'s contract)
 TIER_MODULES = (PACKAGE / "recall/tier.py", PACKAGE / "recall/tier_rows.py", TESTS / "disk_tier.py")
 PORT_API = {name for name in dir(TierPort) if not name.startswith("_")} | {
-    "capacity", "columns", "coordinates", "format", "kernels"}  # (set in its __init__)
+    "capacity", "columns", "coordinates", "format", "kernels", "layer"}  # (set in its __init__)
 
 
 def _tree(path: Path) -> ast.AST:
