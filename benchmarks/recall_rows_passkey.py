@@ -39,6 +39,7 @@ from pathlib import Path
 from h2ochat.measure import evaluation as ev
 from h2ochat.measure import passkey as pk
 from h2ochat.measure.passkey_rows import build_rows, parse_numbers
+from h2ochat.recall.tiered import DECODE_RULES
 from h2ochat import threads
 from h2ochat.loading.models import load
 
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--question-chunk", type=int, default=1,
                         help="the recall rows' question fed in chunks of this many tokens (1: token by token, each "
                              "token choosing its pages; a chat's turn comes as one prompt: 512, the prefill chunk)")
-    parser.add_argument("--decode-rule", choices=("in-step", "before"), default="in-step",
+    parser.add_argument("--decode-rule", choices=DECODE_RULES, default=DECODE_RULES[0],
                         help="before: the recall rows' decode steps choose their pages before the step with the last "
                              "step's queries, as a GPU's compiled step does (in-step: with their own queries, the "
                              "eager step's rule and a CPU's compiled step's)")

@@ -147,8 +147,8 @@ def test_a_server_compiles_its_step_by_default_where_the_step_covers_its_rows(mo
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     model = build_model("llama")
-    recall = CacheSettings(policy="h2o", budget="12", recall="4", page=2).build(model)
-    assert compiles_by_default(recall, "cpu") and not compiles_by_default(recall, "cuda")
+    recall_cache = CacheSettings(policy="h2o", budget="12", recall="4", page=2).build(model)
+    assert compiles_by_default(recall_cache, "cpu") and not compiles_by_default(recall_cache, "cuda")
     expected = {("h2o", None): True, ("tova", None): True, ("h2o", "4"): True, ("full", None): False,
                 ("random", None): False}
     for (policy, recall), compiles in expected.items():

@@ -25,7 +25,7 @@ class TierPort:
     """One layer's side of its tier: made by the layer at allocation (``H2OLayer.allocate``)."""
 
     def __init__(self, capacity: int, columns: int, tensors: dict[str, torch.Tensor],
-                 counters: LayerCounters, *, coordinates, slot_format, kernels, rows, layer: int = 0):
+                 counters: LayerCounters, *, coordinates, slot_format, kernels, rows, layer: int):
         self.capacity, self.columns = capacity, columns  # the policy's columns, then the tier's
         self.layer = layer  # the layer's index in its cache
         # the layer's per-slot tensors by name, handed over, not fetched: the layer makes a new port whenever

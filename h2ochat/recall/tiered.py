@@ -48,7 +48,7 @@ class RecallConfig:
 
     @staticmethod
     def check_options(page: int, selector: str, cold_dtype: str, cold_limit: int | None, every: int,
-                      decode_rule: str = "in-step") -> None:
+                      decode_rule: str) -> None:
         """The options that do not depend on the slot count, so they can be refused while recall is off
         too (a later --recall would fail on them)."""
         if isinstance(page, bool) or not isinstance(page, int) or page < 1:  # before any `% page`
