@@ -106,17 +106,19 @@ def kept_agree_or_tie(a: H2OCache, b: H2OCache, recorder: EvictionRecorder | Non
 
 
 def lockstep(first, second, logits, steps: int, *, atol=1e-5, rtol=1e-5, recorder: EvictionRecorder | None = None,
-             caches=None, rows=None, pick=None, where="") -> int:
+             caches=None, rows=None, pick=None, where="", tolerance=None) -> int:
     """Feed the same tokens to both decode functions (tokens [B] -> logits [B, V]) for ``steps``
     steps: ``pick(step, logits)`` or else the greedy choice of ``first``'s logits, starting from
     ``logits`` ([B, V]). Compares the logits within tolerance (a step's attention comes before its
     eviction, so they are comparable up to the step whose eviction diverged) and, with ``caches``
     (a, b), the kept tokens (``kept_agree_or_tie``). Returns the steps compared before a legitimate
-    divergence (``steps`` if none)."""
+    divergence (``steps`` if none). ``tolerance()``, when given, is asked after each step's two calls for
+    that step's (atol, rtol) instead (quantised slots: looser once a key or value took another code)."""
     for step in range(steps):
         token = pick(step, logits) if pick is not None else logits.argmax(-1)
         logits, other = first(token), second(token)
-        torch.testing.assert_close(other, logits, atol=atol, rtol=rtol, msg=lambda m: f"{where} step {step}: {m}")
+        step_atol, step_rtol = tolerance() if tolerance is not None else (atol, rtol)
+        torch.testing.assert_close(other, logits, atol=step_atol, rtol=step_rtol, msg=lambda m: f"{where} step {step}: {m}")
         if caches is not None and not kept_agree_or_tie(*caches, recorder, f"{where} step {step}", rows):
             return step
     return steps

@@ -1,7 +1,7 @@
 """Triton kernels vs their torch reference: on the CPU through the Triton interpreter, or on a GPU.
 
-Every case draws fresh random inputs; the seed is in each assertion message (set
-H2OCHAT_TEST_SEED=<seed> to replay one). Outputs are pre-filled with NaN so a value the kernel never
+Every case draws its random inputs from the ``seed`` fixture (fixed per test: seeds.py; the seed is
+in each assertion message, H2OCHAT_TEST_SEED=<seed> replays one, =random fuzzes). Outputs are pre-filled with NaN so a value the kernel never
 writes shows up, and the slots of the cache buffer past the scanned view hold NaN so a read past
 the view shows up too. Errors are norm-wise relative: |a - b| / |b|.
 
@@ -70,12 +70,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # softmax, so they are compared at ~1e-5 in every dtype. fp16 gets 1e-4: under the interpreter its
 # logits pass through numpy's fp16 dot (the accumulation is exact, the order is not).
 SCORE_TOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-5}
-
-
-def fresh_seed() -> int:
-    seed = int(os.environ.get("H2OCHAT_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    return seed
 
 
 def on_device(value):
@@ -176,16 +170,14 @@ DECODE_CASES = [
 
 @runs_kernels
 @pytest.mark.parametrize("dtype,batch,kv_heads,group,slots,head_dim,validity,padding,strided,num_splits", DECODE_CASES)
-def test_decode_matches_reference(dtype, batch, kv_heads, group, slots, head_dim, validity, padding, strided, num_splits):
-    seed = fresh_seed()
+def test_decode_matches_reference(dtype, batch, kv_heads, group, slots, head_dim, validity, padding, strided, num_splits, seed):
     inputs, _ = make_inputs(batch, kv_heads, group, 1, slots, head_dim, dtype, validity=validity,
                             padding=padding, strided=strided)
     check_attention(decode_attend_with_scores, inputs, seed, num_splits=num_splits)
 
 
 @runs_kernels
-def test_decode_empty_cache_and_no_scoring():
-    seed = fresh_seed()
+def test_decode_empty_cache_and_no_scoring(seed):
     inputs, _ = make_inputs(1, 2, 4, 1, 0, 64, torch.float32)
     check_attention(decode_attend_with_scores, inputs, seed)
     # score=False: same output, scores untouched
@@ -210,17 +202,15 @@ CHUNK_CASES = [
 
 @runs_kernels
 @pytest.mark.parametrize("dtype,batch,kv_heads,group,q_len,slots,head_dim,validity,padding,strided", CHUNK_CASES)
-def test_chunk_matches_reference(dtype, batch, kv_heads, group, q_len, slots, head_dim, validity, padding, strided):
-    seed = fresh_seed()
+def test_chunk_matches_reference(dtype, batch, kv_heads, group, q_len, slots, head_dim, validity, padding, strided, seed):
     inputs, _ = make_inputs(batch, kv_heads, group, q_len, slots, head_dim, dtype, validity=validity,
                             padding=padding, strided=strided)
     check_attention(chunk_attend_with_scores, inputs, seed)
 
 
 @runs_kernels
-def test_chunk_single_token_equals_decode():
+def test_chunk_single_token_equals_decode(seed):
     """The chunk kernel also takes Q == 1; both kernels must agree with each other."""
-    seed = fresh_seed()
     inputs, _ = make_inputs(1, 2, 4, 1, 23, 64, torch.float32, padding=False)
     check_attention(chunk_attend_with_scores, inputs, seed)
 
@@ -256,9 +246,8 @@ DECAY_CASES = [
 
 @runs_kernels
 @pytest.mark.parametrize("q_len,decay,padding,dtype", DECAY_CASES)
-def test_decay_matches_reference(q_len, decay, padding, dtype):
+def test_decay_matches_reference(q_len, decay, padding, dtype, seed):
     """S <- decay * S + a_t per real token: decode (Q == 1) and chunk kernels, strided score views."""
-    seed = fresh_seed()
     inputs, _ = make_inputs(2, 2, 2, q_len, 21, 32, dtype, padding=padding, strided=True)
     decay = draw_decay(decay, 2)
     kernel = decode_attend_with_scores if q_len == 1 else chunk_attend_with_scores
@@ -266,9 +255,8 @@ def test_decay_matches_reference(q_len, decay, padding, dtype):
 
 
 @runs_kernels
-def test_decay_with_empty_cache():
+def test_decay_with_empty_cache(seed):
     """Nothing cached: only the new tokens' scores, weighted by decay ** (real rows after)."""
-    seed = fresh_seed()
     inputs, _ = make_inputs(2, 1, 2, 5, 0, 32, torch.float32, padding=True)
     check_attention(chunk_attend_with_scores, inputs, seed, decay=draw_decay("rows", 2))
 
@@ -308,11 +296,10 @@ def test_split_planner_gpu_branch(monkeypatch):
 
 
 @runs_kernels
-def test_gpu_tiles_over_thousands_of_slots(monkeypatch):
+def test_gpu_tiles_over_thousands_of_slots(monkeypatch, seed):
     """The 64-wide tiles a GPU uses (block_s / block_m / block_n 64) over 2048 slots, with the split
     count the GPU planner picks for one sequence, and the eviction's two 1024-slot blocks."""
     monkeypatch.setattr(triton_decode, "_sm_count", lambda device: 132)
-    seed = fresh_seed()
     splits, _ = plan_splits(1, 2048, 64, torch.device("cuda"))
     inputs, _ = make_inputs(1, 1, 2, 1, 2048, 16, torch.float32, padding=False)
     check_attention(decode_attend_with_scores, inputs, seed, decay=0.5, block_s=64, num_splits=splits)
@@ -357,8 +344,7 @@ def make_evict_inputs(batch, kv_heads, slots, head_dim, dtype, ties, value_norm=
     pytest.param(torch.float16, 21, 64, True, 16, False, id="fp16-ties"),
 ])
 @runs_kernels
-def test_evict_matches_reference(dtype, slots, head_dim, ties, block_s, value_norm):
-    seed = fresh_seed()
+def test_evict_matches_reference(dtype, slots, head_dim, ties, block_s, value_norm, seed):
     state, new = make_evict_inputs(2, 3, slots, head_dim, dtype, ties, value_norm)
     mine = [t.clone() for t in state]
     want = reference.evict_and_insert(*state[:6], *new[:5], *state[6:], *new[5:])
@@ -369,9 +355,8 @@ def test_evict_matches_reference(dtype, slots, head_dim, ties, block_s, value_no
 
 
 @runs_kernels
-def test_evict_strided_buffers():
+def test_evict_strided_buffers(seed):
     """Slot tensors that are views of a larger buffer (the cache may scan fewer slots than it holds)."""
-    seed = fresh_seed()
     state, new = make_evict_inputs(1, 2, 30, 64, torch.float32, ties=False)
     big = [torch.cat([t, t[:, :, :5]], dim=2) for t in state]
     views = [t[:, :, :30] for t in big]
@@ -470,17 +455,16 @@ POLICY_CASES = [
 
 @runs_kernels
 @pytest.mark.parametrize("policy,dtype,ties,all_protected_row,value_norm", POLICY_CASES)
-def test_evict_by_policy_matches_reference(policy, dtype, ties, all_protected_row, value_norm):
+def test_evict_by_policy_matches_reference(policy, dtype, ties, all_protected_row, value_norm, seed):
     """Fused priority (rank, age, value norm, recent window, sinks, empty slots) + argmin + write,
     on strided views (5 junk slots past the view), the argmin crossing 16-slot blocks."""
-    check_policy_eviction(fresh_seed(), 2, 3, 37, 32, dtype, policy, ties=ties, spare=5,
+    check_policy_eviction(seed, 2, 3, 37, 32, dtype, policy, ties=ties, spare=5,
                           all_protected_row=all_protected_row, value_norm=value_norm, block_s=16)
 
 
 @runs_kernels
-def test_evict_by_policy_empty_slots_go_first():
+def test_evict_by_policy_empty_slots_go_first(seed):
     """Half the slots empty: an empty slot is always the one overwritten (dropped = -1)."""
-    seed = fresh_seed()
     state, new = make_policy_state(2, 2, 24, 16, torch.float32, ties=False, recent=2, sinks=1)
     mine, ref = [t.clone() for t in state], [t.clone() for t in state]
     mine[3][:, :, ::2] = ref[3][:, :, ::2] = -1
@@ -494,11 +478,10 @@ def test_evict_by_policy_empty_slots_go_first():
 
 @runs_kernels
 @pytest.mark.parametrize("fused", [True, False], ids=["evict_by_policy", "evict_and_insert"])
-def test_eviction_leaves_rows_that_are_not_active_alone(fused):
+def test_eviction_leaves_rows_that_are_not_active_alone(fused, seed):
     """An ``active`` mask: the rows left out keep every slot bit for bit and report nothing dropped
     (-1, score 0); the active rows get exactly the unmasked eviction. The kernel against the
     reference, the reference against the unmasked call."""
-    seed = fresh_seed()
     policy = dict(recent=3, sinks=1, by_age=True, value_eps=0.5)
     state, new = make_policy_state(3, 2, 29, 32, torch.bfloat16, ties=True, recent=3, sinks=1)
     active = on_device(torch.tensor([False, True, False]))
@@ -550,7 +533,7 @@ def test_evict_by_policy_age_rank_by_hand(by_age, dropped):
 
 # ------------------------------------------------------------------------------------------ dispatch
 @runs_kernels
-def test_dispatch_honours_env(monkeypatch):
+def test_dispatch_honours_env(monkeypatch, seed):
     import h2ochat_kernels
 
     calls = []
@@ -565,7 +548,6 @@ def test_dispatch_honours_env(monkeypatch):
     monkeypatch.setattr(triton_chunk, "chunk_attend_with_scores", spy("chunk", triton_chunk.chunk_attend_with_scores))
     monkeypatch.setattr(triton_evict, "evict_and_insert", spy("evict", triton_evict.evict_and_insert))
     monkeypatch.setattr(triton_evict, "evict_by_policy", spy("policy", triton_evict.evict_by_policy))
-    seed = fresh_seed()
 
     def run_all():
         for q_len, decay in ((1, 0.5), (3, draw_decay("rows", 1))):

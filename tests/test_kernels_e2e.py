@@ -59,6 +59,27 @@ def _prefilled(model, backend: str, prompt, mask, policy: str, kv_dtype: str = "
         return cache, prefill(model, cache, prompt, mask, chunk=4)
 
 
+def _assert_codes_at_most_one_apart(mine, ref, msg: str) -> None:
+    """Quantised slots: the two caches' dequantised keys and values differ by at most one code step."""
+    for a, b in zip(mine.layers, ref.layers):
+        for part, (x, y) in zip(("key", "value"), zip(a.format.keys_and_values(a.slot_view()),
+                                                      b.format.keys_and_values(b.slot_view()))):
+            step = b.stored[f"{part}_scale"].unsqueeze(-1) * (1 + 1e-3)
+            assert bool(((x - y).abs() <= step + 1e-5).all()), f"{msg}: layer {b.layer_idx} {part}s"
+
+
+# Both runs quantise with the same code (reference.write_slots), but what they quantise comes from
+# hidden states a rounding apart: a key or value a rounding away from a level boundary may take the
+# next code. After such a flip it is read a code step apart, and logits and scores drift by more than
+# rounding: one int8 value code moved the prefill logits by 1.4e-4, one int4 key code (spread by the
+# rotation over 32 dimensions) the scores by 1.4e-4 relative (seed 1317592470); without a flip both
+# stay under 3e-6 (81 seeds). A wrong mask or a missed slot moves them by orders more than 1e-3.
+def _tolerance(mine, ref) -> float:
+    flipped = ref.layers[0].format.quantized and any(
+        not torch.equal(a.stored[name], b.stored[name]) for a, b in zip(mine.layers, ref.layers) for name in ("keys", "values"))
+    return 1e-3 if flipped else 1e-4
+
+
 def _decoder(model, cache, backend: str):
     from h2ochat.engine.forward_step import forward
 
@@ -79,10 +100,9 @@ def _decoder(model, cache, backend: str):
     ("h2o", "int8"),
     ("h2o", "int4"),
 ])
-def test_triton_and_torch_decode_the_same(monkeypatch, policy, kv_dtype):
+def test_triton_and_torch_decode_the_same(monkeypatch, policy, kv_dtype, seed):
     from h2ochat_kernels import dispatch
 
-    seed = int(os.environ.get("H2OCHAT_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
     model = _tiny_llama(seed)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, 96, (2, 10), generator=gen)
@@ -104,13 +124,15 @@ def test_triton_and_torch_decode_the_same(monkeypatch, policy, kv_dtype):
     calls.clear()
     got_cache, got_logits = _prefilled(model, "triton", prompt, mask, policy, kv_dtype)
     msg = f"seed={seed} policy={policy} kv_dtype={kv_dtype}"
-    assert torch.allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4), msg
+    tolerance = _tolerance(got_cache, want_cache)
+    assert torch.allclose(got_logits, want_logits, rtol=tolerance, atol=tolerance), msg
     # both fed the torch run's greedy tokens; where two slots' priorities tie within rounding the
     # runs may keep different tokens, and the comparison stops there (tests/lockstep.py)
     recorder = EvictionRecorder(want_cache)
     with recorder.recording():
         compared = lockstep(_decoder(model, want_cache, "torch"), _decoder(model, got_cache, "triton"), want_logits, 8,
-                            atol=1e-4, rtol=1e-4, recorder=recorder, caches=(want_cache, got_cache), where=msg)
+                            atol=1e-4, rtol=1e-4, recorder=recorder, caches=(want_cache, got_cache), where=msg,
+                            tolerance=lambda: (_tolerance(got_cache, want_cache),) * 2)
     assert ("attend_with_scores", "triton") in calls, msg  # the triton run's decode steps took the kernels
     evictions = {name for name, backend in calls if name.startswith("evict") and backend == "triton"}
     # (quantised slots are overwritten by the layer itself, codes and scales: reference.write_slots)
@@ -118,16 +140,15 @@ def test_triton_and_torch_decode_the_same(monkeypatch, policy, kv_dtype):
     assert want_cache.evicted_tokens() > 0, msg
     if compared < 8:
         return  # a legitimate near-tie; everything up to it agreed
+    if want_cache.layers[0].format.quantized:
+        _assert_codes_at_most_one_apart(got_cache, want_cache, msg)
+    score_rtol = _tolerance(got_cache, want_cache)
     for mine, ref in zip(got_cache.layers, want_cache.layers):
         assert torch.equal(mine.token_index, ref.token_index), msg
         assert torch.equal(mine.positions, ref.positions), msg
-        valid = ref.token_index >= 0
-        assert torch.allclose(mine.scores[valid], ref.scores[valid], rtol=1e-4, atol=1e-5), msg
-        if ref.format.quantized:  # a key a rounding away from a level boundary may take the next code
-            mine_keys, ref_keys = (layer.format.keys_and_values(layer.slot_view())[0] for layer in (mine, ref))
-            step = ref.stored["key_scale"].unsqueeze(-1) * (1 + 1e-3)
-            assert bool(((mine_keys - ref_keys).abs() <= step + 1e-5).all()), msg
-        else:
+        if not ref.format.quantized:
             assert torch.allclose(mine.keys, ref.keys, atol=1e-5), msg
+        valid = ref.token_index >= 0
+        assert torch.allclose(mine.scores[valid], ref.scores[valid], rtol=score_rtol, atol=1e-5), msg
         if getattr(ref, "value_norm", None) is not None:
             assert torch.allclose(mine.value_norm[valid], ref.value_norm[valid], rtol=1e-5, atol=1e-6), msg
