@@ -165,3 +165,38 @@ def test_inductor_hands_the_choice_the_layer_s_own_slots(seed):
         assert torch.equal(caches[1].layers[0].tier.frames.frame_page, caches[0].layers[0].tier.frames.frame_page)
     assert int(caches[1].layers[0].tier.frames.copied.sum()) > 0
     torch._dynamo.reset()
+
+
+def test_a_step_built_from_inductor_s_disk_cache_runs_whatever_mode_made_its_cache(seed, tmp_path, monkeypatch):
+    """Inductor keeps compiled steps on disk (AOTAutograd's cache, then its own) for the next process of
+    the same shapes. The recall step writes tensors that alias others (the tier's columns are views of
+    the layer's slots), which AOTAutograd merges into one base per storage; the base's kind follows how
+    the views were made (a view made outside inference mode has an autograd ``_base``, one made inside
+    has none), and the disk cache's key does not say which. A server allocates its cache outside
+    inference mode, a bench or a chat inside: a step the one compiled, read back by the other, failed
+    on its first call (``wrong number of dimensions``). The port's views carry no base in either mode."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(inductor_config, "force_disable_caches", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
+    model = build_model("llama", seed=0, num_hidden_layers=1)
+    config = model.config
+    prompt = torch.randint(3, VOCAB, (2, 30))
+    tokens = [torch.randint(3, VOCAB, (2,)) for _ in range(3)]
+    counters.clear()
+    for inference in (False, True):  # a server's way, then a chat's, in "another process" (dynamo reset)
+        torch._dynamo.reset()
+        with torch.inference_mode(inference):
+            cache, reference = _cache(model, selector="exact"), _cache(model, selector="exact")
+            for each in (cache, reference):
+                each.allocate(2, config.num_key_value_heads, config.head_dim, dtype=torch.float32, device=torch.device("cpu"))
+                forward(model, each, prompt)
+            step = compiled.CompiledDecode(model, backend="inductor")
+            for token in tokens:
+                want = forward(model, reference, token.view(-1, 1), logits_to_keep=1)[:, -1]
+                torch.testing.assert_close(step(cache, token), want, rtol=1e-4, atol=1e-4)
+    assert counters["aot_autograd"]["autograd_cache_hit"] >= 1, dict(counters["aot_autograd"])  # (read back, not built again)
+    torch._dynamo.reset()

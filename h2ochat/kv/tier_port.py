@@ -21,6 +21,21 @@ from .host_counters import LayerCounters
 POLICY_BOOKKEEPING = ("scores", "value_norm")  # what a slot holds for the policy alone
 
 
+def columns_of(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``tensor[:, :, start:stop]`` as a tensor of its own over the same memory, without an autograd base.
+    A compiled step that writes both a layer's slots and a tier's columns has inputs that alias; its graph
+    then takes one base per storage, shaped like the views' ``_base`` where they have one (views made
+    outside inference mode: a server's cache) and flat where they have none (made inside: a chat's or a
+    bench's). Inductor's disk cache does not key on which, so a step compiled by the one and read back by
+    the other failed on its first call; without a base, every caller's views take the flat one."""
+    view = tensor[:, :, start:stop]
+    if view._base is None:
+        return view
+    with torch.inference_mode(tensor.is_inference()):  # (the same kind of tensor as its layer's: one graph)
+        alias = torch.empty(0, dtype=view.dtype, device=view.device)
+        return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
 class TierPort:
     """One layer's side of its tier: made by the layer at allocation (``H2OLayer.allocate``)."""
 
@@ -47,11 +62,11 @@ class TierPort:
         if not 0 <= start <= stop <= self.columns:
             raise ValueError(f"tier columns [{start}, {stop}) outside the tier's {self.columns}")
         begin = self.capacity
-        return {name: tensor[:, :, begin + start:begin + stop] for name, tensor in self._slot_tensors.items()}
+        return {name: columns_of(tensor, begin + start, begin + stop) for name, tensor in self._slot_tensors.items()}
 
     def policy_columns(self) -> dict[str, torch.Tensor]:
         """Views of the policy's columns of every per-slot tensor (where ``victims`` reads)."""
-        return {name: tensor[:, :, :self.capacity] for name, tensor in self._slot_tensors.items()}
+        return {name: columns_of(tensor, 0, self.capacity) for name, tensor in self._slot_tensors.items()}
 
     def frame_columns(self, page: int) -> dict[str, torch.Tensor]:
         """The tier's columns before its last page (recall's frames of recalled pages)."""
