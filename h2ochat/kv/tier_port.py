@@ -27,9 +27,10 @@ def columns_of(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     then takes one base per storage, shaped like the views' ``_base`` where they have one (views made
     outside inference mode: a server's cache) and flat where they have none (made inside: a chat's or a
     bench's). Inductor's disk cache does not key on which, so a step compiled by the one and read back by
-    the other failed on its first call; without a base, every caller's views take the flat one."""
+    the other failed on its first call; without a base, every caller's views take the flat one. (The recall
+    step makes the columns it writes inside its graph, ``RecallTier._in_graph_staging``: no such inputs.)"""
     view = tensor[:, :, start:stop]
-    if view._base is None:
+    if torch.compiler.is_compiling():  # (in a graph: a view of the layer's own input, no input of its own)
         return view
     with torch.inference_mode(tensor.is_inference()):  # (the same kind of tensor as its layer's: one graph)
         alias = torch.empty(0, dtype=view.dtype, device=view.device)

@@ -204,18 +204,21 @@ class StagingPage:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"count": self.count}
 
-    def put(self, coordinates, victim: dict[str, torch.Tensor], active: torch.Tensor | None = None) -> None:
+    def put(self, coordinates, victim: dict[str, torch.Tensor], active: torch.Tensor | None = None,
+            slots: RecallSlots | None = None) -> None:
         """One entry per (sequence, head) [B, H, ...] into the next staging column (fixed shapes, no
         host read: a compiled step holds it): ``victim`` by name (``TierPort.victims``: keys, values,
         token_index, positions and, for quantized slots, the scales beside the codes). ``active`` [B]
-        bool (None: every row): a row left out writes an empty entry and does not count it."""
+        bool (None: every row): a row left out writes an empty entry and does not count it. ``slots``:
+        the same columns as views made now (a compiled step's: see ``RecallTier.archive``)."""
+        slots = slots or self.slots
         where = (*coordinates, self.count)
-        for name, buffer in (self.slots.scales or {}).items():
+        for name, buffer in (slots.scales or {}).items():
             buffer.index_put_(where, victim[name])
-        self.slots.keys.index_put_(where, victim["keys"])
-        self.slots.values.index_put_(where, victim["values"])
-        self.slots.token_index.index_put_(where, victim["token_index"])
-        self.slots.positions.index_put_(where, victim["positions"])
+        slots.keys.index_put_(where, victim["keys"])
+        slots.values.index_put_(where, victim["values"])
+        slots.token_index.index_put_(where, victim["token_index"])
+        slots.positions.index_put_(where, victim["positions"])
         self.count += 1 if active is None else active.view(-1, 1).long()
 
     def count_step(self) -> None:

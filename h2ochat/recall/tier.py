@@ -321,8 +321,9 @@ class RecallTier(RecallRowMoves):
     def before_insert(self, port) -> None:
         """The recall columns' scores are this step's attention to recalled and staged tokens:
         counted, then cleared (what they drew ranks nothing)."""
-        self.recalled_mass += self.recall_scores.sum(dim=-1)
-        self.recall_scores.zero_()
+        scores = port.tier_columns()["scores"] if torch.compiler.is_compiling() else self.recall_scores  # (``_in_graph_staging``: why)
+        self.recalled_mass += scores.sum(dim=-1)
+        scores.zero_()
 
     def archive(self, port, slot: torch.Tensor) -> None:
         """A decode step's victim into the staging page (``staging``: the cold tier takes it at the flush);
@@ -333,7 +334,17 @@ class RecallTier(RecallRowMoves):
         victims, active = port.victims(slot), self.step_active
         if active is not None:
             victims["token_index"] = victims["token_index"].masked_fill(~active.view(-1, 1), -1)
-        self.staging.put(port.coordinates, victims, active)
+        self.staging.put(port.coordinates, victims, active, self._in_graph_staging(port))
+
+    def _in_graph_staging(self, port) -> RecallSlots | None:
+        """In a compiled step, the staging columns as views made inside the graph from the layer's slots
+        (None eagerly: the page's own views). Read as the page's views, each would be a graph input
+        aliasing the slots it is a view of, which the step writes: AOTAutograd then merges each such
+        pair into one base and rebuilds the views from it on every call (5 pairs a layer, with the
+        scores' recall columns: ~2 ms of a 50 ms step of SmolLM2, 8 rows, in its runtime wrapper and guards)."""
+        if not torch.compiler.is_compiling():
+            return None
+        return RecallSlots.of(port.staging_columns(self.staging.page), self.format)
 
     def _stager(self, port) -> "native.Stager | None":
         """The C staging for this port's columns (made again for a new port: new tensors), or None."""
