@@ -174,7 +174,8 @@ def test_a_step_built_from_inductor_s_disk_cache_runs_whatever_mode_made_its_cac
     the views were made (a view made outside inference mode has an autograd ``_base``, one made inside
     has none), and the disk cache's key does not say which. A server allocates its cache outside
     inference mode, a bench or a chat inside: a step the one compiled, read back by the other, failed
-    on its first call (``wrong number of dimensions``). The port's views carry no base in either mode."""
+    on its first call (``wrong number of dimensions``). The port's views carry no base in either mode, and
+    the step makes the columns it writes inside its graph (no such inputs at all)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 

@@ -166,8 +166,7 @@ def test_the_suite_draws_no_seed_from_the_system():
     """CI must give the same verdict on every run: a test takes its seed from ``seeds`` (the ``seed``
     fixture or ``fresh``), which draws from the system only when a run asks to fuzz. Two modules that
     drew ``os.urandom`` seeds on every run failed a fresh clone's CI by chance."""
-    tests = Path(__file__).parent
-    drawing = [f"{path.name}:{node.lineno}" for path in sorted(tests.glob("*.py")) if path.name != "seeds.py"
-               for node in ast.walk(ast.parse(path.read_text()))
+    drawing = [f"{path.name}:{node.lineno}" for path in sorted(TESTS.glob("*.py")) if path.name != "seeds.py"
+               for node in ast.walk(_tree(path))
                if isinstance(node, ast.Attribute) and node.attr in ("urandom", "SystemRandom", "randbits", "token_bytes")]
     assert not drawing, f"seeds drawn from the system outside tests/seeds.py: {drawing}"

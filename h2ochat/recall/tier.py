@@ -321,7 +321,9 @@ class RecallTier(RecallRowMoves):
     def before_insert(self, port) -> None:
         """The recall columns' scores are this step's attention to recalled and staged tokens:
         counted, then cleared (what they drew ranks nothing)."""
-        scores = port.tier_columns()["scores"] if torch.compiler.is_compiling() else self.recall_scores  # (``_in_graph_staging``: why)
+        scores = self.recall_scores
+        if torch.compiler.is_compiling():  # (views made in the graph, not inputs of it: ``_in_graph_staging``)
+            scores = port.tier_columns()["scores"]
         self.recalled_mass += scores.sum(dim=-1)
         scores.zero_()
 
