@@ -7,6 +7,11 @@ past what its stores held (8 chats x 4 turns, ``benchmarks/serve_recall_load.py`
 cold stores grew by 204 MB). A buffer of ``MAPPED_BYTES`` or more (``store_buffer``) is therefore a
 private anonymous mapping of its own: freed, it goes back to the system at once.
 
+A store that grows by pages would copy itself at every growth (every ~3% of its length). Its mapping
+therefore reserves room (``store_buffer(room=)``): the buffer is a view of the first slots of a longer
+mapping, and ``lengthened`` gives it more slots over the same memory, copying nothing. The room past the
+view is never written, so it costs address space, not memory.
+
 A server parks a finished conversation (a copy) and empties its row, while the batch's stores keep the
 longest row's length; emptying a row to zeros (``fill_empty``) hands its whole pages back to the system
 (``madvise(MADV_DONTNEED)``: they read as zeros again, and cost nothing until written), so a parked
@@ -30,19 +35,58 @@ _PAGE = mmap.PAGESIZE
 
 
 def store_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None, *,
-                 pin: bool = False, zeroed: bool = False) -> torch.Tensor:
+                 pin: bool = False, zeroed: bool = False, room: int | None = None) -> torch.Tensor:
     """A buffer of ``shape``, uninitialised unless ``zeroed``: pinned host memory when ``pin`` (a GPU's cold
     store); a mapping of its own when it is a large CPU buffer on Linux; else ``torch.empty``. The tensor keeps
     its mapping alive; the mapping is unmapped when the tensor is freed. A new mapping reads as zeros and
     costs no memory until a page is written, so ``zeroed`` writes nothing there: a store's rows become
-    resident only as far as they are written (reading an unwritten page maps the system's shared zero page: no memory)."""
+    resident only as far as they are written (reading an unwritten page maps the system's shared zero page: no memory).
+    ``room`` (more than ``shape[2]``): a mapping is made ``room`` long in dimension 2 and the buffer is a view
+    of its first ``shape[2]`` (``lengthened`` grows it in place); the system refusing that much address
+    space, it is made as asked."""
     device = torch.device(device or "cpu")
     count = math.prod(shape)
     if pin or device.type != "cpu" or count * dtype.itemsize < MAPPED_BYTES or not _DISCARD:
         buffer = torch.empty(shape, dtype=dtype).pin_memory() if pin else torch.empty(shape, dtype=dtype, device=device)
         return buffer.zero_() if zeroed else buffer
+    if room is not None and room > shape[2]:
+        reserved = (*shape[:2], room, *shape[3:])
+        try:
+            whole = _mapped(reserved, dtype)
+        except OSError:  # (no address space for the room: no room)
+            return _mapped(shape, dtype)
+        return _over(whole, shape, whole.stride())
+    return _mapped(shape, dtype)
+
+
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    count = math.prod(shape)
     mapping = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (discardable)
     return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
+
+
+def _over(tensor: torch.Tensor, shape, stride) -> torch.Tensor:
+    """A tensor of ``shape`` and ``stride`` over ``tensor``'s memory from its start, with no autograd base
+    (as ``TierPort.columns_of`` makes its views) and of the current inference mode."""
+    return torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), 0, tuple(shape), tuple(stride))
+
+
+def lengthened(tensor: torch.Tensor, size: int, dim: int = 2) -> torch.Tensor | None:
+    """``tensor`` with dimension ``dim`` ``size`` long over the same memory (what it holds stays where it is;
+    the new slots read what the mapping holds there: zeros, never written), where its mapping has that room
+    (``store_buffer(room=)``); else None (the caller copies it into a new buffer). For a whole buffer that
+    ``store_buffer`` or a growth made, not a slice: a slice's "room" would be the rest of its buffer."""
+    if tensor.device.type != "cpu" or tensor.is_pinned() or tensor.storage_offset() != 0 or not _DISCARD:
+        return None
+    shape = list(tensor.shape)
+    across = math.prod(shape[:dim]) * math.prod(shape[dim + 1:])
+    room = tensor.untyped_storage().nbytes() // tensor.element_size() // max(1, across)
+    reserved = [*shape[:dim], room, *shape[dim + 1:]]
+    stride = [math.prod(reserved[i + 1:]) for i in range(len(reserved))]
+    if size > room or any(n > 1 and s != t for n, s, t in zip(shape, tensor.stride(), stride)):
+        return None
+    shape[dim] = size
+    return _over(tensor, shape, stride)
 
 
 @functools.cache
@@ -56,6 +100,11 @@ def fill_empty(target: torch.Tensor, value) -> None:
     caches' own buffers, which are anonymous memory (torch's allocator or ``store_buffer``): a page of a
     file-backed tensor would read its file again, not zeros."""
     nbytes = target.numel() * target.element_size()
+    if value == 0 and not target.is_contiguous() and target.dim() > 1 and all(
+            part.is_contiguous() for part in target.unbind(0)):
+        for part in target.unbind(0):  # (a row of a store with room: each head's slots are one block)
+            fill_empty(part, value)
+        return
     if (value != 0 or not _DISCARD or nbytes < MAPPED_BYTES or target.device.type != "cpu" or target.is_pinned()
             or not target.is_contiguous()):
         target.fill_(value)

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from h2ochat.host_buffers import MAPPED_BYTES, fill_empty, store_buffer
-from h2ochat.recall.layout import GROWTH_MARGIN, narrowed, widened
+from h2ochat.host_buffers import MAPPED_BYTES, fill_empty, lengthened, resident_bytes, store_buffer
+from h2ochat.recall.layout import GROWTH_MARGIN, ROOM, narrowed, widened
 
 
 def _rss() -> int:
@@ -70,6 +70,55 @@ def test_a_store_widened_and_narrowed_keeps_its_slots_and_spill():
     cut = narrowed(grown, 8)
     assert cut.shape == (2, 3, 9, 4)
     assert torch.equal(cut[:, :, :5], old[:, :, :5]) and bool((cut[:, :, 5:] == -1).all())
+
+
+@pytest.mark.parametrize("fill", [0, -1])
+def test_a_store_with_room_grows_in_place_as_a_copy_would(seed, fill):
+    """``widened(room=True)`` against the copying growth, over many page-sized growths of a store whose rows
+    hold different lengths: the same slots, the same fill past them (but for a zero-filled buffer's former
+    spill slots, past every row's tokens, which keep the spill writes' junk), and no copy while the
+    mapping's room lasts; past it, one copy into a mapping with room again."""
+    generator = torch.Generator().manual_seed(seed)
+    start = MAPPED_BYTES // (2 * 3 * 4 * 4) + 1  # (a mapping from the start)
+    rows_held = [start, start // 2] if fill == 0 else None
+    with_room = torch.full((2, 3, start + 1, 4), float(fill))
+    with_room[:, :, :start] = torch.randn(2, 3, start, 4, generator=generator)
+    if fill == 0:
+        with_room[1, :, start // 2: start] = 0
+    copied = with_room.clone()
+    addresses, spills, needed = [], [], start
+    for _ in range(60):
+        needed += 8 * 8
+        with_room = widened(with_room, needed, fill, spill=True, page=8, rows_held=rows_held, room=True)
+        copied = widened(copied, needed, fill, spill=True, page=8, rows_held=rows_held)
+        assert with_room.shape == copied.shape
+        kept = torch.ones(with_room.shape[2] - 1, dtype=torch.bool)
+        kept[[slot for slot in spills if slot < len(kept)]] = fill != 0  # (a zero-filled buffer's former spill slots: junk, unless copied since)
+        same = with_room[:, :, :-1] == copied[:, :, :-1]
+        assert bool(same[:, :, kept].all()) and bool((same | (with_room[:, :, :-1] == 7.0)).all())
+        with_room[:, :, -1] = copied[:, :, -1] = 7.0  # (the spill slot takes junk)
+        if addresses and with_room.data_ptr() != addresses[-1]:
+            spills = []  # (copied: past each row's held slots, zeros)
+        spills.append(with_room.shape[2] - 1)
+        addresses.append(with_room.data_ptr())
+    assert with_room.shape[2] - 1 > ROOM * start  # (outgrew its first room: copied once, into more room)
+    assert 2 <= len(set(addresses)) <= 3 and addresses[0] == addresses[1]
+    assert lengthened(copied, copied.shape[2] + 8) is None  # (a buffer without room is copied as before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a mapping's unwritten pages cost nothing: Linux")
+def test_a_store_s_room_costs_no_memory_and_its_rows_give_pages_back():
+    """The room past a store's slots is address space only; emptying a row of a store with room (each head's
+    slots one block, the row no longer contiguous) gives the pages back head by head."""
+    store = store_buffer((2, 3, 40_000, 64), torch.bfloat16, room=4 * 40_000)
+    assert not store.is_contiguous() and store.stride()[1] == 4 * 40_000 * 64
+    assert resident_bytes(store) == 0
+    store.fill_(1)
+    written = 2 * 3 * 40_000 * 64 * 2
+    assert written <= resident_bytes(store) <= written + 2 * 3 * mmap.PAGESIZE
+    fill_empty(store[1], 0)
+    assert resident_bytes(store) <= written // 2 + 2 * 3 * 2 * mmap.PAGESIZE  # (measured before a read maps zeros)
+    assert bool((store[1] == 0).all()) and bool((store[0] == 1).all())
 
 
 @pytest.mark.parametrize("needed", [10, 300, 4_000, 20_000])
@@ -137,7 +186,8 @@ def test_a_batch_stores_rows_are_resident_only_as_far_as_each_row_reaches():
     edges = len(rows) * 3 * len(names) * 2 * mmap.PAGESIZE  # (a row's first and last page are shared with its neighbours)
     assert held + bookkeeping - edges <= in_memory <= held + bookkeeping + edges  # (with every row written whole: ~50 MB)
     before = _rss()
-    int(store.keys.view(torch.uint8).max()) + int(store.values.view(torch.uint8).max())  # a read of every slot:
+    for head in (*store.keys.flatten(0, 1).unbind(0), *store.values.flatten(0, 1).unbind(0)):
+        int(head.view(torch.uint8).max())  # a read of every slot (head by head: each one block, read in place):
     assert _rss() - before < (4 << 20)  # unwritten pages read the system's zero page (35 MB were they memory)
     assert bool((store.keys[2, :, 200:store.capacity] == 0).all())
 

@@ -81,6 +81,26 @@ def _assert_the_reference_tokens(real, masked) -> None:
             assert cold[cold >= 0].tolist() == order
 
 
+def test_stores_that_grow_in_their_mappings_room_are_the_masked_reference(family, seed, monkeypatch):
+    """Every host buffer a mapping of its own (as a long chat's are): the cold store and the digest's codes
+    grow inside the address space their mapping reserved (``host_buffers.lengthened``), as longer views of
+    the same memory, and the cache still gives the masked reference's logits and tokens."""
+    from h2ochat import host_buffers
+
+    monkeypatch.setattr(host_buffers, "MAPPED_BYTES", 1)
+    model = build_model(family, seed=seed, max_position_embeddings=512)
+    real, masked = _caches(model, "h2o", "rot4")
+    ids = torch.randint(3, VOCAB, (1, 200))
+    pieces = [ids[:, :20], *[ids[:, i : i + 1] for i in range(20, 200)]]
+    addresses = set()
+    for piece in pieces:
+        _feed_beside_the_reference(model, real, masked, [piece])
+        cold = real.layers[0].tier.cold
+        addresses.add(cold.keys.data_ptr())
+    assert cold.capacity >= 180 and not cold.keys.is_contiguous()  # (a view of a longer mapping)
+    assert len(addresses) <= 4  # (grown ~20 times by pages: all but the first few in place)
+
+
 def _feed_beside_the_reference(model, real, masked, pieces) -> None:
     """Each piece through the recall cache and the masked reference: the same logits and tokens after each."""
     for piece in pieces:

@@ -20,9 +20,10 @@ step never waits for the host. Host-side work on the buffers (growing, re-number
 read) first waits for those kernels (``_settle``). Elsewhere the buffers are read and written by
 ordinary torch ops (a GPU without zero-copy pays a synchronising copy per layer and step).
 
-Every buffer has one column past its slots, the spill slot: a step's appends write the rows and heads
-that evicted nothing there (``layout.Writes``), so an append is one indexed write per buffer whatever was
-evicted. It is never read, and its token index stays -1 (only entries with index -1 land there).
+Every buffer has one column past its slots, the spill slot. A step's appends write back what the target
+holds for the rows and heads that evicted nothing (``layout.Writes``: their next free slot, or in a ring the
+spill slot), so an append is one indexed write per buffer whatever was evicted. The spill slot is never
+read, and its token index stays -1.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class ColdStore(FirstRows):
     def _write(self, writes: Writes, buffer: torch.Tensor, new: torch.Tensor) -> None:
         if self.zero_copy:
             from h2ochat_kernels.triton_rows import scatter_rows_
-            scatter_rows_(buffer, writes.target, new.to(buffer.dtype).contiguous())
+            new = writes.kept(new.to(buffer.dtype), self._take(buffer, writes.target))
+            scatter_rows_(buffer, writes.target, new.contiguous())
         else:
             writes.write(buffer, new)
 
@@ -145,7 +147,7 @@ class ColdStore(FirstRows):
         for name in self._buffers():
             old = getattr(self, name)
             setattr(self, name, widened(old, needed, -1 if name in _MINUS_ONE_WHEN_EMPTY else 0, pin=self.pin,
-                                        spill=True, page=self.page, rows_held=rows_held))
+                                        spill=True, page=self.page, rows_held=rows_held, room=True))
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:

@@ -58,7 +58,8 @@ class KeyCodes(FirstRows):
     def _grow(self, needed: int) -> None:
         held = rows_held(self.count)  # (copied row by row: a row's memory follows its length)
         for name in self._per_slot():
-            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True, page=self.page, rows_held=held))
+            setattr(self, name, widened(getattr(self, name), needed, 0, spill=True, page=self.page, rows_held=held,
+                                         room=True))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in (*self._per_slot(), "count")}

@@ -14,7 +14,7 @@ import torch
 
 import h2ochat_kernels as kernels
 
-from ..host_buffers import store_buffer
+from ..host_buffers import lengthened, store_buffer
 
 
 def append_slots(valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,11 @@ GROWTH_MARGIN = 32  # a paged store grows by at least 1/32 of its size: ~3% of b
 # and 16x at 4,000 (pages of 8)
 
 
+ROOM = 2  # a store with room (``widened(room=True)``) reserves twice its slots: each held token copied at most ~twice
+
+
 def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False,
-            page: int | None = None, rows_held: list[int] | None = None) -> torch.Tensor:
+            page: int | None = None, rows_held: list[int] | None = None, room: bool = False) -> torch.Tensor:
     """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (new slots hold
     ``fill``), made in the same inference mode as ``old`` (else a compiled step would see a different
     kind of tensor and compile again) and marked ``growable``. ``page``: ``needed`` rounded up to whole
@@ -53,7 +56,10 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
     whole every P decode steps); else S doubles until it fits. ``spill``: the last column of ``old`` and of
     the result is the spill slot (``Writes``), not counted in S. ``rows_held`` [B]: the slots each row has
     written (past them a row holds ``fill``, which must then be 0): only those are copied, into a buffer
-    that reads as zeros, so a row's memory follows its own length, not the longest row's."""
+    that reads as zeros, so a row's memory follows its own length, not the longest row's. ``room``: a
+    store that grows often (the cold store, the digests' codes): its buffer reserves ``ROOM`` times its
+    slots of address space, and a later growth inside that is a longer view of the same memory, not a copy
+    (``host_buffers.lengthened``; at ~3% a growth, copies were ~3% of a served recall load's CPU)."""
     held = old.shape[2] - spill
     size = held
     if page is not None and needed > held:
@@ -63,10 +69,18 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
         size *= 2
     by_row = rows_held is not None and fill == 0
     with torch.inference_mode(old.is_inference()):
+        longer = lengthened(old, size + spill) if room else None
+        if longer is not None:
+            # past the old slots the mapping was never written: zeros (the old spill slot too: a store that
+            # grows never writes it, ``Writes``)
+            if fill != 0:
+                longer[:, :, held:] = fill
+            return growable(longer)
         # (empty, then the held slots copied and only the rest filled: a store grows a page at a time, and
         # filling the whole buffer first was ~18% of a recall step's CPU at 8 rows x 1,200 tokens)
         shape = (*old.shape[:2], size + spill, *old.shape[3:])
-        new = store_buffer(shape, old.dtype, old.device, pin=pin, zeroed=by_row)  # (its own mapping: see host_buffers)
+        new = store_buffer(shape, old.dtype, old.device, pin=pin, zeroed=by_row,  # (its own mapping: see host_buffers)
+                           room=(size + spill) * ROOM if room else None)
         if by_row:
             _copy_rows(new, old, rows_held)
         else:
@@ -123,9 +137,12 @@ def frame_of(pages: torch.Tensor, frames: int | None) -> torch.Tensor:
 @dataclass
 class Writes:
     """Where E appended entries [B, H, E] are written, with fixed shapes (no host read, no
-    data-dependent shape: a compiled step can hold it): a valid entry at its slot (mod the ring),
-    every other entry in the store's spill slot (one column past its slots, never read). One indexed
-    write per buffer; duplicate targets are spill writes only, whose value nobody reads."""
+    data-dependent shape: a compiled step can hold it): a valid entry at its slot (mod the ring). Every
+    other entry (its row and head evicted nothing there) writes back what its target holds: in a store
+    that never wraps, that row and head's next free slot (the next one its appends write), so a row's
+    pages past its tokens stay unwritten however the store grows (``host_buffers.lengthened``); in a
+    ring, the store's spill slot (one column past its slots, never read). One indexed write per buffer;
+    duplicate targets are write-backs only."""
 
     slots: torch.Tensor  # [B, H, E] slot numbers of the valid entries (-1 for the others)
     target: torch.Tensor  # [B, H, E] storage slot each entry writes
@@ -133,14 +150,24 @@ class Writes:
     @classmethod
     def plan(cls, valid: torch.Tensor, count: torch.Tensor, ring: int | None, spill: int) -> "Writes":
         slots = append_slots(valid, count)
-        target = (slots % ring if ring is not None else slots).masked_fill(~valid, spill)
+        if ring is None:  # (room reserved: the next free slot is at most the spill slot)
+            target = torch.where(valid, slots, (count + valid.sum(dim=-1)).unsqueeze(-1))
+        else:
+            target = (slots % ring).masked_fill(~valid, spill)
         return cls(slots, target)
 
+    def kept(self, new: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """``new`` [B, H, E, ...] where an entry stores something, else ``held`` (what its target holds)."""
+        stored = self.slots >= 0
+        return torch.where(stored.view(*stored.shape, *[1] * (new.dim() - 3)), new, held)
+
     def write(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
-        """``buffer`` [B, H, S + 1, ...] <- ``new`` [B, H, E, ...] in place. An ``index_put_`` by (row, head,
-        slot), not a ``scatter_`` along the slots: torch's CPU scatter of half-precision rows is 20-30x
-        slower (a flush's bf16 keys, 8 rows x 3 heads x 8 tokens of 64 channels: 0.33 ms against 0.011)."""
-        buffer.index_put_(self._coordinates(), new if new.dtype == buffer.dtype else new.to(buffer.dtype))
+        """``buffer`` [B, H, S + 1, ...] <- ``new`` [B, H, E, ...] in place (where an entry stores nothing, what
+        its target holds). An ``index_put_`` by (row, head, slot), not a ``scatter_`` along the slots: torch's
+        CPU scatter of half-precision rows is 20-30x slower (a flush's bf16 keys, 8 rows x 3 heads x 8 tokens
+        of 64 channels: 0.33 ms against 0.011)."""
+        index = self._coordinates()
+        buffer.index_put_(index, self.kept(new if new.dtype == buffer.dtype else new.to(buffer.dtype), buffer[index]))
 
     def _coordinates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(row [B, 1, 1], head [1, H, 1], target [B, H, E]): every buffer's index (made once)."""

@@ -159,8 +159,8 @@ class RecallRowMoves:
 
     def _mark_moved(self) -> None:
         """The imported row's cold tokens were re-numbered: brought-back keys must be rotated from their
-        encoded positions. An append of nothing with ``encoded`` given sets the store's flag (the
-        spill slot takes it: the store's public route)."""
+        encoded positions. An append of nothing with ``encoded`` given sets the store's flag (it writes back
+        what the store holds: the store's public route)."""
         cold = self.cold
         batch, heads = cold.count.shape
         nothing = torch.full((batch, heads, 1), -1, dtype=torch.long)
