@@ -90,7 +90,9 @@ def main(argv=None) -> dict:
                     reply_tokens=args.reply_tokens)
     args.profile, args.vllm_venv = [preset.name] if args.profiled else [], "/nonexistent"  # (what peers.run_load reads)
     work = Path(tempfile.mkdtemp(prefix="h2ochat-serve-recall-"))
-    engines = [engine("h2o", args, args.h2o_arg), engine("recall", args, ["--recall", args.recall, *args.recall_arg])]
+    # (the baseline says --recall 0 itself: it stays the server without recall whatever serve's default)
+    engines = [engine("h2o", args, ["--recall", "0", *args.h2o_arg]),
+               engine("recall", args, ["--recall", args.recall, *args.recall_arg])]
     engines = [server for server in engines if args.only in (None, server.name)]
     report = {"issue": 34, "machine": machine(), "argv": sys.argv, "preset": preset.name, "runs": [],
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
