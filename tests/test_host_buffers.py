@@ -75,9 +75,8 @@ def test_a_store_widened_and_narrowed_keeps_its_slots_and_spill():
 @pytest.mark.parametrize("fill", [0, -1])
 def test_a_store_with_room_grows_in_place_as_a_copy_would(seed, fill):
     """``widened(room=True)`` against the copying growth, over many page-sized growths of a store whose rows
-    hold different lengths: the same slots, the same fill past them (but for a zero-filled buffer's former
-    spill slots, past every row's tokens, which keep the spill writes' junk), and no copy while the
-    mapping's room lasts; past it, one copy into a mapping with room again."""
+    hold different lengths: the same slots and the same fill past them, and no copy while the mapping's room
+    lasts; past it, one copy into a mapping with room again."""
     generator = torch.Generator().manual_seed(seed)
     start = MAPPED_BYTES // (2 * 3 * 4 * 4) + 1  # (a mapping from the start)
     rows_held = [start, start // 2] if fill == 0 else None
@@ -86,24 +85,46 @@ def test_a_store_with_room_grows_in_place_as_a_copy_would(seed, fill):
     if fill == 0:
         with_room[1, :, start // 2: start] = 0
     copied = with_room.clone()
-    addresses, spills, needed = [], [], start
+    addresses, needed = [], start
     for _ in range(60):
         needed += 8 * 8
         with_room = widened(with_room, needed, fill, spill=True, page=8, rows_held=rows_held, room=True)
         copied = widened(copied, needed, fill, spill=True, page=8, rows_held=rows_held)
-        assert with_room.shape == copied.shape
-        kept = torch.ones(with_room.shape[2] - 1, dtype=torch.bool)
-        kept[[slot for slot in spills if slot < len(kept)]] = fill != 0  # (a zero-filled buffer's former spill slots: junk, unless copied since)
-        same = with_room[:, :, :-1] == copied[:, :, :-1]
-        assert bool(same[:, :, kept].all()) and bool((same | (with_room[:, :, :-1] == 7.0)).all())
-        with_room[:, :, -1] = copied[:, :, -1] = 7.0  # (the spill slot takes junk)
-        if addresses and with_room.data_ptr() != addresses[-1]:
-            spills = []  # (copied: past each row's held slots, zeros)
-        spills.append(with_room.shape[2] - 1)
+        assert with_room.shape == copied.shape and torch.equal(with_room, copied)
         addresses.append(with_room.data_ptr())
     assert with_room.shape[2] - 1 > ROOM * start  # (outgrew its first room: copied once, into more room)
     assert 2 <= len(set(addresses)) <= 3 and addresses[0] == addresses[1]
     assert lengthened(copied, copied.shape[2] + 8) is None  # (a buffer without room is copied as before)
+
+
+@pytest.mark.parametrize("ring", [None, 12])
+def test_appends_of_rows_that_evicted_nothing_write_nothing_new(seed, ring):
+    """``Writes`` against a slow loop that writes only the entries that store something: every slot, the spill
+    slot too, holds what the loop's store holds. A store that never wraps has its write-backs at each row's
+    next free slot (so a growing store never writes its spill slot), a ring at its spill slot."""
+    from h2ochat.recall.layout import Writes
+
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, slots, entries = 3, 2, 12, 4
+    buffer = torch.randn(batch, heads, slots + 1, 5, generator=generator)  # (slots and the spill slot)
+    count = torch.tensor([[0, 3], [6, 8], [2, 0]])
+    expected, stored = buffer.clone(), count.clone()
+    for _ in range(3):
+        valid = torch.rand(batch, heads, entries, generator=generator) < 0.4
+        valid[0] = False  # (a row that evicted nothing)
+        new = torch.randn(batch, heads, entries, 5, generator=generator)
+        writes = Writes.plan(valid, stored, ring, spill=slots)
+        writes.write(buffer, new)
+        for b in range(batch):
+            for h in range(heads):
+                for e in range(entries):
+                    if valid[b, h, e]:
+                        slot = int(count[b, h])
+                        expected[b, h, slot % ring if ring else slot] = new[b, h, e]
+                        count[b, h] += 1
+        stored = stored + valid.sum(dim=-1)
+        assert torch.equal(buffer, expected)
+    assert torch.equal(stored, count)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a mapping's unwritten pages cost nothing: Linux")
