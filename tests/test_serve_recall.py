@@ -86,9 +86,15 @@ def test_a_parked_recall_row_comes_back_bit_for_bit_and_holds_what_it_holds(fami
     backend = scheduler.backend
     served(scheduler, prompt(rng, 50, 60), 40)  # fills its row's cold store: the batch's grows for it
     served(scheduler, prompt(rng, 20, 24), 4)  # a short one: its row holds a few cold tokens only
-    assert len(store) == 2
-    short = min(store._entries.values(), key=lambda entry: len(entry.tokens))
-    long = max(store._entries.values(), key=lambda entry: len(entry.tokens))
+    assert len(store) == 2 and sorted(backend.pool.resting) == [0, 1]  # (both rest in their rows)
+    # three tiny chats take row 2 (empty), then the rows resting longest, 0 and 1: the long and the short
+    # one are copied out to host memory
+    for _ in range(3):
+        served(scheduler, prompt(rng, 4, 4), 1)
+    settled = [entry for entry in store._entries.values() if entry.row is None]
+    assert len(store) == 5 and len(settled) == 2
+    short = min(settled, key=lambda entry: len(entry.tokens))
+    long = max(settled, key=lambda entry: len(entry.tokens))
     state = short.state
     backend.cache.import_row(1, long.state)  # (the batch's stores grow for the long one again)
     for saved, layer in zip(state.layers, backend.cache.layers):
@@ -124,7 +130,9 @@ def test_a_resumed_recall_conversation_reads_only_its_new_tokens_and_counts_its_
     usage = [request.usage()["recalled_pages"] for request in (first, second)]
     assert all(pages > 0 for pages in usage)  # (every decode step recalls: a page a step at least once full)
     # the parked conversation counts every page its rows recalled, both turns together
-    parked = next(iter(store._entries.values())).state
+    entry, backend = next(iter(store._entries.values())), scheduler.backend
+    assert entry.row is not None  # it rests in its row: its next turn reads it from there
+    parked = backend.pool.parked_state(entry)
     assert sum(int(layer["frames_copied"].sum()) for layer in parked.layers) == sum(usage)
 
 
@@ -149,11 +157,13 @@ def test_free_rows_keep_their_cold_tier_empty_and_the_stores_grow_with_the_longe
     scheduler, _ = engine(build_model(family), rows=4)
     backend = scheduler.backend
     capacities = []
-    for _ in range(5):  # one conversation at a time: three free rows fed placeholders all along
+    for number in range(5):  # one conversation at a time: the free rows left out of every step
         served(scheduler, prompt(rng, 20, 30), 40)
         capacities.append(backend.cache.layers[0].tier.cold.capacity)
-        for layer in backend.cache.layers:
-            assert int(layer.tier.cold.count[1:].sum()) == 0  # (a free row never evicted into its store)
+        held = sorted(backend.pool.resting)  # (each ended chat rests in its row, until a newcomer needs it)
+        assert len(held) == min(number + 1, 4)
+        for layer in backend.cache.layers:  # (a free row that never held a chat never evicted into its store)
+            assert all(int(layer.tier.cold.count[row].sum()) == 0 for row in range(4) if row not in held)
     # 5 x 40 decode steps and their prompts in all, but no conversation passed 70 tokens: the store
     # doubles past what the longest holds (64 -> 128), not to what the batch was fed (256, 512)
     assert max(capacities) <= 128 and capacities == sorted(capacities)
@@ -195,7 +205,9 @@ def test_a_served_chat_with_recall_equals_the_repl_turn_after_turn(recall_server
         previous = reply.usage
     assert previous.prompt_tokens > 3 * HTTP_BUDGET and pages > 0
     # (the gauges follow the engine's steps, the tier's at most once a second)
-    values = server.wait_metrics(lambda v: v.get("recall_cold_host_bytes", 0) > 0 and v["parked_bytes"] > 0, timeout=30)
+    values = server.wait_metrics(lambda v: v.get("recall_cold_host_bytes", 0) > 0 and v["parked_in_rows"] > 0, timeout=30)
     # (the default selector on a CPU scores the cold store's own keys: no selector bytes of its own)
-    assert values["recall_selector_device_bytes"] == 0 and values["parked_bytes"] > 0
+    assert values["recall_selector_device_bytes"] == 0
+    # the chat rests in the row that ran it, parked there: no host bytes of its own (nothing copied out)
+    assert values["parked_in_rows"] == values["parked_conversations"] and values["parked_bytes"] == 0
     assert 0 < values["recall_cold_host_bytes_written"] <= values["recall_cold_host_bytes"]

@@ -138,6 +138,12 @@ def test_a_parked_conversation_costs_bytes_in_proportion_to_its_length(family, s
         scheduler.submit(request)
         drain(scheduler)
     entries = sorted(store._entries.values(), key=lambda entry: len(entry.tokens))
+    # both rest in their rows: parked, no host bytes of their own yet
+    assert [entry.row for entry in entries] == [0, 1] and store.nbytes == 0 and all(not e.nbytes for e in entries)
+    for _ in range(2):  # two other chats want both rows: the resting ones are copied out to host memory
+        scheduler.submit(make_request(prompt(rng, 6, 6), max_tokens=2, stop_ids=()))
+        drain(scheduler)
+    assert all(entry.row is None and store.holds(entry) for entry in entries)
     small, large = (entry.state for entry in entries)
     # what grows with the text: the cold store's and the token codes' bytes, over every layer
     def cold(state):
@@ -189,6 +195,14 @@ def test_the_cold_stores_give_back_a_long_rows_room_once_it_is_reset(family, see
     long = prompt(rng, 45, 50)
     requests = run(scheduler, [(0, long, 12), (2, chat, 30)])
     assert generated(requests[1]) == generated(alone)
-    # (the long one needed more room than the short one at its end; both rows are free now)
-    for layer in scheduler.backend.cache.layers:
-        assert layer.tier.cold.capacity == 4 and int(layer.tier.cold.count.sum()) == 0
+    backend = scheduler.backend
+    # both rest in their rows (parked, nothing copied out): the stores keep the long one's room
+    assert sorted(backend.pool.resting) == [0, 1]
+    long_room = backend.cache.layers[0].tier.cold.capacity
+    # another chat wants a row: the long one, resting longest, is copied out and its row emptied, and the
+    # stores shrink to what the rows still hold (the chat beside it, and the newcomer now in the long one's row)
+    run(scheduler, [(0, prompt(rng, 6, 6), 2)])
+    assert backend.pool.resting.keys() == {0, 1} and len(backend.store) == 3 and backend.store.nbytes > 0
+    for layer in backend.cache.layers:
+        held = int(layer.tier.cold.count.max())
+        assert layer.tier.cold.capacity < long_room and layer.tier.cold.capacity <= -(-(held + 4) // 4) * 4

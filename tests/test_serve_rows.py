@@ -29,8 +29,9 @@ def prompt(rng, low=1, high=20):
     return [rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))]
 
 
-def parked_states(store):
-    return {key: entry.state for key, entry in store._entries.items()}
+def parked_states(backend):
+    """Every parked conversation's state, copied out or resting in its row (``RowPool.parked_state``)."""
+    return {key: backend.pool.parked_state(entry) for key, entry in backend.store._entries.items()}
 
 
 def same_state(a, b) -> bool:
@@ -56,7 +57,7 @@ def test_one_request_on_a_large_server_runs_one_row_as_a_1_row_server_does(famil
         for request in requests:  # one after the other
             scheduler.submit(request)
             drain(scheduler)
-        runs.append(([generated(request) for request in requests], parked_states(store), scheduler.backend))
+        runs.append(([generated(request) for request in requests], parked_states(scheduler.backend), scheduler.backend))
     (large, large_parked, backend), (small, small_parked, _) = runs
     assert large == small
     assert large_parked.keys() == small_parked.keys()

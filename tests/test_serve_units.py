@@ -123,6 +123,24 @@ def test_parked_store_takes_the_longest_prefix_and_keeps_within_its_bytes(seed):
     assert not store.park(entry([7], nbytes=36)) and len(store) == 3  # larger than the store: not kept
 
 
+def test_parked_store_keeps_entries_resting_in_rows_without_bytes_until_they_settle():
+    store = ParkedStore(capacity=35)
+    resting = Parked((1, 2), 2, None, None, 0, row=3)
+    assert store.park(resting) and store.resting == 1 and store.nbytes == 0
+    for number in range(5):  # entries with bytes push each other out, never the resting one (it frees nothing)
+        store.park(entry([10 + number]))
+    assert store.holds(resting) and store.nbytes == 30 and len(store) == 4
+    # copied out of its row: counted, room made by dropping the least recently used entry with bytes
+    assert store.settle(resting, "state", 10) and resting.row is None and resting.state == "state"
+    assert store.nbytes == 30 and store.resting == 0 and store.take([10 + 2, 0]) is None  # (12 was dropped)
+    assert store.take([1, 2, 3]) is resting and not store.holds(resting)
+    assert not store.settle(resting, "state", 10)  # (taken: nothing to settle)
+    larger = Parked((5,), 1, None, None, 0, row=0)
+    store.park(larger)
+    assert not store.settle(larger, "state", 36) and not store.holds(larger)  # (alone larger than the store)
+    assert not ParkedStore(0).park(Parked((1,), 1, None, None, 0, row=0))  # (no parking at all)
+
+
 def test_parked_store_finds_the_text_a_request_extends():
     store = ParkedStore(capacity=100)
     store.park(entry([1, 2, 3], fed=2, text="<|user|>hi<|assistant|>hello"))

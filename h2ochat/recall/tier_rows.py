@@ -59,9 +59,10 @@ class RecallRowMoves:
         if written is not None:
             written()
 
-    def _row_extents(self, row: int) -> dict[str, int]:
-        """Slot columns row ``row`` uses, by state name, in the stores that grow with the text."""
-        names = {id(tensor): name for name, tensor in self.state_tensors().items()}
+    def _row_extents(self, row: int, state: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Slot columns row ``row`` uses, by state name (``state``: the tier's ``state_tensors``), in the
+        stores that grow with the text."""
+        names = {id(tensor): name for name, tensor in state.items()}
         extents = {}
         for part in (self.cold, self.digest):
             capacity, count = getattr(part, "capacity", None), getattr(part, "count", None)
@@ -73,9 +74,10 @@ class RecallRowMoves:
                     extents[names[id(tensor)]] = held
         return extents
 
-    def _part_names(self, part, *wanted: str) -> list[str | None]:
-        """The state names of ``part``'s own tensors ``wanted`` (None where it has none of that name)."""
-        names = {id(tensor): name for name, tensor in self.state_tensors().items()}
+    def _part_names(self, state: dict[str, torch.Tensor], part, *wanted: str) -> list[str | None]:
+        """The state names (in ``state``, the tier's ``state_tensors``) of ``part``'s own tensors ``wanted``
+        (None where it has none of that name)."""
+        names = {id(tensor): name for name, tensor in state.items()}
         own = part.state_tensors()
         return [names.get(id(own[name])) if name in own else None for name in wanted]
 
@@ -91,10 +93,11 @@ class RecallRowMoves:
         if self.cold is None:
             return {}
         self._settle()
-        extents = self._row_extents(row)
+        state = self.state_tensors()
+        extents = self._row_extents(row, state)
         taken = (lambda tensor: _copied(tensor, device)) if copy else (lambda tensor: tensor)
         return {name: taken(tensor[row, :, :extents[name]] if name in extents else tensor[row])
-                for name, tensor in self.state_tensors().items()}
+                for name, tensor in state.items()}
 
     def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
         """Overwrite row ``row`` with ``state`` (``export_row`` of a tier of the same settings): the
@@ -106,15 +109,17 @@ class RecallRowMoves:
         if "last_query" in state and getattr(self, "last_query", None) is None:  # (made by a tier's first step)
             self.last_query = torch.zeros(self.recalled_mass.shape[0], *state["last_query"].shape,
                                           dtype=state["last_query"].dtype, device=self.recalled_mass.device)
-        unknown = set(state) - set(self.state_tensors())
+        own = self.state_tensors()
+        unknown = set(state) - set(own)
         if unknown:
             raise ValueError(f"the row state holds recall tensors this tier has not: {sorted(unknown)}")
-        counts = [name for part in (self.cold, self.digest) for name in self._part_names(part, "count") if name]
+        counts = [name for part in (self.cold, self.digest) for name in self._part_names(own, part, "count") if name]
         needed = max((int(state[name].max()) for name in counts if name in state), default=0)
         page = self.cold.page  # (room for a staged page too: ``_fold_staged``)
         self.cold.reserve(needed + page)  # (growing replaces the stores' tensors: read them after)
         self.digest.reserve(needed + page)
-        for name, tensor in self.state_tensors().items():
+        own = self.state_tensors()  # (read again: growing replaced the stores' tensors)
+        for name, tensor in own.items():
             target = tensor[row]
             saved = state.get(name)
             if saved is None:
@@ -133,7 +138,7 @@ class RecallRowMoves:
                     fill_empty(head, self.empty_value(name))
         self.has_query = getattr(self, "has_query", False) or "last_query" in state  # (its next step recalls)
         self._digest_state_written()
-        positions, encoded = self._part_names(self.cold, "positions", "encoded")
+        positions, encoded = self._part_names(own, self.cold, "positions", "encoded")
         if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
             self._mark_moved()
         self._fold_staged(row)

@@ -33,6 +33,7 @@ class PrefillJob:
     fed: int = 0
     evicted_before: int = 0  # the resumed cache's evictions (counted by the request that made them)
     recalled_before: int = 0  # and its pages recalled
+    home: int | None = None  # the batch row its parked copy rests in (``RowPool.placement`` puts it back there)
 
 
 def row_evictions(state_layers) -> int:
@@ -118,23 +119,28 @@ class ModelBackend:
     # -- the Backend interface --------------------------------------------------------------------
     def begin(self, request: Request) -> PrefillJob:
         ids = request.prompt_ids
-        cache, parked = self.pool.prefill_cache(ids)
+        cache, parked, home = self.pool.prefill_cache(ids)
         start, evicted = (parked.fed, row_evictions(parked.state.layers)) if parked is not None else (0, 0)
         request.began(start, list(ids[start:]), self.slots)
         tensor = torch.tensor([request.fed_ids], dtype=torch.long, device=self.runner.device)
-        return PrefillJob(request, cache, tensor, evicted_before=evicted, recalled_before=pages_recalled(cache, 0))
+        return PrefillJob(request, cache, tensor, evicted_before=evicted, recalled_before=pages_recalled(cache, 0),
+                          home=home)
 
     def prefill(self, job: PrefillJob) -> torch.Tensor | None:
         job.fed, logits = self.runner.prefill_chunk_of(job.cache, job.ids, job.fed)
         return logits
 
+    def placement(self, job: PrefillJob, free: list[int], count: int) -> list[int]:
+        return self.pool.placement(free, count, job.home)
+
     def install(self, job: PrefillJob, rows: list[int]) -> None:
-        self.pool.install(job.cache, rows)
+        self.pool.install(job.cache, rows, job.home)
         job.request.count_evicted(job.cache.evicted_tokens() - job.evicted_before,
                                   pages_recalled(job.cache, 0) - job.recalled_before)
 
     def abort(self, job: PrefillJob) -> None:
         job.cache.reset()  # its slots go back now, not when the job is collected
+        self.pool.forget_home(job.home)
 
     def bucket(self, rows: int) -> int:
         return self.pool.bucket(rows)

@@ -195,8 +195,12 @@ class Engine:
             "kv_bytes_reserved": ("Bytes of all rows of the batch cache.", rows * loaded.row_bytes),
             "kv_bytes_per_slot": ("Device KV bytes one slot takes in every layer of a row, over its KV heads (keys, "
                                   "values and their scales at --kv-dtype).", _slot_bytes(loaded.backend)),
-            "parked_conversations": ("Conversation caches parked in host memory.", len(self.store)),
-            "parked_bytes": ("Bytes of parked conversation caches.", self.store.nbytes),
+            "parked_conversations": ("Conversation caches parked (in host memory, or resting in a free row).",
+                                     len(self.store)),
+            "parked_in_rows": ("Of those, the ones resting in the free row that ran them (not copied out: no bytes "
+                               "of their own).", self.store.resting),
+            "parked_bytes": ("Host bytes of parked conversation caches (those copied out of their rows).",
+                             self.store.nbytes),
             "parked_bytes_limit": ("Bytes the parked caches may take (--parked-bytes).", self.store.capacity),
             **self._tier_gauges,
         }

@@ -7,6 +7,10 @@ tokens, not its history. Entries are kept least recently used first out, bounded
 
 An entry is taken (removed) when a request resumes it: the conversation moves into a row and comes
 back, longer, when that request ends. Two requests never resume the same cache concurrently.
+
+An entry may rest in the batch row that ran it (``Parked.row``; ``serve.rows``): its state is that row's,
+not copied out, and it costs no bytes here until the row is wanted for another conversation, when the
+state is copied out (``settle``) and counted like any other.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ class Parked:
     tokens: tuple[int, ...]  # the conversation's tokens (prompt and reply)
     fed: int  # how many of them the cache has seen (the rest are fed first on resuming)
     text: str | None  # the text the tokens spell (None: a prompt given as token ids)
-    state: object  # the row's cache state (H2OCache.export_row), host memory
-    nbytes: int
+    state: object  # the row's cache state (H2OCache.export_row), host memory; None while it rests in ``row``
+    nbytes: int  # host bytes of ``state`` (0 while it rests in a row)
+    row: int | None = None  # the batch row still holding the state, when it was not copied out yet
 
 
 class ParkedStore:
@@ -44,6 +49,12 @@ class ParkedStore:
     def nbytes(self) -> int:
         return self._bytes
 
+    @property
+    def resting(self) -> int:
+        """Entries resting in a batch row (no host bytes of their own yet)."""
+        with self._lock:
+            return sum(entry.row is not None for entry in self._entries.values())
+
     def park(self, entry: Parked) -> bool:
         """Keep ``entry`` (replacing one with the same tokens), dropping the least recently used
         entries to stay within capacity; False when the entry alone is larger than the store."""
@@ -51,13 +62,41 @@ class ParkedStore:
             old = self._entries.pop(entry.tokens, None)
             if old is not None:
                 self._bytes -= old.nbytes
-            if entry.nbytes > self.capacity:
+            if self.capacity <= 0 or entry.nbytes > self.capacity:
                 return False
-            while self._entries and self._bytes + entry.nbytes > self.capacity:
-                _, dropped = self._entries.popitem(last=False)
-                self._bytes -= dropped.nbytes
+            self._make_room(entry.nbytes)
             self._entries[entry.tokens] = entry
             self._bytes += entry.nbytes
+            return True
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the least recently used entries that hold bytes until ``nbytes`` more fit (an entry resting
+        in a row frees nothing here: it stays)."""
+        while self._bytes + nbytes > self.capacity:
+            key = next((key for key, entry in self._entries.items() if entry.nbytes), None)
+            if key is None:
+                return
+            self._bytes -= self._entries.pop(key).nbytes
+
+    def holds(self, entry: Parked) -> bool:
+        """Whether ``entry`` itself is still here (not taken, replaced or dropped)."""
+        with self._lock:
+            return self._entries.get(entry.tokens) is entry
+
+    def settle(self, entry: Parked, state: object, nbytes: int) -> bool:
+        """``entry``, which rested in a row, now holds ``state`` (copied out of the row, ``nbytes`` host
+        bytes), counted and made room for like a newly parked entry, in its place in the order; False when
+        it is no longer here or alone larger than the store (then it is dropped)."""
+        with self._lock:
+            if self._entries.get(entry.tokens) is not entry:
+                return False
+            entry.state, entry.row = state, None
+            if nbytes > self.capacity:
+                del self._entries[entry.tokens]
+                return False
+            self._make_room(nbytes)
+            entry.nbytes = nbytes
+            self._bytes += nbytes
             return True
 
     def aligned(self, text: str) -> Parked | None:

@@ -8,8 +8,15 @@ over the first rows of the batch cache, sharing its slots (views, so nothing is 
 compiled step captures one graph per bucket, as vLLM captures one per batch size), and the free rows
 inside it are left out of the step by the cache's ``active`` mask. A newcomer's prompt is read into
 a 1-row cache of the same settings (resumed from a parked conversation when one matches), then
-copied into free rows with ``H2OCache.import_row``. A row that ends is exported to the parked store
-and reset.
+copied into free rows with ``H2OCache.import_row``.
+
+A row that ends rests: where free rows are left out of the steps (they write nothing), its conversation
+is parked as the row itself (``Parked.row``), nothing copied and nothing reset. The copy out to host
+memory happens only when another conversation needs that row (``_vacate``): a chat whose next turn
+comes while its row rests is read from the row, and goes back into it (``placement``), so a turn costs
+no copy out, no emptying of the row and no page faults refilling it (a recall row's cold store is tens
+of MB: these were most of a turn's ~74 ms of row moves on SmolLM2). Where free rows are stepped (a cache
+that cannot leave rows out), a row that ends is copied out and reset as before.
 
 A recall tier's rows leave free rows out of a step by the ``active`` mask too, in one bucket of every
 row (its tier state is not views of the batch's first rows). A cache that cannot leave rows out of a
@@ -62,6 +69,8 @@ class RowPool:
         # would be evicted, into the cold store of a recall tier: a free row keeps its tier empty)
         self.free_steps = [0] * rows
         self.free_step_limit = max(1, min(max_positions // 2, *(layer.capacity // 2 for layer in self.cache.layers)))
+        self.resting: dict[int, Parked] = {}  # free rows holding a parked conversation (not copied out)
+        self.homes: set[int] = set()  # free rows holding a copy of a conversation being prefilled again
 
     def new_cache(self, batch: int, *, static_shapes: bool) -> H2OCache:
         return self._new_cache(batch, static_shapes=static_shapes)
@@ -71,37 +80,96 @@ class RowPool:
         return (self.cache.kv_bytes() + self.cache.bookkeeping_bytes()) // self.rows
 
     # -- admission: a 1-row cache for the prompt, then into rows ------------------------------------
-    def prefill_cache(self, ids: Sequence[int]) -> tuple[H2OCache, Parked | None]:
+    def prefill_cache(self, ids: Sequence[int]) -> tuple[H2OCache, Parked | None, int | None]:
         """A 1-row cache to read a prompt into: the parked conversation ``ids`` extends, when one does
-        (taken from the store), else empty. The REPL's own kind (no static shapes): the prompt is read
-        exactly as a chat reads it."""
+        (taken from the store; its state read in place from the row it rests in), else empty; and that
+        row (its ``home``, where ``install`` puts it back), else None. The REPL's own kind (no static
+        shapes): the prompt is read exactly as a chat reads it."""
         parked = self.store.take(ids)
         cache = self.new_cache(1, static_shapes=False)
+        home = None
         if parked is not None:
+            if parked.row is not None:
+                home = parked.row
+                del self.resting[home]
+                self.homes.add(home)
+                parked.state = self.cache.export_row(home, copy=False)  # (views: read now, before any step)
             cache.import_row(0, parked.state)
-        return cache, parked
+        return cache, parked, home
 
-    def install(self, source: H2OCache, rows: list[int]) -> None:
-        """Copy row 0 of ``source`` into each of ``rows`` (``source`` is dropped after: read in place)."""
+    def placement(self, free: Sequence[int], count: int, home: int | None = None) -> list[int]:
+        """``count`` of the ``free`` rows for a conversation whose copy rests in ``home`` (None: none):
+        ``home`` first, then rows holding nothing, then rows resting a parked conversation, the longest
+        resting first (each is copied out before it is written). Among the rows a decode step of the
+        rows then in use would run (the smallest bucket), so no row has to be moved down after."""
+        in_use = self.rows - len(free)
+        within = [row for row in free if row < self.bucket(in_use + count)] or list(free)
+        resting = list(self.resting)  # (in the order they began to rest)
+        def cost(row):
+            return (row != home, row in self.resting, resting.index(row) if row in self.resting else 0, row)
+        chosen = sorted(within, key=cost)[:count]
+        return chosen + [row for row in free if row not in chosen][: count - len(chosen)]
+
+    def install(self, source: H2OCache, rows: list[int], home: int | None = None) -> None:
+        """Copy row 0 of ``source`` into each of ``rows`` (``source`` is dropped after: read in place);
+        ``home``, the row its parked copy came from, is emptied when none of ``rows`` is it."""
         state = source.export_row(0, copy=False)
         for row in rows:
+            self._vacate(row)
             self.cache.import_row(row, state)
             self.free_steps[row] = 0
+        self.forget_home(home, reset=home not in rows)
+
+    def forget_home(self, home: int | None, *, reset: bool = True) -> None:
+        """The prefill that read its parked copy from row ``home`` ended (installed or dropped): the row
+        is emptied unless it was written again (``reset`` False)."""
+        if home is None or home not in self.homes:
+            return
+        self.homes.discard(home)
+        if reset:
+            self.cache.reset_rows([home])
+
+    def _vacate(self, row: int) -> None:
+        """Before ``row`` is written by another conversation: the one resting in it goes to host memory
+        (still parked, now counted in bytes) and the row is emptied (its pages given back, a recall tier's
+        stores fitted to the rows left: what a row that ended did before resting); a row holding a copy
+        being prefilled again is simply taken (its conversation is in the prefill's cache)."""
+        self.homes.discard(row)
+        entry = self.resting.pop(row, None)
+        if entry is None:
+            return
+        if self.store.holds(entry):
+            state = self.cache.export_row(row, device="cpu")
+            self.store.settle(entry, state, state.nbytes)
+        self.cache.reset_rows([row])
 
     def move(self, source: int, target: int) -> None:
         """Row ``source``'s cache into the free row ``target`` (on the device), ``source`` reset."""
+        self._vacate(target)
         self.cache.import_row(target, self.cache.export_row(source, device=self.device))
         self.cache.reset_row(source)
         self.free_steps[target] = self.free_steps[source] = 0
 
     def release(self, row: int, choice: Choice | None) -> None:
-        """Park ``row`` as ``choice``'s conversation (None: do not park) and reset it."""
+        """Park ``row`` as ``choice``'s conversation (None: do not park): resting in the row where free rows
+        are left out of the steps, else copied out; a row not resting is reset."""
         if choice is not None:
             tokens, fed, text = choice.conversation()
-            state = self.cache.export_row(row, device="cpu")
-            self.store.park(Parked(tuple(tokens), fed, text, state, state.nbytes))
+            if self.masks_rows:
+                entry = Parked(tuple(tokens), fed, text, None, 0, row=row)
+                if self.store.park(entry):
+                    self.resting[row] = entry
+                    self.free_steps[row] = 0
+                    return
+            else:
+                state = self.cache.export_row(row, device="cpu")
+                self.store.park(Parked(tuple(tokens), fed, text, state, state.nbytes))
         self.cache.reset_rows([row])
         self.free_steps[row] = 0
+
+    def parked_state(self, entry: Parked):
+        """A parked conversation's state: its host copy, or views of the row it rests in."""
+        return entry.state if entry.row is None else self.cache.export_row(entry.row, copy=False)
 
     # -- decode steps --------------------------------------------------------------------------------
     def bucket(self, rows: int) -> int:

@@ -38,6 +38,9 @@ class Backend(Protocol):
     def prefill(self, job) -> torch.Tensor | None:
         """Feed the job's next prompt chunk; the next-token logits [V] once the prompt is read."""
 
+    def placement(self, job, free: list[int], count: int) -> list[int]:
+        """Which ``count`` of the ``free`` rows the job's cache goes into (the cheapest to write)."""
+
     def install(self, job, rows: list[int]) -> None:
         """Copy the job's cache into each of ``rows`` (one per choice)."""
 
@@ -178,8 +181,8 @@ class Scheduler:
         """The admitted request's prompt is read (``logits`` [V]: its next token's): its cache goes
         into free rows, one per choice, and each samples its first token."""
         request = self.admitting
-        rows = self.free_rows[: request.n]
         try:
+            rows = self.backend.placement(self.job, self.free_rows, request.n)
             self.backend.install(self.job, rows)
         except Exception as exc:  # noqa: BLE001
             self._drop_job(exc)
