@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package
 from peers import MODEL, Engine, Preset, _dist_version, machine, run_load  # noqa: E402
 
-GAUGES = ("parked_bytes", "parked_conversations", "recall_cold_host_bytes", "recall_cold_tokens", "rows",
+GAUGES = ("parked_bytes", "parked_conversations", "parked_in_rows", "prompt_tokens_cached_total", "parked_resumed_total",
+          "recall_cold_host_bytes", "recall_cold_tokens", "rows",
           "recall_pages_per_summary")
 
 

@@ -45,7 +45,9 @@ def entry_of(store, request):
 def test_a_turn_resumed_from_its_resting_row_is_the_turn_resumed_from_host_memory(family, kind, seed):
     rng = random.Random(seed)
     model = build_model(family)
-    first, others, more = prompt(rng, 20, 30), [prompt(rng), prompt(rng)], prompt(rng)
+    # the others are longer and pass the tiny models' 64 positions (re-numbered): the prompt's cache that
+    # the first chat's next turn is then imported over held more, and moved, tokens than it does
+    first, others, more = prompt(rng, 20, 30), [prompt(rng, 50, 60), prompt(rng, 50, 60)], prompt(rng)
     replies = []
     for copied_out in (False, True):
         scheduler, store = engine(model, kind)
@@ -55,7 +57,7 @@ def test_a_turn_resumed_from_its_resting_row_is_the_turn_resumed_from_host_memor
         assert entry.row == 0 and pool.resting == {0: entry} and store.nbytes == 0  # (parked as its row)
         if copied_out:  # two other chats: the empty row 1 first, then row 0, where the first chat rests
             for ids in others:
-                served(scheduler, ids, 3)
+                served(scheduler, ids, 12)
             assert entry.row is None and store.holds(entry) and entry.nbytes > 0  # (copied out when wanted)
         two = served(scheduler, one.prompt_ids + generated(one)[0] + more, 12)
         assert two.cached_tokens == len(first) + 18 - 1
@@ -105,3 +107,27 @@ def test_a_resumed_prefill_that_is_cancelled_empties_the_row_it_came_from(family
     assert not backend.pool.homes and not backend.pool.resting
     assert int(backend.cache.tokens_fed[0]) == 0  # (emptied: the conversation went with its prefill)
     assert scheduler.idle
+
+
+def test_an_import_into_a_used_1_row_cache_leaves_it_as_a_cache_made_for_the_row(family, seed):
+    """The next resumed prompt is imported over the last prompt's 1-row cache (``RowPool.prefill_cache``):
+    its state, host counters and the tier's flags are then those of a cache made for it, whatever the
+    cache held before (here a longer conversation, which fills more slots and is fed further)."""
+    rng = random.Random(seed)
+    scheduler, store = engine(build_model(family), "recall")
+    backend = scheduler.backend
+    short, long = served(scheduler, prompt(rng, 12, 14), 6), served(scheduler, prompt(rng, 60, 62), 12)
+    state_of = {name: backend.pool.parked_state(entry_of(store, request))
+                for name, request in (("short", short), ("long", long))}
+    made = backend._new_cache(1, static_shapes=False)
+    made.import_row(0, state_of["short"])
+    used = backend._new_cache(1, static_shapes=False)
+    used.import_row(0, state_of["long"])
+    def host(cache):
+        return (cache.largest_next_position, [(layer.host_counters(), layer.tier.cold.moved, layer.tier.has_query)
+                                              for layer in cache.layers])
+    assert host(used) != host(made)  # (what a merge with the long one's would keep)
+    used.import_row(0, state_of["short"])
+    assert host(used) == host(made)
+    for mine, theirs in zip(used.export_row(0).layers, made.export_row(0).layers):
+        assert all(mine[name].equal(theirs[name]) for name in mine)

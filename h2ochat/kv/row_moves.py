@@ -71,13 +71,17 @@ class RowMoves:
                     tensor[row].copy_(saved[name])
             for (_, mine, saved), layer in zip(targets, self.layers):
                 layer.tier.import_row(row, {name: tensor for name, tensor in saved.items() if name not in mine})
-        # the host counters cover every row: slot columns in use and columns fed take the larger
+        # the host counters cover every row: slot columns in use and columns fed take the larger; in a cache
+        # of one row the row imported is every row, so they become its own (as in a cache made for it: a
+        # server reuses its prompt's 1-row cache for the next resumed conversation)
+        alone = self.tokens_fed.shape[0] == 1
         for layer, saved in zip(self.layers, state.layers):  # (of the policy's columns: a tier's are its own)
             occupied = (layer.port.policy_part(saved["token_index"]) >= 0).any(dim=0).nonzero()
-            in_use, fed = layer.host_counters()
+            in_use, fed = (0, 0) if alone else layer.host_counters()
             layer.set_host_counters(max(in_use, int(occupied.max()) + 1 if occupied.numel() else 0),
                                     max(fed, state.tokens_fed))
-        self.largest_next_position = max(self.largest_next_position, int(state.counters["next_position"]))
+        self.largest_next_position = max(0 if alone else self.largest_next_position,
+                                         int(state.counters["next_position"]))
 
     def reset_row(self, row: int) -> None:
         """Empty batch row ``row`` (no tokens, scores and counters 0) without touching the others."""

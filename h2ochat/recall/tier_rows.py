@@ -136,8 +136,12 @@ class RecallRowMoves:
             if held is not None and held < target.shape[1]:  # (past a row's tokens a store holds nothing)
                 for head in target[:, held:].unbind(0):  # (each head's tail is one block: emptied, its pages go back)
                     fill_empty(head, self.empty_value(name))
-        self.has_query = getattr(self, "has_query", False) or "last_query" in state  # (its next step recalls)
+        alone = self.cold.count.shape[0] == 1  # (the row is every row: the tier's flags become its own)
+        had_query = getattr(self, "has_query", False) and not alone
+        self.has_query = had_query or "last_query" in state  # (its next step recalls)
         self._digest_state_written()
+        if alone:  # (re-marked below when its tokens were re-numbered)
+            self.cold.moved = False
         positions, encoded = self._part_names(own, self.cold, "positions", "encoded")
         if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
             self._mark_moved()
