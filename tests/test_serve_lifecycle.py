@@ -230,6 +230,25 @@ def test_the_row_bytes_known_before_loading_are_the_loaded_rows_bytes(checkpoint
     assert choose_rows(ServeConfig(model="x", settings=settings, kv_memory=3 * row_bytes), row_bytes, "cpu")[0] == 3
 
 
+@pytest.mark.parametrize("skip_special", [True, False], ids=["text-shown", "special-tokens-shown"])
+def test_a_reply_holding_a_special_token_resumes_whatever_text_the_client_was_sent(checkpoint, tmp_path, skip_special):
+    """With ``ignore_eos`` the random model writes an end-of-turn token mid-reply. The client sends back the
+    text it got (without that token by default): the next turn still resumes the parked conversation (it
+    was read afresh, the whole history again, when the parked text held the token's text)."""
+    with running(checkpoint, *ROWS, "--parked-bytes", "1MiB", log_dir=tmp_path) as server:
+        chat = [{"role": "user", "content": "once upon a time"}]
+        first = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                           json={"model": server.model, "messages": chat, "max_tokens": 20, "ignore_eos": True,
+                                 "temperature": 0, "skip_special_tokens": skip_special}).json()
+        reply = first["choices"][0]["message"]
+        assert ("<|" in reply["content"]) != skip_special  # (the token is there: shown or not)
+        chat += [reply, {"role": "user", "content": "the dragon"}]
+        second = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                            json={"model": server.model, "messages": chat, "max_tokens": 4, "temperature": 0}).json()
+    fed_before = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == fed_before
+
+
 # -- item 20: one line per request --------------------------------------------------------------------
 
 def request_lines(log: str) -> dict[str, tuple]:

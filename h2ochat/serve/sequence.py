@@ -146,8 +146,9 @@ class Choice:
         body = self.generated[:-1] if self.generated and self.generated[-1] in self.request.stop_ids else self.generated
         tokens = self.request.prompt_ids + body
         text = None
-        if self.request.prepared.prompt_text is not None:
-            text = self.request.prepared.prompt_text + self.tokenizer.decode(body, skip_special_tokens=False)
+        if self.request.prepared.prompt_text is not None:  # (the text as the client got it: the history it sends back)
+            text = self.request.prepared.prompt_text + self.tokenizer.decode(
+                body, skip_special_tokens=self.text_stream.skip_special_tokens)
         return tokens, len(fed), text
 
 
