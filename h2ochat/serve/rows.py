@@ -96,7 +96,7 @@ class RowPool:
         if parked is not None:
             if parked.row is not None:
                 home = parked.row
-                del self.resting[home]
+                self.resting.pop(home, None)
                 self.homes.add(home)
                 parked.state = self.cache.export_row(home, copy=False)  # (views: read now, before any step)
             cache.import_row(0, parked.state)
