@@ -197,6 +197,20 @@ def model_engine(model, rows: int, *, policy: str = "h2o", budget: str = "12", s
     return Scheduler(backend), store
 
 
+def random_prompt(rng, low: int, high: int, vocab: int) -> list[int]:
+    """A prompt of ``low`` to ``high`` token ids below ``vocab`` drawn by ``rng`` (none of the first three:
+    special in the tiny models' vocabulary)."""
+    return [rng.randrange(3, vocab) for _ in range(rng.randint(low, high))]
+
+
+def served(scheduler, ids: list[int], tokens: int):
+    """A greedy request for ``ids`` with ``tokens`` to generate and no stop, run until the engine is idle."""
+    request = make_request(ids, max_tokens=tokens, stop_ids=())
+    scheduler.submit(request)
+    drain(scheduler)
+    return request
+
+
 def drain(scheduler, limit: int = 3000) -> None:
     """Step the scheduler until nothing is left to do (a bound, so a stuck engine fails the test)."""
     for _ in range(limit):

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from conftest import VOCAB, build_model
-from serve_fakes import drain, generated, make_request, model_engine
+from serve_fakes import generated, make_request, model_engine, random_prompt, served
 
 ROWS, CHUNK = 2, 5
 CACHES = {"h2o": {}, "recall": dict(recall="8", page=4)}
@@ -25,14 +25,7 @@ def engine(model, kind):
 
 
 def prompt(rng, low=8, high=14):
-    return [rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))]
-
-
-def served(scheduler, ids, tokens):
-    request = make_request(ids, max_tokens=tokens, stop_ids=())
-    scheduler.submit(request)
-    drain(scheduler)
-    return request
+    return random_prompt(rng, low, high, VOCAB)
 
 
 def entry_of(store, request):
