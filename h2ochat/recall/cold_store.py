@@ -300,6 +300,11 @@ class ColdStore(FirstRows):
                                                held, rotary)
 
     # -- positions --------------------------------------------------------------------------------
+    def forget_renumbering(self) -> None:
+        """Every row was overwritten by a row whose tokens were never re-numbered (an import into a
+        1-row store: ``RecallRowMoves.import_row``): brought-back keys need no rotation again."""
+        self.moved = False
+
     def renumber(self, renumbering) -> None:
         """The cache re-numbered its held tokens (``cache.Renumbering``, a function of row and old
         position): cold tokens move with the same function, so a cold token not held anywhere takes

@@ -141,7 +141,7 @@ class RecallRowMoves:
         self.has_query = had_query or "last_query" in state  # (its next step recalls)
         self._digest_state_written()
         if alone:  # (re-marked below when its tokens were re-numbered)
-            self.cold.moved = False
+            self.cold.forget_renumbering()
         positions, encoded = self._part_names(own, self.cold, "positions", "encoded")
         if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
             self._mark_moved()

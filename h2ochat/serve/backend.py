@@ -36,10 +36,6 @@ class PrefillJob:
     home: int | None = None  # the batch row its parked copy rests in (``RowPool.placement`` puts it back there)
 
 
-def row_evictions(state_layers) -> int:
-    return sum(int(layer["evicted"].sum()) for layer in state_layers)
-
-
 def compiles_by_default(cache: H2OCache, device: torch.device | str = "cpu") -> bool:
     """Whether a server compiles its decode step when not told: when the step covers the cache
     (``H2OCache.compile_blocker``) and its rows run as bucket views, or it is a recall tier's on the CPU,
@@ -120,7 +116,7 @@ class ModelBackend:
     def begin(self, request: Request) -> PrefillJob:
         ids = request.prompt_ids
         cache, parked, home = self.pool.prefill_cache(ids)
-        start, evicted = (parked.fed, row_evictions(parked.state.layers)) if parked is not None else (0, 0)
+        start, evicted = (parked.fed, cache.evicted_tokens()) if parked is not None else (0, 0)  # (what it holds)
         request.began(start, list(ids[start:]), self.slots)
         tensor = torch.tensor([request.fed_ids], dtype=torch.long, device=self.runner.device)
         return PrefillJob(request, cache, tensor, evicted_before=evicted, recalled_before=pages_recalled(cache, 0),

@@ -94,12 +94,13 @@ class RowPool:
         self._spare = None
         home = None
         if parked is not None:
+            state = parked.state
             if parked.row is not None:
                 home = parked.row
                 self.resting.pop(home, None)
                 self.homes.add(home)
-                parked.state = self.cache.export_row(home, copy=False)  # (views: read now, before any step)
-            cache.import_row(0, parked.state)
+                state = self.cache.export_row(home, copy=False)  # (views: read now, before any step)
+            cache.import_row(0, state)
         return cache, parked, home
 
     def placement(self, free: Sequence[int], count: int, home: int | None = None) -> list[int]:
