@@ -27,8 +27,8 @@ at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the pol
 and nothing was measured);
 off for a policy that never evicts (nothing goes cold). The server keeps recall off unless asked
 (``serve --recall R``): under the peers' chat load (8 chats x 4 turns) a recall server serves 1.26x fewer
-tokens/s than one without (six pairs, session 58: results_serve_recall_load_s58_fix*.json) against issue
-34's 1.25x, at 1.14x the peak RSS (once 2x the tokens/s and 2.7x the memory: results_serve_load_recall.json);
+tokens/s than one without (nine pairs, session 58: results_serve_recall_load_s58_fix*.json) against issue
+34's 1.25x, at 1.12-1.14x the peak RSS (once 2x the tokens/s and 2.7x the memory: results_serve_load_recall.json);
 and its decode step runs every row of the batch (one bucket), which a server sized from memory (up to 64
 rows) would pay for at every step of a lone chat.
 """
