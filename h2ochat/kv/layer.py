@@ -188,10 +188,15 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer updates in place, by name (first dimension: the batch row). A
         compiled step's CUDA graph reads and writes exactly these; ``H2OCache.export_row`` copies them."""
+        return {**self.own_state_tensors(), **self.tier.state_tensors()} if self.is_initialized else {}
+
+    def own_state_tensors(self) -> dict[str, torch.Tensor]:
+        """Those of ``state_tensors`` that are the layer's own, its slots and their bookkeeping (a row move
+        hands the tier's to the tier: ``Tier.export_row``/``import_row``)."""
         if not self.is_initialized:
             return {}
         bookkeeping = {name: getattr(self, name) for name in BOOKKEEPING_TENSORS if getattr(self, name) is not None}
-        return {**self.stored, **bookkeeping, **self.tier.state_tensors()}
+        return {**self.stored, **bookkeeping}
 
     def reset_row(self, row: int) -> None:
         """Empty batch row ``row`` (no tokens, scores and counters 0), leaving the other rows alone."""

@@ -14,12 +14,6 @@ from .rows import CacheShapeError, RowState
 from .synthetic import fill_recent
 
 
-def _own_state(layer) -> dict[str, torch.Tensor]:
-    """The layer's state tensors that are not its tier's (the tier moves its own: ``Tier.export_row``)."""
-    tier = set(layer.tier.state_tensors())
-    return {name: tensor for name, tensor in layer.state_tensors().items() if name not in tier}
-
-
 class RowMoves:
     """What ``H2OCache`` does to one batch row (``layers``, ``tokens_fed``, ``next_position``,
     ``largest_next_position``)."""
@@ -35,7 +29,7 @@ class RowMoves:
         def taken(tensor):
             return tensor.to(device, copy=True) if copy else tensor
 
-        layers = [{**{name: taken(tensor[row]) for name, tensor in _own_state(layer).items()},
+        layers = [{**{name: taken(tensor[row]) for name, tensor in layer.own_state_tensors().items()},
                    **layer.tier.export_row(row, device, copy=copy)} for layer in self.layers]
         counters = {name: taken(tensor[row]) for name, tensor in self._row_counters().items()}
         return RowState(layers, counters)
@@ -53,7 +47,7 @@ class RowMoves:
         if len(state.layers) != len(self.layers):
             raise CacheShapeError(f"the row state has {len(state.layers)} layers, the cache {len(self.layers)}")
         # the layers' own tensors and the counters are checked here, the rest goes to each layer's tier
-        targets = [(f"layer {index}", _own_state(layer), saved)
+        targets = [(f"layer {index}", layer.own_state_tensors(), saved)
                    for index, (layer, saved) in enumerate(zip(self.layers, state.layers))]
         targets.append(("counters", self._row_counters(), state.counters))
         for (where, mine, saved), layer in zip(targets, [*self.layers, None]):

@@ -90,8 +90,8 @@ class RowPool:
         # a resumed conversation is imported over the last prompt's cache (an import into a 1-row cache
         # replaces every tensor and host counter of it), which saves a new cache and its page faults: with
         # recall, 38 -> 14 ms of a turn on SmolLM2 (a 30 MB row); a new one is read into a cache made for it
-        cache = self._spare if parked is not None and self._spare is not None else self.new_cache(1, static_shapes=False)
-        self._spare = None
+        spare, self._spare = self._spare, None
+        cache = spare if parked is not None and spare is not None else self.new_cache(1, static_shapes=False)
         home = None
         if parked is not None:
             state = parked.state
@@ -110,10 +110,8 @@ class RowPool:
         rows then in use would run (the smallest bucket), so no row has to be moved down after."""
         in_use = self.rows - len(free)
         within = [row for row in free if row < self.bucket(in_use + count)] or list(free)
-        resting = list(self.resting)  # (in the order they began to rest)
-        def cost(row):
-            return (row != home, row in self.resting, resting.index(row) if row in self.resting else 0, row)
-        chosen = sorted(within, key=cost)[:count]
+        rested = {row: rank for rank, row in enumerate(self.resting)}  # (in the order they began to rest)
+        chosen = sorted(within, key=lambda row: (row != home, row in rested, rested.get(row, 0), row))[:count]
         return chosen + [row for row in free if row not in chosen][: count - len(chosen)]
 
     def install(self, source: H2OCache, rows: list[int], home: int | None = None) -> None:
@@ -161,19 +159,18 @@ class RowPool:
     def release(self, row: int, choice: Choice | None) -> None:
         """Park ``row`` as ``choice``'s conversation (None: do not park): resting in the row where free rows
         are left out of the steps, else copied out; a row not resting is reset."""
+        self.free_steps[row] = 0
         if choice is not None:
             tokens, fed, text = choice.conversation()
             if self.masks_rows:
                 entry = Parked(tuple(tokens), fed, text, None, 0, row=row)
                 if self.store.park(entry):
                     self.resting[row] = entry
-                    self.free_steps[row] = 0
                     return
             else:
                 state = self.cache.export_row(row, device="cpu")
                 self.store.park(Parked(tuple(tokens), fed, text, state, state.nbytes))
         self.cache.reset_rows([row])
-        self.free_steps[row] = 0
 
     def parked_state(self, entry: Parked):
         """A parked conversation's state: its host copy, or views of the row it rests in."""
