@@ -12,7 +12,7 @@ from conftest import VOCAB, build_model, recall_cache
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native
+from h2ochat.recall import native, native_store
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
@@ -62,12 +62,13 @@ def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypat
     """48 decode steps of 4 rows, some left out of most steps (``_masks``), after a 30-token prompt, in bf16
     slots or quantized ones: the kernels' route (the choice of only some rows and the staging with rows left
     out in one C call each; int8 codes and scales encoded in C as the layer encodes them; int4: the staging
-    only) gives the torch route's logits and state after every step, and it did run on the masked steps."""
+    only; the flushes of some rows' staging pages in one C call, bf16 slots) gives the torch route's logits and
+    state after every step, and it did run on the masked steps."""
     model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (BATCH, PROMPT + STEPS), generator=torch.Generator().manual_seed(5))
     masks = _masks(every)
-    calls = {"choice": 0, "stage": 0}
-    choice, stage = native.DecodeChoice.__call__, native.Stager.__call__
+    calls = {"choice": 0, "stage": 0, "flush": 0}
+    choice, stage, flush = native.DecodeChoice.__call__, native.Stager.__call__, native_store.Flusher.__call__
 
     def counted_choice(self, queries, scored, rows=True):
         done = choice(self, queries, scored, rows)
@@ -79,10 +80,17 @@ def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypat
         calls["stage"] += done and active is not None
         return done
 
+    def counted_flush(self, store, count, capacity, rows=None):
+        done = flush(self, store, count, capacity, rows)
+        calls["flush"] += done and rows is not None
+        return done
+
     monkeypatch.setattr(native.DecodeChoice, "__call__", counted_choice)
+    monkeypatch.setattr(native_store.Flusher, "__call__", counted_flush)
     monkeypatch.setattr(native.Stager, "__call__", counted_stage)
     got = _run(model, ids, masks, every, cold_dtype, kv_dtype)
     assert (calls["choice"] > 0 or kv_dtype == "int4") and calls["stage"] > 0, calls
+    assert calls["flush"] > 0 or kv_dtype != "auto", calls  # (quantized slots flush by the torch route)
     without_kernel()
     want = _run(model, ids, masks, every, cold_dtype, kv_dtype)
     assert got[2] == want[2] and got[2] > 0

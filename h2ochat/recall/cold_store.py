@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..rotary import Rotary, rotate_keys
-from . import native
+from . import native, native_store
 from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "int8")
@@ -177,9 +177,9 @@ class ColdStore(FirstRows):
         -1: nothing evicted there). Returns their slot numbers [B, H, E] (-1 where nothing).
         ``reserve=False``: the caller reserved room (``reserve``); else growing reads the count back."""
         device = self.count.device
-        if not reserve and encoded is None and self.frames is None and not self.quantized_keys and not self.zero_copy:
-            slots = native.cold_append({"keys": keys, "values": values, "token_index": token_index,
-                                        "positions": positions}, self._named_buffers(), self.count, self.capacity)
+        if not reserve and encoded is None and self.appends_natively():
+            slots = native_store.cold_append({"keys": keys, "values": values, "token_index": token_index,
+                                        "positions": positions}, self.named_buffers(), self.count, self.capacity)
             if slots is not None:  # (a CPU's flush of its staging page: one C call)
                 return slots
         valid = (token_index >= 0).to(device)
@@ -204,6 +204,11 @@ class ColdStore(FirstRows):
             self.moved = True
         self.count += added
         return writes.slots
+
+    def appends_natively(self) -> bool:
+        """Whether appends with room reserved may go to the C kernels (``native_store``: a store in host memory
+        that never wraps, float keys) where they take the tensors."""
+        return self.frames is None and not self.quantized_keys and not self.zero_copy
 
     # -- reading ----------------------------------------------------------------------------------
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,10 +262,10 @@ class ColdStore(FirstRows):
         nothing written, the caller copies them."""
         if self.quantized_keys or (rotary is not None and self.moved) or self.zero_copy:
             return False
-        return native.fill_frames(slots, self._named_buffers(), self.count, self.frames, self.page, plan.load,
+        return native.fill_frames(slots, self.named_buffers(), self.count, self.frames, self.page, plan.load,
                                   plan.frame_page)
 
-    def _named_buffers(self) -> dict[str, torch.Tensor | None]:
+    def named_buffers(self) -> dict[str, torch.Tensor | None]:
         """Every buffer by name, value_scale None for float values (what the C kernels take)."""
         return {**{name: getattr(self, name) for name in ("keys", "values", "token_index", "positions", "encoded")},
                 "value_scale": self.value_scale}

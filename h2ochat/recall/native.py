@@ -11,8 +11,8 @@
   torch reference at 900 queries over 0.5-1K keys, ~10x over 4K (benchmarks/results_page_scores_*_s54.json).
 - ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into
   the recall slots (float slots, or int8 codes encoded as ``slot_format.encode`` does, bit for bit);
-  ``cold_append``: a flush into the store (int8 values as ``cold_store._to_int8`` makes them, bit for
-  bit); ``Stager``: a decode step's victim into the staging page (codes and scales as they are).
+  ``Stager``: a decode step's victim into the staging page (codes and scales as they are). The cold
+  store's writes (an append, a staging page's whole flush) are ``native_store``'s.
 - ``DecodeChoice``: a step's best pages, plan and copy in one call a layer (one ctypes call instead of
   ~60 torch ops), where all of it runs: a decode step's, or a prompt chunk's.
 - A server's decode step (one bucket of rows, its free rows left out by the ``active`` mask; each row
@@ -60,6 +60,7 @@ class Kernels:
     recall_step: object
     stage: object
     cold_append: object
+    flush: object
 
 
 class Strided(ctypes.Structure):
@@ -74,6 +75,7 @@ class Strided(ctypes.Structure):
 def _bind(library: Path) -> Kernels:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     scoring = [pointer, size, size, size, size, pointer, size, size, size, pointer, size, size]
+    store_writes = [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]
     return Kernels(page_best=native_build.signed(library, "h2ochat_page_best_bf16", [*scoring, pointer]),
                    top_pages=native_build.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]),
                    frames_update=native_build.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
@@ -85,8 +87,8 @@ def _bind(library: Path) -> Kernels:
                                                    + [size] * 2 + [pointer] * 2 + [ctypes.c_float]),
                    stage=native_build.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
                                              + [pointer, size]),
-                   cold_append=native_build.signed(library, "h2ochat_cold_append",
-                                                   [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]))
+                   cold_append=native_build.signed(library, "h2ochat_cold_append", store_writes),
+                   flush=native_build.signed(library, "h2ochat_flush", [size] * 3 + [pointer] + store_writes[3:]))
 
 
 def _scoring(queries, keys) -> list:
@@ -370,30 +372,3 @@ class Stager:
                            *self.sizes, None if active is None else active.data_ptr(), self.extras)
         return True
 
-
-def cold_append(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], count: torch.Tensor,
-                capacity: int) -> torch.Tensor | None:
-    """``ColdStore.append`` of ``new`` (keys, values [B, H, E, ...], token_index, positions [B, H, E] int64) into a
-    store that never wraps, room reserved: ``store``'s keys (the new keys' dtype), values (the same dtype, or
-    int8 codes with ``value_scale``: of bf16 or fp32 values), token_index, positions and encoded (int32);
-    ``count`` [B, H] advanced. The slots written [B, H, E] (-1: none), or None where it does not take these."""
-    kernels = _loaded()[0]
-    keys, values, scale = new["keys"], new["values"], store["value_scale"]
-    stored = [store[name] for name in ("keys", "values", "token_index", "positions", "encoded")]
-    quantized = scale is not None
-    if (kernels is None or torch.compiler.is_compiling() or not _host_rows(count) or count.dtype != torch.long
-            or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values, *stored[:2]))
-            or keys.dtype != stored[0].dtype
-            or (values.dtype not in (torch.bfloat16, torch.float32) if quantized else values.dtype != stored[1].dtype)
-            or (quantized and (stored[1].dtype != torch.int8 or scale.dtype != torch.float32))
-            or any(t.dtype != torch.int32 for t in stored[2:])
-            or new["token_index"].dtype != torch.long or new["positions"].dtype != torch.long
-            or any(t.device.type != "cpu" for t in (new["token_index"], new["positions"]))):
-        return None
-    batch, heads, entries = new["token_index"].shape
-    sources = (Strided * 4)(*(Strided.of(new[name]) for name in ("keys", "values", "token_index", "positions")))
-    targets = (Strided * 6)(*(Strided.of(t) for t in stored), Strided.of(scale))
-    slots = torch.empty(batch, heads, entries, dtype=torch.long)
-    kernels.cold_append(batch, heads, entries, count.data_ptr(), capacity, sources, targets, keys.shape[-1],
-                        keys.element_size(), values.shape[-1], values.element_size(), slots.data_ptr())
-    return slots

@@ -583,6 +583,23 @@ void h2ochat_stage(int64_t B, int64_t H, int64_t P, const int64_t *slot, int64_t
     }
 }
 
+/* One entry e of (sequence b, head h) of ``in`` into store slot ``slot`` (see h2ochat_cold_append). */
+static inline void store_entry(const strided_t *in, int64_t b, int64_t h, int64_t e, int64_t token,
+                               const strided_t *store, int64_t slot, int64_t D, int64_t key_bytes, int64_t Dv,
+                               int64_t value_bytes) {
+  const int64_t position = *(const int64_t *)at(&in[3], b, h, e, 8);
+  *(int32_t *)at(&store[2], b, h, slot, 4) = (int32_t)token;
+  *(int32_t *)at(&store[3], b, h, slot, 4) = (int32_t)position;
+  *(int32_t *)at(&store[4], b, h, slot, 4) = (int32_t)position;
+  memcpy(at(&store[0], b, h, slot, key_bytes), at(&in[0], b, h, e, key_bytes), D * key_bytes);
+  const void *values = at(&in[1], b, h, e, value_bytes);
+  if (!store[5].data) {
+    memcpy(at(&store[1], b, h, slot, value_bytes), values, Dv * value_bytes);
+    return;
+  }
+  *(float *)at(&store[5], b, h, slot, 4) = quantize(values, Dv, value_bytes, at(&store[1], b, h, slot, 1));
+}
+
 /* ColdStore.append for a store that never wraps, room reserved: each (sequence, head)'s entries e < E whose
    token index is >= 0 go to slots count, count + 1, ... in order (slots[b, h, e] out: the slot, or -1).
    in/store: [0] keys, [1] values, [2] token index (int64 in, int32 stored), [3] positions (likewise;
@@ -603,19 +620,35 @@ void h2ochat_cold_append(int64_t B, int64_t H, int64_t E, int64_t *count, int64_
         }
         const int64_t slot = count[row]++;
         slots[row * E + e] = slot;
-        if (slot >= capacity) continue; /* (never: the caller reserved room) */
-        const int64_t position = *(const int64_t *)at(&in[3], b, h, e, 8);
-        *(int32_t *)at(&store[2], b, h, slot, 4) = (int32_t)token;
-        *(int32_t *)at(&store[3], b, h, slot, 4) = (int32_t)position;
-        *(int32_t *)at(&store[4], b, h, slot, 4) = (int32_t)position;
-        memcpy(at(&store[0], b, h, slot, key_bytes), at(&in[0], b, h, e, key_bytes), D * key_bytes);
-        const void *values = at(&in[1], b, h, e, value_bytes);
-        if (!store[5].data) {
-          memcpy(at(&store[1], b, h, slot, value_bytes), values, Dv * value_bytes);
-          continue;
-        }
-        const float scale = quantize(values, Dv, value_bytes, at(&store[1], b, h, slot, 1));
-        *(float *)at(&store[5], b, h, slot, 4) = scale;
+        if (slot < capacity) /* (always: the caller reserved room) */
+          store_entry(in, b, h, e, token, store, slot, D, key_bytes, Dv, value_bytes);
       }
     }
+}
+
+/* RecallTier.flush of the sequences marked in ``rows`` ([B] bytes; NULL: every one): each one's staging
+   entries (``page``: the staging columns, laid out as h2ochat_cold_append's ``in``) appended to the store
+   as h2ochat_cold_append appends them, then its staging columns emptied (token index and position -1) and
+   its entry count staged[b, h] zeroed, as StagingPage.clear does. The other sequences are left as they are. */
+void h2ochat_flush(int64_t B, int64_t H, int64_t E, const uint8_t *rows, int64_t *count, int64_t capacity,
+                   const strided_t *page, const strided_t *store, int64_t D, int64_t key_bytes, int64_t Dv,
+                   int64_t value_bytes, int64_t *staged) {
+  for (int64_t b = 0; b < B; b++) {
+    if (rows && !rows[b]) continue;
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t row = b * H + h;
+      for (int64_t e = 0; e < E; e++) {
+        int64_t *token_index = (int64_t *)at(&page[2], b, h, e, 8);
+        const int64_t token = *token_index;
+        if (token >= 0) {
+          const int64_t slot = count[row]++;
+          if (slot < capacity) /* (always: the caller reserved room) */
+            store_entry(page, b, h, e, token, store, slot, D, key_bytes, Dv, value_bytes);
+        }
+        *token_index = -1;
+        *(int64_t *)at(&page[3], b, h, e, 8) = -1;
+      }
+      staged[row] = 0;
+    }
+  }
 }

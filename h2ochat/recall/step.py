@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import native, native_store
 from .layout import FirstRows
 
 
@@ -200,6 +200,7 @@ class StagingPage:
         batch, heads = slots.token_index.shape[:2]
         self.count = torch.zeros(batch, heads, dtype=torch.long, device=device)  # entries written since the flush
         self.steps = 0  # host: decode steps since the flush (an upper bound of ``count``)
+        self._flusher = "unmade"  # (``flushed_natively``'s C flush of these columns: made at the first, or None)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"count": self.count}
@@ -233,13 +234,32 @@ class StagingPage:
         """[B, H]: real tokens staged now."""
         return (self.slots.token_index >= 0).sum(dim=-1)
 
-    def clear(self, rows: list[int] | None = None) -> None:
-        """After a flush: the columns of ``rows`` (None: every row) hold nothing (token index -1: not attended)."""
+    def flushed_natively(self, cold, rows: list[int] | None) -> bool:
+        """The flush of ``rows`` (None: every row) into ``cold`` (room reserved) in one C call, the columns then
+        cleared (``native_store.Flusher``: float columns on a CPU, a store the C append takes); False, having
+        done nothing, where it does not run (the caller's torch route then)."""
+        if torch.compiler.is_compiling() or self.slots.scales is not None or not cold.appends_natively():
+            return False
+        if self._flusher == "unmade":
+            self._flusher = native_store.Flusher.of(self.slots.columns(), self.count, cold.named_buffers(), cold.count)
+        batch = self.count.shape[0]
+        mask = None if rows is None else [row in rows for row in range(batch)]
+        if self._flusher is None or not self._flusher(cold.named_buffers(), cold.count, cold.capacity, mask):
+            return False
+        self.clear(rows, columns_emptied=True)
+        return True
+
+    def clear(self, rows: list[int] | None = None, *, columns_emptied: bool = False) -> None:
+        """After a flush: the columns of ``rows`` (None: every row) hold nothing (token index -1: not attended).
+        ``columns_emptied``: the flush's kernel emptied them and zeroed their counts (``native_store.Flusher``)."""
+        if rows is None:
+            self.steps = 0
+        if columns_emptied:
+            return
         if rows is None:
             self.slots.token_index.fill_(-1)
             self.slots.positions.fill_(-1)
             self.count.zero_()
-            self.steps = 0
             return
         self.slots.token_index[rows] = -1
         self.slots.positions[rows] = -1

@@ -1,0 +1,90 @@
+"""A staging page's flush in one C call (``native_store.Flusher``, ``StagingPage.flushed_natively``) against
+the torch route it replaces (``RecallTier.flush``'s: the rows' entries masked, ``ColdStore.append``, then
+``StagingPage.clear``), bit for bit: the store's buffers and counts, the page's columns and counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2ochat.recall import native, native_store
+from h2ochat.recall.cold_store import ColdStore
+from h2ochat.recall.step import RecallSlots, StagingPage
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
+B, H, P, D, DV = 3, 2, 4, 16, 20
+
+
+def _page(dtype, generator) -> StagingPage:
+    """A staging page over the last P columns of bigger slot buffers (as a layer's are views of its slots),
+    some entries empty (token index -1: a row left out of a step), one row with nothing staged."""
+    keys = (torch.randn(B, H, 10, D, generator=generator) * 3).to(dtype)
+    values = (torch.randn(B, H, 10, DV, generator=generator) * 3).to(dtype)
+    token_index = torch.randint(0, 900, (B, H, 10), generator=generator)
+    token_index = token_index.masked_fill(torch.rand(B, H, 10, generator=generator) < 0.3, -1)
+    token_index[2] = -1
+    positions = token_index * 2 + 5
+    page = StagingPage(RecallSlots(keys[:, :, -P:], values[:, :, -P:], token_index[:, :, -P:], positions[:, :, -P:]),
+                       "cpu")
+    page.count.copy_((page.slots.token_index >= 0).sum(dim=-1))
+    page.steps = P
+    return page
+
+
+def _torch_flush(page: StagingPage, store: ColdStore, rows: list[int] | None) -> None:
+    token_index = page.slots.token_index
+    if rows is not None:
+        keep = torch.zeros(B, 1, 1, dtype=torch.bool)
+        keep[rows] = True
+        token_index = token_index.masked_fill(~keep, -1)
+    store.append(page.slots.keys, page.slots.values, token_index, page.slots.positions, reserve=False)
+    page.clear(rows)
+
+
+def _flushed(dtype, cold_dtype, rows_each, natively: bool):
+    generator = torch.Generator().manual_seed(11)
+    store = ColdStore(B, H, D, DV, 4, dtype, cold_dtype=cold_dtype)
+    store.reserve(3 * P)
+    pages = []
+    for rows in rows_each:  # (one flush after another, into the same store)
+        page = _page(dtype, generator)
+        if natively:
+            assert page.flushed_natively(store, rows)
+        else:
+            _torch_flush(page, store, rows)
+        pages.append({"steps": page.steps, "count": page.count.clone(), **{
+            name: tensor.clone() for name, tensor in page.slots.columns().items()}})
+    return store.state_tensors(), pages
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,cold_dtype", [(torch.bfloat16, "auto"), (torch.bfloat16, "model"),
+                                              (torch.float32, "int8-values")])
+def test_a_flush_in_one_call_is_the_torch_routes(dtype, cold_dtype):
+    """Three flushes into one store (some rows, every row, one row), int8 value codes or the model's dtype."""
+    rows_each = [[0, 2], None, [1]]
+    got = _flushed(dtype, cold_dtype, rows_each, natively=True)
+    want = _flushed(dtype, cold_dtype, rows_each, natively=False)
+    for name, tensor in want[0].items():
+        held = (slice(None), slice(None), slice(0, -1)) if tensor.dim() >= 3 else ()  # (not the spill slot: never read)
+        assert torch.equal(got[0][name][held], tensor[held]), name
+    assert int(want[0]["count"].sum()) > 0
+    for got_page, want_page in zip(got[1], want[1]):
+        assert got_page["steps"] == want_page["steps"]
+        for name in ("count", "token_index", "positions"):  # (an emptied column's keys and values are not read)
+            assert torch.equal(got_page[name], want_page[name]), name
+
+
+@needs_kernel
+def test_a_flush_declines_what_the_c_append_does_not_take():
+    """Quantized slots (codes and scales), or a store whose keys are int8 codes: the torch route's, untouched."""
+    generator = torch.Generator().manual_seed(2)
+    page = _page(torch.bfloat16, generator)
+    before = page.slots.token_index.clone()
+    assert not page.flushed_natively(ColdStore(B, H, D, DV, 4, torch.bfloat16, cold_dtype="int8"), None)
+    assert torch.equal(page.slots.token_index, before)
+    quantized = StagingPage(RecallSlots(*[getattr(page.slots, name) for name in ("keys", "values", "token_index",
+                                                                                  "positions")],
+                                        {"key_scale": torch.ones(B, H, P)}), "cpu")
+    assert not quantized.flushed_natively(ColdStore(B, H, D, DV, 4, torch.bfloat16), None)
+    assert native_store.Flusher.of({"keys": page.slots.keys}, page.count, {}, page.count) is None
