@@ -1,15 +1,26 @@
 """A staging page's flush in one C call (``native_store.Flusher``, ``StagingPage.flushed_natively``) against
 the torch route it replaces (``RecallTier.flush``'s: the rows' entries masked, ``ColdStore.append``, then
-``StagingPage.clear``), bit for bit: the store's buffers and counts, the page's columns and counts."""
+``StagingPage.clear``), bit for bit: the store's buffers and counts, the page's columns and counts. And the C
+routes that keep a store's pointers (the flush, the decode step's choice) keep no buffer of it alive."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import gc
+import weakref
+
+from conftest import VOCAB, build_model, recall_cache
+
+from h2ochat.engine.attention import use_h2o_attention
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import max_positions
 from h2ochat.recall import native, native_store
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.step import RecallSlots, StagingPage
+from h2ochat.recall.tiered import RecallConfig
+from h2ochat.rotary import find_rotary
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
 B, H, P, D, DV = 3, 2, 4, 16, 20
@@ -88,3 +99,40 @@ def test_a_flush_declines_what_the_c_append_does_not_take():
                                         {"key_scale": torch.ones(B, H, P)}), "cpu")
     assert not quantized.flushed_natively(ColdStore(B, H, D, DV, 4, torch.bfloat16), None)
     assert native_store.Flusher.of({"keys": page.slots.keys}, page.count, {}, page.count) is None
+
+
+@needs_kernel
+def test_the_c_routes_keep_no_old_store_buffer_alive():
+    """A bf16 llama's recall cache through a chunk and decode steps (its flushes and choices in C), then every
+    layer's store moved to new buffers: the old ones are freed (the routes keep where the buffers are, not
+    the buffers: held, a grown, narrowed or imported-over store's old buffers outlived it)."""
+    model = build_model("llama", seed=4, max_position_embeddings=256).to(torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(4))
+    cache = recall_cache(model.config.num_hidden_layers, "h2o", 12, recall=RecallConfig(16, 4, "exact"),
+                         max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
+    use_h2o_attention(model)
+    calls = {"flush": 0, "choice": 0}
+    flush, choice = native_store.Flusher.__call__, native.DecodeChoice.__call__
+
+    def counted_flush(self, *args):
+        calls["flush"] += flush(self, *args)
+        return True
+
+    def counted_choice(self, *args):
+        done = choice(self, *args)
+        calls["choice"] += done
+        return done
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_store.Flusher, "__call__", counted_flush)
+        patch.setattr(native.DecodeChoice, "__call__", counted_choice)
+        forward(model, cache, ids[:, :30])
+        for step in range(30, 60):
+            forward(model, cache, ids[:, step:step + 1])
+    assert calls["flush"] > 0 and calls["choice"] > 0, calls
+    stores = [layer.tier.cold for layer in cache.layers]
+    old = [weakref.ref(buffer) for store in stores for buffer in (store.keys, store.values, store.token_index)]
+    for store in stores:
+        store.reserve(store.capacity * 16)  # (past its room: copied into new buffers)
+    gc.collect()
+    assert all(ref() is None for ref in old)

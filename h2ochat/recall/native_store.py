@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .native import Strided, _host_rows, _row_bytes
+from .native import Strided, _host_rows, _row_bytes, store_places
 
 PAGE_NAMES = ("keys", "values", "token_index", "positions")  # what an append reads, by name
 STORE_NAMES = ("keys", "values", "token_index", "positions", "encoded", "value_scale")  # what it writes, in order
@@ -63,7 +63,8 @@ class Flusher:
     """One layer's staging page (``page``: its float columns by name, [B, H, P, ...]; ``staged`` [B, H]: its
     entry counts) flushed into a cold store in one C call (``h2ochat_flush``). The page's pointers are taken
     once (its columns are views of the layer's slots, which stay where they are), the store's again when its
-    buffers change (a store that grew past its room has new ones). ``of`` says whether it takes the page."""
+    buffers move (a store that grew past its room has new ones; ``native.store_places``). ``of`` says whether it
+    takes the page."""
 
     def __init__(self, kernels, page: dict[str, torch.Tensor], staged: torch.Tensor):
         self.kernels, self.staged = kernels, staged
@@ -87,11 +88,11 @@ class Flusher:
         """The page's entries of ``rows`` (a boolean per row; None: every row) appended to ``store`` (room
         reserved; ``count`` [B, H] advanced), then those rows' columns emptied and their counts zeroed.
         False, having done nothing, where it does not take this store (its buffers changed kind)."""
-        buffers = tuple(store[name] for name in STORE_NAMES)
-        if self.store is None or any(a is not b for a, b in zip(buffers, self.store)):
+        places = store_places([store[name] for name in STORE_NAMES])
+        if places != self.store:
             if torch.compiler.is_compiling() or not _takes(self._page, store, count):
                 return False
-            self.store, self.targets = buffers, _targets(store)
+            self.store, self.targets = places, _targets(store)
         batch, heads = count.shape
         mask = None if rows is None else _row_bytes(rows)
         self.kernels.flush(batch, heads, self.entries, None if mask is None else mask.data_ptr(), count.data_ptr(),
