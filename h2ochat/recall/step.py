@@ -242,8 +242,8 @@ class StagingPage:
             return False
         if self._flusher == "unmade":
             self._flusher = native_store.Flusher.of(self.slots.columns(), self.count, cold.named_buffers(), cold.count)
-        batch = self.count.shape[0]
-        mask = None if rows is None else [row in rows for row in range(batch)]
+        chosen = None if rows is None else set(rows)
+        mask = None if chosen is None else [row in chosen for row in range(self.count.shape[0])]
         if self._flusher is None or not self._flusher(cold.named_buffers(), cold.count, cold.capacity, mask):
             return False
         self.clear(rows, columns_emptied=True)
