@@ -21,7 +21,8 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
   a recall step costs about the same at 2K / 128 slots and ~10% more at 4K at the default budget
   (twice the pages, each half as long: results_recall_cost_page8_s47.json). The default budget is not
   measured on held-out text at 7x its slots (past SmolLM2's 8,192 positions); probed at 4.5x (7,400
-  tokens, 24 trials a row): recall 9, the full cache 8, h2o alone 4 (results_recall_heldout_passkey_default_budget_s59.json).
+  tokens, 24 trials a row): recall 9, the full cache 8, h2o alone 4
+  (results_recall_heldout_passkey_default_budget_s59.json).
 
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,

@@ -26,7 +26,8 @@ def _takes(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], 
     return not (not _host_rows(count) or count.dtype != torch.long
                 or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values, *stored[:2]))
                 or keys.dtype != stored[0].dtype
-                or (values.dtype not in (torch.bfloat16, torch.float32) if quantized else values.dtype != stored[1].dtype)
+                or (values.dtype not in (torch.bfloat16, torch.float32) if quantized
+                    else values.dtype != stored[1].dtype)
                 or (quantized and (stored[1].dtype != torch.int8 or scale.dtype != torch.float32))
                 or any(t.dtype != torch.int32 for t in stored[2:])
                 or new["token_index"].dtype != torch.long or new["positions"].dtype != torch.long

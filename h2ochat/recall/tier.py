@@ -234,13 +234,14 @@ class RecallTier(RecallRowMoves):
         token_index = slots.token_index
         every_row = len(rows) == token_index.shape[0]
         # (the exact selector's digest is the store's keys: nothing else to append)
-        if not (isinstance(self.digest, ColdKeys) and self.staging.flushed_natively(self.cold, None if every_row else rows)):
+        flushed = None if every_row else rows
+        if not (isinstance(self.digest, ColdKeys) and self.staging.flushed_natively(self.cold, flushed)):
             if not every_row:
                 keep = torch.zeros(token_index.shape[0], 1, 1, dtype=torch.bool, device=token_index.device)
                 keep[rows] = True
                 token_index = token_index.masked_fill(~keep, -1)
             self.to_cold(*self.cold_floats(slots), token_index, slots.positions)
-            self.staging.clear(None if every_row else rows)
+            self.staging.clear(flushed)
         self.cadence.flushed(rows)
 
     def cold_floats(self, slots: RecallSlots) -> tuple[torch.Tensor, torch.Tensor]:
