@@ -6,6 +6,7 @@ request: a row whose sampling fails is left out, the others draw what they would
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from h2ochat.engine.generation import Sampling, sample, token_probs
 from h2ochat.engine.repetition import RecentTokens
-from h2ochat.serve.sampling import SamplingDeviceError, sample_rows
+from h2ochat.serve.sampling import SamplingDeviceError, _without_non_finite_rows, sample_rows
 from h2ochat.serve.scheduler import Scheduler
 
 from serve_fakes import VOCAB, FakeBackend, generated, greedy_alone, make_request, next_token, one_hot
@@ -177,6 +178,26 @@ def test_a_row_whose_sampling_fails_is_left_out_and_the_others_draw_as_without_i
             assert result == ref.draw(logits[index])
         if step >= 1:
             assert isinstance(results[broken_row], RuntimeError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_broken_rows_are_those_a_row_by_row_check_finds(seed, dtype):
+    """Rows holding NaN, +inf, nothing but -inf, some -inf among finite values (not broken), -inf beside +inf,
+    a NaN beside -inf: the rows the sampler sets aside are the ones a slow check of each value finds."""
+    rng = random.Random(seed)
+    special = [float("nan"), float("inf"), float("-inf")]
+    logits = torch.randn(40, 30, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    for row in range(logits.shape[0]):
+        if row % 5 == 0:
+            logits[row] = float("-inf")
+        for _ in range(rng.randrange(4)):
+            logits[row, rng.randrange(logits.shape[1])] = rng.choice(special)
+    want = [any(math.isnan(x) or x == math.inf for x in row) or all(x == -math.inf for x in row)
+            for row in logits.float().tolist()]
+    cleaned, broken = _without_non_finite_rows(logits)
+    assert broken.tolist() == want and 0 < sum(want) < len(want)
+    assert torch.equal(cleaned[broken], torch.zeros_like(cleaned[broken]))
+    assert torch.equal(cleaned[~broken], logits[~broken])
 
 
 def test_a_request_whose_sampling_fails_fails_alone_and_its_row_is_reused():

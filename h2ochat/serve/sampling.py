@@ -114,8 +114,10 @@ def _draw_for(index: int, row: SampledRow, device: torch.device, vocab: int) -> 
 
 def _without_non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits with every broken row zeroed, [R] bool: the broken rows), on the device: a row is
-    broken when it holds NaN or +inf, or nothing but -inf (no token to draw)."""
-    broken = (logits.isnan() | logits.isposinf()).any(dim=-1) | logits.isneginf().all(dim=-1)
+    broken when it holds NaN or +inf, or nothing but -inf (no token to draw): exactly the rows whose
+    maximum is not finite (a maximum carries a NaN), one pass over the logits instead of four (~2% of a
+    served decode step of SmolLM2's 49,152-token vocabulary at 8 rows)."""
+    broken = ~torch.isfinite(logits.amax(dim=-1))
     return logits.masked_fill(broken.unsqueeze(1), 0), broken
 
 
