@@ -146,6 +146,11 @@ def _loaded() -> tuple[Kernels | None, str]:
     return native_build.checked("recall kernel", SOURCE, native_build.compiler(), _bind, _agrees_with_torch)
 
 
+def bound() -> Kernels | None:
+    """The bound kernels, or None where they are not used (``why_not`` says why)."""
+    return _loaded()[0]
+
+
 def available() -> bool:
     return _loaded()[0] is not None
 
@@ -184,7 +189,7 @@ def _taking(queries: torch.Tensor, keys: torch.Tensor, page: int) -> Kernels | N
     return _loaded()[0]
 
 
-def _host_rows(*tensors: torch.Tensor) -> bool:
+def host_rows(*tensors: torch.Tensor) -> bool:
     """Contiguous CPU tensors (state the kernels write through their pointers), outside a compiled graph."""
     return not torch.compiler.is_compiling() and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
@@ -195,7 +200,7 @@ def frames_update(wanted: torch.Tensor, frame_page, last_used, clock, copied, co
     that load a page [B, H, F] bool; None where the kernel does not take them (the caller's torch route)."""
     kernels = _loaded()[0]
     state = (frame_page, last_used, clock, copied, complete)
-    if kernels is None or not _host_rows(*state) or complete.dtype != torch.bool or any(
+    if kernels is None or not host_rows(*state) or complete.dtype != torch.bool or any(
             t.dtype != torch.long for t in state[:4]):
         return None
     wanted = wanted.to(torch.long).contiguous()
@@ -292,7 +297,7 @@ class DecodeChoice:
                 or scales is False or cold.keys.dtype != torch.bfloat16
                 or (scales is None and (keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16))
                 or cold.values.dtype != (torch.int8 if cold.quantized_values else torch.bfloat16)
-                or not _host_rows(*state) or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values))
+                or not host_rows(*state) or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values))
                 or slots["token_index"].dtype != torch.long or slots["positions"].dtype != torch.long):
             return None
         return cls(kernels, cold, frames, slots, scales)
@@ -302,7 +307,7 @@ class DecodeChoice:
         rows ``rows`` (True: every row; else a boolean per row)."""
         if queries.dtype != torch.bfloat16 or torch.compiler.is_compiling():
             return False
-        choosing = None if rows is True else _row_bytes(rows)
+        choosing = None if rows is True else row_bytes(rows)
         cold = self.cold
         queries = queries.contiguous()
         batch, heads, count, dim = queries.shape
@@ -324,7 +329,7 @@ def store_places(buffers) -> tuple:
     return tuple(None if tensor is None else (tensor.data_ptr(), tensor.stride()) for tensor in buffers)
 
 
-def _row_bytes(rows: list[bool]) -> torch.Tensor:
+def row_bytes(rows: list[bool]) -> torch.Tensor:
     """One byte per row (1: the row takes part), for a kernel's row mask."""
     return torch.tensor(rows, dtype=torch.uint8)
 
@@ -358,7 +363,7 @@ class Stager:
         kernels = _loaded()[0]
         extras = _extras(staging)
         views = [part[name] for part in (policy, staging) for name in ("keys", "values", "token_index", "positions")]
-        if (kernels is None or not _host_rows(count) or count.dtype != torch.long
+        if (kernels is None or not host_rows(count) or count.dtype != torch.long
                 or any(t.device.type != "cpu" for t in views) or any(t.stride(-1) != 1 for t in views if t.dim() == 4)
                 or any(t.dtype != torch.long for t in views if t.dim() == 3)
                 or policy["keys"].dtype != staging["keys"].dtype or policy["values"].dtype != staging["values"].dtype

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .native import Strided, _host_rows, _row_bytes, store_places
+from .native import Strided, host_rows, row_bytes, store_places
 
 PAGE_NAMES = ("keys", "values", "token_index", "positions")  # what an append reads, by name
 STORE_NAMES = ("keys", "values", "token_index", "positions", "encoded", "value_scale")  # what it writes, in order
@@ -23,7 +23,7 @@ def _takes(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], 
     keys, values, scale = new["keys"], new["values"], store["value_scale"]
     stored = [store[name] for name in STORE_NAMES[:5]]
     quantized = scale is not None
-    return not (not _host_rows(count) or count.dtype != torch.long
+    return not (not host_rows(count) or count.dtype != torch.long
                 or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values, *stored[:2]))
                 or keys.dtype != stored[0].dtype
                 or (values.dtype not in (torch.bfloat16, torch.float32) if quantized
@@ -49,7 +49,7 @@ def cold_append(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | No
     store that never wraps, room reserved: ``store``'s keys (the new keys' dtype), values (the same dtype, or
     int8 codes with ``value_scale``: of bf16 or fp32 values), token_index, positions and encoded (int32);
     ``count`` [B, H] advanced. The slots written [B, H, E] (-1: none), or None where it does not take these."""
-    kernels = native._loaded()[0]  # (looked up on the module: a test switches it off there)
+    kernels = native.bound()
     if kernels is None or torch.compiler.is_compiling() or not _takes(new, store, count):
         return None
     batch, heads, entries = new["token_index"].shape
@@ -78,8 +78,8 @@ class Flusher:
     @classmethod
     def of(cls, page: dict[str, torch.Tensor], staged: torch.Tensor,
            store: dict[str, torch.Tensor | None], count: torch.Tensor) -> "Flusher | None":
-        kernels = native._loaded()[0]  # (looked up on the module: a test switches it off there)
-        if (kernels is None or set(page) != set(PAGE_NAMES) or not _host_rows(staged) or staged.dtype != torch.long
+        kernels = native.bound()
+        if (kernels is None or set(page) != set(PAGE_NAMES) or not host_rows(staged) or staged.dtype != torch.long
                 or not _takes(page, store, count)):
             return None
         return cls(kernels, page, staged)
@@ -95,7 +95,7 @@ class Flusher:
                 return False
             self.store, self.targets = places, _targets(store)
         batch, heads = count.shape
-        mask = None if rows is None else _row_bytes(rows)
+        mask = None if rows is None else row_bytes(rows)
         self.kernels.flush(batch, heads, self.entries, None if mask is None else mask.data_ptr(), count.data_ptr(),
                            capacity, self.sources, self.targets, *self.sizes, self.staged.data_ptr())
         return True
