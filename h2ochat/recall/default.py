@@ -28,11 +28,12 @@ So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), 
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,
 and nothing was measured);
 off for a policy that never evicts (nothing goes cold). The server keeps recall off unless asked
-(``serve --recall R``): under the peers' chat load (8 chats x 4 turns) a recall server serves 1.25x fewer
-tokens/s than one without (nine pairs, session 59: results_serve_recall_load_s59_*.json), at issue 34's
-line ("within 1.25x") but not under it by more than the pairs' noise, at 1.09x the peak RSS (once 2x the
-tokens/s and 2.7x the memory: results_serve_load_recall.json); and its decode step runs every row of the
-batch (one bucket), which a server sized from memory (up to 64 rows) would pay for at every step of a lone chat.
+(``serve --recall R``): under the peers' chat load (8 chats x 4 turns) a recall server serves 1.24x fewer
+tokens/s than one without (session 59's last three pairs; 1.23x over its twelve:
+results_serve_recall_load_s59_*.json), inside issue 34's 1.25x by less than the pairs' noise, at 1.10x the
+peak RSS (once 2x the tokens/s and 2.7x the memory: results_serve_load_recall.json); but its decode step
+runs every row of the batch (one bucket), which a server sized from memory (up to 64 rows) would pay for at
+every step of a lone chat.
 """
 
 from __future__ import annotations
