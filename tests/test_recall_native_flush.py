@@ -5,12 +5,11 @@ routes that keep a store's pointers (the flush, the decode step's choice) keep n
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import gc
 import weakref
 
+import pytest
+import torch
 from conftest import VOCAB, build_model, recall_cache
 
 from h2ochat.engine.attention import use_h2o_attention

@@ -324,8 +324,9 @@ class DecodeChoice:
 
 def store_places(buffers) -> tuple:
     """Where a store's buffers are (base and strides; None for one it lacks): what its ``Strided`` are made of, so
-    equal places are equal pointers. Kept instead of the tensors: held, a store's old buffers would outlive it
-    (a kept prompt cache's, until its next prompt: ~100 MB of peak RSS under the served chat load)."""
+    equal places are equal pointers. Kept instead of the tensors: held, the buffers a store had before it grew,
+    narrowed or was imported over stayed alive until that layer's next call (~100 MB of the recall server's peak
+    RSS under the served chat load, session 59)."""
     return tuple(None if tensor is None else (tensor.data_ptr(), tensor.stride()) for tensor in buffers)
 
 

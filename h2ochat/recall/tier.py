@@ -282,11 +282,9 @@ class RecallTier(RecallRowMoves):
         copy of them (a functionalising backend's) is brought up to date with the buffers it copied."""
         port, rotary = self.prepared_step
         if self.choose_in_step is not False:
-            if torch.is_inference_mode_enabled() and port.inference:  # (the compiled step's own mode: as is)
+            already = torch.is_inference_mode_enabled() and port.inference  # (the compiled step's own mode)
+            with contextlib.nullcontext() if already else torch.inference_mode(port.inference):
                 self.recall(port, queries, rotary, self.choose_in_step)
-            else:
-                with torch.inference_mode(port.inference):
-                    self.recall(port, queries, rotary, self.choose_in_step)
         for tensor, own in zip(given, port.slot_tensors()):
             if tensor.data_ptr() != own.data_ptr():
                 tensor.copy_(own)
