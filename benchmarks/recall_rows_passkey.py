@@ -16,6 +16,8 @@ question as one prompt chunk, as a served chat's turn comes (its queries choose 
 the default 1 feeds it token by token (each token choosing for itself: the harder case).
 
 Held-out texts (issue 34): --text takes comma-separated files (each its own trials, drawn as above),
+--masked plain|rest runs the recall rows through the masked reference instead (``recall.masked``; rest:
+the cold pages not recalled attended as one column each, their exact weight and mean value),
 --rows all adds the full cache and the policy alone at the same device slots beside the recall rows,
 and --out FILE appends each trial to a JSON-lines file as it ends and skips the trials already there
 (a run stopped on a shared CPU resumes where it was). The report gives each row's hits over all
@@ -69,6 +71,10 @@ def main() -> None:
                         help="before: the recall rows' decode steps choose their pages before the step with the last "
                              "step's queries, as a GPU's compiled step does (in-step: with their own queries, the "
                              "eager step's rule and a CPU's compiled step's)")
+    parser.add_argument("--masked", choices=("off", "plain", "rest"), default="off",
+                        help="the recall rows through the masked reference (recall.masked, fp32, staged as the real "
+                             "tier stages) instead of the cache: plain, or with the rest (the cold pages not recalled "
+                             "attended as one column each)")
     parser.add_argument("--rows", choices=("recall", "all"), default="recall",
                         help="all: the full cache and the policy alone too")
     parser.add_argument("--out", default="", help="JSON lines, one per trial: appended, and trials there are skipped")
@@ -99,6 +105,8 @@ def main() -> None:
                                            recalls, settings={"kv_dtype": kv_dtype},
                                            recall_chunk=args.question_chunk)
                      if row.settings.recall or (args.rows == "all" and (kv_dtype, cold_dtype, every) == first)]
+    if args.masked != "off":
+        rows = [row for row in rows if not row.settings.recall] + masked_rows(args, recalls)
     loaded = load(args.model, "cpu", "float32")
     out = Path(args.out) if args.out else None
     done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out and out.exists() else []
@@ -127,6 +135,15 @@ def main() -> None:
     print(json.dumps({"model": loaded.name, "texts": texts, "args": vars(args), "threads": threads.current(),
                       "recall": ev.describe_recalls(recalls), "totals": pk.row_totals(results),
                       "summary": pk.summarize(results), "results": results}, indent=1))
+
+
+def masked_rows(args, recalls) -> list:
+    """The masked reference's rows for the last recall settings (``--masked``), staged as the real tier
+    stages, with the rest attended where asked."""
+    rest = args.masked == "rest"
+    built = build_rows([args.policy], [args.budget], recalls, masked=True, recall_chunk=args.question_chunk)
+    return [replace(row, staged=True, rest=rest, label=row.label + (", the rest attended" if rest else ""))
+            for row in built if isinstance(row, pk.MaskedRow)]
 
 
 if __name__ == "__main__":

@@ -35,3 +35,11 @@ def new_key_mask(new_valid: torch.Tensor | None, batch: int, q_len: int, device)
     if new_valid is not None:
         mask = mask & new_valid.view(batch, 1, 1, 1, q_len)
     return mask
+
+
+def rest_rows(rest, batch: int, kv_heads: int, start: int = 0, stop: int | None = None):
+    """A recall tier's rest column (``reference.attend_with_scores``' ``rest``: logit [B, Hkv, G, Q], value
+    [B, Hkv, G, Q, D]) for query tokens ``start:stop``, laid out by query row: ([B, Hkv, M, 1], [B, Hkv, M, D])."""
+    logit, value = rest
+    logit, value = logit[:, :, :, start:stop], value[:, :, :, start:stop]
+    return (f32(logit).reshape(batch, kv_heads, -1, 1), f32(value).reshape(batch, kv_heads, -1, value.shape[-1]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_rows import MASKED, empty_slot_bias, f32, new_key_mask, query_row_weights
+from .attention_rows import MASKED, empty_slot_bias, f32, new_key_mask, query_row_weights, rest_rows
 
 # CPU prompt chunks of at least this many tokens run the blocked layout (``attend_blocked``)
 BLOCKED_MIN_TOKENS = 2
@@ -26,14 +26,15 @@ def runs_blocked(q_len: int, device: torch.device) -> bool:
 
 
 def attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, weights,
-                   scale: float, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, block: int | None = None, rest=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A prompt chunk's attention (Q > 1, unquantised slots), ``block`` of its new tokens at a time: the
     slots' and the new tokens' keys joined once in fp32 (a copy of S + Q keys), then per block one
     product for the logits, the masks (one add, which also scales), the softmax and the received
     attention, and one product for the output. A block's logits stay in the CPU's cache through
     those passes, where the whole chunk's (M x (S + Q) fp32: 40 MB for SmolLM2 at 512 tokens over
     1,500 slots) went to memory and back at each of them; and a block reads no new key after its
-    last token. The same numbers as the query-major path up to fp32 rounding. Returns (output
+    last token; a recall tier's ``rest`` column (``reference.attend_with_scores``) joins each block's
+    softmax. The same numbers as the query-major path up to fp32 rounding. Returns (output
     [B, Hkv, G, Q, D] fp32, the attention each key received [B, Hkv, S + Q], weighted by ``weights``)."""
     batch, kv_heads, group, q_len, head_dim = query.shape
     block = block or CHUNK_BLOCK
@@ -52,9 +53,15 @@ def attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, 
         logits = torch.add(bias[..., :width], torch.matmul(rows, keys[:, :, :width].transpose(-1, -2)), alpha=scale)
         logits[..., slots:].view(batch, kv_heads, group, tokens, end).masked_fill_(~readable[..., start:end, :end],
                                                                                   MASKED)
-        probs = logits.softmax(dim=-1)
-        out[:, :, :, start:end] = torch.matmul(probs, values[:, :, :width]).view(batch, kv_heads, group, tokens,
-                                                                                 head_dim)
+        if rest is not None:
+            rest_logit, rest_value = rest_rows(rest, batch, kv_heads, start, end)
+            probs = torch.cat([logits, rest_logit], dim=-1).softmax(dim=-1)
+            block_out = torch.matmul(probs[..., :width], values[:, :, :width]) + probs[..., width:] * rest_value
+            probs = probs[..., :width]
+        else:
+            probs = logits.softmax(dim=-1)
+            block_out = torch.matmul(probs, values[:, :, :width])
+        out[:, :, :, start:end] = block_out.view(batch, kv_heads, group, tokens, head_dim)
         if weights is not None:
             probs = probs * query_row_weights(weights[:, start:end], group)
         received[..., :width] += probs.sum(dim=2)

@@ -129,13 +129,15 @@ class Backend:
         return f"Backend({self.name!r})"
 
     def attend_with_scores(self, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid,
-                           scale, scores, decay=1.0, quant=None):
+                           scale, scores, decay=1.0, quant=None, rest=None):
         """``reference.attend_with_scores`` (same arguments, same results; ``quant`` a
-        ``quant.QuantSlots`` when the slots hold int8 / int4 codes)."""
+        ``quant.QuantSlots`` when the slots hold int8 / int4 codes; a ``rest`` column: the reference's,
+        which the kernels do not take)."""
         args = (query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay)
-        if self.triton and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant):
+        if (self.triton and rest is None
+                and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant)):
             return ops.attend_with_scores(*args, quant=quant)
-        return reference.attend_with_scores(*args, quant=quant)
+        return reference.attend_with_scores(*args, quant=quant, rest=rest)
 
     def attends_every_column(self, q_len: int, in_use: int, columns: int, slots) -> bool:
         """Whether this backend's attention would rather read all ``columns`` slot columns (the empty ones

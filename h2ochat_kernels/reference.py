@@ -20,6 +20,7 @@ from .attention_rows import empty_slot_bias
 from .attention_rows import f32 as _f32
 from .attention_rows import new_key_mask as _new_key_mask
 from .attention_rows import query_row_weights as _query_row_weights
+from .attention_rows import rest_rows as _rest_rows
 
 
 def attend_with_scores(
@@ -34,6 +35,7 @@ def attend_with_scores(
     scores: torch.Tensor,
     decay: float | torch.Tensor = 1.0,
     quant: _quant.QuantSlots | None = None,
+    rest: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of Q new queries over S cached slots plus the Q new tokens, with H2O scoring.
 
@@ -55,6 +57,10 @@ def attend_with_scores(
                      ``_slot_logits``; a 16-bit one: the slots dequantised to its dtype); the new
                      tokens stay at full precision (the token a step adds is attended as it is, and
                      quantised only when the cache writes it).
+    rest             None, or one more column per query row that no slot holds (a recall tier's cold
+                     pages left unrecalled, ``recall.rest``): (logit [B, Hkv, G, Q] fp32, already
+                     scaled; -inf for none, value [B, Hkv, G, Q, D]). It shares the softmax and adds
+                     its share of its value to the output; it is no slot, so no score receives it.
 
     New tokens attend causally among themselves. Padding keys receive no attention; padding query
     rows add nothing to any score (and do not decay it: a decode step's row left out by an active
@@ -72,7 +78,7 @@ def attend_with_scores(
     _decay_scores(scores, new_valid, batch, q_len, decay, query.device)
     if quant is None and blocked_chunk.runs_blocked(q_len, query.device):
         out, received = blocked_chunk.attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys,
-                                                     new_values, new_valid, weights, scale)
+                                                     new_values, new_valid, weights, scale, rest=rest)
         scores += received[..., :cache_keys.shape[2]]
         return (out if out.dtype == query.dtype else out.to(query.dtype)), received[..., cache_keys.shape[2]:]
     # the scale goes on the queries once, not on both logit blocks
@@ -92,14 +98,17 @@ def attend_with_scores(
         new_logits = new_logits.masked_fill(~_new_key_mask(new_valid, batch, q_len, query.device), _MASKED)
         new_logits = new_logits.view(batch, kv_heads, group * q_len, q_len)
 
-    probs = torch.cat([cache_logits, new_logits], dim=-1).softmax(dim=-1)
+    rest_logit, rest_value = (None, None) if rest is None else _rest_rows(rest, batch, kv_heads)
+    probs = torch.cat([cache_logits, new_logits, *([] if rest is None else [rest_logit])], dim=-1).softmax(dim=-1)
     slots = cache_keys.shape[2]
-    cache_probs, new_probs = probs[..., :slots], probs[..., slots:]
+    cache_probs, new_probs = probs[..., :slots], probs[..., slots : slots + q_len]
     if native:
         out = torch.matmul(cache_probs.to(cache_values.dtype), cache_values).float()
     else:
         out = _slot_output(cache_probs, cache_values, quant)
     out = out + torch.matmul(new_probs, _f32(new_values))
+    if rest is not None:
+        out = out + probs[..., slots + q_len :] * rest_value
 
     if weights is not None:
         rows_w = _query_row_weights(weights, group)

@@ -233,6 +233,8 @@ class MaskedRow:
     chunk: int = DEFAULT_PREFILL_CHUNK
     question_chunk: int = DEFAULT_PREFILL_CHUNK  # 1: the question token by token (each token recalls for itself)
     chunk_queries: str = "all"  # which queries of a chunk choose its pages: all, or the last token's
+    staged: bool = False  # a decode step's victims wait on a staging page, as the real tier's do
+    rest: bool = False  # the unrecalled cold pages still attended, one column each (``MaskedRecall``)
     simulations: list = field(default_factory=list, compare=False, hash=False)  # filled as trials run
 
     @property
@@ -244,7 +246,8 @@ class MaskedRow:
 
         MaskedRecall.attach(model)
         sim = MaskedRecall(model.config.num_hidden_layers, self.policy, self.hot_slots, self.recall_slots, self.page,
-                           self.selector, grouping=self.grouping, reenter=self.reenter, chunk_queries=self.chunk_queries)
+                           self.selector, grouping=self.grouping, reenter=self.reenter, chunk_queries=self.chunk_queries,
+                           staged=self.staged, rest=self.rest)
         self.simulations.append(sim)
         row = self
 

@@ -19,6 +19,11 @@ gaps closed (past ``span`` of them, the newest span // 2 keep consecutive number
 share the rest in proportion), a token held nowhere takes the number of the first held one after it,
 and every stored key is rotated to its token's new position (``rotary``; OPT has none).
 
+The rest (``rest=True``): the cold tokens neither recalled nor staged still count, one column per
+unrecalled page: its weight is its tokens' exact share (the logsumexp of their logits), its value their
+mean value. Only the values inside a page are approximated; with pages of one token this is the full
+attention.
+
 One sequence (batch 1). ``MaskedRecall.attach(model)`` switches the model to this attention; feed it
 with ``forward``. ``stats`` holds, per layer, the share of the exact selector's top pages that the
 chosen selector found (steps where every page fits in the recall slots are left out).
@@ -72,7 +77,7 @@ class MaskedRecall:
     def __init__(self, num_layers: int, policy: Policy | str, hot_slots: int, recall_slots: int, page: int,
                  selector: Selector | str | None = "exact", *, grouping: str = "index", reenter: bool = False,
                  measure: bool = True, chunk_queries: str = "all", max_positions: int | None = None,
-                 rotary=None, staged: bool = False, every: int = 1, prefetch: bool = False):
+                 rotary=None, staged: bool = False, every: int = 1, prefetch: bool = False, rest: bool = False):
         if grouping not in ("index", "eviction"):
             raise ValueError(f"grouping must be 'index' or 'eviction', got {grouping!r}")
         self.policy = get_policy(policy)
@@ -97,6 +102,7 @@ class MaskedRecall:
         # counted from the last flush
         self.staged, self.every = staged, every
         self.prefetch = prefetch  # a decode step's pages chosen with the previous step's queries (the compiled step's rule)
+        self.rest = rest  # the unrecalled cold pages attended as one column each (the module's docstring)
         self.decode_steps = self.staging_steps = 0
         self.flush_now = self.select_now = self.has_query = False
 
@@ -253,10 +259,18 @@ class MaskedRecall:
         new_cols = torch.arange(total) >= start
         causal = (torch.arange(total).view(1, -1) - start) <= torch.arange(q_len).view(-1, 1)  # [Q, T]
         admit = old.unsqueeze(1) | (new_cols & causal).unsqueeze(0)  # [H, Q, T]
-        logits = torch.einsum("hgqd,htd->hgqt", grouped.float(), keys.float()) * scale
-        logits = logits.masked_fill(~admit.unsqueeze(1), float("-inf"))
-        probs = logits.softmax(dim=-1)
-        out = torch.einsum("hgqt,htd->hgqd", probs, values.float()).to(query.dtype)
+        raw = torch.einsum("hgqd,htd->hgqt", grouped.float(), keys.float()) * scale
+        logits = raw.masked_fill(~admit.unsqueeze(1), float("-inf"))
+        if self.rest and self.policy.evicts:
+            rest_logit, rest_value = self.rest_column(state, raw, keys, values, recalled)
+            probs = torch.cat([logits, rest_logit.unsqueeze(-1)], dim=-1).softmax(dim=-1)
+            out = (torch.einsum("hgqt,htd->hgqd", probs[..., :total], values.float())
+                   + probs[..., total:] * rest_value)
+            probs = probs[..., :total]
+        else:
+            probs = logits.softmax(dim=-1)
+            out = torch.einsum("hgqt,htd->hgqd", probs, values.float())
+        out = out.to(query.dtype)
         if self.policy.evicts:
             mass = probs.sum(dim=(1, 2))  # [H, T]: attention each token received this step
             self.stats.recalled_attention[layer_idx] += float((mass * recalled).sum() / (group * q_len * heads))
@@ -265,6 +279,29 @@ class MaskedRecall:
             if self.staged and q_len > 1:  # a chunk's drops go to the cold store at once
                 state.flushed = state.evictions.clone()
         return out.reshape(q_heads, q_len, dim).transpose(0, 1).unsqueeze(0)
+
+    def rest_column(self, state: _Layer, raw: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    recalled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unrecalled cold pages as one column per query row: its logit (the logsumexp of their
+        tokens' logits ``raw`` [H, G, Q, T]) and its value (the pages' mean values weighed by each page's
+        share) -> [H, G, Q], [H, G, Q, D]. -inf and zeros where no such page is."""
+        heads, group, q_len, total = raw.shape
+        if not bool((state.cold & ~self._staged(state)).any()):
+            return raw.new_full((heads, group, q_len), float("-inf")), raw.new_zeros(heads, group, q_len, values.shape[-1])
+        _, valid, _, token = self.paged(state, keys)  # [H, N, P]
+        safe = token.clamp(max=total - 1)
+        member = valid & ~recalled.gather(1, safe.flatten(1)).view_as(valid)  # recalled pages hold none
+        page_logits = raw.gather(3, safe.flatten(1).view(heads, 1, 1, -1).expand(heads, group, q_len, -1))
+        page_logits = page_logits.view(heads, group, q_len, *valid.shape[1:])
+        page_logits = page_logits.masked_fill(~member.view(heads, 1, 1, *valid.shape[1:]), float("-inf"))
+        weight = page_logits.logsumexp(dim=-1)  # [H, G, Q, N]
+        count = member.sum(-1, keepdim=True)  # [H, N, 1]
+        page_values = values.float().gather(1, safe.flatten(1).unsqueeze(-1).expand(-1, -1, values.shape[-1]))
+        page_values = (page_values.view(heads, *valid.shape[1:], -1) * member.unsqueeze(-1)).sum(2)
+        mean = page_values / count.clamp(min=1)  # [H, N, D]
+        logit = weight.logsumexp(dim=-1)  # [H, G, Q]
+        share = (weight - logit.unsqueeze(-1)).exp().nan_to_num(0.0)  # -inf - -inf: no page at all
+        return logit, torch.einsum("hgqn,hnd->hgqd", share, mean)
 
     def _score_and_evict(self, state: _Layer, mass, recalled, start, total) -> None:
         decay = self.policy.decay

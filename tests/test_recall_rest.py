@@ -1,0 +1,69 @@
+"""The masked reference's rest term (``MaskedRecall(rest=True)``): the cold pages it does not recall still
+count, one column each, against the full cache and a slow loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, build_model
+
+from h2ochat.recall.masked import MaskedRecall, _Layer
+
+
+@pytest.mark.parametrize("grouping", ["index", "eviction"])
+def test_the_rest_with_pages_of_one_token_is_the_full_cache(family, seed, grouping):
+    """Every cold token is recalled, staged or a page of its own in the rest, whose mean value is its
+    value and whose weight its logit: the attention is the full cache's, with few recall slots."""
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+    MaskedRecall.attach(model)
+    ids = torch.randint(3, VOCAB, (1, 60))
+    layers = model.config.num_hidden_layers
+    full = MaskedRecall(layers, "full", 10**6, 0, 1)
+    rest = MaskedRecall(layers, "h2o", 8, 2, 1, "exact", grouping=grouping, staged=True, rest=True)
+    without = MaskedRecall(layers, "h2o", 8, 2, 1, "exact", grouping=grouping, staged=True)
+    pieces = [ids[:, :20], ids[:, 20:50], *[ids[:, i : i + 1] for i in range(50, 60)]]
+    differs = False
+    for piece in pieces:
+        want = full.forward(model, piece)
+        torch.testing.assert_close(rest.forward(model, piece), want, atol=1e-4, rtol=1e-4)
+        differs |= not torch.allclose(without.forward(model, piece), want, atol=1e-3, rtol=1e-3)
+    assert differs  # without the rest, two recall slots are not the full cache: the test can tell
+    assert all(int(layer.cold.sum()) > 20 for layer in rest.layers)  # most tokens went cold
+
+
+def test_the_rest_column_is_each_unrecalled_pages_weight_and_mean_value(seed):
+    """``rest_column`` against a loop over heads, query rows and pages (pages by token index)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, group, q_len, total, page, dim = 2, 3, 2, 23, 4, 5
+    cold = torch.rand(heads, total, generator=g) < 0.7
+    cold[:, -q_len:] = False  # the step's new tokens
+    recalled = cold & (torch.arange(total) // page == 1)  # page 1 of each head is recalled
+    state = _Layer(~cold, cold, torch.zeros(heads, total), torch.full((heads, total), -1), torch.zeros(heads, total),
+                   cold.sum(1), recalled)
+    keys, values = torch.randn(heads, total, dim, generator=g), torch.randn(heads, total, dim, generator=g)
+    raw = torch.randn(heads, group, q_len, total, generator=g)
+    sim = MaskedRecall(1, "h2o", 4, 8, page, rest=True)
+    logit, value = sim.rest_column(state, raw, keys, values, recalled)
+    for h in range(heads):
+        pages = {}
+        for t in range(total):
+            if cold[h, t] and not recalled[h, t]:
+                pages.setdefault(t // page, []).append(t)
+        for gq in range(group):
+            for q in range(q_len):
+                weights = torch.stack([raw[h, gq, q, members].logsumexp(0) for members in pages.values()])
+                means = torch.stack([values[h, members].mean(0) for members in pages.values()])
+                share = (weights - weights.logsumexp(0)).exp()
+                torch.testing.assert_close(logit[h, gq, q], weights.logsumexp(0))
+                torch.testing.assert_close(value[h, gq, q], (share.unsqueeze(-1) * means).sum(0))
+
+
+def test_no_cold_page_leaves_no_rest(seed):
+    heads, total = 2, 6
+    none = torch.zeros(heads, total, dtype=torch.bool)
+    state = _Layer(~none, none, torch.zeros(heads, total), torch.full((heads, total), -1), torch.zeros(heads, total),
+                   torch.zeros(heads, dtype=torch.long), none)
+    sim = MaskedRecall(1, "h2o", 4, 8, 2, rest=True)
+    logit, value = sim.rest_column(state, torch.randn(heads, 1, 1, total), torch.randn(heads, total, 3),
+                                   torch.randn(heads, total, 3), none)
+    assert bool((logit == float("-inf")).all()) and bool((value == 0).all())
