@@ -71,6 +71,7 @@ def main() -> None:
                         help="before: the recall rows' decode steps choose their pages before the step with the last "
                              "step's queries, as a GPU's compiled step does (in-step: with their own queries, the "
                              "eager step's rule and a CPU's compiled step's)")
+    parser.add_argument("--recall-rest", default="off", help="the recall rows' --recall-rest (off or pages)")
     parser.add_argument("--masked", choices=("off", "plain", "rest"), default="off",
                         help="the recall rows through the masked reference (recall.masked, fp32, staged as the real "
                              "tier stages) instead of the cache: plain, or with the rest (the cold pages not recalled "
@@ -92,7 +93,7 @@ def main() -> None:
     for cold_dtype in cold_dtypes:
         for every in everys:
             recalls = ev.recall_settings(args.recall, args.page, selector=args.selector, cold_dtype=cold_dtype,
-                                         recall_every=every)
+                                         recall_every=every, recall_rest=args.recall_rest)
             tag = ("" if cold_dtype in ("auto", "same") else f" cold {cold_dtype}") + ("" if every == 1 else f" every {every}")
             tag += "" if args.question_chunk == 1 else f" question in chunks of {args.question_chunk}"
             tag += " pages chosen before each decode step" if args.decode_rule == "before" else ""

@@ -40,6 +40,7 @@ class CacheSettings:
     cold_limit: int | None = None
     recall_every: int = 1
     recall_decode_rule: str = "in-step"  # a compiled step's choice of pages (``RecallConfig.decode_rule``)
+    recall_rest: str = "off"  # the cold pages not recalled: left out, or "pages" (recall.rest)
     # how the slots hold keys and values (kv.slot_format): auto (the model's dtype), a float type, int8, int4
     kv_dtype: str = "auto"
 
@@ -54,7 +55,8 @@ class CacheSettings:
         from .recall.tiered import RecallConfig, recall_slots
 
         return RecallConfig(recall_slots(spec, slots), self.page, self.selector, self.cold_dtype,
-                            self.cold_limit, self.recall_every, decode_rule=self.recall_decode_rule)
+                            self.cold_limit, self.recall_every, decode_rule=self.recall_decode_rule,
+                            rest=self.recall_rest)
 
     def resolved_policy(self) -> Policy:
         """The policy with the knobs given on the command line applied."""

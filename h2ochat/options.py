@@ -65,6 +65,10 @@ RecallEvery = Annotated[int, typer.Option("--recall-every", min=1, rich_help_pan
 RecallDecodeRule = Annotated[str, typer.Option("--recall-decode-rule", rich_help_panel=CACHE,
     help="With --recall: when a compiled decode step chooses its pages: in-step (with its own queries, as an "
          "eager step does) or before (before the step, with the last step's: a GPU's compiled step always does).")]
+RecallRest = Annotated[str, typer.Option("--recall-rest", rich_help_panel=CACHE,
+    help="With --recall: the cold pages a step does not recall are left out of its attention (off) or still "
+         "attended, one column for all of them (pages: each page's exact weight and mean value; every cold key "
+         "read every step; eager steps only).")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, rich_help_panel=CACHE,
     help="Prompt tokens fed per forward; peak KV memory is slots + chunk whatever the prompt length.")]
 
@@ -81,7 +85,7 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT, help="Prin
 def cache_settings(policy: str, budget: str, heavy_ratio: float | None, sinks: int | None, positions: str,
                    seed: int | None, decay: float | None = None, kv_dtype: str = "auto", **recall) -> CacheSettings:
     """``recall``: the two-tier fields (recall, page, selector, cold_dtype, cold_limit, recall_every,
-    recall_decode_rule)."""
+    recall_decode_rule, recall_rest)."""
     return checked_cache(policy=policy, budget=budget, heavy_ratio=heavy_ratio, sinks=sinks, decay=decay,
                          positions=positions, seed=seed, kv_dtype=kv_dtype, **recall)
 
@@ -107,14 +111,15 @@ DEFAULTS = dict(model=DEFAULT_MODEL, device="auto", dtype="auto", budget="0.2", 
                 sinks=None, positions="compact", prefill_chunk=DEFAULT_PREFILL_CHUNK, temperature=0.0, top_p=1.0, top_k=0,
                 # the two-tier options' defaults are CacheSettings' own: one place to change them
                 **{name: getattr(CacheSettings, name) for name in ("page", "selector", "cold_dtype", "recall_every",
-                                                               "recall_decode_rule")})
+                                                               "recall_decode_rule", "recall_rest")})
 
 
 # the two-tier options, as CacheSettings names them: (annotation, default)
 RECALL_OPTIONS = {"recall": (Recall, None), "page": (Page, DEFAULTS["page"]), "selector": (Selector, DEFAULTS["selector"]),
                   "cold_dtype": (ColdDtype, DEFAULTS["cold_dtype"]), "cold_limit": (ColdLimit, None),
                   "recall_every": (RecallEvery, DEFAULTS["recall_every"]),
-                  "recall_decode_rule": (RecallDecodeRule, DEFAULTS["recall_decode_rule"])}
+                  "recall_decode_rule": (RecallDecodeRule, DEFAULTS["recall_decode_rule"]),
+                  "recall_rest": (RecallRest, DEFAULTS["recall_rest"])}
 
 # every CacheSettings field a command line sets (all but the seed, which is the sampling's --seed), in
 # the order --help lists them; the defaults are the dataclass's (``takes_cache_options``)

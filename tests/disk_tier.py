@@ -43,6 +43,9 @@ class DiskTier:
     def before_attention(self, port: TierPort, query, new_valid, context) -> None:
         pass
 
+    def rest_column(self, port: TierPort, query, scale, context) -> None:
+        return None
+
     def before_insert(self, port: TierPort) -> None:
         pass
 

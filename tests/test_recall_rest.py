@@ -7,7 +7,13 @@ import pytest
 import torch
 from conftest import VOCAB, build_model
 
+from conftest import EXACT, recall_cache
+from h2ochat.engine.attention import use_h2o_attention
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import max_positions
 from h2ochat.recall.masked import MaskedRecall, _Layer
+from h2ochat.recall.tiered import RecallConfig
+from h2ochat.rotary import find_rotary
 
 
 @pytest.mark.parametrize("grouping", ["index", "eviction"])
@@ -67,3 +73,49 @@ def test_no_cold_page_leaves_no_rest(seed):
     logit, value = sim.rest_column(state, torch.randn(heads, 1, 1, total), torch.randn(heads, total, 3),
                                    torch.randn(heads, total, 3), none)
     assert bool((logit == float("-inf")).all()) and bool((value == 0).all())
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_recall_tiers_rest_is_the_masked_references(family, seed, kv_dtype):
+    """``--recall-rest pages`` through the two-tier cache: the same logits at every step (chunks, then
+    decode steps past several staging flushes) as the masked reference attending the same rest; and
+    different logits from the same cache without it (the rest is attended)."""
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+    layers = model.config.num_hidden_layers
+
+    def real(rest):
+        config = RecallConfig(8, 4, "exact", cold_dtype=EXACT, rest=rest)
+        return recall_cache(layers, "h2o", 12, recall=config, max_positions=max_positions(model.config),
+                            positions="absolute", rotary=find_rotary(model), kv_dtype=kv_dtype)
+
+    with_rest, without = real("pages"), real("off")
+    masked = MaskedRecall(layers, "h2o", 12, 8, 4, "exact", grouping="eviction", staged=True, rest=True)
+    ids = torch.randint(3, VOCAB, (1, 70))
+    differs = False
+    for piece in [ids[:, :20], ids[:, 20:45], *[ids[:, i : i + 1] for i in range(45, 70)]]:
+        MaskedRecall.attach(model)
+        want = masked.forward(model, piece)
+        use_h2o_attention(model)
+        got = forward(model, with_rest, piece, logits_to_keep=1)[:, -1]
+        other = forward(model, without, piece, logits_to_keep=1)[:, -1]
+        tol = 2e-4 if kv_dtype == "auto" else 5e-2  # (int8 slots: the reference holds the floats)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        differs |= not torch.allclose(other, want, atol=1e-3, rtol=1e-3)
+    assert differs
+    assert all(int(layer.tier.cold.count.min()) > 8 for layer in with_rest.layers)  # several pages went cold
+
+
+def test_rest_is_refused_unless_it_is_a_mode():
+    with pytest.raises(ValueError, match="--recall-rest must be one of off, pages"):
+        RecallConfig(8, 4, rest="all")
+
+
+def test_a_cache_with_the_rest_decodes_eagerly(family, seed):
+    model = build_model(family, seed=seed, max_position_embeddings=256)
+
+    def cache(rest):
+        return recall_cache(model.config.num_hidden_layers, "h2o", 12, recall=RecallConfig(8, 4, rest=rest),
+                            max_positions=256)
+
+    assert "--recall-rest runs eagerly" in cache("pages").compile_blocker()
+    assert cache("off").compile_blocker() is None

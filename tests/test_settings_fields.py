@@ -47,6 +47,7 @@ SAMPLE = {
     "cold_limit": ("64", 64),
     "recall_every": ("2", 2),
     "recall_decode_rule": ("before", "before"),
+    "recall_rest": ("pages", "pages"),
     "kv_dtype": ("float16", "float16"),  # (a float cast: it goes with the sample --recall)
 }
 

@@ -192,7 +192,7 @@ def check_recall(settings: CacheSettings) -> None:
 
     with user_input():
         RecallConfig.check_options(settings.page, settings.selector, settings.cold_dtype, settings.cold_limit,
-                                   settings.recall_every, settings.recall_decode_rule)
+                                   settings.recall_every, settings.recall_decode_rule, settings.recall_rest)
         if not is_off(settings.recall) and settings.recall != AUTO and settings.resolved_policy().grows:
             raise ValueError(f"--recall needs a policy that evicts: {settings.policy} keeps every token on the "
                              "device, so nothing would ever be recalled (drop --recall or choose another --policy)")

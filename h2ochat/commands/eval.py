@@ -80,6 +80,7 @@ def eval_command(
     cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
     cold_limit: o.ColdLimit = None,
     recall_every: o.RecallEvery = o.DEFAULTS["recall_every"],
+    recall_rest: o.RecallRest = o.DEFAULTS["recall_rest"],
     chat_turns: Annotated[int, typer.Option("--chat-turns", rich_help_panel=o.CACHE,
         help="passkey: 0 plants the key in one text; N >= 3 runs a chat of N turns through the chat path: "
              "turn 1 states the key, turns 2..N-1 are filler (--lengths tokens in all) with short replies, "
@@ -96,7 +97,7 @@ def eval_command(
         if text is None and task in ("perplexity", "passkey"):
             raise ValueError(f"--task {task} needs --text (a plain-text file)")
         recalls = ev.recall_settings(recall, page, selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
-                                     recall_every=recall_every)
+                                     recall_every=recall_every, recall_rest=recall_rest)
         if plot is not None:
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
         kv_dtypes = ev.parse_kv_dtypes(kv_dtype)

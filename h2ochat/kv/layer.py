@@ -266,6 +266,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
             if columns is not None:
                 self._widen(columns)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
+        rest = self.tier.rest_column(self.port, grouped, scale, context)  # (what the slots do not hold)
         # (static_shapes is read first: a compiled step must not read, hence guard on, slots_in_use)
         if (context.static_shapes or self.slots_in_use >= self.capacity
                 or self.kernels.attends_every_column(q_len, self.slots_in_use, self.capacity, self.keys)):
@@ -275,7 +276,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
             width = self.slots_in_use
             slots, token_index, scores = self.slot_view(width), self.token_index[:, :, :width], self.scores[:, :, :width]
         out, new_scores = self.format.attend(self.kernels, grouped, slots, token_index, key, value, attend_valid,
-                                             scale, scores, self.rows.decay)
+                                             scale, scores, self.rows.decay, rest)
         self._insert(key, value, new_scores, new_valid, context)
         return out
 

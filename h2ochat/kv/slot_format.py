@@ -77,9 +77,9 @@ class FloatSlots:
         model's own; fp8 must be cast before it meets the slots, torch promotes nothing to float8)."""
         return {"keys": key.to(self.dtype), "values": value.to(self.dtype)}
 
-    def attend(self, backend, query, slots: dict, token_index, key, value, new_valid, scale, scores, decay):
+    def attend(self, backend, query, slots: dict, token_index, key, value, new_valid, scale, scores, decay, rest=None):
         return backend.attend_with_scores(query, slots["keys"], slots["values"], token_index, key, value, new_valid,
-                                          scale, scores, decay)
+                                          scale, scores, decay, rest=rest)
 
     def move_keys(self, slots: dict, delta: torch.Tensor, rotary) -> None:
         """RoPE keys turned by ``delta`` [B, Hkv, S] positions, in place."""
@@ -161,16 +161,18 @@ class QuantizedSlots:
         return self.quant.QuantSlots(self.bits, slots["key_scale"], slots["key_offset"], slots["value_scale"],
                                      slots["value_offset"], self.head_dim, self.value_dim)
 
-    def attend(self, backend, query, slots: dict, token_index, key, value, new_valid, scale, scores, decay):
+    def attend(self, backend, query, slots: dict, token_index, key, value, new_valid, scale, scores, decay, rest=None):
         """The attention over the codes (the backend dequantizes inside the step) and the new tokens
-        at full precision; for int4 the queries and new keys turned as the slots' keys were."""
+        at full precision; for int4 the queries and new keys turned as the slots' keys were (a ``rest``
+        column's logits are dot products: the turn changes none)."""
         query, key = self.turn(query), self.turn(key)
         quant = self.quant_slots(slots)
         if self.kernel_takes_quant:
             return backend.attend_with_scores(query, slots["keys"], slots["values"], token_index, key, value,
-                                              new_valid, scale, scores, decay, quant=quant)
+                                              new_valid, scale, scores, decay, quant=quant, rest=rest)
         keys, values = self.quant.dequantized_slots(slots["keys"], slots["values"], quant)
-        return backend.attend_with_scores(query, keys, values, token_index, key, value, new_valid, scale, scores, decay)
+        return backend.attend_with_scores(query, keys, values, token_index, key, value, new_valid, scale, scores, decay,
+                                          rest=rest)
 
     def keys_and_values(self, slots: dict, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots' keys (back in the model's frame) and values as floats [B, Hkv, S, D]."""

@@ -12,6 +12,8 @@ tier at fixed points of a step, always with its port and, where the step matters
 - ``reserve(port, q_len, context)``: before the step (from ``H2OCache.position_ids``, host counters
   only), room for whatever these tokens can evict;
 - ``before_attention(port, query, new_valid, context)``: e.g. bring recalled pages into its columns;
+- ``rest_column(port, query, scale, context)``: one more attention column per query row for what the
+  tier holds outside the slots (``reference.attend_with_scores``' ``rest``), or None;
 - ``before_insert(port)``: after the attention, before this step's scores rank anything;
 - ``archive(port, slot)``: a decode step evicts ``slot`` [B, Hkv] of each (sequence, KV head);
   called before the slot is overwritten (``port.victims(slot)`` reads what it holds), with exactly
@@ -60,6 +62,8 @@ class Tier(Protocol):
     def reserve(self, port: TierPort, q_len: int, context: StepContext) -> None: ...
     def before_attention(self, port: TierPort, query: torch.Tensor, new_valid: torch.Tensor | None,
                          context: StepContext) -> None: ...
+    def rest_column(self, port: TierPort, query: torch.Tensor, scale: float,
+                    context: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None: ...
     def before_insert(self, port: TierPort) -> None: ...
     def archive(self, port: TierPort, slot: torch.Tensor) -> None: ...
     def archive_dropped(self, port: TierPort, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
@@ -91,6 +95,9 @@ class NoTier:
 
     def before_attention(self, port, query, new_valid, context) -> None:
         pass
+
+    def rest_column(self, port, query, scale, context) -> None:
+        return None
 
     def before_insert(self, port) -> None:
         pass

@@ -70,7 +70,8 @@ class Row:
     def label(self) -> str:
         if self.recall is None:
             return self.policy_label
-        return f"{self.policy_label} + recall {self.recall_spec} ({self.recall.selector}, pages of {self.recall.page})"
+        return (f"{self.policy_label} + recall {self.recall_spec} ({self.recall.selector}, pages of {self.recall.page}"
+                f"{self.recall.rest_label})")
 
     def spec(self) -> RowSpec:
         return RowSpec(self.policy, self.slots, self.seed)
@@ -282,7 +283,8 @@ def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
 def describe_recalls(recalls: Sequence[CacheSettings]) -> list[dict] | None:
     """The recall settings of the rows, for the JSON report."""
     return [{"recall": r.recall, "page": r.page, "selector": r.selector, "cold_dtype": r.cold_dtype,
-             "cold_limit": r.cold_limit, "recall_every": r.recall_every} for r in recalls] or None
+             "cold_limit": r.cold_limit, "recall_every": r.recall_every, "recall_rest": r.recall_rest}
+            for r in recalls] or None
 
 
 # -- inputs --------------------------------------------------------------------------------------

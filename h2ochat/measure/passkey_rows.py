@@ -58,7 +58,7 @@ def _rows_of_one_format(policies, budgets, recalls, recall_chunk, masked, extra,
                 config = settings_r.recall_config(slots)  # bad recall settings fail before the model loads
                 settings_r.validate()
                 name = (f"{policy.label} {slots} = {slots - config.slots} hot + {config.slots} recall "
-                        f"({config.selector}, pages of {config.page}){tag}")
+                        f"({config.selector}, pages of {config.page}{config.rest_label}){tag}")
                 rows.append(CacheRow(name, settings_r, question_chunk=recall_chunk, measure=True))
                 if masked and not tag:  # (the masked reference holds float keys)
                     rows.append(MaskedRow(f"{name}; masked reference", spec, slots - config.slots, config.slots,

@@ -3,12 +3,11 @@ whole cache (``RecallSpec``): the layer's R extra slot columns hold recalled pag
 to a cold store and its device digest.
 
 A token the policy evicts is archived before its slot is overwritten: a decode step's victim
-(``archive``: exactly the one the layer's eviction then writes over) waits on the staging page, the
-last P of the R recall columns (``step.StagingPage``), and the page goes to the cold store and the
-digest at once every P decode steps (``flush``); a chunk's dropped candidates (``archive_dropped``)
-go straight there, in token order, after the staging page. Staged tokens are the newest evicted:
-they are attended exactly (their columns are slots like the others); the pages the selector scores
-are the flushed ones.
+(``archive``: the one the layer's eviction then writes over) waits on the staging page, the last P
+of the R recall columns (``step.StagingPage``), which goes to the cold store and the digest every P
+decode steps (``flush``); a chunk's dropped candidates (``archive_dropped``) go straight there, in
+token order, after the staging page. Staged tokens are attended exactly (their columns are slots);
+the selector scores the flushed pages.
 
 The choice of pages runs before a step, eagerly (``reserve``, called by ``H2OCache.position_ids``):
 every prefill chunk chooses with all its queries (the group's query heads times its tokens, in
@@ -16,19 +15,16 @@ every prefill chunk chooses with all its queries (the group's query heads times 
 own queries (in ``before_attention``; a CPU's compiled step calls the same choice as an op of its graph,
 ``graph_choice``), or, by the "before" rule (``RecallConfig.decode_rule``, and a GPU's static-shape
 cache), before the step with the last step's queries (prefetch: the pages a step picks are loaded for
-the next one, as FreeKV and ArkVale do; measured, the one-step lag lost held-out keys: 38/60 against
-43/60 at 128 slots, so the default does not prefetch). The best R / P - 1 pages go into the recall frames
-(``RecallFrames``: a page already there is not copied again). The attention attends every slot whose token index is >= 0,
-so hot, recalled and staged tokens share one softmax; the recall columns' scores are cleared before
-each eviction (they rank nothing). A decode step that neither flushes nor chooses adds to h2o's step
-only the staging write, the copy of its queries and the statistics.
+the next one, as FreeKV and ArkVale do; the one-step lag lost held-out keys, 38/60 against 43/60 at 128
+slots, so the default does not prefetch). The best R / P - 1 pages go into the recall frames
+(``RecallFrames``: a page already there is not copied again). Hot, recalled and staged tokens share one
+softmax; the recall columns' scores are cleared before each eviction (they rank nothing).
 
 Compact positions: a re-numbering moves the recall columns with the hot ones (the layer's slots);
 the cold store's positions follow with the same function (a cold token takes the number of the first
 held position after it) and the digest is re-encoded from the cold keys at their new positions
-(RoPE), so pages are scored as they will be attended. (Letting cold positions join the distinct set
-instead, for exact distances between cold tokens, changed SmolLM2's perplexity past a 256-position
-limit by 0.1%: 41.42 against 41.47, 40.74 with no re-numbering at all; not worth the extra compaction.)
+(RoPE), so pages are scored as they will be attended. (Cold positions joining the distinct set changed
+SmolLM2's perplexity past a 256-position limit by 0.1%, 41.42 against 41.47: not worth it.)
 
 Quantized slots (``--kv-dtype int8/int4``, ``kv.slot_format``): the recall and staging columns are
 the layer's, so they hold codes with per-slot scales and offsets. A victim is staged with its codes
@@ -36,18 +32,16 @@ and scales; the cold store and the digest take the dequantized floats (int4 keys
 frame, un-turned); a recalled page is encoded as the layer encodes new tokens, which gives back the
 codes it held (min-max codes of their own dequantized values: the same, up to float rounding). After
 a re-numbering the digest is rebuilt from the moved cold keys encoded and decoded so, as a recalled
-page will attend them. (The cold store keeping the codes themselves, a quarter of the host bytes of
-fp32, is not done: the floats are simpler to move, rotate and score.)
+page will attend them. ``--recall-rest pages``: the cold pages not recalled join the attention as one
+column (``rest``), computed eagerly after the choice.
 
-On a CPU with AVX512-BF16 (the cold store in the step's memory) the eager decode step's choice of pages
-(scores, plan and copy), its staging and a flush's append are each one C call a layer (``native``: the
-same pages and logits, measured 1.89x -> ~1.13x h2o's step at 2K tokens), a server's step with rows left
-out and int8 slots included; elsewhere the torch routes below.
+On a CPU with AVX512-BF16 the eager decode step's choice of pages (scores, plan and copy), its staging and
+a flush's append are each one C call a layer (``native``: the same pages and logits, 1.89x -> ~1.13x h2o's
+step at 2K tokens), rows left out and int8 slots included; elsewhere the torch routes below.
 
-The decode step's graph reads no host value and touches no store that grows: the compiled decode
-step takes it as one static graph whatever the length and the cadence (the flush, the cadence, the
-cold store's growth and a re-numbering run before it; the choice of pages, an opaque op, inside it). On a GPU the cold store is pinned host
-memory (see ``step``'s docstring and ``cold_store``'s zero-copy route).
+The decode step's graph reads no host value and touches no store that grows: one static graph whatever
+the length and the cadence (flush, cadence, growth and re-numbering run before it; the choice of pages, an
+opaque op, inside it). On a GPU the cold store is pinned host memory (``step``, ``cold_store``).
 """
 
 from __future__ import annotations
@@ -65,6 +59,7 @@ from . import graph_choice, native
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
+from .rest import rest_column
 from .row_cadence import RowCadence
 from .selector_names import resolved_selector
 from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
@@ -275,6 +270,13 @@ class RecallTier(RecallRowMoves):
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
+
+    def rest_column(self, port, query, scale, context):
+        """--recall-rest pages: the cold pages the frames do not hold, one attention column (``rest``);
+        None without it, and in a compiled step (``RecallSpec.compile_blocker`` keeps such caches eager)."""
+        if self.config.rest == "off" or context.compiled:
+            return None
+        return rest_column(self.cold, self.frames.frame_page, query, scale, context.rotary)
 
     def choose_prepared(self, queries: torch.Tensor, given: list[torch.Tensor]) -> None:
         """The compiled step's op (``graph_choice``), at run time: the eager step's choice for the step

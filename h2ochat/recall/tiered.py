@@ -14,6 +14,7 @@ from .two_stage import SUMMARY_CAP
 
 
 DECODE_RULES = ("in-step", "before")
+REST_MODES = ("off", "pages")  # --recall-rest: the cold pages not recalled left out, or attended a column each (recall.rest)
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,11 @@ class RecallConfig:
     # its own queries, as the eager step does (a CPU graph calls the choice as an op: ``graph_choice``),
     # or "before" it with the last step's queries (prefetch; what a GPU's CUDA graph always does)
     decode_rule: str = "in-step"
+    rest: str = "off"  # "pages": the cold pages a step does not recall still attended, one column (recall.rest)
 
     def __post_init__(self):
-        self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every, self.decode_rule)
+        self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every, self.decode_rule,
+                           self.rest)
         if self.slots < 2 * self.page or self.slots % self.page:
             raise ValueError(f"--recall {self.slots} must be a whole number (>= 2) of --page {self.page} pages "
                              "(the last one stages evicted tokens)")
@@ -48,7 +51,7 @@ class RecallConfig:
 
     @staticmethod
     def check_options(page: int, selector: str, cold_dtype: str, cold_limit: int | None, every: int,
-                      decode_rule: str) -> None:
+                      decode_rule: str, rest: str = "off") -> None:
         """The options that do not depend on the slot count, so they can be refused while recall is off
         too (a later --recall would fail on them)."""
         if isinstance(page, bool) or not isinstance(page, int) or page < 1:  # before any `% page`
@@ -59,8 +62,15 @@ class RecallConfig:
             raise ValueError(f"--recall-every must be >= 1, got {every}")
         if decode_rule not in DECODE_RULES:
             raise ValueError(f"--recall-decode-rule must be one of {', '.join(DECODE_RULES)}, got {decode_rule!r}")
+        if rest not in REST_MODES:
+            raise ValueError(f"--recall-rest must be one of {', '.join(REST_MODES)}, got {rest!r}")
         cold_dtype_named(cold_dtype)  # here, not when the first layer allocates mid-run
         _selector_kind(selector)
+
+    @property
+    def rest_label(self) -> str:
+        """What a row's label adds for ``--recall-rest`` (nothing when off)."""
+        return "" if self.rest == "off" else f", the rest as {self.rest}"
 
     @property
     def frames(self) -> int:
