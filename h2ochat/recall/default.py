@@ -23,6 +23,10 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
   measured on held-out text at 7x its slots (past SmolLM2's 8,192 positions); probed at 4.5x (7,400
   tokens, 24 trials a row): recall 9, the full cache 8, h2o alone 4
   (results_recall_heldout_passkey_default_budget_s59.json).
+- ``--recall-rest pages`` (``recall.rest``, session 60) is not part of the rule: at 512 slots it found 78
+  of the full cache's 82 keys over 180 held-out trials where recall alone found 71, but a step with it costs
+  4.23x h2o's at 2K tokens against 1.13x without (results_recall_heldout_passkey_512_rest_s60.json,
+  results_recall_rest_cost_s60.json), so it stays off unless asked.
 
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,
