@@ -122,3 +122,14 @@ def lockstep(first, second, logits, steps: int, *, atol=1e-5, rtol=1e-5, recorde
         if caches is not None and not kept_agree_or_tie(*caches, recorder, f"{where} step {step}", rows):
             return step
     return steps
+
+
+def matches_the_full_reference(model, pieces, full, matching, differing) -> None:
+    """Each piece through three masked references (``recall.masked.MaskedRecall``): ``matching`` gives
+    ``full``'s logits after every piece, ``differing`` not after some piece (so the check can tell)."""
+    differs = False
+    for piece in pieces:
+        want = full.forward(model, piece)
+        torch.testing.assert_close(matching.forward(model, piece), want, atol=1e-4, rtol=1e-4)
+        differs |= not torch.allclose(differing.forward(model, piece), want, atol=1e-3, rtol=1e-3)
+    assert differs
