@@ -116,9 +116,9 @@ def test_long_prompt_is_prefilled_in_bounded_memory(family, monkeypatch):
     widest = []
     attend = h2ochat_kernels.Backend.attend_with_scores  # what every layer's kernels run
 
-    def recording(backend, query, cache_keys, *args):
+    def recording(backend, query, cache_keys, *args, **options):
         widest.append(cache_keys.shape[2] + query.shape[3])
-        return attend(backend, query, cache_keys, *args)
+        return attend(backend, query, cache_keys, *args, **options)
 
     monkeypatch.setattr(h2ochat_kernels.Backend, "attend_with_scores", recording)
     cache = CacheSettings(budget="16").build(model)

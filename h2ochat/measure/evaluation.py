@@ -282,9 +282,8 @@ def records(results: Sequence[RowResult], budgets: Sequence[int]) -> list[dict]:
 
 def describe_recalls(recalls: Sequence[CacheSettings]) -> list[dict] | None:
     """The recall settings of the rows, for the JSON report."""
-    return [{"recall": r.recall, "page": r.page, "selector": r.selector, "cold_dtype": r.cold_dtype,
-             "cold_limit": r.cold_limit, "recall_every": r.recall_every, "recall_rest": r.recall_rest}
-            for r in recalls] or None
+    names = ("recall", "page", "selector", "cold_dtype", "cold_limit", "recall_every", "recall_rest")
+    return [{name: getattr(r, name) for name in names} for r in recalls] or None
 
 
 # -- inputs --------------------------------------------------------------------------------------
