@@ -43,3 +43,15 @@ def rest_rows(rest, batch: int, kv_heads: int, start: int = 0, stop: int | None 
     logit, value = rest
     logit, value = logit[:, :, :, start:stop], value[:, :, :, start:stop]
     return (f32(logit).reshape(batch, kv_heads, -1, 1), f32(value).reshape(batch, kv_heads, -1, value.shape[-1]))
+
+
+def softmax_beside_rest(logits: torch.Tensor, rest, batch: int, kv_heads: int, start: int = 0,
+                        stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The softmax over ``logits`` [B, Hkv, M, W] and, where a recall tier hands one, its rest column for
+    query tokens ``start:stop`` (``rest_rows``): (the probabilities of the W columns, the rest's part of
+    the output [B, Hkv, M, D], or None without a rest)."""
+    if rest is None:
+        return logits.softmax(dim=-1), None
+    rest_logit, rest_value = rest_rows(rest, batch, kv_heads, start, stop)
+    probs = torch.cat([logits, rest_logit], dim=-1).softmax(dim=-1)
+    return probs[..., :-1], probs[..., -1:] * rest_value

@@ -33,9 +33,9 @@ def rest_column(cold: ColdStore, frame_page: torch.Tensor, queries: torch.Tensor
     [B, H, F]: the pages the recall frames hold (-1: none), left out."""
     batch, heads, group, q_len, dim = queries.shape
     page = cold.page
-    if int(cold.count.max()) == 0:
+    pages = int(cold.held()[1].max())  # (one host read: 0 while no row has a cold token)
+    if pages == 0:
         return None
-    pages = int(cold.held()[1].max())
     page_ids = torch.arange(pages, device=frame_page.device).expand(batch, heads, pages)
     keys, values, token_index, _ = cold.pages(page_ids, rotary)  # [B, H, N*P, ...], -1 where absent
     recalled = (page_ids.unsqueeze(-1) == frame_page.unsqueeze(-2)).any(-1)  # [B, H, N]
