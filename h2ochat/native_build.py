@@ -87,9 +87,10 @@ def checked(what: str, path: Path, command: str, bind, agrees) -> tuple[object |
     return kernel, ""
 
 
-def signed(library: Path, name: str, argtypes: list):
-    """The C function ``name`` of ``library`` with these argument types, returning nothing."""
+def signed(library: Path, name: str, argtypes: list, returns=None):
+    """The C function ``name`` of ``library`` with these argument types, returning ``returns`` (a ctypes
+    type; None: nothing)."""
     function = getattr(ctypes.CDLL(str(library)), name)
     function.argtypes = argtypes
-    function.restype = None
+    function.restype = returns
     return function

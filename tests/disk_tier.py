@@ -40,10 +40,7 @@ class DiskTier:
     def reserve(self, port: TierPort, q_len: int, context) -> None:
         pass
 
-    def before_attention(self, port: TierPort, query, new_valid, context) -> None:
-        pass
-
-    def rest_column(self, port: TierPort, query, scale, context) -> None:
+    def before_attention(self, port: TierPort, query, new_valid, scale, context) -> None:
         return None
 
     def before_insert(self, port: TierPort) -> None:

@@ -212,8 +212,8 @@ def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, mon
     chosen = set()  # (queries, head dim) of each choice the C kernel made
     call = native.DecodeChoice.__call__
 
-    def spied(self, queries, scored, rows=True):
-        taken = call(self, queries, scored, rows)
+    def spied(self, queries, scored, rows=True, rest_scale=None):
+        taken = call(self, queries, scored, rows, rest_scale)
         if taken and self.cold.count.any():
             chosen.add(tuple(queries.shape[2:]))
         return taken
@@ -237,8 +237,8 @@ def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch):
     chosen = []  # (queries, whether the store held a page) of each choice the C kernel made
     call = native.DecodeChoice.__call__
 
-    def spied(self, queries, scored, rows=True):
-        taken = call(self, queries, scored, rows)
+    def spied(self, queries, scored, rows=True, rest_scale=None):
+        taken = call(self, queries, scored, rows, rest_scale)
         if taken:
             chosen.append((queries.shape[2], bool(self.cold.count.any())))
         return taken

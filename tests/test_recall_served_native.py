@@ -70,8 +70,8 @@ def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypat
     calls = {"choice": 0, "stage": 0, "flush": 0}
     choice, stage, flush = native.DecodeChoice.__call__, native.Stager.__call__, native_store.Flusher.__call__
 
-    def counted_choice(self, queries, scored, rows=True):
-        done = choice(self, queries, scored, rows)
+    def counted_choice(self, queries, scored, rows=True, rest_scale=None):
+        done = choice(self, queries, scored, rows, rest_scale)
         calls["choice"] += done and rows is not True
         return done
 

@@ -260,13 +260,12 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
         # a row left out of a decode step (``StepNumbers.active``) is a padding token to the attention:
         # it changes no score (no decay either)
         attend_valid = new_valid if step.active is None else step.active.view(batch, 1)
-        self.tier.before_attention(self.port, query, new_valid, context)
+        rest = self.tier.before_attention(self.port, query, new_valid, scale, context)  # (what the slots do not hold)
         if context.kind.grows:  # the full cache (kv.full) makes room before the step
             columns = context.kind.columns_needed(self.slots_in_use, self.capacity, q_len)
             if columns is not None:
                 self._widen(columns)
         grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, head_dim)
-        rest = self.tier.rest_column(self.port, grouped, scale, context)  # (what the slots do not hold)
         # (static_shapes is read first: a compiled step must not read, hence guard on, slots_in_use)
         if (context.static_shapes or self.slots_in_use >= self.capacity
                 or self.kernels.attends_every_column(q_len, self.slots_in_use, self.capacity, self.keys)):

@@ -11,9 +11,9 @@ tier at fixed points of a step, always with its port and, where the step matters
 - ``allocate(port, batch, heads, head_dim, value_dim, dtype, device)``: the layer's slots exist;
 - ``reserve(port, q_len, context)``: before the step (from ``H2OCache.position_ids``, host counters
   only), room for whatever these tokens can evict;
-- ``before_attention(port, query, new_valid, context)``: e.g. bring recalled pages into its columns;
-- ``rest_column(port, query, scale, context)``: one more attention column per query row for what the
-  tier holds outside the slots (``reference.attend_with_scores``' ``rest``), or None;
+- ``before_attention(port, query, new_valid, scale, context)``: e.g. bring recalled pages into its
+  columns; returns one more attention column per query row for what the tier holds outside the slots
+  (``reference.attend_with_scores``' ``rest``; ``scale``: the attention's), or None;
 - ``before_insert(port)``: after the attention, before this step's scores rank anything;
 - ``archive(port, slot)``: a decode step evicts ``slot`` [B, Hkv] of each (sequence, KV head);
   called before the slot is overwritten (``port.victims(slot)`` reads what it holds), with exactly
@@ -60,10 +60,8 @@ class Tier(Protocol):
     def empty_value(self, name: str) -> int: ...
     def reset(self) -> None: ...
     def reserve(self, port: TierPort, q_len: int, context: StepContext) -> None: ...
-    def before_attention(self, port: TierPort, query: torch.Tensor, new_valid: torch.Tensor | None,
-                         context: StepContext) -> None: ...
-    def rest_column(self, port: TierPort, query: torch.Tensor, scale: float,
-                    context: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def before_attention(self, port: TierPort, query: torch.Tensor, new_valid: torch.Tensor | None, scale: float,
+                         context: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None: ...
     def before_insert(self, port: TierPort) -> None: ...
     def archive(self, port: TierPort, slot: torch.Tensor) -> None: ...
     def archive_dropped(self, port: TierPort, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
@@ -93,10 +91,7 @@ class NoTier:
     def reserve(self, port, q_len: int, context) -> None:
         pass
 
-    def before_attention(self, port, query, new_valid, context) -> None:
-        pass
-
-    def rest_column(self, port, query, scale, context) -> None:
+    def before_attention(self, port, query, new_valid, scale, context) -> None:
         return None
 
     def before_insert(self, port) -> None:

@@ -84,7 +84,8 @@ def _bind(library: Path) -> Kernels:
                                                    + [pointer, ctypes.c_float]),
                    recall_step=native_build.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
-                                                   + [size] * 2 + [pointer] * 2 + [ctypes.c_float]),
+                                                   + [size] * 2 + [pointer] * 2 + [ctypes.c_float] * 2
+                                                   + [pointer] * 2, returns=size),
                    stage=native_build.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
                                              + [pointer, size]),
                    cold_append=native_build.signed(library, "h2ochat_cold_append", store_writes),
@@ -286,6 +287,7 @@ class DecodeChoice:
         self.state = [t.data_ptr() for t in (self.wanted, frames.frame_page, frames.last_used, frames.clock,
                                              frames.copied, frames.complete, self.load)]
         self.store, self.sources = None, None  # the store's places the sources point into (a grown store: new ones)
+        self.rest_out = self.rest = None  # (the rest's logit [B, H, M] and value [B, H, M, Dv]; the last call's)
 
     @classmethod
     def of(cls, cold, frames, slots: dict[str, torch.Tensor], keys_in_place: bool) -> "DecodeChoice | None":
@@ -302,12 +304,15 @@ class DecodeChoice:
             return None
         return cls(kernels, cold, frames, slots, scales)
 
-    def __call__(self, queries: torch.Tensor, scored: int, rows: bool | list[bool] = True) -> bool:
+    def __call__(self, queries: torch.Tensor, scored: int, rows: bool | list[bool] = True,
+                 rest_scale: float | None = None) -> bool:
         """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots, by the
-        rows ``rows`` (True: every row; else a boolean per row)."""
+        rows ``rows`` (True: every row; False: none; else a boolean per row). ``rest_scale``: the attention's
+        scale, and every row's rest column (``recall.rest``) left in ``rest`` from the same q.k, as a decode
+        step's attention takes it ([B, H, M, 1], [B, H, M, 1, Dv]; None while no row holds a cold token)."""
         if queries.dtype != torch.bfloat16 or torch.compiler.is_compiling():
             return False
-        choosing = None if rows is True else row_bytes(rows)
+        choosing = None if rows is True else row_bytes(rows if rows is not False else [False] * queries.shape[0])
         cold = self.cold
         queries = queries.contiguous()
         batch, heads, count, dim = queries.shape
@@ -315,10 +320,17 @@ class DecodeChoice:
         places = store_places(buffers)
         if places != self.store:
             self.store, self.sources = places, (Strided * 5)(*(Strided.of(t) for t in buffers))
-        self.kernels.recall_step(queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
-                                 self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets,
-                                 self.value_dim, self.value_bytes, None if choosing is None else choosing.data_ptr(),
-                                 self.scales, TINY_SCALE)
+        if rest_scale is not None and (self.rest_out is None or self.rest_out[0].shape != queries.shape[:3]):
+            self.rest_out = (torch.empty(queries.shape[:3]), torch.empty(*queries.shape[:3], self.value_dim))
+        out = self.rest_out if rest_scale is not None else (None, None)
+        holding = self.kernels.recall_step(
+            queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
+            self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets, self.value_dim, self.value_bytes,
+            None if choosing is None else choosing.data_ptr(), self.scales, TINY_SCALE, rest_scale or 0.0,
+            *(None if t is None else t.data_ptr() for t in out))
+        if holding < 0:  # (its scratch did not fit in memory: nothing written)
+            return False
+        self.rest = (out[0].unsqueeze(-1), out[1].unsqueeze(-2)) if rest_scale is not None and holding else None
         return True
 
 

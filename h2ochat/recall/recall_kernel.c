@@ -72,7 +72,8 @@ static inline __m512 fold_32(__m512 a, __m512 b) {
    the lane of j's 4 bits reversed, put back at the end.
    M and D constants (keys_best's): the queries' sums stay in registers, D's chunks unrolled. */
 static inline __attribute__((always_inline)) __m512 group_best(const uint16_t *first, int64_t key_t,
-                                                               const uint16_t *q, const int M, const int64_t D) {
+                                                               const uint16_t *q, const int M, const int64_t D,
+                                                               float *dots, int64_t dot_stride) {
   __m512 pair[FEW_QUERIES][2], quad[FEW_QUERIES][2], octet[FEW_QUERIES][2];
   const uint16_t *key = first;
 #pragma GCC unroll 8
@@ -87,32 +88,40 @@ static inline __attribute__((always_inline)) __m512 group_best(const uint16_t *f
       for (int m = 0; m < M; m++) octet[m][p / 4] = fold_64(quad[m][0], quad[m][1]);
   }
   __m512 best = _mm512_set1_ps(-INFINITY);
-  for (int m = 0; m < M; m++) best = _mm512_max_ps(best, fold_32(octet[m][0], octet[m][1]));
   const __m512i reversed = _mm512_set_epi32(15, 7, 11, 3, 13, 5, 9, 1, 14, 6, 10, 2, 12, 4, 8, 0);
+  for (int m = 0; m < M; m++) {
+    const __m512 sums = fold_32(octet[m][0], octet[m][1]);
+    best = _mm512_max_ps(best, sums);
+    if (dots) _mm512_storeu_ps(dots + m * dot_stride, _mm512_permutexvar_ps(reversed, sums));
+  }
   return _mm512_permutexvar_ps(reversed, best);
 }
 
 /* group_best for M queries as a constant, D as one at head dims 64 and 128 (without: ~1.2x slower). */
 static inline __attribute__((always_inline)) __m512 group_of(const uint16_t *first, int64_t key_t,
-                                                             const uint16_t *q, const int M, int64_t D) {
-  if (D == 64) return group_best(first, key_t, q, M, 64);
-  if (D == 128) return group_best(first, key_t, q, M, 128);
-  return group_best(first, key_t, q, M, D);
+                                                             const uint16_t *q, const int M, int64_t D,
+                                                             float *dots, int64_t dot_stride) {
+  if (D == 64) return group_best(first, key_t, q, M, 64, dots, dot_stride);
+  if (D == 128) return group_best(first, key_t, q, M, 128, dots, dot_stride);
+  return group_best(first, key_t, q, M, D, dots, dot_stride);
 }
 
-/* The best q.k over M queries (any number: groups of FEW_QUERIES) of each of KEY_BLOCK keys, lane j key j. */
-static __m512 keys_best(const uint16_t *first, int64_t key_t, const uint16_t *q, int64_t M, int64_t D) {
+/* The best q.k over M queries (any number: groups of FEW_QUERIES) of each of KEY_BLOCK keys, lane j key j;
+   dots (NULL: not kept): every query's 16 sums too, query m's at dots + m * dot_stride (the rest's). */
+static __m512 keys_best(const uint16_t *first, int64_t key_t, const uint16_t *q, int64_t M, int64_t D, float *dots,
+                        int64_t dot_stride) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   for (int64_t m = 0; m < M; m += FEW_QUERIES) {
     const uint16_t *group = q + m * D;
+    float *kept = dots ? dots + m * dot_stride : NULL;
     __m512 top;
     switch (M - m < FEW_QUERIES ? M - m : FEW_QUERIES) {
-    case 1: top = group_of(first, key_t, group, 1, D); break;
-    case 2: top = group_of(first, key_t, group, 2, D); break;
-    case 3: top = group_of(first, key_t, group, 3, D); break;
-    case 4: top = group_of(first, key_t, group, 4, D); break;
-    case 5: top = group_of(first, key_t, group, 5, D); break;
-    default: top = group_of(first, key_t, group, FEW_QUERIES, D); break;
+    case 1: top = group_of(first, key_t, group, 1, D, kept, dot_stride); break;
+    case 2: top = group_of(first, key_t, group, 2, D, kept, dot_stride); break;
+    case 3: top = group_of(first, key_t, group, 3, D, kept, dot_stride); break;
+    case 4: top = group_of(first, key_t, group, 4, D, kept, dot_stride); break;
+    case 5: top = group_of(first, key_t, group, 5, D, kept, dot_stride); break;
+    default: top = group_of(first, key_t, group, FEW_QUERIES, D, kept, dot_stride); break;
     }
     best = _mm512_max_ps(best, top);
   }
@@ -162,21 +171,25 @@ static inline void raise_pages(__m512 best, __mmask16 live, int64_t t0, int64_t 
 
 /* Raises scores[n] (page n of `page` slots from keys[0]) to the best q.k over M queries of each valid slot
    below `filled` (valid NULL: all are), KEY_BLOCK keys at a time, read where they are (a last block of
-   fewer: from a zero-padded copy). Any M: the route for few queries, and the many's where memory runs out. */
+   fewer: from a zero-padded copy). Any M: the route for few queries, and the many's where memory runs out.
+   dots (NULL: not kept): every q.k too, query m's of slot t at dots[m * dot_stride + t] (a last block's 16
+   written whole: the rows are padded). */
 static void few_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
-                            const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+                            const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                            int64_t dot_stride) {
   for (int64_t t0 = 0; t0 < filled; t0 += KEY_BLOCK) {
     const int64_t n = filled - t0 < KEY_BLOCK ? filled - t0 : KEY_BLOCK;
     const __mmask16 live = live_lanes(valid, t0, n);
+    float *kept = dots ? dots + t0 : NULL;
     if (!live) continue;
     if (n == KEY_BLOCK) {
-      raise_pages(keys_best(keys + t0 * key_t, key_t, q, M, D), live, t0, n, page, scores);
+      raise_pages(keys_best(keys + t0 * key_t, key_t, q, M, D, kept, dot_stride), live, t0, n, page, scores);
       continue;
     }
     uint16_t copy[KEY_BLOCK * D];
     memset(copy, 0, sizeof copy);
     for (int64_t j = 0; j < n; j++) memcpy(copy + j * D, keys + (t0 + j) * key_t, D * sizeof(uint16_t));
-    raise_pages(keys_best(copy, D, q, M, D), live, t0, n, page, scores);
+    raise_pages(keys_best(copy, D, q, M, D, kept, dot_stride), live, t0, n, page, scores);
   }
 }
 
@@ -260,12 +273,14 @@ static int many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint1
 }
 
 /* page_best's scores of one (sequence, head): scores[n] for the ceil(filled / page) pages of the slots below
-   `filled`, the best q.k over the queries and the page's valid slots (valid NULL: all are), -inf: none. */
+   `filled`, the best q.k over the queries and the page's valid slots (valid NULL: all are), -inf: none.
+   dots: as few_page_scores keeps them (NULL: not kept; kept, key by key whatever M). */
 static void page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
-                        const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+                        const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                        int64_t dot_stride) {
   for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
-  if (M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores))
-    few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores);
+  if (dots || M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores))
+    few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
 }
 
 void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const uint16_t *keys,
@@ -273,7 +288,7 @@ void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
                             int64_t page, float *out) {
   for (int64_t row = 0; row < B * H; row++)
     page_scores(q + row * M * D, M, D, keys + row / H * key_b + row % H * key_h, key_t, valid + row * T, T, page,
-                out + row * (T / page));
+                out + row * (T / page), NULL, 0);
 }
 
 #define SCORED_PAGES 256 /* pages top_pages_row scores at a time (on the stack) */
@@ -281,9 +296,10 @@ void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
 /* The best k pages of one (sequence, head) of an append-only store that never wraps (slot n holds the
    n-th token; slots at or past `held` are empty), scoring its first T slots: their page numbers, best
    first, -1 past the pages that hold a token (torch.topk of page_best's scores with -inf masked to -1;
-   equal scores in page order). */
+   equal scores in page order). dots: as page_scores keeps them (NULL: not kept). */
 static void top_pages_row(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
-                          int64_t held, int64_t T, int64_t page, int64_t k, int64_t *top) {
+                          int64_t held, int64_t T, int64_t page, int64_t k, int64_t *top, float *dots,
+                          int64_t dot_stride) {
   float top_score[k > 0 ? k : 1], scores[SCORED_PAGES];
   int64_t found = 0;
   const int64_t filled = held < T ? held : T;
@@ -291,7 +307,7 @@ static void top_pages_row(const uint16_t *q, int64_t M, int64_t D, const uint16_
     if (n % SCORED_PAGES == 0) {
       const int64_t first = n * page, left = filled - first;
       page_scores(q, M, D, keys + first * key_t, key_t, NULL, left < SCORED_PAGES * page ? left : SCORED_PAGES * page,
-                  page, scores);
+                  page, scores, dots ? dots + first : NULL, dot_stride);
     }
     const float score = scores[n % SCORED_PAGES];
     if (score == -INFINITY) continue;
@@ -312,7 +328,7 @@ void h2ochat_top_pages_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++)
       top_pages_row(q + (b * H + h) * M * D, M, D, keys + b * key_b + h * key_h, key_t, count[b * H + h], T, page, k,
-                    wanted + (b * H + h) * k);
+                    wanted + (b * H + h) * k, NULL, 0);
 }
 
 /* RecallFrames.update for frames in host memory (contiguous int64 / bool rows, one per (sequence, head)):
@@ -529,6 +545,105 @@ void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8
     }
 }
 
+/* e^x in 16 lanes, for x <= 0 (below -87: e^-87, ~1.6e-38): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its Taylor
+   polynomial to r^6 (relative error below 2e-7, a float's rounding), times 2^n. */
+static inline __m512 exp_lanes(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* (ln 2 in two parts: r exact) */
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* The sum of a page's n values (Dv each) into sum[Dv], each value as the cold store hands it out
+   (cold_store._tokens: bf16 as stored, or int8 codes times the token's fp32 scale rounded to bf16), in fp32. */
+static void page_value_sum(const strided_t *store, int64_t b, int64_t h, int64_t first, int64_t n, int64_t Dv,
+                           float *sum) {
+  for (int64_t d = 0; d < Dv; d += 16) {
+    const __mmask16 mask = lanes(Dv, d);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = first; t < first + n; t++) {
+      if (!store[4].data) {
+        total = _mm512_add_ps(total, load_floats((const uint16_t *)at(&store[1], b, h, t, 2) + d, 2, mask));
+        continue;
+      }
+      const int8_t *codes = (const int8_t *)at(&store[1], b, h, t, 1) + d;
+      const __m128i bytes16 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8((__mmask64)mask, codes));
+      const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16)),
+                                     _mm512_set1_ps(*(const float *)at(&store[4], b, h, t, 4)));
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
+      total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    }
+    _mm512_mask_storeu_ps(sum + d, mask, total);
+  }
+}
+
+/* The rest of one (sequence b, head h) (recall/rest.py's rest_column, the same sums up to their order): the
+   store's slots below `filled` on pages the frames do not hold (frame_page [F]), one attention column per
+   query m: logit[m] = the logsumexp of their logits scale * q_m.k (-inf: no such slot), value[m * Dv ...] = the
+   pages' mean values weighed by each page's share of that sum. dots [M, dot_stride]: the q_m.k, overwritten;
+   recalled: scratch of a byte a page. */
+static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int64_t M, int64_t filled, int64_t P,
+                     const int64_t *frame_page, int64_t F, const strided_t *store, int64_t Dv, float scale,
+                     uint8_t *recalled, float *logit, float *value) {
+  const int64_t pages = (filled + P - 1) / P;
+  memset(recalled, 0, pages);
+  int64_t left = pages;
+  for (int64_t f = 0; f < F; f++)
+    if (frame_page[f] >= 0 && frame_page[f] < pages && !recalled[frame_page[f]]) recalled[frame_page[f]] = 1, left--;
+  memset(value, 0, M * Dv * sizeof(float));
+  float top[M], total[M], sum[Dv];
+  for (int64_t m = 0; m < M; m++) {
+    logit[m] = -INFINITY;
+    total[m] = 0.0f;
+    if (!left) continue;
+    float *row = dots + m * dot_stride;
+    __m512 largest = _mm512_set1_ps(-INFINITY); /* (over every slot: only keeps the exponents below 0) */
+    for (int64_t t = 0; t < filled; t += 16) largest = _mm512_mask_max_ps(largest, lanes(filled, t), largest,
+                                                                         _mm512_loadu_ps(row + t));
+    top[m] = _mm512_reduce_max_ps(largest);
+    for (int64_t t = 0; t < filled; t += 16)
+      _mm512_storeu_ps(row + t, exp_lanes(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top[m])),
+                                                        _mm512_set1_ps(scale))));
+  }
+  for (int64_t n = 0; n < pages && left; n++) {
+    if (recalled[n]) continue;
+    const int64_t first = n * P, count = filled - first < P ? filled - first : P;
+    page_value_sum(store, b, h, first, count, Dv, sum);
+    for (int64_t m = 0; m < M; m++) {
+      float weight = 0.0f;
+      for (int64_t t = first; t < first + count; t++) weight += dots[m * dot_stride + t];
+      total[m] += weight;
+      const __m512 share = _mm512_set1_ps(weight / count);
+      for (int64_t d = 0; d < Dv; d += 16) {
+        const __mmask16 mask = lanes(Dv, d);
+        float *out = value + m * Dv + d;
+        _mm512_mask_storeu_ps(out, mask, _mm512_fmadd_ps(share, _mm512_maskz_loadu_ps(mask, sum + d),
+                                                         _mm512_maskz_loadu_ps(mask, out)));
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; m++) {
+    if (!(total[m] > 0.0f)) { /* (no page left, or every one below e^-87 of the best slot: nothing drawn) */
+      memset(value + m * Dv, 0, Dv * sizeof(float));
+      continue;
+    }
+    logit[m] = top[m] * scale + logf(total[m]);
+    const __m512 inverse = _mm512_set1_ps(1.0f / total[m]);
+    for (int64_t d = 0; d < Dv; d += 16)
+      _mm512_mask_storeu_ps(value + m * Dv + d, lanes(Dv, d), _mm512_mul_ps(inverse, _mm512_maskz_loadu_ps(lanes(Dv, d),
+                                                                                                     value + m * Dv + d)));
+  }
+}
+
 /* A decode step's whole choice for the exact selector over a store that never wraps, every row choosing:
    top_pages_row (k = min(F, T / P) pages, wanted [B, H, k] out), frames_update_row with the store's
    full pages complete, fill_row (load [B, H, F] out) for each (sequence, head), in one call; a row and
@@ -536,27 +651,51 @@ void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8
    update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]).
    choosing [B] (bytes; NULL: every row): a row not choosing is left as it is (its frames, clock and slots
    untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
-   quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's. */
-void h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
-                         int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
-                         int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
-                         const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing,
-                         const strided_t *scales, float tiny) {
-  const int64_t k = F < T / P ? F : T / P;
+   quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's.
+   rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest): after the choice, every row's rest (rest_row),
+   choosing or not, from the q.k the choice computed (a row not choosing: computed for it). Returns the rows and
+   heads that hold a cold token (0: the rest is -inf everywhere), or -1 where memory ran out (nothing written). */
+int64_t h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
+                            int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
+                            int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
+                            const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing,
+                            const strided_t *scales, float tiny, float scale, float *rest_logit, float *rest_value) {
+  const int64_t k = F < T / P ? F : T / P, stride = (T + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK + KEY_BLOCK;
+  const int64_t pages = (T + P - 1) / P;
+  float *dots = NULL, *scores = NULL;
+  uint8_t *recalled = NULL;
+  if (rest_logit) { /* (a row's q.k [M, stride], a rest-only row's page scores, a byte a page) */
+    dots = malloc((M * stride + pages) * sizeof(float) + pages);
+    if (!dots) return -1;
+    scores = dots + M * stride;
+    recalled = (uint8_t *)(scores + pages);
+  }
+  int64_t holding = 0;
   for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < H && (!choosing || choosing[b]); h++) {
-      const int64_t row = b * H + h, complete_pages = count[row] / P;
-      if (!count[row]) { /* nothing flushed yet: the clock counts the choice (RecallFrames.tick) */
-        clock[row]++;
-        memset(load + row * F, 0, F);
-        continue;
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t row = b * H + h, complete_pages = count[row] / P, filled = count[row] < T ? count[row] : T;
+      const uint16_t *keys = at(&store[0], b, h, 0, 2);
+      holding += count[row] > 0;
+      if (!choosing || choosing[b]) {
+        if (!count[row]) { /* nothing flushed yet: the clock counts the choice (RecallFrames.tick) */
+          clock[row]++;
+          memset(load + row * F, 0, F);
+        } else {
+          top_pages_row(q + row * M * D, M, D, keys, store[0].s, count[row], T, P, k, wanted + row * k, dots, stride);
+          frames_update_row(F, k, wanted + row * k, frame_page + row * F, last_used + row * F, clock + row,
+                            copied + row, complete + row * F, &complete_pages, load + row * F);
+          fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv,
+                   value_bytes, scales, tiny);
+        }
+      } else if (rest_logit && filled) {
+        page_scores(q + row * M * D, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride);
       }
-      top_pages_row(q + row * M * D, M, D, at(&store[0], b, h, 0, 2), store[0].s, count[row], T, P, k, wanted + row * k);
-      frames_update_row(F, k, wanted + row * k, frame_page + row * F, last_used + row * F, clock + row, copied + row,
-                        complete + row * F, &complete_pages, load + row * F);
-      fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv, value_bytes,
-               scales, tiny);
+      if (rest_logit)
+        rest_row(b, h, dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, scale, recalled,
+                 rest_logit + row * M, rest_value + row * M * Dv);
     }
+  free(dots);
+  return holding;
 }
 
 /* StagingPage.put: the victim in policy column slot[b, h] of each (sequence, head) copied into staging

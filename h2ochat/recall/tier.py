@@ -23,8 +23,7 @@ softmax; the recall columns' scores are cleared before each eviction (they rank 
 Compact positions: a re-numbering moves the recall columns with the hot ones (the layer's slots);
 the cold store's positions follow with the same function (a cold token takes the number of the first
 held position after it) and the digest is re-encoded from the cold keys at their new positions
-(RoPE), so pages are scored as they will be attended. (Cold positions joining the distinct set changed
-SmolLM2's perplexity past a 256-position limit by 0.1%, 41.42 against 41.47: not worth it.)
+(RoPE), so pages are scored as they will be attended.
 
 Quantized slots (``--kv-dtype int8/int4``, ``kv.slot_format``): the recall and staging columns are
 the layer's, so they hold codes with per-slot scales and offsets. A victim is staged with its codes
@@ -32,12 +31,14 @@ and scales; the cold store and the digest take the dequantized floats (int4 keys
 frame, un-turned); a recalled page is encoded as the layer encodes new tokens, which gives back the
 codes it held (min-max codes of their own dequantized values: the same, up to float rounding). After
 a re-numbering the digest is rebuilt from the moved cold keys encoded and decoded so, as a recalled
-page will attend them. ``--recall-rest pages``: the cold pages not recalled join the attention as one
-column (``rest``), computed eagerly after the choice.
+page will attend them.
 
-On a CPU with AVX512-BF16 the eager decode step's choice of pages (scores, plan and copy), its staging and
-a flush's append are each one C call a layer (``native``: the same pages and logits, 1.89x -> ~1.13x h2o's
-step at 2K tokens), rows left out and int8 slots included; elsewhere the torch routes below.
+``--recall-rest pages``: the cold pages not recalled join the attention as one column, computed eagerly
+after the choice (``before_attention`` returns it: ``rest``).
+
+On a CPU with AVX512-BF16 the eager decode step's choice of pages (scores, plan and copy) with its rest,
+its staging and a flush's append are each one C call a layer (``native``), rows left out and int8 slots
+included; elsewhere the torch routes below.
 
 The decode step's graph reads no host value and touches no store that grows: one static graph whatever
 the length and the cadence (flush, cadence, growth and re-numbering run before it; the choice of pages, an
@@ -118,9 +119,8 @@ class RecallTier(RecallRowMoves):
         self.all_columns, self.recall_scores = columns["token_index"], columns["scores"]
         self.decode_steps = 0
         self.prepared_at = None  # the layer's column count when ``reserve`` prepared the step
-        # the last step's queries [B, H, G, D] (its last token's): a decode step's pages are chosen
-        # before it with these (the queries drift slowly), so the choice runs eagerly, out of the step
-        # (allocated by the first step, which knows the query group)
+        # the last step's queries [B, H, G, D] (its last token's), for a choice before the step (allocated
+        # by the first step, which knows the query group)
         self.last_query = None
         self.has_query = False
         self.choose_in_step = False  # this decode step chooses its pages with its own queries (eager)
@@ -175,10 +175,9 @@ class RecallTier(RecallRowMoves):
 
     # -- before the step (eager, host counters only) ----------------------------------------------------
     def reserve(self, port, q_len: int, context) -> None:
-        """Before a step (``H2OCache.position_ids``, eager for the compiled step too): the staging page
-        goes to the cold tier before a chunk or when full, a decode step's pages are chosen (every
-        ``every``-th decode step, with the last step's queries), and there is room for what a chunk
-        can evict. Reads nothing back from the device."""
+        """Before a step (``H2OCache.position_ids``, eager for the compiled step too): the staging page goes
+        to the cold tier before a chunk or when full, a decode step's choice is planned, and there is room
+        for what a chunk can evict. Reads nothing back from the device."""
         self.prepared_at = port.tokens_fed_with_padding
         with torch.inference_mode(port.inference):  # (as the step that made the state ran)
             self._prepare(port, q_len, context)
@@ -245,7 +244,8 @@ class RecallTier(RecallRowMoves):
         return self.format.decoded(slots.named(), self.cold.dtype)
 
     # -- the step -------------------------------------------------------------------------------------
-    def before_attention(self, port, query, new_valid, context) -> None:
+    def before_attention(self, port, query, new_valid, scale, context):
+        """The step's choice of pages, then its rest column (``--recall-rest pages``; else None)."""
         batch, q_heads, q_len, head_dim = query.shape
         heads = self.recalled_mass.shape[1]
         group = q_heads // heads
@@ -254,13 +254,15 @@ class RecallTier(RecallRowMoves):
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
+        rest_scale = scale if self.config.rest != "off" and not context.compiled else None  # (eager only)
+        rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
             self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
         elif context.compiled:  # a CPU graph holds the choice as an op (a fixed rule: no guard per step)
             if not self.prefetches:
                 graph_choice.choose(grouped[:, :, :, 0], port.slot_tensors(), port.layer)
-        elif self.choose_in_step is not False:  # an eager step: with its own queries
-            self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step)
+        elif self.choose_in_step is not False or rest_scale is not None:  # an eager step: with its own queries
+            rest_done = self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step, rest_scale)
         active = context.numbers.active if q_len == 1 else None  # (a row left out keeps its last queries)
         if active is None:
             self.last_query.copy_(grouped[:, :, :, -1])
@@ -270,13 +272,9 @@ class RecallTier(RecallRowMoves):
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
-
-    def rest_column(self, port, query, scale, context):
-        """--recall-rest pages: the cold pages the frames do not hold, one attention column (``rest``);
-        None without it, and in a compiled step (``RecallSpec.compile_blocker`` keeps such caches eager)."""
-        if self.config.rest == "off" or context.compiled:
-            return None
-        return rest_column(self.cold, self.frames.frame_page, query, scale, context.rotary)
+        if rest_scale is None or rest_done:
+            return self.decode_choice.rest if rest_done else None
+        return rest_column(self.cold, self.frames.frame_page, grouped, scale, context.rotary)
 
     def choose_prepared(self, queries: torch.Tensor, given: list[torch.Tensor]) -> None:
         """The compiled step's op (``graph_choice``), at run time: the eager step's choice for the step
@@ -291,15 +289,20 @@ class RecallTier(RecallRowMoves):
             if tensor.data_ptr() != own.data_ptr():
                 tensor.copy_(own)
 
-    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
+    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True,
+               rest_scale: float | None = None) -> bool:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a
-        boolean per row): only those rows' frames change, the others keep their pages and clocks."""
+        boolean per row, or False: none): only those rows' frames change, the others keep their pages and
+        clocks. Returns whether the C call ran, which with ``rest_scale`` left the rest in ``decode_choice``."""
         fused = self.decode_choice if rotary is None or not self.cold.moved else None
-        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding), rows):
-            return
+        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding), rows,
+                                       rest_scale):
+            return True
+        if rows is False:
+            return False
         if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
             self.frames.tick(rows)
-            return
+            return False
         digest, frames = self.digest, self.frames
         if rows is not True and host_reads_allowed(frames.frame_page):  # (the plan read on the host: a CPU)
             # only the rows up to the last one choosing (a server's rows in use sit at the front): a free
@@ -319,6 +322,7 @@ class RecallTier(RecallRowMoves):
                 plan = frames.update(wanted, digest.count // self.cold.page)
             plan = RecallPlan(plan.frame_page, plan.load & ~still.view(-1, 1, 1))
         fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
+        return False
 
     def _nothing_flushed_yet(self) -> bool:
         """No row has a cold page yet, read on the host where allowed: a choice would load nothing."""
@@ -346,10 +350,8 @@ class RecallTier(RecallRowMoves):
 
     def _in_graph_staging(self, port) -> RecallSlots | None:
         """In a compiled step, the staging columns as views made inside the graph from the layer's slots
-        (None eagerly: the page's own views). Read as the page's views, each would be a graph input
-        aliasing the slots it is a view of, which the step writes: AOTAutograd then merges each such
-        pair into one base and rebuilds the views from it on every call (5 pairs a layer, with the
-        scores' recall columns: ~2 ms of a 57 ms compiled step of SmolLM2, 8 rows, in its runtime wrapper)."""
+        (None eagerly: the page's own views). The page's views would be graph inputs aliasing the slots the
+        step writes, which AOTAutograd rebuilds on every call (~2 ms of a 57 ms compiled step, 8 rows)."""
         if not torch.compiler.is_compiling():
             return None
         return RecallSlots.of(port.staging_columns(self.staging.page), self.format)
@@ -379,8 +381,7 @@ class RecallTier(RecallRowMoves):
         self.digest.append(keys, token_index, reserve=False)
 
     def take_cold(self, keys, values, token_index, positions) -> None:
-        """Tokens handed to the cold tier from outside a step (a benchmark's synthetic context:
-        ``recall.synthetic``), room made as they come."""
+        """Tokens handed to the cold tier from outside a step (``recall.synthetic``), room made as they come."""
         self.cold.append(keys, values, token_index, positions)
         self.digest.append(keys, token_index)
 

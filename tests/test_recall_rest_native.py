@@ -1,0 +1,107 @@
+"""The rest column from the recall step's C call (``native.DecodeChoice`` with ``rest_scale``: the q.k its
+choice computed, ``rest_row`` in recall_kernel.c) against the torch route (``recall.rest.rest_column``), on
+the states a bf16 recall cache reaches: int8-value and bf16 cold pages, groups of 1, 3 and 4 query heads,
+head dims with and without a tail, part pages, pages in the frames, rows holding nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, build_model, recall_cache
+
+from h2ochat.engine.attention import use_h2o_attention
+from h2ochat.engine.forward_step import forward
+from h2ochat.engine.generation import max_positions
+from h2ochat.recall import native
+from h2ochat.recall.rest import rest_column
+from h2ochat.recall.tiered import RecallConfig
+from h2ochat.rotary import find_rotary
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
+
+
+def _fed_cache(model, ids, cold_dtype, rest="pages"):
+    """A bf16 recall cache (8 policy slots, 16 recall: pages of 4) after a 30-token chunk and decode steps."""
+    cache = recall_cache(model.config.num_hidden_layers, "h2o", 8,
+                         recall=RecallConfig(16, 4, "exact", cold_dtype=cold_dtype, rest=rest),
+                         max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
+    use_h2o_attention(model)
+    logits = [forward(model, cache, ids[:, :30], logits_to_keep=1)[:, -1]]
+    logits += [forward(model, cache, ids[:, i:i + 1], logits_to_keep=1)[:, -1] for i in range(30, ids.shape[1])]
+    return cache, torch.stack(logits)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,cold_dtype", [(6, 2, 64, "auto"), (6, 2, 64, "model"),
+                                                                (4, 4, 40, "auto"), (4, 1, 16, "model")])
+def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype):
+    model = build_model("llama", seed=3, max_position_embeddings=256, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=head_dim).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, VOCAB, (3, 60), generator=generator)
+    cache, _ = _fed_cache(model, ids, cold_dtype)
+    part_pages = 0
+    for layer in cache.layers:
+        tier = layer.tier
+        with torch.inference_mode():  # (as the steps ran)
+            tier.cold.count[1] = 0  # (a row that holds nothing: its rest is -inf)
+        part_pages += int((tier.cold.count % tier.cold.page != 0).sum())
+        scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
+        query = (torch.randn(3, kv_heads, heads // kv_heads, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
+        frames = tier.frames.frame_page.clone()
+        assert tier.decode_choice(query[:, :, :, 0], scored, False, 0.125)  # (no row chooses: the rest only)
+        got = tier.decode_choice.rest
+        assert torch.equal(tier.frames.frame_page, frames)
+        want = rest_column(tier.cold, tier.frames.frame_page, query, 0.125)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+        assert bool((got[0][1] == float("-inf")).all()) and bool((got[1][1] == 0).all())
+        assert bool(torch.isfinite(got[0][0]).all()) and bool((frames[0] >= 0).any())  # (pages in the frames)
+    assert part_pages > 0
+
+
+@needs_kernel
+def test_a_choosing_steps_rest_is_the_torch_rest_after_the_same_choice():
+    """The rest a choosing row gets from the choice's own q.k, against the torch rest after the same choice
+    (every row choosing, then some)."""
+    model = build_model("llama", seed=4, max_position_embeddings=256).to(torch.bfloat16)
+    kv_heads, group = model.config.num_key_value_heads, model.config.num_attention_heads // model.config.num_key_value_heads
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(12)
+    cache, _ = _fed_cache(model, torch.randint(3, VOCAB, (2, 50), generator=generator), "auto")
+    for rows in (True, [False, True]):
+        for layer in cache.layers:
+            tier = layer.tier
+            scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
+            query = (torch.randn(2, kv_heads, group, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
+            assert tier.decode_choice(query[:, :, :, 0], scored, rows, 0.3)
+            got = tier.decode_choice.rest
+            want = rest_column(tier.cold, tier.frames.frame_page, query, 0.3)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_a_bf16_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch):
+    """The whole cache: the C rest in every decode step (spied), the logits of the torch route's to bf16's
+    rounding (the attention sums the same column; which tokens are evicted stays the same)."""
+    model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(13))
+    rests = []
+    call = native.DecodeChoice.__call__
+
+    def spied(self, queries, scored, rows=True, rest_scale=None):
+        taken = call(self, queries, scored, rows, rest_scale)
+        rests.append(taken and self.rest is not None)
+        return taken
+
+    monkeypatch.setattr(native.DecodeChoice, "__call__", spied)
+    with_kernel, got = _fed_cache(model, ids, "auto")
+    assert sum(rests) > len(rests) // 2
+    monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    without, want = _fed_cache(model, ids, "auto")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    _, no_rest = _fed_cache(model, ids, "auto", rest="off")
+    assert not torch.allclose(no_rest, want, rtol=2e-2, atol=2e-2)
+    for a, b in zip(with_kernel.layers, without.layers):
+        assert torch.equal(a.token_index, b.token_index)
