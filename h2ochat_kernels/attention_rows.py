@@ -41,17 +41,25 @@ def rest_rows(rest, batch: int, kv_heads: int, start: int = 0, stop: int | None 
     """A recall tier's rest column (``reference.attend_with_scores``' ``rest``: logit [B, Hkv, G, Q], value
     [B, Hkv, G, Q, D]) for query tokens ``start:stop``, laid out by query row: ([B, Hkv, M, 1], [B, Hkv, M, D])."""
     logit, value = rest
-    logit, value = logit[:, :, :, start:stop], value[:, :, :, start:stop]
+    if start or stop is not None:  # (a decode step's whole rest: no view to make)
+        logit, value = logit[:, :, :, start:stop], value[:, :, :, start:stop]
     return (f32(logit).reshape(batch, kv_heads, -1, 1), f32(value).reshape(batch, kv_heads, -1, value.shape[-1]))
 
 
-def softmax_beside_rest(logits: torch.Tensor, rest, batch: int, kv_heads: int, start: int = 0,
-                        stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The softmax over ``logits`` [B, Hkv, M, W] and, where a recall tier hands one, its rest column for
-    query tokens ``start:stop`` (``rest_rows``): (the probabilities of the W columns, the rest's part of
-    the output [B, Hkv, M, D], or None without a rest)."""
+def softmax_beside_rest(blocks: list[torch.Tensor], rest, batch: int, kv_heads: int, start: int = 0,
+                        stop: int | None = None) -> tuple[torch.Tensor, tuple | None]:
+    """The softmax over the logit ``blocks`` [B, Hkv, M, W_i] side by side and, where a recall tier hands one,
+    its rest column for query tokens ``start:stop`` (``rest_rows``), joined in the same op: (the probabilities
+    of the W columns, and None or the rest's probability [B, Hkv, M, 1] and value [B, Hkv, M, D] for
+    ``with_rest``). (A CPU decode step pays per op: the rest costs two, this join and ``with_rest``'s.)"""
     if rest is None:
+        logits = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
         return logits.softmax(dim=-1), None
     rest_logit, rest_value = rest_rows(rest, batch, kv_heads, start, stop)
-    probs = torch.cat([logits, rest_logit], dim=-1).softmax(dim=-1)
-    return probs[..., :-1], probs[..., -1:] * rest_value
+    probs = torch.cat([*blocks, rest_logit], dim=-1).softmax(dim=-1)
+    return probs[..., :-1], (probs[..., -1:], rest_value)
+
+
+def with_rest(out: torch.Tensor, rest_part: tuple | None) -> torch.Tensor:
+    """``out`` [B, Hkv, M, D] plus the rest's part (``softmax_beside_rest``'s: its probability times its value)."""
+    return out if rest_part is None else torch.addcmul(out, *rest_part)

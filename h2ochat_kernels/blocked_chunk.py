@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_rows import MASKED, empty_slot_bias, f32, new_key_mask, query_row_weights, softmax_beside_rest
+from .attention_rows import MASKED, empty_slot_bias, f32, new_key_mask, query_row_weights, softmax_beside_rest, with_rest
 
 # CPU prompt chunks of at least this many tokens run the blocked layout (``attend_blocked``)
 BLOCKED_MIN_TOKENS = 2
@@ -53,10 +53,9 @@ def attend_blocked(query, cache_keys, cache_values, slot_token_index, new_keys, 
         logits = torch.add(bias[..., :width], torch.matmul(rows, keys[:, :, :width].transpose(-1, -2)), alpha=scale)
         logits[..., slots:].view(batch, kv_heads, group, tokens, end).masked_fill_(~readable[..., start:end, :end],
                                                                                   MASKED)
-        probs, rest_out = softmax_beside_rest(logits, rest, batch, kv_heads, start, end)
-        block_out = torch.matmul(probs, values[:, :, :width])
-        out[:, :, :, start:end] = (block_out if rest_out is None else block_out + rest_out).view(
-            batch, kv_heads, group, tokens, head_dim)
+        probs, rest_part = softmax_beside_rest([logits], rest, batch, kv_heads, start, end)
+        block_out = with_rest(torch.matmul(probs, values[:, :, :width]), rest_part)
+        out[:, :, :, start:end] = block_out.view(batch, kv_heads, group, tokens, head_dim)
         if weights is not None:
             probs = probs * query_row_weights(weights[:, start:end], group)
         received[..., :width] += probs.sum(dim=2)

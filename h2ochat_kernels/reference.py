@@ -21,6 +21,7 @@ from .attention_rows import f32 as _f32
 from .attention_rows import new_key_mask as _new_key_mask
 from .attention_rows import query_row_weights as _query_row_weights
 from .attention_rows import softmax_beside_rest as _softmax_beside_rest
+from .attention_rows import with_rest as _with_rest
 
 
 def attend_with_scores(
@@ -98,16 +99,14 @@ def attend_with_scores(
         new_logits = new_logits.masked_fill(~_new_key_mask(new_valid, batch, q_len, query.device), _MASKED)
         new_logits = new_logits.view(batch, kv_heads, group * q_len, q_len)
 
-    probs, rest_out = _softmax_beside_rest(torch.cat([cache_logits, new_logits], dim=-1), rest, batch, kv_heads)
+    probs, rest_part = _softmax_beside_rest([cache_logits, new_logits], rest, batch, kv_heads)
     slots = cache_keys.shape[2]
     cache_probs, new_probs = probs[..., :slots], probs[..., slots:]
     if native:
         out = torch.matmul(cache_probs.to(cache_values.dtype), cache_values).float()
     else:
         out = _slot_output(cache_probs, cache_values, quant)
-    out = out + torch.matmul(new_probs, _f32(new_values))
-    if rest_out is not None:
-        out = out + rest_out
+    out = _with_rest(out + torch.matmul(new_probs, _f32(new_values)), rest_part)
 
     if weights is not None:
         rows_w = _query_row_weights(weights, group)

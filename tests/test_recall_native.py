@@ -11,7 +11,7 @@ from conftest import VOCAB, build_model, recall_cache
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native
+from h2ochat.recall import native, native_choice
 from h2ochat.recall.digests import KeyCodes
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
@@ -190,7 +190,7 @@ def _run_recall_cache(model, ids, cold_dtype="auto"):
 def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_dtype, batch):
     """A bf16 llama's two-tier cache (the exact selector over int8-value cold pages, as by default, or the
     model's) through a chunk and 40 decode steps: the same logits, the same pages in the frames and the same
-    copies as without the kernels (the decode steps' choice in one call, ``native.DecodeChoice``)."""
+    copies as without the kernels (the decode steps' choice in one call, ``native_choice.DecodeChoice``)."""
     model = build_model("llama", seed=3, max_position_embeddings=256).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (batch, 70), generator=torch.Generator().manual_seed(3))
     got = _run_recall_cache(model, ids, cold_dtype)
@@ -203,22 +203,22 @@ def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_d
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (6, 2, 40), (4, 1, 16)])
 def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, monkeypatch, heads, kv_heads, head_dim):
-    """The decode steps' one-call choice (``native.DecodeChoice``) for groups of 1, 3 and 4 query heads and
+    """The decode steps' one-call choice (``native_choice.DecodeChoice``) for groups of 1, 3 and 4 query heads and
     head dims 64, 40 (a tail of 8 channels) and 16 (only a tail): the same logits, frames and copies as the
     torch route."""
     model = build_model("llama", seed=3, max_position_embeddings=256, num_attention_heads=heads,
                         num_key_value_heads=kv_heads, head_dim=head_dim).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (2, 70), generator=torch.Generator().manual_seed(4))
     chosen = set()  # (queries, head dim) of each choice the C kernel made
-    call = native.DecodeChoice.__call__
+    call = native_choice.DecodeChoice.__call__
 
-    def spied(self, queries, scored, rows=True, rest_scale=None):
-        taken = call(self, queries, scored, rows, rest_scale)
+    def spied(self, queries, scored, rows=True, rest=None):
+        taken = call(self, queries, scored, rows, rest)
         if taken and self.cold.count.any():
             chosen.add(tuple(queries.shape[2:]))
         return taken
 
-    monkeypatch.setattr(native.DecodeChoice, "__call__", spied)
+    monkeypatch.setattr(native_choice.DecodeChoice, "__call__", spied)
     got = _run_recall_cache(model, ids)
     assert (heads // kv_heads, head_dim) in chosen
     without_kernel()
@@ -230,15 +230,15 @@ def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, mon
 @needs_kernel
 def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch):
     """Prompt chunks read into a bf16 recall cache whose store already holds pages (a chunk's choice: the
-    group's 2 query heads times 30 tokens in one C call, ``native.DecodeChoice``), then decode steps: the
+    group's 2 query heads times 30 tokens in one C call, ``native_choice.DecodeChoice``), then decode steps: the
     same logits, frames and copies as with ``H2OCHAT_RECALL_KERNEL=0`` (the torch routes only)."""
     model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (2, 100), generator=torch.Generator().manual_seed(5))
     chosen = []  # (queries, whether the store held a page) of each choice the C kernel made
-    call = native.DecodeChoice.__call__
+    call = native_choice.DecodeChoice.__call__
 
-    def spied(self, queries, scored, rows=True, rest_scale=None):
-        taken = call(self, queries, scored, rows, rest_scale)
+    def spied(self, queries, scored, rows=True, rest=None):
+        taken = call(self, queries, scored, rows, rest)
         if taken:
             chosen.append((queries.shape[2], bool(self.cold.count.any())))
         return taken
@@ -253,7 +253,7 @@ def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch):
         return (torch.stack(logits), [layer.tier.frames.frame_page.clone() for layer in cache.layers],
                 [int(layer.tier.frames.copied.sum()) for layer in cache.layers])
 
-    monkeypatch.setattr(native.DecodeChoice, "__call__", spied)
+    monkeypatch.setattr(native_choice.DecodeChoice, "__call__", spied)
     got = run()
     assert (60, True) in chosen
     monkeypatch.setenv(native.ENVIRONMENT_SWITCH, "0")

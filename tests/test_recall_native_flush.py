@@ -15,7 +15,7 @@ from conftest import VOCAB, build_model, recall_cache
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native, native_store
+from h2ochat.recall import native, native_choice, native_store
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.step import RecallSlots, StagingPage
 from h2ochat.recall.tiered import RecallConfig
@@ -111,7 +111,7 @@ def test_the_c_routes_keep_no_old_store_buffer_alive():
                          max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
     use_h2o_attention(model)
     calls = {"flush": 0, "choice": 0}
-    flush, choice = native_store.Flusher.__call__, native.DecodeChoice.__call__
+    flush, choice = native_store.Flusher.__call__, native_choice.DecodeChoice.__call__
 
     def counted_flush(self, *args):
         calls["flush"] += flush(self, *args)
@@ -124,7 +124,7 @@ def test_the_c_routes_keep_no_old_store_buffer_alive():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native_store.Flusher, "__call__", counted_flush)
-        patch.setattr(native.DecodeChoice, "__call__", counted_choice)
+        patch.setattr(native_choice.DecodeChoice, "__call__", counted_choice)
         forward(model, cache, ids[:, :30])
         for step in range(30, 60):
             forward(model, cache, ids[:, step:step + 1])

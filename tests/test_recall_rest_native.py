@@ -1,4 +1,4 @@
-"""The rest column from the recall step's C call (``native.DecodeChoice`` with ``rest_scale``: the q.k its
+"""The rest column from the recall step's C call (``native_choice.DecodeChoice`` with ``rest_scale``: the q.k its
 choice computed, ``rest_row`` in recall_kernel.c) against the torch route (``recall.rest.rest_column``), on
 the states a bf16 recall cache reaches: int8-value and bf16 cold pages, groups of 1, 3 and 4 query heads,
 head dims with and without a tail, part pages, pages in the frames, rows holding nothing."""
@@ -12,7 +12,7 @@ from conftest import VOCAB, build_model, recall_cache
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native
+from h2ochat.recall import native, native_choice
 from h2ochat.recall.rest import rest_column
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
@@ -49,7 +49,7 @@ def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype):
         scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
         query = (torch.randn(3, kv_heads, heads // kv_heads, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
         frames = tier.frames.frame_page.clone()
-        assert tier.decode_choice(query[:, :, :, 0], scored, False, 0.125)  # (no row chooses: the rest only)
+        assert tier.decode_choice(query[:, :, :, 0], scored, False, (0.125, tier.page_means))  # (no row chooses: the rest only)
         got = tier.decode_choice.rest
         assert torch.equal(tier.frames.frame_page, frames)
         want = rest_column(tier.cold, tier.frames.frame_page, query, 0.125)
@@ -74,7 +74,7 @@ def test_a_choosing_steps_rest_is_the_torch_rest_after_the_same_choice():
             tier = layer.tier
             scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
             query = (torch.randn(2, kv_heads, group, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
-            assert tier.decode_choice(query[:, :, :, 0], scored, rows, 0.3)
+            assert tier.decode_choice(query[:, :, :, 0], scored, rows, (0.3, tier.page_means))
             got = tier.decode_choice.rest
             want = rest_column(tier.cold, tier.frames.frame_page, query, 0.3)
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
@@ -88,14 +88,14 @@ def test_a_bf16_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch):
     model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(13))
     rests = []
-    call = native.DecodeChoice.__call__
+    call = native_choice.DecodeChoice.__call__
 
-    def spied(self, queries, scored, rows=True, rest_scale=None):
-        taken = call(self, queries, scored, rows, rest_scale)
+    def spied(self, queries, scored, rows=True, rest=None):
+        taken = call(self, queries, scored, rows, rest)
         rests.append(taken and self.rest is not None)
         return taken
 
-    monkeypatch.setattr(native.DecodeChoice, "__call__", spied)
+    monkeypatch.setattr(native_choice.DecodeChoice, "__call__", spied)
     with_kernel, got = _fed_cache(model, ids, "auto")
     assert sum(rests) > len(rests) // 2
     monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
@@ -105,3 +105,33 @@ def test_a_bf16_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch):
     assert not torch.allclose(no_rest, want, rtol=2e-2, atol=2e-2)
     for a, b in zip(with_kernel.layers, without.layers):
         assert torch.equal(a.token_index, b.token_index)
+
+
+@needs_kernel
+@pytest.mark.parametrize("move", ["import", "reset"])
+def test_a_rows_page_means_follow_its_import_and_reset(move):
+    """The C rest keeps each full page's mean (``native_choice.PageMeans``): a row that takes another
+    conversation (imported) or starts again (reset, then a chunk longer than the old one) gets the means of
+    its new values, as the torch rest reads them."""
+    model = build_model("llama", seed=6, max_position_embeddings=256).to(torch.bfloat16)
+    kv_heads, group = model.config.num_key_value_heads, model.config.num_attention_heads // model.config.num_key_value_heads
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(14)
+    ids = torch.randint(3, VOCAB, (2, 50), generator=generator)
+    cache, _ = _fed_cache(model, ids, "auto")
+    if move == "import":
+        cache.import_row(0, cache.export_row(1))
+    else:
+        cache.reset_row(0)
+        longer = torch.randint(3, VOCAB, (2, 90), generator=generator)  # (more cold pages than it had)
+        with torch.inference_mode():
+            forward(model, cache, longer, logits_to_keep=1)
+    for layer in cache.layers:
+        tier = layer.tier
+        scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
+        query = (torch.randn(2, kv_heads, group, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
+        assert tier.decode_choice(query[:, :, :, 0], scored, False, (0.3, tier.page_means))
+        got = tier.decode_choice.rest
+        want = rest_column(tier.cold, tier.frames.frame_page, query, 0.3)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)

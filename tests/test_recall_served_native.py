@@ -12,7 +12,7 @@ from conftest import VOCAB, build_model, recall_cache
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native, native_store
+from h2ochat.recall import native, native_choice, native_store
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
@@ -68,10 +68,10 @@ def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypat
     ids = torch.randint(3, VOCAB, (BATCH, PROMPT + STEPS), generator=torch.Generator().manual_seed(5))
     masks = _masks(every)
     calls = {"choice": 0, "stage": 0, "flush": 0}
-    choice, stage, flush = native.DecodeChoice.__call__, native.Stager.__call__, native_store.Flusher.__call__
+    choice, stage, flush = native_choice.DecodeChoice.__call__, native.Stager.__call__, native_store.Flusher.__call__
 
-    def counted_choice(self, queries, scored, rows=True, rest_scale=None):
-        done = choice(self, queries, scored, rows, rest_scale)
+    def counted_choice(self, queries, scored, rows=True, rest=None):
+        done = choice(self, queries, scored, rows, rest)
         calls["choice"] += done and rows is not True
         return done
 
@@ -85,7 +85,7 @@ def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypat
         calls["flush"] += done and rows is not None
         return done
 
-    monkeypatch.setattr(native.DecodeChoice, "__call__", counted_choice)
+    monkeypatch.setattr(native_choice.DecodeChoice, "__call__", counted_choice)
     monkeypatch.setattr(native_store.Flusher, "__call__", counted_flush)
     monkeypatch.setattr(native.Stager, "__call__", counted_stage)
     got = _run(model, ids, masks, every, cold_dtype, kv_dtype)

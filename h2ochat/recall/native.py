@@ -13,8 +13,8 @@
   the recall slots (float slots, or int8 codes encoded as ``slot_format.encode`` does, bit for bit);
   ``Stager``: a decode step's victim into the staging page (codes and scales as they are). The cold
   store's writes (an append, a staging page's whole flush) are ``native_store``'s.
-- ``DecodeChoice``: a step's best pages, plan and copy in one call a layer (one ctypes call instead of
-  ~60 torch ops), where all of it runs: a decode step's, or a prompt chunk's.
+- ``native_choice.DecodeChoice``: a step's best pages, plan and copy in one call a layer (one ctypes call
+  instead of ~60 torch ops), with the step's rest column (``--recall-rest``), on these kernels' bindings.
 - A server's decode step (one bucket of rows, its free rows left out by the ``active`` mask; each row
   choosing on its own cadence): ``DecodeChoice`` takes the rows that choose and leaves the others as
   they are, ``Stager`` writes a left-out row's empty entry without counting it, as the torch routes do
@@ -85,7 +85,7 @@ def _bind(library: Path) -> Kernels:
                    recall_step=native_build.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
                                                    + [size] * 2 + [pointer] * 2 + [ctypes.c_float] * 2
-                                                   + [pointer] * 2, returns=size),
+                                                   + [pointer] * 3 + [size, pointer], returns=size),
                    stage=native_build.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
                                              + [pointer, size]),
                    cold_append=native_build.signed(library, "h2ochat_cold_append", store_writes),
@@ -214,7 +214,7 @@ def frames_update(wanted: torch.Tensor, frame_page, last_used, clock, copied, co
     return load
 
 
-def _scales_of(slots: dict[str, torch.Tensor], head_dim: int, value_dim: int):
+def slot_scales(slots: dict[str, torch.Tensor], head_dim: int, value_dim: int):
     """Quantized slots' scales and offsets as the kernels take them (``Strided * 4``); None for float slots;
     False where the kernels do not take these slots (codes of fewer bits than 8, scales not fp32 on the CPU)."""
     if "key_scale" not in slots:
@@ -239,7 +239,7 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
     kernels = _loaded()[0]
     keys, values = slots["keys"], slots["values"]
     scale = store.get("value_scale")
-    scales = _scales_of(slots, store["keys"].shape[-1], store["values"].shape[-1])
+    scales = slot_scales(slots, store["keys"].shape[-1], store["values"].shape[-1])
     # the dtypes keys and values come as: the slots' (copied), or the store's (encoded into codes)
     key_dtype = keys.dtype if scales is None else store["keys"].dtype
     value_dtype = values.dtype if scales is None else store["keys" if scale is not None else "values"].dtype
@@ -263,75 +263,6 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
                         ring or 0, sources, targets, keys.shape[-1], key_dtype.itemsize, values.shape[-1],
                         value_dtype.itemsize, scales, TINY_SCALE)
     return True
-
-
-class DecodeChoice:
-    """One layer's whole choice of a step in one C call (``h2ochat_recall_step``): the best pages
-    (``top_pages``), the frames' plan (``frames_update``, the store's full pages complete) and the loaded
-    pages' copy (``fill_frames``), where all three run: the exact selector on the store's own keys, a
-    store that never wraps, bf16 keys, bf16 slots or 8-bit codes, keys not to turn; every row choosing, or some
-    (``rows``: the others keep their frames, clocks and slots). ``of`` says whether it takes a layer; a
-    call returns False where it does not take this step."""
-
-    def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor], scales):
-        self.kernels, self.cold, self.frames = kernels, cold, frames
-        names = ("keys", "values", "token_index", "positions")
-        self.targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
-        self.scales = scales  # (quantized slots' scales and offsets, ``_scales_of``; None: bf16 slots)
-        self._slots = slots  # (the views the targets point into, held while they are)
-        self.value_dim, self.value_bytes = slots["values"].shape[-1], 2  # (bf16: the slots' or the store's)
-        shape = frames.frame_page.shape
-        self.wanted = torch.empty(shape, dtype=torch.long)
-        self.load = torch.empty(shape, dtype=torch.bool)
-        # the frames' state and these outputs stay where they are: their pointers once
-        self.state = [t.data_ptr() for t in (self.wanted, frames.frame_page, frames.last_used, frames.clock,
-                                             frames.copied, frames.complete, self.load)]
-        self.store, self.sources = None, None  # the store's places the sources point into (a grown store: new ones)
-        self.rest_out = self.rest = None  # (the rest's logit [B, H, M] and value [B, H, M, Dv]; the last call's)
-
-    @classmethod
-    def of(cls, cold, frames, slots: dict[str, torch.Tensor], keys_in_place: bool) -> "DecodeChoice | None":
-        kernels = _loaded()[0]
-        keys, values = slots["keys"], slots["values"]
-        state = (frames.frame_page, frames.last_used, frames.clock, frames.copied, frames.complete)
-        scales = _scales_of(slots, cold.keys.shape[-1], cold.values.shape[-1])
-        if (kernels is None or not keys_in_place or cold.frames is not None or cold.quantized_keys or cold.zero_copy
-                or scales is False or cold.keys.dtype != torch.bfloat16
-                or (scales is None and (keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16))
-                or cold.values.dtype != (torch.int8 if cold.quantized_values else torch.bfloat16)
-                or not host_rows(*state) or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values))
-                or slots["token_index"].dtype != torch.long or slots["positions"].dtype != torch.long):
-            return None
-        return cls(kernels, cold, frames, slots, scales)
-
-    def __call__(self, queries: torch.Tensor, scored: int, rows: bool | list[bool] = True,
-                 rest_scale: float | None = None) -> bool:
-        """The step's choice for ``queries`` [B, H, M, D] over the store's first ``scored`` slots, by the
-        rows ``rows`` (True: every row; False: none; else a boolean per row). ``rest_scale``: the attention's
-        scale, and every row's rest column (``recall.rest``) left in ``rest`` from the same q.k, as a decode
-        step's attention takes it ([B, H, M, 1], [B, H, M, 1, Dv]; None while no row holds a cold token)."""
-        if queries.dtype != torch.bfloat16 or torch.compiler.is_compiling():
-            return False
-        choosing = None if rows is True else row_bytes(rows if rows is not False else [False] * queries.shape[0])
-        cold = self.cold
-        queries = queries.contiguous()
-        batch, heads, count, dim = queries.shape
-        buffers = (cold.keys, cold.values, cold.token_index, cold.positions, cold.value_scale)
-        places = store_places(buffers)
-        if places != self.store:
-            self.store, self.sources = places, (Strided * 5)(*(Strided.of(t) for t in buffers))
-        if rest_scale is not None and (self.rest_out is None or self.rest_out[0].shape != queries.shape[:3]):
-            self.rest_out = (torch.empty(queries.shape[:3]), torch.empty(*queries.shape[:3], self.value_dim))
-        out = self.rest_out if rest_scale is not None else (None, None)
-        holding = self.kernels.recall_step(
-            queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
-            self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets, self.value_dim, self.value_bytes,
-            None if choosing is None else choosing.data_ptr(), self.scales, TINY_SCALE, rest_scale or 0.0,
-            *(None if t is None else t.data_ptr() for t in out))
-        if holding < 0:  # (its scratch did not fit in memory: nothing written)
-            return False
-        self.rest = (out[0].unsqueeze(-1), out[1].unsqueeze(-2)) if rest_scale is not None and holding else None
-        return True
 
 
 def store_places(buffers) -> tuple:

@@ -586,21 +586,106 @@ static void page_value_sum(const strided_t *store, int64_t b, int64_t h, int64_t
   }
 }
 
+/* The mean values of the row's full pages below `filled` it has not yet (means [N, Dv], *meaned of them held;
+   more than `filled` has: the row was emptied, all again), as page_value_sum over P. */
+static void fill_means(const strided_t *store, int64_t b, int64_t h, int64_t filled, int64_t P, int64_t Dv,
+                       float *means, int64_t N, int64_t *meaned) {
+  const int64_t full = filled / P < N ? filled / P : N;
+  if (*meaned > full) *meaned = 0;
+  for (int64_t n = *meaned; n < full; n++) {
+    float *mean = means + n * Dv;
+    page_value_sum(store, b, h, n * P, P, Dv, mean);
+    for (int64_t d = 0; d < Dv; d++) mean[d] /= (float)P;
+  }
+  *meaned = full;
+}
+
+/* w[n] = the sum of page n's exps e (P of them; lanes past `filled` hold 0, the row padded to 16), 0 for a
+   recalled page: pages of 8 or 16 by a tree of adds across a vector's lanes, else one by one. */
+static void page_sums(const float *e, int64_t filled, int64_t P, const uint8_t *recalled, float *w) {
+  const int64_t pages = (filled + P - 1) / P;
+  if (P == 8 || P == 16) {
+    for (int64_t t = 0; t < filled; t += 16) {
+      __m512 s = _mm512_loadu_ps(e + t);
+      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
+      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
+      s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xb1)); /* lanes 0 and 8: the sums of 0-7 and 8-15 */
+      if (P == 16) {
+        w[t / 16] = _mm512_cvtss_f32(_mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0x4e)));
+        continue;
+      }
+      w[t / 8] = _mm512_cvtss_f32(s);
+      if (t / 8 + 1 < pages) w[t / 8 + 1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(s, 2));
+    }
+  } else {
+    for (int64_t n = 0; n < pages; n++) {
+      float sum = 0.0f;
+      for (int64_t t = n * P; t < filled && t < (n + 1) * P; t++) sum += e[t];
+      w[n] = sum;
+    }
+  }
+  for (int64_t n = 0; n < pages; n++)
+    if (recalled[n]) w[n] = 0.0f;
+}
+
+#define REST_QUERIES 4  /* queries whose sums one pass over the page means keeps in registers */
+#define REST_CHANNELS 4 /* vectors of 16 channels of each (4 x 4 sums: 16 of the 32 registers) */
+
+/* value[m * Dv ...] = sum over the pages n not recalled of w[m * pages + n] * mean_n, mean_n at means + n * Dv for
+   n < meaned, else (the last, part page) at part: the sums in registers, REST_QUERIES queries by 64 channels a
+   pass (a head dim of 64: one pass reads each mean once, whole; the next pages' asked for ahead). */
+static void weigh_means(const float *w, int64_t M, int64_t pages, const uint8_t *recalled, const float *means,
+                        int64_t meaned, const float *part, int64_t Dv, float *value) {
+  for (int64_t m0 = 0; m0 < M; m0 += REST_QUERIES)
+    for (int64_t d = 0; d < Dv; d += 16 * REST_CHANNELS) {
+      __mmask16 mask[REST_CHANNELS];
+      __m512 sum[REST_QUERIES][REST_CHANNELS];
+      for (int c = 0; c < REST_CHANNELS; c++) {
+        mask[c] = d + 16 * c < Dv ? lanes(Dv, d + 16 * c) : 0;
+        for (int j = 0; j < REST_QUERIES; j++) sum[j][c] = _mm512_setzero_ps();
+      }
+      for (int64_t n = 0; n < pages; n++) {
+        if (recalled[n]) continue;
+        const float *mean = n < meaned ? means + n * Dv : part;
+        if (n + 4 < meaned)
+          for (int64_t c = 0; c < 16 * REST_CHANNELS && d + c < Dv; c += 16)
+            _mm_prefetch((const char *)(means + (n + 4) * Dv + d + c), _MM_HINT_T0);
+        __m512 v[REST_CHANNELS];
+        for (int c = 0; c < REST_CHANNELS; c++) v[c] = _mm512_maskz_loadu_ps(mask[c], mean + d + 16 * c);
+        for (int j = 0; j < REST_QUERIES; j++) {
+          if (m0 + j >= M) break;
+          const __m512 weight = _mm512_set1_ps(w[(m0 + j) * pages + n]);
+          for (int c = 0; c < REST_CHANNELS; c++) sum[j][c] = _mm512_fmadd_ps(weight, v[c], sum[j][c]);
+        }
+      }
+      for (int j = 0; j < REST_QUERIES && m0 + j < M; j++)
+        for (int c = 0; c < REST_CHANNELS; c++)
+          _mm512_mask_storeu_ps(value + (m0 + j) * Dv + d + 16 * c, mask[c], sum[j][c]);
+    }
+}
+
 /* The rest of one (sequence b, head h) (recall/rest.py's rest_column, the same sums up to their order): the
    store's slots below `filled` on pages the frames do not hold (frame_page [F]), one attention column per
    query m: logit[m] = the logsumexp of their logits scale * q_m.k (-inf: no such slot), value[m * Dv ...] = the
-   pages' mean values weighed by each page's share of that sum. dots [M, dot_stride]: the q_m.k, overwritten;
-   recalled: scratch of a byte a page. */
+   pages' mean values (means [N, Dv], fill_means'; a part page's from its values) weighed by each page's share
+   of that sum (the means have room for the full pages: filled / P <= N). dots [M, dot_stride]: the q_m.k,
+   overwritten by their exps; scratch: M floats a page (the pages' weights) and a byte a page. */
 static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int64_t M, int64_t filled, int64_t P,
-                     const int64_t *frame_page, int64_t F, const strided_t *store, int64_t Dv, float scale,
-                     uint8_t *recalled, float *logit, float *value) {
+                    const int64_t *frame_page, int64_t F, const strided_t *store, int64_t Dv, float scale,
+                    float *weights, uint8_t *recalled, float *means, int64_t N, int64_t *meaned, float *logit,
+                    float *value) {
   const int64_t pages = (filled + P - 1) / P;
+  fill_means(store, b, h, filled, P, Dv, means, N, meaned);
   memset(recalled, 0, pages);
   int64_t left = pages;
   for (int64_t f = 0; f < F; f++)
     if (frame_page[f] >= 0 && frame_page[f] < pages && !recalled[frame_page[f]]) recalled[frame_page[f]] = 1, left--;
-  memset(value, 0, M * Dv * sizeof(float));
-  float top[M], total[M], sum[Dv];
+  float top[M], total[M], part[Dv];
+  if (left && *meaned < pages && !recalled[pages - 1]) { /* (the last page is a part page: its mean now) */
+    const int64_t first = *meaned * P;
+    page_value_sum(store, b, h, first, filled - first, Dv, part);
+    for (int64_t d = 0; d < Dv; d++) part[d] /= (float)(filled - first);
+  }
   for (int64_t m = 0; m < M; m++) {
     logit[m] = -INFINITY;
     total[m] = 0.0f;
@@ -610,27 +695,14 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
     for (int64_t t = 0; t < filled; t += 16) largest = _mm512_mask_max_ps(largest, lanes(filled, t), largest,
                                                                          _mm512_loadu_ps(row + t));
     top[m] = _mm512_reduce_max_ps(largest);
-    for (int64_t t = 0; t < filled; t += 16)
-      _mm512_storeu_ps(row + t, exp_lanes(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top[m])),
-                                                        _mm512_set1_ps(scale))));
-  }
-  for (int64_t n = 0; n < pages && left; n++) {
-    if (recalled[n]) continue;
-    const int64_t first = n * P, count = filled - first < P ? filled - first : P;
-    page_value_sum(store, b, h, first, count, Dv, sum);
-    for (int64_t m = 0; m < M; m++) {
-      float weight = 0.0f;
-      for (int64_t t = first; t < first + count; t++) weight += dots[m * dot_stride + t];
-      total[m] += weight;
-      const __m512 share = _mm512_set1_ps(weight / count);
-      for (int64_t d = 0; d < Dv; d += 16) {
-        const __mmask16 mask = lanes(Dv, d);
-        float *out = value + m * Dv + d;
-        _mm512_mask_storeu_ps(out, mask, _mm512_fmadd_ps(share, _mm512_maskz_loadu_ps(mask, sum + d),
-                                                         _mm512_maskz_loadu_ps(mask, out)));
-      }
+    for (int64_t t = 0; t < filled; t += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top[m])), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(row + t, _mm512_maskz_mov_ps(lanes(filled, t), exp_lanes(x)));
     }
+    page_sums(row, filled, P, recalled, weights + m * pages);
+    for (int64_t n = 0; n < pages; n++) total[m] += weights[m * pages + n];
   }
+  if (left) weigh_means(weights, M, pages, recalled, means, *meaned, part, Dv, value);
   for (int64_t m = 0; m < M; m++) {
     if (!(total[m] > 0.0f)) { /* (no page left, or every one below e^-87 of the best slot: nothing drawn) */
       memset(value + m * Dv, 0, Dv * sizeof(float));
@@ -653,22 +725,27 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
    untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
    quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's.
    rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest): after the choice, every row's rest (rest_row),
-   choosing or not, from the q.k the choice computed (a row not choosing: computed for it). Returns the rows and
-   heads that hold a cold token (0: the rest is -inf everywhere), or -1 where memory ran out (nothing written). */
+   choosing or not, from the q.k the choice computed (a row not choosing: computed for it), with the page means
+   means [B, H, N, Dv] of which meaned [B, H] are held (rest_row fills them). Returns the rows and heads that
+   hold a cold token (0: the rest is -inf everywhere), or -1 where memory ran out or the means have no room for
+   T / P pages (nothing written). */
 int64_t h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
                             int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
                             int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
                             const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing,
-                            const strided_t *scales, float tiny, float scale, float *rest_logit, float *rest_value) {
+                            const strided_t *scales, float tiny, float scale, float *rest_logit, float *rest_value,
+                            float *means, int64_t N, int64_t *meaned) {
   const int64_t k = F < T / P ? F : T / P, stride = (T + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK + KEY_BLOCK;
   const int64_t pages = (T + P - 1) / P;
-  float *dots = NULL, *scores = NULL;
+  float *dots = NULL, *scores = NULL, *weights = NULL;
   uint8_t *recalled = NULL;
-  if (rest_logit) { /* (a row's q.k [M, stride], a rest-only row's page scores, a byte a page) */
-    dots = malloc((M * stride + pages) * sizeof(float) + pages);
+  if (rest_logit) { /* (a row's q.k [M, stride], a rest-only row's page scores, the pages' weights, a byte a page) */
+    if (T / P > N) return -1;
+    dots = malloc((M * stride + pages + M * pages) * sizeof(float) + pages);
     if (!dots) return -1;
     scores = dots + M * stride;
-    recalled = (uint8_t *)(scores + pages);
+    weights = scores + pages;
+    recalled = (uint8_t *)(weights + M * pages);
   }
   int64_t holding = 0;
   for (int64_t b = 0; b < B; b++)
@@ -691,8 +768,8 @@ int64_t h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
         page_scores(q + row * M * D, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride);
       }
       if (rest_logit)
-        rest_row(b, h, dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, scale, recalled,
-                 rest_logit + row * M, rest_value + row * M * Dv);
+        rest_row(b, h, dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, scale, weights, recalled,
+                 means + row * N * Dv, N, meaned + row, rest_logit + row * M, rest_value + row * M * Dv);
     }
   free(dots);
   return holding;

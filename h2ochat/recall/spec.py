@@ -69,11 +69,13 @@ class RecallSpec:
             selector_host_bytes=sum(tier.digest.host_nbytes() for tier in tiers),
             pages_per_summary=max((tier.digest.pages_per_entry for tier in tiers), default=1),
             summary_cap=tiers[0].digest.cap if tiers else None,
-            host_bytes_written=sum(tier.cold.written_nbytes() + tier.digest.host_nbytes() for tier in tiers))
+            host_bytes_written=sum(tier.cold.written_nbytes() + tier.digest.host_nbytes() + tier.page_means.written_nbytes()
+                                   for tier in tiers))
 
     def cold_bytes(self, cache) -> int:
-        """Host bytes of the cold stores and of the token-level codes a two-stage selector keeps beside them."""
-        return sum(tier.cold.nbytes() + tier.digest.host_nbytes() for tier in self._tiers(cache))
+        """Host bytes of the cold stores, of the token-level codes a two-stage selector keeps beside them and of
+        the rest's page means."""
+        return sum(tier.cold.nbytes() + tier.digest.host_nbytes() + tier.page_means.nbytes() for tier in self._tiers(cache))
 
     def host_bytes_per_token(self, cache) -> float:
         """Host bytes one evicted token of one row costs, over every layer and KV head (allocated cache)."""

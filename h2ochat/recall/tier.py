@@ -57,6 +57,7 @@ from .bounds import PageBounds
 from .cold_keys import ColdKeys
 from .cold_store import ColdStore
 from . import graph_choice, native
+from .native_choice import DecodeChoice, PageMeans
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
@@ -109,10 +110,10 @@ class RecallTier(RecallRowMoves):
         # views of the tier's columns of the layer's slots (the port says where): attended with the hot ones
         self.slots = RecallSlots.of(port.frame_columns(config.page), self.format)
         self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
-        # a CPU decode step's whole choice in one C call, where it runs (``native.DecodeChoice``)
+        # a CPU decode step's whole choice (and rest) in one C call, where it runs (``native_choice``)
         self.stager_of = (None, None)  # (the port, the C staging of its columns or None: ``_stager``)
-        self.decode_choice = native.DecodeChoice.of(self.cold, self.frames, self.slots.columns(),
-                                                    isinstance(self.digest, ColdKeys))
+        self.decode_choice = DecodeChoice.of(self.cold, self.frames, self.slots.columns(), isinstance(self.digest, ColdKeys))
+        self.page_means = PageMeans(batch, heads, value_dim, self.decode_choice is not None and config.rest != "off")
         self.cadence = RowCadence(batch, config.page, config.every)  # each row's flush and choice, on its own count
         self.step_active = None  # the decode step's active rows [B] (None: every row), for ``archive``
         columns = port.tier_columns()
@@ -152,7 +153,7 @@ class RecallTier(RecallRowMoves):
         return -1 if name in _EMPTY_IS_MINUS_ONE else 0
 
     def reset(self) -> None:
-        self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = None
+        self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = self.page_means = None
         self.decode_choice, self.stager_of = None, (None, None)
         self.selector = self.config.selector  # (``auto`` resolved when allocated: ``resolved_selector``)
         self.recalled_mass = self.attended_mass = self.last_query = self.all_columns = None
@@ -163,11 +164,11 @@ class RecallTier(RecallRowMoves):
         return tensor_bytes(parts + ([self.last_query] if self.last_query is not None else []))
 
     def host_bytes_per_token(self) -> float:
-        """Host bytes one cold token of one row takes in this layer, over its KV heads: the cold store's
-        and the token codes' beside it (every such buffer has a slot per token, and the spill slot)."""
-        batch = self.cold.count.shape[0]
+        """Host bytes one cold token of one row takes in this layer, over its KV heads: the cold store's, the
+        token codes' beside it (a slot per token, and the spill slot) and the rest's page means."""
+        batch, means = self.cold.count.shape[0], self.page_means.bytes_per_token(self.cold.page)
         parts = [(self.cold.nbytes(), self.cold.capacity), (self.digest.host_nbytes(), self.digest.capacity)]
-        return sum(nbytes / (batch * (capacity + 1)) for nbytes, capacity in parts if nbytes)
+        return sum(nbytes / (batch * (capacity + 1)) for nbytes, capacity in parts if nbytes) + means
 
     def recalled_token_index(self) -> torch.Tensor:
         """[B, H, R]: the token index each recall slot holds, staging page included (-1: empty)."""
@@ -254,15 +255,15 @@ class RecallTier(RecallRowMoves):
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
-        rest_scale = scale if self.config.rest != "off" and not context.compiled else None  # (eager only)
+        rest = (scale, self.page_means) if self.config.rest != "off" and not context.compiled else None  # (eager)
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
             self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
         elif context.compiled:  # a CPU graph holds the choice as an op (a fixed rule: no guard per step)
             if not self.prefetches:
                 graph_choice.choose(grouped[:, :, :, 0], port.slot_tensors(), port.layer)
-        elif self.choose_in_step is not False or rest_scale is not None:  # an eager step: with its own queries
-            rest_done = self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step, rest_scale)
+        elif self.choose_in_step is not False or rest is not None:  # an eager step: with its own queries
+            rest_done = self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step, rest)
         active = context.numbers.active if q_len == 1 else None  # (a row left out keeps its last queries)
         if active is None:
             self.last_query.copy_(grouped[:, :, :, -1])
@@ -272,7 +273,7 @@ class RecallTier(RecallRowMoves):
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
-        if rest_scale is None or rest_done:
+        if rest is None or rest_done:
             return self.decode_choice.rest if rest_done else None
         return rest_column(self.cold, self.frames.frame_page, grouped, scale, context.rotary)
 
@@ -289,14 +290,13 @@ class RecallTier(RecallRowMoves):
             if tensor.data_ptr() != own.data_ptr():
                 tensor.copy_(own)
 
-    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True,
-               rest_scale: float | None = None) -> bool:
+    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True, rest=None) -> bool:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a
         boolean per row, or False: none): only those rows' frames change, the others keep their pages and
-        clocks. Returns whether the C call ran, which with ``rest_scale`` left the rest in ``decode_choice``."""
+        clocks. Returns whether the C call ran, which with ``rest`` (scale, page means) left the rest in
+        ``decode_choice``."""
         fused = self.decode_choice if rotary is None or not self.cold.moved else None
-        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding), rows,
-                                       rest_scale):
+        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding), rows, rest):
             return True
         if rows is False:
             return False

@@ -41,12 +41,14 @@ def _copied(tensor: torch.Tensor, device) -> torch.Tensor:
 
 class RecallRowMoves:
     """Export and import of one row of a ``RecallTier`` (its ``cold``, ``digest``, ``frames``,
-    ``staging``, ``cadence``, ``state_tensors``, ``empty_value`` and ``to_cold``); and the reset of a row."""
+    ``staging``, ``cadence``, ``page_means``, ``state_tensors``, ``empty_value`` and ``to_cold``); and the
+    reset of a row."""
 
     def reset_row(self, row: int) -> None:
         """Row ``row`` was emptied (its state tensors hold their empty values): its clock starts again."""
         if self.cold is not None:
             self.cadence.flushed([row])
+            self.page_means.forget(row)
             self._digest_state_written()
             count = self.cold.count  # the cold store gives back what only a longer conversation needed
             if count.device.type == "cpu":
@@ -140,6 +142,7 @@ class RecallRowMoves:
         had_query = getattr(self, "has_query", False) and not alone
         self.has_query = had_query or "last_query" in state  # (its next step recalls)
         self._digest_state_written()
+        self.page_means.forget(row)  # (its values are another conversation's)
         if alone:  # (re-marked below when its tokens were re-numbered)
             self.cold.forget_renumbering()
         positions, encoded = self._part_names(own, self.cold, "positions", "encoded")
