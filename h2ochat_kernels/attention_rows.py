@@ -43,7 +43,8 @@ def rest_rows(rest, batch: int, kv_heads: int, start: int = 0, stop: int | None 
     logit, value = rest
     if start or stop is not None:  # (a decode step's whole rest: no view to make)
         logit, value = logit[:, :, :, start:stop], value[:, :, :, start:stop]
-    return (f32(logit).reshape(batch, kv_heads, -1, 1), f32(value).reshape(batch, kv_heads, -1, value.shape[-1]))
+    logit = f32(logit) if logit.shape[3] == 1 else f32(logit).reshape(batch, kv_heads, -1, 1)  # (Q = 1: by row already)
+    return logit, f32(value).reshape(batch, kv_heads, -1, value.shape[-1])
 
 
 def softmax_beside_rest(blocks: list[torch.Tensor], rest, batch: int, kv_heads: int, start: int = 0,

@@ -102,7 +102,7 @@ def test_the_recall_tiers_rest_is_the_masked_references(family, seed, kv_dtype):
 
 
 def test_rest_is_refused_unless_it_is_a_mode():
-    with pytest.raises(ValueError, match="--recall-rest must be one of off, pages"):
+    with pytest.raises(ValueError, match="--recall-rest must be one of auto, off, pages"):
         RecallConfig(8, 4, rest="all")
 
 
@@ -113,5 +113,6 @@ def test_a_cache_with_the_rest_decodes_eagerly(family, seed):
         return recall_cache(model.config.num_hidden_layers, "h2o", 12, recall=RecallConfig(8, 4, rest=rest),
                             max_positions=256)
 
-    assert "--recall-rest runs eagerly" in cache("pages").compile_blocker()
+    assert "--recall-rest pages runs eagerly" in cache("pages").compile_blocker()
     assert cache("off").compile_blocker() is None
+    assert cache("auto").compile_blocker() is None  # (a compiled cache attends no rest: RecallConfig.rest_attended)

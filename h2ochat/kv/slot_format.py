@@ -74,8 +74,9 @@ class FloatSlots:
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """New tokens [B, Hkv, Q, D] as the slots hold them: cast to the slots' dtype (a no-op for the
-        model's own; fp8 must be cast before it meets the slots, torch promotes nothing to float8)."""
-        return {"keys": key.to(self.dtype), "values": value.to(self.dtype)}
+        model's own, and no op then: a CPU decode step pays per op; fp8 must be cast before it meets the slots,
+        torch promotes nothing to float8)."""
+        return {name: t if t.dtype == self.dtype else t.to(self.dtype) for name, t in (("keys", key), ("values", value))}
 
     def attend(self, backend, query, slots: dict, token_index, key, value, new_valid, scale, scores, decay, rest=None):
         return backend.attend_with_scores(query, slots["keys"], slots["values"], token_index, key, value, new_valid,

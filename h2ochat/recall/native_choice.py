@@ -77,7 +77,7 @@ class DecodeChoice:
         self.state = [t.data_ptr() for t in (self.wanted, frames.frame_page, frames.last_used, frames.clock,
                                              frames.copied, frames.complete, self.load)]
         self.store, self.sources = None, None  # the store's places the sources point into (a grown store: new ones)
-        self.rest_out = self.rest = None  # (the rest's logit [B, H, M] and value [B, H, M, Dv]; the last call's)
+        self.rest_out = self.rest = None  # (the rest's logit [B, H, M, 1] and value [B, H, M, 1, Dv]; the last call's)
 
     @classmethod
     def of(cls, cold, frames, slots: dict[str, torch.Tensor], keys_in_place: bool) -> "DecodeChoice | None":
@@ -113,8 +113,8 @@ class DecodeChoice:
         scale, means = rest if rest is not None else (0.0, None)
         if means is not None:
             means.room(scored // cold.page)
-            if self.rest_out is None or self.rest_out[0].shape != queries.shape[:3]:
-                self.rest_out = (torch.empty(queries.shape[:3]), torch.empty(*queries.shape[:3], self.value_dim))
+            if self.rest_out is None or self.rest_out[0].shape[:3] != queries.shape[:3]:  # (as the attention takes them)
+                self.rest_out = (torch.empty(*queries.shape[:3], 1), torch.empty(*queries.shape[:3], 1, self.value_dim))
         pointers = [None, None, None, 0, None] if means is None else [*(t.data_ptr() for t in self.rest_out), means.means.data_ptr(),
                                                      means.means.shape[2], means.meaned.data_ptr()]
         holding = self.kernels.recall_step(
@@ -123,6 +123,5 @@ class DecodeChoice:
             None if choosing is None else choosing.data_ptr(), self.scales, TINY_SCALE, scale, *pointers)
         if holding < 0:  # (its scratch did not fit in memory: nothing written)
             return False
-        logit, value = self.rest_out if means is not None else (None, None)
-        self.rest = (logit.unsqueeze(-1), value.unsqueeze(-2)) if means is not None and holding else None
+        self.rest = self.rest_out if means is not None and holding else None
         return True

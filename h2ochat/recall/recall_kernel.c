@@ -600,32 +600,50 @@ static void fill_means(const strided_t *store, int64_t b, int64_t h, int64_t fil
   *meaned = full;
 }
 
-/* w[n] = the sum of page n's exps e (P of them; lanes past `filled` hold 0, the row padded to 16), 0 for a
-   recalled page: pages of 8 or 16 by a tree of adds across a vector's lanes, else one by one. */
-static void page_sums(const float *e, int64_t filled, int64_t P, const uint8_t *recalled, float *w) {
+/* w[n] = the sum over page n's slots t of e^(scale * (dots[t] - top)) (the row padded to 16), 0 for a recalled
+   page; returns their sum. Pages of a power of two up to 16 slots: 16 pages at a time, their P vectors of exps
+   added pairwise lane by lane (even lanes plus odd ones, log2 P times: the 16 sums in page order, ~1.3 ops a
+   page where a tree across each vector's lanes took ~5); other pages: the exps written over dots, then summed
+   page by page. */
+static float page_sums(float *dots, float top, float scale, int64_t filled, int64_t P, const uint8_t *recalled,
+                       float *w) {
   const int64_t pages = (filled + P - 1) / P;
-  if (P == 8 || P == 16) {
-    for (int64_t t = 0; t < filled; t += 16) {
-      __m512 s = _mm512_loadu_ps(e + t);
-      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
-      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
-      s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xb1)); /* lanes 0 and 8: the sums of 0-7 and 8-15 */
-      if (P == 16) {
-        w[t / 16] = _mm512_cvtss_f32(_mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0x4e)));
-        continue;
+  const __m512 shift = _mm512_set1_ps(top), factor = _mm512_set1_ps(scale);
+  if (P <= 16 && (P & (P - 1)) == 0) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t n = 0; n < pages; n += 16) {
+      __m512 part[16];
+      for (int64_t j = 0; j < P; j++) {
+        const int64_t t = n * P + j * 16;
+        part[j] = t < filled ? _mm512_maskz_mov_ps(lanes(filled, t), exp_lanes(_mm512_mul_ps(
+                                   _mm512_sub_ps(_mm512_loadu_ps(dots + t), shift), factor)))
+                             : _mm512_setzero_ps();
       }
-      w[t / 8] = _mm512_cvtss_f32(s);
-      if (t / 8 + 1 < pages) w[t / 8 + 1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(s, 2));
+      for (int64_t count = P; count > 1; count /= 2)
+        for (int64_t j = 0; j < count / 2; j++)
+          part[j] = _mm512_add_ps(_mm512_permutex2var_ps(part[2 * j], even, part[2 * j + 1]),
+                                  _mm512_permutex2var_ps(part[2 * j], odd, part[2 * j + 1]));
+      _mm512_mask_storeu_ps(w + n, lanes(pages, n), part[0]);
     }
   } else {
+    for (int64_t t = 0; t < filled; t += 16)
+      _mm512_storeu_ps(dots + t, exp_lanes(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(dots + t), shift), factor)));
     for (int64_t n = 0; n < pages; n++) {
       float sum = 0.0f;
-      for (int64_t t = n * P; t < filled && t < (n + 1) * P; t++) sum += e[t];
+      for (int64_t t = n * P; t < filled && t < (n + 1) * P; t++) sum += dots[t];
       w[n] = sum;
     }
   }
-  for (int64_t n = 0; n < pages; n++)
-    if (recalled[n]) w[n] = 0.0f;
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t n = 0; n < pages; n += 16) {
+    const __mmask16 mask = lanes(pages, n);
+    __m512 weight = _mm512_maskz_loadu_ps(mask, w + n);
+    weight = _mm512_maskz_mov_ps(mask & ~live_lanes(recalled, n, pages - n < 16 ? pages - n : 16), weight);
+    _mm512_mask_storeu_ps(w + n, mask, weight);
+    total = _mm512_add_ps(total, weight);
+  }
+  return _mm512_reduce_add_ps(total);
 }
 
 #define REST_QUERIES 4  /* queries whose sums one pass over the page means keeps in registers */
@@ -695,12 +713,7 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
     for (int64_t t = 0; t < filled; t += 16) largest = _mm512_mask_max_ps(largest, lanes(filled, t), largest,
                                                                          _mm512_loadu_ps(row + t));
     top[m] = _mm512_reduce_max_ps(largest);
-    for (int64_t t = 0; t < filled; t += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top[m])), _mm512_set1_ps(scale));
-      _mm512_storeu_ps(row + t, _mm512_maskz_mov_ps(lanes(filled, t), exp_lanes(x)));
-    }
-    page_sums(row, filled, P, recalled, weights + m * pages);
-    for (int64_t n = 0; n < pages; n++) total[m] += weights[m * pages + n];
+    total[m] = page_sums(row, top[m], scale, filled, P, recalled, weights + m * pages);
   }
   if (left) weigh_means(weights, M, pages, recalled, means, *meaned, part, Dv, value);
   for (int64_t m = 0; m < M; m++) {

@@ -160,8 +160,8 @@ class RecallTier(RecallRowMoves):
 
     def bookkeeping_bytes(self) -> int:
         """Device bytes of the frames' bookkeeping, the last queries and the attention statistics."""
-        parts = [*self.frames.state_tensors().values(), self.recalled_mass, self.attended_mass]
-        return tensor_bytes(parts + ([self.last_query] if self.last_query is not None else []))
+        return tensor_bytes([*self.frames.state_tensors().values(), self.recalled_mass, self.attended_mass]
+                            + ([self.last_query] if self.last_query is not None else []))
 
     def host_bytes_per_token(self) -> float:
         """Host bytes one cold token of one row takes in this layer, over its KV heads: the cold store's, the
@@ -255,7 +255,8 @@ class RecallTier(RecallRowMoves):
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
-        rest = (scale, self.page_means) if self.config.rest != "off" and not context.compiled else None  # (eager)
+        attended = not context.compiled and self.config.rest_attended(self.decode_choice is not None, context.static_shapes)
+        rest = (scale, self.page_means) if attended else None
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
             self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
@@ -265,10 +266,9 @@ class RecallTier(RecallRowMoves):
         elif self.choose_in_step is not False or rest is not None:  # an eager step: with its own queries
             rest_done = self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step, rest)
         active = context.numbers.active if q_len == 1 else None  # (a row left out keeps its last queries)
-        if active is None:
-            self.last_query.copy_(grouped[:, :, :, -1])
-        else:
-            self.last_query.copy_(torch.where(active.view(-1, 1, 1, 1), grouped[:, :, :, -1], self.last_query))
+        if self.prefetches:  # (only a choice before the step reads them: a CPU's in-step choice does not)
+            last = grouped[:, :, :, -1]
+            self.last_query.copy_(last if active is None else torch.where(active.view(-1, 1, 1, 1), last, self.last_query))
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len

@@ -14,7 +14,9 @@ from .two_stage import SUMMARY_CAP
 
 
 DECODE_RULES = ("in-step", "before")
-REST_MODES = ("off", "pages")  # --recall-rest: the cold pages not recalled left out, or attended a column each (recall.rest)
+# --recall-rest: the cold pages not recalled left out, or attended as one column (recall.rest); auto: attended where
+# the step's C call computes it (an eager CPU step: ``native_choice``), left out where it would cost ~4x h2o's step
+REST_MODES = ("auto", "off", "pages")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class RecallConfig:
     # its own queries, as the eager step does (a CPU graph calls the choice as an op: ``graph_choice``),
     # or "before" it with the last step's queries (prefetch; what a GPU's CUDA graph always does)
     decode_rule: str = "in-step"
-    rest: str = "off"  # "pages": the cold pages a step does not recall still attended, one column (recall.rest)
+    rest: str = "off"  # "pages": the cold pages a step does not recall still attended, one column (recall.rest); auto
 
     def __post_init__(self):
         self.check_options(self.page, self.selector, self.cold_dtype, self.cold_limit, self.every, self.decode_rule,
@@ -71,6 +73,11 @@ class RecallConfig:
     def rest_label(self) -> str:
         """What a row's label adds for ``--recall-rest`` (nothing when off)."""
         return "" if self.rest == "off" else f", the rest as {self.rest}"
+
+    def rest_attended(self, native: bool, static_shapes: bool) -> bool:
+        """Whether a tier's steps attend the rest: ``pages``, or ``auto`` where its decode steps' C call runs
+        (``native``) and no compiled step will (``static_shapes``: a compiled step attends no rest)."""
+        return self.rest == "pages" or (self.rest == "auto" and native and not static_shapes)
 
     @property
     def frames(self) -> int:
