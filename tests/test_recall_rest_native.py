@@ -20,10 +20,10 @@ from h2ochat.rotary import find_rotary
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
 
 
-def _fed_cache(model, ids, cold_dtype, rest="pages"):
-    """A bf16 recall cache (8 policy slots, 16 recall: pages of 4) after a 30-token chunk and decode steps."""
+def _fed_cache(model, ids, cold_dtype, rest="pages", page=4):
+    """A bf16 recall cache (8 policy slots, 4 pages of ``page`` recalling) after a 30-token chunk and decode steps."""
     cache = recall_cache(model.config.num_hidden_layers, "h2o", 8,
-                         recall=RecallConfig(16, 4, "exact", cold_dtype=cold_dtype, rest=rest),
+                         recall=RecallConfig(4 * page, page, "exact", cold_dtype=cold_dtype, rest=rest),
                          max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
     use_h2o_attention(model)
     logits = [forward(model, cache, ids[:, :30], logits_to_keep=1)[:, -1]]
@@ -31,33 +31,49 @@ def _fed_cache(model, ids, cold_dtype, rest="pages"):
     return cache, torch.stack(logits)
 
 
+def _c_rest_against_torch(layer, query, scale, rows=False):
+    """The layer's C call for ``query`` [B, H, G, 1, D] (``rows``: which choose; False: none, the rest only), its
+    rest against the torch rest after it; returns the C rest."""
+    tier = layer.tier
+    scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
+    assert tier.decode_choice(query[:, :, :, 0], scored, rows, (scale, tier.page_means))
+    got = tier.decode_choice.rest
+    want = rest_column(tier.cold, tier.frames.frame_page, query, scale)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    return got
+
+
+def _queries(model, batch, generator):
+    """Queries [B, H, G, 1, D] for a decode step of ``model``'s layers (bf16, spread as a model's are)."""
+    config = model.config
+    kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (torch.randn(batch, kv_heads, group, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
+
+
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,head_dim,cold_dtype", [(6, 2, 64, "auto"), (6, 2, 64, "model"),
-                                                                (4, 4, 40, "auto"), (4, 1, 16, "model")])
-def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,cold_dtype,page", [
+    (6, 2, 64, "auto", 4), (6, 2, 64, "model", 4), (4, 4, 40, "auto", 4), (4, 1, 16, "model", 4),
+    (6, 2, 64, "auto", 3), (6, 2, 64, "auto", 16), (6, 2, 64, "auto", 1)])  # (pages summed by lanes, or one by one)
+def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype, page):
     model = build_model("llama", seed=3, max_position_embeddings=256, num_attention_heads=heads,
                         num_key_value_heads=kv_heads, head_dim=head_dim).to(torch.bfloat16)
     generator = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, VOCAB, (3, 60), generator=generator)
-    cache, _ = _fed_cache(model, ids, cold_dtype)
+    ids = torch.randint(3, VOCAB, (3, 90 if page == 16 else 60), generator=generator)
+    cache, _ = _fed_cache(model, ids, cold_dtype, page=page)
     part_pages = 0
     for layer in cache.layers:
         tier = layer.tier
         with torch.inference_mode():  # (as the steps ran)
             tier.cold.count[1] = 0  # (a row that holds nothing: its rest is -inf)
         part_pages += int((tier.cold.count % tier.cold.page != 0).sum())
-        scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
-        query = (torch.randn(3, kv_heads, heads // kv_heads, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
         frames = tier.frames.frame_page.clone()
-        assert tier.decode_choice(query[:, :, :, 0], scored, False, (0.125, tier.page_means))  # (no row chooses: the rest only)
-        got = tier.decode_choice.rest
+        got = _c_rest_against_torch(layer, _queries(model, 3, generator), 0.125)  # (no row chooses: the rest only)
         assert torch.equal(tier.frames.frame_page, frames)
-        want = rest_column(tier.cold, tier.frames.frame_page, query, 0.125)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
         assert bool((got[0][1] == float("-inf")).all()) and bool((got[1][1] == 0).all())
         assert bool(torch.isfinite(got[0][0]).all()) and bool((frames[0] >= 0).any())  # (pages in the frames)
-    assert part_pages > 0
+    assert part_pages > 0 or page == 1
 
 
 @needs_kernel
@@ -65,20 +81,11 @@ def test_a_choosing_steps_rest_is_the_torch_rest_after_the_same_choice():
     """The rest a choosing row gets from the choice's own q.k, against the torch rest after the same choice
     (every row choosing, then some)."""
     model = build_model("llama", seed=4, max_position_embeddings=256).to(torch.bfloat16)
-    kv_heads, group = model.config.num_key_value_heads, model.config.num_attention_heads // model.config.num_key_value_heads
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
     generator = torch.Generator().manual_seed(12)
     cache, _ = _fed_cache(model, torch.randint(3, VOCAB, (2, 50), generator=generator), "auto")
     for rows in (True, [False, True]):
         for layer in cache.layers:
-            tier = layer.tier
-            scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
-            query = (torch.randn(2, kv_heads, group, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
-            assert tier.decode_choice(query[:, :, :, 0], scored, rows, (0.3, tier.page_means))
-            got = tier.decode_choice.rest
-            want = rest_column(tier.cold, tier.frames.frame_page, query, 0.3)
-            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+            _c_rest_against_torch(layer, _queries(model, 2, generator), 0.3, rows)
 
 
 @needs_kernel
@@ -114,8 +121,6 @@ def test_a_rows_page_means_follow_its_import_and_reset(move):
     conversation (imported) or starts again (reset, then a chunk longer than the old one) gets the means of
     its new values, as the torch rest reads them."""
     model = build_model("llama", seed=6, max_position_embeddings=256).to(torch.bfloat16)
-    kv_heads, group = model.config.num_key_value_heads, model.config.num_attention_heads // model.config.num_key_value_heads
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
     generator = torch.Generator().manual_seed(14)
     ids = torch.randint(3, VOCAB, (2, 50), generator=generator)
     cache, _ = _fed_cache(model, ids, "auto")
@@ -127,14 +132,7 @@ def test_a_rows_page_means_follow_its_import_and_reset(move):
         with torch.inference_mode():
             forward(model, cache, longer, logits_to_keep=1)
     for layer in cache.layers:
-        tier = layer.tier
-        scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
-        query = (torch.randn(2, kv_heads, group, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
-        assert tier.decode_choice(query[:, :, :, 0], scored, False, (0.3, tier.page_means))
-        got = tier.decode_choice.rest
-        want = rest_column(tier.cold, tier.frames.frame_page, query, 0.3)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+        _c_rest_against_torch(layer, _queries(model, 2, generator), 0.3)
 
 
 @needs_kernel
