@@ -33,8 +33,8 @@ codes it held (min-max codes of their own dequantized values: the same, up to fl
 a re-numbering the digest is rebuilt from the moved cold keys encoded and decoded so, as a recalled
 page will attend them.
 
-``--recall-rest pages``: the cold pages not recalled join the attention as one column, computed eagerly
-after the choice (``before_attention`` returns it: ``rest``).
+``--recall-rest``: the cold pages not recalled join the attention as one column, computed eagerly after the
+choice (``before_attention`` returns it: ``rest``; ``auto`` where the decode step's C call computes it).
 
 On a CPU with AVX512-BF16 the eager decode step's choice of pages (scores, plan and copy) with its rest,
 its staging and a flush's append are each one C call a layer (``native``), rows left out and int8 slots
@@ -246,7 +246,7 @@ class RecallTier(RecallRowMoves):
 
     # -- the step -------------------------------------------------------------------------------------
     def before_attention(self, port, query, new_valid, scale, context):
-        """The step's choice of pages, then its rest column (``--recall-rest pages``; else None)."""
+        """The step's choice of pages, then its rest column where attended (``RecallConfig.rest_attended``)."""
         batch, q_heads, q_len, head_dim = query.shape
         heads = self.recalled_mass.shape[1]
         group = q_heads // heads
