@@ -71,7 +71,10 @@ def main() -> None:
                         help="before: the recall rows' decode steps choose their pages before the step with the last "
                              "step's queries, as a GPU's compiled step does (in-step: with their own queries, the "
                              "eager step's rule and a CPU's compiled step's)")
-    parser.add_argument("--recall-rest", default="off", help="the recall rows' --recall-rest (off or pages)")
+    parser.add_argument("--recall-rest", default="off", help="the recall rows' --recall-rest (auto, off or pages)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the model's dtype (float32, as every stored row so far; bfloat16: the CPU's product "
+                             "dtype, where the decode step's C call runs, and with it --recall-rest auto's rest)")
     parser.add_argument("--masked", choices=("off", "plain", "rest"), default="off",
                         help="the recall rows through the masked reference (recall.masked, fp32, staged as the real "
                              "tier stages) instead of the cache: plain, or with the rest (the cold pages not recalled "
@@ -108,7 +111,7 @@ def main() -> None:
                      if row.settings.recall or (args.rows == "all" and (kv_dtype, cold_dtype, every) == first)]
     if args.masked != "off":
         rows = [row for row in rows if not row.settings.recall] + masked_rows(args, recalls)
-    loaded = load(args.model, "cpu", "float32")
+    loaded = load(args.model, "cpu", args.dtype)
     out = Path(args.out) if args.out else None
     done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out and out.exists() else []
     seen = {(r["text"], r["row"], r["length"], r["depth"], r["window"]) for r in done}

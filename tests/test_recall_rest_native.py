@@ -137,9 +137,9 @@ def test_a_rows_page_means_follow_its_import_and_reset(move):
 
 @needs_kernel
 def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
-    """``--recall-rest auto``: a bf16 cache whose decode steps run the C call decodes as with ``pages``; without
-    the kernels (the torch routes: ~4x h2o's step with the rest) as with ``off``; a static-shape cache (the
-    compiled step's) attends no rest."""
+    """``--recall-rest auto``: a bf16 cache whose decode steps run the C call decodes as with ``pages`` (one
+    prompt chunk, before anything is cold); without the kernels (the torch routes: ~4x h2o's step with the rest)
+    as with ``off``; a static-shape cache (the compiled step's) attends no rest, and nor does a prompt chunk."""
     model = build_model("llama", seed=7, max_position_embeddings=256).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (2, 50), generator=torch.Generator().manual_seed(15))
     _, auto = _fed_cache(model, ids, "auto", rest="auto")
@@ -149,6 +149,8 @@ def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
     config = RecallConfig(16, 4, "exact", rest="auto")
     assert config.rest_attended(True, False) and not config.rest_attended(True, True)
     assert not config.rest_attended(False, False) and RecallConfig(16, 4, rest="pages").rest_attended(False, True)
+    assert not config.rest_attended(True, False, decoding=False)
+    assert RecallConfig(16, 4, rest="pages").rest_attended(True, False, decoding=False)
     monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
     _, auto_without = _fed_cache(model, ids, "auto", rest="auto")
     _, off_without = _fed_cache(model, ids, "auto", rest="off")

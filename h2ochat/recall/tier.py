@@ -255,8 +255,8 @@ class RecallTier(RecallRowMoves):
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
-        attended = not context.compiled and self.config.rest_attended(self.decode_choice is not None, context.static_shapes)
-        rest = (scale, self.page_means) if attended else None
+        attended = self.config.rest_attended(self.decode_choice is not None, context.static_shapes, q_len == 1)
+        rest = (scale, self.page_means) if attended and not context.compiled else None
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
         if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
             self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
