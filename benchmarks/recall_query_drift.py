@@ -48,21 +48,22 @@ class DriftTier(RecallTier):
 
     steps: list = []  # (similarity, loads, wanted) of every decode choice, every layer (class-wide sink)
 
-    def recall(self, port, queries, rotary, rows=True) -> None:
+    def recall(self, port, queries, rotary, rows=True, rest=None) -> bool:
         group = queries.shape[2]
         decode = group == self.last_query.shape[2] if self.last_query is not None else False
         previous = getattr(self, "_previous", None)
         before = int(self.frames.copied.sum())
-        super().recall(port, queries, rotary, rows)
-        if not decode:  # a chunk's choice: the next decode step has no decode step before it
+        ran = super().recall(port, queries, rotary, rows, rest)
+        if not decode or rows is False:  # a chunk's choice: the next decode step has no decode step before it
             self._previous = None
-            return
+            return ran
         current = queries.float().clone()
         if previous is not None:
             similarity = torch.nn.functional.cosine_similarity(current, previous, dim=-1)  # [B, H, G]
             wanted = int((self.frames.frame_page >= 0).sum())
             DriftTier.steps.append((float(similarity.min()), int(self.frames.copied.sum()) - before, wanted))
         self._previous = current
+        return ran
 
 
 @dataclass(frozen=True)

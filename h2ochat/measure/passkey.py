@@ -130,15 +130,15 @@ class ExactShareTier(RecallTier):
         if self.exact is not None:
             self.exact.append(keys, token_index)
 
-    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True) -> None:
+    def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True, rest=None) -> bool:
         count = self.frames.frame_page.shape[-1]
         pages_held = -(-self.cold.held_tokens() // self.cold.page)
-        if self.exact is not None and int(pages_held.min()) > count:
+        if self.exact is not None and rows is not False and int(pages_held.min()) > count:
             picked = self.digest.top_pages(queries, count)
             exact = self.exact.top_pages(queries, count)
             self.found += float((picked.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).float().mean())
             self.recalls_counted += 1
-        super().recall(port, queries, rotary, rows)
+        return super().recall(port, queries, rotary, rows, rest)
 
     def exact_share(self) -> float | None:
         return self.found / self.recalls_counted if self.recalls_counted else None

@@ -26,7 +26,7 @@ class PageMeans:
 
     def __init__(self, batch: int, heads: int, value_dim: int, used: bool):
         self.means = torch.empty(batch, heads, 0, value_dim)
-        self.meaned = torch.zeros(batch, heads, dtype=torch.long)
+        self.meaned = torch.zeros(batch if used else 0, heads, dtype=torch.long)  # (unused: no byte at all)
         self.used = used
 
     def room(self, pages: int) -> None:
@@ -40,7 +40,8 @@ class PageMeans:
 
     def forget(self, row: int) -> None:
         """Row ``row`` holds other values now (reset, or imported): its means are computed again."""
-        self.meaned[row] = 0
+        if self.used:
+            self.meaned[row] = 0
 
     def nbytes(self) -> int:
         return self.means.numel() * self.means.element_size() + self.meaned.numel() * self.meaned.element_size()
@@ -51,7 +52,7 @@ class PageMeans:
 
     def bytes_per_token(self, page: int) -> float:
         """Host bytes one cold token of one row will take here, over the KV heads (0 where they are not used)."""
-        return self.meaned.shape[1] * self.means.shape[3] * self.means.element_size() / page if self.used else 0.0
+        return self.means.shape[1] * self.means.shape[3] * self.means.element_size() / page if self.used else 0.0
 
 
 class DecodeChoice:

@@ -71,8 +71,9 @@ class RecallConfig:
 
     @property
     def rest_label(self) -> str:
-        """What a row's label adds for ``--recall-rest`` (nothing when off)."""
-        return "" if self.rest == "off" else f", the rest as {self.rest}"
+        """What a row's label adds for ``--recall-rest``: nothing for auto (the default, which a row's dtype and
+        machine decide) and off (the rows before it), the rest as pages."""
+        return f", the rest as {self.rest}" if self.rest == "pages" else ""
 
     def rest_attended(self, native: bool, static_shapes: bool, decoding: bool = True) -> bool:
         """Whether a step attends the rest: every step with ``pages``; with ``auto``, a decode step (``decoding``)
