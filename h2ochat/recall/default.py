@@ -23,13 +23,12 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
   measured on held-out text at 7x its slots (past SmolLM2's 8,192 positions); probed at 4.5x (7,400
   tokens, 24 trials a row): recall 9, the full cache 8, h2o alone 4
   (results_recall_heldout_passkey_default_budget_s59.json).
-- the rest of the cold pages (``recall.rest``) is attended by default in decode steps where a CPU decode
-  step's C call computes it (``--recall-rest auto``, ``CacheSettings.recall_rest``, session 61; a prompt
-  chunk's rest, in torch, made a pass-key trial 2.8x slower, so chunks leave it out): at 512 slots it found 78
-  of the full cache's 82 keys over 180 held-out trials where recall alone found 71 (session 60, the torch
-  route; results_recall_heldout_passkey_512_rest_s60.json), and the C route costs 1.17x h2o's step at 2K
-  tokens against recall alone's 1.12x (1.31x against 1.23x at 8K; results_recall_rest_cost_s61.json); the
-  torch route (4.23x) is not taken by default.
+- the rest of the cold pages (``recall.rest``, ``--recall-rest``) stays off: in fp32, attended in every
+  step, it found 78 of the full cache's 82 keys at 512 slots over 180 held-out trials where recall alone
+  found 71 (session 60, results_recall_heldout_passkey_512_rest_s60.json), at 4.23x h2o's step; session 61's
+  ``auto`` (decode steps only, from the C call: 1.17x against recall alone's 1.12x at 2K,
+  results_recall_rest_cost_s61.json) found no key more than recall alone in bf16, the CPU product's dtype
+  (results_recall_heldout_passkey_512_rest_bf16_s61.json).
 
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,

@@ -14,8 +14,8 @@ from .two_stage import SUMMARY_CAP
 
 
 DECODE_RULES = ("in-step", "before")
-# --recall-rest: the cold pages not recalled left out, or attended as one column (recall.rest); auto: attended where
-# the step's C call computes it (an eager CPU step: ``native_choice``), left out where it would cost ~4x h2o's step
+# --recall-rest: the cold pages not recalled left out (off, the default), or attended as one column (recall.rest);
+# auto: attended in decode steps where the C call computes it (``native_choice``), left out where it costs ~4x
 REST_MODES = ("auto", "off", "pages")
 
 
@@ -71,9 +71,8 @@ class RecallConfig:
 
     @property
     def rest_label(self) -> str:
-        """What a row's label adds for ``--recall-rest``: nothing for auto (the default, which a row's dtype and
-        machine decide) and off (the rows before it), the rest as pages."""
-        return f", the rest as {self.rest}" if self.rest == "pages" else ""
+        """What a row's label adds for ``--recall-rest`` (nothing when off)."""
+        return "" if self.rest == "off" else f", the rest as {self.rest}"
 
     def rest_attended(self, native: bool, static_shapes: bool, decoding: bool = True) -> bool:
         """Whether a step attends the rest: every step with ``pages``; with ``auto``, a decode step (``decoding``)
