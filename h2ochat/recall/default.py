@@ -27,8 +27,8 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
   step, it found 78 of the full cache's 82 keys at 512 slots over 180 held-out trials where recall alone
   found 71 (session 60, results_recall_heldout_passkey_512_rest_s60.json), at 4.23x h2o's step; session 61's
   ``auto`` (decode steps only, from the C call: 1.17x against recall alone's 1.12x at 2K,
-  results_recall_rest_cost_s61.json) found no key more than recall alone in bf16, the CPU product's dtype
-  (results_recall_heldout_passkey_512_rest_bf16_s61.json).
+  results_recall_rest_cost_s61.json) found 72 keys where recall alone found 73 of the same 180 in bf16,
+  the CPU product's dtype (results_recall_heldout_passkey_512_rest_bf16_s61.json).
 
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,
