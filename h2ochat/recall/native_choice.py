@@ -48,7 +48,8 @@ class PageMeans:
 
     def written_nbytes(self) -> int:
         """Of ``nbytes``, the means the rows hold (room past them is never written: not in memory)."""
-        return int(self.meaned.sum()) * self.means.shape[3] * self.means.element_size() + self.meaned.numel() * 8
+        meaned = self.meaned
+        return int(meaned.sum()) * self.means.shape[3] * self.means.element_size() + meaned.numel() * meaned.element_size()
 
     def bytes_per_token(self, page: int) -> float:
         """Host bytes one cold token of one row will take here, over the KV heads (0 where they are not used)."""

@@ -567,22 +567,19 @@ static inline __m512 exp_lanes(__m512 x) {
    (cold_store._tokens: bf16 as stored, or int8 codes times the token's fp32 scale rounded to bf16), in fp32. */
 static void page_value_sum(const strided_t *store, int64_t b, int64_t h, int64_t first, int64_t n, int64_t Dv,
                            float *sum) {
-  for (int64_t d = 0; d < Dv; d += 16) {
-    const __mmask16 mask = lanes(Dv, d);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = first; t < first + n; t++) {
-      if (!store[4].data) {
-        total = _mm512_add_ps(total, load_floats((const uint16_t *)at(&store[1], b, h, t, 2) + d, 2, mask));
-        continue;
-      }
-      const int8_t *codes = (const int8_t *)at(&store[1], b, h, t, 1) + d;
-      const __m128i bytes16 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8((__mmask64)mask, codes));
-      const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16)),
-                                     _mm512_set1_ps(*(const float *)at(&store[4], b, h, t, 4)));
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
-      total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+  uint16_t scaled[Dv]; /* (an int8 slot's values as bf16: store_scaled's, as fill_row hands them to the slots) */
+  memset(sum, 0, Dv * sizeof(float));
+  for (int64_t t = first; t < first + n; t++) {
+    const uint16_t *values = at(&store[1], b, h, t, 2);
+    if (store[4].data) {
+      store_scaled(at(&store[1], b, h, t, 1), *(const float *)at(&store[4], b, h, t, 4), Dv, scaled, 2);
+      values = scaled;
     }
-    _mm512_mask_storeu_ps(sum + d, mask, total);
+    for (int64_t d = 0; d < Dv; d += 16) {
+      const __mmask16 mask = lanes(Dv, d);
+      _mm512_mask_storeu_ps(sum + d, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, sum + d),
+                                                          load_floats(values + d, 2, mask)));
+    }
   }
 }
 
