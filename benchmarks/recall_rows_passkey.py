@@ -18,7 +18,8 @@ the default 1 feeds it token by token (each token choosing for itself: the harde
 Held-out texts (issue 34): --text takes comma-separated files (each its own trials, drawn as above),
 --masked plain|rest runs the recall rows through the masked reference instead (``recall.masked``; rest:
 the cold pages not recalled attended as one column each, their exact weight and mean value),
---rows all adds the full cache and the policy alone at the same device slots beside the recall rows,
+--rows all adds the full cache and the policy alone at the same device slots beside the recall rows
+(--rows baselines runs those two without the recall rows),
 and --out FILE appends each trial to a JSON-lines file as it ends and skips the trials already there
 (a run stopped on a shared CPU resumes where it was). The report gives each row's hits over all
 texts with a 95% Wilson interval (``passkey.row_totals``):
@@ -71,7 +72,7 @@ def main() -> None:
                         help="before: the recall rows' decode steps choose their pages before the step with the last "
                              "step's queries, as a GPU's compiled step does (in-step: with their own queries, the "
                              "eager step's rule and a CPU's compiled step's)")
-    parser.add_argument("--recall-rest", default="off", help="the recall rows' --recall-rest (auto, off or pages)")
+    parser.add_argument("--recall-rest", default="off", help="the recall rows' --recall-rest (auto, off, pages or prompt)")
     parser.add_argument("--dtype", default="float32",
                         help="the model's dtype (float32, as every stored row so far; bfloat16: the CPU's product "
                              "dtype, where the decode step's C call runs, and with it --recall-rest auto's rest)")
@@ -79,8 +80,8 @@ def main() -> None:
                         help="the recall rows through the masked reference (recall.masked, fp32, staged as the real "
                              "tier stages) instead of the cache: plain, or with the rest (the cold pages not recalled "
                              "attended as one column each)")
-    parser.add_argument("--rows", choices=("recall", "all"), default="recall",
-                        help="all: the full cache and the policy alone too")
+    parser.add_argument("--rows", choices=("recall", "all", "baselines"), default="recall",
+                        help="all: the full cache and the policy alone too; baselines: those two alone")
     parser.add_argument("--out", default="", help="JSON lines, one per trial: appended, and trials there are skipped")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     args = parser.parse_args()
@@ -105,10 +106,11 @@ def main() -> None:
                              settings=replace(row.settings, recall_decode_rule=args.decode_rule),
                              static_shapes=args.decode_rule == "before" and bool(row.settings.recall))
                      for kv_dtype in kv_dtypes
-                     for row in build_rows((["full"] if args.rows == "all" else []) + [args.policy], [args.budget],
+                     for row in build_rows((["full"] if args.rows != "recall" else []) + [args.policy], [args.budget],
                                            recalls, settings={"kv_dtype": kv_dtype},
                                            recall_chunk=args.question_chunk)
-                     if row.settings.recall or (args.rows == "all" and (kv_dtype, cold_dtype, every) == first)]
+                     if (row.settings.recall and args.rows != "baselines")
+                     or (not row.settings.recall and args.rows != "recall" and (kv_dtype, cold_dtype, every) == first)]
     if args.masked != "off":
         rows = [row for row in rows if not row.settings.recall] + masked_rows(args, recalls)
     loaded = load(args.model, "cpu", args.dtype)

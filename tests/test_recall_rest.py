@@ -71,11 +71,12 @@ def test_no_cold_page_leaves_no_rest(seed):
     assert bool((logit == float("-inf")).all()) and bool((value == 0).all())
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_the_recall_tiers_rest_is_the_masked_references(family, seed, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,mode", [("auto", "pages"), ("int8", "pages"), ("auto", "prompt")])
+def test_the_recall_tiers_rest_is_the_masked_references(family, seed, kv_dtype, mode):
     """``--recall-rest pages`` through the two-tier cache: the same logits at every step (chunks, then
     decode steps past several staging flushes) as the masked reference attending the same rest; and
-    different logits from the same cache without it (the rest is attended)."""
+    different logits from the same cache without it (the rest is attended). ``prompt``: the reference
+    attends the rest in the chunks only."""
     model = build_model(family, seed=seed, max_position_embeddings=256)
     layers = model.config.num_hidden_layers
 
@@ -84,12 +85,13 @@ def test_the_recall_tiers_rest_is_the_masked_references(family, seed, kv_dtype):
         return recall_cache(layers, "h2o", 12, recall=config, max_positions=max_positions(model.config),
                             positions="absolute", rotary=find_rotary(model), kv_dtype=kv_dtype)
 
-    with_rest, without = real("pages"), real("off")
+    with_rest, without = real(mode), real("off")
     masked = MaskedRecall(layers, "h2o", 12, 8, 4, "exact", grouping="eviction", staged=True, rest=True)
     ids = torch.randint(3, VOCAB, (1, 70))
     differs = False
     for piece in [ids[:, :20], ids[:, 20:45], *[ids[:, i : i + 1] for i in range(45, 70)]]:
         MaskedRecall.attach(model)
+        masked.rest = mode == "pages" or piece.shape[1] > 1
         want = masked.forward(model, piece)
         use_h2o_attention(model)
         got = forward(model, with_rest, piece, logits_to_keep=1)[:, -1]
@@ -102,7 +104,7 @@ def test_the_recall_tiers_rest_is_the_masked_references(family, seed, kv_dtype):
 
 
 def test_rest_is_refused_unless_it_is_a_mode():
-    with pytest.raises(ValueError, match="--recall-rest must be one of auto, off, pages"):
+    with pytest.raises(ValueError, match="--recall-rest must be one of auto, off, pages, prompt"):
         RecallConfig(8, 4, rest="all")
 
 
@@ -116,3 +118,4 @@ def test_a_cache_with_the_rest_decodes_eagerly(family, seed):
     assert "--recall-rest pages runs eagerly" in cache("pages").compile_blocker()
     assert cache("off").compile_blocker() is None
     assert cache("auto").compile_blocker() is None  # (a compiled cache attends no rest: RecallConfig.rest_attended)
+    assert cache("prompt").compile_blocker() is None  # (prompt chunks run eagerly)

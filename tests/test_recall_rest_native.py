@@ -151,6 +151,8 @@ def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
     assert not config.rest_attended(False, False) and RecallConfig(16, 4, rest="pages").rest_attended(False, True)
     assert not config.rest_attended(True, False, decoding=False)
     assert RecallConfig(16, 4, rest="pages").rest_attended(True, False, decoding=False)
+    prompt = RecallConfig(16, 4, rest="prompt")  # (chunks only, whatever the route: the torch rest)
+    assert prompt.rest_attended(False, True, decoding=False) and not prompt.rest_attended(True, False)
     monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
     _, auto_without = _fed_cache(model, ids, "auto", rest="auto")
     _, off_without = _fed_cache(model, ids, "auto", rest="off")

@@ -14,9 +14,10 @@ from .two_stage import SUMMARY_CAP
 
 
 DECODE_RULES = ("in-step", "before")
-# --recall-rest: the cold pages not recalled left out (off, the default), or attended as one column (recall.rest);
-# auto: attended in decode steps where the C call computes it (``native_choice``), left out where it costs ~4x
-REST_MODES = ("auto", "off", "pages")
+# --recall-rest: the cold pages not recalled left out (off, the default), or attended as one column (recall.rest)
+# in every step (pages); prompt: in prompt chunks only, so a decode step costs what off's does; auto: in decode
+# steps where the C call computes it (``native_choice``)
+REST_MODES = ("auto", "off", "pages", "prompt")
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,12 @@ class RecallConfig:
         return "" if self.rest == "off" else f", the rest as {self.rest}"
 
     def rest_attended(self, native: bool, static_shapes: bool, decoding: bool = True) -> bool:
-        """Whether a step attends the rest: every step with ``pages``; with ``auto``, a decode step (``decoding``)
-        of a tier whose decode steps' C call runs (``native``) where no compiled step will (``static_shapes``: a
-        compiled step attends no rest). A prompt chunk's rest is the torch route's, one product of its queries
-        with every cold key: 2.8x a 3,600-token pass-key trial's time in bf16 (27 s against 9.6), so auto
-        leaves chunks out."""
+        """Whether a step attends the rest: every step with ``pages``; with ``prompt``, a prompt chunk (not
+        ``decoding``); with ``auto``, a decode step of a tier whose decode steps' C call runs (``native``) where
+        no compiled step will (``static_shapes``: a compiled step attends no rest). A prompt chunk's rest is the
+        torch route's, one product of its queries with every cold key."""
+        if self.rest == "prompt":
+            return not decoding
         return self.rest == "pages" or (self.rest == "auto" and native and not static_shapes and decoding)
 
     @property
