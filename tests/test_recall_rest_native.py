@@ -14,6 +14,7 @@ from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
 from h2ochat.recall import native, native_choice
 from h2ochat.recall.rest import rest_column
+from h2ochat.recall.tier import RecallTier
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
@@ -112,6 +113,46 @@ def test_a_bf16_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch):
     assert not torch.allclose(no_rest, want, rtol=2e-2, atol=2e-2)
     for a, b in zip(with_kernel.layers, without.layers):
         assert torch.equal(a.token_index, b.token_index)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family,grouped", [("llama", {"num_attention_heads": 6, "num_key_value_heads": 2}),
+                                             ("neox", {})])
+def test_a_chunks_rest_comes_from_the_c_call_as_the_torch_rest(monkeypatch, family, grouped):
+    """``--recall-rest prompt`` in a bf16 cache: a prompt chunk after others made pages cold takes its rest from
+    the choice's C call (its queries handed over group-major, G * Q of them). The first layer's rest columns
+    (the same state either way) are the torch route's to fp32 rounding, each query row's own; the logits
+    are the torch route's to bf16's rounding; without the rest they differ."""
+    model = build_model(family, seed=9, max_position_embeddings=256, **grouped).to(torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 90), generator=torch.Generator().manual_seed(17))
+    layers = model.config.num_hidden_layers
+    columns = []  # (each chunk's rest columns, layer by layer)
+    attend = RecallTier.before_attention
+
+    def spied(self, port, query, new_valid, scale, context):
+        column = attend(self, port, query, new_valid, scale, context)
+        columns.append(None if column is None else [part.clone() for part in column])  # (the C call's: its buffers)
+        return column
+
+    def fed(rest):
+        columns.clear()
+        cache = recall_cache(layers, "h2o", 8, recall=RecallConfig(16, 4, "exact", rest=rest),
+                             max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
+        use_h2o_attention(model)
+        logits = torch.cat([forward(model, cache, ids[:, a:b])[:, -5:] for a, b in ((0, 30), (30, 60), (60, 90))])
+        return logits, list(columns), [layer.tier.decode_choice is not None for layer in cache.layers]
+
+    monkeypatch.setattr(RecallTier, "before_attention", spied)
+    got, got_columns, native_layers = fed("prompt")
+    assert all(native_layers)
+    monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    (want, want_columns, _), (without, _, _) = fed("prompt"), fed("off")
+    for chunk in (1, 2):  # (the first chunk finds nothing cold)
+        first = chunk * layers
+        assert got_columns[first] is not None and got_columns[first][0].shape[-1] == 30
+        torch.testing.assert_close(got_columns[first], want_columns[first], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(without, want, rtol=2e-2, atol=2e-2)
 
 
 @needs_kernel

@@ -127,3 +127,8 @@ class DecodeChoice:
             return False
         self.rest = self.rest_out if means is not None and holding else None
         return True
+
+    def rest_as(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last call's rest as the attention takes it for queries [B, H, G, Q] (``shape``) handed to the call
+        group-major (G * Q of them): logit [B, H, G, Q] and value [B, H, G, Q, Dv]; None where it left none."""
+        return None if self.rest is None else (self.rest[0].view(shape), self.rest[1].view(*shape, self.value_dim))

@@ -34,7 +34,7 @@ a re-numbering the digest is rebuilt from the moved cold keys encoded and decode
 page will attend them.
 
 ``--recall-rest``: the cold pages not recalled join the attention as one column, computed eagerly after the
-choice (``before_attention`` returns it: ``rest``; ``auto`` where the decode step's C call computes it).
+choice (``before_attention`` returns it: ``rest``), by the choice's C call where it runs, chunks' too.
 
 On a CPU with AVX512-BF16 the eager decode step's choice of pages (scores, plan and copy) with its rest,
 its staging and a flush's append are each one C call a layer (``native``), rows left out and int8 slots
@@ -258,8 +258,8 @@ class RecallTier(RecallRowMoves):
         attended = self.config.rest_attended(self.decode_choice is not None, context.static_shapes, q_len == 1)
         rest = (scale, self.page_means) if attended and not context.compiled else None
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
-        if q_len > 1:  # a chunk chooses its pages with all its queries, before its attention
-            self.recall(port, grouped.transpose(2, 3).reshape(batch, heads, q_len * group, head_dim), context.rotary)
+        if q_len > 1:  # a chunk chooses its pages with all its queries (any order: the best q.k), before attending
+            rest_done = self.recall(port, grouped.reshape(batch, heads, group * q_len, head_dim), context.rotary, True, rest)
         elif context.compiled:  # a CPU graph holds the choice as an op (a fixed rule: no guard per step)
             if not self.prefetches:
                 graph_choice.choose(grouped[:, :, :, 0], port.slot_tensors(), port.layer)
@@ -274,7 +274,7 @@ class RecallTier(RecallRowMoves):
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
         if rest is None or rest_done:
-            return self.decode_choice.rest if rest_done else None
+            return self.decode_choice.rest_as(grouped.shape[:4]) if rest_done else None
         return rest_column(self.cold, self.frames.frame_page, grouped, scale, context.rotary)
 
     def choose_prepared(self, queries: torch.Tensor, given: list[torch.Tensor]) -> None:
