@@ -33,24 +33,25 @@ def _fed_cache(model, ids, cold_dtype, rest="pages", page=4):
 
 
 def _c_rest_against_torch(layer, query, scale, rows=False):
-    """The layer's C call for ``query`` [B, H, G, 1, D] (``rows``: which choose; False: none, the rest only), its
-    rest against the torch rest after it; returns the C rest."""
+    """The layer's C call for ``query`` [B, H, G, Q, D] (``rows``: which choose; False: none, the rest only;
+    Q > 1: a chunk's, handed over group-major), its rest against the torch rest after it; returns the C rest."""
     tier = layer.tier
     scored = tier.digest.scored_slots(layer.port.tokens_fed_with_padding)
-    assert tier.decode_choice(query[:, :, :, 0], scored, rows, (scale, tier.page_means))
-    got = tier.decode_choice.rest
+    assert tier.decode_choice(query.flatten(2, 3), scored, rows, (scale, tier.page_means))
+    got = tier.decode_choice.rest_as(query.shape[:4])
     want = rest_column(tier.cold, tier.frames.frame_page, query, scale)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
     return got
 
 
-def _queries(model, batch, generator):
-    """Queries [B, H, G, 1, D] for a decode step of ``model``'s layers (bf16, spread as a model's are)."""
+def _queries(model, batch, generator, q_len=1):
+    """Queries [B, H, G, Q, D] for a step of ``model``'s layers (bf16, spread as a model's are): a decode
+    step's (Q = 1) or a chunk's."""
     config = model.config
     kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (torch.randn(batch, kv_heads, group, 1, head_dim, generator=generator) * 4).to(torch.bfloat16)
+    return (torch.randn(batch, kv_heads, group, q_len, head_dim, generator=generator) * 4).to(torch.bfloat16)
 
 
 @needs_kernel
@@ -71,6 +72,7 @@ def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype, pag
         part_pages += int((tier.cold.count % tier.cold.page != 0).sum())
         frames = tier.frames.frame_page.clone()
         got = _c_rest_against_torch(layer, _queries(model, 3, generator), 0.125)  # (no row chooses: the rest only)
+        _c_rest_against_torch(layer, _queries(model, 3, generator, q_len=5), 0.125)  # (a chunk's: the block path)
         assert torch.equal(tier.frames.frame_page, frames)
         assert bool((got[0][1] == float("-inf")).all()) and bool((got[1][1] == 0).all())
         assert bool(torch.isfinite(got[0][0]).all()) and bool((frames[0] >= 0).any())  # (pages in the frames)

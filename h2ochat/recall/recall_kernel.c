@@ -230,8 +230,10 @@ static void block_pairs(const uint16_t *first, int64_t key_t, int64_t n, int64_t
 }
 
 /* The best q.k over every query of each of a block's keys: block [D2][KEY_BLOCK] (the keys' channel
-   pairs, lane j key j), pairs [rows][D2] (the queries' pairs). No horizontal sum: each lane is one key's dot. */
-static inline __m512 block_best(const uint32_t *block, const uint32_t *pairs, int64_t rows, int64_t D2) {
+   pairs, lane j key j), pairs [rows][D2] (the queries' pairs). No horizontal sum: each lane is one key's dot.
+   dots (NULL: not kept): the first M queries' 16 dots too, query m's at dots + m * dot_stride. */
+static inline __m512 block_best(const uint32_t *block, const uint32_t *pairs, int64_t rows, int64_t D2, int64_t M,
+                                float *dots, int64_t dot_stride) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   for (int64_t m = 0; m < rows; m += QUERY_GROUP) {
     const uint32_t *group = pairs + m * D2;
@@ -243,14 +245,19 @@ static inline __m512 block_best(const uint32_t *block, const uint32_t *pairs, in
         acc[i] = _mm512_dpbf16_ps(acc[i], k, (__m512bh)_mm512_set1_epi32((int)group[i * D2 + p]));
     }
     for (int i = 0; i < QUERY_GROUP; i++) best = _mm512_max_ps(best, acc[i]);
+    if (dots)
+      for (int i = 0; i < QUERY_GROUP && m + i < M; i++) _mm512_storeu_ps(dots + (m + i) * dot_stride, acc[i]);
   }
   return best;
 }
 
 /* few_page_scores' work for M > FEW_QUERIES: keys are taken KEY_BLOCK at a time, laid out by channel
-   pairs once (L1-resident), and every query passes over them. 0 where memory runs out (scores untouched). */
+   pairs once (L1-resident), and every query passes over them (a prompt chunk's rest keeps their q.k: dots, as
+   few_page_scores keeps them; each query's by channel pairs in order, not folded across lanes). 0 where memory
+   runs out (scores untouched). */
 static int many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
-                            const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+                            const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                            int64_t dot_stride) {
   const int64_t D2 = (D + 1) / 2, rows = (M + QUERY_GROUP - 1) / QUERY_GROUP * QUERY_GROUP;
   /* one allocation: the queries' pairs, a block's pairs */
   uint32_t *pairs = malloc((rows * D2 + KEY_BLOCK * ((D2 + 15) / 16 * 16)) * sizeof(uint32_t));
@@ -266,7 +273,7 @@ static int many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint1
     if (!live) continue;
     if (t0 + 2 * KEY_BLOCK <= filled) prefetch_block(keys + (t0 + KEY_BLOCK) * key_t, key_t, D);
     block_pairs(keys + t0 * key_t, key_t, n, D, block); /* (a tail's absent keys: lanes never read) */
-    raise_pages(block_best(block, pairs, rows, D2), live, t0, n, page, scores);
+    raise_pages(block_best(block, pairs, rows, D2, M, dots ? dots + t0 : NULL, dot_stride), live, t0, n, page, scores);
   }
   free(pairs);
   return 1;
@@ -274,12 +281,12 @@ static int many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint1
 
 /* page_best's scores of one (sequence, head): scores[n] for the ceil(filled / page) pages of the slots below
    `filled`, the best q.k over the queries and the page's valid slots (valid NULL: all are), -inf: none.
-   dots: as few_page_scores keeps them (NULL: not kept; kept, key by key whatever M). */
+   dots: as few_page_scores keeps them (NULL: not kept). */
 static void page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
                         const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
                         int64_t dot_stride) {
   for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
-  if (dots || M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores))
+  if (M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride))
     few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
 }
 
