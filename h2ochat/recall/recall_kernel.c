@@ -300,6 +300,18 @@ void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
 
 #define SCORED_PAGES 256 /* pages top_pages_row scores at a time (on the stack) */
 
+/* Page n, scored `score`, among the best k so far (top and top_score: *found of them, best first; equal scores in
+   page order; -inf: no page). */
+static inline void keep_best(float score, int64_t n, int64_t k, int64_t *found, int64_t *top, float *top_score) {
+  if (score == -INFINITY) return;
+  int64_t at = *found < k ? (*found)++ : k;
+  while (at > 0 && score > top_score[at - 1]) {
+    if (at < k) top[at] = top[at - 1], top_score[at] = top_score[at - 1];
+    at--;
+  }
+  if (at < k) top[at] = n, top_score[at] = score;
+}
+
 /* The best k pages of one (sequence, head) of an append-only store that never wraps (slot n holds the
    n-th token; slots at or past `held` are empty), scoring its first T slots: their page numbers, best
    first, -1 past the pages that hold a token (torch.topk of page_best's scores with -inf masked to -1;
@@ -316,15 +328,16 @@ static void top_pages_row(const uint16_t *q, int64_t M, int64_t D, const uint16_
       page_scores(q, M, D, keys + first * key_t, key_t, NULL, left < SCORED_PAGES * page ? left : SCORED_PAGES * page,
                   page, scores, dots ? dots + first : NULL, dot_stride);
     }
-    const float score = scores[n % SCORED_PAGES];
-    if (score == -INFINITY) continue;
-    int64_t at = found < k ? found++ : k;
-    while (at > 0 && score > top_score[at - 1]) {
-      if (at < k) top[at] = top[at - 1], top_score[at] = top_score[at - 1];
-      at--;
-    }
-    if (at < k) top[at] = n, top_score[at] = score;
+    keep_best(scores[n % SCORED_PAGES], n, k, &found, top, top_score);
   }
+  for (int64_t j = found; j < k; j++) top[j] = -1;
+}
+
+/* top_pages_row's pages from scores already computed (scores[n] for the row's `pages` pages). */
+static void top_of_scores(const float *scores, int64_t pages, int64_t k, int64_t *top) {
+  float top_score[k > 0 ? k : 1];
+  int64_t found = 0;
+  for (int64_t n = 0; n < pages; n++) keep_best(scores[n], n, k, &found, top, top_score);
   for (int64_t j = found; j < k; j++) top[j] = -1;
 }
 
@@ -604,13 +617,11 @@ static void fill_means(const strided_t *store, int64_t b, int64_t h, int64_t fil
   *meaned = full;
 }
 
-/* w[n] = the sum over page n's slots t of e^(scale * (dots[t] - top)) (the row padded to 16), 0 for a recalled
-   page; returns their sum. Pages of a power of two up to 16 slots: 16 pages at a time, their P vectors of exps
-   added pairwise lane by lane (even lanes plus odd ones, log2 P times: the 16 sums in page order, ~1.3 ops a
-   page where a tree across each vector's lanes took ~5); other pages: the exps written over dots, then summed
-   page by page. */
-static float page_sums(float *dots, float top, float scale, int64_t filled, int64_t P, const uint8_t *recalled,
-                       float *w) {
+/* w[n] = the sum over page n's slots t of e^(scale * (dots[t] - top)) (the row padded to 16). Pages of a power
+   of two up to 16 slots: 16 pages at a time, their P vectors of exps added pairwise lane by lane (even lanes plus
+   odd ones, log2 P times: the 16 sums in page order, ~1.3 ops a page where a tree across each vector's lanes took
+   ~5); other pages: the exps written over dots, then summed page by page. */
+static void page_sums(float *dots, float top, float scale, int64_t filled, int64_t P, float *w) {
   const int64_t pages = (filled + P - 1) / P;
   const __m512 shift = _mm512_set1_ps(top), factor = _mm512_set1_ps(scale);
   if (P <= 16 && (P & (P - 1)) == 0) {
@@ -639,6 +650,10 @@ static float page_sums(float *dots, float top, float scale, int64_t filled, int6
       w[n] = sum;
     }
   }
+}
+
+/* The recalled pages' weights w[n] zeroed; returns the sum of the others. */
+static float unrecalled_sum(float *w, int64_t pages, const uint8_t *recalled) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t n = 0; n < pages; n += 16) {
     const __mmask16 mask = lanes(pages, n);
@@ -648,6 +663,39 @@ static float page_sums(float *dots, float top, float scale, int64_t filled, int6
     total = _mm512_add_ps(total, weight);
   }
   return _mm512_reduce_add_ps(total);
+}
+
+/* For each of M queries (q.k in dots [M, dot_stride], the slots below `filled`): top[m], its largest q.k (over every
+   slot: only keeps the exponents below 0), and its pages' weights w[m * pages ...] (page_sums', no page left out). */
+static void rest_weights(float *dots, int64_t dot_stride, int64_t M, int64_t filled, int64_t P, float scale,
+                         float *top, float *w) {
+  const int64_t pages = (filled + P - 1) / P;
+  for (int64_t m = 0; m < M; m++) {
+    float *row = dots + m * dot_stride;
+    __m512 largest = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < filled; t += 16) largest = _mm512_mask_max_ps(largest, lanes(filled, t), largest,
+                                                                         _mm512_loadu_ps(row + t));
+    top[m] = _mm512_reduce_max_ps(largest);
+    page_sums(row, top[m], scale, filled, P, w + m * pages);
+  }
+}
+
+#define REST_QUERY_BLOCK 32 /* a chunk's queries whose q.k are kept at a time (32 x 4K keys: 512 KB, in L2) */
+
+/* A chunk's page scores and rest weights (M > FEW_QUERIES queries, before its choice): scores[n] = the best q.k of
+   page n over every query (page_scores'), and rest_weights' top[m] and w[m * pages ...] for each query, taking
+   REST_QUERY_BLOCK queries at a time through many_page_scores (their q.k in dots [REST_QUERY_BLOCK, dot_stride]):
+   the q.k of a whole chunk (M x the slots) never sit in memory at once. */
+static void chunk_weights(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t, int64_t filled,
+                          int64_t P, float scale, float *scores, float *dots, int64_t dot_stride, float *top, float *w) {
+  const int64_t pages = (filled + P - 1) / P;
+  for (int64_t n = 0; n < pages; n++) scores[n] = -INFINITY;
+  for (int64_t m0 = 0; m0 < M; m0 += REST_QUERY_BLOCK) {
+    const int64_t rows = M - m0 < REST_QUERY_BLOCK ? M - m0 : REST_QUERY_BLOCK;
+    if (!many_page_scores(q + m0 * D, rows, D, keys, key_t, NULL, filled, P, scores, dots, dot_stride))
+      few_page_scores(q + m0 * D, rows, D, keys, key_t, NULL, filled, P, scores, dots, dot_stride);
+    rest_weights(dots, dot_stride, rows, filled, P, scale, top + m0, w + m0 * pages);
+  }
 }
 
 #define REST_QUERIES 4  /* queries whose sums one pass over the page means keeps in registers */
@@ -690,37 +738,30 @@ static void weigh_means(const float *w, int64_t M, int64_t pages, const uint8_t 
    store's slots below `filled` on pages the frames do not hold (frame_page [F]), one attention column per
    query m: logit[m] = the logsumexp of their logits scale * q_m.k (-inf: no such slot), value[m * Dv ...] = the
    pages' mean values (means [N, Dv], fill_means'; a part page's from its values) weighed by each page's share
-   of that sum (the means have room for the full pages: filled / P <= N). dots [M, dot_stride]: the q_m.k,
-   overwritten by their exps; scratch: M floats a page (the pages' weights) and a byte a page. */
+   of that sum (the means have room for the full pages: filled / P <= N). The pages' weights [M, pages] and each
+   query's top: rest_weights' from dots [M, dot_stride] (the q.k, overwritten by their exps), computed here when
+   a page is left; or (dots NULL) given, a chunk's (chunk_weights). recalled: a byte a page of scratch. */
 static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int64_t M, int64_t filled, int64_t P,
-                    const int64_t *frame_page, int64_t F, const strided_t *store, int64_t Dv, float scale,
-                    float *weights, uint8_t *recalled, float *means, int64_t N, int64_t *meaned, float *logit,
-                    float *value) {
+                     const int64_t *frame_page, int64_t F, const strided_t *store, int64_t Dv, float scale,
+                     float *top, float *weights, uint8_t *recalled, float *means, int64_t N, int64_t *meaned,
+                     float *logit, float *value) {
   const int64_t pages = (filled + P - 1) / P;
   fill_means(store, b, h, filled, P, Dv, means, N, meaned);
   memset(recalled, 0, pages);
   int64_t left = pages;
   for (int64_t f = 0; f < F; f++)
     if (frame_page[f] >= 0 && frame_page[f] < pages && !recalled[frame_page[f]]) recalled[frame_page[f]] = 1, left--;
-  float top[M], total[M], part[Dv];
+  float total[M], part[Dv];
   if (left && *meaned < pages && !recalled[pages - 1]) { /* (the last page is a part page: its mean now) */
     const int64_t first = *meaned * P;
     page_value_sum(store, b, h, first, filled - first, Dv, part);
     for (int64_t d = 0; d < Dv; d++) part[d] /= (float)(filled - first);
   }
-  for (int64_t m = 0; m < M; m++) {
-    logit[m] = -INFINITY;
-    total[m] = 0.0f;
-    if (!left) continue;
-    float *row = dots + m * dot_stride;
-    __m512 largest = _mm512_set1_ps(-INFINITY); /* (over every slot: only keeps the exponents below 0) */
-    for (int64_t t = 0; t < filled; t += 16) largest = _mm512_mask_max_ps(largest, lanes(filled, t), largest,
-                                                                         _mm512_loadu_ps(row + t));
-    top[m] = _mm512_reduce_max_ps(largest);
-    total[m] = page_sums(row, top[m], scale, filled, P, recalled, weights + m * pages);
-  }
+  if (left && dots) rest_weights(dots, dot_stride, M, filled, P, scale, top, weights);
+  for (int64_t m = 0; m < M; m++) total[m] = left ? unrecalled_sum(weights + m * pages, pages, recalled) : 0.0f;
   if (left) weigh_means(weights, M, pages, recalled, means, *meaned, part, Dv, value);
   for (int64_t m = 0; m < M; m++) {
+    logit[m] = -INFINITY;
     if (!(total[m] > 0.0f)) { /* (no page left, or every one below e^-87 of the best slot: nothing drawn) */
       memset(value + m * Dv, 0, Dv * sizeof(float));
       continue;
@@ -733,7 +774,8 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
   }
 }
 
-/* A decode step's whole choice for the exact selector over a store that never wraps, every row choosing:
+/* A step's whole choice (a decode step's, or a prompt chunk's with the rest) for the exact selector over a store
+   that never wraps, every row choosing:
    top_pages_row (k = min(F, T / P) pages, wanted [B, H, k] out), frames_update_row with the store's
    full pages complete, fill_row (load [B, H, F] out) for each (sequence, head), in one call; a row and
    head with nothing in the store only counts the choice on its clock (its frames are empty: what the
@@ -742,7 +784,8 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
    untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
    quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's.
    rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest): after the choice, every row's rest (rest_row),
-   choosing or not, from the q.k the choice computed (a row not choosing: computed for it), with the page means
+   choosing or not, from the q.k the choice computed (a row not choosing: computed for it; more than FEW_QUERIES
+   queries, a chunk's: the pages' weights of each block of queries as its q.k come, chunk_weights), with the page means
    means [B, H, N, Dv] of which meaned [B, H] are held (rest_row fills them). Returns the rows and heads that
    hold a cold token (0: the rest is -inf everywhere), or -1 where memory ran out or the means have no room for
    T / P pages (nothing written). */
@@ -754,15 +797,19 @@ int64_t h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
                             float *means, int64_t N, int64_t *meaned) {
   const int64_t k = F < T / P ? F : T / P, stride = (T + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK + KEY_BLOCK;
   const int64_t pages = (T + P - 1) / P;
-  float *dots = NULL, *scores = NULL, *weights = NULL;
+  /* a chunk's rest (more queries than a decode step's): its weights by blocks of queries, before its choice */
+  const int chunk = rest_logit && M > FEW_QUERIES;
+  const int64_t kept = chunk && M > REST_QUERY_BLOCK ? REST_QUERY_BLOCK : M;
+  float *dots = NULL, *scores = NULL, *weights = NULL, *top = NULL;
   uint8_t *recalled = NULL;
-  if (rest_logit) { /* (a row's q.k [M, stride], a rest-only row's page scores, the pages' weights, a byte a page) */
+  if (rest_logit) { /* (q.k [kept, stride], the page scores, the pages' weights, each query's top, a byte a page) */
     if (T / P > N) return -1;
-    dots = malloc((M * stride + pages + M * pages) * sizeof(float) + pages);
+    dots = malloc((kept * stride + pages + M * pages + M) * sizeof(float) + pages);
     if (!dots) return -1;
-    scores = dots + M * stride;
+    scores = dots + kept * stride;
     weights = scores + pages;
-    recalled = (uint8_t *)(weights + M * pages);
+    top = weights + M * pages;
+    recalled = (uint8_t *)(top + M);
   }
   int64_t holding = 0;
   for (int64_t b = 0; b < B; b++)
@@ -775,18 +822,25 @@ int64_t h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
           clock[row]++;
           memset(load + row * F, 0, F);
         } else {
-          top_pages_row(q + row * M * D, M, D, keys, store[0].s, count[row], T, P, k, wanted + row * k, dots, stride);
+          if (chunk) {
+            chunk_weights(q + row * M * D, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
+            top_of_scores(scores, (filled + P - 1) / P, k, wanted + row * k);
+          } else {
+            top_pages_row(q + row * M * D, M, D, keys, store[0].s, count[row], T, P, k, wanted + row * k, dots, stride);
+          }
           frames_update_row(F, k, wanted + row * k, frame_page + row * F, last_used + row * F, clock + row,
                             copied + row, complete + row * F, &complete_pages, load + row * F);
           fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv,
                    value_bytes, scales, tiny);
         }
+      } else if (chunk && filled) {
+        chunk_weights(q + row * M * D, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
       } else if (rest_logit && filled) {
         page_scores(q + row * M * D, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride);
       }
       if (rest_logit)
-        rest_row(b, h, dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, scale, weights, recalled,
-                 means + row * N * Dv, N, meaned + row, rest_logit + row * M, rest_value + row * M * Dv);
+        rest_row(b, h, chunk ? NULL : dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, scale, top,
+                 weights, recalled, means + row * N * Dv, N, meaned + row, rest_logit + row * M, rest_value + row * M * Dv);
     }
   free(dots);
   return holding;
