@@ -21,14 +21,15 @@ from h2ochat.rotary import find_rotary
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
 
 
-def _fed_cache(model, ids, cold_dtype, rest="pages", page=4):
-    """A bf16 recall cache (8 policy slots, 4 pages of ``page`` recalling) after a 30-token chunk and decode steps."""
+def _fed_cache(model, ids, cold_dtype, rest="pages", page=4, chunk_ends=(30,)):
+    """A bf16 recall cache (8 policy slots, 4 pages of ``page`` recalling) after prompt chunks (a 30-token one:
+    nothing cold yet) and decode steps."""
     cache = recall_cache(model.config.num_hidden_layers, "h2o", 8,
                          recall=RecallConfig(4 * page, page, "exact", cold_dtype=cold_dtype, rest=rest),
                          max_positions=max_positions(model.config), positions="absolute", rotary=find_rotary(model))
     use_h2o_attention(model)
-    logits = [forward(model, cache, ids[:, :30], logits_to_keep=1)[:, -1]]
-    logits += [forward(model, cache, ids[:, i:i + 1], logits_to_keep=1)[:, -1] for i in range(30, ids.shape[1])]
+    logits = [forward(model, cache, ids[:, a:b], logits_to_keep=1)[:, -1] for a, b in zip((0, *chunk_ends), chunk_ends)]
+    logits += [forward(model, cache, ids[:, i:i + 1], logits_to_keep=1)[:, -1] for i in range(chunk_ends[-1], ids.shape[1])]
     return cache, torch.stack(logits)
 
 
@@ -180,23 +181,26 @@ def test_a_rows_page_means_follow_its_import_and_reset(move):
 
 @needs_kernel
 def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
-    """``--recall-rest auto``: a bf16 cache whose decode steps run the C call decodes as with ``pages`` (one
-    prompt chunk, before anything is cold); without the kernels (the torch routes: ~4x h2o's step with the rest)
-    as with ``off``; a static-shape cache (the compiled step's) attends no rest, and nor does a prompt chunk."""
+    """``--recall-rest auto``: a bf16 cache whose steps run the C call (prompt chunks, then decode steps) decodes
+    as with ``pages``; without the kernels (the torch routes: ~4x h2o's step with the rest) as with ``off``; a
+    static-shape cache (the compiled step's) attends no rest. ``prompt``: the rest in chunks only."""
     model = build_model("llama", seed=7, max_position_embeddings=256).to(torch.bfloat16)
-    ids = torch.randint(3, VOCAB, (2, 50), generator=torch.Generator().manual_seed(15))
-    _, auto = _fed_cache(model, ids, "auto", rest="auto")
-    _, pages = _fed_cache(model, ids, "auto", rest="pages")
-    _, off = _fed_cache(model, ids, "auto", rest="off")
-    assert torch.equal(auto, pages) and not torch.equal(auto, off)
+    ids = torch.randint(3, VOCAB, (2, 80), generator=torch.Generator().manual_seed(15))
+    chunks = (30, 55)  # (the second chunk finds cold pages)
+    _, auto = _fed_cache(model, ids, "auto", rest="auto", chunk_ends=chunks)
+    _, pages = _fed_cache(model, ids, "auto", rest="pages", chunk_ends=chunks)
+    _, prompt = _fed_cache(model, ids, "auto", rest="prompt", chunk_ends=chunks)
+    _, off = _fed_cache(model, ids, "auto", rest="off", chunk_ends=chunks)
+    assert torch.equal(auto, pages) and not torch.equal(auto[:2], off[:2]) and not torch.equal(auto, prompt)
+    assert torch.equal(prompt[:2], auto[:2]) and not torch.equal(prompt, off)
     config = RecallConfig(16, 4, "exact", rest="auto")
     assert config.rest_attended(True, False) and not config.rest_attended(True, True)
+    assert config.rest_attended(True, False, decoding=False) and not config.rest_attended(False, False, decoding=False)
     assert not config.rest_attended(False, False) and RecallConfig(16, 4, rest="pages").rest_attended(False, True)
-    assert not config.rest_attended(True, False, decoding=False)
     assert RecallConfig(16, 4, rest="pages").rest_attended(True, False, decoding=False)
-    prompt = RecallConfig(16, 4, rest="prompt")  # (chunks only, whatever the route: the torch rest)
-    assert prompt.rest_attended(False, True, decoding=False) and not prompt.rest_attended(True, False)
+    chunks_only = RecallConfig(16, 4, rest="prompt")  # (whatever the route: the torch rest where no C call runs)
+    assert chunks_only.rest_attended(False, True, decoding=False) and not chunks_only.rest_attended(True, False)
     monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
-    _, auto_without = _fed_cache(model, ids, "auto", rest="auto")
-    _, off_without = _fed_cache(model, ids, "auto", rest="off")
+    _, auto_without = _fed_cache(model, ids, "auto", rest="auto", chunk_ends=chunks)
+    _, off_without = _fed_cache(model, ids, "auto", rest="off", chunk_ends=chunks)
     assert torch.equal(auto_without, off_without)

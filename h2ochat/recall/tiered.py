@@ -14,9 +14,9 @@ from .two_stage import SUMMARY_CAP
 
 
 DECODE_RULES = ("in-step", "before")
-# --recall-rest: the cold pages not recalled left out (off, the default), or attended as one column (recall.rest)
-# in every step (pages); prompt: in prompt chunks only, so a decode step costs what off's does; auto: in decode
-# steps where the C call computes it (``native_choice``)
+# --recall-rest: the cold pages not recalled left out (off), or attended as one column (recall.rest) in every
+# step (pages); prompt: in prompt chunks only, so a decode step costs what off's does; auto: in every step where
+# the choice's C call computes it (``native_choice``), none elsewhere
 REST_MODES = ("auto", "off", "pages", "prompt")
 
 
@@ -77,12 +77,13 @@ class RecallConfig:
 
     def rest_attended(self, native: bool, static_shapes: bool, decoding: bool = True) -> bool:
         """Whether a step attends the rest: every step with ``pages``; with ``prompt``, a prompt chunk (not
-        ``decoding``); with ``auto``, a decode step of a tier whose decode steps' C call runs (``native``) where
-        no compiled step will (``static_shapes``: a compiled step attends no rest). A prompt chunk's rest is the
-        torch route's, one product of its queries with every cold key."""
+        ``decoding``); with ``auto``, every step of a tier whose choice's C call runs (``native``), which computes
+        it from the q.k it has, where no compiled step will (``static_shapes``: a compiled step attends no rest).
+        Where the C call does not run, the rest is the torch route's, a product of the step's queries with
+        every cold key (~4x h2o's decode step)."""
         if self.rest == "prompt":
             return not decoding
-        return self.rest == "pages" or (self.rest == "auto" and native and not static_shapes and decoding)
+        return self.rest == "pages" or (self.rest == "auto" and native and not static_shapes)
 
     @property
     def frames(self) -> int:
