@@ -96,7 +96,7 @@ def test_eval_recall_json_and_table(long_checkpoint, text_file):
     assert {(r["policy"], r["budget_slots"]) for r in report["results"]} == {
         (p, b) for p in ("full", "h2o", label) for b in (16, 24)}
     assert report["recall"] == [{"recall": "8", "page": 4, "selector": "auto", "cold_dtype": "auto",
-                                 "cold_limit": None, "recall_every": 1, "recall_rest": "off"}]
+                                 "cold_limit": None, "recall_every": 1, "recall_rest": "auto"}]
     by = {(r["policy"], r["budget_slots"]): r for r in report["results"]}
     for slots in (16, 24):
         assert by[(label, slots)]["device_kv_bytes"] == by[("h2o", slots)]["device_kv_bytes"]

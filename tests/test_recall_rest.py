@@ -117,5 +117,5 @@ def test_a_cache_with_the_rest_decodes_eagerly(family, seed):
 
     assert "--recall-rest pages runs eagerly" in cache("pages").compile_blocker()
     assert cache("off").compile_blocker() is None
-    assert cache("auto").compile_blocker() is None  # (a compiled cache attends no rest: RecallConfig.rest_attended)
-    assert cache("prompt").compile_blocker() is None  # (prompt chunks run eagerly)
+    assert cache("auto").compile_blocker() is None  # (auto and prompt: the rest in prompt chunks, which run eagerly)
+    assert cache("prompt").compile_blocker() is None

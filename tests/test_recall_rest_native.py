@@ -181,9 +181,9 @@ def test_a_rows_page_means_follow_its_import_and_reset(move):
 
 @needs_kernel
 def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
-    """``--recall-rest auto``: a bf16 cache whose steps run the C call (prompt chunks, then decode steps) decodes
-    as with ``pages``; without the kernels (the torch routes: ~4x h2o's step with the rest) as with ``off``; a
-    static-shape cache (the compiled step's) attends no rest. ``prompt``: the rest in chunks only."""
+    """``--recall-rest auto``: a bf16 cache whose steps run the C call decodes as with ``prompt`` (the rest in
+    prompt chunks), not as ``off`` nor ``pages`` (the rest in decode steps too); without the kernels (the torch
+    routes: 2.8x a chunk's time with the rest) as with ``off``."""
     model = build_model("llama", seed=7, max_position_embeddings=256).to(torch.bfloat16)
     ids = torch.randint(3, VOCAB, (2, 80), generator=torch.Generator().manual_seed(15))
     chunks = (30, 55)  # (the second chunk finds cold pages)
@@ -191,16 +191,18 @@ def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
     _, pages = _fed_cache(model, ids, "auto", rest="pages", chunk_ends=chunks)
     _, prompt = _fed_cache(model, ids, "auto", rest="prompt", chunk_ends=chunks)
     _, off = _fed_cache(model, ids, "auto", rest="off", chunk_ends=chunks)
-    assert torch.equal(auto, pages) and not torch.equal(auto[:2], off[:2]) and not torch.equal(auto, prompt)
-    assert torch.equal(prompt[:2], auto[:2]) and not torch.equal(prompt, off)
-    config = RecallConfig(16, 4, "exact", rest="auto")
-    assert config.rest_attended(True, False) and not config.rest_attended(True, True)
-    assert config.rest_attended(True, False, decoding=False) and not config.rest_attended(False, False, decoding=False)
-    assert not config.rest_attended(False, False) and RecallConfig(16, 4, rest="pages").rest_attended(False, True)
-    assert RecallConfig(16, 4, rest="pages").rest_attended(True, False, decoding=False)
-    chunks_only = RecallConfig(16, 4, rest="prompt")  # (whatever the route: the torch rest where no C call runs)
-    assert chunks_only.rest_attended(False, True, decoding=False) and not chunks_only.rest_attended(True, False)
+    assert torch.equal(auto, prompt) and not torch.equal(auto[:2], off[:2]) and not torch.equal(auto, pages)
+    assert torch.equal(pages[:2], auto[:2])
+    auto_config, pages_config, prompt_config = (RecallConfig(16, 4, "exact", rest=rest) for rest in ("auto", "pages", "prompt"))
+    assert auto_config.rest_attended(True, decoding=False) and not auto_config.rest_attended(True, decoding=True)
+    assert not auto_config.rest_attended(False, decoding=False) and not auto_config.rest_by_torch
+    assert pages_config.rest_attended(False, decoding=True) and pages_config.rest_by_torch
+    assert prompt_config.rest_attended(False, decoding=False) and not prompt_config.rest_attended(True, decoding=True)
     monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    monkeypatch.setattr(native_choice.DecodeChoice, "__call__", lambda *args: False)  # (a call it declines)
+    _, auto_declined = _fed_cache(model, ids, "auto", rest="auto", chunk_ends=chunks)
+    _, prompt_declined = _fed_cache(model, ids, "auto", rest="prompt", chunk_ends=chunks)
+    assert torch.equal(auto_declined[:2], off[:2]) and not torch.equal(prompt_declined[:2], off[:2])  # (torch's rest)
     _, auto_without = _fed_cache(model, ids, "auto", rest="auto", chunk_ends=chunks)
     _, off_without = _fed_cache(model, ids, "auto", rest="off", chunk_ends=chunks)
     assert torch.equal(auto_without, off_without)

@@ -34,7 +34,7 @@ class RecallSpec:
         and reads no host value."""
         if cache.initialized and cache.layers[0].device.type != "cpu":
             return "recall on an accelerator runs eagerly: its cold store is host memory (see recall/step.py)"
-        if self.config.rest == "pages":  # (auto: no rest in a compiled cache, ``RecallConfig.rest_attended``)
+        if self.config.rest == "pages":  # (auto and prompt: the rest in prompt chunks only, which run eagerly)
             return "--recall-rest pages runs eagerly: each step reads its cold store's length (see recall/rest.py)"
         return None
 

@@ -255,7 +255,7 @@ class RecallTier(RecallRowMoves):
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
-        attended = self.config.rest_attended(self.decode_choice is not None, context.static_shapes, q_len == 1)
+        attended = self.config.rest_attended(self.decode_choice is not None, q_len == 1)
         rest = (scale, self.page_means) if attended and not context.compiled else None
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
         if q_len > 1:  # a chunk chooses its pages with all its queries (any order: the best q.k), before attending
@@ -273,7 +273,7 @@ class RecallTier(RecallRowMoves):
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
         self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
-        if rest is None or rest_done:
+        if rest is None or rest_done or not self.config.rest_by_torch:
             return self.decode_choice.rest_as(grouped.shape[:4]) if rest_done else None
         return rest_column(self.cold, self.frames.frame_page, grouped, scale, context.rotary)
 

@@ -15,9 +15,10 @@ from .two_stage import SUMMARY_CAP
 
 DECODE_RULES = ("in-step", "before")
 # --recall-rest: the cold pages not recalled left out (off), or attended as one column (recall.rest) in every
-# step (pages); prompt: in prompt chunks only, so a decode step costs what off's does; auto: in every step where
-# the choice's C call computes it (``native_choice``), none elsewhere
+# step (pages) or in prompt chunks only (prompt: a decode step costs what off's does); auto: prompt's, where the
+# choice's C call computes it (``native_choice``), none elsewhere
 REST_MODES = ("auto", "off", "pages", "prompt")
+DEFAULT_REST = "auto"  # the product's (CacheSettings.recall_rest; a RecallConfig made by hand attends none)
 
 
 @dataclass(frozen=True)
@@ -72,18 +73,24 @@ class RecallConfig:
 
     @property
     def rest_label(self) -> str:
-        """What a row's label adds for ``--recall-rest`` (nothing when off)."""
-        return "" if self.rest == "off" else f", the rest as {self.rest}"
+        """What a row's label adds for ``--recall-rest`` (nothing for the product's default)."""
+        if self.rest == DEFAULT_REST:
+            return ""
+        return ", the rest left out" if self.rest == "off" else f", the rest as {self.rest}"
 
-    def rest_attended(self, native: bool, static_shapes: bool, decoding: bool = True) -> bool:
-        """Whether a step attends the rest: every step with ``pages``; with ``prompt``, a prompt chunk (not
-        ``decoding``); with ``auto``, every step of a tier whose choice's C call runs (``native``), which computes
-        it from the q.k it has, where no compiled step will (``static_shapes``: a compiled step attends no rest).
-        Where the C call does not run, the rest is the torch route's, a product of the step's queries with
-        every cold key (~4x h2o's decode step)."""
-        if self.rest == "prompt":
-            return not decoding
-        return self.rest == "pages" or (self.rest == "auto" and native and not static_shapes)
+    def rest_attended(self, native: bool, decoding: bool) -> bool:
+        """Whether a step attends the rest: every step with ``pages``; a prompt chunk (not ``decoding``) with
+        ``prompt``, and with ``auto`` where the choice's C call runs (``native``: it computes the rest from the
+        q.k it has). Where the C call does not run, the rest is the torch route's (``rest_by_torch``), a product
+        of the step's queries with every cold key: ~4x h2o's decode step, 2.8x a chunk's."""
+        if self.rest == "pages":
+            return True
+        return not decoding and (self.rest == "prompt" or (self.rest == "auto" and native))
+
+    @property
+    def rest_by_torch(self) -> bool:
+        """Whether a step the C call did not take attends the torch route's rest (``auto``: only the C call's)."""
+        return self.rest in ("pages", "prompt")
 
     @property
     def frames(self) -> int:
