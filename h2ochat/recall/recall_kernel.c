@@ -279,6 +279,16 @@ static int many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint1
   return 1;
 }
 
+/* Raises scores[n] to the best q.k of these M queries over page n's valid slots: by few_page_scores up to
+   FEW_QUERIES queries, by many_page_scores from there (few_page_scores where its memory runs out); dots as both
+   keep them (NULL: not kept). */
+static void raise_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
+                              const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                              int64_t dot_stride) {
+  if (M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride))
+    few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
+}
+
 /* page_best's scores of one (sequence, head): scores[n] for the ceil(filled / page) pages of the slots below
    `filled`, the best q.k over the queries and the page's valid slots (valid NULL: all are), -inf: none.
    dots: as few_page_scores keeps them (NULL: not kept). */
@@ -286,8 +296,7 @@ static void page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t 
                         const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
                         int64_t dot_stride) {
   for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
-  if (M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride))
-    few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
+  raise_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
 }
 
 void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const uint16_t *keys,
@@ -684,7 +693,7 @@ static void rest_weights(float *dots, int64_t dot_stride, int64_t M, int64_t fil
 
 /* A chunk's page scores and rest weights (M > FEW_QUERIES queries, before its choice): scores[n] = the best q.k of
    page n over every query (page_scores'), and rest_weights' top[m] and w[m * pages ...] for each query, taking
-   REST_QUERY_BLOCK queries at a time through many_page_scores (their q.k in dots [REST_QUERY_BLOCK, dot_stride]):
+   REST_QUERY_BLOCK queries at a time through raise_page_scores (their q.k in dots [REST_QUERY_BLOCK, dot_stride]):
    the q.k of a whole chunk (M x the slots) never sit in memory at once. */
 static void chunk_weights(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t, int64_t filled,
                           int64_t P, float scale, float *scores, float *dots, int64_t dot_stride, float *top, float *w) {
@@ -692,8 +701,7 @@ static void chunk_weights(const uint16_t *q, int64_t M, int64_t D, const uint16_
   for (int64_t n = 0; n < pages; n++) scores[n] = -INFINITY;
   for (int64_t m0 = 0; m0 < M; m0 += REST_QUERY_BLOCK) {
     const int64_t rows = M - m0 < REST_QUERY_BLOCK ? M - m0 : REST_QUERY_BLOCK;
-    if (!many_page_scores(q + m0 * D, rows, D, keys, key_t, NULL, filled, P, scores, dots, dot_stride))
-      few_page_scores(q + m0 * D, rows, D, keys, key_t, NULL, filled, P, scores, dots, dot_stride);
+    raise_page_scores(q + m0 * D, rows, D, keys, key_t, NULL, filled, P, scores, dots, dot_stride);
     rest_weights(dots, dot_stride, rows, filled, P, scale, top + m0, w + m0 * pages);
   }
 }
