@@ -69,8 +69,8 @@ RecallRest = Annotated[str, typer.Option("--recall-rest", rich_help_panel=CACHE,
     help="With --recall: the cold pages a step does not recall are left out of its attention (off) or still "
          "attended, one column for all of them (pages: each page's exact weight and mean value; every cold key "
          "read every step; eager steps only). prompt: in prompt chunks only, so decode steps cost what off's do. "
-         "auto: in every step where the choice's C kernel computes it (a CPU with AVX512-BF16, a bf16 model), "
-         "none elsewhere (the torch route there: ~4x the decode step). Default: off.")]
+         "auto (the default): prompt's, where the recall step's C kernel computes it (a CPU with AVX512-BF16, a "
+         "bf16 model), none elsewhere (the torch route there: 2.8x a chunk's time).")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, rich_help_panel=CACHE,
     help="Prompt tokens fed per forward; peak KV memory is slots + chunk whatever the prompt length.")]
 

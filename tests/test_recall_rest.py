@@ -13,7 +13,8 @@ from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
 from h2ochat.recall.masked import MaskedRecall, _Layer
-from h2ochat.recall.tiered import RecallConfig
+from h2ochat.config import CacheSettings
+from h2ochat.recall.tiered import DEFAULT_REST, RecallConfig
 from h2ochat.rotary import find_rotary
 
 
@@ -119,3 +120,12 @@ def test_a_cache_with_the_rest_decodes_eagerly(family, seed):
     assert cache("off").compile_blocker() is None
     assert cache("auto").compile_blocker() is None  # (auto and prompt: the rest in prompt chunks, which run eagerly)
     assert cache("prompt").compile_blocker() is None
+
+
+def test_the_products_default_rest_is_the_one_labels_leave_out():
+    """``CacheSettings.recall_rest`` (a literal: config imports no torch) is ``DEFAULT_REST``, the mode a row's
+    label leaves unnamed; the others are named."""
+    assert CacheSettings().recall_rest == DEFAULT_REST == "auto"
+    assert RecallConfig(8, 4, rest=DEFAULT_REST).rest_label == ""
+    assert RecallConfig(8, 4, rest="off").rest_label == ", the rest left out"
+    assert RecallConfig(8, 4, rest="pages").rest_label == ", the rest as pages"

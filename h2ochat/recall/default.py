@@ -23,12 +23,13 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
   measured on held-out text at 7x its slots (past SmolLM2's 8,192 positions); probed at 4.5x (7,400
   tokens, 24 trials a row): recall 9, the full cache 8, h2o alone 4
   (results_recall_heldout_passkey_default_budget_s59.json).
-- the rest of the cold pages (``recall.rest``, ``--recall-rest``) stays off: in fp32, attended in every
-  step, it found 78 of the full cache's 82 keys at 512 slots over 180 held-out trials where recall alone
-  found 71 (session 60, results_recall_heldout_passkey_512_rest_s60.json), at 4.23x h2o's step; session 61's
-  ``auto`` (decode steps only, from the C call: 1.17x against recall alone's 1.12x at 2K,
-  results_recall_rest_cost_s61.json) found 72 keys where recall alone found 73 of the same 180 in bf16,
-  the CPU product's dtype (results_recall_heldout_passkey_512_rest_bf16_s61.json).
+- the rest of the cold pages (``recall.rest``, ``--recall-rest auto``, session 62) is attended in prompt
+  chunks where the recall step's C call computes it: at 512 slots, over 180 held-out trials in bf16 (the
+  CPU product's dtype), it found 79 keys where the full cache found 84 and recall alone 73; attended in
+  decode steps too (``pages``) 83, in decode steps alone (session 61) 72
+  (results_recall_heldout_passkey_512_rest_bf16_s62.json); at 128 slots 47 of 60 against the full cache's
+  45 (results_recall_heldout_passkey_128_rest_bf16_s62.json). A decode step then costs recall alone's
+  (1.12x h2o's at 2K, ``pages`` 1.16x), a prefill 1.20x recall alone's (results_recall_rest_cost_s62.json).
 
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,
