@@ -70,3 +70,33 @@ def test_an_explicit_dtype_is_kept_whatever_the_cpu(cpu):
 def test_the_suite_runs_in_fp32():
     """conftest pins the detection off: tests compare against fp32 references on every machine."""
     assert pick_dtype("auto", "cpu") == torch.float32
+
+
+def test_an_explicit_bf16_model_keeps_its_own_linears_where_onednn_cannot_multiply_bf16(monkeypatch):
+    """An AVX2-only CPU (no avx512bw/vl/dq, no avx_ne_convert): oneDNN's bf16 reorder raises there, so
+    ``--dtype bfloat16`` packed nothing and crashed at load; now the linears stay as transformers built
+    them and the model steps."""
+    from conftest import build_model, random_ids
+    from h2ochat.engine import packed_linears
+    from h2ochat.engine.generation import CacheSettings, prefill
+
+    monkeypatch.setattr(packed_linears, "onednn_bf16_runs", lambda: False)
+    model = build_model("llama", seed=0).to(torch.bfloat16)
+    assert not packed_linears.packs(torch.device("cpu"), torch.bfloat16)
+    assert packed_linears.pack_linears(model) == 0 and packed_linears.pack_linears(model, 64) == 0
+    assert all(type(module) is not packed_linears.PackedLinear for module in model.modules())
+    with torch.inference_mode():
+        logits = prefill(model, CacheSettings(budget="8").build(model), random_ids(1, 12))
+    assert torch.isfinite(logits.float()).all()
+
+
+def test_onednn_s_answer_matches_what_its_reorder_does():
+    """``onednn_bf16_runs`` says yes exactly where the reorder it guards works on this machine."""
+    from h2ochat.engine.packed_linears import onednn_bf16_runs
+
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+        works = True
+    except (RuntimeError, AttributeError):
+        works = False
+    assert onednn_bf16_runs() == works

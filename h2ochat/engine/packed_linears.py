@@ -133,10 +133,16 @@ class RowLinear(nn.Linear):
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` packs a model on ``device`` in ``dtype``: bf16 on the CPU, with oneDNN
-    (and the switch not set to 0)."""
+    and a CPU its bf16 path runs on (and the switch not set to 0)."""
     return (os.environ.get(ENVIRONMENT_SWITCH, "1") != "0" and torch.device(device).type == "cpu"
-            and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and dtype == torch.bfloat16 and onednn_bf16_runs())
+
+
+def onednn_bf16_runs() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU: its reorder refuses a CPU without avx512bw/vl/dq or
+    avx_ne_convert (an AVX2-only EPYC), where a bf16 model keeps transformers' own linears."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def _replace_modules(model: nn.Module, replace) -> int:
