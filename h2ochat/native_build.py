@@ -2,10 +2,11 @@
 machine: once per machine, with the system's C compiler, into the user's cache folder, and binding their
 functions through ctypes (which lets the GIL go while they run).
 
-A kernel is built only where it can run: the CPU has ``avx512_bf16`` (every kernel here uses
-VDPBF16PS), a C compiler is on PATH (or $CC), and ``H2OCHAT_ROW_KERNEL`` is not "0" (the one switch that
-turns every C kernel off; each kernel may have its own switch too). Each kernel's module checks its
-first results against torch before using it.
+A kernel is built only where it can run: a C compiler is on PATH (or $CC), ``H2OCHAT_ROW_KERNEL`` is not
+"0" (the one switch that turns every C kernel off; each kernel may have its own switch too), and for the
+AVX512-BF16 builds (``FLAGS``: the row kernel's VDPBF16PS) the CPU has ``avx512_bf16``. The recall kernel
+also builds portably elsewhere (``portable_flags``: AVX2 and FMA where the CPU has them). Each kernel's
+module checks its first results against torch before using it.
 """
 
 from __future__ import annotations
@@ -21,14 +22,25 @@ from pathlib import Path
 
 ENVIRONMENT_SWITCH = "H2OCHAT_ROW_KERNEL"  # "0": no C kernel at all
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-shared", "-fPIC"]
+BASE_FLAGS = ["-O3", "-shared", "-fPIC"]
 THREADED = ["-fopenmp"]  # (a compiler without OpenMP, clang without libomp, builds it single-threaded)
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:  # not Linux
-        return False
+        return set()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_flags()
+
+
+def portable_flags() -> list[str]:
+    """A build for this CPU without AVX512-BF16: AVX2 and FMA where it has them, else the compiler's baseline."""
+    return [*BASE_FLAGS, *(["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else [])]
 
 
 def cache_folder() -> Path:
@@ -41,12 +53,12 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(command: str, path: Path) -> Path:
-    """The shared library for the C file ``path`` built by ``command`` with these flags, compiled unless the
+def build(command: str, path: Path, base: list[str] = FLAGS) -> Path:
+    """The shared library for the C file ``path`` built by ``command`` with ``base`` flags, compiled unless the
     cache already has it (written under a temporary name and renamed, so two processes building at once
     both load a whole file): with OpenMP, else without. Raises OSError where it does not build."""
     failure, source = "no output", path.read_bytes()
-    for flags in ([*FLAGS, *THREADED], FLAGS):
+    for flags in ([*base, *THREADED], base):
         digest = hashlib.sha256(source + " ".join([command, *flags]).encode()).hexdigest()[:16]
         library = cache_folder() / f"{path.stem}-{digest}.so"
         if library.is_file():
@@ -64,22 +76,23 @@ def build(command: str, path: Path) -> Path:
     raise OSError(f"{command} failed: {failure}")
 
 
-def why_not_here() -> str:
-    """Why no C kernel is built on this machine ("" where they are): the switch, the CPU, the compiler."""
+def why_not_here(avx512_bf16: bool = True) -> str:
+    """Why no C kernel is built on this machine ("" where they are): the switch, the CPU (``avx512_bf16``:
+    for an AVX512-BF16 build), the compiler."""
     if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
         return f"{ENVIRONMENT_SWITCH}=0"
-    if not cpu_has_avx512_bf16():
+    if avx512_bf16 and not cpu_has_avx512_bf16():
         return "the CPU has no avx512_bf16"
     if compiler() is None:
         return "no C compiler (cc or gcc) on PATH"
     return ""
 
 
-def checked(what: str, path: Path, command: str, bind, agrees) -> tuple[object | None, str]:
-    """Build ``path`` with ``command``, ``bind`` its library and check the result with ``agrees`` (its first
-    results against torch's): (what ``bind`` returned, "") or (None, why it is not used, one line)."""
+def checked(what: str, path: Path, command: str, bind, agrees, flags: list[str] = FLAGS) -> tuple[object | None, str]:
+    """Build ``path`` with ``command`` and ``flags``, ``bind`` its library and check the result with ``agrees`` (its
+    first results against torch's): (what ``bind`` returned, "") or (None, why it is not used, one line)."""
     try:
-        kernel = bind(build(command, path))
+        kernel = bind(build(command, path, flags))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"the {what} did not build: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if not agrees(kernel):

@@ -1,6 +1,8 @@
 """The recall step's C kernels (``h2ochat.recall.native``) against the torch routes they replace on a CPU:
 page scores against the torch reference (fp64 sums as the yardstick), the best pages against the digest's
-torch route, and a bf16 model's recall cache with the kernels against the same cache without them."""
+torch route, and a bf16 or fp32 model's recall cache with the kernels against the same cache without them.
+Whichever build this machine takes runs them (AVX512-BF16 or the portable one); ``H2OCHAT_RECALL_KERNEL=
+portable`` runs them on the portable build anywhere."""
 
 from __future__ import annotations
 
@@ -39,6 +41,24 @@ def test_the_row_kernel_switch_turns_the_recall_kernels_off_too(monkeypatch):
         native._loaded.cache_clear()
 
 
+def test_the_portable_build_runs_anywhere_without_the_rest(monkeypatch):
+    """``H2OCHAT_RECALL_KERNEL=portable``: the build for a CPU without AVX512-BF16 (the one this machine takes
+    where it has none) builds, passes its first check against torch in bf16 and fp32, and has no rest."""
+    if native_build_reason := native.native_build.why_not_here(avx512_bf16=False):
+        pytest.skip(native_build_reason)
+    native._loaded.cache_clear()
+    monkeypatch.setenv(native.ENVIRONMENT_SWITCH, "portable")
+    try:
+        assert native.available(), native.why_not()
+        assert not native.bound().rest
+        q, keys = torch.randn(1, 2, 3, 40), torch.randn(1, 2, 24, 40)
+        valid = torch.ones(1, 2, 24, dtype=torch.bool)
+        torch.testing.assert_close(native.page_best(q, keys, valid, 8), page_scores(q, keys, None, None, valid, 8))
+    finally:
+        monkeypatch.undo()
+        native._loaded.cache_clear()
+
+
 @pytest.fixture
 def without_kernel(monkeypatch):
     """The torch routes only, for this test (as on a CPU where the kernel does not build)."""
@@ -47,17 +67,21 @@ def without_kernel(monkeypatch):
     return off
 
 
-def _bf16(*shape, generator):
-    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+DTYPES = [torch.bfloat16, torch.float32]  # a model's on a CPU: with native bf16, and --dtype auto's without
+
+
+def _floats(*shape, generator, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=generator).to(dtype)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries,dim", [(1, 64), (3, 64), (5, 67), (16, 128)])
-def test_page_best_is_the_reference_to_fp32_rounding(queries, dim):
+def test_page_best_is_the_reference_to_fp32_rounding(queries, dim, dtype):
     generator = torch.Generator().manual_seed(queries * dim)
-    store = _bf16(2, 3, 130, dim + 5, generator=generator)
+    store = _floats(2, 3, 130, dim + 5, generator=generator, dtype=dtype)
     keys = store[:, :, :96, :dim]  # a view of a bigger store, as the digest scores it
-    q = _bf16(2, 3, queries, dim, generator=generator)
+    q = _floats(2, 3, queries, dim, generator=generator, dtype=dtype)
     valid = torch.rand(2, 3, 96, generator=generator) > 0.2
     valid[0, 1, 16:24] = False  # an empty page
     got = native.page_best(q, keys, valid, 8)
@@ -71,16 +95,17 @@ def test_page_best_is_the_reference_to_fp32_rounding(queries, dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries", [6, 17, 100, 900])
 @pytest.mark.parametrize("dim", [64, 40, 67])
-def test_a_chunks_page_scores_are_the_fp64_sums(queries, dim):
+def test_a_chunks_page_scores_are_the_fp64_sums(queries, dim, dtype):
     """A prompt chunk's many queries (by blocks of 16 keys in C): head dims a multiple of 32, not one, odd;
     104 slots (a last block of 8 keys), a view of a bigger store, invalid slots and an empty page; then the
     best pages of a store holding 0, 5 (a part page), 61 and all of its slots (-1 past the pages held)."""
     generator = torch.Generator().manual_seed(queries + dim)
-    store = _bf16(2, 3, 140, dim + 7, generator=generator)
+    store = _floats(2, 3, 140, dim + 7, generator=generator, dtype=dtype)
     keys = store[:, :, 8:112, 3:dim + 3]
-    q = _bf16(2, 3, queries, dim, generator=generator)
+    q = _floats(2, 3, queries, dim, generator=generator, dtype=dtype)
     valid = torch.rand(2, 3, 104, generator=generator) > 0.3
     valid[1, 2, 96:] = False  # an empty page in the last block
     dots = torch.einsum("bhmd,bhtd->bhmt", q.double(), keys.double()).amax(dim=2)
@@ -100,9 +125,10 @@ def test_a_chunks_page_scores_are_the_fp64_sums(queries, dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries", [1, 2, 3, 5])
 @pytest.mark.parametrize("dim", [64, 128, 40, 67])
-def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim):
+def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim, dtype):
     """A decode step's few queries (16 keys at a time in C, each query's per-key sums added across lanes):
     head dims a multiple of 32 (the two C has as constants), not one, odd; 120 slots of a view of a bigger
     store (a last block of 8), invalid slots, a whole block invalid and an empty page; pages of 8 and 16
@@ -110,9 +136,9 @@ def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim):
     holding 0, 5, 61, all and more than all of their slots, and of one of over 256 pages (scored 256 at a
     time)."""
     generator = torch.Generator().manual_seed(10 * queries + dim)
-    store = _bf16(2, 3, 150, dim + 7, generator=generator)
+    store = _floats(2, 3, 150, dim + 7, generator=generator, dtype=dtype)
     keys = store[:, :, 5:125, 2:dim + 2]
-    q = _bf16(2, 3, queries, dim, generator=generator)
+    q = _floats(2, 3, queries, dim, generator=generator, dtype=dtype)
     valid = torch.rand(2, 3, 120, generator=generator) > 0.3
     valid[0, 1, 32:48] = False  # a block with no valid slot
     valid[1, 2, 96:104] = False  # an empty page of 8
@@ -131,7 +157,7 @@ def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim):
     held = torch.arange(120) < count.unsqueeze(-1)
     wanted = native.top_pages(q, keys, count, 8, 9)
     assert torch.equal(wanted, top_pages(exact(held, 8), 9)) and bool((wanted[0, 0] == -1).all())
-    many_pages = _bf16(1, 2, 620, dim, generator=generator)[:, :, :600]
+    many_pages = _floats(1, 2, 620, dim, generator=generator, dtype=dtype)[:, :, :600]
     q = q[:1, :2]
     dots = torch.einsum("bhmd,bhtd->bhmt", q.double(), many_pages.double()).amax(dim=2)
     count = torch.tensor([[599, 300]])
@@ -144,29 +170,31 @@ def test_page_best_declines_what_it_does_not_take():
     q = torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)
     keys = torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16)
     valid = torch.ones(1, 1, 16, dtype=torch.bool)
-    assert native.page_best(q.float(), keys.float(), valid, 8) is None  # fp32: the reference's
+    assert native.page_best(q.half(), keys.half(), valid, 8) is None  # fp16: the reference's
+    assert native.page_best(q.float(), keys, valid, 8) is None  # queries and keys of two dtypes
     assert native.page_best(q[..., :4], keys[..., ::2], valid, 8) is None  # keys with gaps along D
     assert native.page_best(q, keys[:, :, :12], valid[:, :, :12], 8) is None  # a part page
 
 
-def _digest(counts, generator, dim=64, page=8, slots=200):
-    digest = KeyCodes(len(counts), len(counts[0]), dim, page, None, dtype=torch.bfloat16)
+def _digest(counts, generator, dim=64, page=8, slots=200, dtype=torch.bfloat16):
+    digest = KeyCodes(len(counts), len(counts[0]), dim, page, None, dtype=dtype)
     digest.reserve(slots)
-    keys = _bf16(len(counts), len(counts[0]), slots, dim, generator=generator)
+    keys = _floats(len(counts), len(counts[0]), slots, dim, generator=generator, dtype=dtype)
     index = torch.tensor([[list(range(c)) + [-1] * (slots - c) for c in row] for row in counts])
     digest.append(keys, index)
     return digest
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("upto,queries", [(None, 3), (100, 3), (13, 3), (None, 1), (100, 5), (None, 100),
                                           (13, 100)])
-def test_top_pages_is_the_digests_torch_route(without_kernel, upto, queries):
+def test_top_pages_is_the_digests_torch_route(without_kernel, upto, queries, dtype):
     """Rows and heads holding nothing, a part page, fewer pages than wanted; ``upto`` cutting the scored
     slots; a decode step's queries and a prompt chunk's."""
     generator = torch.Generator().manual_seed(7)
-    digest = _digest([[0, 5, 197], [64, 130, 9]], generator)
-    q = _bf16(2, 3, queries, 64, generator=generator)
+    digest = _digest([[0, 5, 197], [64, 130, 9]], generator, dtype=dtype)
+    q = _floats(2, 3, queries, 64, generator=generator, dtype=dtype)
     got = [digest.top_pages(q, k, upto=upto) for k in (1, 7, 40)]
     without_kernel()
     want = [digest.top_pages(q, k, upto=upto) for k in (1, 7, 40)]
@@ -186,12 +214,13 @@ def _run_recall_cache(model, ids, cold_dtype="auto"):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cold_dtype,batch", [("auto", 1), ("model", 2)])
-def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_dtype, batch):
-    """A bf16 llama's two-tier cache (the exact selector over int8-value cold pages, as by default, or the
-    model's) through a chunk and 40 decode steps: the same logits, the same pages in the frames and the same
+def test_a_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_dtype, batch, dtype):
+    """A bf16 or fp32 llama's two-tier cache (the exact selector over int8-value cold pages, as by default, or
+    the model's) through a chunk and 40 decode steps: the same logits, the same pages in the frames and the same
     copies as without the kernels (the decode steps' choice in one call, ``native_choice.DecodeChoice``)."""
-    model = build_model("llama", seed=3, max_position_embeddings=256).to(torch.bfloat16)
+    model = build_model("llama", seed=3, max_position_embeddings=256).to(dtype)
     ids = torch.randint(3, VOCAB, (batch, 70), generator=torch.Generator().manual_seed(3))
     got = _run_recall_cache(model, ids, cold_dtype)
     without_kernel()
@@ -201,13 +230,15 @@ def test_a_bf16_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_d
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (6, 2, 40), (4, 1, 16)])
-def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, monkeypatch, heads, kv_heads, head_dim):
+def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, monkeypatch, heads, kv_heads, head_dim,
+                                                              dtype):
     """The decode steps' one-call choice (``native_choice.DecodeChoice``) for groups of 1, 3 and 4 query heads and
     head dims 64, 40 (a tail of 8 channels) and 16 (only a tail): the same logits, frames and copies as the
     torch route."""
     model = build_model("llama", seed=3, max_position_embeddings=256, num_attention_heads=heads,
-                        num_key_value_heads=kv_heads, head_dim=head_dim).to(torch.bfloat16)
+                        num_key_value_heads=kv_heads, head_dim=head_dim).to(dtype)
     ids = torch.randint(3, VOCAB, (2, 70), generator=torch.Generator().manual_seed(4))
     chosen = set()  # (queries, head dim) of each choice the C kernel made
     call = native_choice.DecodeChoice.__call__
@@ -228,11 +259,12 @@ def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, mon
 
 
 @needs_kernel
-def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch, dtype):
     """Prompt chunks read into a bf16 recall cache whose store already holds pages (a chunk's choice: the
     group's 2 query heads times 30 tokens in one C call, ``native_choice.DecodeChoice``), then decode steps: the
     same logits, frames and copies as with ``H2OCHAT_RECALL_KERNEL=0`` (the torch routes only)."""
-    model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
+    model = build_model("llama", seed=5, max_position_embeddings=256).to(dtype)
     ids = torch.randint(3, VOCAB, (2, 100), generator=torch.Generator().manual_seed(5))
     chosen = []  # (queries, whether the store held a page) of each choice the C kernel made
     call = native_choice.DecodeChoice.__call__

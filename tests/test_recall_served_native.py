@@ -56,15 +56,18 @@ def _run(model, ids, masks, every: int, cold_dtype: str, kv_dtype: str):
 
 
 @needs_kernel
-@pytest.mark.parametrize("every,cold_dtype,kv_dtype", [(1, "auto", "auto"), (3, "model", "auto"), (1, "auto", "int8"),
-                                                       (2, "model", "int8"), (1, "auto", "int4")])
-def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypatch, every, cold_dtype, kv_dtype):
+@pytest.mark.parametrize("every,cold_dtype,kv_dtype,dtype", [
+    (1, "auto", "auto", torch.bfloat16), (3, "model", "auto", torch.bfloat16), (1, "auto", "int8", torch.bfloat16),
+    (2, "model", "int8", torch.bfloat16), (1, "auto", "int4", torch.bfloat16), (1, "auto", "auto", torch.float32),
+    (2, "model", "int8", torch.float32)])
+def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypatch, every, cold_dtype, kv_dtype, dtype):
     """48 decode steps of 4 rows, some left out of most steps (``_masks``), after a 30-token prompt, in bf16
     slots or quantized ones: the kernels' route (the choice of only some rows and the staging with rows left
     out in one C call each; int8 codes and scales encoded in C as the layer encodes them; int4: the staging
-    only; the flushes of some rows' staging pages in one C call, bf16 slots) gives the torch route's logits and
-    state after every step, and it did run on the masked steps."""
-    model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
+    only; the flushes of some rows' staging pages in one C call, float slots) gives the torch route's logits and
+    state after every step, and it did run on the masked steps; an fp32 model's too (the choice by portable
+    vectors in either build)."""
+    model = build_model("llama", seed=5, max_position_embeddings=256).to(dtype)
     ids = torch.randint(3, VOCAB, (BATCH, PROMPT + STEPS), generator=torch.Generator().manual_seed(5))
     masks = _masks(every)
     calls = {"choice": 0, "stage": 0, "flush": 0}

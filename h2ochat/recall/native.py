@@ -1,10 +1,17 @@
 """The recall step's C kernels (``recall_kernel.c``) for a CPU step over a cold store in the same memory
 (issue 34, "Cost": a recall decode step was 1.89x h2o's at 2K tokens, ~27 ms a step of small torch ops).
 
-- ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the bf16 keys by
+Two builds of the one source: with AVX512-BF16 where the CPU has it, and a portable one elsewhere (AVX2 and
+FMA where the CPU has them; ``native_build.portable_flags``). Both take bf16 and fp32 queries and keys (a
+model's dtype: fp32 is ``--dtype auto``'s on a CPU without native bf16); only the AVX512-BF16 build has
+VDPBF16PS and the rest of the cold pages (``Kernels.rest``). The portable build took SmolLM2's fp32 recall
+step at 2K tokens on an AVX2-only EPYC from 1.74x h2o's (the torch route) to the figure in the README.
+
+- ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the keys: bf16 by
   VDPBF16PS (products exact in fp32, summed in fp32; the torch reference, ``h2ochat_kernels.
   recall_reference.page_scores``, makes fp32 copies of the keys and of the [M, T] dots before two
-  maxima): the same scores up to the order the fp32 sums are added in. A decode step's 1-6 queries go 16
+  maxima): the same scores up to the order the fp32 sums are added in; fp32 (or bf16 in the portable build)
+  by portable vectors of 8 floats, key by key for a few queries, by blocks of 8 keys for more. A decode step's 1-6 queries go 16
   keys at a time, key by key for all of them, the sums added across lanes by folds: at 2-5 queries
   1.3-1.9x one horizontal sum a key and query (keys in the caches; from memory 1.0-1.6x), the same at 1.
   A prompt chunk's many go by blocks of 16 keys by channel pairs, near one VDPBF16PS a cycle: ~4x the
@@ -22,9 +29,9 @@
   rows, 3 left out, bf16, budget 256, recall 0.5, 1K tokens a row): 2.08x h2o's step on the torch
   route, 1.42x with the kernels before they took such steps, 1.19x after.
 
-Built like the row kernel (``native_build.checked``: the CPU's AVX512-BF16 flag, a C compiler, once
-per machine; ``H2OCHAT_ROW_KERNEL=0`` turns these off too) and checked against the torch reference on
-first use. Where they cannot run, or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None
+Built like the row kernel (``native_build.checked``: a C compiler, once per machine and build;
+``H2OCHAT_ROW_KERNEL=0`` turns these off too; ``H2OCHAT_RECALL_KERNEL=portable`` takes the portable build
+on any CPU) and checked against the torch reference on first use, in both dtypes. Where they cannot run, or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None
 or False and the caller keeps its torch route (a GPU's, a compiled step's, int4 slots' choice, a ring's
 in the decode step, keys to turn after a re-numbering: those routes are unchanged). tests/test_recall_native.py holds each
 kernel to the route it replaces.
@@ -45,7 +52,8 @@ from h2ochat_kernels.recall_reference import top_pages as kernels_top_pages
 from .. import native_build
 from ..kv.slot_format import SCALE_TENSORS
 
-ENVIRONMENT_SWITCH = "H2OCHAT_RECALL_KERNEL"  # "0": the torch reference only
+ENVIRONMENT_SWITCH = "H2OCHAT_RECALL_KERNEL"  # "0": the torch reference only; "portable": that build anywhere
+FLOATS = (torch.bfloat16, torch.float32)  # the dtypes the kernels read queries, keys and float slots in
 SOURCE = Path(__file__).with_name("recall_kernel.c")
 # the least scale quantized slots take (a slot of equal values: ``level_codes``' clamp), for the C route's codes
 TINY_SCALE = float(level_codes(torch.zeros(1, 1), 8)[1])
@@ -53,6 +61,7 @@ TINY_SCALE = float(level_codes(torch.zeros(1, 1), 8)[1])
 
 @dataclass(frozen=True)
 class Kernels:
+    rest: bool  # the build computes the rest of the cold pages (the AVX512-BF16 build, bf16 keys)
     page_best: object
     top_pages: object
     frames_update: object
@@ -76,8 +85,11 @@ def _bind(library: Path) -> Kernels:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     scoring = [pointer, size, size, size, size, pointer, size, size, size, pointer, size, size]
     store_writes = [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]
-    return Kernels(page_best=native_build.signed(library, "h2ochat_page_best_bf16", [*scoring, pointer]),
-                   top_pages=native_build.signed(library, "h2ochat_top_pages_bf16", [*scoring, size, pointer]),
+    rest = bool(native_build.signed(library, "h2ochat_rest_native", [], returns=size)())
+    return Kernels(rest=rest,
+                   page_best=native_build.signed(library, "h2ochat_page_best", [*scoring, pointer, size], returns=size),
+                   top_pages=native_build.signed(library, "h2ochat_top_pages", [*scoring, size, pointer, size],
+                                                 returns=size),
                    frames_update=native_build.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
                    fill_frames=native_build.signed(library, "h2ochat_fill_frames",
                                                    [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4
@@ -85,7 +97,7 @@ def _bind(library: Path) -> Kernels:
                    recall_step=native_build.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
                                                    + [size] * 2 + [pointer] * 2 + [ctypes.c_float] * 2
-                                                   + [pointer] * 3 + [size, pointer], returns=size),
+                                                   + [pointer] * 3 + [size, pointer, size], returns=size),
                    stage=native_build.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
                                              + [pointer, size]),
                    cold_append=native_build.signed(library, "h2ochat_cold_append", store_writes),
@@ -99,41 +111,59 @@ def _scoring(queries, keys) -> list:
             keys.stride(2)]
 
 
-def _call_page_best(kernels: Kernels, queries, keys, valid, page) -> torch.Tensor:
+def _call_page_best(kernels: Kernels, queries, keys, valid, page) -> torch.Tensor | None:
     tokens, queries, valid = keys.shape[2], queries.contiguous(), valid.contiguous()
     out = torch.empty(*queries.shape[:2], tokens // page, dtype=torch.float32)
-    kernels.page_best(*_scoring(queries, keys), valid.data_ptr(), tokens, page, out.data_ptr())
-    return out
+    done = kernels.page_best(*_scoring(queries, keys), valid.data_ptr(), tokens, page, out.data_ptr(), keys.element_size())
+    return out if done else None
 
 
-def _call_top_pages(kernels: Kernels, queries, keys, count, page, k) -> torch.Tensor:
+def _call_top_pages(kernels: Kernels, queries, keys, count, page, k) -> torch.Tensor | None:
     tokens, queries, count = keys.shape[2], queries.contiguous(), count.contiguous()
     k = min(k, tokens // page)
     wanted = torch.empty(*queries.shape[:2], k, dtype=torch.long)
-    kernels.top_pages(*_scoring(queries, keys), count.data_ptr(), tokens, page, k, wanted.data_ptr())
-    return wanted
+    done = kernels.top_pages(*_scoring(queries, keys), count.data_ptr(), tokens, page, k, wanted.data_ptr(),
+                             keys.element_size())
+    return wanted if done else None
 
 
 def _agrees_with_torch(kernels: Kernels) -> bool:
-    """Odd sizes (a head dim with a tail of 32, a view with gaps), some slots invalid, an empty page:
-    against the torch reference, within fp32 rounding."""
+    """Odd sizes (a head dim with a tail of 32, a view with gaps), some slots invalid, an empty page, a few
+    queries and a chunk's many, bf16 and fp32: against the torch reference, within fp32 rounding."""
+    return all(_agrees_in(kernels, dtype) for dtype in FLOATS)
+
+
+def _agrees_in(kernels: Kernels, dtype: torch.dtype) -> bool:
     generator = torch.Generator().manual_seed(0)
-    store = torch.randn(2, 3, 50, 72, generator=generator).to(torch.bfloat16)
+    store = torch.randn(2, 3, 50, 72, generator=generator).to(dtype)
     keys = store[:, :, :40, :67]
-    queries = torch.randn(2, 3, 5, 67, generator=generator).to(torch.bfloat16)
+    queries = torch.randn(2, 3, 5, 67, generator=generator).to(dtype)
     valid = torch.rand(2, 3, 40, generator=generator) > 0.3
     valid[:, :, 8:16] = False
     got = _call_page_best(kernels, queries, keys, valid, 8)
     expected = reference_page_scores(queries, keys, None, None, valid, 8)
-    agrees = bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4)) and bool((got[:, :, 1] == float("-inf")).all())
+    agrees = (got is not None and bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4))
+              and bool((got[:, :, 1] == float("-inf")).all()))
     count = torch.tensor([[0, 1, 17], [23, 40, 39]])
     slots = torch.arange(40)
     scores = reference_page_scores(queries, keys, None, None, slots < count.unsqueeze(-1), 8)
-    agrees = agrees and torch.equal(_call_top_pages(kernels, queries, keys, count, 8, 4), kernels_top_pages(scores, 4))
-    many = torch.randn(2, 3, 21, 67, generator=generator).to(torch.bfloat16)  # (a chunk's: by blocks of keys)
+    wanted = _call_top_pages(kernels, queries, keys, count, 8, 4)
+    agrees = agrees and wanted is not None and torch.equal(wanted, kernels_top_pages(scores, 4))
+    many = torch.randn(2, 3, 21, 67, generator=generator).to(dtype)  # (a chunk's: by blocks of keys)
     got = _call_page_best(kernels, many, keys, valid, 8)
     expected = reference_page_scores(many, keys, None, None, valid, 8)
-    return agrees and bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4))
+    return agrees and got is not None and bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4))
+
+
+def _build_flags() -> tuple[list[str], str]:
+    """The flags of the build this machine takes, or ([], why none)."""
+    portable = os.environ.get(ENVIRONMENT_SWITCH, "1").strip().lower() == "portable"
+    reason = native_build.why_not_here(avx512_bf16=False)
+    if reason:
+        return [], reason
+    if not portable and native_build.cpu_has_avx512_bf16():
+        return native_build.FLAGS, ""
+    return native_build.portable_flags(), ""
 
 
 @functools.cache
@@ -141,10 +171,10 @@ def _loaded() -> tuple[Kernels | None, str]:
     """(the bound kernels, "") or (None, why they are not used)."""
     if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
         return None, f"{ENVIRONMENT_SWITCH}=0"
-    reason = native_build.why_not_here()
+    flags, reason = _build_flags()
     if reason:
         return None, reason
-    return native_build.checked("recall kernel", SOURCE, native_build.compiler(), _bind, _agrees_with_torch)
+    return native_build.checked("recall kernel", SOURCE, native_build.compiler(), _bind, _agrees_with_torch, flags)
 
 
 def bound() -> Kernels | None:
@@ -163,7 +193,7 @@ def why_not() -> str:
 
 def page_best(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, page: int) -> torch.Tensor | None:
     """``recall_reference.page_scores(queries, keys, None, None, valid, page)`` (queries [B, H, M, D],
-    keys [B, H, T, D] bf16 on the CPU, unit stride along D, valid [B, H, T]) from the C kernel (a few
+    keys [B, H, T, D] bf16 or fp32, one dtype, on the CPU, unit stride along D, valid [B, H, T]) from the C kernel (a few
     queries 16 keys at a time, more by blocks of keys: a prompt chunk's); None where it does not take
     these (another dtype or device, no kernel): the caller's torch reference then."""
     kernels = _taking(queries, keys, page)
@@ -183,7 +213,7 @@ def top_pages(queries: torch.Tensor, keys: torch.Tensor, count: torch.Tensor, pa
 
 def _taking(queries: torch.Tensor, keys: torch.Tensor, page: int) -> Kernels | None:
     """The kernels, where they take these queries and keys."""
-    if not (keys.dtype == queries.dtype == torch.bfloat16 and keys.device.type == "cpu"
+    if not (keys.dtype == queries.dtype and keys.dtype in FLOATS and keys.device.type == "cpu"
             and queries.device.type == "cpu" and keys.stride(-1) == 1
             and keys.shape[2] % page == 0 and not torch.compiler.is_compiling()):
         return None

@@ -2,8 +2,9 @@
 bound by ``native``): the best pages, the frames' plan, the loaded pages' copy and, with ``--recall-rest``,
 the step's rest column from the same q.k.
 
-- ``DecodeChoice``: the call, where it runs (the exact selector on the store's own bf16 keys, a store that
-  never wraps, keys not to turn); elsewhere the caller keeps its torch routes.
+- ``DecodeChoice``: the call, where it runs (the exact selector on the store's own bf16 or fp32 keys, a store
+  that never wraps, keys not to turn); elsewhere the caller keeps its torch routes. The rest only where the
+  build computes it (``computes_rest``: AVX512-BF16, bf16 keys).
 - ``PageMeans``: each full cold page's mean value, which the rest weighs every step. A full page's values
   never change (the store only appends; a row's reset or import starts its means again: ``forget``), so
   each is computed once, when the C call first finds the page full, instead of every step from the values:
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .native import TINY_SCALE, Kernels, Strided, bound, host_rows, row_bytes, slot_scales, store_places
+from .native import FLOATS, TINY_SCALE, Kernels, Strided, bound, host_rows, row_bytes, slot_scales, store_places
 
 
 class PageMeans:
@@ -60,9 +61,9 @@ class DecodeChoice:
     """One layer's whole choice of a step in one C call: the best pages (``native.top_pages``), the frames'
     plan (``native.frames_update``, the store's full pages complete) and the loaded pages' copy
     (``native.fill_frames``), where all three run: the exact selector on the store's own keys, a store that
-    never wraps, bf16 keys, bf16 slots or 8-bit codes, keys not to turn; every row choosing, or some (``rows``:
-    the others keep their frames, clocks and slots). With a rest scale, every row's rest column too
-    (``recall.rest``'s, from the q.k the choice computed). ``of`` says whether it takes a layer; a call returns
+    never wraps, bf16 or fp32 keys, slots of their dtype or 8-bit codes, keys not to turn; every row choosing,
+    or some (``rows``: the others keep their frames, clocks and slots). With a rest scale, every row's rest
+    column too (``recall.rest``'s, from the q.k the choice computed), where ``computes_rest``. ``of`` says whether it takes a layer; a call returns
     False where it does not take this step."""
 
     def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor], scales):
@@ -71,7 +72,9 @@ class DecodeChoice:
         self.targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
         self.scales = scales  # (quantized slots' scales and offsets, ``native.slot_scales``; None: bf16 slots)
         self._slots = slots  # (the views the targets point into, held while they are)
-        self.value_dim, self.value_bytes = slots["values"].shape[-1], 2  # (bf16: the slots' or the store's)
+        # (the slots' float dtype, or the store's for codes: the store's keys' either way)
+        self.value_dim, self.value_bytes = slots["values"].shape[-1], cold.keys.element_size()
+        self.computes_rest = kernels.rest and cold.keys.dtype == torch.bfloat16
         shape = frames.frame_page.shape
         self.wanted = torch.empty(shape, dtype=torch.long)
         self.load = torch.empty(shape, dtype=torch.bool)
@@ -87,10 +90,11 @@ class DecodeChoice:
         keys, values = slots["keys"], slots["values"]
         state = (frames.frame_page, frames.last_used, frames.clock, frames.copied, frames.complete)
         scales = slot_scales(slots, cold.keys.shape[-1], cold.values.shape[-1])
+        dtype = cold.keys.dtype
         if (kernels is None or not keys_in_place or cold.frames is not None or cold.quantized_keys or cold.zero_copy
-                or scales is False or cold.keys.dtype != torch.bfloat16
-                or (scales is None and (keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16))
-                or cold.values.dtype != (torch.int8 if cold.quantized_values else torch.bfloat16)
+                or scales is False or dtype not in FLOATS
+                or (scales is None and (keys.dtype != dtype or values.dtype != dtype))
+                or cold.values.dtype != (torch.int8 if cold.quantized_values else dtype)
                 or not host_rows(*state) or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values))
                 or slots["token_index"].dtype != torch.long or slots["positions"].dtype != torch.long):
             return None
@@ -102,7 +106,8 @@ class DecodeChoice:
         rows ``rows`` (True: every row; False: none; else a boolean per row). ``rest``: the attention's scale
         and the tier's page means, and every row's rest column left in ``rest`` from the same q.k, as a decode
         step's attention takes it ([B, H, M, 1], [B, H, M, 1, Dv]; None while no row holds a cold token)."""
-        if queries.dtype != torch.bfloat16 or torch.compiler.is_compiling():
+        if (queries.dtype != self.cold.keys.dtype or torch.compiler.is_compiling()
+                or (rest is not None and not self.computes_rest)):
             return False
         choosing = None if rows is True else row_bytes(rows if rows is not False else [False] * queries.shape[0])
         cold = self.cold
@@ -122,7 +127,8 @@ class DecodeChoice:
         holding = self.kernels.recall_step(
             queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
             self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets, self.value_dim, self.value_bytes,
-            None if choosing is None else choosing.data_ptr(), self.scales, TINY_SCALE, scale, *pointers)
+            None if choosing is None else choosing.data_ptr(), self.scales, TINY_SCALE, scale, *pointers,
+            cold.keys.element_size())
         if holding < 0:  # (its scratch did not fit in memory: nothing written)
             return False
         self.rest = self.rest_out if means is not None and holding else None
@@ -132,3 +138,8 @@ class DecodeChoice:
         """The last call's rest as the attention takes it for queries [B, H, G, Q] (``shape``) handed to the call
         group-major (G * Q of them): logit [B, H, G, Q] and value [B, H, G, Q, Dv]; None where it left none."""
         return None if self.rest is None else (self.rest[0].view(shape), self.rest[1].view(*shape, self.value_dim))
+
+
+def computes_rest(choice: "DecodeChoice | None") -> bool:
+    """Whether a layer's C call (``choice``; None: none runs) computes the rest of the cold pages."""
+    return choice is not None and choice.computes_rest

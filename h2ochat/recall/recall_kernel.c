@@ -1,33 +1,55 @@
-/* The recall step's host-side work for a CPU whose cold store is in the step's memory (AVX512-BF16).
+/* The recall step's host-side work for a CPU whose cold store is in the step's memory.
 
-   h2ochat_page_best_bf16: the exact selector's page scores (recall_reference.page_scores with the keys
-   themselves, bits None): for each (sequence b, KV head h) and page n of `page` slots,
+   Two builds of this one file (native.py picks by the CPU): with AVX512-BF16 (BF16_DOTS below), and a
+   portable one (AVX2 and FMA where the CPU has them, else the compiler's baseline), which has everything
+   but the bf16 dot products by VDPBF16PS and the rest of the cold pages (h2ochat_rest_native says which).
+
+   Page scores (the exact selector's, recall_reference.page_scores with the keys themselves, bits None):
+   for each (sequence b, KV head h) and page n of `page` slots,
      out[b, h, n] = max over valid slots t of the page, over queries m, of sum_d q[b, h, m, d] * k[b, h, t, d]
-   (-inf where the page has no valid slot). bf16 products are exact in fp32 and summed in fp32 by
-   VDPBF16PS: the same sums as the torch reference's fp32 product, up to the order they are added in
-   (the reference materialises fp32 copies of the keys and the [M, T] dots, then two maxima).
-   Up to FEW_QUERIES queries (a decode step's group) go 16 keys at a time, key by key for all the queries,
-   the per-key sums added across lanes by folds for the 16 (few_page_scores); more (a prompt chunk's hundreds
-   or thousands) go by blocks of keys laid out by channel pairs (many_page_scores), near one VDPBF16PS a cycle.
+   (-inf where the page has no valid slot), the sums in fp32: the torch reference's up to the order they
+   are added in. Queries and keys are bf16 (elements of 2 bytes) or fp32 (4), both of one dtype.
+   - bf16 with BF16_DOTS: products exact in fp32, summed by VDPBF16PS. Up to FEW_QUERIES queries (a decode
+     step's group) go 16 keys at a time, key by key for all the queries, the per-key sums added across lanes
+     by folds for the 16 (few_page_scores); more (a prompt chunk's hundreds or thousands) go by blocks of keys
+     laid out by channel pairs (many_page_scores), near one VDPBF16PS a cycle.
+   - otherwise (fp32 anywhere, bf16 widened to fp32 in the portable build): portable C over vectors of 8
+     floats (any_page_scores): a few queries key by key, more by blocks of 8 keys laid out by channel.
 
    Keys are read where the store keeps them: [B, H, T, D] with any strides but a unit one along D (the
    store's leading slots, a view). Queries [B, H, M, D] and valid [B, H, T] (bytes) contiguous.
 
-   Built and loaded by native.py (through engine/row_products.py's builder). */
+   Built and loaded by native.py (through native_build's builder). */
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOTS 1
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
-#define LOAD_MASKED(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
-
 #define KEY_BLOCK 16  /* keys a block: one fp32 lane each */
 /* Up to this many queries, few_page_scores is faster (per-key sums added across lanes beat a block's
    layout: 1.2x at 6 and head dim 64, 1.05x at 128); from 7 on, blocks (1.0-1.15x at 7 and 8; Zen 4). */
 #define FEW_QUERIES 6
+
+static inline float larger(float a, float b) { return b > a ? b : a; } /* (fmaxf: a libm call, NaN rules) */
+
+/* 1 where this build has the bf16 dot products and the rest of the cold pages (BF16_DOTS), 0 where not. */
+int64_t h2ochat_rest_native(void) {
+#ifdef BF16_DOTS
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#ifdef BF16_DOTS
+#define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
+#define LOAD_MASKED(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
+
 
 /* sum[m] = q_m . key for the M queries (D bf16 each, q_m at q + m * D): each of the key's 32-channel
    chunks read once for all of them, 16 lanes of channel-pair products to add across lanes. */
@@ -144,7 +166,6 @@ static inline __mmask16 live_lanes(const uint8_t *valid, int64_t t0, int64_t n) 
   return (__mmask16)_mm512_test_epi8_mask(bytes, bytes);
 }
 
-static inline float larger(float a, float b) { return b > a ? b : a; } /* (fmaxf: a libm call, NaN rules) */
 
 /* Raises the scores of the pages a block of n keys from slot t0 falls in to the best of their live lanes:
    a whole block of pages of 8 or 16 (the usual; blocks start at multiples of 16) by one tree of maxima
@@ -298,13 +319,210 @@ static void page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t 
   for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
   raise_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
 }
+#endif /* BF16_DOTS */
 
-void h2ochat_page_best_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const uint16_t *keys,
-                            int64_t key_b, int64_t key_h, int64_t key_t, const uint8_t *valid, int64_t T,
-                            int64_t page, float *out) {
+/* ---- Page scores over any float keys, portable: vectors of 8 fp32 lanes (one AVX2 register) ---- */
+
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef int32_t mask8 __attribute__((vector_size(32))); /* (a lanes8 comparison's lanes: -1 or 0) */
+#define WIDE 8       /* lanes of a lanes8 */
+#define WIDE_KEYS 8  /* keys a block: one lane each */
+
+/* Element i of a row of bf16 (bytes 2) or fp32 (4) values, as fp32. */
+static inline float widened(const void *row, int64_t i, int64_t bytes) {
+  if (bytes == 4) return ((const float *)row)[i];
+  const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+  float value;
+  memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+/* D values of `bytes` each as fp32 into out[0, Dw) (Dw: D rounded up to WIDE), zeros past D. */
+static inline void widen_row(const void *row, int64_t D, int64_t Dw, int64_t bytes, float *out) {
+  if (bytes == 4) memcpy(out, row, D * sizeof(float));
+  else
+    for (int64_t d = 0; d < D; d++) out[d] = widened(row, d, 2);
+  for (int64_t d = D; d < Dw; d++) out[d] = 0.0f;
+}
+
+static inline lanes8 load8(const float *p) {
+  lanes8 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* Lanes of a and b (0-7 a's, 8-15 b's) picked by eight constant indices: GCC's or Clang's builtin. */
+#if defined(__clang__)
+#define PICK(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shufflevector(a, b, i0, i1, i2, i3, i4, i5, i6, i7)
+#else
+#define PICK(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shuffle(a, b, (mask8){i0, i1, i2, i3, i4, i5, i6, i7})
+#endif
+
+/* Two vectors of lane sums folded into one of half as many: a's in some lanes, b's in the others, each
+   the sum of two of its lanes. Three levels take 8 keys' vectors to one lane a key (bit-reversed order:
+   lane l holds key FOLDED[l]), 7 folds for the 8 where a horizontal sum each takes ~3 shuffles and 3 adds. */
+static inline lanes8 fold_halves(lanes8 a, lanes8 b) {
+  return PICK(a, b, 0, 1, 2, 3, 12, 13, 14, 15) + PICK(a, b, 4, 5, 6, 7, 8, 9, 10, 11);
+}
+static inline lanes8 fold_pairs(lanes8 a, lanes8 b) {
+  return PICK(a, b, 0, 1, 10, 11, 4, 5, 14, 15) + PICK(a, b, 2, 3, 8, 9, 6, 7, 12, 13);
+}
+static inline lanes8 fold_lanes(lanes8 a, lanes8 b) {
+  return PICK(a, b, 0, 9, 2, 11, 4, 13, 6, 15) + PICK(a, b, 1, 8, 3, 10, 5, 12, 7, 14);
+}
+static const int FOLDED[WIDE_KEYS] = {0, 4, 2, 6, 1, 5, 3, 7}, IN_ORDER[WIDE_KEYS] = {0, 1, 2, 3, 4, 5, 6, 7};
+
+/* Raises the scores of the pages a block of n <= 8 keys from slot t0 (a multiple of 8) falls in to the best of
+   their valid lanes (key lane_key[l] in lane l): a block inside one page (pages of a multiple of 8) by one
+   maximum, else lane by lane. */
+static inline void raise_block(float *scores, lanes8 best, const int *lane_key, int64_t t0, int64_t n,
+                               const uint8_t *valid, int64_t page) {
+  const int one_page = page % WIDE_KEYS == 0;
+  float top = -INFINITY;
+  for (int l = 0; l < WIDE_KEYS; l++) {
+    const int64_t t = t0 + lane_key[l];
+    if (t - t0 >= n || (valid && !valid[t])) continue;
+    if (one_page) top = larger(top, best[l]);
+    else scores[t / page] = larger(scores[t / page], best[l]);
+  }
+  if (one_page) scores[t0 / page] = larger(scores[t0 / page], top);
+}
+
+/* The larger of a and b lane by lane (larger's rule: a NaN in b keeps a). */
+static inline lanes8 larger8(lanes8 a, lanes8 b) {
+  const mask8 above = b > a;
+  return (lanes8)(((mask8)b & above) | ((mask8)a & ~above));
+}
+
+/* The best q.k over M queries (widened, qw [M][Dw]) of 8 keys (fp32, key j at k[j], Dw channels each), key
+   FOLDED[l] in lane l: each query's 8 dots by lanes of channels, then folded. */
+static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const float *const k[WIDE_KEYS]) {
+  lanes8 best;
+  for (int j = 0; j < WIDE_KEYS; j++) best[j] = -INFINITY;
+  for (int64_t m = 0; m < M; m++) {
+    const float *q = qw + m * Dw;
+    lanes8 sum[WIDE_KEYS];
+    for (int j = 0; j < WIDE_KEYS; j++) sum[j] = load8(q) * load8(k[j]);
+    for (int64_t d = WIDE; d < Dw; d += WIDE) {
+      const lanes8 channels = load8(q + d);
+      for (int j = 0; j < WIDE_KEYS; j++) sum[j] += channels * load8(k[j] + d);
+    }
+    const lanes8 dots = fold_lanes(fold_pairs(fold_halves(sum[0], sum[1]), fold_halves(sum[2], sum[3])),
+                                   fold_pairs(fold_halves(sum[4], sum[5]), fold_halves(sum[6], sum[7])));
+    best = larger8(best, dots);
+  }
+  return best;
+}
+
+/* Few queries (widened, qw [M][Dw]): keys 8 at a time, each read in place (fp32, D a multiple of WIDE) or
+   widened once (absent keys: zeros, never read back), dotted with every query; their best raise their pages. */
+static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
+                           int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+  float widened_keys[WIDE_KEYS * Dw];
+  const int in_place = bytes == 4 && D == Dw;
+  for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
+    const int64_t n = filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS;
+    const float *k[WIDE_KEYS];
+    int live = 0;
+    for (int64_t j = 0; j < WIDE_KEYS; j++) {
+      const int present = j < n && (!valid || valid[t0 + j]);
+      live |= present;
+      const void *key = j < n ? (const char *)keys + (t0 + j) * key_t * bytes : NULL;
+      if (in_place && key) {
+        k[j] = key;
+        continue;
+      }
+      k[j] = widened_keys + j * Dw;
+      if (key) widen_row(key, D, Dw, bytes, widened_keys + j * Dw);
+      else memset(widened_keys + j * Dw, 0, Dw * sizeof(float));
+    }
+    if (!live) continue;
+    raise_block(scores, best_dots(qw, M, Dw, k), FOLDED, t0, n, valid, page);
+  }
+}
+
+/* Many queries (qw [M][Dw]): keys WIDE_KEYS at a time laid out by channel (block[d][j] = key j's channel d),
+   every query passing over the block with its channels broadcast: each lane one key's dot, no sum across lanes. */
+static void any_many_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
+                            int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+  float block[D * WIDE_KEYS];
+  for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
+    const int64_t n = filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS;
+    int live = 0;
+    for (int64_t j = 0; j < n; j++) live |= !valid || valid[t0 + j];
+    if (!live) continue;
+    for (int64_t j = 0; j < WIDE_KEYS; j++) {
+      const void *key = j < n ? (const char *)keys + (t0 + j) * key_t * bytes : NULL;
+      for (int64_t d = 0; d < D; d++) block[d * WIDE_KEYS + j] = key ? widened(key, d, bytes) : 0.0f;
+    }
+    lanes8 best;
+    for (int j = 0; j < WIDE_KEYS; j++) best[j] = -INFINITY;
+    for (int64_t m = 0; m < M; m++) {
+      const float *q = qw + m * Dw;
+      lanes8 sum = q[0] * load8(block);
+      for (int64_t d = 1; d < D; d++) sum += q[d] * load8(block + d * WIDE_KEYS);
+      best = larger8(best, sum);
+    }
+    raise_block(scores, best, IN_ORDER, t0, n, valid, page);
+  }
+}
+
+/* page_scores for any float queries and keys (bytes 2 or 4), no dots kept: scores[n] for the pages of the
+   slots below `filled`, -inf where a page has no valid slot. qw: room for the widened queries (scratch_floats). */
+static void any_page_scores(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
+                            const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *qw) {
+  for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
+  const int64_t Dw = (D + WIDE - 1) / WIDE * WIDE;
+  for (int64_t m = 0; m < M; m++) widen_row((const char *)q + m * D * bytes, D, Dw, bytes, qw + m * Dw);
+  if (M <= WIDE_KEYS) any_few_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores);
+  else any_many_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores);
+}
+
+/* The floats of scratch scores_of needs for M queries of D (0: none, where the bf16 route takes them). */
+static int64_t scratch_floats(int64_t bytes, int64_t M, int64_t D) {
+#ifdef BF16_DOTS
+  if (bytes == 2) return 0;
+#else
+  (void)bytes;
+#endif
+  return M * ((D + WIDE - 1) / WIDE * WIDE);
+}
+
+/* Room for scratch_floats(bytes, M, D) in *scratch (NULL where none is needed); 0 where memory ran out. */
+static int scratch_for(int64_t bytes, int64_t M, int64_t D, float **scratch) {
+  const int64_t floats = scratch_floats(bytes, M, D);
+  *scratch = floats ? malloc(floats * sizeof(float)) : NULL;
+  return !floats || *scratch;
+}
+
+/* A (sequence, head)'s page scores by whichever route takes these queries and keys; dots (the rest's q.k, NULL:
+   not kept) only by the bf16 one; scratch: scratch_for's. */
+static void scores_of(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
+                      const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots, int64_t dot_stride,
+                      float *scratch) {
+#ifdef BF16_DOTS
+  if (bytes == 2) {
+    page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
+    return;
+  }
+#endif
+  (void)dots, (void)dot_stride;
+  any_page_scores(q, bytes, M, D, keys, key_t, valid, filled, page, scores, scratch);
+}
+
+/* page_best's scores for every (sequence, head); q and keys of `bytes` each (2: bf16, 4: fp32). Returns 0
+   where memory ran out (nothing written). */
+int64_t h2ochat_page_best(const void *q, int64_t B, int64_t H, int64_t M, int64_t D, const void *keys, int64_t key_b,
+                          int64_t key_h, int64_t key_t, const uint8_t *valid, int64_t T, int64_t page, float *out,
+                          int64_t bytes) {
+  float *scratch;
+  if (!scratch_for(bytes, M, D, &scratch)) return 0;
   for (int64_t row = 0; row < B * H; row++)
-    page_scores(q + row * M * D, M, D, keys + row / H * key_b + row % H * key_h, key_t, valid + row * T, T, page,
-                out + row * (T / page), NULL, 0);
+    scores_of((const char *)q + row * M * D * bytes, bytes, M, D,
+              (const char *)keys + (row / H * key_b + row % H * key_h) * bytes, key_t, valid + row * T, T, page,
+              out + row * (T / page), NULL, 0, scratch);
+  free(scratch);
+  return 1;
 }
 
 #define SCORED_PAGES 256 /* pages top_pages_row scores at a time (on the stack) */
@@ -321,43 +539,53 @@ static inline void keep_best(float score, int64_t n, int64_t k, int64_t *found, 
   if (at < k) top[at] = n, top_score[at] = score;
 }
 
+
 /* The best k pages of one (sequence, head) of an append-only store that never wraps (slot n holds the
    n-th token; slots at or past `held` are empty), scoring its first T slots: their page numbers, best
    first, -1 past the pages that hold a token (torch.topk of page_best's scores with -inf masked to -1;
-   equal scores in page order). dots: as page_scores keeps them (NULL: not kept). */
-static void top_pages_row(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
+   equal scores in page order). dots: as page_scores keeps them (NULL: not kept); scratch: scratch_for's. */
+static void top_pages_row(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
                           int64_t held, int64_t T, int64_t page, int64_t k, int64_t *top, float *dots,
-                          int64_t dot_stride) {
+                          int64_t dot_stride, float *scratch) {
   float top_score[k > 0 ? k : 1], scores[SCORED_PAGES];
   int64_t found = 0;
   const int64_t filled = held < T ? held : T;
   for (int64_t n = 0; n * page < filled; n++) {
     if (n % SCORED_PAGES == 0) {
       const int64_t first = n * page, left = filled - first;
-      page_scores(q, M, D, keys + first * key_t, key_t, NULL, left < SCORED_PAGES * page ? left : SCORED_PAGES * page,
-                  page, scores, dots ? dots + first : NULL, dot_stride);
+      scores_of(q, bytes, M, D, (const char *)keys + first * key_t * bytes, key_t, NULL,
+                left < SCORED_PAGES * page ? left : SCORED_PAGES * page, page, scores, dots ? dots + first : NULL,
+                dot_stride, scratch);
     }
     keep_best(scores[n % SCORED_PAGES], n, k, &found, top, top_score);
   }
   for (int64_t j = found; j < k; j++) top[j] = -1;
 }
 
-/* top_pages_row's pages from scores already computed (scores[n] for the row's `pages` pages). */
+#ifdef BF16_DOTS
+/* top_pages_row's pages from scores already computed (scores[n] for the row's `pages` pages; a chunk's). */
 static void top_of_scores(const float *scores, int64_t pages, int64_t k, int64_t *top) {
   float top_score[k > 0 ? k : 1];
   int64_t found = 0;
   for (int64_t n = 0; n < pages; n++) keep_best(scores[n], n, k, &found, top, top_score);
   for (int64_t j = found; j < k; j++) top[j] = -1;
 }
+#endif
 
-/* top_pages_row for every (sequence, head): count [B, H], wanted [B, H, k]. */
-void h2ochat_top_pages_bf16(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const uint16_t *keys,
-                            int64_t key_b, int64_t key_h, int64_t key_t, const int64_t *count, int64_t T,
-                            int64_t page, int64_t k, int64_t *wanted) {
+/* top_pages_row for every (sequence, head): count [B, H], wanted [B, H, k]; q and keys of `bytes` each.
+   Returns 0 where memory ran out (nothing written). */
+int64_t h2ochat_top_pages(const void *q, int64_t B, int64_t H, int64_t M, int64_t D, const void *keys, int64_t key_b,
+                          int64_t key_h, int64_t key_t, const int64_t *count, int64_t T, int64_t page, int64_t k,
+                          int64_t *wanted, int64_t bytes) {
+  float *scratch;
+  if (!scratch_for(bytes, M, D, &scratch)) return 0;
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++)
-      top_pages_row(q + (b * H + h) * M * D, M, D, keys + b * key_b + h * key_h, key_t, count[b * H + h], T, page, k,
-                    wanted + (b * H + h) * k, NULL, 0);
+      top_pages_row((const char *)q + (b * H + h) * M * D * bytes, bytes, M, D,
+                    (const char *)keys + (b * key_b + h * key_h) * bytes, key_t, count[b * H + h], T, page, k,
+                    wanted + (b * H + h) * k, NULL, 0, scratch);
+  free(scratch);
+  return 1;
 }
 
 /* RecallFrames.update for frames in host memory (contiguous int64 / bool rows, one per (sequence, head)):
@@ -431,6 +659,7 @@ static inline void *at(const strided_t *t, int64_t b, int64_t h, int64_t s, int6
   return (char *)t->data + (b * t->b + h * t->h + s * t->s) * item;
 }
 
+#ifdef BF16_DOTS
 /* The lanes of the n - d values left from d (all 16 past the last chunk). */
 static inline __mmask16 lanes(int64_t n, int64_t d) {
   return n - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - d)) - 1u);
@@ -498,6 +727,53 @@ static inline void level_codes(const void *values, int64_t n, int64_t bytes, flo
   *scale_out = scale;
   *offset_out = offset;
 }
+#else /* the portable build: the same values, element by element (each an IEEE fp32 op, as the vector ones) */
+
+/* Element i of bf16 (bytes 2) or fp32 (4) values, as fp32. */
+static inline float load_float(const void *p, int64_t i, int64_t bytes) { return widened(p, i, bytes); }
+
+/* x as bf16, rounded to nearest even (VCVTNEPS2BF16's and torch's for finite x). */
+static inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline void store_scaled(const int8_t *codes, float scale, int64_t n, void *out, int64_t bytes) {
+  for (int64_t d = 0; d < n; d++) {
+    const float x = (float)codes[d] * scale;
+    if (bytes == 4) ((float *)out)[d] = x;
+    else ((uint16_t *)out)[d] = to_bf16(x);
+  }
+}
+
+static inline float quantize(const void *values, int64_t n, int64_t value_bytes, int8_t *codes) {
+  float top = 0.0f;
+  for (int64_t d = 0; d < n; d++) top = larger(top, fabsf(load_float(values, d, value_bytes)));
+  const float scale = (top > 1e-30f ? top : 1e-30f) / 127.0f;
+  for (int64_t d = 0; d < n; d++) {
+    float code = rintf(load_float(values, d, value_bytes) / scale);
+    code = code < -127.0f ? -127.0f : code > 127.0f ? 127.0f : code;
+    codes[d] = (int8_t)code;
+  }
+  return scale;
+}
+
+static inline void level_codes(const void *values, int64_t n, int64_t bytes, float tiny, uint8_t *codes,
+                               float *scale_out, float *offset_out) {
+  float offset = INFINITY, top = -INFINITY;
+  for (int64_t d = 0; d < n; d++) {
+    const float x = load_float(values, d, bytes);
+    offset = x < offset ? x : offset;
+    top = larger(top, x);
+  }
+  float scale = (top - offset) / 255.0f;
+  if (!(scale >= tiny)) scale = tiny;
+  for (int64_t d = 0; d < n; d++) codes[d] = (uint8_t)(int32_t)rintf((load_float(values, d, bytes) - offset) / scale);
+  *scale_out = scale;
+  *offset_out = offset;
+}
+#endif /* BF16_DOTS */
 
 /* fill_recall_slots for a plan read on the host: each loaded frame f of (b, h) takes page frame_page of the
    cold store, slot by slot (an absent slot: zeros, token index and position -1). Keys are copied as they
@@ -574,6 +850,7 @@ void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8
     }
 }
 
+#ifdef BF16_DOTS
 /* e^x in 16 lanes, for x <= 0 (below -87: e^-87, ~1.6e-38): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its Taylor
    polynomial to r^6 (relative error below 2e-7, a float's rounding), times 2^n. */
 static inline __m512 exp_lanes(__m512 x) {
@@ -781,37 +1058,41 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
                                                                                                      value + m * Dv + d)));
   }
 }
+#endif /* BF16_DOTS */
 
 /* A step's whole choice (a decode step's, or a prompt chunk's with the rest) for the exact selector over a store
    that never wraps, every row choosing:
    top_pages_row (k = min(F, T / P) pages, wanted [B, H, k] out), frames_update_row with the store's
    full pages complete, fill_row (load [B, H, F] out) for each (sequence, head), in one call; a row and
    head with nothing in the store only counts the choice on its clock (its frames are empty: what the
-   update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]).
+   update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]),
+   q and keys of `bytes` each (2: bf16, 4: fp32; float slots of the same dtype).
    choosing [B] (bytes; NULL: every row): a row not choosing is left as it is (its frames, clock and slots
    untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
    quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's.
-   rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest): after the choice, every row's rest (rest_row),
-   choosing or not, from the q.k the choice computed (a row not choosing: computed for it; more than FEW_QUERIES
-   queries, a chunk's: the pages' weights of each block of queries as its q.k come, chunk_weights), with the page means
-   means [B, H, N, Dv] of which meaned [B, H] are held (rest_row fills them). Returns the rows and heads that
-   hold a cold token (0: the rest is -inf everywhere), or -1 where memory ran out or the means have no room for
-   T / P pages (nothing written). */
-int64_t h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
+   rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest; bf16 in the BF16_DOTS build only): after the
+   choice, every row's rest (rest_row), choosing or not, from the q.k the choice computed (a row not choosing:
+   computed for it; more than FEW_QUERIES queries, a chunk's: the pages' weights of each block of queries as its
+   q.k come, chunk_weights), with the page means means [B, H, N, Dv] of which meaned [B, H] are held (rest_row
+   fills them). Returns the rows and heads that hold a cold token (0: the rest is -inf everywhere), or -1 where
+   memory ran out, the means have no room for T / P pages, or a rest is asked of a build or dtype without one
+   (nothing written). */
+int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
                             int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
                             int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
                             const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing,
                             const strided_t *scales, float tiny, float scale, float *rest_logit, float *rest_value,
-                            float *means, int64_t N, int64_t *meaned) {
+                            float *means, int64_t N, int64_t *meaned, int64_t bytes) {
   const int64_t k = F < T / P ? F : T / P, stride = (T + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK + KEY_BLOCK;
   const int64_t pages = (T + P - 1) / P;
   /* a chunk's rest (more queries than a decode step's): its weights by blocks of queries, before its choice */
   const int chunk = rest_logit && M > FEW_QUERIES;
-  const int64_t kept = chunk && M > REST_QUERY_BLOCK ? REST_QUERY_BLOCK : M;
-  float *dots = NULL, *scores = NULL, *weights = NULL, *top = NULL;
+  float *dots = NULL, *scores = NULL, *weights = NULL, *top = NULL, *scratch;
   uint8_t *recalled = NULL;
+#ifdef BF16_DOTS
+  const int64_t kept = chunk && M > REST_QUERY_BLOCK ? REST_QUERY_BLOCK : M;
   if (rest_logit) { /* (q.k [kept, stride], the page scores, the pages' weights, each query's top, a byte a page) */
-    if (T / P > N) return -1;
+    if (T / P > N || bytes != 2) return -1;
     dots = malloc((kept * stride + pages + M * pages + M) * sizeof(float) + pages);
     if (!dots) return -1;
     scores = dots + kept * stride;
@@ -819,37 +1100,53 @@ int64_t h2ochat_recall_step(const uint16_t *q, int64_t B, int64_t H, int64_t M, 
     top = weights + M * pages;
     recalled = (uint8_t *)(top + M);
   }
+#else
+  (void)scale, (void)rest_value, (void)means, (void)N, (void)meaned;
+  if (rest_logit) return -1;
+#endif
+  if (!scratch_for(bytes, M, D, &scratch)) {
+    free(dots);
+    return -1;
+  }
   int64_t holding = 0;
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = b * H + h, complete_pages = count[row] / P, filled = count[row] < T ? count[row] : T;
-      const uint16_t *keys = at(&store[0], b, h, 0, 2);
+      (void)filled; /* (the rest's: the BF16_DOTS build) */
+      const void *keys = at(&store[0], b, h, 0, bytes), *queries = (const char *)q + row * M * D * bytes;
       holding += count[row] > 0;
       if (!choosing || choosing[b]) {
         if (!count[row]) { /* nothing flushed yet: the clock counts the choice (RecallFrames.tick) */
           clock[row]++;
           memset(load + row * F, 0, F);
         } else {
+#ifdef BF16_DOTS
           if (chunk) {
-            chunk_weights(q + row * M * D, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
+            chunk_weights(queries, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
             top_of_scores(scores, (filled + P - 1) / P, k, wanted + row * k);
-          } else {
-            top_pages_row(q + row * M * D, M, D, keys, store[0].s, count[row], T, P, k, wanted + row * k, dots, stride);
-          }
+          } else
+#endif
+            top_pages_row(queries, bytes, M, D, keys, store[0].s, count[row], T, P, k, wanted + row * k, dots, stride,
+                          scratch);
           frames_update_row(F, k, wanted + row * k, frame_page + row * F, last_used + row * F, clock + row,
                             copied + row, complete + row * F, &complete_pages, load + row * F);
-          fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, 2, Dv,
+          fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, bytes, Dv,
                    value_bytes, scales, tiny);
         }
-      } else if (chunk && filled) {
-        chunk_weights(q + row * M * D, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
+      }
+#ifdef BF16_DOTS
+      else if (chunk && filled) {
+        chunk_weights(queries, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
       } else if (rest_logit && filled) {
-        page_scores(q + row * M * D, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride);
+        page_scores(queries, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride);
       }
       if (rest_logit)
         rest_row(b, h, chunk ? NULL : dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, scale, top,
                  weights, recalled, means + row * N * Dv, N, meaned + row, rest_logit + row * M, rest_value + row * M * Dv);
+#endif
     }
+  (void)pages, (void)chunk, (void)weights, (void)top, (void)recalled, (void)scores;
+  free(scratch);
   free(dots);
   return holding;
 }
