@@ -68,7 +68,9 @@ def cold_store_as_recorded(monkeypatch):
 def decode_rule_as_recorded(monkeypatch):
     """The recordings' compiled step chose a decode step's pages before the step, with the last step's
     queries (the rule then, ``--recall-decode-rule before`` now); a CPU's compiled step chooses them inside
-    it since session 55 (tests/test_recall_compiled.py holds that one to the eager step)."""
+    it since session 55 (tests/test_recall_compiled.py holds that one to the eager step). And they attended
+    no rest of the cold pages (``--recall-rest off``): the default attends it in prompt chunks where the
+    recall step's C call runs, an fp32 model's too since session 63 (tests/test_recall_rest*.py hold it)."""
     from dataclasses import replace
 
     from h2ochat.config import CacheSettings
@@ -77,7 +79,7 @@ def decode_rule_as_recorded(monkeypatch):
 
     def as_recorded(self, slots):
         config = recall_config(self, slots)
-        return None if config is None else replace(config, decode_rule="before")
+        return None if config is None else replace(config, decode_rule="before", rest="off")
 
     monkeypatch.setattr(CacheSettings, "recall_config", as_recorded)
 

@@ -41,16 +41,16 @@ def test_the_row_kernel_switch_turns_the_recall_kernels_off_too(monkeypatch):
         native._loaded.cache_clear()
 
 
-def test_the_portable_build_runs_anywhere_without_the_rest(monkeypatch):
+def test_the_portable_build_runs_anywhere(monkeypatch):
     """``H2OCHAT_RECALL_KERNEL=portable``: the build for a CPU without AVX512-BF16 (the one this machine takes
-    where it has none) builds, passes its first check against torch in bf16 and fp32, and has no rest."""
+    where it has none) builds, passes its first check against torch in bf16 and fp32, and has no VDPBF16PS."""
     if native_build_reason := native.native_build.why_not_here(avx512_bf16=False):
         pytest.skip(native_build_reason)
     native._loaded.cache_clear()
     monkeypatch.setenv(native.ENVIRONMENT_SWITCH, "portable")
     try:
         assert native.available(), native.why_not()
-        assert not native.bound().rest
+        assert not native.bound().bf16_dots
         q, keys = torch.randn(1, 2, 3, 40), torch.randn(1, 2, 24, 40)
         valid = torch.ones(1, 2, 24, dtype=torch.bool)
         torch.testing.assert_close(native.page_best(q, keys, valid, 8), page_scores(q, keys, None, None, valid, 8))

@@ -1,11 +1,9 @@
 """The rest column from the recall step's C call (``native_choice.DecodeChoice`` with ``rest_scale``: the q.k its
 choice computed, ``rest_row`` in recall_kernel.c) against the torch route (``recall.rest.rest_column``), on
-the states a bf16 recall cache reaches: int8-value and bf16 cold pages, groups of 1, 3 and 4 query heads,
+the states a bf16 or fp32 recall cache reaches: int8-value and bf16 cold pages, groups of 1, 3 and 4 query heads,
 head dims with and without a tail, part pages, pages in the frames, rows holding nothing."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -21,9 +19,7 @@ from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
-# the C rest: the AVX512-BF16 build's (the portable one chooses, copies and stages, and leaves the rest to torch)
-needs_rest = pytest.mark.skipif(not (native.available() and native.bound().rest),
-                                reason=native.why_not() or "the portable recall kernel has no rest")
+DTYPES = [torch.bfloat16, torch.float32]  # (fp32: --dtype auto's on a CPU without native bf16)
 
 
 def _fed_cache(model, ids, cold_dtype, rest="pages", page=4, chunk_ends=(30,)):
@@ -52,21 +48,22 @@ def _c_rest_against_torch(layer, query, scale, rows=False):
 
 
 def _queries(model, batch, generator, q_len=1):
-    """Queries [B, H, G, Q, D] for a step of ``model``'s layers (bf16, spread as a model's are): a decode
+    """Queries [B, H, G, Q, D] for a step of ``model``'s layers (its dtype, spread as a model's are): a decode
     step's (Q = 1) or a chunk's."""
     config = model.config
     kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (torch.randn(batch, kv_heads, group, q_len, head_dim, generator=generator) * 4).to(torch.bfloat16)
+    return (torch.randn(batch, kv_heads, group, q_len, head_dim, generator=generator) * 4).to(model.dtype)
 
 
-@needs_rest
+@needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim,cold_dtype,page", [
     (6, 2, 64, "auto", 4), (6, 2, 64, "model", 4), (4, 4, 40, "auto", 4), (4, 1, 16, "model", 4),
     (6, 2, 64, "auto", 3), (6, 2, 64, "auto", 16), (6, 2, 64, "auto", 1)])  # (pages summed by lanes, or one by one)
-def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype, page):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype, page, dtype):
     model = build_model("llama", seed=3, max_position_embeddings=256, num_attention_heads=heads,
-                        num_key_value_heads=kv_heads, head_dim=head_dim).to(torch.bfloat16)
+                        num_key_value_heads=kv_heads, head_dim=head_dim).to(dtype)
     generator = torch.Generator().manual_seed(11)
     ids = torch.randint(3, VOCAB, (3, 90 if page == 16 else 60), generator=generator)
     cache, _ = _fed_cache(model, ids, cold_dtype, page=page)
@@ -85,7 +82,7 @@ def test_the_c_rest_is_the_torch_rest(heads, kv_heads, head_dim, cold_dtype, pag
     assert part_pages > 0 or page == 1
 
 
-@needs_rest
+@needs_kernel
 def test_a_choosing_steps_rest_is_the_torch_rest_after_the_same_choice():
     """The rest a choosing row gets from the choice's own q.k, against the torch rest after the same choice
     (every row choosing, then some)."""
@@ -97,11 +94,12 @@ def test_a_choosing_steps_rest_is_the_torch_rest_after_the_same_choice():
             _c_rest_against_torch(layer, _queries(model, 2, generator), 0.3, rows)
 
 
-@needs_rest
-def test_a_bf16_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch):
-    """The whole cache: the C rest in every decode step (spied), the logits of the torch route's to bf16's
-    rounding (the attention sums the same column; which tokens are evicted stays the same)."""
-    model = build_model("llama", seed=5, max_position_embeddings=256).to(torch.bfloat16)
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch, dtype):
+    """The whole cache, bf16 or fp32: the C rest in every decode step (spied), the logits of the torch route's
+    to bf16's rounding (the attention sums the same column; which tokens are evicted stays the same)."""
+    model = build_model("llama", seed=5, max_position_embeddings=256).to(dtype)
     ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(13))
     rests = []
     call = native_choice.DecodeChoice.__call__
@@ -123,15 +121,16 @@ def test_a_bf16_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch):
         assert torch.equal(a.token_index, b.token_index)
 
 
-@needs_rest
+@needs_kernel
 @pytest.mark.parametrize("family,grouped", [("llama", {"num_attention_heads": 6, "num_key_value_heads": 2}),
                                              ("neox", {})])
-def test_a_chunks_rest_comes_from_the_c_call_as_the_torch_rest(monkeypatch, family, grouped):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_chunks_rest_comes_from_the_c_call_as_the_torch_rest(monkeypatch, family, grouped, dtype):
     """``--recall-rest prompt`` in a bf16 cache: a prompt chunk after others made pages cold takes its rest from
     the choice's C call (its queries handed over group-major, G * Q of them). The first layer's rest columns
     (the same state either way) are the torch route's to fp32 rounding, each query row's own; the logits
     are the torch route's to bf16's rounding; without the rest they differ."""
-    model = build_model(family, seed=9, max_position_embeddings=256, **grouped).to(torch.bfloat16)
+    model = build_model(family, seed=9, max_position_embeddings=256, **grouped).to(dtype)
     ids = torch.randint(3, VOCAB, (2, 90), generator=torch.Generator().manual_seed(17))
     layers = model.config.num_hidden_layers
     columns = []  # (each chunk's rest columns, layer by layer)
@@ -163,7 +162,7 @@ def test_a_chunks_rest_comes_from_the_c_call_as_the_torch_rest(monkeypatch, fami
     assert not torch.allclose(without, want, rtol=2e-2, atol=2e-2)
 
 
-@needs_rest
+@needs_kernel
 @pytest.mark.parametrize("move", ["import", "reset"])
 def test_a_rows_page_means_follow_its_import_and_reset(move):
     """The C rest keeps each full page's mean (``native_choice.PageMeans``): a row that takes another
@@ -184,7 +183,7 @@ def test_a_rows_page_means_follow_its_import_and_reset(move):
         _c_rest_against_torch(layer, _queries(model, 2, generator), 0.3)
 
 
-@needs_rest
+@needs_kernel
 def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
     """``--recall-rest auto``: a bf16 cache whose steps run the C call decodes as with ``prompt`` (the rest in
     prompt chunks), not as ``off`` nor ``pages`` (the rest in decode steps too); without the kernels (the torch
@@ -212,30 +211,3 @@ def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
     _, off_without = _fed_cache(model, ids, "auto", rest="off", chunk_ends=chunks)
     assert torch.equal(auto_without, off_without)
 
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_build_without_the_rest_chooses_in_c_and_leaves_the_rest_to_torch(monkeypatch, dtype):
-    """A build whose C call has no rest (the portable one; an fp32 model's keys on any build): ``auto`` decodes
-    as ``off``, and ``pages`` as the torch routes alone (the torch choice and the torch rest), with the choice
-    made by the C call."""
-    monkeypatch.setattr(native, "_loaded", lambda kernels=native.bound(): (dataclasses.replace(kernels, rest=False), ""))
-    model = build_model("llama", seed=7, max_position_embeddings=256).to(dtype)
-    ids = torch.randint(3, VOCAB, (2, 80), generator=torch.Generator().manual_seed(15))
-    chunks = (30, 55)
-    calls = []
-    call = native_choice.DecodeChoice.__call__
-
-    def spied(self, queries, scored, rows=True, rest=None):
-        taken = call(self, queries, scored, rows, rest)
-        calls.append((taken, rest is None, self.computes_rest))
-        return taken
-
-    monkeypatch.setattr(native_choice.DecodeChoice, "__call__", spied)
-    _, auto = _fed_cache(model, ids, "auto", rest="auto", chunk_ends=chunks)
-    _, off = _fed_cache(model, ids, "auto", rest="off", chunk_ends=chunks)
-    _, pages = _fed_cache(model, ids, "auto", rest="pages", chunk_ends=chunks)
-    assert calls and all(call == (True, True, False) for call in calls)  # (every choice in C, no rest asked of it)
-    monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
-    _, pages_by_torch = _fed_cache(model, ids, "auto", rest="pages", chunk_ends=chunks)
-    assert torch.equal(auto, off) and torch.equal(pages, pages_by_torch) and not torch.equal(pages, off)

@@ -3,9 +3,10 @@
 
 Two builds of the one source: with AVX512-BF16 where the CPU has it, and a portable one elsewhere (AVX2 and
 FMA where the CPU has them; ``native_build.portable_flags``). Both take bf16 and fp32 queries and keys (a
-model's dtype: fp32 is ``--dtype auto``'s on a CPU without native bf16); only the AVX512-BF16 build has
-VDPBF16PS and the rest of the cold pages (``Kernels.rest``). The portable build took SmolLM2's fp32 recall
-step at 2K tokens on an AVX2-only EPYC from 1.74x h2o's (the torch route) to the figure in the README.
+model's dtype: fp32 is ``--dtype auto``'s on a CPU without native bf16) and compute the rest of the cold
+pages; only the AVX512-BF16 build has VDPBF16PS (``Kernels.bf16_dots``), the portable one scores by vectors
+of 8 floats. On an AVX2-only EPYC the portable build took SmolLM2's fp32 recall decode step at 2K tokens
+from 1.74x h2o's (the torch route) to 1.13-1.20x (session 63, README).
 
 - ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the keys: bf16 by
   VDPBF16PS (products exact in fp32, summed in fp32; the torch reference, ``h2ochat_kernels.
@@ -61,7 +62,7 @@ TINY_SCALE = float(level_codes(torch.zeros(1, 1), 8)[1])
 
 @dataclass(frozen=True)
 class Kernels:
-    rest: bool  # the build computes the rest of the cold pages (the AVX512-BF16 build, bf16 keys)
+    bf16_dots: bool  # the AVX512-BF16 build (bf16 scored by VDPBF16PS), not the portable one
     page_best: object
     top_pages: object
     frames_update: object
@@ -85,8 +86,8 @@ def _bind(library: Path) -> Kernels:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     scoring = [pointer, size, size, size, size, pointer, size, size, size, pointer, size, size]
     store_writes = [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]
-    rest = bool(native_build.signed(library, "h2ochat_rest_native", [], returns=size)())
-    return Kernels(rest=rest,
+    bf16_dots = bool(native_build.signed(library, "h2ochat_bf16_dots", [], returns=size)())
+    return Kernels(bf16_dots=bf16_dots,
                    page_best=native_build.signed(library, "h2ochat_page_best", [*scoring, pointer, size], returns=size),
                    top_pages=native_build.signed(library, "h2ochat_top_pages", [*scoring, size, pointer, size],
                                                  returns=size),

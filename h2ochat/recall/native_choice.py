@@ -3,8 +3,7 @@ bound by ``native``): the best pages, the frames' plan, the loaded pages' copy a
 the step's rest column from the same q.k.
 
 - ``DecodeChoice``: the call, where it runs (the exact selector on the store's own bf16 or fp32 keys, a store
-  that never wraps, keys not to turn); elsewhere the caller keeps its torch routes. The rest only where the
-  build computes it (``computes_rest``: AVX512-BF16, bf16 keys).
+  that never wraps, keys not to turn); elsewhere the caller keeps its torch routes.
 - ``PageMeans``: each full cold page's mean value, which the rest weighs every step. A full page's values
   never change (the store only appends; a row's reset or import starts its means again: ``forget``), so
   each is computed once, when the C call first finds the page full, instead of every step from the values:
@@ -63,7 +62,7 @@ class DecodeChoice:
     (``native.fill_frames``), where all three run: the exact selector on the store's own keys, a store that
     never wraps, bf16 or fp32 keys, slots of their dtype or 8-bit codes, keys not to turn; every row choosing,
     or some (``rows``: the others keep their frames, clocks and slots). With a rest scale, every row's rest
-    column too (``recall.rest``'s, from the q.k the choice computed), where ``computes_rest``. ``of`` says whether it takes a layer; a call returns
+    column too (``recall.rest``'s, from the q.k the choice computed). ``of`` says whether it takes a layer; a call returns
     False where it does not take this step."""
 
     def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor], scales):
@@ -74,7 +73,6 @@ class DecodeChoice:
         self._slots = slots  # (the views the targets point into, held while they are)
         # (the slots' float dtype, or the store's for codes: the store's keys' either way)
         self.value_dim, self.value_bytes = slots["values"].shape[-1], cold.keys.element_size()
-        self.computes_rest = kernels.rest and cold.keys.dtype == torch.bfloat16
         shape = frames.frame_page.shape
         self.wanted = torch.empty(shape, dtype=torch.long)
         self.load = torch.empty(shape, dtype=torch.bool)
@@ -106,8 +104,7 @@ class DecodeChoice:
         rows ``rows`` (True: every row; False: none; else a boolean per row). ``rest``: the attention's scale
         and the tier's page means, and every row's rest column left in ``rest`` from the same q.k, as a decode
         step's attention takes it ([B, H, M, 1], [B, H, M, 1, Dv]; None while no row holds a cold token)."""
-        if (queries.dtype != self.cold.keys.dtype or torch.compiler.is_compiling()
-                or (rest is not None and not self.computes_rest)):
+        if queries.dtype != self.cold.keys.dtype or torch.compiler.is_compiling():
             return False
         choosing = None if rows is True else row_bytes(rows if rows is not False else [False] * queries.shape[0])
         cold = self.cold
@@ -139,7 +136,3 @@ class DecodeChoice:
         group-major (G * Q of them): logit [B, H, G, Q] and value [B, H, G, Q, Dv]; None where it left none."""
         return None if self.rest is None else (self.rest[0].view(shape), self.rest[1].view(*shape, self.value_dim))
 
-
-def computes_rest(choice: "DecodeChoice | None") -> bool:
-    """Whether a layer's C call (``choice``; None: none runs) computes the rest of the cold pages."""
-    return choice is not None and choice.computes_rest

@@ -1,8 +1,9 @@
 /* The recall step's host-side work for a CPU whose cold store is in the step's memory.
 
    Two builds of this one file (native.py picks by the CPU): with AVX512-BF16 (BF16_DOTS below), and a
-   portable one (AVX2 and FMA where the CPU has them, else the compiler's baseline), which has everything
-   but the bf16 dot products by VDPBF16PS and the rest of the cold pages (h2ochat_rest_native says which).
+   portable one (AVX2 and FMA where the CPU has them, else the compiler's baseline) for every other CPU. Both
+   do everything here for bf16 and fp32; only the first has the bf16 dot products by VDPBF16PS and its
+   vector exps and sums for the rest of the cold pages (h2ochat_bf16_dots says which build this is).
 
    Page scores (the exact selector's, recall_reference.page_scores with the keys themselves, bits None):
    for each (sequence b, KV head h) and page n of `page` slots,
@@ -37,8 +38,8 @@
 
 static inline float larger(float a, float b) { return b > a ? b : a; } /* (fmaxf: a libm call, NaN rules) */
 
-/* 1 where this build has the bf16 dot products and the rest of the cold pages (BF16_DOTS), 0 where not. */
-int64_t h2ochat_rest_native(void) {
+/* 1 where this build has the bf16 dot products by VDPBF16PS (BF16_DOTS), 0 where not. */
+int64_t h2ochat_bf16_dots(void) {
 #ifdef BF16_DOTS
   return 1;
 #else
@@ -310,15 +311,6 @@ static void raise_page_scores(const uint16_t *q, int64_t M, int64_t D, const uin
     few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
 }
 
-/* page_best's scores of one (sequence, head): scores[n] for the ceil(filled / page) pages of the slots below
-   `filled`, the best q.k over the queries and the page's valid slots (valid NULL: all are), -inf: none.
-   dots: as few_page_scores keeps them (NULL: not kept). */
-static void page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
-                        const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
-                        int64_t dot_stride) {
-  for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
-  raise_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
-}
 #endif /* BF16_DOTS */
 
 /* ---- Page scores over any float keys, portable: vectors of 8 fp32 lanes (one AVX2 register) ---- */
@@ -395,8 +387,10 @@ static inline lanes8 larger8(lanes8 a, lanes8 b) {
 }
 
 /* The best q.k over M queries (widened, qw [M][Dw]) of 8 keys (fp32, key j at k[j], Dw channels each), key
-   FOLDED[l] in lane l: each query's 8 dots by lanes of channels, then folded. */
-static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const float *const k[WIDE_KEYS]) {
+   FOLDED[l] in lane l: each query's 8 dots by lanes of channels, then folded. kept (NULL: not kept): every
+   query's 8 dots too, query m's of key j at kept[m * dot_stride + j]. */
+static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const float *const k[WIDE_KEYS], float *kept,
+                               int64_t dot_stride) {
   lanes8 best;
   for (int j = 0; j < WIDE_KEYS; j++) best[j] = -INFINITY;
   for (int64_t m = 0; m < M; m++) {
@@ -410,14 +404,18 @@ static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const flo
     const lanes8 dots = fold_lanes(fold_pairs(fold_halves(sum[0], sum[1]), fold_halves(sum[2], sum[3])),
                                    fold_pairs(fold_halves(sum[4], sum[5]), fold_halves(sum[6], sum[7])));
     best = larger8(best, dots);
+    if (kept)
+      for (int l = 0; l < WIDE_KEYS; l++) kept[m * dot_stride + FOLDED[l]] = dots[l];
   }
   return best;
 }
 
 /* Few queries (widened, qw [M][Dw]): keys 8 at a time, each read in place (fp32, D a multiple of WIDE) or
-   widened once (absent keys: zeros, never read back), dotted with every query; their best raise their pages. */
+   widened once (absent keys: zeros, never read back), dotted with every query; their best raise their pages.
+   dots: as any_raise_scores keeps them. */
 static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
-                           int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+                           int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores,
+                           float *dots, int64_t dot_stride) {
   float widened_keys[WIDE_KEYS * Dw];
   const int in_place = bytes == 4 && D == Dw;
   for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
@@ -437,14 +435,16 @@ static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, co
       else memset(widened_keys + j * Dw, 0, Dw * sizeof(float));
     }
     if (!live) continue;
-    raise_block(scores, best_dots(qw, M, Dw, k), FOLDED, t0, n, valid, page);
+    raise_block(scores, best_dots(qw, M, Dw, k, dots ? dots + t0 : NULL, dot_stride), FOLDED, t0, n, valid, page);
   }
 }
 
 /* Many queries (qw [M][Dw]): keys WIDE_KEYS at a time laid out by channel (block[d][j] = key j's channel d),
-   every query passing over the block with its channels broadcast: each lane one key's dot, no sum across lanes. */
+   every query passing over the block with its channels broadcast: each lane one key's dot, no sum across lanes.
+   dots: as any_raise_scores keeps them. */
 static void any_many_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
-                            int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores) {
+                            int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores,
+                            float *dots, int64_t dot_stride) {
   float block[D * WIDE_KEYS];
   for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
     const int64_t n = filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS;
@@ -462,20 +462,22 @@ static void any_many_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, c
       lanes8 sum = q[0] * load8(block);
       for (int64_t d = 1; d < D; d++) sum += q[d] * load8(block + d * WIDE_KEYS);
       best = larger8(best, sum);
+      if (dots) memcpy(dots + m * dot_stride + t0, &sum, sizeof sum);
     }
     raise_block(scores, best, IN_ORDER, t0, n, valid, page);
   }
 }
 
-/* page_scores for any float queries and keys (bytes 2 or 4), no dots kept: scores[n] for the pages of the
-   slots below `filled`, -inf where a page has no valid slot. qw: room for the widened queries (scratch_floats). */
-static void any_page_scores(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
-                            const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *qw) {
-  for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
+/* raise_page_scores for any float queries and keys (bytes 2 or 4): scores[n] raised to the best q.k of page n's
+   valid slots below `filled`. dots (NULL: not kept): every q.k too, query m's of slot t at dots[m * dot_stride + t]
+   (a last block's 8 written whole: the rows are padded). qw: room for the widened queries (scratch_floats). */
+static void any_raise_scores(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
+                             const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                             int64_t dot_stride, float *qw) {
   const int64_t Dw = (D + WIDE - 1) / WIDE * WIDE;
   for (int64_t m = 0; m < M; m++) widen_row((const char *)q + m * D * bytes, D, Dw, bytes, qw + m * Dw);
-  if (M <= WIDE_KEYS) any_few_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores);
-  else any_many_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores);
+  if (M <= WIDE_KEYS) any_few_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride);
+  else any_many_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride);
 }
 
 /* The floats of scratch scores_of needs for M queries of D (0: none, where the bf16 route takes them). */
@@ -495,19 +497,28 @@ static int scratch_for(int64_t bytes, int64_t M, int64_t D, float **scratch) {
   return !floats || *scratch;
 }
 
-/* A (sequence, head)'s page scores by whichever route takes these queries and keys; dots (the rest's q.k, NULL:
-   not kept) only by the bf16 one; scratch: scratch_for's. */
-static void scores_of(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
-                      const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots, int64_t dot_stride,
-                      float *scratch) {
+/* Raises a (sequence, head)'s page scores by whichever route takes these queries and keys (bf16 by VDPBF16PS in
+   the BF16_DOTS build, else any_raise_scores); dots (the rest's q.k, NULL: not kept) as both keep them; scratch:
+   scratch_for's. */
+static void raise_scores_of(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
+                            const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                            int64_t dot_stride, float *scratch) {
 #ifdef BF16_DOTS
   if (bytes == 2) {
-    page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
+    raise_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
     return;
   }
 #endif
-  (void)dots, (void)dot_stride;
-  any_page_scores(q, bytes, M, D, keys, key_t, valid, filled, page, scores, scratch);
+  any_raise_scores(q, bytes, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride, scratch);
+}
+
+/* A (sequence, head)'s page scores: scores[n] for the pages of the slots below `filled`, the best q.k over the
+   queries and the page's valid slots (valid NULL: all are), -inf: none; dots and scratch as raise_scores_of's. */
+static void scores_of(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
+                      const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots, int64_t dot_stride,
+                      float *scratch) {
+  for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
+  raise_scores_of(q, bytes, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride, scratch);
 }
 
 /* page_best's scores for every (sequence, head); q and keys of `bytes` each (2: bf16, 4: fp32). Returns 0
@@ -562,7 +573,6 @@ static void top_pages_row(const void *q, int64_t bytes, int64_t M, int64_t D, co
   for (int64_t j = found; j < k; j++) top[j] = -1;
 }
 
-#ifdef BF16_DOTS
 /* top_pages_row's pages from scores already computed (scores[n] for the row's `pages` pages; a chunk's). */
 static void top_of_scores(const float *scores, int64_t pages, int64_t k, int64_t *top) {
   float top_score[k > 0 ? k : 1];
@@ -570,7 +580,6 @@ static void top_of_scores(const float *scores, int64_t pages, int64_t k, int64_t
   for (int64_t n = 0; n < pages; n++) keep_best(scores[n], n, k, &found, top, top_score);
   for (int64_t j = found; j < k; j++) top[j] = -1;
 }
-#endif
 
 /* top_pages_row for every (sequence, head): count [B, H], wanted [B, H, k]; q and keys of `bytes` each.
    Returns 0 where memory ran out (nothing written). */
@@ -850,6 +859,8 @@ void h2ochat_fill_frames(int64_t B, int64_t H, int64_t F, int64_t P, const uint8
     }
 }
 
+/* ---- The rest of the cold pages (recall/rest.py's rest_column from the q.k the choice computed) ---- */
+
 #ifdef BF16_DOTS
 /* e^x in 16 lanes, for x <= 0 (below -87: e^-87, ~1.6e-38): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its Taylor
    polynomial to r^6 (relative error below 2e-7, a float's rounding), times 2^n. */
@@ -867,40 +878,6 @@ static inline __m512 exp_lanes(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
-}
-
-/* The sum of a page's n values (Dv each) into sum[Dv], each value as the cold store hands it out
-   (cold_store._tokens: bf16 as stored, or int8 codes times the token's fp32 scale rounded to bf16), in fp32. */
-static void page_value_sum(const strided_t *store, int64_t b, int64_t h, int64_t first, int64_t n, int64_t Dv,
-                           float *sum) {
-  uint16_t scaled[Dv]; /* (an int8 slot's values as bf16: store_scaled's, as fill_row hands them to the slots) */
-  memset(sum, 0, Dv * sizeof(float));
-  for (int64_t t = first; t < first + n; t++) {
-    const uint16_t *values = at(&store[1], b, h, t, 2);
-    if (store[4].data) {
-      store_scaled(at(&store[1], b, h, t, 1), *(const float *)at(&store[4], b, h, t, 4), Dv, scaled, 2);
-      values = scaled;
-    }
-    for (int64_t d = 0; d < Dv; d += 16) {
-      const __mmask16 mask = lanes(Dv, d);
-      _mm512_mask_storeu_ps(sum + d, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, sum + d),
-                                                          load_floats(values + d, 2, mask)));
-    }
-  }
-}
-
-/* The mean values of the row's full pages below `filled` it has not yet (means [N, Dv], *meaned of them held;
-   more than `filled` has: the row was emptied, all again), as page_value_sum over P. */
-static void fill_means(const strided_t *store, int64_t b, int64_t h, int64_t filled, int64_t P, int64_t Dv,
-                       float *means, int64_t N, int64_t *meaned) {
-  const int64_t full = filled / P < N ? filled / P : N;
-  if (*meaned > full) *meaned = 0;
-  for (int64_t n = *meaned; n < full; n++) {
-    float *mean = means + n * Dv;
-    page_value_sum(store, b, h, n * P, P, Dv, mean);
-    for (int64_t d = 0; d < Dv; d++) mean[d] /= (float)P;
-  }
-  *meaned = full;
 }
 
 /* w[n] = the sum over page n's slots t of e^(scale * (dots[t] - top)) (the row padded to 16). Pages of a power
@@ -951,36 +928,18 @@ static float unrecalled_sum(float *w, int64_t pages, const uint8_t *recalled) {
   return _mm512_reduce_add_ps(total);
 }
 
-/* For each of M queries (q.k in dots [M, dot_stride], the slots below `filled`): top[m], its largest q.k (over every
-   slot: only keeps the exponents below 0), and its pages' weights w[m * pages ...] (page_sums', no page left out). */
-static void rest_weights(float *dots, int64_t dot_stride, int64_t M, int64_t filled, int64_t P, float scale,
-                         float *top, float *w) {
-  const int64_t pages = (filled + P - 1) / P;
-  for (int64_t m = 0; m < M; m++) {
-    float *row = dots + m * dot_stride;
-    __m512 largest = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < filled; t += 16) largest = _mm512_mask_max_ps(largest, lanes(filled, t), largest,
-                                                                         _mm512_loadu_ps(row + t));
-    top[m] = _mm512_reduce_max_ps(largest);
-    page_sums(row, top[m], scale, filled, P, w + m * pages);
-  }
+/* The largest of row[0, n). */
+static inline float row_max(const float *row, int64_t n) {
+  __m512 largest = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < n; t += 16) largest = _mm512_mask_max_ps(largest, lanes(n, t), largest, _mm512_loadu_ps(row + t));
+  return _mm512_reduce_max_ps(largest);
 }
 
-#define REST_QUERY_BLOCK 32 /* a chunk's queries whose q.k are kept at a time (32 x 4K keys: 512 KB, in L2) */
-
-/* A chunk's page scores and rest weights (M > FEW_QUERIES queries, before its choice): scores[n] = the best q.k of
-   page n over every query (page_scores'), and rest_weights' top[m] and w[m * pages ...] for each query, taking
-   REST_QUERY_BLOCK queries at a time through raise_page_scores (their q.k in dots [REST_QUERY_BLOCK, dot_stride]):
-   the q.k of a whole chunk (M x the slots) never sit in memory at once. */
-static void chunk_weights(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t, int64_t filled,
-                          int64_t P, float scale, float *scores, float *dots, int64_t dot_stride, float *top, float *w) {
-  const int64_t pages = (filled + P - 1) / P;
-  for (int64_t n = 0; n < pages; n++) scores[n] = -INFINITY;
-  for (int64_t m0 = 0; m0 < M; m0 += REST_QUERY_BLOCK) {
-    const int64_t rows = M - m0 < REST_QUERY_BLOCK ? M - m0 : REST_QUERY_BLOCK;
-    raise_page_scores(q + m0 * D, rows, D, keys, key_t, NULL, filled, P, scores, dots, dot_stride);
-    rest_weights(dots, dot_stride, rows, filled, P, scale, top + m0, w + m0 * pages);
-  }
+/* v[0, n) *= factor. */
+static inline void scale_floats(float *v, int64_t n, float factor) {
+  const __m512 by = _mm512_set1_ps(factor);
+  for (int64_t d = 0; d < n; d += 16)
+    _mm512_mask_storeu_ps(v + d, lanes(n, d), _mm512_mul_ps(by, _mm512_maskz_loadu_ps(lanes(n, d), v + d)));
 }
 
 #define REST_QUERIES 4  /* queries whose sums one pass over the page means keeps in registers */
@@ -1019,6 +978,112 @@ static void weigh_means(const float *w, int64_t M, int64_t pages, const uint8_t 
     }
 }
 
+#else /* the portable build: the same sums, element by element (expf for exp_lanes) */
+
+static void page_sums(float *dots, float top, float scale, int64_t filled, int64_t P, float *w) {
+  for (int64_t n = 0, t0 = 0; t0 < filled; n++, t0 += P) {
+    float sum = 0.0f;
+    for (int64_t t = t0; t < t0 + P && t < filled; t++) sum += expf(scale * (dots[t] - top));
+    w[n] = sum;
+  }
+}
+
+static float unrecalled_sum(float *w, int64_t pages, const uint8_t *recalled) {
+  float total = 0.0f;
+  for (int64_t n = 0; n < pages; n++) {
+    if (recalled[n]) w[n] = 0.0f;
+    total += w[n];
+  }
+  return total;
+}
+
+static inline float row_max(const float *row, int64_t n) {
+  float largest = -INFINITY;
+  for (int64_t t = 0; t < n; t++) largest = larger(largest, row[t]);
+  return largest;
+}
+
+static inline void scale_floats(float *v, int64_t n, float factor) {
+  for (int64_t d = 0; d < n; d++) v[d] *= factor;
+}
+
+static void weigh_means(const float *w, int64_t M, int64_t pages, const uint8_t *recalled, const float *means,
+                        int64_t meaned, const float *part, int64_t Dv, float *value) {
+  for (int64_t m = 0; m < M; m++) {
+    float *sum = value + m * Dv;
+    memset(sum, 0, Dv * sizeof(float));
+    for (int64_t n = 0; n < pages; n++) {
+      if (recalled[n]) continue;
+      const float weight = w[m * pages + n], *mean = n < meaned ? means + n * Dv : part;
+      for (int64_t d = 0; d < Dv; d++) sum[d] += weight * mean[d];
+    }
+  }
+}
+#endif /* BF16_DOTS */
+
+/* The sum of a page's n values (Dv each) into sum[Dv], each value as the cold store hands it out
+   (cold_store._tokens: as stored, or int8 codes times the token's fp32 scale rounded to the store's float dtype,
+   value_bytes 2: bf16, 4: fp32), in fp32. */
+static void page_value_sum(const strided_t *store, int64_t b, int64_t h, int64_t first, int64_t n, int64_t Dv,
+                           int64_t value_bytes, float *sum) {
+  float scaled[Dv]; /* (an int8 slot's values as fill_row hands them to the slots: store_scaled's) */
+  memset(sum, 0, Dv * sizeof(float));
+  for (int64_t t = first; t < first + n; t++) {
+    const void *values = at(&store[1], b, h, t, store[4].data ? 1 : value_bytes);
+    if (store[4].data) {
+      store_scaled(values, *(const float *)at(&store[4], b, h, t, 4), Dv, scaled, value_bytes);
+      values = scaled;
+    }
+    for (int64_t d = 0; d < Dv; d++) sum[d] += widened(values, d, value_bytes);
+  }
+}
+
+/* The mean values of the row's full pages below `filled` it has not yet (means [N, Dv], *meaned of them held;
+   more than `filled` has: the row was emptied, all again), as page_value_sum over P. */
+static void fill_means(const strided_t *store, int64_t b, int64_t h, int64_t filled, int64_t P, int64_t Dv,
+                       int64_t value_bytes, float *means, int64_t N, int64_t *meaned) {
+  const int64_t full = filled / P < N ? filled / P : N;
+  if (*meaned > full) *meaned = 0;
+  for (int64_t n = *meaned; n < full; n++) {
+    float *mean = means + n * Dv;
+    page_value_sum(store, b, h, n * P, P, Dv, value_bytes, mean);
+    for (int64_t d = 0; d < Dv; d++) mean[d] /= (float)P;
+  }
+  *meaned = full;
+}
+
+/* For each of M queries (q.k in dots [M, dot_stride], the slots below `filled`): top[m], its largest q.k (over every
+   slot: only keeps the exponents below 0), and its pages' weights w[m * pages ...] (page_sums', no page left out). */
+static void rest_weights(float *dots, int64_t dot_stride, int64_t M, int64_t filled, int64_t P, float scale,
+                         float *top, float *w) {
+  const int64_t pages = (filled + P - 1) / P;
+  for (int64_t m = 0; m < M; m++) {
+    float *row = dots + m * dot_stride;
+    top[m] = row_max(row, filled);
+    page_sums(row, top[m], scale, filled, P, w + m * pages);
+  }
+}
+
+#define REST_QUERY_BLOCK 32 /* a chunk's queries whose q.k are kept at a time (32 x 4K keys: 512 KB, in L2) */
+
+/* A chunk's page scores and rest weights (M > FEW_QUERIES queries, before its choice): scores[n] = the best q.k of
+   page n over every query (scores_of'), and rest_weights' top[m] and w[m * pages ...] for each query, taking
+   REST_QUERY_BLOCK queries at a time through raise_scores_of (their q.k in dots [REST_QUERY_BLOCK, dot_stride]):
+   the q.k of a whole chunk (M x the slots) never sit in memory at once. q and keys of `bytes`; scratch:
+   scratch_for's. */
+static void chunk_weights(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
+                          int64_t filled, int64_t P, float scale, float *scores, float *dots, int64_t dot_stride,
+                          float *top, float *w, float *scratch) {
+  const int64_t pages = (filled + P - 1) / P;
+  for (int64_t n = 0; n < pages; n++) scores[n] = -INFINITY;
+  for (int64_t m0 = 0; m0 < M; m0 += REST_QUERY_BLOCK) {
+    const int64_t rows = M - m0 < REST_QUERY_BLOCK ? M - m0 : REST_QUERY_BLOCK;
+    raise_scores_of((const char *)q + m0 * D * bytes, bytes, rows, D, keys, key_t, NULL, filled, P, scores, dots,
+                    dot_stride, scratch);
+    rest_weights(dots, dot_stride, rows, filled, P, scale, top + m0, w + m0 * pages);
+  }
+}
+
 /* The rest of one (sequence b, head h) (recall/rest.py's rest_column, the same sums up to their order): the
    store's slots below `filled` on pages the frames do not hold (frame_page [F]), one attention column per
    query m: logit[m] = the logsumexp of their logits scale * q_m.k (-inf: no such slot), value[m * Dv ...] = the
@@ -1027,11 +1092,11 @@ static void weigh_means(const float *w, int64_t M, int64_t pages, const uint8_t 
    query's top: rest_weights' from dots [M, dot_stride] (the q.k, overwritten by their exps), computed here when
    a page is left; or (dots NULL) given, a chunk's (chunk_weights). recalled: a byte a page of scratch. */
 static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int64_t M, int64_t filled, int64_t P,
-                     const int64_t *frame_page, int64_t F, const strided_t *store, int64_t Dv, float scale,
+                     const int64_t *frame_page, int64_t F, const strided_t *store, int64_t Dv, int64_t value_bytes, float scale,
                      float *top, float *weights, uint8_t *recalled, float *means, int64_t N, int64_t *meaned,
                      float *logit, float *value) {
   const int64_t pages = (filled + P - 1) / P;
-  fill_means(store, b, h, filled, P, Dv, means, N, meaned);
+  fill_means(store, b, h, filled, P, Dv, value_bytes, means, N, meaned);
   memset(recalled, 0, pages);
   int64_t left = pages;
   for (int64_t f = 0; f < F; f++)
@@ -1039,7 +1104,7 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
   float total[M], part[Dv];
   if (left && *meaned < pages && !recalled[pages - 1]) { /* (the last page is a part page: its mean now) */
     const int64_t first = *meaned * P;
-    page_value_sum(store, b, h, first, filled - first, Dv, part);
+    page_value_sum(store, b, h, first, filled - first, Dv, value_bytes, part);
     for (int64_t d = 0; d < Dv; d++) part[d] /= (float)(filled - first);
   }
   if (left && dots) rest_weights(dots, dot_stride, M, filled, P, scale, top, weights);
@@ -1052,13 +1117,9 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
       continue;
     }
     logit[m] = top[m] * scale + logf(total[m]);
-    const __m512 inverse = _mm512_set1_ps(1.0f / total[m]);
-    for (int64_t d = 0; d < Dv; d += 16)
-      _mm512_mask_storeu_ps(value + m * Dv + d, lanes(Dv, d), _mm512_mul_ps(inverse, _mm512_maskz_loadu_ps(lanes(Dv, d),
-                                                                                                     value + m * Dv + d)));
+    scale_floats(value + m * Dv, Dv, 1.0f / total[m]);
   }
 }
-#endif /* BF16_DOTS */
 
 /* A step's whole choice (a decode step's, or a prompt chunk's with the rest) for the exact selector over a store
    that never wraps, every row choosing:
@@ -1070,13 +1131,11 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
    choosing [B] (bytes; NULL: every row): a row not choosing is left as it is (its frames, clock and slots
    untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
    quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's.
-   rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest; bf16 in the BF16_DOTS build only): after the
-   choice, every row's rest (rest_row), choosing or not, from the q.k the choice computed (a row not choosing:
+   rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest): after the choice, every row's rest (rest_row), choosing or not, from the q.k the choice computed (a row not choosing:
    computed for it; more than FEW_QUERIES queries, a chunk's: the pages' weights of each block of queries as its
    q.k come, chunk_weights), with the page means means [B, H, N, Dv] of which meaned [B, H] are held (rest_row
    fills them). Returns the rows and heads that hold a cold token (0: the rest is -inf everywhere), or -1 where
-   memory ran out, the means have no room for T / P pages, or a rest is asked of a build or dtype without one
-   (nothing written). */
+   memory ran out or the means have no room for T / P pages (nothing written). */
 int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int64_t D, const int64_t *count,
                             int64_t T, int64_t P, int64_t F, int64_t *wanted, int64_t *frame_page, int64_t *last_used,
                             int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
@@ -1087,12 +1146,11 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
   const int64_t pages = (T + P - 1) / P;
   /* a chunk's rest (more queries than a decode step's): its weights by blocks of queries, before its choice */
   const int chunk = rest_logit && M > FEW_QUERIES;
+  const int64_t kept = chunk && M > REST_QUERY_BLOCK ? REST_QUERY_BLOCK : M;
   float *dots = NULL, *scores = NULL, *weights = NULL, *top = NULL, *scratch;
   uint8_t *recalled = NULL;
-#ifdef BF16_DOTS
-  const int64_t kept = chunk && M > REST_QUERY_BLOCK ? REST_QUERY_BLOCK : M;
   if (rest_logit) { /* (q.k [kept, stride], the page scores, the pages' weights, each query's top, a byte a page) */
-    if (T / P > N || bytes != 2) return -1;
+    if (T / P > N) return -1;
     dots = malloc((kept * stride + pages + M * pages + M) * sizeof(float) + pages);
     if (!dots) return -1;
     scores = dots + kept * stride;
@@ -1100,10 +1158,6 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
     top = weights + M * pages;
     recalled = (uint8_t *)(top + M);
   }
-#else
-  (void)scale, (void)rest_value, (void)means, (void)N, (void)meaned;
-  if (rest_logit) return -1;
-#endif
   if (!scratch_for(bytes, M, D, &scratch)) {
     free(dots);
     return -1;
@@ -1112,7 +1166,6 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = b * H + h, complete_pages = count[row] / P, filled = count[row] < T ? count[row] : T;
-      (void)filled; /* (the rest's: the BF16_DOTS build) */
       const void *keys = at(&store[0], b, h, 0, bytes), *queries = (const char *)q + row * M * D * bytes;
       holding += count[row] > 0;
       if (!choosing || choosing[b]) {
@@ -1120,32 +1173,31 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
           clock[row]++;
           memset(load + row * F, 0, F);
         } else {
-#ifdef BF16_DOTS
           if (chunk) {
-            chunk_weights(queries, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
+            chunk_weights(queries, bytes, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights,
+                          scratch);
             top_of_scores(scores, (filled + P - 1) / P, k, wanted + row * k);
-          } else
-#endif
+          } else {
             top_pages_row(queries, bytes, M, D, keys, store[0].s, count[row], T, P, k, wanted + row * k, dots, stride,
                           scratch);
+          }
           frames_update_row(F, k, wanted + row * k, frame_page + row * F, last_used + row * F, clock + row,
                             copied + row, complete + row * F, &complete_pages, load + row * F);
           fill_row(b, h, F, P, load + row * F, frame_page + row * F, count[row], 0, store, slots, D, bytes, Dv,
                    value_bytes, scales, tiny);
         }
       }
-#ifdef BF16_DOTS
       else if (chunk && filled) {
-        chunk_weights(queries, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights);
+        chunk_weights(queries, bytes, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights,
+                      scratch);
       } else if (rest_logit && filled) {
-        page_scores(queries, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride);
+        scores_of(queries, bytes, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride, scratch);
       }
       if (rest_logit)
-        rest_row(b, h, chunk ? NULL : dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, scale, top,
-                 weights, recalled, means + row * N * Dv, N, meaned + row, rest_logit + row * M, rest_value + row * M * Dv);
-#endif
+        rest_row(b, h, chunk ? NULL : dots, stride, M, filled, P, frame_page + row * F, F, store, Dv, value_bytes, scale,
+                 top, weights, recalled, means + row * N * Dv, N, meaned + row, rest_logit + row * M,
+                 rest_value + row * M * Dv);
     }
-  (void)pages, (void)chunk, (void)weights, (void)top, (void)recalled, (void)scores;
   free(scratch);
   free(dots);
   return holding;

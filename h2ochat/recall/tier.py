@@ -36,9 +36,9 @@ page will attend them.
 ``--recall-rest``: the cold pages not recalled join the attention as one column, computed eagerly after the
 choice (``before_attention`` returns it: ``rest``), by the choice's C call where it runs, chunks' too.
 
-On a CPU with AVX512-BF16 the eager decode step's choice of pages (scores, plan and copy) with its rest,
-its staging and a flush's append are each one C call a layer (``native``), rows left out and int8 slots
-included; elsewhere the torch routes below.
+On a CPU (a bf16 or fp32 model; AVX512-BF16 or the portable build) the eager decode step's choice of pages
+(scores, plan and copy) with its rest, its staging and a flush's append are each one C call a layer
+(``native``), rows left out and int8 slots included; elsewhere the torch routes below.
 
 The decode step's graph reads no host value and touches no store that grows: one static graph whatever
 the length and the cadence (flush, cadence, growth and re-numbering run before it; the choice of pages, an
@@ -57,7 +57,7 @@ from .bounds import PageBounds
 from .cold_keys import ColdKeys
 from .cold_store import ColdStore
 from . import graph_choice, native
-from .native_choice import DecodeChoice, PageMeans, computes_rest
+from .native_choice import DecodeChoice, PageMeans
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes
@@ -113,7 +113,7 @@ class RecallTier(RecallRowMoves):
         # a CPU decode step's whole choice (and rest) in one C call, where it runs (``native_choice``)
         self.stager_of = (None, None)  # (the port, the C staging of its columns or None: ``_stager``)
         self.decode_choice = DecodeChoice.of(self.cold, self.frames, self.slots.columns(), isinstance(self.digest, ColdKeys))
-        self.page_means = PageMeans(batch, heads, value_dim, computes_rest(self.decode_choice) and config.rest != "off")
+        self.page_means = PageMeans(batch, heads, value_dim, self.decode_choice is not None and config.rest != "off")
         self.cadence = RowCadence(batch, config.page, config.every)  # each row's flush and choice, on its own count
         self.step_active = None  # the decode step's active rows [B] (None: every row), for ``archive``
         columns = port.tier_columns()
@@ -255,7 +255,7 @@ class RecallTier(RecallRowMoves):
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(batch, heads, group, head_dim)
-        attended = self.config.rest_attended(computes_rest(self.decode_choice), q_len == 1)
+        attended = self.config.rest_attended(self.decode_choice is not None, q_len == 1)
         rest = (scale, self.page_means) if attended and not context.compiled else None
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
         if q_len > 1:  # a chunk chooses its pages with all its queries (any order: the best q.k), before attending
@@ -293,11 +293,11 @@ class RecallTier(RecallRowMoves):
     def recall(self, port, queries: torch.Tensor, rotary, rows: bool | list[bool] = True, rest=None) -> bool:
         """The best pages for these queries [B, H, M, D] into the recall frames (eager); ``rows`` (a
         boolean per row, or False: none): only those rows' frames change, the others keep their pages and
-        clocks. Returns whether the C call ran and left ``rest``'s in ``decode_choice`` (where it computes one)."""
+        clocks. Returns whether the C call ran, which with ``rest`` (scale, page means) left the rest in
+        ``decode_choice``."""
         fused = self.decode_choice if rotary is None or not self.cold.moved else None
-        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding), rows,
-                                       rest if fused.computes_rest else None):
-            return fused.computes_rest
+        if fused is not None and fused(queries, self.digest.scored_slots(port.tokens_fed_with_padding), rows, rest):
+            return True
         if rows is False:
             return False
         if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
