@@ -319,6 +319,7 @@ typedef float lanes8 __attribute__((vector_size(32)));
 typedef int32_t mask8 __attribute__((vector_size(32))); /* (a lanes8 comparison's lanes: -1 or 0) */
 #define WIDE 8       /* lanes of a lanes8 */
 #define WIDE_KEYS 8  /* keys a block: one lane each */
+#define MANY_GROUP 8 /* queries a pass over a block of any_many_scores takes at once */
 
 /* Element i of a row of bf16 (bytes 2) or fp32 (4) values, as fp32. */
 static inline float widened(const void *row, int64_t i, int64_t bytes) {
@@ -457,12 +458,19 @@ static void any_many_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, c
     }
     lanes8 best;
     for (int j = 0; j < WIDE_KEYS; j++) best[j] = -INFINITY;
-    for (int64_t m = 0; m < M; m++) {
-      const float *q = qw + m * Dw;
-      lanes8 sum = q[0] * load8(block);
-      for (int64_t d = 1; d < D; d++) sum += q[d] * load8(block + d * WIDE_KEYS);
-      best = larger8(best, sum);
-      if (dots) memcpy(dots + m * dot_stride + t0, &sum, sizeof sum);
+    for (int64_t m0 = 0; m0 < M; m0 += MANY_GROUP) { /* (MANY_GROUP independent sums: an FMA's latency covered) */
+      const int64_t rows = M - m0 < MANY_GROUP ? M - m0 : MANY_GROUP;
+      const float *q = qw + m0 * Dw;
+      lanes8 sum[MANY_GROUP];
+      for (int i = 0; i < MANY_GROUP; i++) sum[i] = q[(i < rows ? i : 0) * Dw] * load8(block);
+      for (int64_t d = 1; d < D; d++) {
+        const lanes8 channel = load8(block + d * WIDE_KEYS);
+        for (int i = 0; i < MANY_GROUP; i++) sum[i] += q[(i < rows ? i : 0) * Dw + d] * channel;
+      }
+      for (int i = 0; i < rows; i++) {
+        best = larger8(best, sum[i]);
+        if (dots) memcpy(dots + (m0 + i) * dot_stride + t0, &sum[i], sizeof sum[i]);
+      }
     }
     raise_block(scores, best, IN_ORDER, t0, n, valid, page);
   }
