@@ -32,7 +32,7 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
   (1.12x h2o's at 2K, ``pages`` 1.16x), a prefill 1.20x recall alone's (results_recall_rest_cost_s62.json).
 - on a CPU without AVX512-BF16 (an AVX2 EPYC, where ``--dtype auto`` is fp32) the recall step ran the torch
   route until session 63: 1.74x h2o's decode step at 2K; the kernel's portable build (fp32 too, the rest
-  included) brings it to 1.10-1.20x (results_recall_cost_s63_avx2.json), so the same default holds there.
+  included) brings it to 1.04-1.21x, median 1.14x (results_recall_cost_s63_avx2.json), so the same default holds there.
 
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,

@@ -6,7 +6,7 @@ FMA where the CPU has them; ``native_build.portable_flags``). Both take bf16 and
 model's dtype: fp32 is ``--dtype auto``'s on a CPU without native bf16) and compute the rest of the cold
 pages; only the AVX512-BF16 build has VDPBF16PS (``Kernels.bf16_dots``), the portable one scores by vectors
 of 8 floats. On an AVX2-only EPYC the portable build took SmolLM2's fp32 recall decode step at 2K tokens
-from 1.74x h2o's (the torch route) to 1.13-1.20x (session 63, README).
+from 1.74x h2o's (the torch route) to 1.04-1.21x, median 1.14x (session 63, README).
 
 - ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the keys: bf16 by
   VDPBF16PS (products exact in fp32, summed in fp32; the torch reference, ``h2ochat_kernels.
