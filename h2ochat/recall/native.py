@@ -12,9 +12,9 @@ from 1.74x h2o's (the torch route) to 1.04-1.21x, median 1.14x (session 63, READ
   VDPBF16PS (products exact in fp32, summed in fp32; the torch reference, ``h2ochat_kernels.
   recall_reference.page_scores``, makes fp32 copies of the keys and of the [M, T] dots before two
   maxima): the same scores up to the order the fp32 sums are added in; fp32 (or bf16 in the portable build)
-  by portable vectors of 8 floats, key by key for a few queries, by blocks of 8 keys for more. A decode step's 1-6 queries go 16
-  keys at a time, key by key for all of them, the sums added across lanes by folds: at 2-5 queries
-  1.3-1.9x one horizontal sum a key and query (keys in the caches; from memory 1.0-1.6x), the same at 1.
+  by portable vectors of 8 floats, 8 keys at a time for a few queries, by blocks of 8 keys for more. On
+  AVX512-BF16, a decode step's 1-6 queries go 16 keys at a time, key by key for all of them, the sums added
+  across lanes by folds: at 2-5 queries 1.3-1.9x one horizontal sum a key and query (keys in the caches; from memory 1.0-1.6x), the same at 1.
   A prompt chunk's many go by blocks of 16 keys by channel pairs, near one VDPBF16PS a cycle: ~4x the
   torch reference at 900 queries over 0.5-1K keys, ~10x over 4K (benchmarks/results_page_scores_*_s54.json).
 - ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into
@@ -32,10 +32,11 @@ from 1.74x h2o's (the torch route) to 1.04-1.21x, median 1.14x (session 63, READ
 
 Built like the row kernel (``native_build.checked``: a C compiler, once per machine and build;
 ``H2OCHAT_ROW_KERNEL=0`` turns these off too; ``H2OCHAT_RECALL_KERNEL=portable`` takes the portable build
-on any CPU) and checked against the torch reference on first use, in both dtypes. Where they cannot run, or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None
-or False and the caller keeps its torch route (a GPU's, a compiled step's, int4 slots' choice, a ring's
-in the decode step, keys to turn after a re-numbering: those routes are unchanged). tests/test_recall_native.py holds each
-kernel to the route it replaces.
+on any CPU) and checked against the torch reference on first use, in both dtypes. Where they cannot run,
+or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None or False and the caller keeps its
+torch route (a GPU's, a compiled step's, int4 slots' choice, a ring's in the decode step, keys to turn after
+a re-numbering: those routes are unchanged). tests/test_recall_native.py holds each kernel to the route it
+replaces.
 """
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def _scoring(queries, keys) -> list:
 def _call_page_best(kernels: Kernels, queries, keys, valid, page) -> torch.Tensor | None:
     tokens, queries, valid = keys.shape[2], queries.contiguous(), valid.contiguous()
     out = torch.empty(*queries.shape[:2], tokens // page, dtype=torch.float32)
-    done = kernels.page_best(*_scoring(queries, keys), valid.data_ptr(), tokens, page, out.data_ptr(), keys.element_size())
+    done = kernels.page_best(*_scoring(queries, keys), valid.data_ptr(), tokens, page, out.data_ptr(),
+                             keys.element_size())
     return out if done else None
 
 
@@ -194,8 +196,8 @@ def why_not() -> str:
 
 def page_best(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, page: int) -> torch.Tensor | None:
     """``recall_reference.page_scores(queries, keys, None, None, valid, page)`` (queries [B, H, M, D],
-    keys [B, H, T, D] bf16 or fp32, one dtype, on the CPU, unit stride along D, valid [B, H, T]) from the C kernel (a few
-    queries 16 keys at a time, more by blocks of keys: a prompt chunk's); None where it does not take
+    keys [B, H, T, D] bf16 or fp32, one dtype, on the CPU, unit stride along D, valid [B, H, T]) from the C
+    kernel (a few queries 16 or 8 keys at a time, more by blocks of keys: a prompt chunk's); None where it does not take
     these (another dtype or device, no kernel): the caller's torch reference then."""
     kernels = _taking(queries, keys, page)
     return None if kernels is None else _call_page_best(kernels, queries, keys, valid.to(torch.bool), page)

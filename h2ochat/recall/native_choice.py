@@ -62,14 +62,14 @@ class DecodeChoice:
     (``native.fill_frames``), where all three run: the exact selector on the store's own keys, a store that
     never wraps, bf16 or fp32 keys, slots of their dtype or 8-bit codes, keys not to turn; every row choosing,
     or some (``rows``: the others keep their frames, clocks and slots). With a rest scale, every row's rest
-    column too (``recall.rest``'s, from the q.k the choice computed). ``of`` says whether it takes a layer; a call returns
-    False where it does not take this step."""
+    column too (``recall.rest``'s, from the q.k the choice computed). ``of`` says whether it takes a layer; a
+    call returns False where it does not take this step."""
 
     def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor], scales):
         self.kernels, self.cold, self.frames = kernels, cold, frames
         names = ("keys", "values", "token_index", "positions")
         self.targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
-        self.scales = scales  # (quantized slots' scales and offsets, ``native.slot_scales``; None: bf16 slots)
+        self.scales = scales  # (quantized slots' scales and offsets, ``native.slot_scales``; None: float slots)
         self._slots = slots  # (the views the targets point into, held while they are)
         # (the slots' float dtype, or the store's for codes: the store's keys' either way)
         self.value_dim, self.value_bytes = slots["values"].shape[-1], cold.keys.element_size()
@@ -135,4 +135,3 @@ class DecodeChoice:
         """The last call's rest as the attention takes it for queries [B, H, G, Q] (``shape``) handed to the call
         group-major (G * Q of them): logit [B, H, G, Q] and value [B, H, G, Q, Dv]; None where it left none."""
         return None if self.rest is None else (self.rest[0].view(shape), self.rest[1].view(*shape, self.value_dim))
-

@@ -2,8 +2,8 @@
 
    Two builds of this one file (native.py picks by the CPU): with AVX512-BF16 (BF16_DOTS below), and a
    portable one (AVX2 and FMA where the CPU has them, else the compiler's baseline) for every other CPU. Both
-   do everything here for bf16 and fp32; only the first has the bf16 dot products by VDPBF16PS and its
-   vector exps and sums for the rest of the cold pages (h2ochat_bf16_dots says which build this is).
+   do everything here for bf16 and fp32; only the first has the bf16 dot products by VDPBF16PS and 16-lane
+   exps and sums for the rest of the cold pages (h2ochat_bf16_dots says which build this is).
 
    Page scores (the exact selector's, recall_reference.page_scores with the keys themselves, bits None):
    for each (sequence b, KV head h) and page n of `page` slots,
@@ -15,7 +15,8 @@
      by folds for the 16 (few_page_scores); more (a prompt chunk's hundreds or thousands) go by blocks of keys
      laid out by channel pairs (many_page_scores), near one VDPBF16PS a cycle.
    - otherwise (fp32 anywhere, bf16 widened to fp32 in the portable build): portable C over vectors of 8
-     floats (any_page_scores): a few queries key by key, more by blocks of 8 keys laid out by channel.
+     floats (any_raise_scores): a few queries 8 keys at a time, their sums folded; more by blocks of 8 keys
+     laid out by channel.
 
    Keys are read where the store keeps them: [B, H, T, D] with any strides but a unit one along D (the
    store's leading slots, a view). Queries [B, H, M, D] and valid [B, H, T] (bytes) contiguous.
@@ -50,7 +51,6 @@ int64_t h2ochat_bf16_dots(void) {
 #ifdef BF16_DOTS
 #define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
 #define LOAD_MASKED(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
-
 
 /* sum[m] = q_m . key for the M queries (D bf16 each, q_m at q + m * D): each of the key's 32-channel
    chunks read once for all of them, 16 lanes of channel-pair products to add across lanes. */
@@ -558,11 +558,10 @@ static inline void keep_best(float score, int64_t n, int64_t k, int64_t *found, 
   if (at < k) top[at] = n, top_score[at] = score;
 }
 
-
 /* The best k pages of one (sequence, head) of an append-only store that never wraps (slot n holds the
    n-th token; slots at or past `held` are empty), scoring its first T slots: their page numbers, best
    first, -1 past the pages that hold a token (torch.topk of page_best's scores with -inf masked to -1;
-   equal scores in page order). dots: as page_scores keeps them (NULL: not kept); scratch: scratch_for's. */
+   equal scores in page order). dots: as scores_of keeps them (NULL: not kept); scratch: scratch_for's. */
 static void top_pages_row(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
                           int64_t held, int64_t T, int64_t page, int64_t k, int64_t *top, float *dots,
                           int64_t dot_stride, float *scratch) {
@@ -746,9 +745,6 @@ static inline void level_codes(const void *values, int64_t n, int64_t bytes, flo
 }
 #else /* the portable build: the same values, element by element (each an IEEE fp32 op, as the vector ones) */
 
-/* Element i of bf16 (bytes 2) or fp32 (4) values, as fp32. */
-static inline float load_float(const void *p, int64_t i, int64_t bytes) { return widened(p, i, bytes); }
-
 /* x as bf16, rounded to nearest even (VCVTNEPS2BF16's and torch's for finite x). */
 static inline uint16_t to_bf16(float x) {
   uint32_t bits;
@@ -766,10 +762,10 @@ static inline void store_scaled(const int8_t *codes, float scale, int64_t n, voi
 
 static inline float quantize(const void *values, int64_t n, int64_t value_bytes, int8_t *codes) {
   float top = 0.0f;
-  for (int64_t d = 0; d < n; d++) top = larger(top, fabsf(load_float(values, d, value_bytes)));
+  for (int64_t d = 0; d < n; d++) top = larger(top, fabsf(widened(values, d, value_bytes)));
   const float scale = (top > 1e-30f ? top : 1e-30f) / 127.0f;
   for (int64_t d = 0; d < n; d++) {
-    float code = rintf(load_float(values, d, value_bytes) / scale);
+    float code = rintf(widened(values, d, value_bytes) / scale);
     code = code < -127.0f ? -127.0f : code > 127.0f ? 127.0f : code;
     codes[d] = (int8_t)code;
   }
@@ -780,13 +776,13 @@ static inline void level_codes(const void *values, int64_t n, int64_t bytes, flo
                                float *scale_out, float *offset_out) {
   float offset = INFINITY, top = -INFINITY;
   for (int64_t d = 0; d < n; d++) {
-    const float x = load_float(values, d, bytes);
+    const float x = widened(values, d, bytes);
     offset = x < offset ? x : offset;
     top = larger(top, x);
   }
   float scale = (top - offset) / 255.0f;
   if (!(scale >= tiny)) scale = tiny;
-  for (int64_t d = 0; d < n; d++) codes[d] = (uint8_t)(int32_t)rintf((load_float(values, d, bytes) - offset) / scale);
+  for (int64_t d = 0; d < n; d++) codes[d] = (uint8_t)(int32_t)rintf((widened(values, d, bytes) - offset) / scale);
   *scale_out = scale;
   *offset_out = offset;
 }
@@ -986,7 +982,7 @@ static void weigh_means(const float *w, int64_t M, int64_t pages, const uint8_t 
     }
 }
 
-#else /* the portable build: the same sums, element by element (expf for exp_lanes) */
+#else /* the portable build: the same sums, by vectors of 8 (exp8 for exp_lanes) or element by element */
 
 /* e^x in 8 lanes for x <= 0, exp_lanes' way (x = n ln 2 + r, a degree-6 polynomial, times 2^n; below -87: e^-87):
    the rounding to nearest even by adding and taking away 1.5 * 2^23, 2^n as the exponent's bits. */
