@@ -67,7 +67,7 @@ class DiskTier:
     def export_row(self, row: int, device, copy: bool = True) -> dict[str, torch.Tensor]:
         return {}
 
-    def import_row(self, row: int, state) -> None:
+    def import_row(self, row: int, state, moved_from=None) -> None:
         pass
 
     def tokens(self, row: int, head: int) -> list[int]:
@@ -84,6 +84,7 @@ class DiskSpec:
 
     columns = 0
     masks_inactive_rows = False  # every evicted token must reach the disk: every row takes every step
+    row_prefixes = False
 
     def __init__(self, root: Path):
         self.root = root

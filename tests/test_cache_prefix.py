@@ -64,16 +64,10 @@ def test_a_prefix_step_is_the_masked_step_of_the_whole_cache(family, seed):
     assert shared.host_counters().layers == masked.host_counters().layers
 
 
-def test_only_a_plain_allocated_cache_has_prefixes():
+def test_only_an_allocated_cache_has_prefixes():
     model = build_model("llama")
     with pytest.raises(CacheShapeError):
         CacheSettings(policy="h2o", budget="10").build(model).prefix(1)  # nothing allocated yet
-    recall = _prefilled_recall(model)
     with pytest.raises(CacheShapeError):
-        recall.prefix(1)
-
-
-def _prefilled_recall(model):
-    cache = CacheSettings(policy="h2o", budget="16", recall="8", page=4).build(model)
-    forward(model, cache, torch.randint(3, VOCAB, (2, 20)), logits_to_keep=1)
-    return cache
+        CacheSettings(policy="h2o", budget="16", recall="8", page=4).build(model).prefix(1)
+    # (a recall cache's prefixes: tests/test_recall_prefix.py)

@@ -130,10 +130,10 @@ def test_what_the_compiled_step_does_not_take(models):
     assert _cache(model, every=2).compile_blocker() is None  # (the cadence is decided before the step)
     from h2ochat.recall.spec import RecallSpec
 
-    # a row left out of a step stages nothing (issue 34: a server's free rows sit recall steps out), but a
-    # recall cache has no prefix caches over its first rows (its tier state is not views of them)
+    # a row left out of a step stages nothing (issue 34: a server's free rows sit recall steps out), and a
+    # prefix cache over the first rows steps the same tiers (tests/test_recall_prefix.py)
     assert RecallSpec.masks_inactive_rows is True and _cache(model).masks_inactive_rows
-    assert not _cache(model).row_prefixes
+    assert _cache(model).row_prefixes
 
 
 def test_inductor_hands_the_choice_the_layer_s_own_slots(seed):

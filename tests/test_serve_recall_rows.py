@@ -18,6 +18,11 @@ BUDGET, CHUNK = "16", 5
 
 
 def engine(model, rows, every=1, selector="auto", **kwargs):
+    """A recall server of ``rows`` rows stepping all of them in every decode step (one bucket, free rows left
+    out by the ``active`` mask): a chat alone and beside others then runs the same batch shape, whose sums
+    round alike, so its tokens are compared exactly. (Its buckets, each a prefix of its rows sharing its
+    tiers, are tests/test_recall_prefix.py's and tests/test_serve_rows.py's.)"""
+    kwargs.setdefault("buckets", (rows,))
     return model_engine(model, rows, budget=BUDGET, chunk=CHUNK,
                         cache=dict(recall="8", page=4, recall_every=every, selector=selector), **kwargs)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from h2ochat.kv import H2OCache
@@ -44,7 +45,13 @@ def test_bucket_sizes():
     assert bucket_sizes(17) == [1, 2, 4, 8, 16, 17] and bucket_sizes(64)[-2:] == [32, 64]
 
 
-def test_one_request_on_a_large_server_runs_one_row_as_a_1_row_server_does(family, seed):
+# the caches a server's rows run in buckets: plain h2o, and recall (its buckets step the batch's tiers,
+# ``TierSpec.row_prefixes``; a row moved down keeps its staging page and clock, ``H2OCache.move_row``)
+KINDS = {"h2o": {}, "recall": dict(budget="16", cache=dict(recall="8", page=4))}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_request_on_a_large_server_runs_one_row_as_a_1_row_server_does(family, seed, kind):
     """Past the model's 64 positions too: the re-numbering happens in the 1-row step's cache."""
     rng = random.Random(seed)
     model = build_model(family)
@@ -52,7 +59,7 @@ def test_one_request_on_a_large_server_runs_one_row_as_a_1_row_server_does(famil
     plan = [(first, 80), (first[:3] + [7], rng.randint(1, 9))]  # the second does not extend the first
     runs = []
     for rows in (8, 1):
-        scheduler, store = engine(model, rows)
+        scheduler, store = engine(model, rows, **KINDS[kind])
         requests = [make_request(ids, max_tokens=tokens, stop_ids=()) for ids, tokens in plan]
         for request in requests:  # one after the other
             scheduler.submit(request)
@@ -66,7 +73,8 @@ def test_one_request_on_a_large_server_runs_one_row_as_a_1_row_server_does(famil
     assert backend.cache.compactions > 0  # the re-numbering ran in the 1-row cache and reached the batch cache
 
 
-def test_rows_in_use_are_moved_to_the_front_and_the_server_size_changes_no_token(family, seed):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_rows_in_use_are_moved_to_the_front_and_the_server_size_changes_no_token(family, seed, kind):
     """A workload that never holds more than two rows, on an 8-row and on a 2-row server: the same
     steps of the same rows (a finished row below a running one is filled by moving it down), so the
     same tokens, bit for bit."""
@@ -80,7 +88,7 @@ def test_rows_in_use_are_moved_to_the_front_and_the_server_size_changes_no_token
              for number in range(4)]
     runs = []
     for rows in (8, 2):
-        scheduler, _ = engine(model, rows)
+        scheduler, _ = engine(model, rows, **KINDS[kind])
         moves = []
         backend_move = scheduler.backend.move
         scheduler.backend.move = lambda source, target: (moves.append((source, target)), backend_move(source, target))

@@ -310,8 +310,9 @@ class H2OCache(CacheStepping, CacheAccounting, RowMoves, Cache):
 
     @property
     def row_prefixes(self) -> bool:
-        """Whether ``prefix`` can make caches over the first rows (a tier keeps state the views do not cover)."""
-        return self.masks_inactive_rows and not self.tier.columns
+        """Whether ``prefix`` can make caches over the first rows (their layers share the tiers where the
+        tier takes steps of the first rows: ``TierSpec.row_prefixes``)."""
+        return self.masks_inactive_rows and self.tier.row_prefixes
 
     def host_counters(self) -> SavedHostCounters:
         """The host-side counters now, frozen, to put back with ``restore_host_counters``."""
@@ -322,12 +323,12 @@ class H2OCache(CacheStepping, CacheAccounting, RowMoves, Cache):
         and per-row counters are views of this cache's first rows (nothing is copied, and a step of
         the prefix writes this cache's rows), with a step state of its own. A server runs a decode
         step on the smallest prefix that holds the rows in use. The host counters are one object
-        shared by reference (``kv.host_counters``): a step of either advances both. A tier keeps
-        state the views do not cover, so only a cache without one has prefixes."""
+        shared by reference (``kv.host_counters``): a step of either advances both. The layers' tiers
+        are shared too, where they take a step of the first rows (``TierSpec.row_prefixes``)."""
         if not self.initialized:
             raise CacheShapeError("allocate the cache before taking a prefix of its rows")
         if not self.row_prefixes:
-            raise CacheShapeError("a cache with a tier has no prefix caches (its tier state is per cache)")
+            raise CacheShapeError("this cache's tier has no prefix caches (it steps every row)")
         if not 0 < rows <= self.tokens_fed.shape[0]:
             raise CacheShapeError(f"a prefix of {rows} rows of a {self.tokens_fed.shape[0]}-row cache")
         view = type(self)(**self.construction)

@@ -79,6 +79,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
         self.budgets = setup.row_policies.budgets(layer_idx)  # one per row group
         self.capacity = max(budget.slots for budget in self.budgets)  # the policy's columns
         self.tier = tier
+        self.tier_shared = False  # a prefix's layer steps its source's tier (``share_rows``): not its to reset
         self.counters = LayerCounters()
         self.stored: dict[str, torch.Tensor] = {}  # the slot format's tensors, by its names
         self.port: TierPort | None = None
@@ -152,7 +153,8 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
 
     def share_rows(self, source: "H2OLayer", rows: int) -> None:
         """This layer as rows [0, rows) of ``source`` (``H2OCache.prefix``): its state tensors are
-        views of ``source``'s, its kernels and eviction route chosen as ``source``'s were."""
+        views of ``source``'s, its kernels and eviction route chosen as ``source``'s were, its tier
+        ``source``'s."""
         if source.rows.spare_slots or not isinstance(source.rows.recent, int):
             raise ValueError("a prefix of rows with per-row policies is not supported")
         self.device, self.dtype, self.kernels, self.format = source.device, source.dtype, source.kernels, source.format
@@ -163,6 +165,9 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
         self.coordinates = reference.slot_coordinates(rows, source.keys.shape[1], self.device)
         self.rows = source.rows
         self.counters = source.counters  # one set of host counters for the rows both hold
+        # the source's tier itself, where it takes a step of the first rows (``TierSpec.row_prefixes``):
+        # a tier's state (a cold store that grows) is not views of its first rows
+        self.tier, self.tier_shared = source.tier, bool(source.tier.columns)
         self.port = self._make_port()
         self.evictor = self.choose_eviction()
         self.is_initialized = True
@@ -236,7 +241,8 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
             setattr(self, name, None)
         self.counters.set(0, 0)
         self.pending_key = self.pending_value = None
-        self.tier.reset()
+        if not self.tier_shared:
+            self.tier.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported by the H2O cache")

@@ -85,6 +85,17 @@ class Renumbering:
         first = torch.searchsorted(distinct, torch.arange(batch + 1, device=device) * stride)
         return cls(distinct, first, stride, span, rows)
 
+    def widened(self, batch: int) -> "Renumbering":
+        """This re-numbering of a cache's first rows (a prefix cache's, ``H2OCache.prefix``) as one of
+        ``batch`` rows in which the rows after them do not move (a tier shared with the whole cache)."""
+        rows = self.first.shape[0] - 1
+        if rows == batch:
+            return self
+        first = torch.cat([self.first, self.first[-1:].expand(batch - rows)])
+        moving = self.rows if self.rows is not None else torch.ones(rows, dtype=torch.bool, device=first.device)
+        moving = torch.cat([moving, torch.zeros(batch - rows, dtype=torch.bool, device=moving.device)])
+        return Renumbering(self.distinct, first, self.stride, self.span, moving)
+
     def _row_shape(self, like: torch.Tensor) -> tuple[int, ...]:
         return (-1, *([1] * (like.dim() - 1)))
 

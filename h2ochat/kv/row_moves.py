@@ -37,11 +37,12 @@ class RowMoves:
     def _row_counters(self) -> dict[str, torch.Tensor]:
         return {"tokens_fed": self.tokens_fed, "next_position": self.next_position}
 
-    def import_row(self, row: int, state: RowState) -> None:
+    def import_row(self, row: int, state: RowState, moved_from: int | None = None) -> None:
         """Overwrite batch row ``row`` with ``state`` (exported from a cache of the same layer count,
         capacities, heads, dtype and tier), in place: the other rows, mid-generation or not, are
         untouched and a compiled step's buffers keep their addresses (a tier's store may grow: ``Tier.import_row``).
-        The row then continues exactly as its own cache would have (until a re-numbering, which every row takes)."""
+        The row then continues exactly as its own cache would have (until a re-numbering, which every row takes).
+        ``moved_from``: the row of this cache ``state`` was exported from, for a move (``move_row``)."""
         if not self.initialized:
             raise CacheShapeError("allocate the cache (H2OCache.allocate) before importing a row into it")
         if len(state.layers) != len(self.layers):
@@ -64,7 +65,7 @@ class RowMoves:
                 for name, tensor in mine.items():
                     tensor[row].copy_(saved[name])
             for (_, mine, saved), layer in zip(targets, self.layers):
-                layer.tier.import_row(row, {name: tensor for name, tensor in saved.items() if name not in mine})
+                layer.tier.import_row(row, {name: tensor for name, tensor in saved.items() if name not in mine}, moved_from)
         # the host counters cover every row: slot columns in use and columns fed take the larger; in a cache
         # of one row the row imported is every row, so they become its own (as in a cache made for it: a
         # server reuses its prompt's 1-row cache for the next resumed conversation)
@@ -76,6 +77,13 @@ class RowMoves:
                                     max(fed, state.tokens_fed))
         self.largest_next_position = max(0 if alone else self.largest_next_position,
                                          int(state.counters["next_position"]))
+
+    def move_row(self, source: int, target: int) -> None:
+        """Row ``source`` into row ``target`` (a server packing its rows in use at the front), ``source`` then
+        emptied: the row goes on exactly as it would have in ``source`` (a tier's host clocks move with it,
+        and a recall tier's staging page is not folded into its cold store as a resumed conversation's is)."""
+        self.import_row(target, self.export_row(source, device=self.layers[0].device), moved_from=source)
+        self.reset_row(source)
 
     def reset_row(self, row: int) -> None:
         """Empty batch row ``row`` (no tokens, scores and counters 0) without touching the others."""

@@ -67,7 +67,9 @@ class Tier(Protocol):
     def archive_dropped(self, port: TierPort, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None: ...
     def renumber(self, port: TierPort, renumbering: Renumbering, rotary) -> None: ...
     def export_row(self, row: int, device, copy: bool = True) -> dict[str, torch.Tensor]: ...
-    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None: ...
+    # ``moved_from``: the row ``state`` was exported from in this cache, when it is a move of a running row
+    # (``H2OCache.move_row``: it goes on as it would have there), not a conversation resumed
+    def import_row(self, row: int, state: dict[str, torch.Tensor], moved_from: int | None = None) -> None: ...
 
 
 class NoTier:
@@ -109,7 +111,7 @@ class NoTier:
     def export_row(self, row: int, device, copy: bool = True) -> dict[str, torch.Tensor]:
         return {}
 
-    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
+    def import_row(self, row: int, state: dict[str, torch.Tensor], moved_from: int | None = None) -> None:
         pass
 
 
@@ -128,6 +130,10 @@ class TierSpec(Protocol):
 
     columns: int
     masks_inactive_rows: bool  # whether a decode step may leave rows out (``H2OCache.position_ids``)
+    # whether a cache over the first rows (``H2OCache.prefix``) may step with the same tiers: its layers
+    # share them, and a tier takes a step of the first k rows (a port of k rows) as one of every row
+    # with the others left out
+    row_prefixes: bool
 
     def make(self) -> Tier: ...
     def check(self, cache) -> None: ...
@@ -139,6 +145,7 @@ class TierSpec(Protocol):
 class NoTierSpec:
     columns = 0
     masks_inactive_rows = True
+    row_prefixes = True
 
     def make(self) -> NoTier:
         return NO_TIER_LAYER

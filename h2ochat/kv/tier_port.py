@@ -100,6 +100,11 @@ class TierPort:
 
     # -- what else a tier may read of its layer -----------------------------------------------------
     @property
+    def batch(self) -> int:
+        """The rows this layer steps: a prefix cache's first rows of the tier's (``H2OCache.prefix``)."""
+        return self._slot_tensors["token_index"].shape[0]
+
+    @property
     def tokens_fed_with_padding(self) -> int:
         """Columns fed so far, padding included (a host int: an upper bound of any row's tokens)."""
         return self._counters.tokens_fed_with_padding

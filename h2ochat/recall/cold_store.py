@@ -233,7 +233,7 @@ class ColdStore(FirstRows):
         ok = (page_ids >= first.unsqueeze(-1)) & (page_ids < end.unsqueeze(-1)) & (page_ids >= 0)
         offsets = torch.arange(self.page, device=self.count.device)
         slot = (page_ids.clamp(min=0).unsqueeze(-1) * self.page + offsets)  # [B, H, k, P]
-        present = ok.unsqueeze(-1) & (slot < self.count.view(self.batch, self.heads, 1, 1))
+        present = ok.unsqueeze(-1) & (slot < self.count[:, :, None, None])  # (a copy of the first rows too)
         ring = self.frames * self.page if self.frames is not None else None
         index = (slot % ring if ring is not None else slot).masked_fill(~present, 0).flatten(2)
         present = present.flatten(2)

@@ -1,8 +1,8 @@
 """Each batch row's own recall clock (issue 34): host counts of the decode steps since the row's last
 flush of its staging page, so a row flushes its page, and chooses its pages every ``every`` steps,
 on its own count. A server's row then recalls as the same conversation alone would, whenever the
-other rows joined; a row left out of a step (``StepNumbers.active``: a free row of a server) does not
-count it.
+other rows joined; a row left out of a step (``StepNumbers.active``: a free row of a server; or a row past a
+prefix cache's, ``H2OCache.prefix``) does not count it.
 
 Host values only (the step's ``active`` mask is read once per step, a list of B booleans): the
 decisions are taken before a step, as the tier's batch-wide counter was.
@@ -19,13 +19,19 @@ class RowCadence:
         self.page, self.every = page, every
         self._mask_of: torch.Tensor | None = None  # the last step's ``active`` tensor, and its host list
         self._mask: list[bool] | None = None
+        self._rows = len(self.steps)  # (and the rows that step ran)
 
-    def active(self, mask: torch.Tensor | None) -> list[bool] | None:
-        """The step's active rows as host booleans (None: every row), read once per step."""
-        if mask is None:
+    def active(self, mask: torch.Tensor | None, rows: int | None = None) -> list[bool] | None:
+        """The step's active rows as host booleans, one per row (None: every row), read once per step.
+        ``rows``: how many leading rows the step runs (a prefix cache's, ``H2OCache.prefix``; None: all),
+        ``mask`` [rows] bool among them: the rows after them sit the step out."""
+        batch = len(self.steps)
+        rows = batch if rows is None else rows
+        if mask is None and rows == batch:
             return None
-        if mask is not self._mask_of:
-            self._mask_of, self._mask = mask, [bool(value) for value in mask.tolist()]
+        if mask is not self._mask_of or rows != self._rows:
+            leading = [True] * rows if mask is None else [bool(value) for value in mask.tolist()]
+            self._mask_of, self._rows, self._mask = mask, rows, leading + [False] * (batch - rows)
         return self._mask
 
     def full(self) -> list[int]:

@@ -14,6 +14,9 @@ class RecallSpec:
     # a row left out of a decode step (a free row of a server) writes, evicts and stages nothing, and its
     # clock stands still (``row_cadence``): a step may leave rows out
     masks_inactive_rows = True
+    # a prefix cache's layers step these tiers with ports of their first rows, the rows after them left out
+    # (``RecallTier.batch``): a server's decode step runs the smallest bucket that holds its rows in use
+    row_prefixes = True
 
     def __init__(self, config: RecallConfig, tier_type: type[RecallTier] = RecallTier):
         self.config, self.tier_type = config, tier_type

@@ -137,6 +137,11 @@ class RecallSlots:
         """Every per-slot tensor by name: the slot format's (``named``), the token indices and positions."""
         return {**self.named(), "token_index": self.token_index, "positions": self.positions}
 
+    def first_rows(self, rows: int) -> "RecallSlots":
+        """These slots of the first ``rows`` rows (views)."""
+        scales = {name: tensor[:rows] for name, tensor in self.scales.items()} if self.scales else None
+        return RecallSlots(self.keys[:rows], self.values[:rows], self.token_index[:rows], self.positions[:rows], scales)
+
 
 def fill_recall_slots(slots: RecallSlots, store, plan: RecallPlan, rotary=None, slot_format=None) -> None:
     """Copy the pages the plan loads from the cold store into their frames (frames that keep their
@@ -213,14 +218,16 @@ class StagingPage:
         bool (None: every row): a row left out writes an empty entry and does not count it. ``slots``:
         the same columns as views made now (a compiled step's: see ``RecallTier.archive``)."""
         slots = slots or self.slots
-        where = (*coordinates, self.count)
+        rows = victim["token_index"].shape[0]  # (a prefix cache's step: its first rows, ``H2OCache.prefix``)
+        count = self.count if rows == self.count.shape[0] else self.count[:rows]
+        where = (*coordinates, count)
         for name, buffer in (slots.scales or {}).items():
             buffer.index_put_(where, victim[name])
         slots.keys.index_put_(where, victim["keys"])
         slots.values.index_put_(where, victim["values"])
         slots.token_index.index_put_(where, victim["token_index"])
         slots.positions.index_put_(where, victim["positions"])
-        self.count += 1 if active is None else active.view(-1, 1).long()
+        count.add_(1 if active is None else active.view(-1, 1).long())
 
     def count_step(self) -> None:
         """A decode step is about to run: it may stage one entry (host counter)."""

@@ -48,6 +48,7 @@ opaque op, inside it). On a GPU the cold store is pinned host memory (``step``, 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import replace
 
 import torch
@@ -66,13 +67,14 @@ from .row_cadence import RowCadence
 from .selector_names import resolved_selector
 from .step import RecallFrames, RecallPlan, RecallSlots, StagingPage, fill_recall_slots, host_reads_allowed
 from .tier_rows import RecallRowMoves, rows_kept
+from .cold_writes import ColdWrites
 from .tiered import RecallConfig
 
 # state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
 _EMPTY_IS_MINUS_ONE = {"cold_token_index", "cold_positions", "cold_encoded", "frames_frame_page"}
 
 
-class RecallTier(RecallRowMoves):
+class RecallTier(RecallRowMoves, ColdWrites):
     """One layer's cold store, digest, recall frames, staging page and attention statistics."""
 
     archives = True
@@ -111,7 +113,7 @@ class RecallTier(RecallRowMoves):
         self.slots = RecallSlots.of(port.frame_columns(config.page), self.format)
         self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
         # a CPU decode step's whole choice (and rest) in one C call, where it runs (``native_choice``)
-        self.stager_of = (None, None)  # (the port, the C staging of its columns or None: ``_stager``)
+        self.stagers = weakref.WeakKeyDictionary()  # port -> the C staging of its columns or None (``_stager``)
         self.decode_choice = DecodeChoice.of(self.cold, self.frames, self.slots.columns(), isinstance(self.digest, ColdKeys))
         self.page_means = PageMeans(batch, heads, value_dim, self.decode_choice is not None and config.rest != "off")
         self.cadence = RowCadence(batch, config.page, config.every)  # each row's flush and choice, on its own count
@@ -135,6 +137,11 @@ class RecallTier(RecallRowMoves):
         self.recalled_mass = torch.zeros(batch, heads, dtype=torch.float32, device=device)
         self.attended_mass = torch.zeros(batch, heads, dtype=torch.float32, device=device)
 
+    @property
+    def batch(self) -> int:
+        """The rows this tier holds (a step of a prefix cache's port runs the first of them)."""
+        return self.recalled_mass.shape[0]
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the recall step updates in place (first dimension: the batch row), beside the
         layer's slots (which hold the recall and staging columns): a compiled step's graph and a
@@ -154,7 +161,7 @@ class RecallTier(RecallRowMoves):
 
     def reset(self) -> None:
         self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = self.page_means = None
-        self.decode_choice, self.stager_of = None, (None, None)
+        self.decode_choice, self.stagers = None, weakref.WeakKeyDictionary()
         self.selector = self.config.selector  # (``auto`` resolved when allocated: ``resolved_selector``)
         self.recalled_mass = self.attended_mass = self.last_query = self.all_columns = None
 
@@ -186,13 +193,17 @@ class RecallTier(RecallRowMoves):
     def _prepare(self, port, q_len: int, context) -> None:
         cadence = self.cadence
         if q_len > 1:
+            if port.batch != self.batch:
+                raise ValueError("a prefix of a recall cache's rows takes decode steps, not prompt chunks")
             self.step_active = None
             self._room(port, max(cadence.steps) + q_len)  # (the staged pages, then what the chunk drops)
             self.flush(port, rows=cadence.staged())
             self.has_query = True
             return
-        active = cadence.active(context.numbers.active if context.numbers is not None else None)
-        self.step_active = context.numbers.active if active is not None else None
+        # (a prefix cache's step, ``H2OCache.prefix``: its port's first rows; the rows after them sit it out)
+        mask = context.numbers.active if context.numbers is not None else None
+        active = cadence.active(mask, port.batch)
+        self.step_active = mask
         self.flush(port, rows=cadence.full())
         self.decode_steps += 1
         # the cadence counts from each row's last flush: every ``every`` steps, and at least once a page
@@ -208,42 +219,6 @@ class RecallTier(RecallRowMoves):
         self.staging.count_step()
         self.has_query = True
 
-    def _room(self, port, extra: int) -> None:
-        """Room for ``extra`` more tokens than the longest row's cold store holds (the store's count is
-        host memory on a CPU: read; under zero-copy on a GPU only the bound below), and never more than
-        every token fed so far and ``extra`` (an upper bound of what any row can have evicted)."""
-        count, fed = self.cold.count, port.tokens_fed_with_padding
-        needed = min(int(count.max()), fed) + extra if count.device.type == "cpu" else fed + extra
-        self.cold.reserve(needed)
-        self.digest.reserve(needed)
-
-    def flush(self, port, q_len: int = 0, rows: list[int] | None = None) -> None:
-        """The staging pages of ``rows`` (None: every row that staged) into the cold store and the digest
-        (one append of P entries, in eviction order; the other rows append nothing), then emptied.
-        Eager, before a step (or before a chunk's own drops)."""
-        rows = self.cadence.staged() if rows is None else rows
-        if not rows:
-            return
-        self._room(port, max(self.cadence.steps[row] for row in rows) + q_len)
-        slots = self.staging.slots
-        token_index = slots.token_index
-        every_row = len(rows) == token_index.shape[0]
-        # (the exact selector's digest is the store's keys: nothing else to append)
-        flushed = None if every_row else rows
-        if not (isinstance(self.digest, ColdKeys) and self.staging.flushed_natively(self.cold, flushed)):
-            if not every_row:
-                keep = torch.zeros(token_index.shape[0], 1, 1, dtype=torch.bool, device=token_index.device)
-                keep[rows] = True
-                token_index = token_index.masked_fill(~keep, -1)
-            self.to_cold(*self.cold_floats(slots), token_index, slots.positions)
-            self.staging.clear(flushed)
-        self.cadence.flushed(rows)
-
-    def cold_floats(self, slots: RecallSlots) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of these columns as the cold store holds them (``SlotFormat.decoded``:
-        float slots as held; codes dequantized, int4 keys back in the model's frame)."""
-        return self.format.decoded(slots.named(), self.cold.dtype)
-
     # -- the step -------------------------------------------------------------------------------------
     def before_attention(self, port, query, new_valid, scale, context):
         """The step's choice of pages, then its rest column where attended (``RecallConfig.rest_attended``)."""
@@ -254,7 +229,7 @@ class RecallTier(RecallRowMoves):
             self.reserve(port, q_len, context)  # (a step not prepared by position_ids: transformers' generate())
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
-            self.last_query = query.new_zeros(batch, heads, group, head_dim)
+            self.last_query = query.new_zeros(self.batch, heads, group, head_dim)
         attended = self.config.rest_attended(self.decode_choice is not None, q_len == 1)
         rest = (scale, self.page_means) if attended and not context.compiled else None
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
@@ -267,15 +242,18 @@ class RecallTier(RecallRowMoves):
             rest_done = self.recall(port, grouped[:, :, :, 0], context.rotary, self.choose_in_step, rest)
         active = context.numbers.active if q_len == 1 else None  # (a row left out keeps its last queries)
         if self.prefetches:  # (only a choice before the step reads them: a CPU's in-step choice does not)
-            last = grouped[:, :, :, -1]
-            self.last_query.copy_(last if active is None else torch.where(active.view(-1, 1, 1, 1), last, self.last_query))
+            last, kept = grouped[:, :, :, -1], self.last_query[:batch]
+            kept.copy_(last if active is None else torch.where(active.view(-1, 1, 1, 1), last, kept))
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
-        self.attended_mass += (rows if active is None else active.view(-1, 1)) * group
+        self.attended_mass[:batch].add_((rows if active is None else active.view(-1, 1)) * group)
         if rest is None or rest_done or not self.config.rest_by_torch:
             return self.decode_choice.rest_as(grouped.shape[:4]) if rest_done else None
-        return rest_column(self.cold, self.frames.frame_page, grouped, scale, context.rotary)
+        cold, frame_page = self.cold, self.frames.frame_page
+        if batch < self.batch:
+            cold, frame_page = cold.first_rows(batch), frame_page[:batch]
+        return rest_column(cold, frame_page, grouped, scale, context.rotary)
 
     def choose_prepared(self, queries: torch.Tensor, given: list[torch.Tensor]) -> None:
         """The compiled step's op (``graph_choice``), at run time: the eager step's choice for the step
@@ -303,7 +281,12 @@ class RecallTier(RecallRowMoves):
         if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
             self.frames.tick(rows)
             return False
-        digest, frames = self.digest, self.frames
+        digest, frames, cold, slots = self.digest, self.frames, self.cold, self.slots
+        if queries.shape[0] < self.batch:  # a prefix cache's step: its first rows only (the others sit it out)
+            step_rows = queries.shape[0]
+            digest, frames = digest.first_rows(step_rows), frames.first_rows(step_rows)
+            rows = rows if rows is True else rows[:step_rows]
+            cold, slots = cold.first_rows(step_rows), slots.first_rows(step_rows)
         if rows is not True and host_reads_allowed(frames.frame_page):  # (the plan read on the host: a CPU)
             # only the rows up to the last one choosing (a server's rows in use sit at the front): a free
             # row's empty store is not scored as far as the longest row's. The plan's rows are the first
@@ -315,13 +298,13 @@ class RecallTier(RecallRowMoves):
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
         wanted = digest.top_pages(queries, frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
         if rows is True or all(rows):
-            plan = frames.update(wanted, digest.count // self.cold.page)  # (the digest counts on the device)
+            plan = frames.update(wanted, digest.count // cold.page)  # (the digest counts on the device)
         else:
             still = torch.tensor([not row for row in rows], device=wanted.device)
             with rows_kept(frames, still):
-                plan = frames.update(wanted, digest.count // self.cold.page)
+                plan = frames.update(wanted, digest.count // cold.page)
             plan = RecallPlan(plan.frame_page, plan.load & ~still.view(-1, 1, 1))
-        fill_recall_slots(self.slots, self.cold, plan, rotary, self.format)
+        fill_recall_slots(slots, cold, plan, rotary, self.format)
         return False
 
     def _nothing_flushed_yet(self) -> bool:
@@ -334,7 +317,9 @@ class RecallTier(RecallRowMoves):
         scores = self.recall_scores
         if torch.compiler.is_compiling():  # (views made in the graph, not inputs of it: ``_in_graph_staging``)
             scores = port.tier_columns()["scores"]
-        self.recalled_mass += scores.sum(dim=-1)
+        elif port.batch < self.batch:  # (a prefix cache's step: its first rows)
+            scores = scores[:port.batch]
+        self.recalled_mass[:scores.shape[0]].add_(scores.sum(dim=-1))
         scores.zero_()
 
     def archive(self, port, slot: torch.Tensor) -> None:
@@ -357,43 +342,11 @@ class RecallTier(RecallRowMoves):
         return RecallSlots.of(port.staging_columns(self.staging.page), self.format)
 
     def _stager(self, port) -> "native.Stager | None":
-        """The C staging for this port's columns (made again for a new port: new tensors), or None."""
-        if self.stager_of[0] is not port:
-            self.stager_of = (port, native.Stager.of(port.policy_columns(), self.staging.slots.columns(),
-                                                     self.staging.count))
-        return self.stager_of[1]
-
-    def archive_dropped(self, port, candidates: dict[str, torch.Tensor], dropped: torch.Tensor) -> None:
-        self.flush(port, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
-        # in token order, as a cache fed one token at a time would have evicted them
-        token_index = candidates["token_index"].masked_fill(~dropped, -1)
-        order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
-
-        def take(t):
-            return t.gather(2, order if t.dim() == 3 else order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
-
-        keys, values = self.format.decoded(candidates, self.cold.dtype)  # (codes and scales: their floats)
-        self.to_cold(take(keys), take(values), take(token_index), take(candidates["positions"]))
-
-    def to_cold(self, keys, values, token_index, positions) -> None:
-        """Evicted tokens [B, H, N, ...] (token index -1: none) into the cold store and the digest."""
-        self.cold.append(keys, values, token_index, positions, reserve=False)
-        self.digest.append(keys, token_index, reserve=False)
-
-    def take_cold(self, keys, values, token_index, positions) -> None:
-        """Tokens handed to the cold tier from outside a step (``recall.synthetic``), room made as they come."""
-        self.cold.append(keys, values, token_index, positions)
-        self.digest.append(keys, token_index)
-
-    def renumber(self, port, renumbering, rotary) -> None:
-        self.cold.renumber(renumbering)  # (the staging page moved with the layer's slots)
-        if rotary is not None:  # the digest scores keys as they will be attended: at their new positions
-            keys = self.cold.keys_by_slot(rotary)  # (quantized slots: as the page will come back, encoded anew)
-            # rows that did not move keep their digest as appended (a rebuild could round it otherwise)
-            moved = renumbering.rows
-            written = self.cold if isinstance(self.digest, ColdKeys) else self.digest  # (the exact digest writes the store)
-            with rows_kept(written, ~moved) if moved is not None else contextlib.nullcontext():
-                self.digest.rebuild(self.format.held_keys(keys))
+        """The C staging for this port's columns (made for each port: the layer's, its prefixes'; again for
+        a new port, new tensors), or None."""
+        if port not in self.stagers:
+            self.stagers[port] = native.Stager.of(port.policy_columns(), self.staging.slots.columns(), self.staging.count)
+        return self.stagers[port]
 
     def pages_recalled(self, row: int) -> int:
         """Pages brought into row ``row``'s recall slots in its conversation so far (every KV head)."""

@@ -101,10 +101,12 @@ class RecallRowMoves:
         return {name: taken(tensor[row, :, :extents[name]] if name in extents else tensor[row])
                 for name, tensor in state.items()}
 
-    def import_row(self, row: int, state: dict[str, torch.Tensor]) -> None:
+    def import_row(self, row: int, state: dict[str, torch.Tensor], moved_from: int | None = None) -> None:
         """Overwrite row ``row`` with ``state`` (``export_row`` of a tier of the same settings): the
         stores grow to take its tokens, their slots past them are emptied, and so is a tensor the state
-        lacks (nothing of the row's last conversation stays behind)."""
+        lacks (nothing of the row's last conversation stays behind). A conversation resumed folds its
+        staging page into its cold store (``_fold_staged``); a running row moved within the tier
+        (``moved_from``: the row it was in) keeps its page and its clock."""
         if self.cold is None:
             raise ValueError("the recall tier is not allocated: nothing to import into")
         self._settle()
@@ -148,7 +150,10 @@ class RecallRowMoves:
         positions, encoded = self._part_names(own, self.cold, "positions", "encoded")
         if positions and encoded and not self.cold.moved and bool((state[positions] != state[encoded]).any()):
             self._mark_moved()
-        self._fold_staged(row)
+        if moved_from is None:
+            self._fold_staged(row)
+        else:
+            self.cadence.steps[row] = self.cadence.steps[moved_from]
 
     def _fold_staged(self, row: int) -> None:
         """After an import: the imported row's staging page (it came with the layer's slots) goes to its

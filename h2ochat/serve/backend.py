@@ -63,8 +63,8 @@ class ModelBackend:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
-        # static shapes for the compiled step's graphs and the row buckets; a recall tier has one
-        # bucket (its free rows masked); eager, it keeps the REPL's shapes
+        # static shapes for the compiled step's graphs and the row buckets; a cache without buckets
+        # (a tier that steps every row), eager, keeps the REPL's shapes
         plain = settings.build(model)  # (an unallocated cache: it holds nothing)
         prefixes = plain.row_prefixes
         if compile is None:

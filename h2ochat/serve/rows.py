@@ -18,8 +18,8 @@ no copy out, no emptying of the row and no page faults refilling it (a recall ro
 of MB: these were most of a turn's ~74 ms of row moves on SmolLM2). Where free rows are stepped (a cache
 that cannot leave rows out), a row that ends is copied out and reset as before.
 
-A recall tier's rows leave free rows out of a step by the ``active`` mask too, in one bucket of every
-row (its tier state is not views of the batch's first rows). A cache that cannot leave rows out of a
+A recall cache's buckets share its tiers (``TierSpec.row_prefixes``: a tier takes a step of its first
+rows, the others left out), so it runs the smallest bucket too. A cache that cannot leave rows out of a
 step (``masks_inactive_rows`` False) runs all N rows every step: free rows are fed a placeholder token
 (their output is ignored) and reset before their positions could reach the model's limit.
 
@@ -58,7 +58,7 @@ class RowPool:
         # made now: each is allocated before its slots become views (smallest first, so the memory
         # taken at once is the batch cache's and half of it at most), not while requests run
         self.buckets = sorted(set(buckets)) if buckets else bucket_sizes(rows)
-        if not self.cache.row_prefixes or self.buckets[-1] != rows:  # (a recall tier: one bucket, rows masked)
+        if not self.cache.row_prefixes or self.buckets[-1] != rows:  # (a tier that steps every row: one bucket)
             self.buckets = [rows]
         self._prefixes: dict[int, H2OCache] = {rows: self.cache}
         for size in self.buckets[:-1]:
@@ -152,8 +152,7 @@ class RowPool:
     def move(self, source: int, target: int) -> None:
         """Row ``source``'s cache into the free row ``target`` (on the device), ``source`` reset."""
         self._vacate(target)
-        self.cache.import_row(target, self.cache.export_row(source, device=self.device))
-        self.cache.reset_row(source)
+        self.cache.move_row(source, target)
         self.free_steps[target] = self.free_steps[source] = 0
 
     def release(self, row: int, choice: Choice | None) -> None:
