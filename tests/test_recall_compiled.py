@@ -201,3 +201,35 @@ def test_a_step_built_from_inductor_s_disk_cache_runs_whatever_mode_made_its_cac
                 torch.testing.assert_close(step(cache, token), want, rtol=1e-4, atol=1e-4)
     assert counters["aot_autograd"]["autograd_cache_hit"] >= 1, dict(counters["aot_autograd"])  # (read back, not built again)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_compiled_step_runs_a_recall_server_s_buckets(models, family, seed):
+    """A server's buckets (``H2OCache.prefix``: its first 1, 2 and 4 rows, sharing its tiers) through the
+    compiled step of a symbolic batch (``CompiledDecode(graphs=3)``: a graph for one row, one for more), the
+    free rows of each bucket left out: the logits and every state tensor equal the eager steps' of the
+    same buckets of another cache, bit for bit, in two graphs."""
+    model = models[family]
+    caches = [_cache(model) for _ in range(2)]
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, VOCAB, (4, 30), generator=generator)
+    for cache in caches:
+        forward(model, cache, prompt)
+    eager_views = {size: caches[0].prefix(size) for size in (1, 2, 4)}
+    compiled_views = {size: caches[1].prefix(size) for size in (1, 2, 4)}
+    step = compiled.CompiledDecode(model, backend="aot_eager", graphs=3)
+    graphs = counters["stats"]["unique_graphs"]
+    for index in range(36):
+        size = (1, 2, 4, 2)[index // 3 % 4]
+        tokens = torch.randint(3, VOCAB, (size,), generator=generator)
+        active = torch.ones(size, dtype=torch.bool)
+        active[-1] = size == 1 or index % 2 == 0  # (a free row inside the bucket, every other step)
+        want = forward(model, eager_views[size], tokens.view(-1, 1), logits_to_keep=1, active=active)[:, -1]
+        got = step(compiled_views[size], tokens, active)
+        assert torch.equal(got[active], want[active]), f"step {index} ({size} rows)"
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    for eager_layer, compiled_layer in zip(caches[0].layers, caches[1].layers):
+        eager_state, compiled_state = eager_layer.state_tensors(), compiled_layer.state_tensors()
+        for name, tensor in eager_state.items():
+            assert torch.equal(compiled_state[name], tensor), name
+    assert int(caches[1].layers[0].tier.frames.copied.sum()) > 0 and caches[1].compactions >= 1

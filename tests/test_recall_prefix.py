@@ -19,9 +19,10 @@ from h2ochat.kv import CacheShapeError
 from h2ochat.recall import native
 
 ROWS, PREFIX, PROMPT, STEPS = 4, 2, 26, 14
-ROUTES = {  # name: (settings, whether the C routes run)
+ROUTES = {  # name: (settings, whether the C routes run; "gpu": the torch route that reads nothing back)
     "c": (dict(recall="8", page=4), True),
     "torch": (dict(recall="8", page=4), False),
+    "gpu": (dict(recall="8", page=4), "gpu"),
     "torch-every2": (dict(recall="8", page=4, recall_every=2), False),
     "int8-slots": (dict(recall="8", page=4, kv_dtype="int8"), True),
     "rest-c": (dict(recall="8", page=4, recall_rest="pages"), True),  # (the rest column every step)
@@ -53,8 +54,13 @@ def _prefilled(model, prompt, settings):
 @pytest.mark.parametrize("family", ["opt", "llama", "neox"])
 def test_a_recall_prefix_step_is_the_masked_step_of_the_whole_cache(family, route, seed, monkeypatch):
     settings, c_routes = ROUTES[route]
-    if not c_routes:
+    if c_routes is not True:
         monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    if c_routes == "gpu":  # (a GPU's step reads no plan back: ``recall.step.host_reads_allowed``)
+        from h2ochat.recall import step, tier
+
+        for module in (step, tier):
+            monkeypatch.setattr(module, "host_reads_allowed", lambda state: False)
     model = build_model(family, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, VOCAB, (ROWS, PROMPT), generator=generator)

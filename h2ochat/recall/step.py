@@ -218,8 +218,9 @@ class StagingPage:
         bool (None: every row): a row left out writes an empty entry and does not count it. ``slots``:
         the same columns as views made now (a compiled step's: see ``RecallTier.archive``)."""
         slots = slots or self.slots
-        rows = victim["token_index"].shape[0]  # (a prefix cache's step: its first rows, ``H2OCache.prefix``)
-        count = self.count if rows == self.count.shape[0] else self.count[:rows]
+        # (a prefix cache's step: its first rows, ``H2OCache.prefix``; cut whatever the rows, so a compiled
+        # step of a symbolic batch holds no branch on its size)
+        count = self.count[: victim["token_index"].shape[0]]
         where = (*coordinates, count)
         for name, buffer in (slots.scales or {}).items():
             buffer.index_put_(where, victim[name])

@@ -43,7 +43,9 @@ def compiles_by_default(cache: H2OCache, device: torch.device | str = "cpu") -> 
     (``recall.graph_choice``; a GPU's graph would choose them before the step)."""
     if cache.compile_blocker() is not None:
         return False
-    return cache.row_prefixes or (bool(cache.tier.columns) and torch.device(device).type == "cpu")
+    if cache.tier.columns:  # (a recall tier, buckets or not)
+        return torch.device(device).type == "cpu"
+    return cache.row_prefixes
 
 
 class ModelBackend:
