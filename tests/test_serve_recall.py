@@ -81,8 +81,9 @@ def same_row(a, b, page: int) -> None:
 def test_a_parked_recall_row_comes_back_bit_for_bit_and_holds_what_it_holds(family, seed):
     rng = random.Random(seed)
     # (the cold store at the model's dtype: a staged token and the same token flushed compare equal)
+    # (one bucket: each chat rests in a row of its own; with buckets the next chat would take the smallest's)
     scheduler, store = model_engine(build_model(family), ROWS, budget=BUDGET, chunk=CHUNK,
-                                    cache={**RECALL, "cold_dtype": EXACT})
+                                    cache={**RECALL, "cold_dtype": EXACT}, buckets=(ROWS,))
     backend = scheduler.backend
     served(scheduler, prompt(rng, 50, 60), 40)  # fills its row's cold store: the batch's grows for it
     served(scheduler, prompt(rng, 20, 24), 4)  # a short one: its row holds a few cold tokens only
@@ -154,7 +155,7 @@ def test_a_rows_cold_tier_does_not_leak_into_the_next_conversation(family, seed)
 
 def test_free_rows_keep_their_cold_tier_empty_and_the_stores_grow_with_the_longest_conversation(family, seed):
     rng = random.Random(seed)
-    scheduler, _ = engine(build_model(family), rows=4)
+    scheduler, _ = engine(build_model(family), rows=4, buckets=(4,))  # (one bucket: each chat rests in its own row)
     backend = scheduler.backend
     capacities = []
     for number in range(5):  # one conversation at a time: the free rows left out of every step

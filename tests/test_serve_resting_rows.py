@@ -69,7 +69,9 @@ def test_a_turn_resumed_from_its_resting_row_is_the_turn_resumed_from_host_memor
 
 def test_rows_are_taken_home_first_then_empty_then_resting_longest(family, seed):
     rng = random.Random(seed)
-    scheduler, store = model_engine(build_model(family), 3, budget="16", chunk=CHUNK, cache=CACHES["recall"])
+    # (one bucket of the 3 rows: the smallest bucket would come first, before the ranking, ``RowPool.placement``)
+    scheduler, store = model_engine(build_model(family), 3, budget="16", chunk=CHUNK, cache=CACHES["recall"],
+                                    buckets=(3,))
     pool = scheduler.backend.pool
     a, b, c = (served(scheduler, prompt(rng), 4) for _ in range(3))  # rows 0, 1, 2: the empty rows first
     assert {row: len(entry.tokens) for row, entry in pool.resting.items()} == {

@@ -23,7 +23,7 @@ from 1.74x h2o's (the torch route) to 1.04-1.21x, median 1.14x (session 63, READ
   store's writes (an append, a staging page's whole flush) are ``native_store``'s.
 - ``native_choice.DecodeChoice``: a step's best pages, plan and copy in one call a layer (one ctypes call
   instead of ~60 torch ops), with the step's rest column (``--recall-rest``), on these kernels' bindings.
-- A server's decode step (one bucket of rows, its free rows left out by the ``active`` mask; each row
+- A server's decode step (a bucket of its first rows, its free rows left out by the ``active`` mask; each row
   choosing on its own cadence): ``DecodeChoice`` takes the rows that choose and leaves the others as
   they are, ``Stager`` writes a left-out row's empty entry without counting it, as the torch routes do
   (tests/test_recall_served_native.py, bit for bit). Measured (``benchmarks/recall_served_step.py``, 8

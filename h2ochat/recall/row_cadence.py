@@ -53,6 +53,10 @@ class RowCadence:
             if active is None or active[row]:
                 self.steps[row] += 1
 
+    def moved(self, source: int, target: int) -> None:
+        """Row ``source``'s conversation went on in row ``target`` (``H2OCache.move_row``): its count with it."""
+        self.steps[target] = self.steps[source]
+
     def flushed(self, rows) -> None:
         for row in rows:
             self.steps[row] = 0

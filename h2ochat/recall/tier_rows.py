@@ -153,7 +153,7 @@ class RecallRowMoves:
         if moved_from is None:
             self._fold_staged(row)
         else:
-            self.cadence.steps[row] = self.cadence.steps[moved_from]
+            self.cadence.moved(moved_from, row)
 
     def _fold_staged(self, row: int) -> None:
         """After an import: the imported row's staging page (it came with the layer's slots) goes to its
