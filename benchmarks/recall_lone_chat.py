@@ -23,6 +23,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package
+from json_report import emit  # noqa: E402
 
 WAYS = ("one_row", "every_row", "bucket")
 
@@ -72,7 +76,7 @@ def main(argv=None) -> dict:
     if args.child is not None:
         print(json.dumps(one_run(args, args.child[0], int(args.child[1]))))
         return {}
-    plain = [arg for arg in (argv if argv is not None else sys.argv[1:])]
+    plain = list(argv if argv is not None else sys.argv[1:])
     runs: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):
         for rows in args.rows:
@@ -87,15 +91,11 @@ def main(argv=None) -> dict:
                 runs.setdefault(name, []).append(run)
                 print(f"{name} run {repeat}: median {run['median_ms']:.1f} ms ({run['dtype']})", flush=True)
     medians = {name: statistics.median(run["median_ms"] for run in values) for name, values in runs.items()}
-    result = {"settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
-              "median_step_ms": medians,
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
               "over_one_row": {name: round(value / medians["one_row"], 3) for name, value in medians.items()},
-              "runs": runs}
-    print(json.dumps({k: result[k] for k in ("median_step_ms", "over_one_row")}, indent=1))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=1)
-    return result
+              "median_step_ms": medians, "runs": runs}
+    emit(report, args.out)
+    return report
 
 
 if __name__ == "__main__":

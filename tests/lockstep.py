@@ -133,3 +133,26 @@ def matches_the_full_reference(model, pieces, full, matching, differing) -> None
         torch.testing.assert_close(matching.forward(model, piece), want, atol=1e-4, rtol=1e-4)
         differs |= not torch.allclose(differing.forward(model, piece), want, atol=1e-3, rtol=1e-3)
     assert differs
+
+
+def prefix_against_masked(model, view: H2OCache, masked: H2OCache, steps: torch.Tensor, **options) -> int:
+    """A prefix cache's decode steps (``view``: ``H2OCache.prefix``, the first R rows of a cache) against the
+    same steps of a whole cache (``masked``: N rows, the rows after the R left out by ``active``), fed the
+    tokens ``steps`` [S, R], in ``lockstep`` (``options``: its tolerances, ``where``): the steps compared."""
+    from h2ochat.engine.forward_step import forward
+
+    rows, batch = steps.shape[1], masked.tokens_fed.shape[0]
+    active = torch.tensor([True] * rows + [False] * (batch - rows))
+
+    def on_prefix(tokens):  # (the view shares its cache's host counters: nothing is handed over)
+        return forward(model, view, tokens.view(-1, 1), logits_to_keep=1)[:, -1]
+
+    def masked_step(tokens):
+        everyone = torch.cat([tokens, torch.zeros(batch - rows, dtype=torch.long)])
+        return forward(model, masked, everyone.view(-1, 1), logits_to_keep=1, active=active)[:rows, -1]
+
+    recorder = EvictionRecorder(view)
+    with recorder.recording():
+        return lockstep(on_prefix, masked_step, torch.zeros(rows, 1), steps.shape[0], recorder=recorder,
+                        caches=(view, masked), rows=[(row, row) for row in range(rows)],
+                        pick=lambda step, _: steps[step], **options)

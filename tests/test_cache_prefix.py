@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_model
-from lockstep import EvictionRecorder, lockstep
+from lockstep import prefix_against_masked
 
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import CacheSettings
@@ -33,24 +33,12 @@ def test_a_prefix_step_is_the_masked_step_of_the_whole_cache(family, seed):
     steps = torch.randint(3, VOCAB, (6, PREFIX), generator=generator)
     masked, shared = _prefilled(model, prompt), _prefilled(model, prompt)
     view = shared.prefix(PREFIX)
-    active = torch.tensor([True] * PREFIX + [False] * (ROWS - PREFIX))
     untouched = [{name: tensor[PREFIX:].clone() for name, tensor in layer.state_tensors().items()}
                  for layer in shared.layers]
 
-    def on_prefix(tokens):  # (the view shares the cache's host counters: nothing is handed over)
-        return forward(model, view, tokens.view(-1, 1), logits_to_keep=1)[:, -1]
-
-    def masked_step(tokens):
-        everyone = torch.cat([tokens, torch.zeros(ROWS - PREFIX, dtype=torch.long)])
-        return forward(model, masked, everyone.view(-1, 1), logits_to_keep=1, active=active)[:PREFIX, -1]
-
     # the two runs batch 2 and 4 rows: their sums may round apart in the last bit, so a near-tie of
     # two slots' priorities may keep different tokens (tests/lockstep.py stops there)
-    recorder = EvictionRecorder(view)
-    with recorder.recording():
-        compared = lockstep(on_prefix, masked_step, torch.zeros(PREFIX, VOCAB), 6,
-                            recorder=recorder, caches=(view, masked), rows=[(row, row) for row in range(PREFIX)],
-                            pick=lambda step, _: steps[step])
+    compared = prefix_against_masked(model, view, masked, steps)
     for mine, kept in zip(shared.layers, untouched):
         for name, tensor in mine.state_tensors().items():
             assert torch.equal(tensor[PREFIX:], kept[name]), name  # the rows outside the prefix: not a bit changed

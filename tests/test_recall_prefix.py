@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_model
-from lockstep import EvictionRecorder, lockstep
+from lockstep import prefix_against_masked
 
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import CacheSettings
@@ -68,7 +68,6 @@ def test_a_recall_prefix_step_is_the_masked_step_of_the_whole_cache(family, rout
     masked, shared = _prefilled(model, prompt, settings), _prefilled(model, prompt, settings)
     view = shared.prefix(PREFIX)
     assert all(mine.tier is theirs.tier for mine, theirs in zip(view.layers, shared.layers))
-    active = torch.tensor([True] * PREFIX + [False] * (ROWS - PREFIX))
     untouched = [{name: tensor[PREFIX:].clone() for name, tensor in layer.state_tensors().items()}
                  for layer in shared.layers]
     chosen = {"prefix": 0}
@@ -81,19 +80,8 @@ def test_a_recall_prefix_step_is_the_masked_step_of_the_whole_cache(family, rout
 
     monkeypatch.setattr(type(shared.layers[0].tier), "recall", counted)
 
-    def on_prefix(tokens):  # (the view shares the cache's host counters and tiers: nothing is handed over)
-        return forward(model, view, tokens.view(-1, 1), logits_to_keep=1)[:, -1]
-
-    def masked_step(tokens):
-        everyone = torch.cat([tokens, torch.zeros(ROWS - PREFIX, dtype=torch.long)])
-        return forward(model, masked, everyone.view(-1, 1), logits_to_keep=1, active=active)[:PREFIX, -1]
-
-    recorder = EvictionRecorder(view)
-    with recorder.recording():
-        compared = lockstep(on_prefix, masked_step, torch.zeros(PREFIX, VOCAB), STEPS, recorder=recorder,
-                            caches=(view, masked), rows=[(row, row) for row in range(PREFIX)],
-                            pick=lambda step, _: steps[step], tolerance=lambda: _tolerance(shared, masked),
-                            where=f"{family} {route}")
+    compared = prefix_against_masked(model, view, masked, steps, tolerance=lambda: _tolerance(shared, masked),
+                                     where=f"{family} {route}")
     assert chosen["prefix"] > 0  # (the steps chose pages for the prefix's rows)
     for mine, ref, kept in zip(shared.layers, masked.layers, untouched):
         theirs = ref.state_tensors()
