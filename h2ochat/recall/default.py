@@ -39,11 +39,11 @@ at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the pol
 and nothing was measured);
 off for a policy that never evicts (nothing goes cold). The server keeps recall off unless asked
 (``serve --recall R``): under the peers' chat load (8 chats x 4 turns) a recall server serves 1.24x fewer
-tokens/s than one without (session 59's last three pairs; 1.23x over its twelve:
+tokens/s than one without on an AVX512-BF16 CPU (session 59's last three pairs; 1.23x over its twelve:
 results_serve_recall_load_s59_*.json), inside issue 34's 1.25x by less than the pairs' noise, at 1.10x the
-peak RSS (once 2x the tokens/s and 2.7x the memory: results_serve_load_recall.json); but its decode step
-runs every row of the batch (one bucket), which a server sized from memory (up to 64 rows) would pay for at
-every step of a lone chat.
+peak RSS, but 1.38x fewer at 1.38x the peak RSS on an AVX2 one in fp32 (session 64:
+results_serve_recall_load_s64_avx2.json), past both targets. (Its decode step runs the smallest bucket of
+rows since session 64, as the h2o server's does: a lone chat no longer steps every row.)
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ On a CPU (a bf16 or fp32 model; AVX512-BF16 or the portable build) the eager dec
 (scores, plan and copy) with its rest, its staging and a flush's append are each one C call a layer
 (``native``), rows left out and int8 slots included; elsewhere the torch routes below.
 
+A server's bucket (a cache over the first k rows, ``H2OCache.prefix``) steps these tiers themselves: a port
+of k rows (``TierPort.batch``) is a decode step of the first k with the rows after them left out (their clocks,
+stores, frames and slots untouched). A prompt chunk comes through a cache of its own, never a bucket.
+
 The decode step's graph reads no host value and touches no store that grows: one static graph whatever
 the length and the cadence (flush, cadence, growth and re-numbering run before it; the choice of pages, an
 opaque op, inside it). On a GPU the cold store is pinned host memory (``step``, ``cold_store``).
