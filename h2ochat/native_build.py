@@ -12,6 +12,7 @@ module checks its first results against torch before using it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -26,12 +27,20 @@ BASE_FLAGS = ["-O3", "-shared", "-fPIC"]
 THREADED = ["-fopenmp"]  # (a compiler without OpenMP, clang without libomp, builds it single-threaded)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+@functools.lru_cache(maxsize=1)
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them for its first processor (x86 ``flags``, ARM ``Features``);
+    empty where the file is unreadable (not Linux). The one reader: the kernels' builds ask it, and so does
+    ``--dtype auto`` (``loading.native_bf16``)."""
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:  # not Linux
-        return set()
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 def cpu_has_avx512_bf16() -> bool:

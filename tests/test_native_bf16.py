@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h2ochat import native_build
 from h2ochat.loading import native_bf16
 from h2ochat.loading.models import pick_dtype
 
@@ -22,11 +23,11 @@ def cpu(monkeypatch, tmp_path):
     """Make the detection read a cpuinfo with the given flags (the suite's pin lifted)."""
     monkeypatch.delenv(native_bf16.OVERRIDE, raising=False)
 
-    read = native_bf16._cpuinfo_flags.__wrapped__  # (uncached: each test reads its own file)
+    read = native_build.cpu_flags.__wrapped__  # (uncached: each test reads its own file)
 
     def use(flags: str, key: str = "flags"):
         path = _cpuinfo(tmp_path, flags, key)
-        monkeypatch.setattr(native_bf16, "_cpuinfo_flags", lambda: read(path))
+        monkeypatch.setattr(native_bf16, "cpu_flags", lambda: read(path))
     return use
 
 
@@ -43,15 +44,15 @@ def test_auto_is_fp32_on_a_cpu_without_it(cpu):
 
 def test_auto_is_fp32_where_cpuinfo_is_unreadable(monkeypatch, tmp_path):
     monkeypatch.delenv(native_bf16.OVERRIDE, raising=False)
-    assert native_bf16._cpuinfo_flags.__wrapped__(str(tmp_path / "absent")) == frozenset()
-    monkeypatch.setattr(native_bf16, "_cpuinfo_flags", lambda: frozenset())
+    assert native_build.cpu_flags.__wrapped__(str(tmp_path / "absent")) == frozenset()
+    monkeypatch.setattr(native_bf16, "cpu_flags", lambda: frozenset())
     assert pick_dtype("auto", "cpu") == torch.float32
 
 
 def test_arm_features_line_is_read(cpu):
     cpu("fp asimd evtstrm aes pmull sha1 sha2 crc32", key="Features")
     assert pick_dtype("auto", "cpu") == torch.float32
-    assert "asimd" in native_bf16._cpuinfo_flags()
+    assert "asimd" in native_bf16.cpu_flags()
 
 
 @pytest.mark.parametrize("value, expected", [("1", torch.bfloat16), ("0", torch.float32)])
