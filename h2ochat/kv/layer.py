@@ -167,7 +167,7 @@ class H2OLayer(LayerEviction, CacheLayerMixin):
         self.counters = source.counters  # one set of host counters for the rows both hold
         # the source's tier itself, where it takes a step of the first rows (``TierSpec.row_prefixes``):
         # a tier's state (a cold store that grows) is not views of its first rows
-        self.tier, self.tier_shared = source.tier, bool(source.tier.columns)
+        self.tier, self.tier_shared = source.tier, True
         self.port = self._make_port()
         self.evictor = self.choose_eviction()
         self.is_initialized = True

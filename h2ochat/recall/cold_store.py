@@ -77,7 +77,7 @@ class ColdStore(FirstRows):
             raise ValueError(f"--page must be at least 1, got {page}")
         if limit is not None and limit < page:
             raise ValueError(f"--cold-limit {limit} holds less than one page of {page} tokens")
-        self.batch, self.heads, self.page, self.dtype = batch, heads, page, dtype
+        self.heads, self.page, self.dtype = heads, page, dtype
         self.cold_dtype = cold_dtype
         self.quantized_keys = cold_dtype == "int8"
         self.quantized_values = cold_dtype in ("int8", "int8-values")

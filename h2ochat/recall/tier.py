@@ -285,20 +285,16 @@ class RecallTier(RecallRowMoves, ColdWrites):
         if self._nothing_flushed_yet():  # (the frames' clock still counts the choice, as update would)
             self.frames.tick(rows)
             return False
+        # the first rows only: a prefix cache's step runs its first rows (the others sit it out), and where the
+        # plan is read on the host (a CPU) only those up to the last one choosing (a server's rows in use sit at
+        # the front: a free row's empty store is not scored as far as the longest row's)
+        chosen = queries.shape[0]
+        if rows is not True and host_reads_allowed(self.frames.frame_page):
+            chosen = max((row for row, due in enumerate(rows[:chosen]) if due), default=-1) + 1
         digest, frames, cold, slots = self.digest, self.frames, self.cold, self.slots
-        if queries.shape[0] < self.batch:  # a prefix cache's step: its first rows only (the others sit it out)
-            step_rows = queries.shape[0]
-            digest, frames = digest.first_rows(step_rows), frames.first_rows(step_rows)
-            rows = rows if rows is True else rows[:step_rows]
-            cold, slots = cold.first_rows(step_rows), slots.first_rows(step_rows)
-        if rows is not True and host_reads_allowed(frames.frame_page):  # (the plan read on the host: a CPU)
-            # only the rows up to the last one choosing (a server's rows in use sit at the front): a free
-            # row's empty store is not scored as far as the longest row's. The plan's rows are the first
-            # ones of the batch, so the frames fill from the whole store and slots (read on the host)
-            last = max((row for row, due in enumerate(rows) if due), default=-1) + 1
-            if last < len(rows):
-                digest, frames = digest.first_rows(last), frames.first_rows(last)
-                queries, rows = queries[:last], rows[:last]
+        if chosen < self.batch:
+            digest, frames, cold, slots = (part.first_rows(chosen) for part in (digest, frames, cold, slots))
+            queries, rows = queries[:chosen], rows if rows is True else rows[:chosen]
         # score only the slots a token can be in (the store grows by doubling: up to half is empty)
         wanted = digest.top_pages(queries, frames.frame_page.shape[-1], upto=port.tokens_fed_with_padding)
         if rows is True or all(rows):
