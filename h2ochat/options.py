@@ -57,7 +57,8 @@ Selector = Annotated[str, typer.Option("--selector", rich_help_panel=CACHE,
     help="With --recall: how the pages to recall are chosen: " + SELECTOR_HELP + ".")]
 ColdDtype = Annotated[str, typer.Option("--cold-dtype", rich_help_panel=CACHE,
     help="With --recall: the cold store keeps keys and values at the model's dtype (model), the values as "
-         "int8 codes (int8-values), or both as int8 codes (int8); auto: int8-values.")]
+         "int8 codes (int8-values), those and the keys in bf16 (bf16-keys), or both as int8 codes (int8); auto: "
+         "bf16-keys for an fp32 model, else int8-values.")]
 ColdLimit = Annotated[Optional[int], typer.Option("--cold-limit", min=1, rich_help_panel=CACHE,
     help="With --recall: tokens per layer and KV head the cold store keeps (the oldest go). Default: all.")]
 RecallEvery = Annotated[int, typer.Option("--recall-every", min=1, rich_help_panel=CACHE,

@@ -17,14 +17,14 @@ BOOKKEEPING = 3 * 4  # token index, position and encoded position, int32
 
 
 def _per_token_bytes(dtype: torch.dtype, cold_dtype: str) -> int:
-    key = DIM * dtype.itemsize if cold_dtype != "int8" else DIM + 4  # (int8 codes and an fp32 scale)
+    key = {"int8": DIM + 4, "bf16-keys": DIM * 2}.get(cold_dtype, DIM * dtype.itemsize)  # (int8: codes and a scale)
     value = DIM * dtype.itemsize if cold_dtype == "model" else DIM + 4
     kv = key + value
     rot4_codes = DIM // 2 + 2 + 2  # 4-bit codes two to a byte, fp16 scale and offset
     return kv + BOOKKEEPING + rot4_codes
 
 
-@pytest.mark.parametrize("cold_dtype", ["model", "int8-values", "int8"])
+@pytest.mark.parametrize("cold_dtype", ["model", "int8-values", "bf16-keys", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cold_host_bytes_are_the_evicted_tokens_bytes(seed, dtype, cold_dtype):
     generator = torch.Generator().manual_seed(seed)

@@ -211,7 +211,7 @@ def _run_recall_cache(model, ids, cold_dtype="auto"):
     logits = [forward(model, cache, ids[:, :30], logits_to_keep=1)[:, -1]]
     logits += [forward(model, cache, ids[:, i:i + 1], logits_to_keep=1)[:, -1] for i in range(30, ids.shape[1])]
     frames = [layer.tier.frames.frame_page.clone() for layer in cache.layers]
-    return torch.stack(logits), frames, [int(layer.tier.frames.copied.sum()) for layer in cache.layers]
+    return torch.stack(logits), frames, [int(layer.tier.frames.copied.sum()) for layer in cache.layers], cache
 
 
 @needs_kernel
@@ -228,6 +228,22 @@ def test_a_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_dtype,
     want = _run_recall_cache(model, ids, cold_dtype)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
+
+
+@needs_kernel
+def test_an_fp32_models_bf16_cold_keys_take_the_c_route(monkeypatch):
+    """auto's store for an fp32 model keeps bf16 keys, and its prompt chunk and decode steps choose in the
+    one C call (the queries rounded to bf16), never by the torch routes."""
+    from h2ochat.recall import tier as tier_module
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the torch route ran")
+
+    monkeypatch.setattr(tier_module, "fill_recall_slots", refused)
+    model = build_model("llama", seed=3, max_position_embeddings=256)
+    ids = torch.randint(3, VOCAB, (1, 70), generator=torch.Generator().manual_seed(3))
+    _, _, copies, cache = _run_recall_cache(model, ids)
+    assert sum(copies) > 0 and all(layer.tier.cold.keys.dtype == torch.bfloat16 for layer in cache.layers)
 
 
 @needs_kernel
@@ -329,7 +345,8 @@ def test_the_frames_plan_is_the_torch_routes(without_kernel):
 @pytest.mark.parametrize("cold_dtype,limit,dtype,kv_dtype", [
     ("int8-values", None, torch.bfloat16, "auto"), ("model", 24, torch.bfloat16, "auto"),
     ("int8-values", 16, torch.float32, "auto"), ("int8-values", None, torch.bfloat16, "int8"),
-    ("model", 24, torch.bfloat16, "int8"), ("int8-values", 16, torch.float32, "int8")])
+    ("model", 24, torch.bfloat16, "int8"), ("int8-values", 16, torch.float32, "int8"),
+    ("bf16-keys", None, torch.float32, "auto"), ("bf16-keys", 16, torch.float32, "int8")])
 def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limit, dtype, kv_dtype):
     """A store (a ring under a limit, int8 values or the model's) holding a part page, a plan loading
     held pages, dropped ones, the part page and -1 into views of bigger slot buffers: the same slots. Int8
@@ -367,7 +384,7 @@ def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limi
 
 @needs_kernel
 @pytest.mark.parametrize("cold_dtype,dtype", [("int8-values", torch.bfloat16), ("int8-values", torch.float32),
-                                              ("model", torch.bfloat16)])
+                                              ("model", torch.bfloat16), ("bf16-keys", torch.float32)])
 def test_appending_to_the_store_is_the_torch_routes(without_kernel, cold_dtype, dtype):
     """Two appends of views of bigger buffers (a flush's staging page), entries with token index -1 among
     them, one head appending nothing: the same buffers, counts and slots."""

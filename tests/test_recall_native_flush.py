@@ -69,9 +69,10 @@ def _flushed(dtype, cold_dtype, rows_each, natively: bool):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype,cold_dtype", [(torch.bfloat16, "auto"), (torch.bfloat16, "model"),
-                                              (torch.float32, "int8-values")])
+                                              (torch.float32, "int8-values"), (torch.float32, "auto")])
 def test_a_flush_in_one_call_is_the_torch_routes(dtype, cold_dtype):
-    """Three flushes into one store (some rows, every row, one row), int8 value codes or the model's dtype."""
+    """Three flushes into one store (some rows, every row, one row), int8 value codes or the model's dtype, an
+    fp32 model's keys rounded to bf16 (auto's)."""
     rows_each = [[0, 2], None, [1]]
     got = _flushed(dtype, cold_dtype, rows_each, natively=True)
     want = _flushed(dtype, cold_dtype, rows_each, natively=False)

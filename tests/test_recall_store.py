@@ -121,8 +121,32 @@ def test_int8_store_is_within_half_a_step(seed, cold_dtype):
     assert store.nbytes() < plain.nbytes()
 
 
+@pytest.mark.parametrize("dtype,keys,cold_dtype", [(torch.float32, torch.bfloat16, "bf16-keys"),
+                                                   (torch.bfloat16, torch.bfloat16, "int8-values"),
+                                                   (torch.float16, torch.float16, "int8-values")])
+def test_auto_keeps_int8_values_and_keys_of_16_bits(seed, dtype, keys, cold_dtype):
+    """auto: an fp32 model's keys in bf16 (half their bytes), a 16-bit model's as they are; values as int8
+    codes. A page comes back with the keys rounded to bf16 once (widened exactly), values as int8-values
+    brings them, and its host bytes are int8-values' less half the fp32 keys'."""
+    events = list(_evictions(6, random.Random(seed)))
+    store = ColdStore(B, H, D, D, 4, dtype, cold_dtype="auto")
+    values_only = ColdStore(B, H, D, D, 4, dtype, cold_dtype="int8-values")
+    assert (store.cold_dtype, store.key_dtype, store.keys.dtype) == (cold_dtype, keys, keys)
+    for event in events:
+        store.append(*(part.to(dtype) if part.is_floating_point() else part for part in event))
+        values_only.append(*(part.to(dtype) if part.is_floating_point() else part for part in event))
+    pages = torch.arange(int(store.held()[1].max())).expand(B, H, -1)
+    got, want = store.pages(pages), values_only.pages(pages)
+    assert got[0].dtype == dtype and torch.equal(got[0], want[0].to(keys).to(dtype))
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))
+    key_bytes = store.keys.numel() * (dtype.itemsize - keys.itemsize)
+    assert store.nbytes() == values_only.nbytes() - key_bytes
+    queries = torch.randn(B, H, 3, D, dtype=dtype)
+    assert store.scored_queries(queries).dtype == keys
+
+
 def test_store_refuses_bad_settings():
-    with pytest.raises(ValueError, match="cold-dtype must be one of auto, model, int8-values, int8"):
+    with pytest.raises(ValueError, match="cold-dtype must be one of auto, model, int8-values, bf16-keys, int8"):
         ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="int3")
     assert ColdStore(1, 1, 4, 4, 4, torch.float32, cold_dtype="same").cold_dtype == "model"  # its old name
     with pytest.raises(ValueError, match="less than one page"):

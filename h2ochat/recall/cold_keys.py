@@ -34,6 +34,10 @@ class ColdKeys(KeyCodes):
         """Whether ``cold``'s keys can be scored where they are: float keys in the step's memory."""
         return not cold.quantized_keys and cold.keys.device == torch.device(device)
 
+    def _turned(self, keys_or_queries: torch.Tensor) -> torch.Tensor:
+        """The queries as the store's keys are scored with (``ColdStore.scored_queries``; no rotation here)."""
+        return self.cold.scored_queries(keys_or_queries)
+
     @property
     def codes(self) -> torch.Tensor:
         return self.cold.keys

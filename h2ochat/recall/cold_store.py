@@ -4,7 +4,10 @@ One store per layer, per (sequence, KV head) an append-only sequence of pages of
 order (``layout``). Host memory (pinned when the cache lives on a GPU, so copies to the device can
 be asynchronous). ``cold_dtype``: ``"model"`` keeps keys and values at the model's dtype; ``"int8-values"``
 keeps the keys so and the values as int8 codes with one fp32 scale per token and head (symmetric,
-max |x| / 127); ``"int8"`` keeps both so; ``"auto"`` is ``DEFAULT_COLD_DTYPE``. ``limit`` (tokens per sequence and head, rounded up to whole
+max |x| / 127); ``"bf16-keys"`` keeps the values so and the keys in bf16 (``key_dtype``: an fp32 model's keys
+at half the bytes, widened exactly when a page comes back; the exact selector scores them with the queries
+rounded to bf16, as a bf16 model's are); ``"int8"`` keeps both as int8 codes; ``"auto"`` is int8 values with
+16-bit keys (``resolved_cold_dtype``). ``limit`` (tokens per sequence and head, rounded up to whole
 pages) makes the store a ring: the oldest pages are overwritten and counted in ``dropped``.
 
 Each token also keeps the position it was encoded at (``encoded``: what its key's rotation says)
@@ -34,8 +37,10 @@ from ..rotary import Rotary, rotate_keys
 from . import native, native_store
 from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
-COLD_DTYPES = ("auto", "model", "int8-values", "int8")
-DEFAULT_COLD_DTYPE = "int8-values"  # what auto stands for
+COLD_DTYPES = ("auto", "model", "int8-values", "bf16-keys", "int8")
+# what auto stands for: int8 values, and keys of 16 bits (an fp32 model's in bf16: the exact selector reads every
+# cold key each step, and on a CPU without native bf16 an fp32 model's keys were twice a bf16 model's bytes)
+DEFAULT_COLD_DTYPE = {torch.float32: "bf16-keys"}  # (by the model's dtype; every other: int8-values)
 BOOKKEEPING = torch.int32  # token indices and positions (2**31 tokens of one conversation: far past any context)
 _MINUS_ONE_WHEN_EMPTY = ("token_index", "encoded", "positions")
 OLD_COLD_DTYPES = {"same": "model"}  # the earlier name of model, still accepted
@@ -49,10 +54,18 @@ def cold_dtype_named(name: str) -> str:
     return name
 
 
-def resolved_cold_dtype(name: str) -> str:
-    """``--cold-dtype`` as the format the store takes (auto: ``DEFAULT_COLD_DTYPE``)."""
+def resolved_cold_dtype(name: str, dtype: torch.dtype | None = None) -> str:
+    """``--cold-dtype`` as the format a store of a ``dtype`` model takes (auto: ``DEFAULT_COLD_DTYPE``'s;
+    with no dtype, auto stays auto)."""
     name = cold_dtype_named(name)
-    return DEFAULT_COLD_DTYPE if name == "auto" else name
+    if name != "auto" or dtype is None:
+        return name
+    return DEFAULT_COLD_DTYPE.get(dtype, "int8-values")
+
+
+def key_dtype_of(cold_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a store of format ``cold_dtype`` (resolved) keeps a ``dtype`` model's keys in."""
+    return {"int8": torch.int8, "bf16-keys": torch.bfloat16}.get(cold_dtype, dtype)
 
 
 def _zero_copy_works(device: torch.device) -> bool:
@@ -72,7 +85,7 @@ class ColdStore(FirstRows):
     def __init__(self, batch: int, heads: int, head_dim: int, value_dim: int, page: int, dtype: torch.dtype,
                  *, cold_dtype: str = "auto", limit: int | None = None, pin: bool = False, initial_pages: int = 1,
                  device: torch.device | str | None = None, zero_copy: bool | None = None):
-        cold_dtype = resolved_cold_dtype(cold_dtype)
+        cold_dtype = resolved_cold_dtype(cold_dtype, dtype)
         if page < 1:
             raise ValueError(f"--page must be at least 1, got {page}")
         if limit is not None and limit < page:
@@ -80,7 +93,8 @@ class ColdStore(FirstRows):
         self.heads, self.page, self.dtype = heads, page, dtype
         self.cold_dtype = cold_dtype
         self.quantized_keys = cold_dtype == "int8"
-        self.quantized_values = cold_dtype in ("int8", "int8-values")
+        self.quantized_values = cold_dtype in ("int8", "int8-values", "bf16-keys")
+        self.key_dtype = key_dtype_of(cold_dtype, dtype)
         self.frames = -(-limit // page) if limit is not None else None  # ring size in pages
         self.pin = pin
         device = torch.device(device or "cpu")
@@ -90,7 +104,7 @@ class ColdStore(FirstRows):
         # tokens ever appended, where the appends are planned (the GPU under zero-copy)
         self.count = torch.zeros(batch, heads, dtype=torch.long, device=device if zero_copy else "cpu")
         slots = (self.frames or initial_pages) * page
-        self.keys = self._alloc((batch, heads, slots, head_dim), torch.int8 if self.quantized_keys else dtype, 0)
+        self.keys = self._alloc((batch, heads, slots, head_dim), self.key_dtype, 0)
         self.values = self._alloc((batch, heads, slots, value_dim), torch.int8 if self.quantized_values else dtype, 0)
         self.key_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized_keys else None
         self.value_scale = self._alloc((batch, heads, slots), torch.float32, 0) if self.quantized_values else None
@@ -239,6 +253,13 @@ class ColdStore(FirstRows):
         present = present.flatten(2)
         return self._tokens(lambda buffer: self._take(buffer, index), present, rotary)
 
+    def scored_queries(self, queries: torch.Tensor) -> torch.Tensor:
+        """``queries`` as the exact selector scores them against these keys in place: rounded to the keys' dtype
+        where it is another float dtype (bf16 keys of an fp32 model: the C kernels take one dtype, and both
+        routes score the same products), as they are otherwise."""
+        keys = self.key_dtype
+        return queries.to(keys) if keys.is_floating_point and keys != queries.dtype else queries
+
     def page_tokens(self, row: torch.Tensor, head: torch.Tensor, page_ids: torch.Tensor, rotary: Rotary | None = None):
         """``pages`` for N pages named one by one: page ``page_ids[n]`` (absolute) of sequence ``row[n]`` and
         head ``head[n]`` ([N] each, CPU store). Returns keys, values [N, P, D] and token_index, positions
@@ -263,7 +284,7 @@ class ColdStore(FirstRows):
         if self.quantized_keys or (rotary is not None and self.moved) or self.zero_copy:
             return False
         return native.fill_frames(slots, self.named_buffers(), self.count, self.frames, self.page, plan.load,
-                                  plan.frame_page)
+                                  plan.frame_page, self.dtype)
 
     def named_buffers(self) -> dict[str, torch.Tensor | None]:
         """Every buffer by name, value_scale None for float values (what the C kernels take)."""

@@ -185,7 +185,8 @@ class KeyCodes(FirstRows):
         """[B, H, k] absolute page numbers of the best ``count`` pages (-1 where fewer pages; k is
         fewer than ``count`` only where fewer frames are scored)."""
         if self.bits is None and self.frames is None:  # the keys themselves, never a ring: one C call (a CPU's)
-            wanted = native.top_pages(queries, self.codes[:, :, :self.scored_slots(upto)], self.count, self.page, count)
+            wanted = native.top_pages(self._turned(queries), self.codes[:, :, :self.scored_slots(upto)], self.count,
+                                      self.page, count)
             if wanted is not None:
                 return wanted
         number = self._numbers(self.scored_slots(upto))

@@ -86,7 +86,7 @@ class Strided(ctypes.Structure):
 def _bind(library: Path) -> Kernels:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     scoring = [pointer, size, size, size, size, pointer, size, size, size, pointer, size, size]
-    store_writes = [size] * 3 + [pointer, size, pointer, pointer] + [size] * 4 + [pointer]
+    store_writes = [size] * 3 + [pointer, size, pointer, pointer] + [size] * 5 + [pointer]
     bf16_dots = bool(native_build.signed(library, "h2ochat_bf16_dots", [], returns=size)())
     return Kernels(bf16_dots=bf16_dots,
                    page_best=native_build.signed(library, "h2ochat_page_best", [*scoring, pointer, size], returns=size),
@@ -261,25 +261,21 @@ def slot_scales(slots: dict[str, torch.Tensor], head_dim: int, value_dim: int):
 
 
 def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], count: torch.Tensor,
-                ring: int | None, page: int, load: torch.Tensor, frame_page: torch.Tensor) -> bool:
+                ring: int | None, page: int, load: torch.Tensor, frame_page: torch.Tensor, floats: torch.dtype) -> bool:
     """The loaded frames' pages from the cold store into the recall slots (``step.fill_recall_slots``
     for a plan read on the host), in one call: ``slots`` keys, values, token_index and positions
-    [B, H, R, ...] (views of the layer's: float slots, or 8-bit codes with ``SCALE_TENSORS`` beside them,
-    encoded as ``slot_format.encode`` does); ``store`` the same names [B, H, S, ...] (keys as the slots hold
-    them or, for codes, in the store's float dtype; values so or int8 with ``value_scale``, token index and
-    positions int32, keys at the positions they are attended at). False where the kernel does not take them
-    (nothing written)."""
+    [B, H, R, ...] (views of the layer's: float slots of the model's dtype ``floats``, or 8-bit codes with
+    ``SCALE_TENSORS`` beside them, encoded as ``slot_format.encode`` does from ``floats``); ``store`` the same
+    names [B, H, S, ...] (keys bf16 or of ``floats``, widened exactly; values of ``floats`` or int8 with
+    ``value_scale``, token index and positions int32, keys at the positions they are attended at). False where
+    the kernel does not take them (nothing written)."""
     kernels = _loaded()[0]
     keys, values = slots["keys"], slots["values"]
     scale = store.get("value_scale")
     scales = slot_scales(slots, store["keys"].shape[-1], store["values"].shape[-1])
-    # the dtypes keys and values come as: the slots' (copied), or the store's (encoded into codes)
-    key_dtype = keys.dtype if scales is None else store["keys"].dtype
-    value_dtype = values.dtype if scales is None else store["keys" if scale is not None else "values"].dtype
-    floats = (torch.bfloat16, torch.float32)
-    if (kernels is None or scales is False or torch.compiler.is_compiling() or store["keys"].dtype != key_dtype
-            or key_dtype not in floats or value_dtype not in floats
-            or store["values"].dtype != (torch.int8 if scale is not None else value_dtype)
+    if (kernels is None or scales is False or torch.compiler.is_compiling() or store["keys"].dtype not in FLOATS
+            or floats not in FLOATS or (scales is None and (keys.dtype != floats or values.dtype != floats))
+            or store["values"].dtype != (torch.int8 if scale is not None else floats)
             or (scale is not None and scale.dtype != torch.float32)
             or any(t.device.type != "cpu" or (t.dim() == 4 and t.stride(-1) != 1) for t in (*slots.values(),
                                                                                         *store.values(), count)
@@ -293,8 +289,8 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
     sources = (Strided * 5)(*(Strided.of(store[name]) for name in names), Strided.of(scale))
     targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
     kernels.fill_frames(batch, heads, frames, page, load.data_ptr(), frame_page.data_ptr(), count.data_ptr(),
-                        ring or 0, sources, targets, keys.shape[-1], key_dtype.itemsize, values.shape[-1],
-                        value_dtype.itemsize, scales, TINY_SCALE)
+                        ring or 0, sources, targets, keys.shape[-1], store["keys"].dtype.itemsize, values.shape[-1],
+                        floats.itemsize, scales, TINY_SCALE)
     return True
 
 

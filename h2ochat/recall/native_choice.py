@@ -71,8 +71,8 @@ class DecodeChoice:
         self.targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
         self.scales = scales  # (quantized slots' scales and offsets, ``native.slot_scales``; None: float slots)
         self._slots = slots  # (the views the targets point into, held while they are)
-        # (the slots' float dtype, or the store's for codes: the store's keys' either way)
-        self.value_dim, self.value_bytes = slots["values"].shape[-1], cold.keys.element_size()
+        # (the slots' float dtype, or what codes are made from: the model's either way)
+        self.value_dim, self.value_bytes = slots["values"].shape[-1], cold.dtype.itemsize
         shape = frames.frame_page.shape
         self.wanted = torch.empty(shape, dtype=torch.long)
         self.load = torch.empty(shape, dtype=torch.bool)
@@ -88,9 +88,9 @@ class DecodeChoice:
         keys, values = slots["keys"], slots["values"]
         state = (frames.frame_page, frames.last_used, frames.clock, frames.copied, frames.complete)
         scales = slot_scales(slots, cold.keys.shape[-1], cold.values.shape[-1])
-        dtype = cold.keys.dtype
+        dtype = cold.dtype  # (the model's: the slots'; the store's keys are bf16 or of it)
         if (kernels is None or not keys_in_place or cold.frames is not None or cold.quantized_keys or cold.zero_copy
-                or scales is False or dtype not in FLOATS
+                or scales is False or dtype not in FLOATS or cold.keys.dtype not in FLOATS
                 or (scales is None and (keys.dtype != dtype or values.dtype != dtype))
                 or cold.values.dtype != (torch.int8 if cold.quantized_values else dtype)
                 or not host_rows(*state) or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values))
@@ -104,11 +104,11 @@ class DecodeChoice:
         rows ``rows`` (True: every row; False: none; else a boolean per row). ``rest``: the attention's scale
         and the tier's page means, and every row's rest column left in ``rest`` from the same q.k, as a decode
         step's attention takes it ([B, H, M, 1], [B, H, M, 1, Dv]; None while no row holds a cold token)."""
-        if queries.dtype != self.cold.keys.dtype or torch.compiler.is_compiling():
+        if queries.dtype != self.cold.dtype or torch.compiler.is_compiling():
             return False
         choosing = None if rows is True else row_bytes(rows if rows is not False else [False] * queries.shape[0])
         cold = self.cold
-        queries = queries.contiguous()
+        queries = cold.scored_queries(queries).contiguous()
         batch, heads, count, dim = queries.shape
         buffers = (cold.keys, cold.values, cold.token_index, cold.positions, cold.value_scale)
         places = store_places(buffers)

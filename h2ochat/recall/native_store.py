@@ -25,7 +25,7 @@ def _takes(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], 
     quantized = scale is not None
     return not (not host_rows(count) or count.dtype != torch.long
                 or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values, *stored[:2]))
-                or keys.dtype != stored[0].dtype
+                or keys.dtype not in native.FLOATS or stored[0].dtype not in native.FLOATS
                 or (values.dtype not in (torch.bfloat16, torch.float32) if quantized
                     else values.dtype != stored[1].dtype)
                 or (quantized and (stored[1].dtype != torch.int8 or scale.dtype != torch.float32))
@@ -46,8 +46,9 @@ def _sizes(new: dict[str, torch.Tensor]) -> tuple[int, int, int, int]:
 def cold_append(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], count: torch.Tensor,
                 capacity: int) -> torch.Tensor | None:
     """``ColdStore.append`` of ``new`` (keys, values [B, H, E, ...], token_index, positions [B, H, E] int64) into a
-    store that never wraps, room reserved: ``store``'s keys (the new keys' dtype), values (the same dtype, or
-    int8 codes with ``value_scale``: of bf16 or fp32 values), token_index, positions and encoded (int32);
+    store that never wraps, room reserved: ``store``'s keys (bf16 or fp32: fp32 keys rounded to bf16 ones), values
+    (the new values' dtype, or int8 codes with ``value_scale``: of bf16 or fp32 values), token_index, positions and
+    encoded (int32);
     ``count`` [B, H] advanced. The slots written [B, H, E] (-1: none), or None where it does not take these."""
     kernels = native.bound()
     if kernels is None or torch.compiler.is_compiling() or not _takes(new, store, count):
@@ -56,7 +57,7 @@ def cold_append(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | No
     sources = (Strided * 4)(*(Strided.of(new[name]) for name in PAGE_NAMES))
     slots = torch.empty(batch, heads, entries, dtype=torch.long)
     kernels.cold_append(batch, heads, entries, count.data_ptr(), capacity, sources, _targets(store), *_sizes(new),
-                        slots.data_ptr())
+                        store["keys"].element_size(), slots.data_ptr())
     return slots
 
 
@@ -97,5 +98,6 @@ class Flusher:
         batch, heads = count.shape
         mask = None if rows is None else row_bytes(rows)
         self.kernels.flush(batch, heads, self.entries, None if mask is None else mask.data_ptr(), count.data_ptr(),
-                           capacity, self.sources, self.targets, *self.sizes, self.staged.data_ptr())
+                           capacity, self.sources, self.targets, *self.sizes, store["keys"].element_size(),
+                           self.staged.data_ptr())
         return True

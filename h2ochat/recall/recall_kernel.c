@@ -39,6 +39,28 @@
 
 static inline float larger(float a, float b) { return b > a ? b : a; } /* (fmaxf: a libm call, NaN rules) */
 
+/* x as bf16, rounded to nearest even (VCVTNEPS2BF16's and torch's for finite x). */
+static inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* n floats from `from` (elements of from_bytes: 2 bf16, 4 fp32) to `to` (to_bytes): copied, widened exactly,
+   or rounded to bf16 as torch's .to(torch.bfloat16) does (a store of bf16 keys for an fp32 model's slots). */
+static inline void copy_floats(void *to, int64_t to_bytes, const void *from, int64_t from_bytes, int64_t n) {
+  if (to_bytes == from_bytes) {
+    memcpy(to, from, n * to_bytes);
+  } else if (to_bytes == 4) {
+    for (int64_t d = 0; d < n; d++) {
+      const uint32_t bits = (uint32_t)((const uint16_t *)from)[d] << 16;
+      memcpy((float *)to + d, &bits, sizeof bits);
+    }
+  } else {
+    for (int64_t d = 0; d < n; d++) ((uint16_t *)to)[d] = to_bf16(((const float *)from)[d]);
+  }
+}
+
 /* 1 where this build has the bf16 dot products by VDPBF16PS (BF16_DOTS), 0 where not. */
 int64_t h2ochat_bf16_dots(void) {
 #ifdef BF16_DOTS
@@ -745,13 +767,6 @@ static inline void level_codes(const void *values, int64_t n, int64_t bytes, flo
 }
 #else /* the portable build: the same values, element by element (each an IEEE fp32 op, as the vector ones) */
 
-/* x as bf16, rounded to nearest even (VCVTNEPS2BF16's and torch's for finite x). */
-static inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  memcpy(&bits, &x, sizeof bits);
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static inline void store_scaled(const int8_t *codes, float scale, int64_t n, void *out, int64_t bytes) {
   for (int64_t d = 0; d < n; d++) {
     const float x = (float)codes[d] * scale;
@@ -789,19 +804,19 @@ static inline void level_codes(const void *values, int64_t n, int64_t bytes, flo
 #endif /* BF16_DOTS */
 
 /* fill_recall_slots for a plan read on the host: each loaded frame f of (b, h) takes page frame_page of the
-   cold store, slot by slot (an absent slot: zeros, token index and position -1). Keys are copied as they
-   are (key_bytes each: the slots' dtype is the store's); values too (value_scale NULL) or int8 codes times
-   the token's fp32 scale, to bf16 (value_bytes 2) or fp32 (4). Store token indices and positions are
+   cold store, slot by slot (an absent slot: zeros, token index and position -1). Float slots are of
+   value_bytes (2: bf16, 4: fp32): keys are copied from the store's key_bytes (bf16 keys widened for fp32
+   slots); values too (value_scale NULL) or int8 codes times the token's fp32 scale. Store token indices and positions are
    int32, the slots' int64. ring: the store's frames (0: it never wraps). scales (NULL: float slots): the
    slots are 8-bit codes (D and Dv bytes) with [0] key_scale, [1] key_offset, [2] value_scale, [3] value_offset
-   (fp32) beside them; key_bytes and value_bytes are then the store's float dtype's, and each slot's keys and
+   (fp32) beside them; key_bytes is then the store's keys', value_bytes the floats values are read or scaled to, and each slot's keys and
    values as page_tokens gives them (absent: zeros) are encoded by level_codes, as slot_format.encode does. */
 static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *load, const int64_t *frame_page,
                      int64_t held, int64_t ring, const strided_t *store, const strided_t *slots, int64_t D,
                      int64_t key_bytes, int64_t Dv, int64_t value_bytes, const strided_t *scales, float tiny) {
   /* store/slots: [0] keys, [1] values, [2] token index, [3] positions; store [4]: value scales (data NULL: none) */
   const int64_t end = (held + P - 1) / P, first = ring && end > ring ? end - ring : 0;
-  const int64_t key_item = scales ? 1 : key_bytes, value_item = scales ? 1 : value_bytes;
+  const int64_t key_item = scales ? 1 : value_bytes, value_item = scales ? 1 : value_bytes;
   uint8_t scratch[scales ? (D > Dv ? D : Dv) * 4 : 1]; /* (zeros, or a slot's values as the store's dtype) */
   for (int64_t f = 0; f < F; f++) {
     if (!load[f]) continue;
@@ -833,12 +848,12 @@ static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *
         continue;
       }
       if (!present) {
-        memset(key, 0, D * key_bytes);
+        memset(key, 0, D * value_bytes);
         memset(value, 0, Dv * value_bytes);
         *token = *position = -1;
         continue;
       }
-      memcpy(key, at(&store[0], b, h, source, key_bytes), D * key_bytes);
+      copy_floats(key, value_bytes, at(&store[0], b, h, source, key_bytes), key_bytes, D);
       *token = *(const int32_t *)at(&store[2], b, h, source, 4);
       *position = *(const int32_t *)at(&store[3], b, h, source, 4);
       if (!store[4].data) {
@@ -1156,10 +1171,11 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
    full pages complete, fill_row (load [B, H, F] out) for each (sequence, head), in one call; a row and
    head with nothing in the store only counts the choice on its clock (its frames are empty: what the
    update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]),
-   q and keys of `bytes` each (2: bf16, 4: fp32; float slots of the same dtype).
+   q and keys of `bytes` each (2: bf16, 4: fp32; the caller rounds an fp32 model's queries for bf16 keys).
    choosing [B] (bytes; NULL: every row): a row not choosing is left as it is (its frames, clock and slots
    untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
-   quantized slots (fill_row); value_bytes: the slots' (float slots) or the store's float dtype's.
+   quantized slots (fill_row); value_bytes: the slots' float dtype's (float slots: bf16 keys are widened
+   into fp32 ones) or the model's, that quantized slots' values are scaled to before their codes.
    rest_logit [B, H, M], rest_value [B, H, M, Dv] (NULL: no rest): after the choice, every row's rest (rest_row), choosing or not, from the q.k the choice computed (a row not choosing:
    computed for it; more than FEW_QUERIES queries, a chunk's: the pages' weights of each block of queries as its
    q.k come, chunk_weights), with the page means means [B, H, N, Dv] of which meaned [B, H] are held (rest_row
@@ -1258,13 +1274,13 @@ void h2ochat_stage(int64_t B, int64_t H, int64_t P, const int64_t *slot, int64_t
 
 /* One entry e of (sequence b, head h) of ``in`` into store slot ``slot`` (see h2ochat_cold_append). */
 static inline void store_entry(const strided_t *in, int64_t b, int64_t h, int64_t e, int64_t token,
-                               const strided_t *store, int64_t slot, int64_t D, int64_t key_bytes, int64_t Dv,
-                               int64_t value_bytes) {
+                               const strided_t *store, int64_t slot, int64_t D, int64_t key_bytes,
+                               int64_t store_key_bytes, int64_t Dv, int64_t value_bytes) {
   const int64_t position = *(const int64_t *)at(&in[3], b, h, e, 8);
   *(int32_t *)at(&store[2], b, h, slot, 4) = (int32_t)token;
   *(int32_t *)at(&store[3], b, h, slot, 4) = (int32_t)position;
   *(int32_t *)at(&store[4], b, h, slot, 4) = (int32_t)position;
-  memcpy(at(&store[0], b, h, slot, key_bytes), at(&in[0], b, h, e, key_bytes), D * key_bytes);
+  copy_floats(at(&store[0], b, h, slot, store_key_bytes), store_key_bytes, at(&in[0], b, h, e, key_bytes), key_bytes, D);
   const void *values = at(&in[1], b, h, e, value_bytes);
   if (!store[5].data) {
     memcpy(at(&store[1], b, h, slot, value_bytes), values, Dv * value_bytes);
@@ -1278,10 +1294,11 @@ static inline void store_entry(const strided_t *in, int64_t b, int64_t h, int64_
    in/store: [0] keys, [1] values, [2] token index (int64 in, int32 stored), [3] positions (likewise;
    stored as positions and as encoded, store[4]); store[5] value scales (data NULL: values copied as
    they are, value_bytes each; else int8 codes of bf16 (value_bytes 2) or fp32 (4) values with one fp32
-   scale, max |x| / 127, as cold_store._to_int8 makes them). Keys are copied (D elements of key_bytes). */
+   scale, max |x| / 127, as cold_store._to_int8 makes them). Keys are copied (D elements of key_bytes), into
+   the store's store_key_bytes (fp32 keys rounded to bf16 for a store of bf16 keys). */
 void h2ochat_cold_append(int64_t B, int64_t H, int64_t E, int64_t *count, int64_t capacity, const strided_t *in,
                          const strided_t *store, int64_t D, int64_t key_bytes, int64_t Dv, int64_t value_bytes,
-                         int64_t *slots) {
+                         int64_t store_key_bytes, int64_t *slots) {
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++) {
       const int64_t row = b * H + h;
@@ -1294,7 +1311,7 @@ void h2ochat_cold_append(int64_t B, int64_t H, int64_t E, int64_t *count, int64_
         const int64_t slot = count[row]++;
         slots[row * E + e] = slot;
         if (slot < capacity) /* (always: the caller reserved room) */
-          store_entry(in, b, h, e, token, store, slot, D, key_bytes, Dv, value_bytes);
+          store_entry(in, b, h, e, token, store, slot, D, key_bytes, store_key_bytes, Dv, value_bytes);
       }
     }
 }
@@ -1305,7 +1322,7 @@ void h2ochat_cold_append(int64_t B, int64_t H, int64_t E, int64_t *count, int64_
    its entry count staged[b, h] zeroed, as StagingPage.clear does. The other sequences are left as they are. */
 void h2ochat_flush(int64_t B, int64_t H, int64_t E, const uint8_t *rows, int64_t *count, int64_t capacity,
                    const strided_t *page, const strided_t *store, int64_t D, int64_t key_bytes, int64_t Dv,
-                   int64_t value_bytes, int64_t *staged) {
+                   int64_t value_bytes, int64_t store_key_bytes, int64_t *staged) {
   for (int64_t b = 0; b < B; b++) {
     if (rows && !rows[b]) continue;
     for (int64_t h = 0; h < H; h++) {
@@ -1316,7 +1333,7 @@ void h2ochat_flush(int64_t B, int64_t H, int64_t E, const uint8_t *rows, int64_t
         if (token >= 0) {
           const int64_t slot = count[row]++;
           if (slot < capacity) /* (always: the caller reserved room) */
-            store_entry(page, b, h, e, token, store, slot, D, key_bytes, Dv, value_bytes);
+            store_entry(page, b, h, e, token, store, slot, D, key_bytes, store_key_bytes, Dv, value_bytes);
         }
         *token_index = -1;
         *(int64_t *)at(&page[3], b, h, e, 8) = -1;

@@ -44,7 +44,7 @@ def rest_column(cold: ColdStore, frame_page: torch.Tensor, queries: torch.Tensor
     keys, values, token_index, _ = cold.pages(page_ids, rotary)  # [B, H, N*P, ...], -1 where absent
     recalled = (page_ids.unsqueeze(-1) == frame_page.unsqueeze(-2)).any(-1)  # [B, H, N]
     member = (token_index >= 0).view(batch, heads, pages, page) & ~recalled.unsqueeze(-1)  # [B, H, N, P]
-    rows = queries.float().reshape(batch, heads, group * q_len, dim)
+    rows = cold.scored_queries(queries).float().reshape(batch, heads, group * q_len, dim)  # (as the C rest's q.k)
     logits = torch.matmul(rows, keys.float().transpose(-1, -2)) * scale  # [B, H, M, N*P]
     logits = logits.view(batch, heads, group * q_len, pages, page)
     logits = logits.masked_fill(~member.unsqueeze(2), float("-inf"))

@@ -50,6 +50,11 @@ class RecallSpec:
         tiers = self._tiers(cache)
         return tiers[0].selector if tiers else self.config.selector
 
+    def cold_dtype(self, cache) -> str:
+        """The cold stores' format (``auto`` resolved by the model's dtype once allocated)."""
+        tiers = self._tiers(cache)
+        return tiers[0].cold.cold_dtype if tiers else resolved_cold_dtype(self.config.cold_dtype)
+
     def stats(self, cache) -> TierStats:
         """What the cold tier holds and did, summed over layers, rows and KV heads (reads the device)."""
         tiers = self._tiers(cache)
@@ -94,7 +99,7 @@ class RecallSpec:
         stats = self.stats(cache)
         config = self.config
         return {"recall_slots": config.slots, "page": config.page, "selector": self.selector(cache),
-                "every": config.every, "cold_dtype": resolved_cold_dtype(config.cold_dtype), "cold_limit": config.cold_limit,
+                "every": config.every, "cold_dtype": self.cold_dtype(cache), "cold_limit": config.cold_limit,
                 "digest_device_bytes": stats.digest_device_bytes, "cold_host_bytes": stats.host_bytes,
                 "cold_host_bytes_written": stats.host_bytes_written,
                 "pages_copied": stats.pages_copied, "staged_tokens": stats.staged_tokens,
