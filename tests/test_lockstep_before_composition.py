@@ -58,10 +58,10 @@ def restore_backend(monkeypatch):
 @pytest.fixture(autouse=True)
 def cold_store_as_recorded(monkeypatch):
     """The recordings hold the cold store at the model's dtype (``--cold-dtype model``), the default
-    then; the default since stores the values as int8 codes."""
+    then; the default since stores the values as int8 codes (and an fp32 model's keys in bf16)."""
     from h2ochat.recall import cold_store
 
-    monkeypatch.setattr(cold_store, "DEFAULT_COLD_DTYPE", "model")
+    monkeypatch.setattr(cold_store, "auto_cold_dtype", lambda dtype: "model")
 
 
 @pytest.fixture(autouse=True)

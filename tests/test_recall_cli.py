@@ -43,9 +43,10 @@ def test_generate_with_recall_keeps_the_budget_and_reports_the_cold_tier(checkpo
     assert record["kv_slots"] == 16 and record["kv_bytes"] == kv_bytes(16)  # recall slots are budget slots
     tier = record["recall"]
     assert (tier["recall_slots"], tier["page"], tier["selector"]) == (8, 4, "exact")
-    # every token evicted from the 8 hot slots sits in the cold store (keys fp32 and values as int8 codes,
-    # the default cold format, with their token index and positions beside them): at least those bytes
-    assert record["evicted_tokens"] > 0 and tier["cold_host_bytes"] >= record["evicted_tokens"] * HEAD_DIM * (4 + 1)
+    # every token evicted from the 8 hot slots sits in the cold store (an fp32 model's keys in bf16 and values as
+    # int8 codes, the default cold format, with their token index and positions beside them): at least those bytes
+    assert tier["cold_dtype"] == "bf16-keys"
+    assert record["evicted_tokens"] > 0 and tier["cold_host_bytes"] >= record["evicted_tokens"] * HEAD_DIM * (2 + 1)
     assert tier["pages_copied"] > 0
 
     # the same settings driven in-process give the same text
@@ -71,7 +72,7 @@ def test_story_with_recall(checkpoint):
     (["--recall", "30"], "--recall 30 takes all 16 slots of the budget"),
     (["--recall", "8"], "whole number"),  # 8 slots are not a whole number of 16-token pages
     # refused before the model runs, not when the first layer allocates its cold store
-    (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of auto, model, int8-values, int8"),
+    (["--recall", "8", "--page", "4", "--cold-dtype", "int3"], "--cold-dtype must be one of auto, model, int8-values, bf16-keys, int8"),
 ])
 def test_bad_recall_settings_are_one_line(checkpoint, extra, message):
     result = runner.invoke(app, ["generate", "hi", "--model", str(checkpoint), "--budget", "16", "-n", "2", *extra])

@@ -101,7 +101,11 @@ def test_a_recall_prefix_step_is_the_masked_step_of_the_whole_cache(family, rout
         theirs = ref.state_tensors()
         for name, tensor in mine.state_tensors().items():
             if tensor.is_floating_point():
-                torch.testing.assert_close(tensor[:PREFIX], theirs[name][:PREFIX], atol=close, rtol=close, msg=lambda m: f"{name}: {m}")
+                # (an fp32 model's cold keys in bf16: keys the two steps computed an fp32 rounding apart can round
+                # to neighbouring bf16 values, 2**-8 apart)
+                near = max(close, 2 ** -7) if tensor.dtype == torch.bfloat16 else close
+                torch.testing.assert_close(tensor[:PREFIX], theirs[name][:PREFIX], atol=near, rtol=near,
+                                           msg=lambda m: f"{name}: {m}")
             elif tensor.dtype in (torch.uint8, torch.int8):  # (int8 slots' codes: a rounding apart, one code)
                 assert int((tensor[:PREFIX].int() - theirs[name][:PREFIX].int()).abs().max()) <= 1, name
             else:

@@ -179,10 +179,10 @@ def test_the_row_count_counts_the_cold_stores_host_bytes(family):
     cold = cold_row_bytes(backend, positions)
     per_token = backend.cache.tier_host_bytes_per_token()
     assert cold == int(per_token * (positions - backend.slots)) > 0 and cold_row_bytes(plain, positions) == 0
-    # what one cold token costs: K at the model's dtype (fp32) and V as int8 codes and a scale (the default
+    # what one cold token costs: K in bf16 (an fp32 model's) and V as int8 codes and a scale (the default
     # cold format), its token index, positions and codes
     layers, heads = model.config.num_hidden_layers, backend.kv_heads
-    assert per_token >= layers * heads * (backend.head_dim * 4 + backend.head_dim + 4 + 3 * 4)
+    assert per_token >= layers * heads * (backend.head_dim * 2 + backend.head_dim + 4 + 3 * 4)
     row = backend.row_bytes()
     config = ServeConfig(model="x", settings=None, kv_memory=3 * (row + cold))
     assert choose_rows(config, row, "cpu", cold)[0] == 3

@@ -38,9 +38,6 @@ from . import native, native_store
 from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "bf16-keys", "int8")
-# what auto stands for: int8 values, and keys of 16 bits (an fp32 model's in bf16: the exact selector reads every
-# cold key each step, and on a CPU without native bf16 an fp32 model's keys were twice a bf16 model's bytes)
-DEFAULT_COLD_DTYPE = {torch.float32: "bf16-keys"}  # (by the model's dtype; every other: int8-values)
 BOOKKEEPING = torch.int32  # token indices and positions (2**31 tokens of one conversation: far past any context)
 _MINUS_ONE_WHEN_EMPTY = ("token_index", "encoded", "positions")
 OLD_COLD_DTYPES = {"same": "model"}  # the earlier name of model, still accepted
@@ -54,13 +51,18 @@ def cold_dtype_named(name: str) -> str:
     return name
 
 
+def auto_cold_dtype(dtype: torch.dtype) -> str:
+    """What auto stands for with a ``dtype`` model: int8 values and keys of 16 bits, an fp32 model's in bf16
+    (the exact selector reads every cold key each step, and on a CPU without native bf16, where ``--dtype
+    auto`` is fp32, those keys were twice a bf16 model's bytes to read and to hold)."""
+    return "bf16-keys" if dtype == torch.float32 else "int8-values"
+
+
 def resolved_cold_dtype(name: str, dtype: torch.dtype | None = None) -> str:
-    """``--cold-dtype`` as the format a store of a ``dtype`` model takes (auto: ``DEFAULT_COLD_DTYPE``'s;
-    with no dtype, auto stays auto)."""
+    """``--cold-dtype`` as the format a store of a ``dtype`` model takes (auto: ``auto_cold_dtype``; with no
+    dtype, auto stays auto)."""
     name = cold_dtype_named(name)
-    if name != "auto" or dtype is None:
-        return name
-    return DEFAULT_COLD_DTYPE.get(dtype, "int8-values")
+    return auto_cold_dtype(dtype) if name == "auto" and dtype is not None else name
 
 
 def key_dtype_of(cold_dtype: str, dtype: torch.dtype) -> torch.dtype:
