@@ -10,7 +10,8 @@ answers are compared (largest difference against the reference, fp32 sums in ano
 
 --decode: a decode step's few queries (a group of 1-5 query heads, 8 rows: what ``DecodeChoice`` scores
 over a served bucket's store) by the C route against the same kernel file at ``--baseline`` (key by key,
-one horizontal sum a key and query), built beside it: page_best and top_pages, with the keys in the
+one horizontal sum a key and query; ``--dtype float32``: fp32 queries and keys, which the portable build and the
+AVX512 build's fp32 route score by vectors of 8 floats), built beside it: page_best and top_pages, with the keys in the
 caches (``warm``: the call before, another C way's, left them there) and from memory (``cold``: 128 MiB
 read before each call, as a served step's other layers and weights evict them).
 
@@ -38,12 +39,14 @@ from h2ochat.recall import native  # noqa: E402
 from h2ochat_kernels import recall_reference as ref  # noqa: E402
 from json_report import emit  # noqa: E402
 
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
-def inputs(batch: int, heads: int, queries: int, tokens: int, dim: int):
+
+def inputs(batch: int, heads: int, queries: int, tokens: int, dim: int, dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator().manual_seed(0)
-    store = torch.randn(batch, heads, 2 * tokens, dim, generator=g).to(torch.bfloat16)
+    store = torch.randn(batch, heads, 2 * tokens, dim, generator=g).to(dtype)
     keys = store[:, :, :tokens]  # (strided: the store's leading slots)
-    q = torch.randn(batch, heads, queries, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(batch, heads, queries, dim, generator=g).to(dtype)
     return q, keys, torch.ones(batch, heads, tokens, dtype=torch.bool)
 
 
@@ -64,14 +67,15 @@ def timed(ways, repeats: int, before=None) -> dict[str, float]:
 
 
 def baseline_kernels(commit: str) -> native.Kernels:
-    """The recall kernel file as it was at ``commit``, built and bound as native.py builds the current one."""
+    """The recall kernel file as it was at ``commit``, built (with the flags of this CPU's build) and bound as
+    native.py builds the current one."""
     root = Path(__file__).resolve().parents[1]
     source = subprocess.run(["git", "show", f"{commit}:h2ochat/recall/recall_kernel.c"], cwd=root, check=True,
                             capture_output=True).stdout
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "recall_kernel.c"
         path.write_bytes(source)
-        return native._bind(native_build.build(native_build.compiler(), path))
+        return native._bind(native_build.build(native_build.compiler(), path, native._build_flags()[0]))
 
 
 def decode_rows(args) -> list[dict]:
@@ -83,7 +87,7 @@ def decode_rows(args) -> list[dict]:
     rows = []
     for queries in args.queries:
         for tokens in args.tokens:
-            q, keys, valid = inputs(args.batch, args.heads, queries, tokens, args.dim)
+            q, keys, valid = inputs(args.batch, args.heads, queries, tokens, args.dim, DTYPES[args.dtype])
             count = torch.full((args.batch, args.heads), tokens)
             ways = {}
             for name, kernels in (("c", current), ("c_baseline", baseline)):
@@ -140,6 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, help="rows (1; --decode: 8)")
     parser.add_argument("--dim", type=int, default=64, help="head dim")
     parser.add_argument("--page", type=int, default=8)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="(--decode) queries and keys: bf16, or fp32 (--dtype auto's on a CPU without native bf16)")
     parser.add_argument("--frames", type=int, default=16, help="pages top_pages chooses")
     parser.add_argument("--repeats", type=int, help="rounds of the ways (15; --decode: 31)")
     parser.add_argument("--out", type=Path)
@@ -156,6 +162,7 @@ def main(argv=None) -> int:
     report = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
               "affinity": sorted(os.sched_getaffinity(0)),
               "shapes": {"batch": args.batch, "kv_heads": args.heads, "head_dim": args.dim, "page": args.page,
+                         "dtype": args.dtype,
                          "frames": args.frames, "repeats": args.repeats},
               "command": " ".join(["python benchmarks/page_scores_chunk.py", *(argv or sys.argv[1:])]),
               **({"baseline": f"{args.baseline}:h2ochat/recall/recall_kernel.c"} if args.decode else {}), "rows": rows}

@@ -167,6 +167,22 @@ def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim, dtype):
     assert torch.equal(native.top_pages(q, many_pages, count, 2, 6), top_pages(want, 6))
 
 
+@needs_kernel
+@pytest.mark.parametrize("queries", [3, 4, 6, 7])
+@pytest.mark.parametrize("dim", [64, 40, 67])
+def test_a_few_fp32_queries_score_as_each_alone(queries, dim):
+    """fp32 queries (scored by vectors of 8 floats in either build, three queries at a time reading each key once
+    for the three): the page scores of M queries are the largest of each query's alone, bit for bit (the same
+    sums in the same order), over a view of a bigger store, invalid slots and a last part block."""
+    generator = torch.Generator().manual_seed(queries + dim)
+    keys = _floats(2, 3, 140, dim + 5, generator=generator, dtype=torch.float32)[:, :, 3:107, 1:dim + 1]
+    q = _floats(2, 3, queries, dim, generator=generator, dtype=torch.float32)
+    valid = torch.rand(2, 3, 104, generator=generator) > 0.2
+    for page in (8, 4):  # (pages of 4: two a block of 8 keys, so each key's lane counts)
+        alone = torch.stack([native.page_best(q[:, :, m:m + 1], keys, valid, page) for m in range(queries)]).amax(dim=0)
+        assert torch.equal(native.page_best(q, keys, valid, page), alone), page
+
+
 def test_page_best_declines_what_it_does_not_take():
     q = torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)
     keys = torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16)

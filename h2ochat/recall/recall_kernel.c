@@ -189,7 +189,6 @@ static inline __mmask16 live_lanes(const uint8_t *valid, int64_t t0, int64_t n) 
   return (__mmask16)_mm512_test_epi8_mask(bytes, bytes);
 }
 
-
 /* Raises the scores of the pages a block of n keys from slot t0 falls in to the best of their live lanes:
    a whole block of pages of 8 or 16 (the usual; blocks start at multiples of 16) by one tree of maxima
    (lanes 0 and 8, or 0), else each page's lanes by a masked maximum. */
@@ -342,6 +341,7 @@ typedef int32_t mask8 __attribute__((vector_size(32))); /* (a lanes8 comparison'
 #define WIDE 8       /* lanes of a lanes8 */
 #define WIDE_KEYS 8  /* keys a block: one lane each */
 #define MANY_GROUP 8 /* queries a pass over a block of any_many_scores takes at once */
+#define PREFETCH_KEYS 16 /* any_few_scores asks for the keys this far ahead (the store read front to back) */
 
 /* Element i of a row of bf16 (bytes 2) or fp32 (4) values, as fp32. */
 static inline float widened(const void *row, int64_t i, int64_t bytes) {
@@ -434,8 +434,10 @@ static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const flo
 }
 
 /* Few queries (widened, qw [M][Dw]): keys 8 at a time, each read in place (fp32, D a multiple of WIDE) or
-   widened once (absent keys: zeros, never read back), dotted with every query; their best raise their pages.
-   dots: as any_raise_scores keeps them. */
+   widened once for all the queries (absent keys: zeros, never read back), dotted with every query; their best
+   raise their pages. Keys read in place ask for the keys PREFETCH_KEYS ahead as these are scored (a decode step's
+   store comes from memory: 1.05-1.5x faster at 512-2K fp32 keys a row, 8 rows; bf16 keys, widened as they come,
+   gained nothing; benchmarks/page_scores_chunk.py --decode). dots: as any_raise_scores keeps them. */
 static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
                            int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores,
                            float *dots, int64_t dot_stride) {
@@ -458,6 +460,10 @@ static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, co
       else memset(widened_keys + j * Dw, 0, Dw * sizeof(float));
     }
     if (!live) continue;
+    if (in_place) { /* (past the end: a hint only) */
+      const char *ahead = (const char *)keys + (t0 + PREFETCH_KEYS) * key_t * bytes;
+      for (int64_t a = 0; a < WIDE_KEYS * D * bytes; a += 64) __builtin_prefetch(ahead + a);
+    }
     raise_block(scores, best_dots(qw, M, Dw, k, dots ? dots + t0 : NULL, dot_stride), FOLDED, t0, n, valid, page);
   }
 }
