@@ -84,8 +84,10 @@ def test_the_exact_selector_scores_the_cold_stores_own_keys_and_chooses_as_a_cop
         if not in_place:
             monkeypatch.setattr(tier.ColdKeys, "fits", staticmethod(lambda cold, device: False))
         generator = torch.Generator().manual_seed(seed)
-        cache = recall_cache(1, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, "exact"), max_positions=10_000,
-                             positions="absolute")
+        # (the keys at the model's dtype, as the copy keeps them: an fp32 model's default store keeps bf16 keys,
+        # which score with bf16 queries, so it chooses as a copy of those would, not as this fp32 copy)
+        cache = recall_cache(1, "h2o", HOT, recall=RecallConfig(RECALL, PAGE, "exact", cold_dtype="int8-values"),
+                             max_positions=10_000, positions="absolute")
         outputs, frames = [], []
         for q_len in [12, *[1] * 60]:
             key, value, query = (torch.randn(BATCH, KV_HEADS, q_len, DIM, generator=generator).to(dtype)
