@@ -48,8 +48,8 @@ def cold_append(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | No
     """``ColdStore.append`` of ``new`` (keys, values [B, H, E, ...], token_index, positions [B, H, E] int64) into a
     store that never wraps, room reserved: ``store``'s keys (bf16 or fp32: fp32 keys rounded to bf16 ones), values
     (the new values' dtype, or int8 codes with ``value_scale``: of bf16 or fp32 values), token_index, positions and
-    encoded (int32);
-    ``count`` [B, H] advanced. The slots written [B, H, E] (-1: none), or None where it does not take these."""
+    encoded (int32); ``count`` [B, H] advanced. The slots written [B, H, E] (-1: none), or None where it does not
+    take these."""
     kernels = native.bound()
     if kernels is None or torch.compiler.is_compiling() or not _takes(new, store, count):
         return None

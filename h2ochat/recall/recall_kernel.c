@@ -812,11 +812,12 @@ static inline void level_codes(const void *values, int64_t n, int64_t bytes, flo
 /* fill_recall_slots for a plan read on the host: each loaded frame f of (b, h) takes page frame_page of the
    cold store, slot by slot (an absent slot: zeros, token index and position -1). Float slots are of
    value_bytes (2: bf16, 4: fp32): keys are copied from the store's key_bytes (bf16 keys widened for fp32
-   slots); values too (value_scale NULL) or int8 codes times the token's fp32 scale. Store token indices and positions are
-   int32, the slots' int64. ring: the store's frames (0: it never wraps). scales (NULL: float slots): the
-   slots are 8-bit codes (D and Dv bytes) with [0] key_scale, [1] key_offset, [2] value_scale, [3] value_offset
-   (fp32) beside them; key_bytes is then the store's keys', value_bytes the floats values are read or scaled to, and each slot's keys and
-   values as page_tokens gives them (absent: zeros) are encoded by level_codes, as slot_format.encode does. */
+   slots); values too (value_scale NULL) or int8 codes times the token's fp32 scale. Store token indices and
+   positions are int32, the slots' int64. ring: the store's frames (0: it never wraps). scales (NULL: float
+   slots): the slots are 8-bit codes (D and Dv bytes) with [0] key_scale, [1] key_offset, [2] value_scale,
+   [3] value_offset (fp32) beside them; key_bytes is then the store's keys', value_bytes the floats values are
+   read or scaled to, and each slot's keys and values as page_tokens gives them (absent: zeros) are encoded by
+   level_codes, as slot_format.encode does. */
 static void fill_row(int64_t b, int64_t h, int64_t F, int64_t P, const uint8_t *load, const int64_t *frame_page,
                      int64_t held, int64_t ring, const strided_t *store, const strided_t *slots, int64_t D,
                      int64_t key_bytes, int64_t Dv, int64_t value_bytes, const strided_t *scales, float tiny) {
