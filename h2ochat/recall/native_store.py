@@ -26,7 +26,7 @@ def _takes(new: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], 
     return not (not host_rows(count) or count.dtype != torch.long
                 or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (keys, values, *stored[:2]))
                 or keys.dtype not in native.FLOATS or stored[0].dtype not in native.FLOATS
-                or (values.dtype not in (torch.bfloat16, torch.float32) if quantized
+                or (values.dtype not in native.FLOATS if quantized
                     else values.dtype != stored[1].dtype)
                 or (quantized and (stored[1].dtype != torch.int8 or scale.dtype != torch.float32))
                 or any(t.dtype != torch.int32 for t in stored[2:])

@@ -46,16 +46,22 @@ static inline uint16_t to_bf16(float x) {
   return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* Element i of a row of bf16 (bytes 2) or fp32 (4) values, as fp32. */
+static inline float widened(const void *row, int64_t i, int64_t bytes) {
+  if (bytes == 4) return ((const float *)row)[i];
+  const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+  float value;
+  memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 /* n floats from `from` (elements of from_bytes: 2 bf16, 4 fp32) to `to` (to_bytes): copied, widened exactly,
    or rounded to bf16 as torch's .to(torch.bfloat16) does (a store of bf16 keys for an fp32 model's slots). */
 static inline void copy_floats(void *to, int64_t to_bytes, const void *from, int64_t from_bytes, int64_t n) {
   if (to_bytes == from_bytes) {
     memcpy(to, from, n * to_bytes);
   } else if (to_bytes == 4) {
-    for (int64_t d = 0; d < n; d++) {
-      const uint32_t bits = (uint32_t)((const uint16_t *)from)[d] << 16;
-      memcpy((float *)to + d, &bits, sizeof bits);
-    }
+    for (int64_t d = 0; d < n; d++) ((float *)to)[d] = widened(from, d, 2);
   } else {
     for (int64_t d = 0; d < n; d++) ((uint16_t *)to)[d] = to_bf16(((const float *)from)[d]);
   }
@@ -342,15 +348,6 @@ typedef int32_t mask8 __attribute__((vector_size(32))); /* (a lanes8 comparison'
 #define WIDE_KEYS 8  /* keys a block: one lane each */
 #define MANY_GROUP 8 /* queries a pass over a block of any_many_scores takes at once */
 #define PREFETCH_KEYS 16 /* any_few_scores asks for the keys this far ahead (the store read front to back) */
-
-/* Element i of a row of bf16 (bytes 2) or fp32 (4) values, as fp32. */
-static inline float widened(const void *row, int64_t i, int64_t bytes) {
-  if (bytes == 4) return ((const float *)row)[i];
-  const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
-  float value;
-  memcpy(&value, &bits, sizeof value);
-  return value;
-}
 
 /* D values of `bytes` each as fp32 into out[0, Dw) (Dw: D rounded up to WIDE), zeros past D. */
 static inline void widen_row(const void *row, int64_t D, int64_t Dw, int64_t bytes, float *out) {
