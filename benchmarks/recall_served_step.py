@@ -32,12 +32,13 @@ def one_run(args) -> dict:
     """(In the child.) One engine's steps: {"step_ms": [...], ...}."""
     import torch
 
+    from h2ochat.engine.compiled import CompiledDecode
     from h2ochat.engine.forward_step import EagerDecode
     from h2ochat.engine.generation import CacheSettings, prefill
     from h2ochat.loading.models import load
 
     torch.set_num_threads(1)
-    loaded = load("smollm2-135m", dtype="bfloat16", decode_rows=args.rows)
+    loaded = load("smollm2-135m", dtype=args.dtype, decode_rows=args.rows)
     model = loaded.model
     settings = CacheSettings(budget=args.budget, recall=args.recall, kv_dtype=args.kv_dtype)
     cache = settings.build(model)
@@ -46,17 +47,33 @@ def one_run(args) -> dict:
     prefill(model, cache, ids, chunk=512)
     active = torch.ones(args.rows, dtype=torch.bool)
     active[[int(row) for row in args.left_out.split(",") if row]] = False
-    decode = EagerDecode(model)
+    decode = CompiledDecode(model) if args.compile else EagerDecode(model)
     tokens = torch.randint(10, 40000, (args.warmup + args.steps, args.rows), generator=generator)
     times = []
-    for step in range(args.warmup + args.steps):
-        started = time.process_time()
+    for step in range(args.warmup):
         decode(cache, tokens[step], active)
-        if step >= args.warmup:
+    with _profiled(args.profile) as profile:
+        for step in range(args.warmup, args.warmup + args.steps):
+            started = time.process_time()
+            decode(cache, tokens[step], active)
             times.append((time.process_time() - started) * 1e3)
+    if profile is not None:
+        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), file=sys.stderr)
     tier = getattr(cache.layers[0], "tier", None)
     return {"step_ms": times, "median_ms": statistics.median(times),
             "pages_copied_layer0": int(tier.frames.copied.sum()) if getattr(tier, "frames", None) is not None else 0}
+
+
+def _profiled(rows: int):
+    """torch.profiler around the timed steps when ``rows`` (the table's length) is set, else nothing;
+    a compiled step's kernels are named in it with inductor's ``cpp.enable_kernel_profile``."""
+    import contextlib
+
+    import torch
+
+    if not rows:
+        return contextlib.nullcontext()
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 def main(argv=None) -> dict:
@@ -67,9 +84,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", default="256")
     parser.add_argument("--recall", default="0.5")
     parser.add_argument("--kv-dtype", default="auto")
+    parser.add_argument("--dtype", default="bfloat16", help="the model's dtype (the served load's on an AVX2 CPU: float32)")
+    parser.add_argument("--compile", action="store_true", help="the compiled decode step, as a CPU server runs")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print torch.profiler's table of this many ops per run (to stderr)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"which of {', '.join(ENGINES)} to run")
     parser.add_argument("--before", help="a folder holding an earlier commit's h2ochat package: its default route too")
     parser.add_argument("--code", help="a folder holding the h2ochat package the other engines import")
     parser.add_argument("--out")
@@ -81,7 +103,7 @@ def main(argv=None) -> dict:
 
         print(json.dumps({**one_run(args), "package": str(Path(h2ochat.__file__).parent)}))
         return {}
-    engines = dict(ENGINES)
+    engines = {name: ENGINES[name] for name in args.engines.split(",")}
     if args.code:
         engines = {name: ({**env, "PYTHONPATH": args.code}, recall) for name, (env, recall) in engines.items()}
     if args.before:
@@ -90,7 +112,7 @@ def main(argv=None) -> dict:
     for repeat in range(args.repeats):
         for name, (env, _) in engines.items():
             command = [sys.executable, __file__, "--child", name, *(argv if argv is not None else sys.argv[1:])]
-            done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
+            done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, stdout=subprocess.PIPE,
                                   text=True, check=True)
             run = json.loads(done.stdout.strip().splitlines()[-1])
             runs[name].append(run)

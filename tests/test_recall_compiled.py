@@ -139,7 +139,7 @@ def test_what_the_compiled_step_does_not_take(models):
 def test_inductor_hands_the_choice_the_layer_s_own_slots(seed):
     """Inductor (what a server's --compile runs) calls the choice op (``graph_choice``) on the layer's
     own per-slot buffers, not copies of them (the pages land where the attention reads them, with no
-    copy of the slots in and out each step), once a layer; its steps choose the pages the eager step
+    copy of the slots in and out each step), once a layer, and the step copies no slot tensor whole; its steps choose the pages the eager step
     chooses and give its logits (a one-layer Llama: inductor's C++ takes minutes a layer on this CPU)."""
     from torch._inductor.utils import run_and_get_code
 
@@ -159,6 +159,11 @@ def test_inductor_hands_the_choice_the_layer_s_own_slots(seed):
             # keys, values, token index, positions: graph inputs (argN_1) or views of them, not copies (bufN)
             written = re.findall(r"\b(arg\d+_1|buf\d+)\b", calls[0].split("[", 1)[1].split("]", 1)[0])
             assert len(written) == 4 and all(arg.startswith("arg") for arg in written), calls
+            # and writes its slots in place: no loop over a whole keys or values tensor (the staging page, written
+            # through a view of the slots, was rebuilt so: a copy of all of them each step, session 66)
+            layer = caches[1].layers[0]
+            whole = [f"<static_cast<int64_t>({tensor.numel()}L)" for tensor in (layer.keys, layer.values)]
+            assert not [bound for bound in whole if any(bound in code for code in codes)], whole
         else:
             got = step(caches[1], tokens)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -27,8 +27,8 @@ def columns_of(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     then takes one base per storage, shaped like the views' ``_base`` where they have one (views made
     outside inference mode: a server's cache) and flat where they have none (made inside: a chat's or a
     bench's). Inductor's disk cache does not key on which, so a step compiled by the one and read back by
-    the other failed on its first call; without a base, every caller's views take the flat one. (The recall
-    step makes the columns it writes inside its graph, ``RecallTier._in_graph_staging``: no such inputs.)"""
+    the other failed on its first call; without a base, every caller's views take the flat one. (A compiled
+    recall step writes its staging page through the layer's tensors, ``write_staged``: no such inputs.)"""
     view = tensor[:, :, start:stop]
     if torch.compiler.is_compiling():  # (in a graph: a view of the layer's own input, no input of its own)
         return view
@@ -76,6 +76,17 @@ class TierPort:
     def staging_columns(self, page: int) -> dict[str, torch.Tensor]:
         """The tier's last ``page`` columns (recall stages its evicted tokens there)."""
         return self.tier_columns(self.columns - page)
+
+    def write_staged(self, page: int, entry: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """``values`` by name ([B, Hkv, ...]: some of the per-slot tensors) into entry ``entry`` [B, Hkv] of
+        each (sequence, KV head)'s staging page (the tier's last ``page`` columns), written by index into the
+        layer's tensors themselves. A compiled step stages so: its write into a view of a graph input (a
+        ``staging_columns`` view) was rebuilt as a copy of the whole keys and values with the page scattered
+        back, which inductor kept in place in some layers and not in others (SmolLM2-135M, fp32, 8 rows,
+        256 slots: ~0.9 ms a layer in half of them, 12% of the step)."""
+        where = (*self.coordinates, entry + (self.capacity + self.columns - page))
+        for name, value in values.items():
+            self._slot_tensors[name].index_put_(where, value)
 
     def policy_part(self, tensor: torch.Tensor) -> torch.Tensor:
         """The policy's columns of a per-slot tensor whose last dimension is the slot column."""

@@ -211,23 +211,22 @@ class StagingPage:
         return {"count": self.count}
 
     def put(self, coordinates, victim: dict[str, torch.Tensor], active: torch.Tensor | None = None,
-            slots: RecallSlots | None = None) -> None:
+            port=None) -> None:
         """One entry per (sequence, head) [B, H, ...] into the next staging column (fixed shapes, no
         host read: a compiled step holds it): ``victim`` by name (``TierPort.victims``: keys, values,
         token_index, positions and, for quantized slots, the scales beside the codes). ``active`` [B]
-        bool (None: every row): a row left out writes an empty entry and does not count it. ``slots``:
-        the same columns as views made now (a compiled step's: see ``RecallTier.archive``)."""
-        slots = slots or self.slots
+        bool (None: every row): a row left out writes an empty entry and does not count it. ``port``: write
+        through the layer's own tensors (``TierPort.write_staged``: a compiled step's) rather than the
+        page's views."""
         # (a prefix cache's step: its first rows, ``H2OCache.prefix``; cut whatever the rows, so a compiled
         # step of a symbolic batch holds no branch on its size)
         count = self.count[: victim["token_index"].shape[0]]
-        where = (*coordinates, count)
-        for name, buffer in (slots.scales or {}).items():
-            buffer.index_put_(where, victim[name])
-        slots.keys.index_put_(where, victim["keys"])
-        slots.values.index_put_(where, victim["values"])
-        slots.token_index.index_put_(where, victim["token_index"])
-        slots.positions.index_put_(where, victim["positions"])
+        if port is not None:
+            port.write_staged(self.page, count, victim)
+        else:
+            where = (*coordinates, count)
+            for name, buffer in self.slots.columns().items():
+                buffer.index_put_(where, victim[name])
         count.add_(1 if active is None else active.view(-1, 1).long())
 
     def count_step(self) -> None:

@@ -315,7 +315,7 @@ class RecallTier(RecallRowMoves, ColdWrites):
         """The recall columns' scores are this step's attention to recalled and staged tokens:
         counted, then cleared (what they drew ranks nothing)."""
         scores = self.recall_scores
-        if torch.compiler.is_compiling():  # (views made in the graph, not inputs of it: ``_in_graph_staging``)
+        if torch.compiler.is_compiling():  # (views made in the graph, not inputs of it aliasing the slots)
             scores = port.tier_columns()["scores"]
         elif port.batch < self.batch:  # (a prefix cache's step: its first rows)
             scores = scores[:port.batch]
@@ -331,15 +331,8 @@ class RecallTier(RecallRowMoves, ColdWrites):
         victims, active = port.victims(slot), self.step_active
         if active is not None:
             victims["token_index"] = victims["token_index"].masked_fill(~active.view(-1, 1), -1)
-        self.staging.put(port.coordinates, victims, active, self._in_graph_staging(port))
-
-    def _in_graph_staging(self, port) -> RecallSlots | None:
-        """In a compiled step, the staging columns as views made inside the graph from the layer's slots
-        (None eagerly: the page's own views). The page's views would be graph inputs aliasing the slots the
-        step writes, which AOTAutograd rebuilds on every call (~2 ms of a 57 ms compiled step, 8 rows)."""
-        if not torch.compiler.is_compiling():
-            return None
-        return RecallSlots.of(port.staging_columns(self.staging.page), self.format)
+        # (a compiled step writes through the layer's tensors: ``TierPort.write_staged``)
+        self.staging.put(port.coordinates, victims, active, port if torch.compiler.is_compiling() else None)
 
     def _stager(self, port) -> "native.Stager | None":
         """The C staging for this port's columns (made for each port: the layer's, its prefixes'; again for
