@@ -10,6 +10,14 @@ edit made while it runs changes nothing).
 
     taskset -c 1 python benchmarks/recall_served_step.py --out benchmarks/results_recall_served_step_s53.json
 
+``--compile`` times the compiled step a CPU server runs (a static graph of ``--rows``; the first run of each
+engine compiles it, untimed: minutes), ``--dtype float32`` the model as an AVX2 CPU's ``--dtype auto`` loads it,
+``--profile N`` prints torch.profiler's top N ops of each run (with ``TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1``,
+inductor's kernels by name), ``--engines`` picks the engines (session 66):
+
+    taskset -c 1 python benchmarks/recall_served_step.py --dtype float32 --compile --engines h2o,recall_native \
+        --before /tmp/before --steps 48 --context 1000 --out benchmarks/results_recall_served_step_s66_fp32_compiled.json
+
 Prints and writes each run's median step (ms), and the medians' ratios to h2o's.
 """
 
