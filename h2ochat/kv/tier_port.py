@@ -5,7 +5,8 @@ A layer's per-slot tensors ([B, Hkv, S, ...]: its slot format's keys and values 
 scores, token indices and positions) hold ``capacity`` policy columns first and the tier's
 ``columns`` after them; a tier that stages (recall) stages in its last page. That layout is said
 here alone: a tier asks the port for its columns as named views (``tier_columns``, ``frame_columns``,
-``staging_columns``), for a victim's values before the eviction overwrites it (``victims``), and a
+``staging_columns``), for a victim's values before the eviction overwrites it (``victims``), writes
+a compiled step's staged entries through it (``write_staged``), and a
 reader outside the layer (``split``, ``kv.row_moves``) splits a per-slot tensor with ``policy_part``
 and ``tier_part``. A tier reads nothing else of its layer: its host counters, its kernels, its slot
 format and its policy's decay come through the port too.
