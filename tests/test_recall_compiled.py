@@ -139,8 +139,9 @@ def test_what_the_compiled_step_does_not_take(models):
 def test_inductor_hands_the_choice_the_layer_s_own_slots(seed):
     """Inductor (what a server's --compile runs) calls the choice op (``graph_choice``) on the layer's
     own per-slot buffers, not copies of them (the pages land where the attention reads them, with no
-    copy of the slots in and out each step), once a layer, and the step copies no slot tensor whole; its steps choose the pages the eager step
-    chooses and give its logits (a one-layer Llama: inductor's C++ takes minutes a layer on this CPU)."""
+    copy of the slots in and out each step), once a layer, and the step copies no slot tensor whole; its
+    steps choose the pages the eager step chooses and give its logits (a one-layer Llama: inductor's C++
+    takes minutes a layer on this CPU)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()

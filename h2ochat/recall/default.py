@@ -44,9 +44,9 @@ results_serve_recall_load_s59_*.json), inside issue 34's 1.25x by less than the 
 peak RSS, but 1.38x fewer at 1.38x the peak RSS on an AVX2 one in fp32 (session 64:
 results_serve_recall_load_s64_avx2.json), past both targets, and 1.27x fewer at 1.29x the peak RSS with an
 fp32 model's cold keys in bf16 (session 65: results_serve_recall_load_s65_bf16keys_avx2*.json), the tokens/s
-target still missed, and 1.275x over four pairs at 1.27x the peak RSS once the compiled decode step stopped copying
-its slots (session 66: results_serve_recall_load_s66_avx2*.json). (Its decode step runs the smallest bucket of rows since session 64, as the h2o server's
-does: a lone chat no longer steps every row.)
+target still missed, and 1.275x over four pairs at 1.27x the peak RSS once the compiled decode step stopped
+copying its slots (session 66: results_serve_recall_load_s66_avx2*.json). (Its decode step runs the smallest
+bucket of rows since session 64, as the h2o server's does: a lone chat no longer steps every row.)
 """
 
 from __future__ import annotations
