@@ -24,6 +24,7 @@ Prints and writes each run's median step (ms), and the medians' ratios to h2o's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -75,8 +76,6 @@ def one_run(args) -> dict:
 def _profiled(rows: int):
     """torch.profiler around the timed steps when ``rows`` (the table's length) is set, else nothing;
     a compiled step's kernels are named in it with inductor's ``cpp.enable_kernel_profile``."""
-    import contextlib
-
     import torch
 
     if not rows:

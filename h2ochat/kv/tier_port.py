@@ -6,7 +6,7 @@ scores, token indices and positions) hold ``capacity`` policy columns first and 
 ``columns`` after them; a tier that stages (recall) stages in its last page. That layout is said
 here alone: a tier asks the port for its columns as named views (``tier_columns``, ``frame_columns``,
 ``staging_columns``), for a victim's values before the eviction overwrites it (``victims``), writes
-a compiled step's staged entries through it (``write_staged``), and a
+its staged entries through it (``write_staged``), and a
 reader outside the layer (``split``, ``kv.row_moves``) splits a per-slot tensor with ``policy_part``
 and ``tier_part``. A tier reads nothing else of its layer: its host counters, its kernels, its slot
 format and its policy's decay come through the port too.
@@ -81,7 +81,7 @@ class TierPort:
     def write_staged(self, page: int, entry: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """``values`` by name ([B, Hkv, ...]: some of the per-slot tensors) into entry ``entry`` [B, Hkv] of
         each (sequence, KV head)'s staging page (the tier's last ``page`` columns), written by index into the
-        layer's tensors themselves. A compiled step stages so: its write into a view of a graph input (a
+        layer's tensors themselves: in a compiled step a write into a view of a graph input (a
         ``staging_columns`` view) was rebuilt as a copy of the whole keys and values with the page scattered
         back, which inductor kept in place in some layers and not in others (SmolLM2-135M, fp32, 8 rows,
         256 slots: ~0.9 ms a layer in half of them, 12% of the step)."""

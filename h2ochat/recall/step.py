@@ -210,23 +210,17 @@ class StagingPage:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"count": self.count}
 
-    def put(self, coordinates, victim: dict[str, torch.Tensor], active: torch.Tensor | None = None,
-            port=None) -> None:
+    def put(self, port, victim: dict[str, torch.Tensor], active: torch.Tensor | None = None) -> None:
         """One entry per (sequence, head) [B, H, ...] into the next staging column (fixed shapes, no
         host read: a compiled step holds it): ``victim`` by name (``TierPort.victims``: keys, values,
-        token_index, positions and, for quantized slots, the scales beside the codes). ``active`` [B]
-        bool (None: every row): a row left out writes an empty entry and does not count it. ``port``: write
-        through the layer's own tensors (``TierPort.write_staged``: a compiled step's) rather than the
-        page's views."""
+        token_index, positions and, for quantized slots, the scales beside the codes), written by index into
+        the layer's own tensors (``TierPort.write_staged``: a compiled step's write into the page's views
+        would copy them whole). ``active`` [B] bool (None: every row): a row left out writes an empty entry
+        and does not count it."""
         # (a prefix cache's step: its first rows, ``H2OCache.prefix``; cut whatever the rows, so a compiled
         # step of a symbolic batch holds no branch on its size)
         count = self.count[: victim["token_index"].shape[0]]
-        if port is not None:
-            port.write_staged(self.page, count, victim)
-        else:
-            where = (*coordinates, count)
-            for name, buffer in self.slots.columns().items():
-                buffer.index_put_(where, victim[name])
+        port.write_staged(self.page, count, victim)
         count.add_(1 if active is None else active.view(-1, 1).long())
 
     def count_step(self) -> None:

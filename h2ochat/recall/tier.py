@@ -331,8 +331,7 @@ class RecallTier(RecallRowMoves, ColdWrites):
         victims, active = port.victims(slot), self.step_active
         if active is not None:
             victims["token_index"] = victims["token_index"].masked_fill(~active.view(-1, 1), -1)
-        # (a compiled step writes through the layer's tensors: ``TierPort.write_staged``)
-        self.staging.put(port.coordinates, victims, active, port if torch.compiler.is_compiling() else None)
+        self.staging.put(port, victims, active)
 
     def _stager(self, port) -> "native.Stager | None":
         """The C staging for this port's columns (made for each port: the layer's, its prefixes'; again for
