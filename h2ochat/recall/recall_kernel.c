@@ -465,52 +465,77 @@ static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, co
   }
 }
 
-/* Many queries (qw [M][Dw]): keys WIDE_KEYS at a time laid out by channel (block[d][j] = key j's channel d),
-   every query passing over the block with its channels broadcast: each lane one key's dot, no sum across lanes.
-   dots: as any_raise_scores keeps them. */
+/* Keys t0 .. t0 + n - 1 (n <= WIDE_KEYS) laid out by channel as fp32, block[d][j] = key j's channel d (absent
+   keys: zeros), for block_scores. */
+static inline void key_block(const void *keys, int64_t key_t, int64_t bytes, int64_t D, int64_t t0, int64_t n,
+                             float *block) {
+  for (int64_t j = 0; j < WIDE_KEYS; j++) {
+    const void *key = j < n ? (const char *)keys + (t0 + j) * key_t * bytes : NULL;
+    for (int64_t d = 0; d < D; d++) block[d * WIDE_KEYS + j] = key ? widened(key, d, bytes) : 0.0f;
+  }
+}
+
+/* Every key below `filled` as key_block lays a block out, block after block (blocks [filled / 8 rounded up][D][8]):
+   a chunk's blocks of queries then read them instead of laying each block out again (chunk_weights). */
+static void key_blocks(const void *keys, int64_t key_t, int64_t bytes, int64_t D, int64_t filled, float *blocks) {
+  for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS)
+    key_block(keys, key_t, bytes, D, t0, filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS,
+              blocks + t0 / WIDE_KEYS * D * WIDE_KEYS);
+}
+
+/* The block of n keys from slot t0 (laid out by key_block) against many queries (qw [M][Dw]): every query passes
+   over the block with its channels broadcast, each lane one key's dot, no sum across lanes; their best raise the
+   block's pages. dots: as any_raise_scores keeps them. */
+static void block_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const float *block, int64_t t0,
+                         int64_t n, const uint8_t *valid, int64_t page, float *scores, float *dots, int64_t dot_stride) {
+  lanes8 best;
+  for (int j = 0; j < WIDE_KEYS; j++) best[j] = -INFINITY;
+  for (int64_t m0 = 0; m0 < M; m0 += MANY_GROUP) { /* (MANY_GROUP independent sums: an FMA's latency covered) */
+    const int64_t rows = M - m0 < MANY_GROUP ? M - m0 : MANY_GROUP;
+    const float *q = qw + m0 * Dw;
+    lanes8 sum[MANY_GROUP];
+    for (int i = 0; i < MANY_GROUP; i++) sum[i] = q[(i < rows ? i : 0) * Dw] * load8(block);
+    for (int64_t d = 1; d < D; d++) {
+      const lanes8 channel = load8(block + d * WIDE_KEYS);
+      for (int i = 0; i < MANY_GROUP; i++) sum[i] += q[(i < rows ? i : 0) * Dw + d] * channel;
+    }
+    for (int i = 0; i < rows; i++) {
+      best = larger8(best, sum[i]);
+      if (dots) memcpy(dots + (m0 + i) * dot_stride + t0, &sum[i], sizeof sum[i]);
+    }
+  }
+  raise_block(scores, best, IN_ORDER, t0, n, valid, page);
+}
+
+/* Many queries (qw [M][Dw]): keys WIDE_KEYS at a time laid out by channel, each block scored by block_scores
+   (blocks: every key laid out before, key_blocks'; NULL: each block laid out here as it comes). dots: as
+   any_raise_scores keeps them. */
 static void any_many_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
                             int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores,
-                            float *dots, int64_t dot_stride) {
+                            float *dots, int64_t dot_stride, const float *blocks) {
   float block[D * WIDE_KEYS];
   for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
     const int64_t n = filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS;
     int live = 0;
     for (int64_t j = 0; j < n; j++) live |= !valid || valid[t0 + j];
     if (!live) continue;
-    for (int64_t j = 0; j < WIDE_KEYS; j++) {
-      const void *key = j < n ? (const char *)keys + (t0 + j) * key_t * bytes : NULL;
-      for (int64_t d = 0; d < D; d++) block[d * WIDE_KEYS + j] = key ? widened(key, d, bytes) : 0.0f;
-    }
-    lanes8 best;
-    for (int j = 0; j < WIDE_KEYS; j++) best[j] = -INFINITY;
-    for (int64_t m0 = 0; m0 < M; m0 += MANY_GROUP) { /* (MANY_GROUP independent sums: an FMA's latency covered) */
-      const int64_t rows = M - m0 < MANY_GROUP ? M - m0 : MANY_GROUP;
-      const float *q = qw + m0 * Dw;
-      lanes8 sum[MANY_GROUP];
-      for (int i = 0; i < MANY_GROUP; i++) sum[i] = q[(i < rows ? i : 0) * Dw] * load8(block);
-      for (int64_t d = 1; d < D; d++) {
-        const lanes8 channel = load8(block + d * WIDE_KEYS);
-        for (int i = 0; i < MANY_GROUP; i++) sum[i] += q[(i < rows ? i : 0) * Dw + d] * channel;
-      }
-      for (int i = 0; i < rows; i++) {
-        best = larger8(best, sum[i]);
-        if (dots) memcpy(dots + (m0 + i) * dot_stride + t0, &sum[i], sizeof sum[i]);
-      }
-    }
-    raise_block(scores, best, IN_ORDER, t0, n, valid, page);
+    if (!blocks) key_block(keys, key_t, bytes, D, t0, n, block);
+    block_scores(qw, M, D, Dw, blocks ? blocks + t0 / WIDE_KEYS * D * WIDE_KEYS : block, t0, n, valid, page, scores,
+                 dots, dot_stride);
   }
 }
 
 /* raise_page_scores for any float queries and keys (bytes 2 or 4): scores[n] raised to the best q.k of page n's
    valid slots below `filled`. dots (NULL: not kept): every q.k too, query m's of slot t at dots[m * dot_stride + t]
-   (a last block's 8 written whole: the rows are padded). qw: room for the widened queries (scratch_floats). */
+   (a last block's 8 written whole: the rows are padded). qw: room for the widened queries (scratch_floats); blocks
+   (NULL: none): the keys laid out by key_blocks, for many queries. */
 static void any_raise_scores(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
                              const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
-                             int64_t dot_stride, float *qw) {
+                             int64_t dot_stride, float *qw, const float *blocks) {
   const int64_t Dw = (D + WIDE - 1) / WIDE * WIDE;
   for (int64_t m = 0; m < M; m++) widen_row((const char *)q + m * D * bytes, D, Dw, bytes, qw + m * Dw);
   if (M <= WIDE_KEYS) any_few_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride);
-  else any_many_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride);
+  else any_many_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride, blocks);
 }
 
 /* The floats of scratch scores_of needs for M queries of D (0: none, where the bf16 route takes them). */
@@ -535,14 +560,25 @@ static int scratch_for(int64_t bytes, int64_t M, int64_t D, float **scratch) {
    scratch_for's. */
 static void raise_scores_of(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
                             const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
-                            int64_t dot_stride, float *scratch) {
+                            int64_t dot_stride, float *scratch, const float *blocks) {
 #ifdef BF16_DOTS
   if (bytes == 2) {
     raise_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
     return;
   }
 #endif
-  any_raise_scores(q, bytes, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride, scratch);
+  any_raise_scores(q, bytes, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride, scratch, blocks);
+}
+
+/* The floats key_blocks lays `filled` keys of D out in where the route for these queries reads them (the portable
+   one, any_raise_scores'), else 0 (the bf16 route of the BF16_DOTS build lays out its own). */
+static int64_t blocks_floats(int64_t bytes, int64_t filled, int64_t D) {
+#ifdef BF16_DOTS
+  if (bytes == 2) return 0;
+#else
+  (void)bytes;
+#endif
+  return (filled + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS * D;
 }
 
 /* A (sequence, head)'s page scores: scores[n] for the pages of the slots below `filled`, the best q.k over the
@@ -551,7 +587,7 @@ static void scores_of(const void *q, int64_t bytes, int64_t M, int64_t D, const 
                       const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots, int64_t dot_stride,
                       float *scratch) {
   for (int64_t n = 0; n * page < filled; n++) scores[n] = -INFINITY;
-  raise_scores_of(q, bytes, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride, scratch);
+  raise_scores_of(q, bytes, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride, scratch, NULL);
 }
 
 /* page_best's scores for every (sequence, head); q and keys of `bytes` each (2: bf16, 4: fp32). Returns 0
@@ -1022,6 +1058,13 @@ static inline lanes8 exp8(lanes8 x) {
   return p * (lanes8)power;
 }
 
+/* The lanes of the 8 slots from t that lie below n: all ones, the others zeros. */
+static inline mask8 below8(int64_t t, int64_t n) {
+  const mask8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const int32_t left = (int32_t)(n - t < WIDE ? (n - t > 0 ? n - t : 0) : WIDE);
+  return lane < (mask8){left, left, left, left, left, left, left, left};
+}
+
 /* w[n] = the sum over page n's slots t of e^(scale * (dots[t] - top)) (the row padded to 8): the exps written over
    dots 8 at a time, then summed page by page. */
 static void page_sums(float *dots, float top, float scale, int64_t filled, int64_t P, float *w) {
@@ -1045,10 +1088,18 @@ static float unrecalled_sum(float *w, int64_t pages, const uint8_t *recalled) {
   return total;
 }
 
+/* The largest of row[0, n) (the row padded to 8), 8 lanes at a time (larger's rule; one by one it took a third of
+   a chunk's rest weights). */
 static inline float row_max(const float *row, int64_t n) {
-  float largest = -INFINITY;
-  for (int64_t t = 0; t < n; t++) largest = larger(largest, row[t]);
-  return largest;
+  const lanes8 none = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  lanes8 largest = none;
+  for (int64_t t = 0; t < n; t += WIDE) {
+    const mask8 in = below8(t, n);
+    largest = larger8(largest, (lanes8)(((mask8)load8(row + t) & in) | ((mask8)none & ~in)));
+  }
+  float top = -INFINITY;
+  for (int l = 0; l < WIDE; l++) top = larger(top, largest[l]);
+  return top;
 }
 
 static inline void scale_floats(float *v, int64_t n, float factor) {
@@ -1118,16 +1169,18 @@ static void rest_weights(float *dots, int64_t dot_stride, int64_t M, int64_t fil
    page n over every query (scores_of'), and rest_weights' top[m] and w[m * pages ...] for each query, taking
    REST_QUERY_BLOCK queries at a time through raise_scores_of (their q.k in dots [REST_QUERY_BLOCK, dot_stride]):
    the q.k of a whole chunk (M x the slots) never sit in memory at once. q and keys of `bytes`; scratch:
-   scratch_for's. */
+   scratch_for's; blocks: room for blocks_floats(bytes, filled, D) floats (NULL where that is 0), the keys laid out
+   once for every block of queries (laid out again for each, they took a seventh of a 900-query chunk's call). */
 static void chunk_weights(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
                           int64_t filled, int64_t P, float scale, float *scores, float *dots, int64_t dot_stride,
-                          float *top, float *w, float *scratch) {
+                          float *top, float *w, float *scratch, float *blocks) {
   const int64_t pages = (filled + P - 1) / P;
   for (int64_t n = 0; n < pages; n++) scores[n] = -INFINITY;
+  if (blocks) key_blocks(keys, key_t, bytes, D, filled, blocks);
   for (int64_t m0 = 0; m0 < M; m0 += REST_QUERY_BLOCK) {
     const int64_t rows = M - m0 < REST_QUERY_BLOCK ? M - m0 : REST_QUERY_BLOCK;
     raise_scores_of((const char *)q + m0 * D * bytes, bytes, rows, D, keys, key_t, NULL, filled, P, scores, dots,
-                    dot_stride, scratch);
+                    dot_stride, scratch, blocks);
     rest_weights(dots, dot_stride, rows, filled, P, scale, top + m0, w + m0 * pages);
   }
 }
@@ -1207,7 +1260,10 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
     top = weights + M * pages;
     recalled = (uint8_t *)(top + M);
   }
-  if (!scratch_for(bytes, M, D, &scratch)) {
+  float *blocks = chunk && blocks_floats(bytes, T, D) ? malloc(blocks_floats(bytes, T, D) * sizeof(float)) : NULL;
+  if (!scratch_for(bytes, M, D, &scratch) || (chunk && blocks_floats(bytes, T, D) && !blocks)) {
+    free(scratch);
+    free(blocks);
     free(dots);
     return -1;
   }
@@ -1224,7 +1280,7 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
         } else {
           if (chunk) {
             chunk_weights(queries, bytes, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights,
-                          scratch);
+                          scratch, blocks);
             top_of_scores(scores, (filled + P - 1) / P, k, wanted + row * k);
           } else {
             top_pages_row(queries, bytes, M, D, keys, store[0].s, count[row], T, P, k, wanted + row * k, dots, stride,
@@ -1238,7 +1294,7 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
       }
       else if (chunk && filled) {
         chunk_weights(queries, bytes, M, D, keys, store[0].s, filled, P, scale, scores, dots, stride, top, weights,
-                      scratch);
+                      scratch, blocks);
       } else if (rest_logit && filled) {
         scores_of(queries, bytes, M, D, keys, store[0].s, NULL, filled, P, scores, dots, stride, scratch);
       }
@@ -1248,6 +1304,7 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
                  rest_value + row * M * Dv);
     }
   free(scratch);
+  free(blocks);
   free(dots);
   return holding;
 }
