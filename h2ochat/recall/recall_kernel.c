@@ -346,7 +346,9 @@ typedef float lanes8 __attribute__((vector_size(32)));
 typedef int32_t mask8 __attribute__((vector_size(32))); /* (a lanes8 comparison's lanes: -1 or 0) */
 #define WIDE 8       /* lanes of a lanes8 */
 #define WIDE_KEYS 8  /* keys a block: one lane each */
-#define MANY_GROUP 8 /* queries a pass over a block of any_many_scores takes at once */
+#define BLOCK_KEYS 16 /* keys a block of any_many_scores: two vectors, one lane a key */
+#define MANY_GROUP 6  /* queries a pass over such a block takes at once (12 sums: an FMA's latency covered, and 8
+                         loads for 12 FMAs where 8 keys by 8 queries took 9 for 8: ~1.25x faster) */
 #define PREFETCH_KEYS 16 /* any_few_scores asks for the keys this far ahead (the store read front to back) */
 
 /* D values of `bytes` each as fp32 into out[0, Dw) (Dw: D rounded up to WIDE), zeros past D. */
@@ -399,6 +401,8 @@ static inline void raise_block(float *scores, lanes8 best, const int *lane_key, 
   }
   if (one_page) scores[t0 / page] = larger(scores[t0 / page], top);
 }
+
+static const lanes8 NONE8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
 
 /* The larger of a and b lane by lane (larger's rule: a NaN in b keeps a). */
 static inline lanes8 larger8(lanes8 a, lanes8 b) {
@@ -465,69 +469,80 @@ static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, co
   }
 }
 
-/* Keys t0 .. t0 + n - 1 (n <= WIDE_KEYS) laid out by channel as fp32, block[d][j] = key j's channel d (absent
+/* Keys t0 .. t0 + n - 1 (n <= BLOCK_KEYS) laid out by channel as fp32, block[d][j] = key j's channel d (absent
    keys: zeros), for block_scores. */
 static inline void key_block(const void *keys, int64_t key_t, int64_t bytes, int64_t D, int64_t t0, int64_t n,
                              float *block) {
-  for (int64_t j = 0; j < WIDE_KEYS; j++) {
+  for (int64_t j = 0; j < BLOCK_KEYS; j++) {
     const void *key = j < n ? (const char *)keys + (t0 + j) * key_t * bytes : NULL;
-    for (int64_t d = 0; d < D; d++) block[d * WIDE_KEYS + j] = key ? widened(key, d, bytes) : 0.0f;
+    for (int64_t d = 0; d < D; d++) block[d * BLOCK_KEYS + j] = key ? widened(key, d, bytes) : 0.0f;
   }
 }
 
-/* Every key below `filled` as key_block lays a block out, block after block (blocks [filled / 8 rounded up][D][8]):
+/* Every key below `filled` as key_block lays a block out, block after block (blocks [filled / 16 rounded up][D][16]):
    a chunk's blocks of queries then read them instead of laying each block out again (chunk_weights). */
 static void key_blocks(const void *keys, int64_t key_t, int64_t bytes, int64_t D, int64_t filled, float *blocks) {
-  for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS)
-    key_block(keys, key_t, bytes, D, t0, filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS,
-              blocks + t0 / WIDE_KEYS * D * WIDE_KEYS);
+  for (int64_t t0 = 0; t0 < filled; t0 += BLOCK_KEYS)
+    key_block(keys, key_t, bytes, D, t0, filled - t0 < BLOCK_KEYS ? filled - t0 : BLOCK_KEYS, blocks + t0 * D);
 }
 
 /* The block of n keys from slot t0 (laid out by key_block) against many queries (qw [M][Dw]): every query passes
    over the block with its channels broadcast, each lane one key's dot, no sum across lanes; their best raise the
-   block's pages. dots: as any_raise_scores keeps them. */
-static void block_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const float *block, int64_t t0,
+   block's pages (8 keys at a time). dots: as any_raise_scores keeps them. Never inlined: inlined into
+   chunk_weights, GCC 12 kept its 12 sums worse and the call took 1.75x as long. */
+static __attribute__((noinline)) void block_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const float *block, int64_t t0,
                          int64_t n, const uint8_t *valid, int64_t page, float *scores, float *dots, int64_t dot_stride) {
-  lanes8 best;
-  for (int j = 0; j < WIDE_KEYS; j++) best[j] = -INFINITY;
-  for (int64_t m0 = 0; m0 < M; m0 += MANY_GROUP) { /* (MANY_GROUP independent sums: an FMA's latency covered) */
+  lanes8 best_low = NONE8, best_high = NONE8;
+  for (int64_t m0 = 0; m0 < M; m0 += MANY_GROUP) {
     const int64_t rows = M - m0 < MANY_GROUP ? M - m0 : MANY_GROUP;
     const float *q = qw + m0 * Dw;
-    lanes8 sum[MANY_GROUP];
-    for (int i = 0; i < MANY_GROUP; i++) sum[i] = q[(i < rows ? i : 0) * Dw] * load8(block);
+    lanes8 low[MANY_GROUP], high[MANY_GROUP]; /* (keys 0-7 and 8-15 of the block) */
+    for (int i = 0; i < MANY_GROUP; i++) {
+      const float channel = q[(i < rows ? i : 0) * Dw];
+      low[i] = channel * load8(block);
+      high[i] = channel * load8(block + WIDE);
+    }
     for (int64_t d = 1; d < D; d++) {
-      const lanes8 channel = load8(block + d * WIDE_KEYS);
-      for (int i = 0; i < MANY_GROUP; i++) sum[i] += q[(i < rows ? i : 0) * Dw + d] * channel;
+      const lanes8 first = load8(block + d * BLOCK_KEYS), second = load8(block + d * BLOCK_KEYS + WIDE);
+      for (int i = 0; i < MANY_GROUP; i++) {
+        const float channel = q[(i < rows ? i : 0) * Dw + d];
+        low[i] += channel * first;
+        high[i] += channel * second;
+      }
     }
     for (int i = 0; i < rows; i++) {
-      best = larger8(best, sum[i]);
-      if (dots) memcpy(dots + (m0 + i) * dot_stride + t0, &sum[i], sizeof sum[i]);
+      best_low = larger8(best_low, low[i]);
+      best_high = larger8(best_high, high[i]);
+      if (dots) {
+        memcpy(dots + (m0 + i) * dot_stride + t0, &low[i], sizeof low[i]);
+        memcpy(dots + (m0 + i) * dot_stride + t0 + WIDE, &high[i], sizeof high[i]);
+      }
     }
   }
-  raise_block(scores, best, IN_ORDER, t0, n, valid, page);
+  raise_block(scores, best_low, IN_ORDER, t0, n < WIDE ? n : WIDE, valid, page);
+  if (n > WIDE) raise_block(scores, best_high, IN_ORDER, t0 + WIDE, n - WIDE, valid, page);
 }
 
-/* Many queries (qw [M][Dw]): keys WIDE_KEYS at a time laid out by channel, each block scored by block_scores
+/* Many queries (qw [M][Dw]): keys BLOCK_KEYS at a time laid out by channel, each block scored by block_scores
    (blocks: every key laid out before, key_blocks'; NULL: each block laid out here as it comes). dots: as
    any_raise_scores keeps them. */
 static void any_many_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
                             int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores,
                             float *dots, int64_t dot_stride, const float *blocks) {
-  float block[D * WIDE_KEYS];
-  for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
-    const int64_t n = filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS;
+  float block[D * BLOCK_KEYS];
+  for (int64_t t0 = 0; t0 < filled; t0 += BLOCK_KEYS) {
+    const int64_t n = filled - t0 < BLOCK_KEYS ? filled - t0 : BLOCK_KEYS;
     int live = 0;
     for (int64_t j = 0; j < n; j++) live |= !valid || valid[t0 + j];
     if (!live) continue;
     if (!blocks) key_block(keys, key_t, bytes, D, t0, n, block);
-    block_scores(qw, M, D, Dw, blocks ? blocks + t0 / WIDE_KEYS * D * WIDE_KEYS : block, t0, n, valid, page, scores,
-                 dots, dot_stride);
+    block_scores(qw, M, D, Dw, blocks ? blocks + t0 * D : block, t0, n, valid, page, scores, dots, dot_stride);
   }
 }
 
 /* raise_page_scores for any float queries and keys (bytes 2 or 4): scores[n] raised to the best q.k of page n's
    valid slots below `filled`. dots (NULL: not kept): every q.k too, query m's of slot t at dots[m * dot_stride + t]
-   (a last block's 8 written whole: the rows are padded). qw: room for the widened queries (scratch_floats); blocks
+   (a last block's written whole: the rows are padded). qw: room for the widened queries (scratch_floats); blocks
    (NULL: none): the keys laid out by key_blocks, for many queries. */
 static void any_raise_scores(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
                              const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
@@ -578,7 +593,7 @@ static int64_t blocks_floats(int64_t bytes, int64_t filled, int64_t D) {
 #else
   (void)bytes;
 #endif
-  return (filled + WIDE_KEYS - 1) / WIDE_KEYS * WIDE_KEYS * D;
+  return (filled + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS * D;
 }
 
 /* A (sequence, head)'s page scores: scores[n] for the pages of the slots below `filled`, the best q.k over the
@@ -1091,11 +1106,10 @@ static float unrecalled_sum(float *w, int64_t pages, const uint8_t *recalled) {
 /* The largest of row[0, n) (the row padded to 8), 8 lanes at a time (larger's rule; one by one it took a third of
    a chunk's rest weights). */
 static inline float row_max(const float *row, int64_t n) {
-  const lanes8 none = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-  lanes8 largest = none;
+  lanes8 largest = NONE8;
   for (int64_t t = 0; t < n; t += WIDE) {
     const mask8 in = below8(t, n);
-    largest = larger8(largest, (lanes8)(((mask8)load8(row + t) & in) | ((mask8)none & ~in)));
+    largest = larger8(largest, (lanes8)(((mask8)load8(row + t) & in) | ((mask8)NONE8 & ~in)));
   }
   float top = -INFINITY;
   for (int l = 0; l < WIDE; l++) top = larger(top, largest[l]);
