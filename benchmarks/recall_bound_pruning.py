@@ -1,0 +1,117 @@
+"""Whether an exact choice of pages could skip scoring most cold pages (issue 34, the cost of recall).
+
+The decode step's exact choice scores every cold key with the step's queries and keeps the pages with the best
+q.k. A branch-and-bound choice would first bound each page's best q.k from a summary of its keys, then score
+exactly only the pages whose bound reaches the k-th best exact score found: the same pages, less work, if the
+bounds are tight. This measures how many pages such a choice would still score, on the shipped tier's own
+decode choices (pass-key trials on real text, recall at the default split and page), for two bounds:
+
+- ``box``: Quest's, per page and channel the keys' min and max, sum_c max(q_c low_c, q_c high_c);
+- ``ball``: the page's mean key c and radius r (the largest |k - c|), q.c + |q| r;
+
+and the smaller of the two. A page's score is its best over the step's queries (a group's), as the choice's.
+
+    python benchmarks/heldout_texts.py /tmp/heldout
+    python benchmarks/recall_bound_pruning.py --text /tmp/heldout/gpl3.txt,/tmp/heldout/bash_man.txt \
+        --lengths 2000 --budget 128 --out benchmarks/results_recall_bound_pruning_s67.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from h2ochat import threads
+from h2ochat.loading.models import load
+from h2ochat.measure import evaluation as ev
+from h2ochat.measure import passkey as pk
+from h2ochat.measure.passkey_rows import build_rows, parse_numbers
+from h2ochat.recall.spec import RecallSpec
+from h2ochat.recall.tier import RecallTier
+
+BOUNDS = ("box", "ball", "smaller")
+
+
+def page_bounds(queries: torch.Tensor, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Upper bounds [B, H, N] of each page's best q.k over the queries [B, H, G, D], pages [B, H, N, P, D]."""
+    low, high = pages.amin(3), pages.amax(3)
+    box = torch.maximum(queries.unsqueeze(3) * low.unsqueeze(2), queries.unsqueeze(3) * high.unsqueeze(2)).sum(-1)
+    centre = pages.mean(3)
+    radius = (pages - centre.unsqueeze(3)).norm(dim=-1).amax(-1)
+    ball = torch.einsum("bhgd,bhnd->bhgn", queries, centre) + queries.norm(dim=-1).unsqueeze(-1) * radius.unsqueeze(2)
+    box, ball = box.amax(2), ball.amax(2)
+    return {"box": box, "ball": ball, "smaller": torch.minimum(box, ball)}
+
+
+class BoundTier(RecallTier):
+    """The shipped tier, recording at each decode choice the share of full cold pages whose bound reaches the
+    k-th best exact page score (the pages a branch-and-bound choice would still score exactly)."""
+
+    shares: dict[str, list[float]] = {name: [] for name in BOUNDS}  # (class-wide sink)
+
+    def recall(self, port, queries, rotary, rows=True, rest=None) -> bool:
+        cold, chosen = self.cold, self.frames.frame_page.shape[-1]
+        full = int(cold.count.max()) // cold.page
+        if queries.shape[2] <= 8 and rows is not False and full > chosen:  # (a decode step's group)
+            scored = cold.scored_queries(queries).float()  # [B, H, G, D]
+            keys = cold.keys[:, :, :full * cold.page].float()
+            batch, heads, _, dim = keys.shape
+            pages = keys.view(batch, heads, full, cold.page, dim)
+            exact = torch.einsum("bhgd,bhtd->bhgt", scored, keys).view(batch, heads, -1, full, cold.page)
+            exact = exact.amax(-1).amax(2)  # [B, H, N]
+            kth = exact.topk(chosen, dim=-1).values[..., -1:]
+            for name, bound in page_bounds(scored, pages).items():
+                if not bool((bound >= exact - 1e-3).all()):
+                    raise AssertionError(f"the {name} bound fell below a page's exact score")
+                BoundTier.shares[name].append(float((bound >= kth).float().mean()))
+        return super().recall(port, queries, rotary, rows, rest)
+
+
+@dataclass(frozen=True)
+class BoundRow(pk.CacheRow):
+    def instrument(self, cache):
+        cache.use_tier(RecallSpec(cache.tier.config, BoundTier))
+        return cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--text", required=True, help="comma-separated text files")
+    parser.add_argument("--lengths", default="2000")
+    parser.add_argument("--depths", default="0.5")
+    parser.add_argument("--keys", type=int, default=1)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    threads.apply(args.threads)
+    loaded = load(args.model, "cpu", "float32")
+    base = next(r for r in build_rows(["h2o"], [args.budget], ev.recall_settings("0.5", "8")) if r.settings.recall)
+    row = BoundRow(base.label, base.settings, base.chunk, base.question_chunk)
+    texts = []
+    for path in [Path(part) for part in args.text.split(",") if part.strip()]:
+        content = path.read_text()
+        texts.append({"file": path.name, "sha256": hashlib.sha256(content.encode()).hexdigest()})
+        for trial in pk.make_trials(loaded.tokenizer, content, parse_numbers(args.lengths, int, "--lengths"),
+                                    parse_numbers(args.depths, float, "--depths"), args.keys):
+            pk.answer(row.runner(loaded.model, trial), trial, loaded.tokenizer)
+    summary = {name: {"choices": len(shares), "mean": round(statistics.fmean(shares), 4),
+                      "median": round(statistics.median(shares), 4),
+                      "p10": round(sorted(shares)[len(shares) // 10], 4)}
+               for name, shares in BoundTier.shares.items()}
+    result = {"what": "share of full cold pages whose bound reaches the k-th best exact page score, per decode "
+                      "choice (what a branch-and-bound exact choice would still score)",
+              "model": loaded.name, "row": row.label, "texts": texts, "args": vars(args), "bounds": summary}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
