@@ -18,22 +18,14 @@ and the smaller of the two. A page's score is its best over the step's queries (
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from h2ochat import threads
-from h2ochat.loading.models import load
-from h2ochat.measure import evaluation as ev
-from h2ochat.measure import passkey as pk
-from h2ochat.measure.passkey_rows import build_rows, parse_numbers
-from h2ochat.recall.spec import RecallSpec
 from h2ochat.recall.tier import RecallTier
+from tier_probe import probe_arguments, probe_trials  # (benchmarks/)
 
 BOUNDS = ("box", "ball", "smaller")
 
@@ -73,45 +65,18 @@ class BoundTier(RecallTier):
         return super().recall(port, queries, rotary, rows, rest)
 
 
-@dataclass(frozen=True)
-class BoundRow(pk.CacheRow):
-    def instrument(self, cache):
-        cache.use_tier(RecallSpec(cache.tier.config, BoundTier))
-        return cache
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--text", required=True, help="comma-separated text files")
-    parser.add_argument("--lengths", default="2000")
-    parser.add_argument("--depths", default="0.5")
-    parser.add_argument("--keys", type=int, default=1)
-    parser.add_argument("--budget", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    threads.apply(args.threads)
-    loaded = load(args.model, "cpu", "float32")
-    base = next(r for r in build_rows(["h2o"], [args.budget], ev.recall_settings("0.5", "8")) if r.settings.recall)
-    row = BoundRow(base.label, base.settings, base.chunk, base.question_chunk)
-    texts = []
-    for path in [Path(part) for part in args.text.split(",") if part.strip()]:
-        content = path.read_text()
-        texts.append({"file": path.name, "sha256": hashlib.sha256(content.encode()).hexdigest()})
-        for trial in pk.make_trials(loaded.tokenizer, content, parse_numbers(args.lengths, int, "--lengths"),
-                                    parse_numbers(args.depths, float, "--depths"), args.keys):
-            pk.answer(row.runner(loaded.model, trial), trial, loaded.tokenizer)
+    args = probe_arguments(__doc__.splitlines()[0], lengths="2000", depths="0.5", threads_default=1).parse_args()
+    probed = probe_trials(args, BoundTier, "8")
     summary = {name: {"choices": len(shares), "mean": round(statistics.fmean(shares), 4),
                       "median": round(statistics.median(shares), 4),
                       "p10": round(sorted(shares)[len(shares) // 10], 4)}
                for name, shares in BoundTier.shares.items()}
     result = {"what": "share of full cold pages whose bound reaches the k-th best exact page score, per decode "
                       "choice (what a branch-and-bound exact choice would still score)",
-              "model": loaded.name, "row": row.label, "texts": texts, "args": vars(args), "bounds": summary}
+              **probed, "args": vars(args), "bounds": summary}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
-
 
 if __name__ == "__main__":
     main()

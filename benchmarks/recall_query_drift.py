@@ -24,21 +24,13 @@ $T/python_docstrings.txt,$T/idle_news.txt --lengths 900 --budget 128 --threads 1
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from h2ochat import threads
-from h2ochat.loading.models import load
-from h2ochat.measure import evaluation as ev
-from h2ochat.measure import passkey as pk
-from h2ochat.measure.passkey_rows import build_rows, parse_numbers
-from h2ochat.recall.spec import RecallSpec
 from h2ochat.recall.tier import RecallTier
+from tier_probe import probe_arguments, probe_trials  # (benchmarks/)
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)
 
@@ -66,13 +58,6 @@ class DriftTier(RecallTier):
         return ran
 
 
-@dataclass(frozen=True)
-class DriftRow(pk.CacheRow):
-    def instrument(self, cache):
-        cache.use_tier(RecallSpec(cache.tier.config, DriftTier))
-        return cache
-
-
 def report(steps: list[tuple[float, int, int]]) -> list[dict]:
     table = []
     for threshold in THRESHOLDS:
@@ -88,40 +73,15 @@ def report(steps: list[tuple[float, int, int]]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--text", required=True, help="comma-separated text files")
-    parser.add_argument("--lengths", default="900")
-    parser.add_argument("--depths", default="0.1,0.5,0.9")
-    parser.add_argument("--keys", type=int, default=1)
-    parser.add_argument("--budget", type=int, default=128)
-    parser.add_argument("--recall", default="0.5")
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    if args.threads:
-        threads.apply(args.threads)
-    loaded = load(args.model, "cpu", "float32")
-    recalls = ev.recall_settings(args.recall, "16", selector="rot4")
-    base = next(r for r in build_rows(["h2o"], [args.budget], recalls) if r.settings.recall)
-    row = DriftRow(base.label, base.settings, base.chunk, base.question_chunk)
-    texts, trials = [], []
-    for path in [Path(part) for part in args.text.split(",") if part.strip()]:
-        content = path.read_text()
-        texts.append({"file": path.name, "sha256": hashlib.sha256(content.encode()).hexdigest()})
-        for trial in pk.make_trials(loaded.tokenizer, content, parse_numbers(args.lengths, int, "--lengths"),
-                                    parse_numbers(args.depths, float, "--depths"), args.keys):
-            answer = pk.answer(row.runner(loaded.model, trial), trial, loaded.tokenizer)[0]
-            trials.append({"text": path.name, "depth": trial.depth, "key": trial.key,
-                           "recalled": pk.recalled(trial.key, answer)})
+    args = probe_arguments(__doc__.splitlines()[0], lengths="900", depths="0.1,0.5,0.9", threads_default=0).parse_args()
+    probed = probe_trials(args, DriftTier, "16", selector="rot4")
     steps = DriftTier.steps
-    result = {"model": loaded.name, "row": row.label, "texts": texts, "args": vars(args), "trials": trials,
-              "decode_choices": len(steps), "mean_similarity": sum(s[0] for s in steps) / len(steps),
+    result = {**probed, "args": vars(args), "decode_choices": len(steps),
+              "mean_similarity": sum(s[0] for s in steps) / len(steps),
               "pages_changed_per_step": sum(s[1] for s in steps) / len(steps),
               "pages_wanted_per_step": sum(s[2] for s in steps) / len(steps), "by_threshold": report(steps)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("trials", "texts")}, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -553,14 +553,20 @@ static void any_raise_scores(const void *q, int64_t bytes, int64_t M, int64_t D,
   else any_many_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride, blocks);
 }
 
-/* The floats of scratch scores_of needs for M queries of D (0: none, where the bf16 route takes them). */
-static int64_t scratch_floats(int64_t bytes, int64_t M, int64_t D) {
+/* Whether keys and queries of `bytes` go by the BF16_DOTS build's bf16 route (VDPBF16PS: it widens nothing and lays
+   out its own blocks of keys), not by any_raise_scores. */
+static inline int bf16_route(int64_t bytes) {
 #ifdef BF16_DOTS
-  if (bytes == 2) return 0;
+  return bytes == 2;
 #else
   (void)bytes;
+  return 0;
 #endif
-  return M * ((D + WIDE - 1) / WIDE * WIDE);
+}
+
+/* The floats of scratch scores_of needs for M queries of D (0: none, where the bf16 route takes them). */
+static int64_t scratch_floats(int64_t bytes, int64_t M, int64_t D) {
+  return bf16_route(bytes) ? 0 : M * ((D + WIDE - 1) / WIDE * WIDE);
 }
 
 /* Room for scratch_floats(bytes, M, D) in *scratch (NULL where none is needed); 0 where memory ran out. */
@@ -588,12 +594,7 @@ static void raise_scores_of(const void *q, int64_t bytes, int64_t M, int64_t D, 
 /* The floats key_blocks lays `filled` keys of D out in where the route for these queries reads them (the portable
    one, any_raise_scores'), else 0 (the bf16 route of the BF16_DOTS build lays out its own). */
 static int64_t blocks_floats(int64_t bytes, int64_t filled, int64_t D) {
-#ifdef BF16_DOTS
-  if (bytes == 2) return 0;
-#else
-  (void)bytes;
-#endif
-  return (filled + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS * D;
+  return bf16_route(bytes) ? 0 : (filled + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS * D;
 }
 
 /* A (sequence, head)'s page scores: scores[n] for the pages of the slots below `filled`, the best q.k over the
