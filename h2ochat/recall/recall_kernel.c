@@ -1275,8 +1275,9 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
     top = weights + M * pages;
     recalled = (uint8_t *)(top + M);
   }
-  float *blocks = chunk && blocks_floats(bytes, T, D) ? malloc(blocks_floats(bytes, T, D) * sizeof(float)) : NULL;
-  if (!scratch_for(bytes, M, D, &scratch) || (chunk && blocks_floats(bytes, T, D) && !blocks)) {
+  const int64_t laid = chunk ? blocks_floats(bytes, T, D) : 0; /* (the chunk's keys laid out once: key_blocks) */
+  float *blocks = laid ? malloc(laid * sizeof(float)) : NULL;
+  if (!scratch_for(bytes, M, D, &scratch) || (laid && !blocks)) {
     free(scratch);
     free(blocks);
     free(dots);
