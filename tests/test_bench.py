@@ -301,13 +301,57 @@ def test_bench_command_recall_rows_and_overhead(tiny_checkpoint):
                     "cold_host_bytes", "device_slots", "recall_slots", "selector", "every", "page"):
             assert key in c, key
         assert (c["ms_per_step"], c["recall_ms_per_step"]) == (h2o["ms_per_step"], recall["ms_per_step"])
-        assert c["ratio"] == pytest.approx(c["recall_ms_per_step"] / c["ms_per_step"], abs=2e-3)
-        assert c["target"] == 1.15 and c["met"] == (c["ratio"] <= 1.15)
+        # the ratio is that of their steps run side by side; the turns' medians' ratio beside it
+        assert c["turns_ratio"] == pytest.approx(c["recall_ms_per_step"] / c["ms_per_step"], abs=2e-3)
+        side = c["side_by_side"]
+        assert side["variants"] == ["h2o", "recall"] and side["block"] == 4  # (lcm of --recall-every 2, --page 4)
+        assert side["steps"] == 4 and (side["ratio"], side["cpu_ratio"]) == (c["ratio"], c["cpu_ratio"])
+        assert c["target"] == 1.15 and c["met"] == (c["cpu_ratio"] <= 1.15)  # (on a CPU: CPU time decides)
         assert (c["device_slots"], c["recall_slots"], c["selector"], c["every"], c["page"]) == (16, 8, "int4", 2, 4)
         assert c["digest_device_bytes"] > 0 and c["cold_host_bytes"] > 0
-        assert c["cpu_ratio"] == pytest.approx(c["recall_cpu_ms_per_step"] / c["cpu_ms_per_step"], abs=2e-3)
+        assert c["turns_cpu_ratio"] == pytest.approx(c["recall_cpu_ms_per_step"] / c["cpu_ms_per_step"], abs=2e-3)
         assert (c["cpu_ms_per_step"], c["recall_cpu_ms_per_step"]) == (h2o["cpu_ms_per_step"], recall["cpu_ms_per_step"])
     assert [entry["policy"] for entry in report["ops_per_layer"]] == ["h2o", "recall", "slots"]
+
+
+def test_a_paired_ratio_is_the_median_block_ratio_of_sums():
+    """Side by side, the ratio is read block by block (a block's second-variant sum over its first-variant sum) and the
+    median block's is taken: a slow block of both (the machine slowed) moves nothing, as a ratio of the two medians
+    of separate turns would be moved by a slow turn of one."""
+    first = [10.0, 10.0, 20.0, 20.0, 10.0, 10.0]
+    second = [11.0, 11.0, 22.0, 22.0, 13.0, 13.0]
+    paired = bench_measure.Paired(("h2o", "recall"), (first, second), (first, [x * 2 for x in second]), block=2)
+    blocks = [sum(second[i:i + 2]) / sum(first[i:i + 2]) for i in (0, 2, 4)]
+    assert paired.ratio() == pytest.approx(sorted(blocks)[1]) == pytest.approx(1.1)
+    assert paired.ratio(cpu=True) == pytest.approx(2.2)
+    assert bench_measure.Paired(("h2o", "recall"), (first, second), ([], []), block=2).ratio(cpu=True) is None
+    assert paired.record() == {"variants": ["h2o", "recall"], "steps": 6, "block": 2, "ratio": 1.1, "cpu_ratio": 2.2}
+
+
+def test_paired_steps_alternate_which_variant_goes_first(monkeypatch):
+    """Each variant steps on its own cache, the two in turn, neither always first (a b, b a, a b, ...), and every
+    step after the warm-up is timed for both."""
+    model = build_model("llama")
+    order = []
+    made = bench_measure.decode_step
+
+    def recording(model, cache, compile=False):
+        step, compiled = made(model, cache, compile)
+        name = "recall" if cache.tier.columns else "h2o"
+        return (lambda ids: (order.append(name), step(ids))[1]), compiled
+
+    monkeypatch.setattr(bench_measure, "decode_step", recording)
+    settings = bm_recall_settings()
+    paired = bench_measure.measure_paired(model, ("h2o", "recall"), context=40, batch=1, slots=16, steps=4, warmup=1,
+                                          recall=settings, block=2)
+    assert order == ["h2o", "recall", "recall", "h2o"] * 2 + ["h2o", "recall"]
+    assert [len(ms) for ms in paired.step_ms] == [len(ms) for ms in paired.step_cpu_ms] == [4, 4]
+
+
+def bm_recall_settings():
+    from h2ochat.options import cache_settings
+
+    return cache_settings("h2o", "16", None, None, "absolute", None, recall="0.5", page=4)
 
 
 def test_bench_recall_zero_is_no_recall(tiny_checkpoint):

@@ -210,8 +210,9 @@ def _print_recall(out: Console, overhead: list[dict]) -> None:
                       {True: "yes", False: "NO", None: "-"}[c["met"]], f"{c['digest_device_bytes'] / MIB:.2f}",
                       f"{c['cold_host_bytes'] / MIB:.1f}", f"{c['pages_copied_per_step']:.2f}")
     out.print(table)
-    out.print("met: the wall-clock ratio against the target; CPU-time ratio: the same in the process's CPU time "
-              "(on a CPU; other jobs' load barely moves it); digest MiB: the page digests on the device; cold MiB: "
+    out.print("ratio: recall's steps over h2o's, run in alternation on two caches (the median block's); met: the "
+              "CPU-time ratio against the target on a CPU (other jobs' load barely moves it), else the wall-clock one; "
+              "ms/step, recall: the medians of their own turns; digest MiB: the page digests on the device; cold MiB: "
               "the cold stores in host memory; pages/step: pages copied into the recall slots per step and (layer, "
               "sequence, KV head)")
 

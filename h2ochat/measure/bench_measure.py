@@ -140,6 +140,66 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
                        cpu_ms[warmup:] if variant != "hf" and device.type == "cpu" else [])
 
 
+@dataclass
+class Paired:
+    """Two variants' decode steps timed in alternation (``measure_paired``): each one's wall and CPU ms per step, in
+    the order they ran, and the block the ratio is taken over."""
+    variants: tuple[str, str]
+    step_ms: tuple[list[float], list[float]]
+    step_cpu_ms: tuple[list[float], list[float]]
+    block: int
+
+    def ratio(self, cpu: bool = False) -> float | None:
+        """The second variant's time over the first's: the median over blocks of ``block`` steps of the ratio of their
+        sums, each block's steps run side by side (None: no CPU times, off a CPU)."""
+        first, second = self.step_cpu_ms if cpu else self.step_ms
+        if not first:
+            return None
+        block = self.block
+        sums = [(sum(first[i:i + block]), sum(second[i:i + block])) for i in range(0, len(first) - block + 1, block)]
+        return statistics.median(b / a for a, b in sums)
+
+    def record(self) -> dict:
+        cpu = self.ratio(cpu=True)
+        return {"variants": list(self.variants), "steps": len(self.step_ms[0]), "block": self.block,
+                "ratio": round(self.ratio(), 3), **({"cpu_ratio": round(cpu, 3)} if cpu is not None else {})}
+
+
+def measure_paired(model, variants: tuple[str, str], *, context: int, batch: int, slots: int, steps: int, warmup: int,
+                   policy="h2o", seed: int = 0, compile: bool = False, recall=None, block: int = 1) -> Paired:
+    """Two variants at the same context and batch, each on its own cache, their decode steps run in alternation (a b,
+    b a, a b, ...: neither always first), so a change of the machine's speed, which moves a step by 10-20% on a shared
+    machine from one minute to the next, falls on both alike: the ratio of their step times is read pair by pair,
+    where separate turns of each (``measure``) put seconds between the two. Times only: no memory figures."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    first = 2 if compile else 1
+    tokens = torch.randint(0, model.config.vocab_size, (steps + warmup + first, batch, 1), generator=generator).to(device)
+    runs = []
+    for variant in variants:
+        cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=len(tokens) - 1,
+                               policy=policy, generator=torch.Generator().manual_seed(seed + 1),
+                               recall=recall if variant == RECALL else None)
+        step, _ = decode_step(model, cache, compile and compilable(variant))
+        runs.append((cache, step))
+    times = ([], []), ([], [])
+    for index in range(1, len(tokens)):
+        order = (0, 1) if index % 2 else (1, 0)
+        for which in order:
+            sync(device)
+            started, started_cpu = time.perf_counter(), time.process_time()
+            runs[which][1](tokens[index])
+            sync(device)
+            times[0][which].append((time.perf_counter() - started) * 1000)
+            times[1][which].append((time.process_time() - started_cpu) * 1000)
+    for cache, _ in runs:
+        cache.reset()
+    skip = warmup + first - 1  # (the compiling step and the warm-up are not timed)
+    wall = tuple(ms[skip:] for ms in times[0])
+    cpu = tuple(ms[skip:] for ms in times[1]) if device.type == "cpu" else ([], [])
+    return Paired(tuple(variants), wall, cpu, block)
+
+
 def recall_record(cache: H2OCache, copied: int, steps: int) -> dict | None:
     """The two-tier cache's record (``tier_record``: digest device bytes, cold host bytes, ...),
     its --recall-every, and the pages its decode steps copied into the recall slots, per step and

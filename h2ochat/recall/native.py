@@ -99,7 +99,7 @@ def _bind(library: Path) -> Kernels:
                    recall_step=native_build.signed(library, "h2ochat_recall_step",
                                                    [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
                                                    + [size] * 2 + [pointer] * 2 + [ctypes.c_float] * 2
-                                                   + [pointer] * 3 + [size, pointer, size], returns=size),
+                                                   + [pointer] * 3 + [size, pointer, size, size], returns=size),
                    stage=native_build.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
                                              + [pointer, size]),
                    cold_append=native_build.signed(library, "h2ochat_cold_append", store_writes),

@@ -14,6 +14,8 @@ the step's rest column from the same q.k.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .native import FLOATS, TINY_SCALE, Kernels, Strided, bound, host_rows, row_bytes, slot_scales, store_places
@@ -80,6 +82,7 @@ class DecodeChoice:
         self.state = [t.data_ptr() for t in (self.wanted, frames.frame_page, frames.last_used, frames.clock,
                                              frames.copied, frames.complete, self.load)]
         self.store, self.sources = None, None  # the store's places the sources point into (a grown store: new ones)
+        self._buffers = ()  # (weak references to the store's tensors the places were read from)
         self.rest_out = self.rest = None  # (the rest's logit [B, H, M, 1] and value [B, H, M, 1, Dv]; the last call's)
 
     @classmethod
@@ -108,12 +111,15 @@ class DecodeChoice:
             return False
         choosing = None if rows is True else row_bytes(rows if rows is not False else [False] * queries.shape[0])
         cold = self.cold
-        queries = cold.scored_queries(queries).contiguous()
+        queries = queries.contiguous()  # (an fp32 model's queries for bf16 keys: the C call rounds them, as
+        # ``ColdStore.scored_queries`` would: one op less a layer)
         batch, heads, count, dim = queries.shape
         buffers = (cold.keys, cold.values, cold.token_index, cold.positions, cold.value_scale)
-        places = store_places(buffers)
-        if places != self.store:
-            self.store, self.sources = places, (Strided * 5)(*(Strided.of(t) for t in buffers))
+        if not self._same_buffers(buffers):  # (the same tensors are in the same places: asked once)
+            places = store_places(buffers)
+            if places != self.store:
+                self.store, self.sources = places, (Strided * 5)(*(Strided.of(t) for t in buffers))
+            self._buffers = tuple(None if t is None else weakref.ref(t) for t in buffers)
         scale, means = rest if rest is not None else (0.0, None)
         if means is not None:
             means.room(scored // cold.page)
@@ -125,11 +131,17 @@ class DecodeChoice:
             queries.data_ptr(), batch, heads, count, dim, cold.count.data_ptr(), scored, cold.page,
             self.frames.frame_page.shape[-1], *self.state, self.sources, self.targets, self.value_dim, self.value_bytes,
             None if choosing is None else choosing.data_ptr(), self.scales, TINY_SCALE, scale, *pointers,
-            cold.keys.element_size())
+            cold.keys.element_size(), queries.element_size())
         if holding < 0:  # (its scratch did not fit in memory: nothing written)
             return False
         self.rest = self.rest_out if means is not None and holding else None
         return True
+
+    def _same_buffers(self, buffers) -> bool:
+        """Whether ``buffers`` are the very tensors the store's places were last read from (a tensor keeps its
+        storage and strides: the cold store replaces a tensor where it grows, narrows or is imported over)."""
+        return len(buffers) == len(self._buffers) and all(
+            (tensor is None and ref is None) or (ref is not None and ref() is tensor) for tensor, ref in zip(buffers, self._buffers))
 
     def rest_as(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The last call's rest as the attention takes it for queries [B, H, G, Q] (``shape``) handed to the call

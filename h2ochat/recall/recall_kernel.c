@@ -46,6 +46,16 @@ static inline uint16_t to_bf16(float x) {
   return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* n fp32 queries as bf16, as torch's .to(torch.bfloat16) rounds them (nearest even; a NaN stays a quiet NaN). */
+static void queries_as_bf16(const void *q, int64_t n, uint16_t *out) {
+  for (int64_t i = 0; i < n; i++) {
+    const float x = ((const float *)q)[i];
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    out[i] = (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((bits >> 16) | 0x40u) : to_bf16(x);
+  }
+}
+
 /* Element i of a row of bf16 (bytes 2) or fp32 (4) values, as fp32. */
 static inline float widened(const void *row, int64_t i, int64_t bytes) {
   if (bytes == 4) return ((const float *)row)[i];
@@ -1243,7 +1253,8 @@ static void rest_row(int64_t b, int64_t h, float *dots, int64_t dot_stride, int6
    full pages complete, fill_row (load [B, H, F] out) for each (sequence, head), in one call; a row and
    head with nothing in the store only counts the choice on its clock (its frames are empty: what the
    update would do). The frames' state is [B, H, F] (clock, copied [B, H]); keys are the store's (store[0]),
-   q and keys of `bytes` each (2: bf16, 4: fp32; the caller rounds an fp32 model's queries for bf16 keys).
+   keys of `bytes` each (2: bf16, 4: fp32), q of query_bytes (the same, or fp32 queries for bf16 keys: rounded
+   here to bf16 as torch rounds them, so both routes score the same products).
    choosing [B] (bytes; NULL: every row): a row not choosing is left as it is (its frames, clock and slots
    untouched, its load and wanted not written), as the torch route's rows_kept leaves it. scales, tiny:
    quantized slots (fill_row); value_bytes: the slots' float dtype's (float slots: bf16 keys are widened
@@ -1258,8 +1269,14 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
                             int64_t *clock, int64_t *copied, uint8_t *complete, uint8_t *load, const strided_t *store,
                             const strided_t *slots, int64_t Dv, int64_t value_bytes, const uint8_t *choosing,
                             const strided_t *scales, float tiny, float scale, float *rest_logit, float *rest_value,
-                            float *means, int64_t N, int64_t *meaned, int64_t bytes) {
+                            float *means, int64_t N, int64_t *meaned, int64_t bytes, int64_t query_bytes) {
   const int64_t k = F < T / P ? F : T / P, stride = (T + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK + KEY_BLOCK;
+  uint16_t *rounded = NULL; /* (fp32 queries against bf16 keys: rounded here, as scored_queries rounds them) */
+  if (query_bytes != bytes) {
+    if (query_bytes != 4 || bytes != 2 || !(rounded = malloc(B * H * M * D * sizeof(uint16_t)))) return -1;
+    queries_as_bf16(q, B * H * M * D, rounded);
+    q = rounded;
+  }
   const int64_t pages = (T + P - 1) / P;
   /* a chunk's rest (more queries than a decode step's): its weights by blocks of queries, before its choice */
   const int chunk = rest_logit && M > FEW_QUERIES;
@@ -1267,9 +1284,11 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
   float *dots = NULL, *scores = NULL, *weights = NULL, *top = NULL, *scratch;
   uint8_t *recalled = NULL;
   if (rest_logit) { /* (q.k [kept, stride], the page scores, the pages' weights, each query's top, a byte a page) */
-    if (T / P > N) return -1;
-    dots = malloc((kept * stride + pages + M * pages + M) * sizeof(float) + pages);
-    if (!dots) return -1;
+    dots = T / P > N ? NULL : malloc((kept * stride + pages + M * pages + M) * sizeof(float) + pages);
+    if (!dots) {
+      free(rounded);
+      return -1;
+    }
     scores = dots + kept * stride;
     weights = scores + pages;
     top = weights + M * pages;
@@ -1281,6 +1300,7 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
     free(scratch);
     free(blocks);
     free(dots);
+    free(rounded);
     return -1;
   }
   int64_t holding = 0;
@@ -1322,6 +1342,7 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
   free(scratch);
   free(blocks);
   free(dots);
+  free(rounded);
   return holding;
 }
 

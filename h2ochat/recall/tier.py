@@ -74,6 +74,15 @@ from .tier_rows import RecallRowMoves, rows_kept
 from .cold_writes import ColdWrites
 from .tiered import RecallConfig
 
+NO_STAGER = (lambda: None, None)  # (``RecallTier._stager``'s last port before any: a dead reference)
+
+
+def leading(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor``'s first ``rows`` rows: itself when that is all of them (an eager slice costs an op, ~5 us a layer;
+    a compiled step slices, as a test of its symbolic batch would guard its graph on the batch)."""
+    return tensor if not torch.compiler.is_compiling() and rows == tensor.shape[0] else tensor[:rows]
+
+
 # state tensors whose empty value is -1 (slot and page numbers, the cold tokens' indices and positions)
 _EMPTY_IS_MINUS_ONE = {"cold_token_index", "cold_positions", "cold_encoded", "frames_frame_page"}
 
@@ -118,6 +127,7 @@ class RecallTier(RecallRowMoves, ColdWrites):
         self.staging = StagingPage(RecallSlots.of(port.staging_columns(config.page), self.format), device)
         # a CPU decode step's whole choice (and rest) in one C call, where it runs (``native_choice``)
         self.stagers = weakref.WeakKeyDictionary()  # port -> the C staging of its columns or None (``_stager``)
+        self._last_stager = NO_STAGER  # (the last port asked for, weakly, and its stager)
         self.decode_choice = DecodeChoice.of(self.cold, self.frames, self.slots.columns(), isinstance(self.digest, ColdKeys))
         self.page_means = PageMeans(batch, heads, value_dim, self.decode_choice is not None and config.rest != "off")
         self.cadence = RowCadence(batch, config.page, config.every)  # each row's flush and choice, on its own count
@@ -165,7 +175,7 @@ class RecallTier(RecallRowMoves, ColdWrites):
 
     def reset(self) -> None:
         self.cold = self.digest = self.frames = self.slots = self.staging = self.recall_scores = self.page_means = None
-        self.decode_choice, self.stagers = None, weakref.WeakKeyDictionary()
+        self.decode_choice, self.stagers, self._last_stager = None, weakref.WeakKeyDictionary(), NO_STAGER
         self.selector = self.config.selector  # (``auto`` resolved when allocated: ``resolved_selector``)
         self.recalled_mass = self.attended_mass = self.last_query = self.all_columns = None
 
@@ -251,7 +261,11 @@ class RecallTier(RecallRowMoves, ColdWrites):
         # every real query row's probabilities sum to 1 over slots + new tokens; weighted as the scores
         weights = row_weights(new_valid, batch, q_len, port.decay, query.device)
         rows = weights.sum(dim=1, keepdim=True) if weights is not None else q_len
-        self.attended_mass[:batch].add_((rows if active is None else active.view(-1, 1)) * group)
+        attended = leading(self.attended_mass, batch)
+        if active is None:
+            attended.add_(rows * group)
+        else:
+            attended.add_(active.view(-1, 1), alpha=group)  # (a row left out adds nothing)
         if rest is None or rest_done or not self.config.rest_by_torch:
             return self.decode_choice.rest_as(grouped.shape[:4]) if rest_done else None
         cold, frame_page = self.cold, self.frames.frame_page
@@ -319,7 +333,7 @@ class RecallTier(RecallRowMoves, ColdWrites):
             scores = port.tier_columns()["scores"]
         elif port.batch < self.batch:  # (a prefix cache's step: its first rows)
             scores = scores[:port.batch]
-        self.recalled_mass[:scores.shape[0]].add_(scores.sum(dim=-1))
+        leading(self.recalled_mass, scores.shape[0]).add_(scores.sum(dim=-1))
         scores.zero_()
 
     def archive(self, port, slot: torch.Tensor) -> None:
@@ -336,8 +350,11 @@ class RecallTier(RecallRowMoves, ColdWrites):
     def _stager(self, port) -> "native.Stager | None":
         """The C staging for this port's columns (made for each port: the layer's, its prefixes'; again for
         a new port, new tensors), or None."""
+        if self._last_stager[0]() is port:  # (every step of the same port asks: the lookup once)
+            return self._last_stager[1]
         if port not in self.stagers:
             self.stagers[port] = native.Stager.of(port.policy_columns(), self.staging.slots.columns(), self.staging.count)
+        self._last_stager = (weakref.ref(port), self.stagers[port])
         return self.stagers[port]
 
     def pages_recalled(self, row: int) -> int:
