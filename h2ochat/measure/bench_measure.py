@@ -174,7 +174,8 @@ def measure_paired(model, variants: tuple[str, str], *, context: int, batch: int
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     first = 2 if compile else 1
-    tokens = torch.randint(0, model.config.vocab_size, (steps + warmup + first, batch, 1), generator=generator).to(device)
+    shape = (steps + warmup + first, batch, 1)
+    tokens = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device)
     runs = []
     for variant in variants:
         cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=len(tokens) - 1,

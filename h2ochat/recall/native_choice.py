@@ -141,7 +141,8 @@ class DecodeChoice:
         """Whether ``buffers`` are the very tensors the store's places were last read from (a tensor keeps its
         storage and strides: the cold store replaces a tensor where it grows, narrows or is imported over)."""
         return len(buffers) == len(self._buffers) and all(
-            (tensor is None and ref is None) or (ref is not None and ref() is tensor) for tensor, ref in zip(buffers, self._buffers))
+            ref is None if tensor is None else (ref is not None and ref() is tensor)
+            for tensor, ref in zip(buffers, self._buffers))
 
     def rest_as(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The last call's rest as the attention takes it for queries [B, H, G, Q] (``shape``) handed to the call
