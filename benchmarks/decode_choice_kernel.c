@@ -1,0 +1,54 @@
+/* A decode step's page choice in the recall kernel (top_pages_row of h2ochat/recall/recall_kernel.c), timed alone:
+   M queries of one (row, KV head) against T bf16 cold keys of 64 channels, pages of 8, the best 8 pages, over NB
+   separate key buffers (as a step reads every layer's and head's store: 90 buffers of 7,900 keys are 91 MB, past
+   any cache), the best of 5 passes. Prints nanoseconds a key and the bytes of keys read a second.
+
+     cc -O3 -mavx2 -mfma -DKERNEL='"../h2ochat/recall/recall_kernel.c"' benchmarks/decode_choice_kernel.c -o choice -lm
+     taskset -c 1 ./choice 7900 90 3   # an 8K step's stores (30 layers x 3 KV heads), SmolLM2's query group of 3
+     taskset -c 1 ./choice 7900 2 3    # the same keys from the last-level cache
+
+   Session 68 (AVX2 Zen 3, four runs each): 13.8-16.5 ns a key from memory (~8-9 GB/s of keys), 12.5-20 from the
+   L3, 10.8-17 from the L2 (1,000 keys x 4); a plain AVX2 read of the same memory streams 15-25 GB/s, so the
+   choice is bound by its work per key (~5 ns of it FMAs), not by memory. Inside the 8K step the whole call took
+   ~18 ns a key. */
+#include KERNEL
+#include <stdio.h>
+#include <time.h>
+
+static double seconds(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 4) {
+    fprintf(stderr, "usage: %s KEYS BUFFERS QUERIES\n", argv[0]);
+    return 2;
+  }
+  const int64_t T = atoll(argv[1]), NB = atoll(argv[2]), M = atoll(argv[3]), D = 64, P = 8, k = 8;
+  uint16_t **keys = malloc(NB * sizeof *keys), *q = malloc(M * D * sizeof *q);
+  srand(1);
+  for (int64_t b = 0; b < NB; b++) {
+    keys[b] = malloc(T * D * sizeof **keys);
+    for (int64_t i = 0; i < T * D; i++) keys[b][i] = to_bf16(rand() / (float)RAND_MAX - 0.5f);
+  }
+  for (int64_t i = 0; i < M * D; i++) q[i] = to_bf16(rand() / (float)RAND_MAX - 0.5f);
+  float *scratch;
+  if (!scratch_for(2, M, D, &scratch)) return 1;
+  int64_t top[8], check = 0;
+  double best = 1e30;
+  for (int pass = 0; pass < 5; pass++) {
+    const double start = seconds();
+    for (int64_t b = 0; b < NB; b++) {
+      top_pages_row(q, 2, M, D, keys[b], D, T, T, P, k, top, NULL, 0, scratch);
+      check += top[0];
+    }
+    const double took = seconds() - start;
+    best = took < best ? took : best;
+  }
+  printf("{\"keys\": %lld, \"buffers\": %lld, \"queries\": %lld, \"ns_per_key\": %.2f, \"gb_per_s\": %.2f, "
+         "\"check\": %lld}\n", (long long)T, (long long)NB, (long long)M, best / (T * NB) * 1e9,
+         T * NB * D * 2 / best / 1e9, (long long)check);
+  return 0;
+}
