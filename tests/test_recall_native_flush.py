@@ -136,3 +136,26 @@ def test_the_c_routes_keep_no_old_store_buffer_alive():
         store.reserve(store.capacity * 16)  # (past its room: copied into new buffers)
     gc.collect()
     assert all(ref() is None for ref in old)
+
+
+@needs_kernel
+def test_fp32_keys_round_to_bf16_as_torch_rounds_them():
+    """fp32 keys appended to a store of bf16 keys in C: torch's .to(torch.bfloat16), bit for bit for finite values
+    and infinities (ties to even among them), a NaN of any sign and payload still a NaN (its bits once rounded into
+    the sign: -0). The same rounding takes an fp32 model's queries for bf16 keys (``h2ochat_recall_step``)."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x00000001,
+                         0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00000], dtype=torch.int64)
+    values = bits.to(torch.int32).view(torch.float32)  # (two's complement: the same 32 bits)
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.cat([values, torch.randn(20, generator=generator)]).view(1, 1, 2, 16)
+    new = {"keys": keys, "values": torch.zeros(1, 1, 2, 4), "token_index": torch.arange(2).view(1, 1, 2),
+           "positions": torch.arange(2).view(1, 1, 2)}
+    store = {"keys": torch.zeros(1, 1, 3, 16, dtype=torch.bfloat16), "values": torch.zeros(1, 1, 3, 4),
+             **{name: torch.zeros(1, 1, 3, dtype=torch.int32) for name in ("token_index", "positions", "encoded")},
+             "value_scale": None}
+    count = torch.zeros(1, 1, dtype=torch.long)
+    assert native_store.cold_append(new, store, count, capacity=2) is not None
+    got, want = store["keys"][0, 0, :2].flatten(), keys.flatten().to(torch.bfloat16)
+    nan = want.isnan()
+    assert bool(nan[:12].sum() == 5) and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))

@@ -39,21 +39,13 @@
 
 static inline float larger(float a, float b) { return b > a ? b : a; } /* (fmaxf: a libm call, NaN rules) */
 
-/* x as bf16, rounded to nearest even (VCVTNEPS2BF16's and torch's for finite x). */
+/* x as bf16, rounded to nearest even (VCVTNEPS2BF16's and torch's); a NaN stays a quiet NaN, as VCVTNEPS2BF16 keeps
+   it (rounding its bits would carry a large payload into the sign: -0). */
 static inline uint16_t to_bf16(float x) {
   uint32_t bits;
   memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
   return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* n fp32 queries as bf16, as torch's .to(torch.bfloat16) rounds them (nearest even; a NaN stays a quiet NaN). */
-static void queries_as_bf16(const void *q, int64_t n, uint16_t *out) {
-  for (int64_t i = 0; i < n; i++) {
-    const float x = ((const float *)q)[i];
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    out[i] = (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((bits >> 16) | 0x40u) : to_bf16(x);
-  }
 }
 
 /* Element i of a row of bf16 (bytes 2) or fp32 (4) values, as fp32. */
@@ -1274,7 +1266,7 @@ int64_t h2ochat_recall_step(const void *q, int64_t B, int64_t H, int64_t M, int6
   uint16_t *rounded = NULL; /* (fp32 queries against bf16 keys: rounded here, as scored_queries rounds them) */
   if (query_bytes != bytes) {
     if (query_bytes != 4 || bytes != 2 || !(rounded = malloc(B * H * M * D * sizeof(uint16_t)))) return -1;
-    queries_as_bf16(q, B * H * M * D, rounded);
+    copy_floats(rounded, 2, q, 4, B * H * M * D);
     q = rounded;
   }
   const int64_t pages = (T + P - 1) / P;
