@@ -14,11 +14,9 @@ the step's rest column from the same q.k.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from .native import FLOATS, TINY_SCALE, Kernels, Strided, bound, host_rows, row_bytes, slot_scales, store_places
+from .native import FLOATS, TINY_SCALE, Kernels, StorePlaces, Strided, bound, host_rows, row_bytes, slot_scales
 
 
 class PageMeans:
@@ -81,8 +79,7 @@ class DecodeChoice:
         # the frames' state and these outputs stay where they are: their pointers once
         self.state = [t.data_ptr() for t in (self.wanted, frames.frame_page, frames.last_used, frames.clock,
                                              frames.copied, frames.complete, self.load)]
-        self.store, self.sources = None, None  # the store's places the sources point into (a grown store: new ones)
-        self._buffers = ()  # (weak references to the store's tensors the places were read from)
+        self.store, self.sources = StorePlaces(), None  # the store's places the sources point into (grown: new ones)
         self.rest_out = self.rest = None  # (the rest's logit [B, H, M, 1] and value [B, H, M, 1, Dv]; the last call's)
 
     @classmethod
@@ -115,11 +112,9 @@ class DecodeChoice:
         # ``ColdStore.scored_queries`` would: one op less a layer)
         batch, heads, count, dim = queries.shape
         buffers = (cold.keys, cold.values, cold.token_index, cold.positions, cold.value_scale)
-        if not self._same_buffers(buffers):  # (the same tensors are in the same places: asked once)
-            places = store_places(buffers)
-            if places != self.store:
-                self.store, self.sources = places, (Strided * 5)(*(Strided.of(t) for t in buffers))
-            self._buffers = tuple(None if t is None else weakref.ref(t) for t in buffers)
+        if not self.store.holds(buffers):
+            self.sources = (Strided * 5)(*(Strided.of(t) for t in buffers))
+            self.store.record(buffers)
         scale, means = rest if rest is not None else (0.0, None)
         if means is not None:
             means.room(scored // cold.page)
@@ -136,13 +131,6 @@ class DecodeChoice:
             return False
         self.rest = self.rest_out if means is not None and holding else None
         return True
-
-    def _same_buffers(self, buffers) -> bool:
-        """Whether ``buffers`` are the very tensors the store's places were last read from (a tensor keeps its
-        storage and strides: the cold store replaces a tensor where it grows, narrows or is imported over)."""
-        return len(buffers) == len(self._buffers) and all(
-            ref is None if tensor is None else (ref is not None and ref() is tensor)
-            for tensor, ref in zip(buffers, self._buffers))
 
     def rest_as(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The last call's rest as the attention takes it for queries [B, H, G, Q] (``shape``) handed to the call

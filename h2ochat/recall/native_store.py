@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .native import Strided, host_rows, row_bytes, store_places
+from .native import StorePlaces, Strided, host_rows, row_bytes
 
 PAGE_NAMES = ("keys", "values", "token_index", "positions")  # what an append reads, by name
 STORE_NAMES = ("keys", "values", "token_index", "positions", "encoded", "value_scale")  # what it writes, in order
@@ -65,7 +65,7 @@ class Flusher:
     """One layer's staging page (``page``: its float columns by name, [B, H, P, ...]; ``staged`` [B, H]: its
     entry counts) flushed into a cold store in one C call (``h2ochat_flush``). The page's pointers are taken
     once (its columns are views of the layer's slots, which stay where they are), the store's again when its
-    buffers move (a store that grew past its room has new ones; ``native.store_places``). ``of`` says whether it
+    buffers move (a store that grew past its room has new ones; ``native.StorePlaces``). ``of`` says whether it
     takes the page."""
 
     def __init__(self, kernels, page: dict[str, torch.Tensor], staged: torch.Tensor):
@@ -74,7 +74,7 @@ class Flusher:
         self.sources = (Strided * 4)(*(Strided.of(page[name]) for name in PAGE_NAMES))
         self.sizes = _sizes(page)
         self._page = page  # (the views the sources point into, held while they are)
-        self.store, self.targets = None, None
+        self.store, self.targets = StorePlaces(), None
 
     @classmethod
     def of(cls, page: dict[str, torch.Tensor], staged: torch.Tensor,
@@ -90,11 +90,12 @@ class Flusher:
         """The page's entries of ``rows`` (a boolean per row; None: every row) appended to ``store`` (room
         reserved; ``count`` [B, H] advanced), then those rows' columns emptied and their counts zeroed.
         False, having done nothing, where it does not take this store (its buffers changed kind)."""
-        places = store_places([store[name] for name in STORE_NAMES])
-        if places != self.store:
+        buffers = [store[name] for name in STORE_NAMES]
+        if not self.store.holds(buffers):
             if torch.compiler.is_compiling() or not _takes(self._page, store, count):
                 return False
-            self.store, self.targets = places, _targets(store)
+            self.targets = _targets(store)
+            self.store.record(buffers)
         batch, heads = count.shape
         mask = None if rows is None else row_bytes(rows)
         self.kernels.flush(batch, heads, self.entries, None if mask is None else mask.data_ptr(), count.data_ptr(),
