@@ -98,6 +98,23 @@ def _pages_copied(cache: H2OCache) -> int:
     return record["pages_copied"] if record is not None else 0
 
 
+def _decode_tokens(model, steps: int, batch: int, compile: bool, generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """The tokens a measurement feeds [N, B, 1] (token 0 initialises the cache, token 1 compiles where ``compile``,
+    then ``steps`` timed or warm-up steps), on the model's device, and the index of the first decode step."""
+    first = 2 if compile else 1
+    tokens = torch.randint(0, model.config.vocab_size, (steps + first, batch, 1), generator=generator)
+    return first, tokens.to(next(model.parameters()).device)
+
+
+def _timed(step, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """One decode step ``step(ids)``: its wall and process CPU milliseconds (the device synchronised around it)."""
+    sync(device)
+    started, started_cpu = time.perf_counter(), time.process_time()
+    step(ids)
+    sync(device)
+    return (time.perf_counter() - started) * 1000, (time.process_time() - started_cpu) * 1000
+
+
 def measure(model, variant: str, *, context: int, batch: int, slots: int, steps: int, warmup: int,
             memory: PeakMemory, policy="h2o", seed: int = 0, compile: bool = False, recall=None,
             block: int = 1) -> Measurement:
@@ -107,9 +124,7 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
     variant (``CacheSettings`` with --recall). ``block``: steps per timed block (see ``Measurement``)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    first = 2 if compile else 1  # token 0 initialises the cache; token 1 compiles
-    tokens = torch.randint(0, vocab, (steps + warmup + first, batch, 1), generator=generator).to(device)
+    first, tokens = _decode_tokens(model, steps + warmup, batch, compile, generator)
     memory.reset()
     compiled, compile_s = False, None
     if variant == "hf":
@@ -125,12 +140,9 @@ def measure(model, variant: str, *, context: int, batch: int, slots: int, steps:
             compile_s = time.perf_counter() - started if compiled else None
         step_ms, cpu_ms, copied = [], [], _pages_copied(cache)
         for index in range(first, len(tokens)):
-            sync(device)
-            started, started_cpu = time.perf_counter(), time.process_time()
-            step(tokens[index])
-            sync(device)
-            step_ms.append((time.perf_counter() - started) * 1000)
-            cpu_ms.append((time.process_time() - started_cpu) * 1000)
+            wall, cpu = _timed(step, tokens[index], device)
+            step_ms.append(wall)
+            cpu_ms.append(cpu)
         tier = recall_record(cache, _pages_copied(cache) - copied, len(step_ms))
         result = (cache.device_slots(), cache.kv_bytes(), step_ms[warmup:])
         cache.reset()  # its slots go back before the next measurement
@@ -172,10 +184,7 @@ def measure_paired(model, variants: tuple[str, str], *, context: int, batch: int
     machine from one minute to the next, falls on both alike: the ratio of their step times is read pair by pair,
     where separate turns of each (``measure``) put seconds between the two. Times only: no memory figures."""
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    first = 2 if compile else 1
-    shape = (steps + warmup + first, batch, 1)
-    tokens = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device)
+    first, tokens = _decode_tokens(model, steps + warmup, batch, compile, torch.Generator().manual_seed(seed))
     runs = []
     for variant in variants:
         cache = prepared_cache(model, variant, tokens[0], context=context, slots=slots, extra=len(tokens) - 1,
@@ -187,12 +196,9 @@ def measure_paired(model, variants: tuple[str, str], *, context: int, batch: int
     for index in range(1, len(tokens)):
         order = (0, 1) if index % 2 else (1, 0)
         for which in order:
-            sync(device)
-            started, started_cpu = time.perf_counter(), time.process_time()
-            runs[which][1](tokens[index])
-            sync(device)
-            times[0][which].append((time.perf_counter() - started) * 1000)
-            times[1][which].append((time.process_time() - started_cpu) * 1000)
+            wall, cpu = _timed(runs[which][1], tokens[index], device)
+            times[0][which].append(wall)
+            times[1][which].append(cpu)
     for cache, _ in runs:
         cache.reset()
     skip = warmup + first - 1  # (the compiling step and the warm-up are not timed)
@@ -228,11 +234,9 @@ def _measure_hf(model, tokens, context, generator, warmup):
             step_ms = []
             for index in range(1, len(tokens)):
                 position = torch.full((batch, 1), context + index - 1, device=device)
-                sync(device)
-                started = time.perf_counter()
-                model(input_ids=tokens[index], position_ids=position, use_cache=True, logits_to_keep=1, **argument)
-                sync(device)
-                step_ms.append((time.perf_counter() - started) * 1000)
+                wall, _ = _timed(lambda ids: model(input_ids=ids, position_ids=position, use_cache=True,
+                                                   logits_to_keep=1, **argument), tokens[index], device)
+                step_ms.append(wall)
         return cache.layers[0].keys.shape[2], _kv_bytes_dynamic(cache), step_ms[warmup:]
     finally:
         model.set_attn_implementation(H2O_ATTENTION)
