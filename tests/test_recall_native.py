@@ -168,15 +168,17 @@ def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim, dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("queries", [3, 4, 6, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("queries", [2, 3, 4, 6, 7, 8])
 @pytest.mark.parametrize("dim", [64, 40, 67])
-def test_a_few_fp32_queries_score_as_each_alone(queries, dim):
-    """fp32 queries (scored by vectors of 8 floats in either build, three queries at a time reading each key once
-    for the three): the page scores of M queries are the largest of each query's alone, bit for bit (the same
-    sums in the same order), over a view of a bigger store, invalid slots and a last part block."""
+def test_a_few_queries_score_as_each_alone(queries, dim, dtype):
+    """A decode step's few queries (fp32 by vectors of 8 floats in either build; bf16 in the portable build by
+    each key's channels split in place, groups of keys read once for every query): the page scores of M queries
+    are the largest of each query's alone, bit for bit (the same sums in the same order), over a view of a bigger
+    store, head dims a multiple of 16 and not (keys then from a padded copy), invalid slots and a last part block."""
     generator = torch.Generator().manual_seed(queries + dim)
-    keys = _floats(2, 3, 140, dim + 5, generator=generator, dtype=torch.float32)[:, :, 3:107, 1:dim + 1]
-    q = _floats(2, 3, queries, dim, generator=generator, dtype=torch.float32)
+    keys = _floats(2, 3, 140, dim + 5, generator=generator, dtype=dtype)[:, :, 3:107, 1:dim + 1]
+    q = _floats(2, 3, queries, dim, generator=generator, dtype=dtype)
     valid = torch.rand(2, 3, 104, generator=generator) > 0.2
     for page in (8, 4):  # (pages of 4: two a block of 8 keys, so each key's lane counts)
         alone = torch.stack([native.page_best(q[:, :, m:m + 1], keys, valid, page) for m in range(queries)]).amax(dim=0)

@@ -471,6 +471,133 @@ static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, co
   }
 }
 
+/* ---- A few bf16 queries against bf16 keys, portable: each key's channels split in place ---- */
+
+typedef uint32_t bits8 __attribute__((vector_size(32)));
+#define PAIR_CHUNK 16 /* bf16 channels one 32-byte load of a key holds: 8 lanes of two channels each */
+
+/* The queries (M rows of D bf16) as fp32, each 16-channel chunk as split_chunk leaves a key's: its 8 even
+   channels, then its 8 odd ones; zeros past D (Dp: D rounded up to PAIR_CHUNK). */
+static void split_queries(const uint16_t *q, int64_t M, int64_t D, int64_t Dp, float *split) {
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t d = 0; d < Dp; d++) {
+      const int64_t at = m * Dp + d / PAIR_CHUNK * PAIR_CHUNK + (d % 2) * WIDE + d % PAIR_CHUNK / 2;
+      split[at] = d < D ? widened(q + m * D, d, 2) : 0.0f;
+    }
+}
+
+/* A key's 16 bf16 channels from p as two vectors of fp32 without a shuffle: each 32-bit lane holds channels 2l
+   (low half) and 2l + 1 (high half); shifted up, the low one is an fp32, masked, the high one is. */
+static inline void split_chunk(const uint16_t *p, lanes8 *even, lanes8 *odd) {
+  bits8 v;
+  memcpy(&v, p, sizeof v);
+  *even = (lanes8)(v << 16);
+  *odd = (lanes8)(v & 0xffff0000u);
+}
+
+/* The sums of G keys (key j's chunks at k[j], Dp channels) with M queries (split_queries'), acc[j][m] holding the
+   8 lane sums of key j and query m: chunk by chunk, even channels then odd, one FMA chain a (key, query), so
+   every (key, query) is summed in the same order whatever M and G. M and G constants (pair_best's). */
+static inline __attribute__((always_inline)) void pair_sums(const float *qs, const int M, const int64_t Dp,
+                                                            const uint16_t *const *k, const int G, lanes8 *acc) {
+  for (int i = 0; i < G * M; i++) acc[i] = (lanes8){0};
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < Dp; c += PAIR_CHUNK)
+    for (int j = 0; j < G; j++) {
+      lanes8 even, odd;
+      split_chunk(k[j] + c, &even, &odd);
+      for (int m = 0; m < M; m++) {
+        const float *q = qs + m * Dp + c;
+        acc[j * M + m] += even * load8(q);
+        acc[j * M + m] += odd * load8(q + WIDE);
+      }
+    }
+}
+
+#define PAIR_SUMS 12 /* (key, query) sums pair_best keeps at a time: enough FMA chains to cover their latency, few
+                        enough for AVX2's 16 registers with a key's two vectors and the mask */
+
+/* best_dots for bf16 keys read in place (key j's Dp channels at k[j]): 8 keys in groups of G (G * M <= PAIR_SUMS),
+   then each query's 8 folded. */
+static inline __attribute__((always_inline)) lanes8 pair_best(const float *qs, const int M, const int64_t Dp,
+                                                              const uint16_t *const k[WIDE_KEYS], float *kept,
+                                                              int64_t dot_stride) {
+  const int G = M == 1 ? 8 : M <= 3 ? 4 : M <= 6 ? 2 : 1;
+  lanes8 sums[WIDE_KEYS * WIDE_KEYS], best = NONE8;
+  for (int g = 0; g < WIDE_KEYS; g += G) {
+    lanes8 acc[PAIR_SUMS];
+    pair_sums(qs, M, Dp, k + g, G, acc);
+    for (int j = 0; j < G; j++)
+      for (int m = 0; m < M; m++) sums[m * WIDE_KEYS + g + j] = acc[j * M + m];
+  }
+  for (int m = 0; m < M; m++) {
+    const lanes8 *s = sums + m * WIDE_KEYS;
+    const lanes8 dots = fold_lanes(fold_pairs(fold_halves(s[0], s[1]), fold_halves(s[2], s[3])),
+                                   fold_pairs(fold_halves(s[4], s[5]), fold_halves(s[6], s[7])));
+    best = larger8(best, dots);
+    if (kept)
+      for (int l = 0; l < WIDE_KEYS; l++) kept[m * dot_stride + FOLDED[l]] = dots[l];
+  }
+  return best;
+}
+
+/* pair_best with Dp as a constant at head dims 64 and 128. */
+static inline __attribute__((always_inline)) lanes8 pair_best_dim(const float *qs, const int M, int64_t Dp,
+                                                                  const uint16_t *const k[WIDE_KEYS], float *kept,
+                                                                  int64_t dot_stride) {
+  if (Dp == 64) return pair_best(qs, M, 64, k, kept, dot_stride);
+  if (Dp == 128) return pair_best(qs, M, 128, k, kept, dot_stride);
+  return pair_best(qs, M, Dp, k, kept, dot_stride);
+}
+
+/* pair_best with M as a constant (1 to WIDE_KEYS). */
+static lanes8 pair_best_of(const float *qs, int64_t M, int64_t Dp, const uint16_t *const k[WIDE_KEYS], float *kept,
+                           int64_t dot_stride) {
+  switch (M) {
+  case 1: return pair_best_dim(qs, 1, Dp, k, kept, dot_stride);
+  case 2: return pair_best_dim(qs, 2, Dp, k, kept, dot_stride);
+  case 3: return pair_best_dim(qs, 3, Dp, k, kept, dot_stride);
+  case 4: return pair_best_dim(qs, 4, Dp, k, kept, dot_stride);
+  case 5: return pair_best_dim(qs, 5, Dp, k, kept, dot_stride);
+  case 6: return pair_best_dim(qs, 6, Dp, k, kept, dot_stride);
+  case 7: return pair_best_dim(qs, 7, Dp, k, kept, dot_stride);
+  default: return pair_best_dim(qs, 8, Dp, k, kept, dot_stride);
+  }
+}
+
+/* Few bf16 queries (split, qs [M][Dp]) against bf16 keys: 8 keys at a time, each read where it is (a key of D
+   not a multiple of PAIR_CHUNK, or an absent one: from a zero-padded copy), split as it is read, and summed
+   for every query; their best raise their pages. dots: as any_raise_scores keeps them. */
+static void pair_few_scores(const float *qs, int64_t M, int64_t D, int64_t Dp, const uint16_t *keys, int64_t key_t,
+                            const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                            int64_t dot_stride) {
+  uint16_t padded[WIDE_KEYS * Dp];
+  memset(padded, 0, sizeof padded);
+  for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
+    const int64_t n = filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS;
+    const uint16_t *k[WIDE_KEYS];
+    int live = 0;
+    for (int64_t j = 0; j < WIDE_KEYS; j++) {
+      live |= j < n && (!valid || valid[t0 + j]);
+      const uint16_t *key = keys + (t0 + j) * key_t;
+      if (j < n && D == Dp) {
+        k[j] = key;
+        continue;
+      }
+      k[j] = padded + j * Dp;
+      if (j < n) memcpy(padded + j * Dp, key, D * sizeof(uint16_t));
+      else memset(padded + j * Dp, 0, Dp * sizeof(uint16_t));
+    }
+    if (!live) continue;
+    if (D == Dp) { /* (past the end: a hint only) */
+      const char *ahead = (const char *)(keys + (t0 + PREFETCH_KEYS) * key_t);
+      for (int64_t j = 0; j < WIDE_KEYS; j++)
+        for (int64_t a = 0; a < D * 2; a += 64) __builtin_prefetch(ahead + j * key_t * 2 + a);
+    }
+    raise_block(scores, pair_best_of(qs, M, Dp, k, dots ? dots + t0 : NULL, dot_stride), FOLDED, t0, n, valid, page);
+  }
+}
+
 /* Keys t0 .. t0 + n - 1 (n <= BLOCK_KEYS) laid out by channel as fp32, block[d][j] = key j's channel d (absent
    keys: zeros), for block_scores. */
 static inline void key_block(const void *keys, int64_t key_t, int64_t bytes, int64_t D, int64_t t0, int64_t n,
@@ -549,6 +676,12 @@ static void any_many_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, c
 static void any_raise_scores(const void *q, int64_t bytes, int64_t M, int64_t D, const void *keys, int64_t key_t,
                              const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
                              int64_t dot_stride, float *qw, const float *blocks) {
+  if (bytes == 2 && M <= WIDE_KEYS) {
+    const int64_t Dp = (D + PAIR_CHUNK - 1) / PAIR_CHUNK * PAIR_CHUNK;
+    split_queries(q, M, D, Dp, qw);
+    pair_few_scores(qw, M, D, Dp, keys, key_t, valid, filled, page, scores, dots, dot_stride);
+    return;
+  }
   const int64_t Dw = (D + WIDE - 1) / WIDE * WIDE;
   for (int64_t m = 0; m < M; m++) widen_row((const char *)q + m * D * bytes, D, Dw, bytes, qw + m * Dw);
   if (M <= WIDE_KEYS) any_few_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride);
@@ -568,7 +701,7 @@ static inline int bf16_route(int64_t bytes) {
 
 /* The floats of scratch scores_of needs for M queries of D (0: none, where the bf16 route takes them). */
 static int64_t scratch_floats(int64_t bytes, int64_t M, int64_t D) {
-  return bf16_route(bytes) ? 0 : M * ((D + WIDE - 1) / WIDE * WIDE);
+  return bf16_route(bytes) ? 0 : M * ((D + PAIR_CHUNK - 1) / PAIR_CHUNK * PAIR_CHUNK);
 }
 
 /* Room for scratch_floats(bytes, M, D) in *scratch (NULL where none is needed); 0 where memory ran out. */
