@@ -10,7 +10,14 @@
    Session 68 (AVX2 Zen 3, four runs each): 13.8-16.5 ns a key from memory (~8-9 GB/s of keys), 12.5-20 from the
    L3, 10.8-17 from the L2 (1,000 keys x 4); a plain AVX2 read of the same memory streams 15-25 GB/s, so the
    choice is bound by its work per key (~5 ns of it FMAs), not by memory. Inside the 8K step the whole call took
-   ~18 ns a key. */
+   ~18 ns a key.
+
+   Session 69, the portable build's few-query route rewritten (pair_few_scores: each key's bf16 channels split in
+   place by a shift and a mask, groups of 4 keys read once for the 3 queries), same machine, the best of 60 passes
+   (12 from memory), three runs each, old and new alternated: from the L2 10.6-10.8 -> 7.9-8.0 ns a key (1.35x);
+   from memory, with a prefetch 16 keys ahead, 13.9-15.3 -> 10.7-11.6 (1.3x). By query count (L2): 1 query
+   9.0 -> 4.0, 2: 9.4 -> 6.0, 4: 12.4 -> 10.2, 6 and 8: about even (15.8/14.9, 18.8/19.3). Each query adds ~2 ns a
+   key (8 FMAs and its share of the folds): at 3 queries the FMAs alone are about half of the 8 ns. */
 #include KERNEL
 #include <stdio.h>
 #include <time.h>

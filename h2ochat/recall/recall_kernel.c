@@ -14,9 +14,10 @@
      step's group) go 16 keys at a time, key by key for all the queries, the per-key sums added across lanes
      by folds for the 16 (few_page_scores); more (a prompt chunk's hundreds or thousands) go by blocks of keys
      laid out by channel pairs (many_page_scores), near one VDPBF16PS a cycle.
-   - otherwise (fp32 anywhere, bf16 widened to fp32 in the portable build): portable C over vectors of 8
-     floats (any_raise_scores): a few queries 8 keys at a time, their sums folded; more by blocks of 8 keys
-     laid out by channel.
+   - otherwise (fp32 anywhere, bf16 in the portable build): portable C over vectors of 8 floats
+     (any_raise_scores): a few queries 8 keys at a time, their sums folded (bf16 keys split into two vectors
+     of fp32 as they are read, pair_few_scores; fp32 keys read in place); more by blocks of 8 keys laid out by
+     channel (bf16 widened).
 
    Keys are read where the store keeps them: [B, H, T, D] with any strides but a unit one along D (the
    store's leading slots, a view). Queries [B, H, M, D] and valid [B, H, T] (bytes) contiguous.
@@ -351,7 +352,7 @@ typedef int32_t mask8 __attribute__((vector_size(32))); /* (a lanes8 comparison'
 #define BLOCK_KEYS 16 /* keys a block of any_many_scores: two vectors, one lane a key */
 #define MANY_GROUP 6  /* queries a pass over such a block takes at once (12 sums: an FMA's latency covered, and 8
                          loads for 12 FMAs where 8 keys by 8 queries took 9 for 8: ~1.25x faster) */
-#define PREFETCH_KEYS 16 /* any_few_scores asks for the keys this far ahead (the store read front to back) */
+#define PREFETCH_KEYS 16 /* the few-query routes ask for the keys this far ahead (the store read front to back) */
 
 /* D values of `bytes` each as fp32 into out[0, Dw) (Dw: D rounded up to WIDE), zeros past D. */
 static inline void widen_row(const void *row, int64_t D, int64_t Dw, int64_t bytes, float *out) {
@@ -436,11 +437,11 @@ static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const flo
   return best;
 }
 
-/* Few queries (widened, qw [M][Dw]): keys 8 at a time, each read in place (fp32, D a multiple of WIDE) or
+/* Few fp32 queries (widened, qw [M][Dw]): keys 8 at a time, each read in place (fp32, D a multiple of WIDE) or
    widened once for all the queries (absent keys: zeros, never read back), dotted with every query; their best
    raise their pages. Keys read in place ask for the keys PREFETCH_KEYS ahead as these are scored (a decode step's
-   store comes from memory: 1.05-1.5x faster at 512-2K fp32 keys a row, 8 rows; bf16 keys, widened as they come,
-   gained nothing; benchmarks/page_scores_chunk.py --decode). dots: as any_raise_scores keeps them. */
+   store comes from memory: 1.05-1.5x faster at 512-2K fp32 keys a row, 8 rows; benchmarks/page_scores_chunk.py
+   --decode). bf16 keys take pair_few_scores instead. dots: as any_raise_scores keeps them. */
 static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
                            int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores,
                            float *dots, int64_t dot_stride) {
@@ -567,7 +568,8 @@ static lanes8 pair_best_of(const float *qs, int64_t M, int64_t Dp, const uint16_
 
 /* Few bf16 queries (split, qs [M][Dp]) against bf16 keys: 8 keys at a time, each read where it is (a key of D
    not a multiple of PAIR_CHUNK, or an absent one: from a zero-padded copy), split as it is read, and summed
-   for every query; their best raise their pages. dots: as any_raise_scores keeps them. */
+   for every query; their best raise their pages. Keys read in place ask for those PREFETCH_KEYS ahead (1.1-1.2x
+   from memory: benchmarks/decode_choice_kernel.c). dots: as any_raise_scores keeps them. */
 static void pair_few_scores(const float *qs, int64_t M, int64_t D, int64_t Dp, const uint16_t *keys, int64_t key_t,
                             const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
                             int64_t dot_stride) {
