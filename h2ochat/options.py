@@ -50,7 +50,7 @@ Positions = Annotated[str, typer.Option("--positions", rich_help_panel=CACHE,
 Recall = Annotated[Optional[str], typer.Option("--recall", rich_help_panel=CACHE,
     help="Two tiers: R of the budget's slots hold evicted tokens recalled from a cold store when the query wants "
          "them (a slot count, 64, or a share of the budget written with a point, 0.5); auto: half the slots once the "
-         "budget holds 128 (the default of run, story and generate); 0: no recall (the default of serve and bench).")]
+         "budget holds 128 (the default of run, story, generate and serve); 0: no recall (the default of bench).")]
 Page = Annotated[int, typer.Option("--page", min=1, rich_help_panel=CACHE,
     help="With --recall: evicted tokens move to the cold store and back in pages of this many tokens.")]
 Selector = Annotated[str, typer.Option("--selector", rich_help_panel=CACHE,
@@ -147,7 +147,7 @@ def takes_recall_options(command=None, *, recall: str | None = "auto"):
     """Give a typer command --recall, --page, --selector, --cold-dtype, --cold-limit, --recall-every and
     --recall-decode-rule without restating them in its signature: it receives them as one ``recall_options`` dict (keyword
     arguments of ``cache_settings``). ``recall``: the command's --recall default (``auto``, recall by
-    default: ``recall.default``; None: off unless asked, as ``serve`` and ``bench`` are)."""
+    default: ``recall.default``; None: off unless asked, as ``bench`` is)."""
     if command is None:
         return functools.partial(takes_recall_options, recall=recall)
     defaults = {**{name: default for name, (_, default) in RECALL_OPTIONS.items()}, "recall": recall}
@@ -169,7 +169,7 @@ def takes_cache_options(command=None, *, budget: str = CacheSettings.budget, rec
     ``settings`` and ``prefill_chunk`` parameters stand, and the command receives ``settings``, a checked
     ``CacheSettings`` (a bad value is one line before anything loads; its seed is the command's --seed
     when it has one), and ``prefill_chunk``. ``budget`` and ``recall``: this command's defaults (recall
-    ``auto``: by default, ``recall.default``; None: off unless asked, as ``serve`` is)."""
+    ``auto``, every command's: by default, ``recall.default``; None: off unless asked)."""
     if command is None:
         return functools.partial(takes_cache_options, budget=budget, recall=recall)
     defaults = {**{name: getattr(CacheSettings, name) for name in CACHE_OPTIONS}, "budget": budget, "recall": recall}

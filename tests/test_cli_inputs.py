@@ -135,7 +135,7 @@ def test_cache_view_agrees_page_with_its_count(per_summary, words):
 
 # -- A: one config --------------------------------------------------------------------------------
 COMMAND_DEFAULTS = {"generate": {"recall": "auto"}, "run": {"recall": "auto"},
-                    "story": {"recall": "auto", "budget": "0.05"}, "serve": {"recall": None}}
+                    "story": {"recall": "auto", "budget": "0.05"}, "serve": {"recall": "auto"}}
 
 
 @pytest.mark.parametrize("command", COMMAND_DEFAULTS)

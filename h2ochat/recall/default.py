@@ -1,5 +1,5 @@
-"""Recall by default: what ``--recall auto`` (the default of ``run``, ``story`` and ``generate``) turns
-into, and how ``--recall 0`` turns it off.
+"""Recall by default: what ``--recall auto`` (the default of ``run``, ``story``, ``generate`` and ``serve``)
+turns into, and how ``--recall 0`` turns it off.
 
 The rule, from the measurements on SmolLM2-135M (benchmarks/results_recall_amortized.json,
 results_recall_default_passkey.json, results_recall_default_perplexity.json):
@@ -37,16 +37,15 @@ results_recall_default_passkey.json, results_recall_default_perplexity.json):
 So: half the device slots recall, in whole pages of 8 (``CacheSettings.page``), once the budget holds
 at least ``SMALLEST_BUDGET`` slots (below that the measured split leaves the policy too short a window,
 and nothing was measured);
-off for a policy that never evicts (nothing goes cold). The server keeps recall off unless asked
-(``serve --recall R``): under the peers' chat load (8 chats x 4 turns) a recall server serves 1.24x fewer
-tokens/s than one without on an AVX512-BF16 CPU (session 59's last three pairs; 1.23x over its twelve:
-results_serve_recall_load_s59_*.json), inside issue 34's 1.25x by less than the pairs' noise, at 1.10x the
-peak RSS, but 1.38x fewer at 1.38x the peak RSS on an AVX2 one in fp32 (session 64:
-results_serve_recall_load_s64_avx2.json), past both targets, and 1.27x fewer at 1.29x the peak RSS with an
-fp32 model's cold keys in bf16 (session 65: results_serve_recall_load_s65_bf16keys_avx2*.json), the tokens/s
-target still missed, and 1.275x over four pairs at 1.27x the peak RSS once the compiled decode step stopped
-copying its slots (session 66: results_serve_recall_load_s66_avx2*.json). (Its decode step runs the smallest
-bucket of rows since session 64, as the h2o server's does: a lone chat no longer steps every row.)
+off for a policy that never evicts (nothing goes cold). The server takes the same rule since session 69
+(``serve``'s --recall is auto too). Under the peers' chat load (8 chats x 4 turns, 8 rows, one thread) a recall
+server served 1.24x fewer tokens/s than one without on an AVX512-BF16 CPU (session 59), and on an AVX2 one in
+fp32 1.38x (session 64), 1.27-1.31x (sessions 65-68, its fp32 model's cold keys in bf16), then 1.21x over six
+pairs at --budget 256 --recall 0.5 (1.12-1.25x) and 1.17x over two at the defaults (--budget 0.2, --recall auto;
+1.13x and 1.21x) once the portable kernel's decode choice split each bf16 key in place (session 69:
+results_serve_recall_load_s69.json), inside issue 34's 1.25x, at 1.28x and 1.12x the peak RSS (target 1.5x).
+(Its decode step runs the smallest bucket of rows since session 64, as the h2o server's does: a lone chat no
+longer steps every row.)
 """
 
 from __future__ import annotations
