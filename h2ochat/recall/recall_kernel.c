@@ -413,6 +413,16 @@ static inline lanes8 larger8(lanes8 a, lanes8 b) {
   return (lanes8)(((mask8)b & above) | ((mask8)a & ~above));
 }
 
+/* One query's dots with 8 keys from their lane sums (sum[j]: key j's), folded to one lane a key (key FOLDED[l] in
+   lane l); best raised to them, and kept (NULL: not kept) at kept[j] for key j. */
+static inline lanes8 folded_best(lanes8 best, const lanes8 sum[WIDE_KEYS], float *kept) {
+  const lanes8 dots = fold_lanes(fold_pairs(fold_halves(sum[0], sum[1]), fold_halves(sum[2], sum[3])),
+                                 fold_pairs(fold_halves(sum[4], sum[5]), fold_halves(sum[6], sum[7])));
+  if (kept)
+    for (int l = 0; l < WIDE_KEYS; l++) kept[FOLDED[l]] = dots[l];
+  return larger8(best, dots);
+}
+
 /* The best q.k over M queries (widened, qw [M][Dw]) of 8 keys (fp32, key j at k[j], Dw channels each), key
    FOLDED[l] in lane l: each query's 8 dots by lanes of channels, then folded. kept (NULL: not kept): every
    query's 8 dots too, query m's of key j at kept[m * dot_stride + j]. */
@@ -428,11 +438,7 @@ static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const flo
       const lanes8 channels = load8(q + d);
       for (int j = 0; j < WIDE_KEYS; j++) sum[j] += channels * load8(k[j] + d);
     }
-    const lanes8 dots = fold_lanes(fold_pairs(fold_halves(sum[0], sum[1]), fold_halves(sum[2], sum[3])),
-                                   fold_pairs(fold_halves(sum[4], sum[5]), fold_halves(sum[6], sum[7])));
-    best = larger8(best, dots);
-    if (kept)
-      for (int l = 0; l < WIDE_KEYS; l++) kept[m * dot_stride + FOLDED[l]] = dots[l];
+    best = folded_best(best, sum, kept ? kept + m * dot_stride : NULL);
   }
   return best;
 }
@@ -532,12 +538,7 @@ static inline __attribute__((always_inline)) lanes8 pair_best(const float *qs, c
       for (int m = 0; m < M; m++) sums[m * WIDE_KEYS + g + j] = acc[j * M + m];
   }
   for (int m = 0; m < M; m++) {
-    const lanes8 *s = sums + m * WIDE_KEYS;
-    const lanes8 dots = fold_lanes(fold_pairs(fold_halves(s[0], s[1]), fold_halves(s[2], s[3])),
-                                   fold_pairs(fold_halves(s[4], s[5]), fold_halves(s[6], s[7])));
-    best = larger8(best, dots);
-    if (kept)
-      for (int l = 0; l < WIDE_KEYS; l++) kept[m * dot_stride + FOLDED[l]] = dots[l];
+    best = folded_best(best, sums + m * WIDE_KEYS, kept ? kept + m * dot_stride : NULL);
   }
   return best;
 }
