@@ -447,12 +447,12 @@ static inline lanes8 best_dots(const float *qw, int64_t M, int64_t Dw, const flo
    widened once for all the queries (absent keys: zeros, never read back), dotted with every query; their best
    raise their pages. Keys read in place ask for the keys PREFETCH_KEYS ahead as these are scored (a decode step's
    store comes from memory: 1.05-1.5x faster at 512-2K fp32 keys a row, 8 rows; benchmarks/page_scores_chunk.py
-   --decode). bf16 keys take pair_few_scores instead. dots: as any_raise_scores keeps them. */
-static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const void *keys, int64_t key_t,
-                           int64_t bytes, const uint8_t *valid, int64_t filled, int64_t page, float *scores,
-                           float *dots, int64_t dot_stride) {
+   --decode). bf16 keys take pair_few_scores instead, so the keys here are fp32. dots: as any_raise_scores keeps them. */
+static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, const float *keys, int64_t key_t,
+                           const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
+                           int64_t dot_stride) {
   float widened_keys[WIDE_KEYS * Dw];
-  const int in_place = bytes == 4 && D == Dw;
+  const int in_place = D == Dw;
   for (int64_t t0 = 0; t0 < filled; t0 += WIDE_KEYS) {
     const int64_t n = filled - t0 < WIDE_KEYS ? filled - t0 : WIDE_KEYS;
     const float *k[WIDE_KEYS];
@@ -460,19 +460,19 @@ static void any_few_scores(const float *qw, int64_t M, int64_t D, int64_t Dw, co
     for (int64_t j = 0; j < WIDE_KEYS; j++) {
       const int present = j < n && (!valid || valid[t0 + j]);
       live |= present;
-      const void *key = j < n ? (const char *)keys + (t0 + j) * key_t * bytes : NULL;
+      const float *key = j < n ? keys + (t0 + j) * key_t : NULL;
       if (in_place && key) {
         k[j] = key;
         continue;
       }
       k[j] = widened_keys + j * Dw;
-      if (key) widen_row(key, D, Dw, bytes, widened_keys + j * Dw);
+      if (key) widen_row(key, D, Dw, 4, widened_keys + j * Dw);
       else memset(widened_keys + j * Dw, 0, Dw * sizeof(float));
     }
     if (!live) continue;
     if (in_place) { /* (past the end: a hint only) */
-      const char *ahead = (const char *)keys + (t0 + PREFETCH_KEYS) * key_t * bytes;
-      for (int64_t a = 0; a < WIDE_KEYS * D * bytes; a += 64) __builtin_prefetch(ahead + a);
+      const char *ahead = (const char *)(keys + (t0 + PREFETCH_KEYS) * key_t);
+      for (int64_t a = 0; a < WIDE_KEYS * D * (int64_t)sizeof(float); a += 64) __builtin_prefetch(ahead + a);
     }
     raise_block(scores, best_dots(qw, M, Dw, k, dots ? dots + t0 : NULL, dot_stride), FOLDED, t0, n, valid, page);
   }
@@ -687,7 +687,7 @@ static void any_raise_scores(const void *q, int64_t bytes, int64_t M, int64_t D,
   }
   const int64_t Dw = (D + WIDE - 1) / WIDE * WIDE;
   for (int64_t m = 0; m < M; m++) widen_row((const char *)q + m * D * bytes, D, Dw, bytes, qw + m * Dw);
-  if (M <= WIDE_KEYS) any_few_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride);
+  if (M <= WIDE_KEYS) any_few_scores(qw, M, D, Dw, keys, key_t, valid, filled, page, scores, dots, dot_stride);
   else any_many_scores(qw, M, D, Dw, keys, key_t, bytes, valid, filled, page, scores, dots, dot_stride, blocks);
 }
 
