@@ -163,16 +163,17 @@ def takes_recall_options(command=None, *, recall: str | None = "auto"):
     return with_recall_options
 
 
-def takes_cache_options(command=None, *, budget: str = CacheSettings.budget, recall: str | None = "auto"):
+def takes_cache_options(command=None, *, budget: str = CacheSettings.budget):
     """Give a typer command every cache option, declared once here from ``CacheSettings``' fields
     (``CACHE_OPTIONS``, defaults the dataclass's) and --prefill-chunk: they stand where the command's
     ``settings`` and ``prefill_chunk`` parameters stand, and the command receives ``settings``, a checked
     ``CacheSettings`` (a bad value is one line before anything loads; its seed is the command's --seed
-    when it has one), and ``prefill_chunk``. ``budget`` and ``recall``: this command's defaults (recall
-    ``auto``, every command's: by default, ``recall.default``; None: off unless asked)."""
+    when it has one), and ``prefill_chunk``. ``budget``: this command's default. --recall's is ``auto`` for every
+    command that takes these options (recall by default: ``recall.default``), where the dataclass's, for callers
+    of the library, is None (no recall)."""
     if command is None:
-        return functools.partial(takes_cache_options, budget=budget, recall=recall)
-    defaults = {**{name: getattr(CacheSettings, name) for name in CACHE_OPTIONS}, "budget": budget, "recall": recall}
+        return functools.partial(takes_cache_options, budget=budget)
+    defaults = {**{name: getattr(CacheSettings, name) for name in CACHE_OPTIONS}, "budget": budget, "recall": "auto"}
     added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=defaults[name])
              for name, annotation in CACHE_OPTIONS.items()]
 

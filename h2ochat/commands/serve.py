@@ -26,7 +26,7 @@ def _size(text: str | None, option: str) -> int | None:
 
 
 @strict_user_errors
-@o.takes_cache_options()
+@o.takes_cache_options
 def serve(
     model: o.Model = o.DEFAULTS["model"],
     device: o.Device = "auto",
