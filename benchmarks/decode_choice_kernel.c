@@ -42,13 +42,12 @@ static double seconds(void) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 4 && argc != 5) {
+  const int64_t bytes = argc == 5 ? atoll(argv[4]) : 2;
+  if ((argc != 4 && argc != 5) || (bytes != 2 && bytes != 4)) {
     fprintf(stderr, "usage: %s KEYS BUFFERS QUERIES [BYTES: 2 bf16, the default, or 4 fp32]\n", argv[0]);
     return 2;
   }
   const int64_t T = atoll(argv[1]), NB = atoll(argv[2]), M = atoll(argv[3]), D = 64, P = 8, k = 8;
-  const int64_t bytes = argc == 5 ? atoll(argv[4]) : 2;
-  if (bytes != 2 && bytes != 4) return 2;
   void **keys = malloc(NB * sizeof *keys), *q = malloc(M * D * bytes);
   srand(1);
   for (int64_t b = 0; b < NB; b++) {
