@@ -92,7 +92,10 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     assert set(overhead) == {(n, every) for n in (48, 64) for every in (1, 2)}
     for c in overhead.values():
         assert c["device_slots"] == 16 and c["recall_slots"] == 8 and c["target"] == 1.15
-        assert c["ratio"] > 0 and c["met"] == (c["ratio"] <= 1.15) and c["digest_device_bytes"] > 0
+        # met is read from the ratio that decides it (CPU time's on a CPU, robust to load): the verdict's
+        # derivation is checked, never the timing itself
+        decided_by = c.get("cpu_ratio", c["ratio"])
+        assert c["ratio"] > 0 and c["met"] == (decided_by <= 1.15) and c["digest_device_bytes"] > 0
     # (each timed block holds a staging page's flush: lcm(--recall-every, the page of 4) steps)
     rows = {(r["context"], r["policy"], r["block"]) for r in recall["results"]}
     assert rows == {(n, policy, math.lcm(every, 4)) for n in (48, 64) for policy in ("h2o", "recall") for every in (1, 2)}

@@ -10,7 +10,7 @@
      out[b, h, n] = max over valid slots t of the page, over queries m, of sum_d q[b, h, m, d] * k[b, h, t, d]
    (-inf where the page has no valid slot), the sums in fp32: the torch reference's up to the order they
    are added in. Queries and keys are bf16 (elements of 2 bytes) or fp32 (4), both of one dtype.
-   - bf16 with BF16_DOTS: products exact in fp32, summed by VDPBF16PS. Up to FEW_QUERIES queries (a decode
+   - bf16 with BF16_DOTS: products exact in fp32, summed by VDPBF16PS. Up to DECODE_QUERIES queries (a decode
      step's group) go 16 keys at a time, key by key for all the queries, the per-key sums added across lanes
      by folds for the 16 (few_page_scores); more (a prompt chunk's hundreds or thousands) go by blocks of keys
      laid out by channel pairs (many_page_scores), near one VDPBF16PS a cycle.
@@ -34,9 +34,14 @@
 #include <string.h>
 
 #define KEY_BLOCK 16  /* keys a block: one fp32 lane each */
-/* Up to this many queries, few_page_scores is faster (per-key sums added across lanes beat a block's
-   layout: 1.2x at 6 and head dim 64, 1.05x at 128); from 7 on, blocks (1.0-1.15x at 7 and 8; Zen 4). */
+/* Queries few_page_scores keeps in registers at once (a group; more go group by group, each query's sums
+   in the same order whatever the grouping). */
 #define FEW_QUERIES 6
+/* Up to this many queries (a decode step's group of query heads per KV head on every model family) the
+   page scores are the largest of each query's alone, bit for bit, in both builds: few_page_scores here,
+   any_few_scores in the portable one (WIDE_KEYS). Beyond it, a prompt chunk's many go by blocks, whose sums
+   are added in another order. */
+#define DECODE_QUERIES 8
 
 static inline float larger(float a, float b) { return b > a ? b : a; } /* (fmaxf: a libm call, NaN rules) */
 
@@ -303,7 +308,7 @@ static inline __m512 block_best(const uint32_t *block, const uint32_t *pairs, in
   return best;
 }
 
-/* few_page_scores' work for M > FEW_QUERIES: keys are taken KEY_BLOCK at a time, laid out by channel
+/* few_page_scores' work for M > DECODE_QUERIES: keys are taken KEY_BLOCK at a time, laid out by channel
    pairs once (L1-resident), and every query passes over them (a prompt chunk's rest keeps their q.k: dots, as
    few_page_scores keeps them; each query's by channel pairs in order, not folded across lanes). 0 where memory
    runs out (scores untouched). */
@@ -332,12 +337,12 @@ static int many_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint1
 }
 
 /* Raises scores[n] to the best q.k of these M queries over page n's valid slots: by few_page_scores up to
-   FEW_QUERIES queries, by many_page_scores from there (few_page_scores where its memory runs out); dots as both
+   DECODE_QUERIES queries, by many_page_scores from there (few_page_scores where its memory runs out); dots as both
    keep them (NULL: not kept). */
 static void raise_page_scores(const uint16_t *q, int64_t M, int64_t D, const uint16_t *keys, int64_t key_t,
                               const uint8_t *valid, int64_t filled, int64_t page, float *scores, float *dots,
                               int64_t dot_stride) {
-  if (M <= FEW_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride))
+  if (M <= DECODE_QUERIES || !many_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride))
     few_page_scores(q, M, D, keys, key_t, valid, filled, page, scores, dots, dot_stride);
 }
 
