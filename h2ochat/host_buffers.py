@@ -20,13 +20,13 @@ conversation is not held twice. Elsewhere (another system, pinned or device memo
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import mmap
 import sys
 
 import torch
+
+from . import libc
 
 MAPPED_BYTES = 256 << 10  # (a mapping costs a system call and its page faults: worth it from a few pages of a store up)
 _DISCARD = sys.platform.startswith("linux") and hasattr(mmap, "MAP_PRIVATE")
@@ -89,11 +89,6 @@ def lengthened(tensor: torch.Tensor, size: int, dim: int = 2) -> torch.Tensor | 
     return _over(tensor, shape, stride)
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None)
-
-
 def fill_empty(target: torch.Tensor, value) -> None:
     """``target.fill_(value)``; a large contiguous CPU block emptied to zero gives its whole pages back to the
     system instead of writing them (the bytes past the first and last whole page are written). For the
@@ -114,7 +109,7 @@ def fill_empty(target: torch.Tensor, value) -> None:
     flat = target.reshape(-1).view(torch.uint8)
     flat[: first - start].zero_()
     flat[last - start:].zero_()
-    if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+    if not libc.madvise(first, last - first, _MADV_DONTNEED):
         flat[first - start: last - start].zero_()  # (refused: written as usual)
 
 
@@ -126,7 +121,4 @@ def resident_bytes(tensor: torch.Tensor) -> int:
     storage = tensor.untyped_storage()
     start, size = storage.data_ptr(), storage.nbytes()
     first, last = start // _PAGE * _PAGE, -(-(start + size) // _PAGE) * _PAGE
-    flags = (ctypes.c_ubyte * ((last - first) // _PAGE))()
-    if _libc().mincore(ctypes.c_void_p(first), ctypes.c_size_t(last - first), flags) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(flag & 1 for flag in flags) * _PAGE
+    return libc.resident_pages(first, (last - first) // _PAGE, _PAGE) * _PAGE

@@ -1,5 +1,10 @@
-"""Choose the Triton kernels or their torch references: once per cache layer (``backend_for``), or
-per call (the module-level functions, for callers without a layer: tests, the simulation).
+"""The one place every kernel route is chosen.
+
+- GPU work: the Triton kernels or their torch references, once per cache layer (``backend_for``), or per
+  call (the module-level functions, for callers without a layer: tests, the simulation); the cold store's
+  zero-copy row kernels (``host_rows``).
+- CPU work: which compiled variant of a C kernel module runs (``cpu_route``, ``cpu_kernels``): the best one
+  the CPU supports among those the install built (``cpu.variants``), or none (the torch route).
 
 ``H2OCHAT_KERNELS`` (read when a backend is chosen):
 
@@ -7,6 +12,16 @@ per call (the module-level functions, for callers without a layer: tests, the si
 - ``torch``: always the reference;
 - ``triton``: always Triton; an error when triton is missing, or when the tensors are on the CPU and
   the Triton interpreter is off (``TRITON_INTERPRET=1`` makes CPU tensors work, slowly: tests).
+
+``H2OCHAT_CPU_KERNELS`` (read when a CPU route is asked for):
+
+- ``auto`` (default): the best variant of the module that this CPU runs and the install built;
+- a variant's name (``avx512bf16``, ``avx2``, ``generic``): that one, or none where the CPU or the install
+  lacks it (tests run every route this way);
+- ``none``: no compiled CPU kernel, the torch route for everything.
+
+A C kernel changes speed only: each route gives the torch route's results, bit for bit where the test of its
+module says so and within the stated tolerance where it sums in another order.
 
 Triton modules are imported lazily, on the first Triton call, so importing this package never needs
 triton or a GPU. A call the kernels do not cover (head_dim > 256, mixed cache dtypes, non-float inputs,
@@ -25,14 +40,20 @@ Dynamo does not guard on ``H2OCHAT_KERNELS``: a compiled graph keeps the backend
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 from . import ops, recall_reference, reference
+from .cpu import binding, variants
 
 _CHOICES = ("auto", "torch", "triton")
+CPU_SWITCH = "H2OCHAT_CPU_KERNELS"
+CPU_CHOICES = ("auto", "none", *variants.ROUTES)
 
 
 _triton_importable: bool | None = None
@@ -213,3 +234,94 @@ def evict_and_insert(priority, keys, *args, **kwargs):
 
 def evict_by_policy(keys, *args, **kwargs):
     return backend_for(keys.device).evict_by_policy(keys, *args, **kwargs)
+
+
+# -- the CPU's compiled kernels --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them for its first processor (x86 ``flags``, ARM ``Features``);
+    empty where the file is unreadable (not Linux): then only the generic variants run."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_runs(variant: variants.Variant) -> bool:
+    return variant.cpu_needs <= cpu_flags()
+
+
+def cpu_wanted() -> str:
+    wanted = os.environ.get(CPU_SWITCH, "auto").strip().lower() or "auto"
+    if wanted not in CPU_CHOICES:
+        raise ValueError(f"{CPU_SWITCH}={wanted!r}: expected one of {', '.join(CPU_CHOICES)}")
+    return wanted
+
+
+def cpu_route(module: str) -> tuple[variants.Variant | None, str]:
+    """The variant of ``module`` that runs here (``H2OCHAT_CPU_KERNELS``), or (None, why none does)."""
+    return _cpu_route(module, cpu_wanted())
+
+
+@functools.cache
+def _cpu_route(module: str, wanted: str) -> tuple[variants.Variant | None, str]:
+    if wanted == "none":
+        return None, f"{CPU_SWITCH}=none"
+    candidates = [v for v in variants.of(module) if wanted in ("auto", v.name)]
+    if not candidates:
+        return None, f"the {module} kernels have no {wanted} variant"
+    reasons = []
+    for variant in candidates:
+        if not cpu_runs(variant):
+            reasons.append(f"{variant.name}: the CPU lacks {', '.join(sorted(variant.cpu_needs - cpu_flags()))}")
+        elif binding.built(variant) is None:
+            reasons.append(f"{variant.name}: not built at install")
+        else:
+            return variant, ""
+    why = "; ".join(reasons)
+    if wanted == "auto" and any(cpu_runs(v) for v in candidates):
+        _say_once(f"h2ochat: the {module} kernels were not built at install ({why}; a C compiler builds them), so "
+                  "their work runs on the torch route: the same results, slower")
+    return None, why
+
+
+def cpu_kernels(module: str) -> binding.Library | None:
+    """The loaded variant of ``module`` that runs here, or None (``cpu_route`` says why)."""
+    variant, _ = cpu_route(module)
+    return None if variant is None else binding.load(variant)
+
+
+def cpu_kernels_of(variant: variants.Variant) -> binding.Library | None:
+    """``variant`` loaded (a route ``cpu_route`` chose), or None where the install did not build it."""
+    return binding.load(variant)
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        print(message, file=sys.stderr)
+
+
+def zero_copy_rows(device: torch.device | str) -> bool:
+    """Whether a cold store serving ``device`` reads and writes its pinned host buffers from the step directly
+    (``row_kernels``): CUDA with Triton, where the one-time probe of ``triton_rows.zero_copy_works`` passed.
+    Elsewhere the store copies through torch."""
+    device = torch.device(device)
+    if device.type != "cuda" or kernel_backend(device) != "triton":
+        return False
+    return row_kernels().zero_copy_works(device)
+
+
+def row_kernels():
+    """The zero-copy row kernels (``triton_rows``: ``scatter_rows_``, ``gather_rows``), imported on first use."""
+    from . import triton_rows
+
+    return triton_rows

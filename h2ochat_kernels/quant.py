@@ -40,6 +40,8 @@ import torch
 from .recall_reference import pack_codes, packed_width, unpack_codes
 
 BITS = {"int8": 8, "int4": 4}
+# the per-slot tensors quantized slots keep beside the codes, by the names the cache and the CPU kernels use
+SCALE_TENSORS = ("key_scale", "key_offset", "value_scale", "value_offset")
 
 # A row whose channels are all equal has max == min: the scale is kept above 0 so the codes divide
 # by something (they come out 0, and the row dequantises to its offset exactly).

@@ -229,7 +229,7 @@ def test_a_row_imported_into_a_long_batch_gives_back_the_pages_past_its_tokens()
     """A server imports a short conversation into a row a long one held: past the short row's tokens
     ``import_row`` empties each head's tail by giving its pages back, not by writing zeros over them."""
     from h2ochat.recall.cold_store import ColdStore
-    from h2ochat.recall.native_choice import PageMeans
+    from h2ochat_kernels.cpu.decode_choice import PageMeans
     from h2ochat.recall.tier_rows import RecallRowMoves
 
     store = ColdStore(2, 3, 64, 64, 8, torch.bfloat16, cold_dtype="int8-values")

@@ -20,7 +20,7 @@ KERNELS = Path(h2ochat_kernels.__file__).parent
 ROOT = PACKAGE.parent
 
 FOUNDATIONS = ["h2ochat.sizes", "h2ochat.threads", "h2ochat.console", "h2ochat.policies", "h2ochat.model_shape",
-               "h2ochat.budget", "h2ochat.rotary", "h2ochat.host_memory", "h2ochat.host_buffers", "h2ochat.native_build",
+               "h2ochat.budget", "h2ochat.rotary", "h2ochat.host_memory", "h2ochat.host_buffers", "h2ochat.libc",
                "h2ochat"]
 # one row per layer, lowest first; a row's parts stand side by side (``measure`` and ``serve`` both
 # build on the chat and import neither the other)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat import native_build
+from h2ochat_kernels import dispatch
 from h2ochat.loading import native_bf16
 from h2ochat.loading.models import pick_dtype
 
@@ -23,7 +23,7 @@ def cpu(monkeypatch, tmp_path):
     """Make the detection read a cpuinfo with the given flags (the suite's pin lifted)."""
     monkeypatch.delenv(native_bf16.OVERRIDE, raising=False)
 
-    read = native_build.cpu_flags.__wrapped__  # (uncached: each test reads its own file)
+    read = dispatch.cpu_flags.__wrapped__  # (uncached: each test reads its own file)
 
     def use(flags: str, key: str = "flags"):
         path = _cpuinfo(tmp_path, flags, key)
@@ -44,7 +44,7 @@ def test_auto_is_fp32_on_a_cpu_without_it(cpu):
 
 def test_auto_is_fp32_where_cpuinfo_is_unreadable(monkeypatch, tmp_path):
     monkeypatch.delenv(native_bf16.OVERRIDE, raising=False)
-    assert native_build.cpu_flags.__wrapped__(str(tmp_path / "absent")) == frozenset()
+    assert dispatch.cpu_flags.__wrapped__(str(tmp_path / "absent")) == frozenset()
     monkeypatch.setattr(native_bf16, "cpu_flags", lambda: frozenset())
     assert pick_dtype("auto", "cpu") == torch.float32
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from h2ochat.engine.generation import CacheSettings, forward, prefill
-from h2ochat.engine import row_products
+from h2ochat_kernels.cpu import row_products
 from h2ochat.engine.packed_linears import (ENVIRONMENT_SWITCH, PackedLinear, RowLinear, form_for, pack_linears, packs,
                                             unpack_linears, weight_bytes)
 

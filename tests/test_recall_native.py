@@ -1,71 +1,60 @@
-"""The recall step's C kernels (``h2ochat.recall.native``) against the torch routes they replace on a CPU:
-page scores against the torch reference (fp64 sums as the yardstick), the best pages against the digest's
+"""The recall step's C kernels (``h2ochat_kernels.cpu.recall_ops``) against the torch routes they replace on a
+CPU: page scores against the torch reference (fp64 sums as the yardstick), the best pages against the digest's
 torch route, and a bf16 or fp32 model's recall cache with the kernels against the same cache without them.
-Whichever build this machine takes runs them (AVX512-BF16 or the portable one); ``H2OCHAT_RECALL_KERNEL=
-portable`` runs them on the portable build anywhere."""
+Every test runs on every variant this CPU runs (``cpu_routes``: avx512bf16, avx2, generic), each skipped with
+its reason where the CPU or the install lacks it. Bit-for-bit claims hold within one variant; across variants
+(and against torch) the sums are added in another order, within the tolerances each test states."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import VOCAB, build_model, recall_cache
+from cpu_routes import install_had_a_compiler, recall_route, torch_route  # noqa: F401 (fixtures)
 
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native, native_choice
+from h2ochat_kernels import dispatch
+from h2ochat_kernels.cpu import binding, row_products, variants
+from h2ochat_kernels.cpu import decode_choice as native_choice
+from h2ochat_kernels.cpu import recall_ops as native
 from h2ochat.recall.digests import KeyCodes
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 from h2ochat_kernels.recall_reference import page_scores, top_pages
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
+pytestmark = pytest.mark.usefixtures("recall_route")  # every test here on every variant this CPU runs
 
 
-def test_the_kernels_run_wherever_the_row_kernel_does():
-    """(Else every test here would skip: a kernel that stopped agreeing with torch goes unnoticed.)"""
-    from h2ochat.engine import row_products
-
-    if row_products.available():
-        assert native.available(), native.why_not()
-
-
-def test_the_row_kernel_switch_turns_the_recall_kernels_off_too(monkeypatch):
-    """``H2OCHAT_ROW_KERNEL=0`` is the one switch for every C kernel (``native_build``)."""
-    native._loaded.cache_clear()
-    monkeypatch.setenv("H2OCHAT_ROW_KERNEL", "0")
-    try:
-        assert not native.available() and "H2OCHAT_ROW_KERNEL=0" in native.why_not()
-    finally:
-        monkeypatch.undo()
-        native._loaded.cache_clear()
+def test_every_variant_this_cpu_runs_was_built():
+    """(Else its tests would skip: a variant that stopped building goes unnoticed.) An install without a C
+    compiler builds none, and runs the torch route."""
+    if not install_had_a_compiler():
+        pytest.skip("no C compiler: the install built no CPU kernel")
+    for variant in variants.VARIANTS:
+        if dispatch.cpu_runs(variant):
+            assert binding.built(variant) is not None, variant.extension
 
 
-def test_the_portable_build_runs_anywhere(monkeypatch):
-    """``H2OCHAT_RECALL_KERNEL=portable``: the build for a CPU without AVX512-BF16 (the one this machine takes
-    where it has none) builds, passes its first check against torch in bf16 and fp32, and has no VDPBF16PS."""
-    if native_build_reason := native.native_build.why_not_here(avx512_bf16=False):
-        pytest.skip(native_build_reason)
-    native._loaded.cache_clear()
-    monkeypatch.setenv(native.ENVIRONMENT_SWITCH, "portable")
-    try:
-        assert native.available(), native.why_not()
-        assert not native.bound().bf16_dots
-        generator = torch.Generator().manual_seed(2)
-        q, keys = torch.randn(1, 2, 3, 40, generator=generator), torch.randn(1, 2, 24, 40, generator=generator)
-        valid = torch.ones(1, 2, 24, dtype=torch.bool)
-        torch.testing.assert_close(native.page_best(q, keys, valid, 8), page_scores(q, keys, None, None, valid, 8))
-    finally:
-        monkeypatch.undo()
-        native._loaded.cache_clear()
+def test_the_switch_turns_every_kernel_off(torch_route):
+    """``H2OCHAT_CPU_KERNELS=none`` is the one switch for every compiled CPU kernel."""
+    torch_route()
+    assert not native.available() and "H2OCHAT_CPU_KERNELS=none" in native.why_not()
+    assert not row_products.available()
+
+
+def test_the_route_is_the_variant_asked_for(recall_route):
+    kernels = native.bound()
+    assert kernels is not None, native.why_not()
+    assert kernels.library.variant.name == recall_route
+    assert kernels.bf16_dots == (recall_route == "avx512bf16")
 
 
 @pytest.fixture
-def without_kernel(monkeypatch):
-    """The torch routes only, for this test (as on a CPU where the kernel does not build)."""
-    def off():
-        monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
-    return off
+def without_kernel(torch_route):
+    """The torch routes only, from the call on (as on a CPU where no variant runs)."""
+    return torch_route
 
 
 DTYPES = [torch.bfloat16, torch.float32]  # a model's on a CPU: with native bf16, and --dtype auto's without
@@ -75,7 +64,6 @@ def _floats(*shape, generator, dtype=torch.bfloat16):
     return torch.randn(*shape, generator=generator).to(dtype)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries,dim", [(1, 64), (3, 64), (5, 67), (16, 128)])
 def test_page_best_is_the_reference_to_fp32_rounding(queries, dim, dtype):
@@ -95,7 +83,6 @@ def test_page_best_is_the_reference_to_fp32_rounding(queries, dim, dtype):
     assert torch.equal(top_pages(got, 5), top_pages(reference, 5))
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries", [6, 17, 100, 900])
 @pytest.mark.parametrize("dim", [64, 40, 67])
@@ -125,7 +112,6 @@ def test_a_chunks_page_scores_are_the_fp64_sums(queries, dim, dtype):
     assert bool((wanted[0, 0] == -1).all()) and bool((wanted[0, 1, 1:] == -1).all())
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries", [1, 2, 3, 5])
 @pytest.mark.parametrize("dim", [64, 128, 40, 67])
@@ -167,7 +153,6 @@ def test_a_decode_steps_page_scores_are_the_fp64_sums(queries, dim, dtype):
     assert torch.equal(native.top_pages(q, many_pages, count, 2, 6), top_pages(want, 6))
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries", [2, 3, 4, 6, 7, 8])
 @pytest.mark.parametrize("dim", [64, 40, 67])
@@ -204,7 +189,6 @@ def _digest(counts, generator, dim=64, page=8, slots=200, dtype=torch.bfloat16):
     return digest
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("upto,queries", [(None, 3), (100, 3), (13, 3), (None, 1), (100, 5), (None, 100),
                                           (13, 100)])
@@ -232,7 +216,6 @@ def _run_recall_cache(model, ids, cold_dtype="auto"):
     return torch.stack(logits), frames, [int(layer.tier.frames.copied.sum()) for layer in cache.layers], cache
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cold_dtype,batch", [("auto", 1), ("model", 2)])
 def test_a_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_dtype, batch, dtype):
@@ -248,7 +231,6 @@ def test_a_recall_cache_is_the_same_with_the_kernels(without_kernel, cold_dtype,
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
 
 
-@needs_kernel
 def test_an_fp32_models_bf16_cold_keys_take_the_c_route(monkeypatch):
     """auto's store for an fp32 model keeps bf16 keys, and its prompt chunk and decode steps choose in the
     one C call (the queries rounded to bf16), never by the torch routes."""
@@ -264,7 +246,6 @@ def test_an_fp32_models_bf16_cold_keys_take_the_c_route(monkeypatch):
     assert sum(copies) > 0 and all(layer.tier.cold.keys.dtype == torch.bfloat16 for layer in cache.layers)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (6, 2, 40), (4, 1, 16)])
 def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, monkeypatch, heads, kv_heads, head_dim,
@@ -293,12 +274,11 @@ def test_decode_choices_of_other_groups_are_the_torch_routes(without_kernel, mon
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])) and got[2] == want[2] and sum(got[2]) > 0
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch, dtype):
     """Prompt chunks read into a bf16 recall cache whose store already holds pages (a chunk's choice: the
     group's 2 query heads times 30 tokens in one C call, ``native_choice.DecodeChoice``), then decode steps: the
-    same logits, frames and copies as with ``H2OCHAT_RECALL_KERNEL=0`` (the torch routes only)."""
+    same logits, frames and copies as with ``H2OCHAT_CPU_KERNELS=none`` (the torch routes only)."""
     model = build_model("llama", seed=5, max_position_embeddings=256).to(dtype)
     ids = torch.randint(3, VOCAB, (2, 100), generator=torch.Generator().manual_seed(5))
     chosen = []  # (queries, whether the store held a page) of each choice the C kernel made
@@ -323,19 +303,14 @@ def test_prompt_chunks_choose_as_without_the_kernels(monkeypatch, dtype):
     monkeypatch.setattr(native_choice.DecodeChoice, "__call__", spied)
     got = run()
     assert (60, True) in chosen
-    monkeypatch.setenv(native.ENVIRONMENT_SWITCH, "0")
-    native._loaded.cache_clear()
-    try:
-        assert not native.available()
-        want = run()
-    finally:
-        monkeypatch.undo()
-        native._loaded.cache_clear()
+    monkeypatch.setattr(native_choice.DecodeChoice, "__call__", call)
+    monkeypatch.setenv(dispatch.CPU_SWITCH, "none")
+    assert not native.available()
+    want = run()
     assert torch.equal(got[0], want[0]) and got[2] == want[2] and sum(got[2]) > 0
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
 
 
-@needs_kernel
 def test_the_frames_plan_is_the_torch_routes(without_kernel):
     """60 updates of random wanted pages (some -1, some already held), pages still filling: the same
     plans and the same frame state."""
@@ -359,7 +334,6 @@ def test_the_frames_plan_is_the_torch_routes(without_kernel):
     assert all(torch.equal(got[1][name], want[1][name]) for name in want[1])
 
 
-@needs_kernel
 @pytest.mark.parametrize("cold_dtype,limit,dtype,kv_dtype", [
     ("int8-values", None, torch.bfloat16, "auto"), ("model", 24, torch.bfloat16, "auto"),
     ("int8-values", 16, torch.float32, "auto"), ("int8-values", None, torch.bfloat16, "int8"),
@@ -400,7 +374,6 @@ def test_filling_the_frames_is_the_torch_routes(without_kernel, cold_dtype, limi
         assert torch.equal(got[name], want[name]), name
 
 
-@needs_kernel
 @pytest.mark.parametrize("cold_dtype,dtype", [("int8-values", torch.bfloat16), ("int8-values", torch.float32),
                                               ("model", torch.bfloat16), ("bf16-keys", torch.float32)])
 def test_appending_to_the_store_is_the_torch_routes(without_kernel, cold_dtype, dtype):

@@ -11,17 +11,20 @@ import weakref
 import pytest
 import torch
 from conftest import VOCAB, build_model, recall_cache
+from cpu_routes import recall_route  # noqa: F401 (a fixture)
 
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native, native_choice, native_store
+from h2ochat_kernels.cpu import decode_choice as native_choice
+from h2ochat_kernels.cpu import recall_ops as native
+from h2ochat_kernels.cpu import store_ops as native_store
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.step import RecallSlots, StagingPage
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
+needs_kernel = pytest.mark.usefixtures("recall_route")  # on every variant this CPU runs
 B, H, P, D, DV = 3, 2, 4, 16, 20
 
 

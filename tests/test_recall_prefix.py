@@ -16,7 +16,7 @@ from lockstep import prefix_against_masked
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.kv import CacheShapeError
-from h2ochat.recall import native
+from h2ochat_kernels import dispatch
 
 ROWS, PREFIX, PROMPT, STEPS = 4, 2, 26, 14
 ROUTES = {  # name: (settings, whether the C routes run; "gpu": the torch route that reads nothing back)
@@ -55,7 +55,7 @@ def _prefilled(model, prompt, settings):
 def test_a_recall_prefix_step_is_the_masked_step_of_the_whole_cache(family, route, seed, monkeypatch):
     settings, c_routes = ROUTES[route]
     if c_routes is not True:
-        monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+        monkeypatch.setenv(dispatch.CPU_SWITCH, "none")
     if c_routes == "gpu":  # (a GPU's step reads no plan back: ``recall.step.host_reads_allowed``)
         from h2ochat.recall import step, tier
 

@@ -8,17 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_model, recall_cache
+from cpu_routes import recall_route  # noqa: F401 (a fixture)
 
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native, native_choice
+from h2ochat_kernels.cpu import decode_choice as native_choice
+from h2ochat_kernels.cpu import recall_ops as native
 from h2ochat.recall.rest import rest_column
 from h2ochat.recall.tier import RecallTier
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
+needs_kernel = pytest.mark.usefixtures("recall_route")  # on every variant this CPU runs
 DTYPES = [torch.bfloat16, torch.float32]  # (fp32: --dtype auto's on a CPU without native bf16)
 
 
@@ -112,7 +114,7 @@ def test_a_cache_with_the_rest_decodes_as_with_the_torch_rest(monkeypatch, dtype
     monkeypatch.setattr(native_choice.DecodeChoice, "__call__", spied)
     with_kernel, got = _fed_cache(model, ids, "auto")
     assert sum(rests) > len(rests) // 2
-    monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    monkeypatch.setenv("H2OCHAT_CPU_KERNELS", "none")
     without, want = _fed_cache(model, ids, "auto")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     _, no_rest = _fed_cache(model, ids, "auto", rest="off")
@@ -152,7 +154,7 @@ def test_a_chunks_rest_comes_from_the_c_call_as_the_torch_rest(monkeypatch, fami
     monkeypatch.setattr(RecallTier, "before_attention", spied)
     got, got_columns, native_layers = fed("prompt")
     assert all(native_layers)
-    monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    monkeypatch.setenv("H2OCHAT_CPU_KERNELS", "none")
     (want, want_columns, _), (without, _, _) = fed("prompt"), fed("off")
     for chunk in (1, 2):  # (the first chunk finds nothing cold)
         first = chunk * layers
@@ -202,7 +204,7 @@ def test_auto_attends_the_rest_where_the_c_call_runs(monkeypatch):
     assert not auto_config.rest_attended(False, decoding=False) and not auto_config.rest_by_torch
     assert pages_config.rest_attended(False, decoding=True) and pages_config.rest_by_torch
     assert prompt_config.rest_attended(False, decoding=False) and not prompt_config.rest_attended(True, decoding=True)
-    monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+    monkeypatch.setenv("H2OCHAT_CPU_KERNELS", "none")
     monkeypatch.setattr(native_choice.DecodeChoice, "__call__", lambda *args: False)  # (a call it declines)
     _, auto_declined = _fed_cache(model, ids, "auto", rest="auto", chunk_ends=chunks)
     _, prompt_declined = _fed_cache(model, ids, "auto", rest="prompt", chunk_ends=chunks)

@@ -1,4 +1,4 @@
-"""The recall step's C route (``h2ochat.recall.native``) on a server's decode steps, where some rows are
+"""The recall step's C route (``h2ochat_kernels.cpu.recall_ops``) on a server's decode steps, where some rows are
 left out (``active``: a server's free rows) or only some rows choose (``RowCadence``): a bf16 llama's
 recall cache with the kernels against the same cache without them (the torch route), bit for bit: the
 logits, every state tensor of every layer (slots, frames, cold store, staging page, statistics)."""
@@ -8,15 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_model, recall_cache
+from cpu_routes import recall_route  # noqa: F401 (a fixture)
 
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
 from h2ochat.engine.generation import max_positions
-from h2ochat.recall import native, native_choice, native_store
+from h2ochat_kernels.cpu import decode_choice as native_choice
+from h2ochat_kernels.cpu import recall_ops as native
+from h2ochat_kernels.cpu import store_ops as native_store
 from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no recall kernel: {native.why_not()}")
+needs_kernel = pytest.mark.usefixtures("recall_route")  # on every variant this CPU runs
 BATCH, PROMPT, STEPS = 4, 30, 48
 
 
@@ -108,6 +111,6 @@ def test_steps_with_rows_left_out_are_the_torch_routes(without_kernel, monkeypat
 def without_kernel(monkeypatch):
     """The torch routes only, from the call on (as on a CPU where the kernel does not build)."""
     def off():
-        monkeypatch.setattr(native, "_loaded", lambda: (None, "switched off by the test"))
+        monkeypatch.setenv("H2OCHAT_CPU_KERNELS", "none")
     return off
 

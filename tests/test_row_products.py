@@ -1,4 +1,4 @@
-"""The row kernel (``h2ochat.engine.row_products``): one to eight rows (it is used for up to three) times a
+"""The row kernel (``h2ochat_kernels.cpu.row_products``), on every variant this CPU runs (``cpu_routes``): one to eight rows (it is used for up to three) times a
 plain bf16 weight equal torch's fp32 product rounded to bf16 (to one rounding step: the fp32 sums are
 taken in another order),
 for odd sizes, biases, strided and batched inputs and any thread count; and where it cannot run, it
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2ochat import native_build
-from h2ochat.engine import row_products
+from cpu_routes import rows_route, torch_route  # noqa: F401 (fixtures)
 
-needs_kernel = pytest.mark.skipif(not row_products.available(), reason=f"no row kernel: {row_products.why_not()}")
+from h2ochat_kernels import dispatch
+from h2ochat_kernels.cpu import row_products, variants
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -29,7 +29,7 @@ def assert_within_one_rounding(got: torch.Tensor, expected: torch.Tensor) -> Non
     assert (got == expected).float().mean() > 0.9  # almost every value is exactly torch's
 
 
-@needs_kernel
+@pytest.mark.usefixtures("rows_route")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("in_features, out_features", [(32, 1), (64, 65), (99, 131), (576, 192), (1000, 7)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -42,7 +42,7 @@ def test_the_product_is_torchs_for_every_row_count_and_size(rows, in_features, o
     assert_within_one_rounding(row_products.product(x, weight, bias), reference(x, weight, bias))
 
 
-@needs_kernel
+@pytest.mark.usefixtures("rows_route")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_split_the_weight_rows_and_give_the_same_bits(threads):
     generator = torch.Generator().manual_seed(7)
@@ -60,7 +60,7 @@ def test_threads_split_the_weight_rows_and_give_the_same_bits(threads):
     assert_within_one_rounding(split, reference(x, weight, None))
 
 
-@needs_kernel
+@pytest.mark.usefixtures("rows_route")
 def test_strided_and_batched_inputs_keep_their_shape():
     generator = torch.Generator().manual_seed(8)
     wide = torch.randn(2, 3, 160, generator=generator).to(torch.bfloat16)
@@ -82,65 +82,35 @@ def test_what_the_kernel_takes():
     assert not row_products.fits(torch.zeros(1, 16))  # fp32
 
 
-@pytest.fixture
-def fresh_load():
-    """``row_products`` deciding again (its decision is cached per process), and forgetting it after."""
-    row_products._loaded.cache_clear()
-    yield
-    row_products._loaded.cache_clear()
+def test_the_switch_turns_it_off(torch_route):
+    torch_route()
+    assert not row_products.available() and row_products.why_not() == "H2OCHAT_CPU_KERNELS=none"
 
 
-def test_the_switch_turns_it_off(fresh_load, monkeypatch):
-    monkeypatch.setenv(row_products.ENVIRONMENT_SWITCH, "0")
-    assert not row_products.available() and row_products.why_not() == "H2OCHAT_ROW_KERNEL=0"
+def test_a_cpu_without_avx512_bf16_does_not_use_it(monkeypatch):
+    """A CPU lacking the variant's flags runs oneDNN's product, and the reason names what it lacks."""
+    monkeypatch.setattr(dispatch, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    dispatch._cpu_route.cache_clear()
+    try:
+        assert not row_products.available() and "avx512_bf16" in row_products.why_not()
+        assert "\n" not in row_products.why_not()
+    finally:
+        monkeypatch.undo()
+        dispatch._cpu_route.cache_clear()
 
 
-def test_a_cpu_without_avx512_bf16_does_not_use_it(fresh_load, monkeypatch):
-    monkeypatch.setattr(row_products, "_cpu_has_avx512_bf16", lambda: False)
-    assert not row_products.available() and "avx512_bf16" in row_products.why_not()
-
-
-def test_no_compiler_or_a_failing_build_says_why_in_one_line(fresh_load, monkeypatch, tmp_path):
-    monkeypatch.setattr(row_products, "_cpu_has_avx512_bf16", lambda: True)
-    monkeypatch.setattr(row_products, "_compiler", lambda: None)
-    assert not row_products.available() and row_products.why_not() == "no C compiler (cc or gcc) on PATH"
-    row_products._loaded.cache_clear()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # (not the cache a working build sits in)
-    monkeypatch.setattr(row_products, "_compiler", lambda: "false")  # a compiler that always fails
-    assert not row_products.available()
-    reason = row_products.why_not()
-    assert reason.startswith("the row kernel did not build: false failed") and "\n" not in reason
-    assert not list(tmp_path.rglob("*.so"))  # no half-written library left for the next process
-
-
-@needs_kernel
-def test_the_build_is_cached_per_source_and_compiler(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    compiler = row_products._compiler()
-    first = native_build.build(compiler, row_products.SOURCE)
-    assert first.parent == tmp_path / "h2ochat" / "native" and first.is_file()
-    stamp = first.stat().st_mtime_ns
-    assert native_build.build(compiler, row_products.SOURCE) == first and first.stat().st_mtime_ns == stamp  # not built again
-
-
-@needs_kernel
-def test_cc_is_split_as_the_shell_would_and_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch,
-                                                                                            tmp_path):
-    """$CC with a wrapper in front ("env gcc", as "ccache gcc"); a compiler that refuses -fopenmp (a
-    script standing in for clang without libomp) still builds the kernel, without threads."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    real = row_products._compiler()
-    assert native_build.build(f"env {real}", row_products.SOURCE).is_file()
-    no_openmp = tmp_path / "cc-without-openmp"
-    no_openmp.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
-    no_openmp.chmod(0o755)
-    library = native_build.build(str(no_openmp), row_products.SOURCE)
-    function = row_products._bind(library)
-    assert row_products._agrees_with_torch(function)
-
-
-def test_a_kernel_that_disagrees_with_torch_is_not_used(fresh_load, monkeypatch):
-    if row_products._compiler() is None or not row_products._cpu_has_avx512_bf16():
-        pytest.skip("no row kernel to break")
-    monkeypatch.setattr(row_products, "_agrees_with_torch", lambda function: False)
-    assert not row_products.available() and "disagreed" in row_products.why_not()
+def test_an_install_that_built_nothing_says_why_once(monkeypatch, capsys):
+    """No C compiler at install (nothing built): the torch route, and one line on standard error saying so."""
+    monkeypatch.setattr(dispatch.binding, "built", lambda variant: None)
+    monkeypatch.setattr(dispatch, "_said", set())
+    dispatch._cpu_route.cache_clear()
+    try:
+        for _ in range(3):
+            assert dispatch.cpu_route("recall")[0] is None
+        assert not row_products.available() or not dispatch.cpu_runs(variants.of("rows")[0])
+        lines = [line for line in capsys.readouterr().err.splitlines() if "recall kernels" in line]
+        assert len(lines) == (1 if any(dispatch.cpu_runs(v) for v in variants.of("recall")) else 0)
+        assert all("torch route" in line and "same results" in line for line in lines)
+    finally:
+        monkeypatch.undo()
+        dispatch._cpu_route.cache_clear()

@@ -91,7 +91,6 @@ LIBRARY_ATTRIBUTES = {
     ("loading/gguf_conversion.py", "hf_quantizer"), ("loading/gguf_conversion.py", "quantization_config"),  # transformers model
     ("serve/server.py", "should_exit"),  # uvicorn.Server
     ("measure/bench_context.py", "setattr"),
-    ("native_build.py", "argtypes"), ("native_build.py", "restype"),  # a ctypes function's signature  # a transformers DynamicLayer's keys and values (the baseline's context)
 }
 # Writes into another module's objects found when the test learnt to see setattr, tensor writes and
 # container mutation (issue 33, item 8), each allowed here until fixed.

@@ -34,7 +34,7 @@ import os
 import torch
 from torch import nn
 
-from . import row_products
+from h2ochat_kernels.cpu import row_products
 
 ENVIRONMENT_SWITCH = "H2OCHAT_PACK_LINEARS"  # "0": leave the linears as transformers built them
 _LIBRARY = torch.library.Library("h2ochat", "FRAGMENT")

@@ -24,6 +24,7 @@ import inspect
 
 import torch
 from h2ochat_kernels.rotation import spreading_rotation
+from h2ochat_kernels.quant import SCALE_TENSORS  # (None in float slots)
 
 from ..rotary import rotate_keys
 
@@ -33,8 +34,6 @@ KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int8", "int4")
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "fp8": torch.float8_e4m3fn}
 QUANT_BITS = {"int8": 8, "int4": 4}
-# the per-slot tensors quantized slots keep beside the codes (None in float slots)
-SCALE_TENSORS = ("key_scale", "key_offset", "value_scale", "value_offset")
 
 
 def check_kv_dtype(name: str) -> str:

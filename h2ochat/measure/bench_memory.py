@@ -9,11 +9,12 @@ forked child would be cleaner, but forking after PyTorch's OpenMP pool has run h
 
 from __future__ import annotations
 
-import ctypes
 import re
 import sys
 
 import torch
+
+from .. import libc
 
 
 class PeakMemory:
@@ -72,7 +73,4 @@ def _return_freed_memory() -> None:
     ``generate`` or ``serve``.)"""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc.malloc_trim()

@@ -16,9 +16,9 @@ re-numbering (``renumber``), and a key is rotated by their difference when it is
 Token indices and positions are stored as int32 (``BOOKKEEPING``: 12 bytes a token and head, not
 24; issue 34's host bound) and handed out as int64, as the cache's own are.
 
-On a GPU whose driver maps pinned memory into the device's address space (``zero_copy``, probed once
-by ``triton_rows.zero_copy_works``), appends and page gathers are Triton kernels that write and read
-the host buffers directly on the step's stream (``triton_rows``), and ``count`` lives on the GPU: the
+On a GPU whose driver maps pinned memory into the device's address space (``zero_copy``, as
+``h2ochat_kernels.dispatch.zero_copy_rows`` decides), appends and page gathers are Triton kernels that write and
+read the host buffers directly on the step's stream (``dispatch.row_kernels``), and ``count`` lives on the GPU: the
 step never waits for the host. Host-side work on the buffers (growing, re-numbering, a rebuild's
 read) first waits for those kernels (``_settle``). Elsewhere the buffers are read and written by
 ordinary torch ops (a GPU without zero-copy pays a synchronising copy per layer and step).
@@ -32,9 +32,10 @@ read, and its token index stays -1.
 from __future__ import annotations
 
 import torch
+from h2ochat_kernels import dispatch
+from h2ochat_kernels.cpu import recall_ops, store_ops
 
 from ..rotary import Rotary, rotate_keys
-from . import native, native_store
 from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "bf16-keys", "int8")
@@ -70,11 +71,6 @@ def key_dtype_of(cold_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return {"int8": torch.int8, "bf16-keys": torch.bfloat16}.get(cold_dtype, dtype)
 
 
-def _zero_copy_works(device: torch.device) -> bool:
-    from h2ochat_kernels.triton_rows import zero_copy_works
-    return zero_copy_works(device)
-
-
 def _to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
     return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.squeeze(-1)
@@ -101,7 +97,7 @@ class ColdStore(FirstRows):
         self.pin = pin
         device = torch.device(device or "cpu")
         if zero_copy is None:
-            zero_copy = pin and device.type == "cuda" and _zero_copy_works(device)
+            zero_copy = pin and dispatch.zero_copy_rows(device)
         self.zero_copy, self.device = zero_copy, device
         # tokens ever appended, where the appends are planned (the GPU under zero-copy)
         self.count = torch.zeros(batch, heads, dtype=torch.long, device=device if zero_copy else "cpu")
@@ -140,17 +136,15 @@ class ColdStore(FirstRows):
 
     def _write(self, writes: Writes, buffer: torch.Tensor, new: torch.Tensor) -> None:
         if self.zero_copy:
-            from h2ochat_kernels.triton_rows import scatter_rows_
             new = writes.kept(new.to(buffer.dtype), self._take(buffer, writes.target))
-            scatter_rows_(buffer, writes.target, new.contiguous())
+            dispatch.row_kernels().scatter_rows_(buffer, writes.target, new.contiguous())
         else:
             writes.write(buffer, new)
 
     def _take(self, buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``buffer`` [B, H, S, ...] at slots ``index`` [B, H, K] (on the count's device)."""
         if self.zero_copy:
-            from h2ochat_kernels.triton_rows import gather_rows
-            return gather_rows(buffer, index)
+            return dispatch.row_kernels().gather_rows(buffer, index)
         return buffer.gather(2, index.unsqueeze(-1).expand(*index.shape, buffer.shape[-1]) if buffer.dim() == 4 else index)
 
     def rows_held(self) -> list[int]:
@@ -194,7 +188,7 @@ class ColdStore(FirstRows):
         ``reserve=False``: the caller reserved room (``reserve``); else growing reads the count back."""
         device = self.count.device
         if not reserve and encoded is None and self.appends_natively():
-            slots = native_store.cold_append({"keys": keys, "values": values, "token_index": token_index,
+            slots = store_ops.cold_append({"keys": keys, "values": values, "token_index": token_index,
                                         "positions": positions}, self.named_buffers(), self.count, self.capacity)
             if slots is not None:  # (a CPU's flush of its staging page: one C call)
                 return slots
@@ -281,11 +275,11 @@ class ColdStore(FirstRows):
     def fill_frames(self, slots: dict[str, torch.Tensor], plan, rotary: Rotary | None) -> bool:
         """The pages ``plan`` (a ``step.RecallPlan`` read on the host) loads into its frames of ``slots`` (keys,
         values, token_index, positions [B, H, R, ...]), as ``page_tokens`` gives them, in one C call
-        (``native.fill_frames``); False where it does not run (int8 keys, keys to turn, a GPU's store):
+        (``recall_ops.fill_frames``); False where it does not run (int8 keys, keys to turn, a GPU's store):
         nothing written, the caller copies them."""
         if self.quantized_keys or (rotary is not None and self.moved) or self.zero_copy:
             return False
-        return native.fill_frames(slots, self.named_buffers(), self.count, self.frames, self.page, plan.load,
+        return recall_ops.fill_frames(slots, self.named_buffers(), self.count, self.frames, self.page, plan.load,
                                   plan.frame_page, self.dtype)
 
     def named_buffers(self) -> dict[str, torch.Tensor | None]:

@@ -24,7 +24,7 @@ import h2ochat_kernels as kernels
 from h2ochat_kernels.rotation import spreading_rotation
 
 from .layout import FirstRows, Writes, best_pages, growable, held_pages, rows_held, tensor_bytes, widened
-from . import native
+from h2ochat_kernels.cpu import recall_ops as native
 from .selectors import packed_quantize, score_pages
 
 

@@ -26,7 +26,7 @@ from h2ochat_kernels.quant import level_codes as quantize
 from h2ochat_kernels.quant import level_values as dequantize  # noqa: F401  (selectors.dequantize: the tests')
 from h2ochat_kernels.rotation import spreading_rotation
 
-from . import native
+from h2ochat_kernels.cpu import recall_ops as native
 from .selector_names import AUTO, CODE_BITS
 
 NEG_INF = float("-inf")

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native, native_store
+from h2ochat_kernels.cpu import recall_ops as native
+from h2ochat_kernels.cpu import store_ops as native_store
 from .layout import FirstRows
 
 

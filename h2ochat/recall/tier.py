@@ -56,13 +56,14 @@ import weakref
 from dataclasses import replace
 
 import torch
+from h2ochat_kernels.cpu import recall_ops as native
+from h2ochat_kernels.cpu.decode_choice import DecodeChoice, PageMeans
 from h2ochat_kernels.reference import row_weights
 
 from .bounds import PageBounds
 from .cold_keys import ColdKeys
 from .cold_store import ColdStore
-from . import graph_choice, native
-from .native_choice import DecodeChoice, PageMeans
+from . import graph_choice
 from .layout import tensor_bytes
 from .digests import KeyCodes
 from .two_stage import TwoStageCodes

@@ -1,70 +1,48 @@
-"""The recall step's C kernels (``recall_kernel.c``) for a CPU step over a cold store in the same memory
-(issue 34, "Cost": a recall decode step was 1.89x h2o's at 2K tokens, ~27 ms a step of small torch ops).
+"""The recall step's CPU kernels (``csrc/recall_*``), for a step whose cold store is in the same memory: what
+each entry point computes, the tensors it takes, and the checks that keep every route equal to the torch one.
 
-Two builds of the one source: with AVX512-BF16 where the CPU has it, and a portable one elsewhere (AVX2 and
-FMA where the CPU has them; ``native_build.portable_flags``). Both take bf16 and fp32 queries and keys (a
-model's dtype: fp32 is ``--dtype auto``'s on a CPU without native bf16) and compute the rest of the cold
-pages; only the AVX512-BF16 build has VDPBF16PS (``Kernels.bf16_dots``), the portable one scores by vectors
-of 8 floats. On an AVX2-only EPYC the portable build took SmolLM2's fp32 recall decode step at 2K tokens
-from 1.74x h2o's (the torch route) to 1.04-1.21x, median 1.14x (session 63, README).
+The variant that runs is ``dispatch.cpu_route("recall")``'s: ``avx512bf16`` (bf16 scored by VDPBF16PS,
+``Kernels.bf16_dots``), ``avx2`` or ``generic`` (vectors of 8 floats). Every variant takes bf16 and fp32
+queries and keys (a model's dtype).
 
-- ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the keys: bf16 by
-  VDPBF16PS (products exact in fp32, summed in fp32; the torch reference, ``h2ochat_kernels.
-  recall_reference.page_scores``, makes fp32 copies of the keys and of the [M, T] dots before two
-  maxima): the same scores up to the order the fp32 sums are added in; fp32 (or bf16 in the portable build)
-  by portable vectors of 8 floats, 8 keys at a time for a few queries, by blocks of 8 keys for more. On
-  AVX512-BF16, a decode step's 1-6 queries go 16 keys at a time, key by key for all of them, the sums added
-  across lanes by folds: at 2-5 queries 1.3-1.9x one horizontal sum a key and query (keys in the caches; from memory 1.0-1.6x), the same at 1.
-  A prompt chunk's many go by blocks of 16 keys by channel pairs, near one VDPBF16PS a cycle: ~4x the
-  torch reference at 900 queries over 0.5-1K keys, ~10x over 4K (benchmarks/results_page_scores_*_s54.json).
-- ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into
-  the recall slots (float slots, or int8 codes encoded as ``slot_format.encode`` does, bit for bit);
-  ``Stager``: a decode step's victim into the staging page (codes and scales as they are). The cold
-  store's writes (an append, a staging page's whole flush) are ``native_store``'s.
-- ``native_choice.DecodeChoice``: a step's best pages, plan and copy in one call a layer (one ctypes call
-  instead of ~60 torch ops), with the step's rest column (``--recall-rest``), on these kernels' bindings.
-- A server's decode step (a bucket of its first rows, its free rows left out by the ``active`` mask; each row
-  choosing on its own cadence): ``DecodeChoice`` takes the rows that choose and leaves the others as
-  they are, ``Stager`` writes a left-out row's empty entry without counting it, as the torch routes do
-  (tests/test_recall_served_native.py, bit for bit). Measured (``benchmarks/recall_served_step.py``, 8
-  rows, 3 left out, bf16, budget 256, recall 0.5, 1K tokens a row): 2.08x h2o's step on the torch
-  route, 1.42x with the kernels before they took such steps, 1.19x after.
+- ``page_best`` / ``top_pages``: the exact selector's page scores, read straight from the keys: the torch
+  reference's (``recall_reference.page_scores``) up to the order the fp32 sums are added in. Up to a decode
+  step's 8 queries score as the largest of each alone, bit for bit, on every variant.
+- ``frames_update``: ``RecallFrames.update``'s plan, op for op; ``fill_frames``: the loaded pages into the
+  recall slots (float slots, or int8 codes encoded as ``slot_format.encode`` does, bit for bit); ``Stager``: a
+  decode step's victim into the staging page. The cold store's writes are ``store_ops``'; a step's whole
+  choice in one call is ``decode_choice.DecodeChoice``.
 
-Built like the row kernel (``native_build.checked``: a C compiler, once per machine and build;
-``H2OCHAT_ROW_KERNEL=0`` turns these off too; ``H2OCHAT_RECALL_KERNEL=portable`` takes the portable build
-on any CPU) and checked against the torch reference on first use, in both dtypes. Where they cannot run,
-or with ``H2OCHAT_RECALL_KERNEL=0``, every function here returns None or False and the caller keeps its
-torch route (a GPU's, a compiled step's, int4 slots' choice, a ring's in the decode step, keys to turn after
-a re-numbering: those routes are unchanged). tests/test_recall_native.py holds each kernel to the route it
-replaces.
+Each variant is checked against the torch reference the first time it loads, in both dtypes; one that
+disagrees is never used. Where no variant runs (``H2OCHAT_CPU_KERNELS=none``, an install without a C
+compiler, a GPU's tensors, a compiled graph), every function here returns None or False and the caller keeps
+its torch route, with the same results. tests/test_recall_native.py holds each entry to the route it
+replaces, on every variant this CPU runs.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from h2ochat_kernels.quant import level_codes
-from h2ochat_kernels.recall_reference import page_scores as reference_page_scores
-from h2ochat_kernels.recall_reference import top_pages as kernels_top_pages
 
-from .. import native_build
-from ..kv.slot_format import SCALE_TENSORS
+from .. import dispatch
+from ..quant import SCALE_TENSORS, level_codes
+from ..recall_reference import page_scores as reference_page_scores
+from ..recall_reference import top_pages as kernels_top_pages
+from . import variants
+from .binding import Library
 
-ENVIRONMENT_SWITCH = "H2OCHAT_RECALL_KERNEL"  # "0": the torch reference only; "portable": that build anywhere
 FLOATS = (torch.bfloat16, torch.float32)  # the dtypes the kernels read queries, keys and float slots in
-SOURCE = Path(__file__).with_name("recall_kernel.c")
 # the least scale quantized slots take (a slot of equal values: ``level_codes``' clamp), for the C route's codes
 TINY_SCALE = float(level_codes(torch.zeros(1, 1), 8)[1])
 
 
 @dataclass(frozen=True)
 class Kernels:
-    bf16_dots: bool  # the AVX512-BF16 build (bf16 scored by VDPBF16PS), not the portable one
+    library: Library
+    bf16_dots: bool  # the avx512bf16 variant (bf16 scored by VDPBF16PS)
     page_best: object
     top_pages: object
     frames_update: object
@@ -75,36 +53,20 @@ class Kernels:
     flush: object
 
 
-class Strided(ctypes.Structure):
-    """A buffer's base and its (sequence, head, slot) strides, in elements (``strided_t``)."""
-    _fields_ = [("data", ctypes.c_void_p), ("b", ctypes.c_int64), ("h", ctypes.c_int64), ("s", ctypes.c_int64)]
+def strided(kernels: Kernels, tensors) -> object:
+    """The C array of ``strided_t`` for ``tensors`` (a buffer's base and its (sequence, head, slot) strides in
+    elements; a None tensor: NULL and zeros)."""
+    cast = kernels.library.ffi.cast
+    return kernels.library.array("strided_t", [(cast("void *", 0), 0, 0, 0) if t is None
+                                               else (cast("void *", t.data_ptr()), *t.stride()[:3]) for t in tensors])
 
-    @classmethod
-    def of(cls, tensor: torch.Tensor | None) -> "Strided":
-        return cls(None, 0, 0, 0) if tensor is None else cls(tensor.data_ptr(), *tensor.stride()[:3])
 
-
-def _bind(library: Path) -> Kernels:
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    scoring = [pointer, size, size, size, size, pointer, size, size, size, pointer, size, size]
-    store_writes = [size] * 3 + [pointer, size, pointer, pointer] + [size] * 5 + [pointer]
-    bf16_dots = bool(native_build.signed(library, "h2ochat_bf16_dots", [], returns=size)())
-    return Kernels(bf16_dots=bf16_dots,
-                   page_best=native_build.signed(library, "h2ochat_page_best", [*scoring, pointer, size], returns=size),
-                   top_pages=native_build.signed(library, "h2ochat_top_pages", [*scoring, size, pointer, size],
-                                                 returns=size),
-                   frames_update=native_build.signed(library, "h2ochat_frames_update", [size] * 3 + [pointer] * 8),
-                   fill_frames=native_build.signed(library, "h2ochat_fill_frames",
-                                                   [size] * 4 + [pointer] * 3 + [size, pointer, pointer] + [size] * 4
-                                                   + [pointer, ctypes.c_float]),
-                   recall_step=native_build.signed(library, "h2ochat_recall_step",
-                                                   [pointer] + [size] * 4 + [pointer] + [size] * 3 + [pointer] * 9
-                                                   + [size] * 2 + [pointer] * 2 + [ctypes.c_float] * 2
-                                                   + [pointer] * 3 + [size, pointer, size, size], returns=size),
-                   stage=native_build.signed(library, "h2ochat_stage", [size] * 3 + [pointer] * 4 + [size] * 4
-                                             + [pointer, size]),
-                   cold_append=native_build.signed(library, "h2ochat_cold_append", store_writes),
-                   flush=native_build.signed(library, "h2ochat_flush", [size] * 3 + [pointer] + store_writes[3:]))
+def _bind(library: Library) -> Kernels:
+    return Kernels(library=library, bf16_dots=bool(library.h2ochat_bf16_dots()),
+                   page_best=library.h2ochat_page_best, top_pages=library.h2ochat_top_pages,
+                   frames_update=library.h2ochat_frames_update, fill_frames=library.h2ochat_fill_frames,
+                   recall_step=library.h2ochat_recall_step, stage=library.h2ochat_stage,
+                   cold_append=library.h2ochat_cold_append, flush=library.h2ochat_flush)
 
 
 def _scoring(queries, keys) -> list:
@@ -159,26 +121,21 @@ def _agrees_in(kernels: Kernels, dtype: torch.dtype) -> bool:
     return agrees and got is not None and bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4))
 
 
-def _build_flags() -> tuple[list[str], str]:
-    """The flags of the build this machine takes, or ([], why none)."""
-    portable = os.environ.get(ENVIRONMENT_SWITCH, "1").strip().lower() == "portable"
-    reason = native_build.why_not_here(avx512_bf16=False)
-    if reason:
-        return [], reason
-    if not portable and native_build.cpu_has_avx512_bf16():
-        return native_build.FLAGS, ""
-    return native_build.portable_flags(), ""
-
-
 @functools.cache
+def _loaded_variant(variant: variants.Variant) -> tuple[Kernels | None, str]:
+    library = dispatch.cpu_kernels_of(variant)
+    if library is None:
+        return None, f"the recall kernels' {variant.name} variant was not built"
+    kernels = _bind(library)
+    if not _agrees_with_torch(kernels):
+        return None, f"the recall kernels' {variant.name} variant disagreed with torch on its first results"
+    return kernels, ""
+
+
 def _loaded() -> tuple[Kernels | None, str]:
-    """(the bound kernels, "") or (None, why they are not used)."""
-    if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
-        return None, f"{ENVIRONMENT_SWITCH}=0"
-    flags, reason = _build_flags()
-    if reason:
-        return None, reason
-    return native_build.checked("recall kernel", SOURCE, native_build.compiler(), _bind, _agrees_with_torch, flags)
+    """(the bound kernels of the route that runs here, "") or (None, why none does)."""
+    variant, why = dispatch.cpu_route("recall")
+    return (None, why) if variant is None else _loaded_variant(variant)
 
 
 def bound() -> Kernels | None:
@@ -249,7 +206,7 @@ def frames_update(wanted: torch.Tensor, frame_page, last_used, clock, copied, co
 
 
 def slot_scales(slots: dict[str, torch.Tensor], head_dim: int, value_dim: int):
-    """Quantized slots' scales and offsets as the kernels take them (``Strided * 4``); None for float slots;
+    """Quantized slots' scales and offsets as the kernels take them (``strided``: four); None for float slots;
     False where the kernels do not take these slots (codes of fewer bits than 8, scales not fp32 on the CPU)."""
     if "key_scale" not in slots:
         return None
@@ -258,7 +215,8 @@ def slot_scales(slots: dict[str, torch.Tensor], head_dim: int, value_dim: int):
     if (keys.dtype != torch.uint8 or values.dtype != torch.uint8 or keys.shape[-1] != head_dim
             or values.shape[-1] != value_dim or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in scales)):
         return False
-    return (Strided * 4)(*(Strided.of(t) for t in scales))
+    kernels = bound()
+    return False if kernels is None else strided(kernels, scales)
 
 
 def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | None], count: torch.Tensor,
@@ -287,8 +245,8 @@ def fill_frames(slots: dict[str, torch.Tensor], store: dict[str, torch.Tensor | 
     load, frame_page, count = load.contiguous(), frame_page.contiguous(), count.contiguous()
     batch, heads, frames = load.shape
     names = ("keys", "values", "token_index", "positions")
-    sources = (Strided * 5)(*(Strided.of(store[name]) for name in names), Strided.of(scale))
-    targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
+    sources = strided(kernels, [*(store[name] for name in names), scale])
+    targets = strided(kernels, [slots[name] for name in names])
     kernels.fill_frames(batch, heads, frames, page, load.data_ptr(), frame_page.data_ptr(), count.data_ptr(),
                         ring or 0, sources, targets, keys.shape[-1], store["keys"].dtype.itemsize, values.shape[-1],
                         floats.itemsize, scales, TINY_SCALE)
@@ -352,8 +310,8 @@ class Stager:
         names = ("keys", "values", "token_index", "positions", *_extras(staging))
         self.kernels, self.count, self.page = kernels, count, staging["token_index"].shape[-1]
         self.extras = len(names) - 4
-        self.sources = (Strided * len(names))(*(Strided.of(policy[name]) for name in names))
-        self.targets = (Strided * len(names))(*(Strided.of(staging[name]) for name in names))
+        self.sources = strided(kernels, [policy[name] for name in names])
+        self.targets = strided(kernels, [staging[name] for name in names])
         self._views = (policy, staging)  # (what the pointers point into, held while they are)
         keys, values = staging["keys"], staging["values"]
         self.sizes = (keys.shape[-1], keys.element_size(), values.shape[-1], values.element_size())

@@ -1,43 +1,27 @@
 """A decode step's products (one to ``MAX_ROWS`` rows) on a plain bf16 weight, read at memory speed.
 
 A decode step multiplies a row or two by every weight, so its time is the time it takes to read the
-weights. ``row_kernel.c`` reads each weight once, as one sequential stream per thread, and sums in fp32
-with AVX512-BF16. Measured on this project's 2-core AMD EPYC (SmolLM2-135M's 211 linears through their
-modules, one thread, CPU ms a pass; ``benchmarks/packed_linears.py``,
-``benchmarks/results_packed_linears_s52_row_kernel.json``): 15.4 at one row against 21.7 for oneDNN's
-packed product, 15.6 against 24.3 at two, 17.7 against 20.6 at three, then slower: 22.0 against 20.4 at
-four, 30.8 against 24.1 at eight (past a few rows the product stops being a read of the weights, and
-oneDNN's blocking wins). So the kernel takes up to ``MAX_ROWS`` rows.
+weights. ``csrc/rows_avx512bf16.c`` reads each weight once, as one sequential stream per thread, and sums in
+fp32 with AVX512-BF16. Up to ``MAX_ROWS`` rows it beats oneDNN's packed product; past a few rows the product
+stops being a read of the weights and oneDNN's blocking wins (``benchmarks/packed_linears.py``; figures in
+``benchmarks/results_packed_linears_*.json``).
 
-The kernel is C, built once per machine with the system's C compiler into the user's cache folder
-and called through ctypes (``native_build``, which builds the recall step's kernels too). Where it cannot run (no
-``avx512_bf16`` in the CPU's flags, no compiler, a build that fails, its first product disagreeing
-with torch's, or ``H2OCHAT_ROW_KERNEL=0``), ``available()`` says no and ``why_not()`` says why: the
-caller keeps oneDNN's packed product.
+The variant is the ``rows`` module's ``avx512bf16`` (``dispatch.cpu_route("rows")``). Where it does not run (no
+``avx512_bf16`` in the CPU's flags, an install without a C compiler, ``H2OCHAT_CPU_KERNELS=none``, its first
+product disagreeing with torch's), ``available()`` says no and ``why_not()`` says why: the caller keeps
+oneDNN's packed product, which rounds the same fp32 sums to bf16 (the sums in another order).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
-from pathlib import Path
 
 import torch
 
-from ..native_build import ENVIRONMENT_SWITCH, checked, signed
-# (module names the tests replace: a CPU without the flag, no compiler)
-from ..native_build import compiler as _compiler
-from ..native_build import cpu_has_avx512_bf16 as _cpu_has_avx512_bf16
+from .. import dispatch
+from . import variants
 
-MAX_ROWS = 3  # up to here the kernel beats oneDNN (measured above)
-SOURCE = Path(__file__).with_name("row_kernel.c")
-
-
-def _bind(library: Path):
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    return signed(library, "h2ochat_rows_bf16", [pointer, size, size, pointer, size, size, pointer, pointer, size,
-                                                 ctypes.c_int])
+MAX_ROWS = 3  # up to here the kernel beats oneDNN (the module's docstring)
 
 
 def _agrees_with_torch(function) -> bool:
@@ -55,16 +39,20 @@ def _agrees_with_torch(function) -> bool:
 
 
 @functools.cache
+def _loaded_variant(variant: variants.Variant) -> tuple[object | None, str]:
+    library = dispatch.cpu_kernels_of(variant)
+    if library is None:
+        return None, f"the row kernel's {variant.name} variant was not built"
+    function = library.h2ochat_rows_bf16
+    if not _agrees_with_torch(function):
+        return None, f"the row kernel's {variant.name} variant disagreed with torch on its first product"
+    return function, ""
+
+
 def _loaded() -> tuple[object | None, str]:
     """(the bound kernel, "") or (None, why it is not used)."""
-    if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
-        return None, f"{ENVIRONMENT_SWITCH}=0"
-    if not _cpu_has_avx512_bf16():
-        return None, "the CPU has no avx512_bf16"
-    compiler = _compiler()
-    if compiler is None:
-        return None, "no C compiler (cc or gcc) on PATH"
-    return checked("row kernel", SOURCE, compiler, _bind, _agrees_with_torch)
+    variant, why = dispatch.cpu_route("rows")
+    return (None, why) if variant is None else _loaded_variant(variant)
 
 
 def available() -> bool:

@@ -6,16 +6,19 @@
 
    Why: a decode step multiplies one to a few rows by every weight, so its time is the time to read the
    weights. Read as one sequential stream per thread, SmolLM2-135M's 211 weights come in at ~25 GB/s
-   on one core of the AMD EPYC this was measured on, where oneDNN's packed bf16 product reaches
-   ~11.6 GB/s (row_products.py has the figures). Reading two or more weight rows side by side (two
+   on one core of an AMD EPYC, where oneDNN's packed bf16 product reaches about half that
+   (benchmarks/results_packed_linears_*.json). Reading two or more weight rows side by side (two
    streams) halved the rate there, so each thread walks its weight rows one at a time, and the x
    rows, a few KB, stay in L1.
 
-   Built and loaded by row_products.py (cc -O3 -mavx512f -mavx512bw -mavx512bf16 -fopenmp). */
+   Built at install with -mavx512f -mavx512bw -mavx512bf16 -fopenmp (h2ochat_kernels/cpu/variants.py); bound by
+   h2ochat_kernels/cpu/row_products.py where the CPU has avx512_bf16. */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "rows_api.h"
 
 #define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
 #define LOAD_MASKED(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))

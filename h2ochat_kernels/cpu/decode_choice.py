@@ -1,5 +1,5 @@
-"""A CPU decode step's recall work for one layer in one C call (``h2ochat_recall_step`` of ``recall_kernel.c``,
-bound by ``native``): the best pages, the frames' plan, the loaded pages' copy and, with ``--recall-rest``,
+"""A CPU decode step's recall work for one layer in one C call (``h2ochat_recall_step``, ``csrc/recall_step.h``,
+bound by ``recall_ops``): the best pages, the frames' plan, the loaded pages' copy and, with ``--recall-rest``,
 the step's rest column from the same q.k.
 
 - ``DecodeChoice``: the call, where it runs (the exact selector on the store's own bf16 or fp32 keys, a store
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .native import FLOATS, TINY_SCALE, Kernels, StorePlaces, Strided, bound, host_rows, row_bytes, slot_scales
+from .recall_ops import FLOATS, TINY_SCALE, Kernels, StorePlaces, bound, host_rows, row_bytes, slot_scales, strided
 
 
 class PageMeans:
@@ -57,9 +57,9 @@ class PageMeans:
 
 
 class DecodeChoice:
-    """One layer's whole choice of a step in one C call: the best pages (``native.top_pages``), the frames'
-    plan (``native.frames_update``, the store's full pages complete) and the loaded pages' copy
-    (``native.fill_frames``), where all three run: the exact selector on the store's own keys, a store that
+    """One layer's whole choice of a step in one C call: the best pages (``recall_ops.top_pages``), the frames'
+    plan (``recall_ops.frames_update``, the store's full pages complete) and the loaded pages' copy
+    (``recall_ops.fill_frames``), where all three run: the exact selector on the store's own keys, a store that
     never wraps, bf16 or fp32 keys, slots of their dtype or 8-bit codes, keys not to turn; every row choosing,
     or some (``rows``: the others keep their frames, clocks and slots). With a rest scale, every row's rest
     column too (``recall.rest``'s, from the q.k the choice computed). ``of`` says whether it takes a layer; a
@@ -68,8 +68,8 @@ class DecodeChoice:
     def __init__(self, kernels: Kernels, cold, frames, slots: dict[str, torch.Tensor], scales):
         self.kernels, self.cold, self.frames = kernels, cold, frames
         names = ("keys", "values", "token_index", "positions")
-        self.targets = (Strided * 4)(*(Strided.of(slots[name]) for name in names))
-        self.scales = scales  # (quantized slots' scales and offsets, ``native.slot_scales``; None: float slots)
+        self.targets = strided(kernels, [slots[name] for name in names])
+        self.scales = scales  # (quantized slots' scales and offsets, ``recall_ops.slot_scales``; None: float slots)
         self._slots = slots  # (the views the targets point into, held while they are)
         # (the slots' float dtype, or what codes are made from: the model's either way)
         self.value_dim, self.value_bytes = slots["values"].shape[-1], cold.dtype.itemsize
@@ -113,7 +113,7 @@ class DecodeChoice:
         batch, heads, count, dim = queries.shape
         buffers = (cold.keys, cold.values, cold.token_index, cold.positions, cold.value_scale)
         if not self.store.holds(buffers):
-            self.sources = (Strided * 5)(*(Strided.of(t) for t in buffers))
+            self.sources = strided(self.kernels, buffers)
             self.store.record(buffers)
         scale, means = rest if rest is not None else (0.0, None)
         if means is not None:
