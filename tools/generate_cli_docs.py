@@ -1,8 +1,8 @@
 """Write docs/cli.md, the command-line reference, from the typer app itself: every command's summary
 and every option's names, type, default and help, as `h2ochat COMMAND --help` has them.
 
-    python tools/generate_cli_docs.py           # rewrite docs/cli.md
-    python tools/generate_cli_docs.py --check   # exit 1 when docs/cli.md is not what it would write
+    python tools/generate_cli_docs.py           # rewrite docs/cli.md and serving.md's option table
+    python tools/generate_cli_docs.py --check   # exit 1 when either is not what it would write
 
 tests/test_docs_generated.py runs the check, so a changed option fails the suite until the page is
 regenerated.
@@ -15,6 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "cli.md"
+SHELL_COMPLETION = ("install_completion", "show_completion")  # typer adds them to every command: not ours
+SERVING = ROOT / "docs" / "serving.md"  # its option table, between these markers
+SERVE_START, SERVE_END = "<!-- serve-options:start -->", "<!-- serve-options:end -->"
 
 
 def _cell(text) -> str:
@@ -29,7 +32,7 @@ def _default(param) -> str:
     if isinstance(shown, str):
         return shown
     default = param.default
-    if default is None or callable(default):
+    if default is None or default == "" or callable(default):
         return ""
     if isinstance(default, bool) and param.secondary_opts:
         return (param.opts if default else param.secondary_opts)[0]
@@ -45,13 +48,18 @@ def command_section(name: str) -> list[str]:
     from h2ochat import cli
 
     command = cli.build_command(name)
-    lines = [f"## `h2ochat {name}`", "", _cell(command.help or cli.command_summary(name)), ""]
+    return [f"## `h2ochat {name}`", "", _cell(command.help or cli.command_summary(name)), "", *option_tables(command)]
+
+
+def option_tables(command) -> list[str]:
+    lines = []
     arguments = [p for p in command.params if p.param_type_name == "argument"]
     if arguments:
         lines += ["| argument | meaning |", "|---|---|"]
         lines += [f"| `{p.name.upper()}` | {_cell(getattr(p, 'help', '') or '')} |" for p in arguments]
         lines.append("")
-    options = [p for p in command.params if p.param_type_name == "option" and not p.hidden]
+    options = [p for p in command.params if p.param_type_name == "option" and not p.hidden
+               and p.name not in SHELL_COMPLETION]
     panels: dict[str, list] = {}
     for option in options:
         panels.setdefault(getattr(option, "rich_help_panel", None) or "Options", []).append(option)
@@ -77,15 +85,28 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def serving_with_options(page: str) -> str:
+    """docs/serving.md with its option table (``serve``'s options by panel) regenerated."""
+    from h2ochat import cli
+
+    head, rest = page.split(SERVE_START, 1)
+    _, tail = rest.split(SERVE_END, 1)
+    table = "\n".join(option_tables(cli.build_command("serve"))).rstrip()
+    return f"{head}{SERVE_START}\n{table}\n{SERVE_END}{tail}"
+
+
 def main(argv: list[str]) -> int:
-    text = render()
+    pages = {PAGE: render(), SERVING: serving_with_options(SERVING.read_text(encoding="utf-8"))}
     if "--check" in argv:
-        if not PAGE.exists() or PAGE.read_text(encoding="utf-8") != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run python tools/generate_cli_docs.py", file=sys.stderr)
+        stale = [path.name for path, text in pages.items() if path.read_text(encoding="utf-8") != text] \
+            if PAGE.exists() else [PAGE.name]
+        if stale:
+            print(f"stale: {', '.join(stale)}: run python tools/generate_cli_docs.py", file=sys.stderr)
             return 1
         return 0
-    PAGE.write_text(text, encoding="utf-8")
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    for path, text in pages.items():
+        path.write_text(text, encoding="utf-8")
+    print(f"wrote {', '.join(str(path.relative_to(ROOT)) for path in pages)}")
     return 0
 
 
