@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "cli.md"
 SHELL_COMPLETION = ("install_completion", "show_completion")  # typer adds them to every command: not ours
-SERVING = ROOT / "docs" / "serving.md"  # its option table, between these markers
-SERVE_START, SERVE_END = "<!-- serve-options:start -->", "<!-- serve-options:end -->"
+# blocks of other pages this script fills: page -> block name (between <!-- NAME:start --> and <!-- NAME:end -->)
+BLOCKS = {ROOT / "docs" / "serving.md": "serve-options", ROOT / "docs" / "chat.md": "chat-commands"}
 
 
 def _cell(text) -> str:
@@ -85,18 +85,27 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def serving_with_options(page: str) -> str:
-    """docs/serving.md with its option table (``serve``'s options by panel) regenerated."""
-    from h2ochat import cli
+def block(name: str) -> str:
+    """The Markdown of one generated block: serve's option table, or the chat's commands as /help lists them."""
+    if name == "serve-options":
+        from h2ochat import cli
 
-    head, rest = page.split(SERVE_START, 1)
-    _, tail = rest.split(SERVE_END, 1)
-    table = "\n".join(option_tables(cli.build_command("serve"))).rstrip()
-    return f"{head}{SERVE_START}\n{table}\n{SERVE_END}{tail}"
+        return "\n".join(option_tables(cli.build_command("serve"))).rstrip()
+    from h2ochat.chat.repl import HELP
+
+    return "\n".join(["| command | what it does |", "|---|---|",
+                      *(f"| `{_cell(command)}` | {_cell(meaning)} |" for command, meaning in HELP)])
+
+
+def with_block(page: str, name: str) -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    head, rest = page.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{block(name)}\n{end}{tail}"
 
 
 def main(argv: list[str]) -> int:
-    pages = {PAGE: render(), SERVING: serving_with_options(SERVING.read_text(encoding="utf-8"))}
+    pages = {PAGE: render(), **{path: with_block(path.read_text(encoding="utf-8"), name) for path, name in BLOCKS.items()}}
     if "--check" in argv:
         stale = [path.name for path, text in pages.items() if path.read_text(encoding="utf-8") != text] \
             if PAGE.exists() else [PAGE.name]
