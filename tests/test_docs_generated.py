@@ -21,7 +21,7 @@ def _tool(name: str):
 
 
 def test_the_cli_reference_is_current(capsys):
-    assert _tool("generate_cli_docs").main(["--check"]) == 0, capsys.readouterr().err
+    assert _tool("generate_docs").main(["--check"]) == 0, capsys.readouterr().err
 
 
 def test_the_results_page_and_the_readme_summary_are_current(capsys):
