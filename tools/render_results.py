@@ -301,8 +301,10 @@ def index_section() -> list[str]:
     for path in sorted(BENCHMARKS.glob("results_*.json")):
         e = json.loads(path.read_text())
         cpu = e["machine"].get("cpu", "unknown") if isinstance(e["machine"], dict) else e["machine"]
-        lines.append(f"| [`{path.name}`](../benchmarks/{path.name}) | {first_sentence(e['what']).replace('|', '/')} | "
-                     f"{str(e['date'])[:10]} | `{str(e['commit'])[:12]}` | {first_sentence(cpu, 40)} |")
+        what = first_sentence(e["what"]) or first_sentence(path.stem.removeprefix("results_").replace("_", " "))
+        cpu = " ".join(str(cpu).split())
+        lines.append(f"| [`{path.name}`](../benchmarks/{path.name}) | {what.replace('|', '/')} | "
+                     f"{str(e['date'])[:10]} | `{str(e['commit'])[:12]}` | {cpu if len(cpu) <= 40 else cpu[:39] + '…'} |")
     lines.append("")
     return lines
 
