@@ -69,3 +69,29 @@ def test_each_reader_has_a_page():
                  "contributing", "cli"):
         assert (ROOT / "docs" / f"{page}.md").is_file(), page
     assert (ROOT / "CHANGELOG.md").is_file() and "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+def test_help_lists_the_tables_the_code_validates_against():
+    """The help reads each table from its module's source (no torch for --help): the same tuples as imported."""
+    from h2ochat import options
+    from h2ochat.kv.slot_format import KV_DTYPES
+    from h2ochat.recall.cold_store import COLD_DTYPES
+    from h2ochat.recall.tiered import DECODE_RULES, REST_MODES
+
+    for module, name, table in (("kv.slot_format", "KV_DTYPES", KV_DTYPES), ("recall.cold_store", "COLD_DTYPES", COLD_DTYPES),
+                                ("recall.tiered", "DECODE_RULES", DECODE_RULES), ("recall.tiered", "REST_MODES", REST_MODES)):
+        assert options.declared_choices(module, name) == tuple(table)
+    assert "fp8" in options.one_of("kv.slot_format", "KV_DTYPES")
+    reference = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert "fp8" in reference and "`--version`" in reference
+
+
+def test_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from h2ochat import cli
+
+    result = CliRunner().invoke(cli.app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"h2ochat {version('h2ochat')}"
