@@ -111,3 +111,25 @@ def emit(report: dict, out: str | Path | None, *, what: str | None = None) -> No
     if out:
         Path(out).write_text(text + "\n")
     print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/json_report.py FILE --what TEXT --command TEXT``: wrap a report written another way
+    (``h2ochat eval --json > FILE``) in the envelope, in place, with this checkout's commit and machine."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("file", type=Path)
+    parser.add_argument("--what", required=True, help="what was measured, in a sentence")
+    parser.add_argument("--command", required=True, help="the command that wrote the file")
+    args = parser.parse_args(argv)
+    report = json.loads(args.file.read_text())
+    if is_envelope(report):
+        print(f"{args.file} is already in the envelope", file=sys.stderr)
+        return 1
+    args.file.write_text(json.dumps(envelope(report, what=args.what, command=args.command), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

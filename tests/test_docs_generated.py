@@ -35,7 +35,8 @@ def test_every_results_file_has_the_envelope():
 
     missing = [path.name for path in sorted((ROOT / "benchmarks").glob("results_*.json"))
                if not is_envelope(json.loads(path.read_text()))]
-    assert not missing, f"results files without the envelope (tools/migrate_results.py): {missing}"
+    assert not missing, ("results files without the envelope (wrap each: python benchmarks/json_report.py FILE --what ... "
+                         f"--command ...): {missing}")
     page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     uncited = [path.name for path in (ROOT / "benchmarks").glob("results_*.json") if path.name not in page]
     assert not uncited, f"results files the results page does not cite: {uncited}"
