@@ -352,8 +352,6 @@ def render_summary() -> str:
         f"- **Speed:** serving 8 chat clients on a 2-core CPU, {chat.get('h2ochat', 0):.1f} tokens/s against vLLM's "
         f"{chat.get('vllm', 0):.1f}. No GPU run has been measured yet.",
         "",
-        "![perplexity against the KV budget](docs/results_quality_budget.png)",
-        "",
         "Details, every figure's file and command: [docs/results.md](docs/results.md).",
         SUMMARY_END])
 
