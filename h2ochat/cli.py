@@ -100,8 +100,25 @@ app = typer.Typer(
 )
 
 
+def installed_version() -> str:
+    """The version the package was installed at (pyproject.toml's), from its metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("h2ochat")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"h2ochat {installed_version()}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
     """Chat and long-form generation in a fixed KV-cache budget (H2O heavy-hitter cache)."""
 
 

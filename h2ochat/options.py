@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -16,6 +18,25 @@ from .policies import DEFAULT_POLICY, describe_policies
 from .recall.selector_names import SELECTOR_HELP
 
 MODEL, CACHE, SAMPLING, OUTPUT = "Model", "Cache", "Sampling", "Output"
+
+
+@functools.cache
+def declared_choices(module: str, name: str) -> tuple[str, ...]:
+    """The tuple of names ``name`` that ``h2ochat.<module>`` validates an option against, read from the
+    module's source: the help lists the same table the code checks, without importing torch for --help."""
+    source = Path(__file__).parent.joinpath(*module.split(".")).with_suffix(".py")  # (no import: no torch)
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(target, ast.Name) and target.id == name for target in targets):
+            return tuple(ast.literal_eval(node.value))
+    raise LookupError(f"{module}.{name} is not a literal tuple")  # a renamed table: the help must follow it
+
+
+def one_of(module: str, name: str) -> str:
+    """``a | b | c``: the choices of ``declared_choices`` as --help lists them."""
+    return " | ".join(declared_choices(module, name))
+
 
 Model = Annotated[str, typer.Option("--model", "-m", envvar="H2OCHAT_MODEL", rich_help_panel=MODEL,
     help="Alias (see `h2ochat models`), hub id, local directory or .gguf file.")]
@@ -31,9 +52,10 @@ Budget = Annotated[str, typer.Option("--budget", "-b", envvar="H2OCHAT_BUDGET", 
          "sequence (16MiB, 512KiB, 1.5GiB: every layer and KV head, codes and scales counted), turned into the "
          "slots that fit at --kv-dtype.")]
 KvDtype = Annotated[str, typer.Option("--kv-dtype", envvar="H2OCHAT_KV_DTYPE", rich_help_panel=CACHE,
-    help="How the slots hold keys and values: auto (the model's dtype) | float32 | bfloat16 | float16 | int8 "
-         "| int4 (codes with a scale and offset per token and KV head; int4 keys rotated first). int8 takes "
-         "about a quarter of float32's bytes, int4 an eighth.")]
+    help="How the slots hold keys and values: " + one_of("kv.slot_format", "KV_DTYPES") + ". auto: the model's "
+         "dtype; float32, bfloat16, float16 and fp8 (float8_e4m3fn): a cast; int8 and int4: codes with a float32 "
+         "scale and offset per token and KV head (int4 keys rotated first). At head dim 64 a slot of int8 takes "
+         "3.6x fewer bytes than float32 (1.8x fewer than bfloat16), int4 6.4x (3.2x), fp8 4x (2x).")]
 Policy = Annotated[str, typer.Option("--policy", "-p", envvar="H2OCHAT_POLICY", rich_help_panel=CACHE,
     help="Eviction policy (knobs may follow: name:decay=0.9:sinks=4): "
          + "; ".join(f"{name} = {summary}" for name, summary in describe_policies()) + ".")]
@@ -56,22 +78,24 @@ Page = Annotated[int, typer.Option("--page", min=1, rich_help_panel=CACHE,
 Selector = Annotated[str, typer.Option("--selector", rich_help_panel=CACHE,
     help="With --recall: how the pages to recall are chosen: " + SELECTOR_HELP + ".")]
 ColdDtype = Annotated[str, typer.Option("--cold-dtype", rich_help_panel=CACHE,
-    help="With --recall: the cold store keeps keys and values at the model's dtype (model), the values as "
-         "int8 codes (int8-values), those and the keys in bf16 (bf16-keys), or both as int8 codes (int8); auto: "
-         "bf16-keys for an fp32 model, else int8-values.")]
+    help="With --recall: " + one_of("recall.cold_store", "COLD_DTYPES") + ". The cold store keeps keys and values "
+         "at the model's dtype (model), the values as int8 codes (int8-values), those and the keys in bf16 "
+         "(bf16-keys), or both as int8 codes (int8); auto: bf16-keys for an fp32 model, else int8-values.")]
 ColdLimit = Annotated[Optional[int], typer.Option("--cold-limit", min=1, rich_help_panel=CACHE,
     help="With --recall: tokens per layer and KV head the cold store keeps (the oldest go). Default: all.")]
 RecallEvery = Annotated[int, typer.Option("--recall-every", min=1, rich_help_panel=CACHE,
     help="With --recall: decode steps between two recalls (prompt chunks always recall).")]
 RecallDecodeRule = Annotated[str, typer.Option("--recall-decode-rule", rich_help_panel=CACHE,
-    help="With --recall: when a compiled decode step chooses its pages: in-step (with its own queries, as an "
+    help="With --recall: " + one_of("recall.tiered", "DECODE_RULES") + ". When a compiled decode step chooses its "
+         "pages: in-step (with its own queries, as an "
          "eager step does) or before (before the step, with the last step's: a GPU's compiled step always does).")]
 RecallRest = Annotated[str, typer.Option("--recall-rest", rich_help_panel=CACHE,
-    help="With --recall: the cold pages a step does not recall are left out of its attention (off) or still "
-         "attended, one column for all of them (pages: each page's exact weight and mean value; every cold key "
-         "read every step; eager steps only). prompt: in prompt chunks only, so decode steps cost what off's do. "
-         "auto (the default): prompt's, where the recall step's C kernel computes it (a CPU with AVX512-BF16, a "
-         "bf16 model), none elsewhere (the torch route there: 2.8x a chunk's time).")]
+    help="With --recall: " + one_of("recall.tiered", "REST_MODES") + ". The cold pages a step does not recall are "
+         "left out of its attention (off) or still attended, one column for all of them (pages: each page's exact "
+         "weight and mean value; every cold key read every step; eager steps only). prompt: in prompt chunks "
+         "only, so decode steps cost what off's do. auto: prompt's where the recall step's C kernel runs (a CPU "
+         "with a C compiler, a bf16 or fp32 model: the AVX512-BF16 build or the portable one), none elsewhere (a "
+         "GPU, or no compiler: the torch route there costs 2.8x a chunk's time).")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, rich_help_panel=CACHE,
     help="Prompt tokens fed per forward; peak KV memory is slots + chunk whatever the prompt length.")]
 
@@ -242,15 +266,16 @@ RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel
 
 
 ServeCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", rich_help_panel=MODEL,
-    help="Compile the decode step with torch.compile while the server loads (default: on, except with --recall, "
-         "whose served rule chooses pages inside an eager step, and the random and full policies): one graph for "
-         "one row and one for more, 1-5 minutes on a CPU the first time, ~30 s once inductor's cache holds them. "
+    help="Compile the decode step with torch.compile while the server loads (default: on, recall included on a "
+         "CPU, where the graph chooses a step's pages with its own queries as an eager step does; off with recall "
+         "on a GPU, and for the random and full policies, whose steps the graph does not cover): one graph per "
+         "row bucket, 1-5 minutes on a CPU the first time, ~30 s once inductor's cache holds them. "
          "Where compiling fails (no C++ compiler), the server says so and decodes eagerly.")]
 
 ServeMixedSteps = Annotated[bool, typer.Option("--mixed-steps/--no-mixed-steps", rich_help_panel=MODEL,
     help="Read a waiting prompt's chunk and decode the running rows in one forward, so the linear layers read "
-         "the weights once for both (vLLM's chunked prefill; measured: ~10% more tokens/s on a CPU chat load "
-         "with the compiled step, even with the eager one). --no-mixed-steps runs them one after the other.")]
+         "the weights once for both (vLLM's chunked prefill; measured on a CPU chat load: +11% tokens/s with the "
+         "compiled step, about even with the eager one). --no-mixed-steps runs them one after the other.")]
 
 Compile = Annotated[bool, typer.Option("--compile", rich_help_panel=MODEL,
     help="Compile the decode step with torch.compile (inductor on the CPU, CUDA graphs on a GPU); prefill stays "

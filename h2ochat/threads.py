@@ -1,8 +1,7 @@
 """How many CPU threads torch computes with: --threads, else OMP_NUM_THREADS, else a measured rule.
 
 The rule: the physical cores this process may run on, less the ones other jobs keep busy (the
-one-minute load average), at least one. Measured with SmolLM2-135M on a 2-core machine (README,
-"Threads"): a second OpenMP thread that another job keeps off its core stalls every matmul
+one-minute load average), at least one. Measured with SmolLM2-135M on a 2-core machine: a second OpenMP thread that another job keeps off its core stalls every matmul
 (decode 1.9 tok/s at 2 threads against 15.8 at 1), while on an idle machine a second thread
 costs decode nothing worth having and speeds prompt reading up (145 against 86 tok/s). So a busy
 core is never counted, an idle one always is. torch's own default is every logical CPU.

@@ -193,7 +193,7 @@ def parse_variants(text: str) -> list[str]:
 
 def _print_recall(out: Console, overhead: list[dict]) -> None:
     first = overhead[0]
-    table = Table(title=f"Recall overhead (issue 18: <= 1.15x at 2K tokens, <= 1.25x at 8K): ms per decode step with "
+    table = Table(title=f"Recall overhead (targets: <= 1.15x at 2K tokens, <= 1.25x at 8K): ms per decode step with "
                         f"recall / the same policy without it at the same device slots; selector {first['selector']}, "
                         f"pages of {first['page']}, recall every {first['every']} step(s), cold {first['cold_dtype']}",
                   title_justify="left")

@@ -31,8 +31,8 @@ def eval_command(
         help="Comma-separated budgets: slot counts (128), fractions of --tokens (0.2) or device KV bytes per "
              "sequence (1.5MiB: the slots that fit at each --kv-dtype).")] = ev.DEFAULT_BUDGETS,
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", rich_help_panel=o.CACHE,
-        help="Comma-separated slot dtypes, a row of each policy and budget for each, side by side: auto (the "
-             "model's) | float32 | bfloat16 | float16 | int8 | int4. The full cache runs at the first.")] = "auto",
+        help="Comma-separated slot dtypes, a row of each policy and budget for each, side by side: "
+             + o.one_of("kv.slot_format", "KV_DTYPES") + " (auto: the model's). The full cache runs at the first.")] = "auto",
     policies: Annotated[str, typer.Option("--policies", rich_help_panel=o.CACHE,
         help="Comma-separated policies to compare, each a name or name:knob=value:... "
              "(knobs: decay, heavy_ratio, sinks, value_eps, layer_shape), e.g. full,h2o,decay:decay=0.95.")

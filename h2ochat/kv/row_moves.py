@@ -86,7 +86,7 @@ class RowMoves:
         Copied row to row: ``source``'s state is read in place (two rows of one tensor never overlap; a store
         that grows on the way keeps the buffer those views read), where a copy out and back wrote it twice,
         the first time into fresh host buffers and their page faults (a recall row: ~1.5 s of a served chat
-        load's ~95, session 67)."""
+        load's ~95)."""
         self.import_row(target, self.export_row(source, copy=False), moved_from=source)
         self.reset_row(source)
 

@@ -69,7 +69,7 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
 
     choices = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype == "auto":
-        if device == "cpu":  # bf16 only where the CPU multiplies it natively (issue 35's measurements)
+        if device == "cpu":  # bf16 only where the CPU multiplies it natively (docs/results.md: dtype)
             from .native_bf16 import cpu_has_native_bf16
 
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

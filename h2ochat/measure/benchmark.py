@@ -115,7 +115,7 @@ def quantized_comparison(by_variant: dict[str, Measurement]) -> dict:
     return {"quantized": rows} if rows else {}
 
 
-# issue 18: decode cost per step with recall against the same policy without it, same device slots
+# the recall targets: decode cost per step with recall against the same policy without it, same device slots
 RECALL_TARGETS = ((2048, 1.15), (8192, 1.25))  # (up to this many tokens of context, the largest ratio)
 
 
@@ -330,7 +330,7 @@ def _run(model, plan: BenchPlan, on_measured: Callable[[str], None] | None) -> d
             "blocks of the ratio of their sums; turns_ratio: the medians of their separate turns); a context's older "
             "tokens fill the cold tier with random keys, so the pages recalled change more from step to step than "
             "with text; on a CPU cpu_ratio is the same ratio in the process's CPU time per step, and decides met; "
-            f"targets {', '.join(f'<= {r}x up to {n} tokens' for n, r in RECALL_TARGETS)} (issue 18)")
+            f"targets {', '.join(f'<= {r}x up to {n} tokens' for n, r in RECALL_TARGETS)}")
     return report
 
 

@@ -38,7 +38,7 @@ def growable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-GROWTH_MARGIN = 32  # a paged store grows by at least 1/32 of its size: ~3% of bytes, well inside issue 34's bound
+GROWTH_MARGIN = 32  # a paged store grows by at least 1/32 of its size: ~3% of bytes, well inside the host-memory bound on recall's growth
 # (int8 cold values hold 244 of the 256 bytes a bf16 token and head would), for 4x fewer copies at 1,000 tokens
 # and 16x at 4,000 (pages of 8)
 
@@ -52,7 +52,7 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
     ``fill``), made in the same inference mode as ``old`` (else a compiled step would see a different
     kind of tensor and compile again) and marked ``growable``. ``page``: ``needed`` rounded up to whole
     pages, plus 1 / ``GROWTH_MARGIN`` of that in whole pages (host memory: at most one partly filled page
-    and a ~3% margin past what is held, issue 34; a store that grew by one page at every flush was copied
+    and a ~3% margin past what is held; a store that grew by one page at every flush was copied
     whole every P decode steps); else S doubles until it fits. ``spill``: the last column of ``old`` and of
     the result is the spill slot (``Writes``), not counted in S. ``rows_held`` [B]: the slots each row has
     written (past them a row holds ``fill``, which must then be 0): only those are copied, into a buffer

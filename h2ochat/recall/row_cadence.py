@@ -1,4 +1,4 @@
-"""Each batch row's own recall clock (issue 34): host counts of the decode steps since the row's last
+"""Each batch row's own recall clock: host counts of the decode steps since the row's last
 flush of its staging page, so a row flushes its page, and chooses its pages every ``every`` steps,
 on its own count. A server's row then recalls as the same conversation alone would, whenever the
 other rows joined; a row left out of a step (``StepNumbers.active``: a free row of a server; or a row past a

@@ -90,7 +90,7 @@ def choose_rows(config: ServeConfig, row_bytes: int, device, cold_row_bytes: int
 def cold_row_bytes(backend: ModelBackend, positions: int) -> int:
     """Host bytes a recall tier's cold store takes for one row holding the model's context window of
     tokens (every token past the row's slots evicted; 0 without a tier that keeps them): what the
-    row count is sized by, a conversation longer than that costs more (the README says how much)."""
+    row count is sized by, a conversation longer than that costs more (docs/results.md: recall host memory)."""
     return int(backend.cache.tier_host_bytes_per_token() * max(positions - backend.slots, 0))
 
 
