@@ -14,7 +14,7 @@ Each token also keeps the position it was encoded at (``encoded``: what its key'
 and its position in the cache's current numbering (``positions``); the two differ after a compact
 re-numbering (``renumber``), and a key is rotated by their difference when it is brought back.
 Token indices and positions are stored as int32 (``BOOKKEEPING``: 12 bytes a token and head, not
-24; issue 34's host bound) and handed out as int64, as the cache's own are.
+24: the host store's bound) and handed out as int64, as the cache's own are.
 
 On a GPU whose driver maps pinned memory into the device's address space (``zero_copy``, as
 ``h2ochat_kernels.dispatch.zero_copy_rows`` decides), appends and page gathers are Triton kernels that write and

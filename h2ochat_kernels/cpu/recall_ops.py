@@ -260,12 +260,12 @@ def store_places(buffers) -> tuple:
 
 
 class StorePlaces:
-    """The places of the store buffers a C call's ``Strided`` were last made from (``record``), and whether some
-    buffers are still there (``holds``). Places and weak references are kept, not the tensors: held, the buffers a
-    store had before it grew, narrowed or was imported over stayed alive until that layer's next call (~100 MB of
-    the recall server's peak RSS under the served chat load, session 59). The places are read again only when the
-    tensors are not the very ones recorded (a tensor keeps its storage and strides; the store replaces a tensor
-    where it grows, narrows or is imported over): ~10 us a layer a step, session 68."""
+    """The places of the store buffers a C call's ``strided`` arrays were last made from (``record``), and whether
+    some buffers are still there (``holds``). Places and weak references are kept, not the tensors: holding them
+    kept the buffers a store had before it grew, narrowed or was imported over alive until that layer's next call
+    (a server's peak memory). The places are read again only when the tensors are not the very ones recorded (a
+    tensor keeps its storage and strides; the store replaces a tensor where it grows, narrows or is imported
+    over), so the common call costs a few identity checks."""
 
     def __init__(self):
         self.places, self._refs = None, ()

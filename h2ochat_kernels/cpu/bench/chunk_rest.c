@@ -1,16 +1,14 @@
-/* A prompt chunk's page scores and rest weights in the recall kernel (chunk_weights of
-   h2ochat/recall/recall_kernel.c), timed alone: M queries of one (row, KV head) against T cold keys of 64
-   channels, pages of 8, the best of 7 calls, and a checksum of everything it wrote (the same sums give the
-   same checksum). Built against a kernel file, so two commits' kernels can be timed side by side:
+/* A prompt chunk's page scores and rest weights in the recall kernels (chunk_weights, csrc/rest.h), timed alone:
+   M queries of one (row, KV head) against T cold keys of 64 channels, pages of 8, the best of 7 calls, and a
+   checksum of everything it wrote (the same sums give the same checksum). Built against one variant's unit, so
+   variants, or two commits' units, can be timed side by side:
 
-     git show 2e154bf:h2ochat/recall/recall_kernel.c > /tmp/before.c
-     cc -O3 -mavx2 -mfma -DKERNEL='"/tmp/before.c"' -DUNBLOCKED benchmarks/chunk_rest_kernel.c -o before -lm
-     cc -O3 -mavx2 -mfma -DKERNEL='"../h2ochat/recall/recall_kernel.c"' benchmarks/chunk_rest_kernel.c -o after -lm
-     for i in 1 2 3; do taskset -c 1 ./before 900 1203 2; taskset -c 1 ./after 900 1203 2; done
+     cd h2ochat_kernels/cpu
+     cc -O3 -mavx2 -mfma -Icsrc -DKERNEL='"recall_portable.c"' bench/chunk_rest.c -o after -lm
+     for i in 1 2 3; do taskset -c 1 ./after 900 1203 2; done
 
    Arguments: M (queries: a 300-token chunk of a 3-query-head group is 900), T (cold keys), bytes (2: bf16
-   keys and queries, 4: fp32). -DUNBLOCKED: a kernel from before session 67, whose chunk_weights lays the keys
-   out for each block of queries itself (no `blocks` argument). One line of JSON out. */
+   keys and queries, 4: fp32). One line of JSON out. Figures: benchmarks/results_recall_chunk_rest_*.json. */
 #include KERNEL
 #include <stdio.h>
 #include <time.h>
@@ -43,18 +41,12 @@ int main(int argc, char **argv) {
   fill(q, M * D, bytes);
   fill(keys, T * D, bytes);
   if (!scratch_for(bytes, M, D, &scratch)) return 1;
-#ifndef UNBLOCKED
   float *blocks = malloc((blocks_floats(bytes, T, D) + 1) * sizeof(float));
-#endif
   double best = 1e30, checksum = 0.0;
   for (int r = 0; r < 7; r++) {
     const double start = seconds();
-#ifdef UNBLOCKED
-    chunk_weights(q, bytes, M, D, keys, D, T, P, 0.125f, scores, dots, stride, top, weights, scratch);
-#else
     chunk_weights(q, bytes, M, D, keys, D, T, P, 0.125f, scores, dots, stride, top, weights, scratch,
                   blocks_floats(bytes, T, D) ? blocks : NULL);
-#endif
     const double took = seconds() - start;
     best = took < best ? took : best;
   }
