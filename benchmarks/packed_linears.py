@@ -1,5 +1,5 @@
 """The bf16 linear forms (``h2ochat.engine.packed_linears``) side by side in one run, on the real model:
-transformers' own (plain), packed for oneDNN, and the row kernel's (``engine.row_products``, up to 8
+transformers' own (plain), packed for oneDNN, and the row kernel's (``h2ochat_kernels.cpu.row_products``, up to 8
 rows; more fall back to the plain product). First the model's 211 linears at several row counts (CPU
 time, one thread, interleaved, the median of the repeats), then ``h2ochat generate`` end to end in each
 form (alternated; the texts are compared).
@@ -21,7 +21,7 @@ import time
 import torch
 
 from h2ochat.loading.models import load
-from h2ochat.engine import row_products
+from h2ochat_kernels.cpu import row_products
 from h2ochat.engine.packed_linears import ENVIRONMENT_SWITCH, PackedLinear, pack_linears, unpack_linears
 from json_report import emit
 

@@ -9,11 +9,10 @@ answers are compared (largest difference against the reference, fp32 sums in ano
     taskset -c 1 python benchmarks/page_scores_chunk.py --out benchmarks/results_page_scores_chunk_s54.json
 
 --decode: a decode step's few queries (a group of 1-5 query heads, 8 rows: what ``DecodeChoice`` scores
-over a served bucket's store) by the C route against the same kernel file at ``--baseline`` (key by key,
-one horizontal sum a key and query; ``--dtype float32``: fp32 queries and keys, which the portable build and the
-AVX512 build's fp32 route score by vectors of 8 floats), built beside it: page_best and top_pages, with the keys in the
-caches (``warm``: the call before, another C way's, left them there) and from memory (``cold``: 128 MiB
-read before each call, as a served step's other layers and weights evict them).
+over a served bucket's store) on every variant of the recall kernels this CPU runs, side by side (``--dtype
+float32``: fp32 queries and keys, which every variant scores by vectors of 8 floats): page_best and top_pages,
+with the keys in the caches (``warm``: the call before, another C way's, left them there) and from memory
+(``cold``: 128 MiB read before each call, as a served step's other layers and weights evict them).
 
     taskset -c 1 python benchmarks/page_scores_chunk.py --decode --out benchmarks/results_page_scores_decode_s54.json
 """
@@ -25,18 +24,17 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from h2ochat import native_build  # noqa: E402
-from h2ochat.recall import native  # noqa: E402
+from h2ochat_kernels import dispatch  # noqa: E402
 from h2ochat_kernels import recall_reference as ref  # noqa: E402
+from h2ochat_kernels.cpu import recall_ops as native  # noqa: E402
+from h2ochat_kernels.cpu import variants  # noqa: E402
 from json_report import emit  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -66,23 +64,23 @@ def timed(ways, repeats: int, before=None) -> dict[str, float]:
     return {name: round(statistics.median(times) * 1e3, 4) for name, times in spent.items()}
 
 
-def baseline_kernels(commit: str) -> native.Kernels:
-    """The recall kernel file as it was at ``commit``, built (with the flags of this CPU's build) and bound as
-    native.py builds the current one."""
-    root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "show", f"{commit}:h2ochat/recall/recall_kernel.c"], cwd=root, check=True,
-                            capture_output=True).stdout
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "recall_kernel.c"
-        path.write_bytes(source)
-        return native._bind(native_build.build(native_build.compiler(), path, native._build_flags()[0]))
+def variant_kernels() -> dict[str, native.Kernels]:
+    """Every variant of the recall kernels this CPU runs and the install built, bound and checked, best first."""
+    found = {}
+    for variant in variants.of("recall"):
+        if dispatch.cpu_runs(variant):
+            kernels, _ = native._loaded_variant(variant)
+            if kernels is not None:
+                found[variant.name] = kernels
+    return found
 
 
 def decode_rows(args) -> list[dict]:
-    """--decode: each (queries, tokens), warm and cold, the C route against ``args.baseline``'s (the C ways
-    taking turns among themselves: the torch reference's fp32 copies would evict the keys of the way after
-    it, so it is timed on its own)."""
-    baseline, current = baseline_kernels(args.baseline), native._loaded()[0]
+    """--decode: each (queries, tokens), warm and cold, every variant side by side (the C ways taking turns among
+    themselves: the torch reference's fp32 copies would evict the keys of the way after it, so it is timed on
+    its own)."""
+    kernels_of = variant_kernels()
+    best = next(iter(kernels_of))
     flush = torch.ones(128 << 20, dtype=torch.uint8)
     rows = []
     for queries in args.queries:
@@ -90,22 +88,21 @@ def decode_rows(args) -> list[dict]:
             q, keys, valid = inputs(args.batch, args.heads, queries, tokens, args.dim, DTYPES[args.dtype])
             count = torch.full((args.batch, args.heads), tokens)
             ways = {}
-            for name, kernels in (("c", current), ("c_baseline", baseline)):
+            for name, kernels in kernels_of.items():
                 ways[name] = lambda kernels=kernels: native._call_page_best(kernels, q, keys, valid, args.page)
-            for name, kernels in (("c", current), ("c_baseline", baseline)):
+            for name, kernels in kernels_of.items():
                 ways[f"{name}_top_pages"] = lambda kernels=kernels: native._call_top_pages(kernels, q, keys, count,
                                                                                            args.page, args.frames)
             torch_way = {"torch": lambda: ref.page_scores(q, keys, None, None, valid, args.page)}
             reference = torch_way["torch"]()
             row = {"queries": queries, "tokens": tokens,
-                   "largest_difference": float((ways["c"]() - reference).abs().max()),
-                   "same_as_baseline": torch.equal(ways["c"](), ways["c_baseline"]()),
-                   "same_top_pages": torch.equal(ways["c_top_pages"](), ref.top_pages(reference, args.frames))}
+                   "largest_difference": {name: float((ways[name]() - reference).abs().max()) for name in kernels_of},
+                   "same_top_pages": {name: torch.equal(ways[f"{name}_top_pages"](), ref.top_pages(reference, args.frames))
+                                      for name in kernels_of}}
             for caches, before in (("warm", None), ("cold", lambda: int(flush.view(torch.int64).sum()))):
                 ms = {**timed(ways, args.repeats, before), **timed(torch_way, args.repeats, before)}
-                row[caches] = {"ms": ms, "speedup_page_best": round(ms["c_baseline"] / ms["c"], 2),
-                               "speedup_top_pages": round(ms["c_baseline_top_pages"] / ms["c_top_pages"], 2),
-                               "speedup_over_torch": round(ms["torch"] / ms["c"], 2)}
+                row[caches] = {"ms": ms, "speedup_over_torch": {name: round(ms["torch"] / ms[name], 2) for name in kernels_of},
+                               "against_the_best_variant": {name: round(ms[name] / ms[best], 2) for name in kernels_of}}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     return rows
@@ -136,8 +133,7 @@ def chunk_rows(args) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--decode", action="store_true", help="a decode step's few queries, against --baseline")
-    parser.add_argument("--baseline", default="2062e16", help="(--decode) the commit whose kernel file to beat")
+    parser.add_argument("--decode", action="store_true", help="a decode step's few queries, every variant side by side")
     parser.add_argument("--queries", type=int, nargs="+", help="M a KV head (900; --decode: 1 2 3 4 5)")
     parser.add_argument("--tokens", type=int, nargs="+", help="T, the scored slots (512 1024 4096; --decode: 512 2048)")
     parser.add_argument("--heads", type=int, default=3, help="KV heads")
@@ -165,7 +161,7 @@ def main(argv=None) -> int:
                          "dtype": args.dtype,
                          "frames": args.frames, "repeats": args.repeats},
               "command": " ".join(["python benchmarks/page_scores_chunk.py", *(argv or sys.argv[1:])]),
-              **({"baseline": f"{args.baseline}:h2ochat/recall/recall_kernel.c"} if args.decode else {}), "rows": rows}
+              "route": dispatch.cpu_route("recall")[0].name, "rows": rows}
     emit(report, args.out)
     return 0
 

@@ -3,7 +3,7 @@ in bf16, one cache of ``--rows`` rows (a server's bucket), ``--budget`` slots wi
 (the served load's defaults: 256 and 0.5), every row fed ``--context`` tokens, then decode steps with some rows
 left out (``--left-out``: a server's free rows, the ``active`` mask), timed one by one (CPU time of the
 process, one thread). Three engines, each in a process of its own, alternating ``--repeats`` times: h2o alone
-(no recall), recall on the torch route (``H2OCHAT_RECALL_KERNEL=0``) and recall with the C route (default);
+(no recall), recall on the torch route (``H2OCHAT_CPU_KERNELS=none``) and recall with the C route (default);
 with ``--before DIR`` (an export of an earlier commit, ``git archive REV h2ochat | tar -x -C DIR``) that code's
 default route too. ``--code DIR``: the package the other engines import (an export of this commit, so an
 edit made while it runs changes nothing).
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ENGINES = {"h2o": ({}, None), "recall_torch": ({"H2OCHAT_RECALL_KERNEL": "0"}, "0.5"),
+ENGINES = {"h2o": ({}, None), "recall_torch": ({"H2OCHAT_CPU_KERNELS": "none"}, "0.5"),
            "recall_native": ({}, "0.5")}
 
 

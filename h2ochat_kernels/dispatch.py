@@ -193,6 +193,21 @@ class Backend:
             return ops.evict_by_policy(*args, **policy)
         return reference.evict_by_policy(*args, **policy, coordinates=coordinates)
 
+    def lowest_slots(self, priority):
+        """``reference.lowest_slots``: the victim a tier archives before it is overwritten (one argmin on
+        any device: no kernel is faster)."""
+        return reference.lowest_slots(priority)
+
+    def write_slots(self, slot, keys, values, scores, slot_token_index, slot_position, new_key, new_value, new_score,
+                    new_token_index, new_position, value_norm=None, new_value_norm=None, active=None, *,
+                    coordinates=None):
+        """``reference.write_slots``: the new token into the victim ``lowest_slots`` chose (a tier's eviction,
+        which must see the victim first). In-place index writes on every device; a compiled step keeps them in
+        place."""
+        return reference.write_slots(slot, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
+                                     new_score, new_token_index, new_position, value_norm, new_value_norm, active,
+                                     coordinates=coordinates)
+
     def page_scores(self, queries, codes, scale, offset, valid, page, bits=None):
         """``recall_reference.page_scores``: the best q.k per page from packed codes (the Triton
         kernel for power-of-two pages)."""

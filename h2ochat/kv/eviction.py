@@ -75,17 +75,17 @@ class LayerEviction:
         self._count_one_eviction(dropped, dropped_score, mass)
 
     def _evict_to_tier(self, key, value, new_score, token_index, position, value_norm, active=None) -> None:
-        """The victim chosen once (``reference.lowest_slots``: the tier's columns never go), handed to
-        the tier, then overwritten (``reference.write_slots``, the format's other per-slot tensors by
+        """The victim chosen once (the backend's ``lowest_slots``: the tier's columns never go), handed to
+        the tier, then overwritten (the backend's ``write_slots``, the format's other per-slot tensors by
         ``write_extras``): the tier archives exactly the token the slot held. The tier's layers take
         every row every step (``masks_inactive_rows``)."""
         mass = self.scores.sum(dim=-1)
         priority = self.priority(self.scores, self.token_index, token_index, self.value_norm)
-        slot = reference.lowest_slots(self.port.policy_part(priority))
+        slot = self.kernels.lowest_slots(self.port.policy_part(priority))
         self.tier.archive(self.port, slot)
         stored = self.format.encode(key, value)  # (codes go where the token would; scales beside them)
         self.format.write_extras(slot, self.stored, stored, active, self.coordinates)
-        dropped, dropped_score = reference.write_slots(
+        dropped, dropped_score = self.kernels.write_slots(
             slot, self.keys, self.values, self.scores, self.token_index, self.positions, stored["keys"],
             stored["values"], new_score, token_index, position, self.value_norm, value_norm, active,
             coordinates=self.coordinates)
