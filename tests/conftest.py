@@ -168,3 +168,11 @@ def replace_loader(monkeypatch, replacement) -> None:
     for module in modules:
         if getattr(module, "load", None) is not None:
             monkeypatch.setattr(module, "load", replacement)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which compiled CPU kernel routes this run could take (each route's tests run, or skip for this reason),
+    so a run on a CPU without some instruction set says what it did not test."""
+    from cpu_routes import routes_report
+
+    terminalreporter.write_line("CPU kernel routes: " + "; ".join(routes_report()))

@@ -54,3 +54,8 @@ def install_had_a_compiler() -> bool:
     """Whether a C compiler is here now, as the install would have found it ($CC, else cc or gcc; CC=false: none)."""
     command = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     return bool(command) and os.path.basename(command.split()[0]) != "false"
+
+
+def routes_report() -> list[str]:
+    """One entry a variant: "recall/avx2: run", or "recall/avx512bf16: skipped (this CPU lacks avx512_bf16)"."""
+    return [f"{v.module}/{v.name}: " + (f"skipped ({_why_not(v)})" if _why_not(v) else "run") for v in variants.VARIANTS]
