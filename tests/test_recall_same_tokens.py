@@ -122,19 +122,29 @@ def test_an_eager_step_chooses_its_pages_in_the_step_on_every_device_class(devic
     assert before.chooses_before(device_type, captured=False) and before.chooses_before(device_type, captured=True)
 
 
-def test_a_tier_takes_the_device_class_rule_for_its_eager_steps(monkeypatch):
-    """The tier asks the rule with its device's type, for an eager (never captured) step, and prefetches only
-    where the rule says so: a CUDA-class device's answer is in the step (the device's type mocked: no GPU here)."""
-    asked = []
-    rule = RecallConfig.chooses_before
+@pytest.mark.parametrize("rule", DECODE_RULES)
+def test_an_eager_static_shape_step_on_a_cuda_class_device_chooses_in_the_step(monkeypatch, rule):
+    """A static-shape cache (a server's buckets, eager) whose tier takes the rule as a CUDA-class device's (the
+    device's type mocked: no GPU here): its decode steps choose their pages with their own queries, as a CPU's;
+    by the "before" rule, with the last step's (``RecallTier.last_query``), before the step."""
+    asked, chosen_with = [], []
+    answer, recall = RecallConfig.chooses_before, tier.RecallTier.recall
 
     def as_cuda(self, device_type, captured):
         asked.append((device_type, captured))
-        return rule(self, "cuda", captured)
+        return answer(self, "cuda", captured)
+
+    def spied(self, port, queries, *args, **kwargs):
+        if queries.dim() == 4 and queries.shape[2] == self.last_query.shape[2]:  # (a decode step's: G queries)
+            chosen_with.append("last step's" if queries is self.last_query else "its own")
+        return recall(self, port, queries, *args, **kwargs)
 
     monkeypatch.setattr(RecallConfig, "chooses_before", as_cuda)
+    monkeypatch.setattr(tier.RecallTier, "recall", spied)
     model = build_model("llama", seed=23, max_position_embeddings=512)
-    cache = CacheSettings(budget="128", recall="auto").build(model)
-    list(stream(model, cache, torch.randint(3, VOCAB, (1, 200)), max_new_tokens=3))
-    assert asked and set(asked) == {("cpu", False)}
-    assert not any(layer.tier.prefetches for layer in cache.layers)
+    cache = CacheSettings(budget="128", recall="auto", recall_decode_rule=rule).build(model, static_shapes=True)
+    list(stream(model, cache, torch.randint(3, VOCAB, (1, 200), generator=torch.Generator().manual_seed(24)),
+                max_new_tokens=6))
+    assert set(asked) == {("cpu", False)}  # (the tier's eager steps: never a captured graph)
+    assert all(layer.tier.prefetches == (rule == "before") for layer in cache.layers)
+    assert set(chosen_with) == ({"last step's"} if rule == "before" else {"its own"})
