@@ -39,8 +39,8 @@ class CacheSettings:
     cold_dtype: str = "auto"
     cold_limit: int | None = None
     recall_every: int = 1
-    recall_decode_rule: str = "in-step"  # a compiled step's choice of pages (``RecallConfig.decode_rule``)
-    recall_rest: str = "auto"  # recall.tiered.DEFAULT_REST: the cold pages not recalled attended in prompt chunks
+    recall_decode_rule: str = "in-step"  # a static-shape step's choice of pages (``RecallConfig.chooses_before``)
+    recall_rest: str = "auto"  # recall.tiered.DEFAULT_REST: the rest attended in prompt chunks, on every machine
     # how the slots hold keys and values (kv.slot_format): auto (the model's dtype), a float type, int8, int4
     kv_dtype: str = "auto"
 

@@ -52,7 +52,7 @@ def load_tiny(tmp_path_factory, family: str, name: str, **config_overrides):
 
     fresh("model")
     folder = write_checkpoint(tmp_path_factory.mktemp(f"{name}-{family}"), family, **config_overrides)
-    return load(str(folder), device="cpu")
+    return load(str(folder), device="cpu", dtype="float32")
 
 
 @contextlib.contextmanager

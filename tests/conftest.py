@@ -8,9 +8,10 @@ import os
 # Triton's library functions are built for whichever mode is active when triton is first imported
 # (transformers imports it): switch the interpreter on first, so kernel tests run in this process.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# --dtype auto is bf16 on a CPU with native bf16 (h2ochat.loading.native_bf16): the suite keeps fp32 on every
-# machine, so its verdicts and references do not depend on the CPU (subprocesses inherit it)
-os.environ.setdefault("H2OCHAT_NATIVE_BF16", "0")
+# --dtype auto is bf16 on a CPU with native bf16 (h2ochat.loading.native_bf16). A test that compares numbers
+# names its dtype (float32 unless it is about another); this keeps auto at fp32 on every machine as well, for any
+# test that leaves it out, whatever the caller's environment says (subprocesses inherit it)
+os.environ["H2OCHAT_NATIVE_BF16"] = "0"
 
 import pytest
 import torch

@@ -48,9 +48,12 @@ def fresh_checkpoint(tmp_path_factory, name: str) -> Path:
 def running(folder: Path, *args: str, log_dir: Path):
     """A ready server on ``folder`` with ``args``; stopped after, and its output must hold no traceback.
     Eager unless ``args`` ask for ``--compile`` (what these servers test is not the compiled step, whose
-    own tests compare it with eager; inductor's C++ would add a minute per server on CI)."""
+    own tests compare it with eager; inductor's C++ would add a minute per server on CI); fp32 unless they name
+    a --dtype (auto is bf16 on a CPU with native bf16; the tests compare replies with fp32 references)."""
     if "--compile" not in args:
         args = (*args, "--no-compile")
+    if "--dtype" not in args:
+        args = (*args, "--dtype", "float32")
     server = ServerProcess(str(folder), *args, log_path=log_dir / "server.log")
     try:
         server.wait_ready(timeout=180)

@@ -97,7 +97,7 @@ def test_parse_size_and_lists():
 
 def run(*args):
     # the h2o policy, whatever the default: these tests size budgets that fit its split (no sinks)
-    result = CliRunner().invoke(app, ["bench", "--policy", "h2o", *args])
+    result = CliRunner().invoke(app, ["bench", "--policy", "h2o", "--dtype", "float32", *args])
     return result.exit_code, result.stdout, result.stderr
 
 

@@ -74,6 +74,7 @@ def by_hand(prompt: int, fed: int, heavy: int = HEAVY, recent: int = RECENT) -> 
 
 def test_generate_json_reports_the_hand_computed_figures(uniform_checkpoint):
     result = CliRunner().invoke(app, ["generate", "the quick brown fox", "--model", str(uniform_checkpoint),
+                                      "--dtype", "float32",
                                       "--raw", "--json", "--budget", str(SLOTS), "--policy", "h2o", "--heavy-ratio", "0.5", "-n", "40",
                                       "--ignore-eos"])  # a random model may draw end-of-text early
     assert result.exit_code == 0, result.output
@@ -97,7 +98,7 @@ def test_generate_json_reports_the_hand_computed_figures(uniform_checkpoint):
 
 
 def test_cache_view_and_status_line_show_the_hand_computed_figures(uniform_checkpoint):
-    loaded = load(str(uniform_checkpoint), device="cpu")
+    loaded = load(str(uniform_checkpoint), device="cpu", dtype="float32")
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(
         temperature=0.0, max_new_tokens=30, cache=CacheSettings(policy="h2o", budget="32", heavy_ratio=0.5)))
     conv.stop_ids = set()

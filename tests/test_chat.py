@@ -31,7 +31,7 @@ def long_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(long_checkpoint):
-    return load(str(long_checkpoint), device="cpu")
+    return load(str(long_checkpoint), device="cpu", dtype="float32")
 
 
 def conversation(loaded, budget="1.0", **settings):

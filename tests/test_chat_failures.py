@@ -30,7 +30,7 @@ def loaded(tmp_path_factory):
 
     fresh("model")
     return load(str(write_checkpoint(tmp_path_factory.mktemp("failures-llama"), max_position_embeddings=256)),
-                device="cpu")
+                device="cpu", dtype="float32")
 
 
 def chat(loaded, policy="mean", budget="16", log=None):

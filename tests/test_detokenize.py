@@ -96,7 +96,7 @@ def test_the_first_ctrl_c_during_a_long_prompt_stops_it_between_chunks(tmp_path,
     from h2ochat.loading.models import load
 
     fresh("model")
-    loaded = load(str(write_checkpoint(tmp_path, max_position_embeddings=512)), device="cpu")
+    loaded = load(str(write_checkpoint(tmp_path, max_position_embeddings=512)), device="cpu", dtype="float32")
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=4),
                         prefill_chunk=8)
     forwards = []

@@ -136,7 +136,7 @@ def text_file(tmp_path_factory):
 
 
 def run(*args):
-    result = CliRunner().invoke(app, ["eval", *args])
+    result = CliRunner().invoke(app, ["eval", "--dtype", "float32", *args])  # (pinned: auto is bf16 on some CPUs)
     return result.exit_code, result.stdout, result.stderr
 
 

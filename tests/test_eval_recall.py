@@ -82,7 +82,7 @@ def test_recall_rows_hold_the_policys_device_bytes_and_run_alone(seed):
 # -- the command ----------------------------------------------------------------------------------
 
 def run(*args):
-    result = CliRunner().invoke(app, ["eval", *args])
+    result = CliRunner().invoke(app, ["eval", "--dtype", "float32", *args])  # (pinned: auto is bf16 on some CPUs)
     return result.exit_code, result.stdout, result.stderr
 
 

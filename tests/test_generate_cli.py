@@ -22,8 +22,10 @@ from checkpoints import write_checkpoint
 
 
 def h2ochat(*args, stdin: str | None = None, env: dict | None = None, timeout: int = 300):
+    """The console script in a subprocess, its --dtype fp32 (``H2OCHAT_DTYPE``: auto is bf16 on a CPU with native
+    bf16, and these tests count fp32 bytes and compare tokens)."""
     return subprocess.run([sys.executable, "-m", "h2ochat.cli", *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, "H2OCHAT_DTYPE": "float32", **(env or {})})
 
 
 @pytest.fixture

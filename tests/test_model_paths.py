@@ -323,7 +323,7 @@ def test_random_weights_from_a_directory_config_generate_the_full_length(tmp_pat
 
 
 def bench(*args):
-    result = CliRunner().invoke(app, ["bench", *args])
+    result = CliRunner().invoke(app, ["bench", "--dtype", "float32", *args])
     return result.exit_code, result.stdout, result.stderr
 
 

@@ -145,7 +145,7 @@ def _run(*args):
 
     from h2ochat.cli import app
 
-    result = CliRunner().invoke(app, ["eval", "--task", "passkey", *args])
+    result = CliRunner().invoke(app, ["eval", "--task", "passkey", "--dtype", "float32", *args])
     return result.exit_code, result.stdout, result.stderr
 
 

@@ -42,8 +42,8 @@ def test_each_row_runs_every_turn_through_the_conversation(long_checkpoint, fill
 
     monkeypatch.setattr(Conversation, "send", spy)
     result = CliRunner().invoke(app, ["eval", "--task", "passkey", "--chat-turns", "4", "--model", str(long_checkpoint),
-                                      "--text", str(filler_file), "--lengths", "60", "--keys", "2", "--budget", "32",
-                                      "--policies", "full,h2o", "--recall", "16", "--page", "8", "--json"])
+                                      "--dtype", "float32", "--text", str(filler_file), "--lengths", "60", "--keys", "2",
+                                      "--budget", "32", "--policies", "full,h2o", "--recall", "16", "--page", "8", "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     rows = ["full", "h2o 32", "h2o 32 = 16 hot + 16 recall (auto, pages of 8)"]
@@ -80,8 +80,8 @@ def test_chat_lengths_as_multiples_of_the_slots(long_checkpoint, filler_file):
     """--lengths 2x in a chat: each budget its own filler length, the full cache every one; the
     records carry the conversation's tokens as a multiple of the row's device slots."""
     result = CliRunner().invoke(app, ["eval", "--task", "passkey", "--chat-turns", "3", "--model", str(long_checkpoint),
-                                      "--text", str(filler_file), "--lengths", "2x,40", "--keys", "1", "--budget", "16,24",
-                                      "--policies", "full,h2o", "--json"])
+                                      "--dtype", "float32", "--text", str(filler_file), "--lengths", "2x,40", "--keys", "1",
+                                      "--budget", "16,24", "--policies", "full,h2o", "--json"])
     assert result.exit_code == 0, result.stderr
     records = json.loads(result.stdout)["results"]
     assert [(r["row"], r["length"]) for r in records] == [("full", 32), ("full", 40), ("full", 48), ("h2o 16", 32),

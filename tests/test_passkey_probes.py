@@ -125,7 +125,7 @@ def family_checkpoint(request, tmp_path_factory):
 
 
 def _invoke(*args):
-    result = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["eval", "--task", "passkey", *args])
+    result = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["eval", "--task", "passkey", "--dtype", "float32", *args])
     return result.exit_code, result.stdout, result.stderr
 
 

@@ -25,7 +25,8 @@ def checkpoint(tmp_path_factory):
 
 
 def generate(checkpoint, *args):
-    result = CliRunner().invoke(app, ["generate", PROMPT, "--model", str(checkpoint), "--raw", "--budget", "24",
+    result = CliRunner().invoke(app, ["generate", PROMPT, "--model", str(checkpoint), "--dtype", "float32", "--raw",
+                                      "--budget", "24",
                                       "--prefill-chunk", str(CHUNK), "-n", "3", "--ignore-eos", *args])
     return result.exit_code, result.stdout, result.stderr
 

@@ -50,7 +50,7 @@ def test_generate_with_recall_keeps_the_budget_and_reports_the_cold_tier(checkpo
     assert tier["pages_copied"] > 0
 
     # the same settings driven in-process give the same text
-    loaded = load(str(checkpoint), device="cpu")
+    loaded = load(str(checkpoint), device="cpu", dtype="float32")
     cache = CacheSettings(policy="h2o", budget="16", recall="8", page=4, selector="exact").build(loaded.model)
     ids = encode(loaded.tokenizer, PROMPT, chat=False)
     tokens = [int(step.tokens[0]) for step in stream(loaded.model, cache, ids, max_new_tokens=30, sampling=Sampling())]

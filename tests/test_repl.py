@@ -31,7 +31,7 @@ def loaded(tmp_path_factory):
     from checkpoints import write_checkpoint
 
     fresh("model")
-    return load(str(write_checkpoint(tmp_path_factory.mktemp("repl-llama"), max_position_embeddings=256)), device="cpu")
+    return load(str(write_checkpoint(tmp_path_factory.mktemp("repl-llama"), max_position_embeddings=256)), device="cpu", dtype="float32")
 
 
 def drive(loaded, lines: list[str], history=None, file=None, endless=False, log=None, **settings):

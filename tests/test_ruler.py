@@ -98,7 +98,7 @@ def planted(monkeypatch):
 
 
 def _run(*args):
-    result = CliRunner().invoke(app, ["eval", "--task", "ruler", *args])
+    result = CliRunner().invoke(app, ["eval", "--task", "ruler", "--dtype", "float32", *args])
     return result.exit_code, result.stdout, result.stderr
 
 

@@ -163,7 +163,7 @@ def test_a_chat_turn_after_turn_reuses_its_parked_cache_and_equals_the_repl(serv
     """A resumed conversation is the REPL's: the same replies as `h2ochat run` with the same cache
     settings, each turn reading only its new tokens from the cache the last one left."""
     rng = random.Random(seed)
-    loaded = load(str(checkpoint))
+    loaded = load(str(checkpoint), "cpu", "float32")
     repl = Conversation(loaded.model, loaded.tokenizer, ChatSettings(
         temperature=0.0, max_new_tokens=12, cache=CacheSettings(policy="h2o", budget=str(BUDGET))), prefill_chunk=CHUNK)
     previous = None

@@ -220,8 +220,9 @@ def test_a_kv_memory_that_holds_no_row_is_refused_before_loading(checkpoint):
 
 def test_the_row_bytes_known_before_loading_are_the_loaded_rows_bytes(checkpoint):
     settings = CacheSettings(policy="h2o", budget="16")
-    config = ServeConfig(model=str(checkpoint), settings=settings, device="cpu", kv_memory=1 << 30, prefill_chunk=8)
-    loaded = load(str(checkpoint), "cpu")
+    config = ServeConfig(model=str(checkpoint), settings=settings, device="cpu", dtype="float32", kv_memory=1 << 30,
+                         prefill_chunk=8)
+    loaded = load(str(checkpoint), "cpu", "float32")
     row_bytes = ModelBackend(loaded.model, settings, 1, store=ParkedStore(0), prefill_chunk=8).row_bytes()
     assert row_bytes_before_loading(config) == row_bytes
     # what a model without a configuration at hand gets once loaded: the same refusal

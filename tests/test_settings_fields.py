@@ -62,7 +62,7 @@ def test_the_settings_are_the_dataclass_fields():
 
 
 def test_every_setting_round_trips_through_set_its_listing_and_the_file(tiny_checkpoint):
-    loaded = load(str(tiny_checkpoint), device="cpu")
+    loaded = load(str(tiny_checkpoint), device="cpu", dtype="float32")
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0))
     out = io.StringIO()
     typed = iter([f"/set {name} {text}" for name, (text, _) in SAMPLE.items()] + ["/set", "/bye"])

@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
-    return load(str(checkpoint), device="cpu")
+    return load(str(checkpoint), device="cpu", dtype="float32")
 
 
 def kv_bytes(slots: int, rows: int = 1) -> int:
@@ -45,7 +45,8 @@ def kv_bytes(slots: int, rows: int = 1) -> int:
 
 
 def story(checkpoint, *args, env=None):
-    return runner.invoke(app, ["story", "--model", str(checkpoint), "--budget", "16", *args], env={"NO_COLOR": "1", **(env or {})})
+    return runner.invoke(app, ["story", "--model", str(checkpoint), "--dtype", "float32", "--budget", "16", *args],
+                         env={"NO_COLOR": "1", **(env or {})})
 
 
 def reference_tokens(loaded, text: str, tokens: int, seed: int, **sampling) -> list[int]:

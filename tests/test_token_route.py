@@ -61,7 +61,7 @@ def test_the_files_one_decoded_token_crosses(tmp_path, recall, capsys):
     from h2ochat.chat.repl import Repl
     from h2ochat.console import make_console
 
-    loaded = load(str(write_checkpoint(tmp_path, "llama", max_position_embeddings=256)), device="cpu")
+    loaded = load(str(write_checkpoint(tmp_path, "llama", max_position_embeddings=256)), device="cpu", dtype="float32")
     cache = CacheSettings(policy="h2o", budget="16", recall=recall, page=4, selector="rot4")
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=24, cache=cache))
     conv.stop_ids = set()  # every reply runs to max_new_tokens

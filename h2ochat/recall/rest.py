@@ -12,13 +12,15 @@ logit is the pages' logsumexp, its value the pages' means weighed by their share
 inside a page are approximated: with pages of one token the attention is the full cache's. The column
 is no slot: it scores nothing, and the policy ranks only what the slots hold.
 
-This module is the torch route (a GPU's, a compiled step's, a cache whose cold keys must be turned after a
-re-numbering): every step reads every cold key and value (``ColdStore.pages`` of all its pages) and
-multiplies the step's queries with the keys, 4.23x h2o's step at 2K tokens on SmolLM2 (session 60). Where
-the choice's C call runs (a CPU, a bf16 or fp32 model: either build of ``recall_kernel.c``), a decode step's or a
-prompt chunk's rest
-comes from it instead (``native_choice.DecodeChoice``: the q.k the exact choice computes anyway, each full
-page's mean kept once, ``PageMeans``). An eager step only (a compiled graph reads no host count).
+This module is the torch route (a GPU's, a compiled step's, a CPU's without the C kernel, a cache whose cold
+keys must be turned after a re-numbering): every step reads every cold key and value (``ColdStore.pages`` of
+all its pages) and multiplies the step's queries with the keys, several times h2o's step
+(results_recall_rest_cost_*.json). Where the choice's C call runs (a CPU, a bf16 or fp32 model: either build
+of ``recall_kernel.c``), a decode step's or a prompt chunk's rest comes from it instead
+(``native_choice.DecodeChoice``: the q.k the exact choice computes anyway, each full page's mean kept once,
+``PageMeans``): the same column up to the order of its sums, faster. Which steps attend the rest is the
+mode's alone (``RecallConfig.rest_attended``), whichever route computes it. An eager step only (a compiled
+graph reads no host count).
 """
 
 from __future__ import annotations

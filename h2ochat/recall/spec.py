@@ -34,10 +34,11 @@ class RecallSpec:
     def compile_blocker(self, cache) -> str | None:
         """The compiled decode step takes recall on a CPU: the choice of pages and the flush of the
         staging page run before it (``RecallTier.reserve``), so the step itself only stages its victim
-        and reads no host value."""
+        and reads no host value. Not on an accelerator: there a recall step runs eagerly and chooses its
+        pages in the step, as a CPU's (``RecallConfig.chooses_before``)."""
         if cache.initialized and cache.layers[0].device.type != "cpu":
             return "recall on an accelerator runs eagerly: its cold store is host memory (see recall/step.py)"
-        if self.config.rest == "pages":  # (auto and prompt: the rest in prompt chunks only, which run eagerly)
+        if self.config.resolved_rest == "pages":  # (auto and prompt: the rest in prompt chunks only, which run eagerly)
             return "--recall-rest pages runs eagerly: each step reads its cold store's length (see recall/rest.py)"
         return None
 

@@ -12,11 +12,12 @@ the selector scores the flushed pages.
 The choice of pages runs before a step, eagerly (``reserve``, called by ``H2OCache.position_ids``):
 every prefill chunk chooses with all its queries (the group's query heads times its tokens, in
 ``before_attention``), a decode step every ``every``-th step counted from the last flush: with its
-own queries (in ``before_attention``; a CPU's compiled step calls the same choice as an op of its graph,
-``graph_choice``), or, by the "before" rule (``RecallConfig.decode_rule``, and a GPU's static-shape
-cache), before the step with the last step's queries (prefetch: the pages a step picks are loaded for
-the next one, as FreeKV and ArkVale do; the one-step lag lost held-out keys, 38/60 against 43/60 at 128
-slots, so the default does not prefetch). The best R / P - 1 pages go into the recall frames
+own queries (in ``before_attention``, an eager step's on a CPU or a GPU alike; a CPU's compiled step calls
+the same choice as an op of its graph, ``graph_choice``), or, by the "before" rule only
+(``RecallConfig.decode_rule``, ``RecallConfig.chooses_before``: for a captured graph that can call no op
+back), before the step with the last step's queries (prefetch: the pages a step picks are loaded for the
+next one, as FreeKV and ArkVale do; the one-step lag lost held-out keys, so the default does not
+prefetch). The best R / P - 1 pages go into the recall frames
 (``RecallFrames``: a page already there is not copied again). Hot, recalled and staged tokens share one
 softmax; the recall columns' scores are cleared before each eviction (they rank nothing).
 
@@ -34,7 +35,8 @@ a re-numbering the digest is rebuilt from the moved cold keys encoded and decode
 page will attend them.
 
 ``--recall-rest``: the cold pages not recalled join the attention as one column, computed eagerly after the
-choice (``before_attention`` returns it: ``rest``), by the choice's C call where it runs, chunks' too.
+choice (``before_attention`` returns it: ``rest``) in the steps the mode names (``RecallConfig.rest_attended``,
+the same on every machine): by the choice's C call where it runs, chunks' too, else by the torch route.
 
 On a CPU (a bf16 or fp32 model; AVX512-BF16 or the portable build) the eager decode step's choice of pages
 (scores, plan and copy) with its rest, its staging and a flush's append are each one C call a layer
@@ -142,10 +144,11 @@ class RecallTier(RecallRowMoves, ColdWrites):
         self.last_query = None
         self.has_query = False
         self.choose_in_step = False  # this decode step chooses its pages with its own queries (eager)
-        # a static-shape cache's decode step chooses before it, with the last step's queries: by its
-        # rule, and always on a GPU (a CUDA graph's replay runs no Python); else inside the compiled
-        # step with its own (``graph_choice``: the port and rotary of the step it prepared)
-        self.prefetches = config.decode_rule == "before" or device.type != "cpu"
+        # a static-shape cache's decode step chooses before it, with the last step's queries, by the "before"
+        # rule only; else in the step with its own, eager on any device or inside a CPU's compiled step
+        # (``graph_choice``: the port and rotary of the step it prepared). No recall step is captured on an
+        # accelerator (``RecallSpec.compile_blocker``): an eager GPU step chooses in the step, as a CPU's does
+        self.prefetches = config.chooses_before(device.type, captured=False)
         self.prepared_step = None
         # attention statistics since allocation, per (sequence, KV head), weighted as the scores are
         # (each real query row's probabilities, summed over the group's query heads)
@@ -245,7 +248,7 @@ class RecallTier(RecallRowMoves, ColdWrites):
         grouped = query.view(batch, heads, group, q_len, head_dim)
         if not context.compiled and (self.last_query is None or self.last_query.shape[2] != group):
             self.last_query = query.new_zeros(self.batch, heads, group, head_dim)
-        attended = self.config.rest_attended(self.decode_choice is not None, q_len == 1)
+        attended = self.config.rest_attended(decoding=q_len == 1)
         rest = (scale, self.page_means) if attended and not context.compiled else None
         rest_done = False  # (a decode step's C call left the rest in ``decode_choice.rest``)
         if q_len > 1:  # a chunk chooses its pages with all its queries (any order: the best q.k), before attending
@@ -267,7 +270,7 @@ class RecallTier(RecallRowMoves, ColdWrites):
             attended.add_(rows * group)
         else:
             attended.add_(active.view(-1, 1), alpha=group)  # (a row left out adds nothing)
-        if rest is None or rest_done or not self.config.rest_by_torch:
+        if rest is None or rest_done:  # (the C call's rest, or none attended)
             return self.decode_choice.rest_as(grouped.shape[:4]) if rest_done else None
         cold, frame_page = self.cold, self.frames.frame_page
         if batch < self.batch:

@@ -15,10 +15,12 @@ from .two_stage import SUMMARY_CAP
 
 DECODE_RULES = ("in-step", "before")
 # --recall-rest: the cold pages not recalled left out (off), or attended as one column (recall.rest) in every
-# step (pages) or in prompt chunks only (prompt: a decode step costs what off's does); auto: prompt's, where the
-# choice's C call computes it (``native_choice``), none elsewhere
+# step (pages) or in prompt chunks only (prompt: a decode step costs what off's does); auto: prompt's on every
+# device class. The route computing the rest (the choice's C call where it runs, ``native_choice``; the torch
+# route, ``recall.rest``, elsewhere) changes the speed only, never which steps attend it.
 REST_MODES = ("auto", "off", "pages", "prompt")
 DEFAULT_REST = "auto"  # the product's (CacheSettings.recall_rest; a RecallConfig made by hand attends none)
+REST_AUTO = "prompt"  # what auto stands for, on a CPU and on a GPU alike
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,9 @@ class RecallConfig:
     summary_cap: int | None = SUMMARY_CAP
     # pages whose token codes the second stage scores (None: two_stage.CANDIDATE_TOKENS' worth of pages)
     candidates: int | None = None
-    # when a decode step of a static-shape cache (the compiled step's) chooses its pages: "in-step" with
-    # its own queries, as the eager step does (a CPU graph calls the choice as an op: ``graph_choice``),
-    # or "before" it with the last step's queries (prefetch; what a GPU's CUDA graph always does)
+    # when a decode step of a static-shape cache chooses its pages (``chooses_before``): "in-step" with its own
+    # queries, as every eager step does (a CPU graph calls the choice as an op: ``graph_choice``), or "before" it
+    # with the last step's queries (prefetch, for a captured graph that can call no op back)
     decode_rule: str = "in-step"
     rest: str = "off"  # "pages": the cold pages a step does not recall still attended, one column (recall.rest); auto
 
@@ -78,19 +80,29 @@ class RecallConfig:
             return ""
         return ", the rest left out" if self.rest == "off" else f", the rest as {self.rest}"
 
-    def rest_attended(self, native: bool, decoding: bool) -> bool:
-        """Whether a step attends the rest: every step with ``pages``; a prompt chunk (not ``decoding``) with
-        ``prompt``, and with ``auto`` where the choice's C call runs (``native``: it computes the rest from the
-        q.k it has). Where the C call does not run, the rest is the torch route's (``rest_by_torch``), a product
-        of the step's queries with every cold key: ~4x h2o's decode step, 2.8x a chunk's."""
-        if self.rest == "pages":
-            return True
-        return not decoding and (self.rest == "prompt" or (self.rest == "auto" and native))
-
     @property
-    def rest_by_torch(self) -> bool:
-        """Whether a step the C call did not take attends the torch route's rest (``auto``: only the C call's)."""
-        return self.rest in ("pages", "prompt")
+    def resolved_rest(self) -> str:
+        """The --recall-rest mode the steps follow: ``auto`` is ``REST_AUTO`` whatever the device and whether the C
+        kernel runs (the options and the device class decide the tokens; the kernel, the speed)."""
+        return REST_AUTO if self.rest == "auto" else self.rest
+
+    def rest_attended(self, decoding: bool) -> bool:
+        """Whether a step attends the rest: every step with ``pages``; a prompt chunk (not ``decoding``) with
+        ``prompt`` and ``auto``. Computed by the choice's C call where it runs, else by the torch route
+        (``recall.rest``: a product of the step's queries with every cold key, slower, the same column up to
+        the order of its sums)."""
+        mode = self.resolved_rest
+        return mode == "pages" or (mode == "prompt" and not decoding)
+
+    def chooses_before(self, device_type: str, captured: bool) -> bool:
+        """Whether a static-shape cache's decode step chooses its pages before the step, with the last step's
+        queries (prefetch), rather than in the step with its own. In the step wherever the step runs eagerly,
+        on a CPU or an accelerator alike, and in a CPU graph (which calls the choice as an op: ``graph_choice``).
+        Before it by the "before" rule (``decode_rule``), and where a ``captured`` graph replays the step on an
+        accelerator (a CUDA graph's replay runs no Python, so no op can call the choice back; the compiled
+        recall step is refused there: ``RecallSpec.compile_blocker``). Choosing a step late lost held-out keys
+        (``graph_choice`` cites the measurement): in the step is the default."""
+        return self.decode_rule == "before" or (captured and device_type != "cpu")
 
     @property
     def frames(self) -> int:
