@@ -86,16 +86,15 @@ ColdLimit = Annotated[Optional[int], typer.Option("--cold-limit", min=1, rich_he
 RecallEvery = Annotated[int, typer.Option("--recall-every", min=1, rich_help_panel=CACHE,
     help="With --recall: decode steps between two recalls (prompt chunks always recall).")]
 RecallDecodeRule = Annotated[str, typer.Option("--recall-decode-rule", rich_help_panel=CACHE,
-    help="With --recall: " + one_of("recall.tiered", "DECODE_RULES") + ". When a compiled decode step chooses its "
-         "pages: in-step (with its own queries, as an "
-         "eager step does) or before (before the step, with the last step's: a GPU's compiled step always does).")]
+    help="With --recall: " + one_of("recall.tiered", "DECODE_RULES") + ". When a decode step chooses its pages: "
+         "in-step (with its own queries; every eager step, CPU or GPU, and a CPU's compiled step) or before (before "
+         "the step, with the last step's queries: what a captured graph needs).")]
 RecallRest = Annotated[str, typer.Option("--recall-rest", rich_help_panel=CACHE,
     help="With --recall: " + one_of("recall.tiered", "REST_MODES") + ". The cold pages a step does not recall are "
          "left out of its attention (off) or still attended, one column for all of them (pages: each page's exact "
          "weight and mean value; every cold key read every step; eager steps only). prompt: in prompt chunks "
-         "only, so decode steps cost what off's do. auto: prompt's where the recall step's C kernel runs (a CPU "
-         "with a C compiler, a bf16 or fp32 model: the AVX512-BF16 build or the portable one), none elsewhere (a "
-         "GPU, or no compiler: the torch route there costs 2.8x a chunk's time).")]
+         "only, so decode steps cost what off's do. auto (the default): prompt's, on every machine "
+         "(computed by the recall step's C kernel where it runs, else by the torch route: slower, the same tokens).")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", min=1, rich_help_panel=CACHE,
     help="Prompt tokens fed per forward; peak KV memory is slots + chunk whatever the prompt length.")]
 

@@ -16,8 +16,9 @@ tensors written (``TierPort.slot_tensors``), so the attention after it reads the
 inductor hands it the buffers themselves, a functionalising backend (aot_eager, the tests') copies
 of them, which the tier brings up to date.
 
-Not on a GPU: there the compiled step is a CUDA graph, whose replays run no Python, and a decode
-step's pages are chosen before it (the "before" rule, ``RecallTier.prefetches``).
+Not on a GPU: a compiled step there would be a CUDA graph, whose replays run no Python, so the compiled
+recall step is refused on accelerators (``recall.spec``) and a GPU's eager step chooses in the step as a
+CPU's does; only the "before" rule, or a captured graph, chooses before it (``RecallConfig.chooses_before``).
 """
 
 from __future__ import annotations
