@@ -69,7 +69,7 @@ def variant_kernels() -> dict[str, native.Kernels]:
     found = {}
     for variant in variants.of("recall"):
         if dispatch.cpu_runs(variant):
-            kernels, _ = native._loaded_variant(variant)
+            kernels, _ = native._loaded(variant)
             if kernels is not None:
                 found[variant.name] = kernels
     return found

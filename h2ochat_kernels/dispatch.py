@@ -311,9 +311,28 @@ def cpu_kernels(module: str) -> binding.Library | None:
     return None if variant is None else binding.load(variant)
 
 
-def cpu_kernels_of(variant: variants.Variant) -> binding.Library | None:
-    """``variant`` loaded (a route ``cpu_route`` chose), or None where the install did not build it."""
-    return binding.load(variant)
+def cpu_checked(module: str, prepare, variant: variants.Variant | None = None) -> tuple[object | None, str]:
+    """The route's kernels as ``prepare(library)`` makes them ready for use, having checked their first results
+    against torch (None: they disagreed, and are never used), once per variant; or (None, why none runs).
+    ``variant``: that one instead of ``cpu_route``'s (a benchmark timing every variant)."""
+    why = ""
+    if variant is None:
+        variant, why = cpu_route(module)
+    if variant is None:
+        return None, why
+    key = (variant, prepare)
+    if key not in _prepared:
+        library = binding.load(variant)
+        if library is None:
+            _prepared[key] = None, f"the {module} kernels' {variant.name} variant was not built"
+        else:
+            ready = prepare(library)
+            _prepared[key] = (ready, "") if ready is not None else (
+                None, f"the {module} kernels' {variant.name} variant disagreed with torch on its first results")
+    return _prepared[key]
+
+
+_prepared: dict[tuple, tuple[object | None, str]] = {}
 
 
 _said: set[str] = set()

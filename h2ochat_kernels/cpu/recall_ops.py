@@ -21,7 +21,6 @@ replaces, on every variant this CPU runs.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass
 
@@ -121,21 +120,14 @@ def _agrees_in(kernels: Kernels, dtype: torch.dtype) -> bool:
     return agrees and got is not None and bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-4))
 
 
-@functools.cache
-def _loaded_variant(variant: variants.Variant) -> tuple[Kernels | None, str]:
-    library = dispatch.cpu_kernels_of(variant)
-    if library is None:
-        return None, f"the recall kernels' {variant.name} variant was not built"
+def _checked(library: Library) -> Kernels | None:
     kernels = _bind(library)
-    if not _agrees_with_torch(kernels):
-        return None, f"the recall kernels' {variant.name} variant disagreed with torch on its first results"
-    return kernels, ""
+    return kernels if _agrees_with_torch(kernels) else None
 
 
-def _loaded() -> tuple[Kernels | None, str]:
-    """(the bound kernels of the route that runs here, "") or (None, why none does)."""
-    variant, why = dispatch.cpu_route("recall")
-    return (None, why) if variant is None else _loaded_variant(variant)
+def _loaded(variant: variants.Variant | None = None) -> tuple[Kernels | None, str]:
+    """(the bound kernels of the route that runs here, or of ``variant``, "") or (None, why none does)."""
+    return dispatch.cpu_checked("recall", _checked, variant)
 
 
 def bound() -> Kernels | None:

@@ -14,12 +14,9 @@ oneDNN's packed product, which rounds the same fp32 sums to bf16 (the sums in an
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import dispatch
-from . import variants
 
 MAX_ROWS = 3  # up to here the kernel beats oneDNN (the module's docstring)
 
@@ -38,21 +35,14 @@ def _agrees_with_torch(function) -> bool:
     return torch.allclose(out.float(), expected, rtol=2 ** -7, atol=1e-2)
 
 
-@functools.cache
-def _loaded_variant(variant: variants.Variant) -> tuple[object | None, str]:
-    library = dispatch.cpu_kernels_of(variant)
-    if library is None:
-        return None, f"the row kernel's {variant.name} variant was not built"
+def _checked(library):
     function = library.h2ochat_rows_bf16
-    if not _agrees_with_torch(function):
-        return None, f"the row kernel's {variant.name} variant disagreed with torch on its first product"
-    return function, ""
+    return function if _agrees_with_torch(function) else None
 
 
 def _loaded() -> tuple[object | None, str]:
     """(the bound kernel, "") or (None, why it is not used)."""
-    variant, why = dispatch.cpu_route("rows")
-    return (None, why) if variant is None else _loaded_variant(variant)
+    return dispatch.cpu_checked("rows", _checked)
 
 
 def available() -> bool:
