@@ -48,6 +48,7 @@ class ServeConfig:
     parked_bytes: int = 1 << 30
     max_queue: int = 64
     max_tokens: int = 4096
+    max_prompt_tokens: int = 0  # prompt tokens a request may bring (0: no limit; the command's default is 32,768)
     prefill_chunk: int = 512
     prefill_chunks_per_step: int = 1  # prompt chunks one engine step may read before its decode step
     repetition_penalty: float = 1.0
@@ -178,7 +179,8 @@ def loader(config: ServeConfig, store: ParkedStore):
         context = min(positions, backend.slots) if policy.grows else positions
         preparer = Preparer(loaded.tokenizer, store, vocab_size=model_config.vocab_size, max_context=context,
                             bounded=bounded, max_tokens_cap=config.max_tokens,
-                            repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n)
+                            repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n,
+                            max_prompt_tokens=config.max_prompt_tokens)
         log.info("%s loaded on %s: %d sequence rows (from %s); %s cache of %d slots per row at %s, %s; %.1f MiB "
                  "of device KV in all; parked conversations up to %.0f MiB; %s decode step, prompt chunks %s, %s linears",
                  loaded.name,
