@@ -21,7 +21,7 @@ from ..kv import PositionLimitError
 from .conversation import Conversation, ctrl_c_stops
 from .settings import SETTINGS, check_recall
 from ..errors import UserError, debugging, one_line
-from .history import ConversationLog, home, read_conversation, write_atomic
+from .history import ConversationLog, home, read_conversation, refuse_replacing, write_atomic
 from ..loading.sources import ModelError
 from ..policies import POLICIES, describe_policies
 from .split import describe_slots, planned_split
@@ -98,7 +98,8 @@ HELP = [
     ("/hh", "the transcript with cached tokens highlighted (heavy hitters bold, evicted dimmed, "
             "recalled underlined)"),
     ("/stats", "totals for this session"),
-    ("/save FILE", "write the conversation and settings as JSON (it is also kept by itself: `h2ochat history`)"),
+    ("/save FILE", "write the conversation and settings as JSON (it is also kept by itself: `h2ochat history`); "
+                   "an existing file is replaced only by '/save FILE --force' (or when this session saved it)"),
     ("/load FILE", "read a conversation saved with /save (re-feeds it); kept as a new conversation"),
     ("/bye, /exit, Ctrl-D", "leave"),
     ('"""', 'start a multi-line message; end it with """ (or press Esc then Enter for a new line)'),
@@ -113,6 +114,8 @@ class Repl:
         self.log = log  # where the conversation is kept after every turn (None: not kept)
         self.status = StatusLine.of_conversation(conversation)
         self.turns = 0
+        self.saved_to: set[Path] = set()  # files this session's /save wrote: saving again replaces them
+        self.leaving = False  # the input ended inside a """ block: answer what was typed, then leave
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.commands: dict[str, Callable[[str], None]] = {
             "/help": self.cmd_help, "/?": self.cmd_help, "/clear": self.cmd_clear, "/set": self.cmd_set,
@@ -143,6 +146,8 @@ class Repl:
         """Read and answer until the user leaves; returns the exit code."""
         ctrl_c_once = False
         while True:
+            if self.leaving:
+                return 0
             try:
                 line = self.read_message()
             except EOFError:
@@ -171,7 +176,16 @@ class Repl:
             return body.rstrip()[: -len(MULTILINE)]
         lines = [body] if body else []
         while True:
-            more = self.read_line("... ")
+            try:
+                more = self.read_line("... ")
+            except EOFError:  # (Ctrl-D, or the end of piped input, inside the block)
+                text = "\n".join(lines).strip("\n")
+                if not text.strip():
+                    raise
+                # the lines typed are the user's: they are sent, not dropped; Ctrl-D still means leave
+                self.say('(the input ended inside a """ block: sending what was typed, then leaving)', style="yellow")
+                self.leaving = True
+                return text
             if more.rstrip().endswith(MULTILINE):
                 lines.append(more.rstrip()[: -len(MULTILINE)])
                 return "\n".join(lines).strip("\n")
@@ -328,10 +342,15 @@ class Repl:
         self.say(self.status(live=False), style="")
 
     def cmd_save(self, argument: str) -> None:
+        force = argument.endswith(" --force") or argument == "--force"
+        argument = argument.removesuffix("--force").strip() if force else argument
         if not argument:
-            raise UserError("usage: /save FILE")
+            raise UserError("usage: /save FILE [--force]")
         path = Path(argument).expanduser()
+        if not force and path.resolve() not in self.saved_to:
+            refuse_replacing(path, f"'/save {argument} --force' replaces it, or give another name")
         write_atomic(path, self.conv.to_json())
+        self.saved_to.add(path.resolve())
         self.say(f"saved {len(self.conv.messages)} messages and the settings to {path}")
 
     def cmd_load(self, argument: str) -> None:

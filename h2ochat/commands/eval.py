@@ -13,6 +13,7 @@ from rich.table import Table
 from ..measure import evaluation as ev  # its defaults shape the options
 from .. import options as o
 from ..errors import UserError, one_line, strict_user_errors, user_input
+from ..chat.history import refuse_replacing
 from ..measure.plotting import check_plot_path
 from .common import loading
 
@@ -87,7 +88,10 @@ def eval_command(
              "turn N asks for it.")] = 0,
     plot: Annotated[Optional[Path], typer.Option("--plot", rich_help_panel=o.OUTPUT,
         help="Write a PNG: perplexity against budget, one line per policy (--task passkey: the share of "
-             "trials recalled per length and depth, one bar per cache row).")] = None,
+             "trials recalled per length and depth, one bar per cache row). An existing file is refused unless "
+             "--force is given; its folder must exist.")] = None,
+    force: Annotated[bool, typer.Option("--force", rich_help_panel=o.OUTPUT,
+        help="Let --plot replace a file that exists.")] = False,
 ):
     """Perplexity of a text continued token by token through each policy's cache, for each budget
     (--task passkey: whether each cache gives back a key planted in the text)."""
@@ -100,6 +104,10 @@ def eval_command(
                                      recall_every=recall_every, recall_rest=recall_rest)
         if plot is not None:
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
+            if not plot.parent.is_dir():  # (a typo must not make folders)
+                raise ValueError(f"--plot {plot}: the folder {plot.parent} does not exist (make it first)")
+    if plot is not None and not force:
+        refuse_replacing(plot, "--force replaces it, or give another --plot")
         kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
     if task in ("ruler", "chat-memory"):
         from .ruler_task import sample_task

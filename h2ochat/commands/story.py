@@ -46,6 +46,7 @@ from ..chat.ui import ReplyPrinter, TokenProgress
 from ..chat.status import StatusLine
 from ..console import make_console
 from .common import RepeatLastN, loading
+from ..chat.history import refuse_replacing
 from .story_files import appending, check_writable, output_paths, read_story
 from .story_report import story_record, summary_line
 from .story_rows import Row, read_in_bursts, read_long_text
@@ -74,7 +75,10 @@ def story(
         help="Write N continuations of the opening in one batch, each with its own random stream "
              "(seeds SEED, SEED+1, ...); --out story.txt gives story-1.txt ... story-N.txt.")] = 1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", rich_help_panel=o.OUTPUT,
-        help="Also write the story (opening included) to this file as it is produced.")] = None,
+        help="Also write the story (opening included) to this file as it is produced. An existing file is "
+             "refused unless --force is given (--continue FILE adds to one).")] = None,
+    force: Annotated[bool, typer.Option("--force", rich_help_panel=o.OUTPUT,
+        help="Let --out replace a file that exists.")] = False,
     chat: Annotated[bool, typer.Option("--chat/--raw", rich_help_panel=o.OUTPUT,
         help="Ask the model for a story through its chat template instead of continuing the text as is.")] = False,
     stop_at_eos: Annotated[bool, typer.Option("--stop-at-eos", rich_help_panel=o.SAMPLING,
@@ -110,6 +114,8 @@ def story(
         paths = output_paths(out, count) if out else [None] * count
         for path in paths:
             if path is not None:
+                if not force:  # a story is hours of generation: re-running a command must not write it away
+                    refuse_replacing(path, f"--force replaces it, --continue {path} adds to it, or give another --out")
                 check_writable(path)  # before the model loads
     if not opening.strip():
         raise UserError("the story opening is empty")
