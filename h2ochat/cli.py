@@ -113,8 +113,8 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except click_errors.UsageError as exc:
-        if not exc.format_message():  # bare `h2ochat`: the help was printed
-            sys.exit(0)
+        if not exc.format_message():  # bare `h2ochat`: the help was printed, but no command ran
+            sys.exit(EXIT_USAGE)
         hint = f" (see `h2ochat {exc.ctx.command.name} --help`)" if exc.ctx and exc.ctx.command.name != "h2ochat" else ""
         print(f"h2ochat: error: {exc.format_message()}{hint}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

@@ -14,6 +14,22 @@ RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", min=-1, rich_help_p
          "and ollama do.")]
 
 
+def constant_of(module: str, name: str):
+    """A module-level constant of ``h2ochat.<module>`` (a literal: a number, a string, a tuple), read
+    from the module's source without importing it. The measuring modules import torch and
+    transformers (seconds); their defaults shape options, and `--help` must not wait for them."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(f"h2ochat.{module}")
+    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(target, ast.Name) and target.id == name for target in targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"h2ochat.{module} has no constant {name}")
+
+
 def loading(console, name: str):
     """Say what happens while the model loads, from the first second (imports and a first GGUF
     conversion take tens of seconds): on a terminal, a line naming the model and, unless a

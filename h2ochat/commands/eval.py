@@ -10,12 +10,15 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..measure import evaluation as ev  # its defaults shape the options
 from .. import options as o
 from ..errors import UserError, one_line, strict_user_errors, user_input
 from ..chat.history import refuse_replacing
 from ..measure.plotting import check_plot_path
-from .common import loading
+from .common import constant_of, loading
+
+# the measuring module imports torch: its defaults are read from its source (--help stays fast), the
+# module itself is imported when the command runs
+EVALUATION = "measure.evaluation"
 
 
 @strict_user_errors
@@ -30,14 +33,14 @@ def eval_command(
         help="Tokens of the text to evaluate (no BOS added).")] = 2000,
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
         help="Comma-separated budgets: slot counts (128), fractions of --tokens (0.2) or device KV bytes per "
-             "sequence (1.5MiB: the slots that fit at each --kv-dtype).")] = ev.DEFAULT_BUDGETS,
+             "sequence (1.5MiB: the slots that fit at each --kv-dtype).")] = constant_of(EVALUATION, "DEFAULT_BUDGETS"),
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", rich_help_panel=o.CACHE,
         help="Comma-separated slot dtypes, a row of each policy and budget for each, side by side: auto (the "
              "model's) | float32 | bfloat16 | float16 | int8 | int4. The full cache runs at the first.")] = "auto",
     policies: Annotated[str, typer.Option("--policies", rich_help_panel=o.CACHE,
         help="Comma-separated policies to compare, each a name or name:knob=value:... "
              "(knobs: decay, heavy_ratio, sinks, value_eps, layer_shape), e.g. full,h2o,decay:decay=0.95.")
-        ] = ",".join(ev.DEFAULT_POLICIES),
+        ] = ",".join(constant_of(EVALUATION, "DEFAULT_POLICIES")),
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
     decay: o.Decay = None,
@@ -46,7 +49,7 @@ def eval_command(
              "and report the mean and spread of each ratio to the full cache.")] = 1,
     seed: Annotated[int, typer.Option("--seed", rich_help_panel=o.CACHE, help="Seed of the random policy.")] = 0,
     max_rows: Annotated[int, typer.Option("--max-rows", min=1, rich_help_panel=o.CACHE,
-        help="(policy, budget) rows run as one batch; more run as further batches.")] = ev.MAX_ROWS,
+        help="(policy, budget) rows run as one batch; more run as further batches.")] = constant_of(EVALUATION, "MAX_ROWS"),
     as_json: o.Json = False,
     task: Annotated[str, typer.Option("--task", rich_help_panel=o.OUTPUT,
         help="perplexity: continue --text token by token; passkey: plant a 5-digit key in --text and ask for it "
@@ -95,6 +98,8 @@ def eval_command(
 ):
     """Perplexity of a text continued token by token through each policy's cache, for each budget
     (--task passkey: whether each cache gives back a key planted in the text)."""
+    from ..measure import evaluation as ev
+
     with user_input():  # the options as typed
         if task not in ("perplexity", "passkey", "ruler", "chat-memory"):
             raise ValueError(f"--task must be perplexity, passkey, ruler or chat-memory, got {task!r}")

@@ -38,18 +38,17 @@ from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..chat.settings import check_fits
 from ..chat.replies import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError, one_line, strict_user_errors, user_input
-from ..engine.generation import Timing, inference_steps, stop_check_interval, stream
 from ..loading.models import load
 from ..chat.prompting import encode
 from ..measure.textstats import repetition
 from ..chat.ui import ReplyPrinter, TokenProgress
-from ..chat.status import StatusLine
 from ..console import make_console
 from .common import RepeatLastN, loading
 from ..chat.history import refuse_replacing
 from .story_files import appending, check_writable, output_paths, read_story
-from .story_report import story_record, summary_line
-from .story_rows import Row, read_in_bursts, read_long_text
+
+# the generation, status and row modules import torch: they are imported when the command runs
+# (--help stays fast)
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
 # SmolLM2-135M, 2000 tokens, budget 256, temperature 0.7.
@@ -120,6 +119,11 @@ def story(
     if not opening.strip():
         raise UserError("the story opening is empty")
     sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
+    from ..chat.status import StatusLine
+    from ..engine.generation import Timing, inference_steps, stop_check_interval, stream
+    from .story_report import story_record, summary_line
+    from .story_rows import Row, read_in_bursts, read_long_text
+
     with user_input():
         sampling.validate()
     err = make_console(stderr=True)
