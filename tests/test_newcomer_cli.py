@@ -65,3 +65,28 @@ def test_an_empty_served_model_name_is_refused(monkeypatch, capsys, name):
         main()
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "--served-model-name must not be empty" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argument", ["Hi \udced\udca0\udc80 there", "lone \ud800 surrogate"])
+def test_a_prompt_argument_that_is_not_utf8_is_one_line_before_loading(monkeypatch, capsys, argument):
+    """`h2ochat generate $'Hi \\xed\\xa0\\x80 there'`: Python hands the stray bytes over as lone surrogates."""
+    from conftest import replace_loader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    replace_loader(monkeypatch, refuse)
+    monkeypatch.setattr(sys, "argv", ["h2ochat", "generate", argument, "-n", "4"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "argument 2" in err and ("not UTF-8" in err or "not valid Unicode" in err)
+
+
+def test_a_file_name_that_is_not_utf8_is_still_a_file_name(monkeypatch, tmp_path):
+    from h2ochat.cli import check_arguments
+
+    odd = tmp_path / "caf\udce9.txt"  # latin-1 é in a file name
+    odd.write_bytes(b"hello")
+    check_arguments(["generate", "--prompt-file", str(odd)])
