@@ -249,15 +249,20 @@ class Repl:
         self.status.begin_turn()  # the cold tier's figures for this turn count from here
         try:
             with ReplyPrinter(self.console, lambda: self.status(live=True, width=self.status_width())) as printer:
+                conv.on_reading = printer.tick  # a long prompt's reading: how far, and the time left
                 with ctrl_c_stops(conv):
                     result = conv.send(text, on_piece=show)
         finally:
+            conv.on_reading = None
             self.keep()  # the finished or interrupted turn; after a failed one, the state before it
         self.turns += 1
         for key in self.totals:
             self.totals[key] += getattr(result.timing, key)
-        if result.interrupted:
+        if result.interrupted and result.stopped_reading is None:
             self.say("[interrupted: the partial reply is kept]", style="yellow")
+        elif result.interrupted:  # nothing was generated: there is no reply to keep
+            self.say("[interrupted before the reply began: your message is kept, the reply is empty]",
+                     style="yellow")
         for notice in result.notices:
             self.say(f"note: {notice}", style="yellow")
         self.say(turn_summary(result))

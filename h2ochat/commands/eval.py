@@ -111,9 +111,9 @@ def eval_command(
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
             if not plot.parent.is_dir():  # (a typo must not make folders)
                 raise ValueError(f"--plot {plot}: the folder {plot.parent} does not exist (make it first)")
+        kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
     if plot is not None and not force:
         refuse_replacing(plot, "--force replaces it, or give another --plot")
-        kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
     if task in ("ruler", "chat-memory"):
         from .ruler_task import sample_task
 
