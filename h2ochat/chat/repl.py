@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .cache_view import cache_view, heavy_hitter_legend, heavy_hitter_text
-from .status import StatusLine, turn_summary
+from .status import STATUS_SEPARATOR, StatusLine, turn_summary
 from .ui import ReplyPrinter
 from ..kv import PositionLimitError
 from .conversation import Conversation, ctrl_c_stops
@@ -134,7 +134,12 @@ class Repl:
     def toolbar(self) -> str:
         # prompt-toolkit draws this at every keystroke: the summary is read once per step (see status.StatusLine)
         head = f" {self.model_name} · {self.conv.settings.cache.policy} · "
-        return head + self.status(live=False, width=self.status_width(len(head)))
+        line = self.status(live=False, width=self.status_width(len(head)))
+        if STATUS_SEPARATOR not in line and self.status_width() is not None:
+            # too narrow for the evictions beside the slots: they matter more than the model's name and
+            # the policy, which the user chose and knows
+            return " " + self.status(live=False, width=self.status_width(1))
+        return head + line
 
     def status_width(self, taken: int = 0) -> int | None:
         """The columns a status line may fill on this terminal, ``taken`` already used (None off a

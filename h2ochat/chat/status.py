@@ -92,9 +92,10 @@ def status_figures(s: CacheSummary, timing: Timing | None, live: bool,
         short += f" ({percent(s.evicted_share)} attn)"
     figures["evicted"] = Figure(evicted, short)
     if s.tier is not None:  # this turn's recalls: pages copied in per (layer, KV head), attention they drew
-        figures["recall"] = Figure(f"recall: {amount(s.tier.pages_copied_turn)} pages in, "
-                                   f"{percent(s.tier.recalled_share_turn)} attn",
-                                   f"recall {amount(s.tier.pages_copied_turn)} pages")
+        # (the cold pages held beside the pages brought in: "0 pages" alone read as an empty cold store)
+        figures["recall"] = Figure(f"recall: {amount(s.tier.pages_copied_turn)} of {amount(s.tier.cold_pages)} cold "
+                                   f"pages in, {percent(s.tier.recalled_share_turn)} attn",
+                                   f"recall {amount(s.tier.pages_copied_turn)}/{amount(s.tier.cold_pages)} pages")
     figures["memory"] = Figure(describe_memory(s.memory), f"KV {format_bytes(s.memory.in_use)}")
     if live:
         rate = timing.decode_tokens_per_s if timing is not None else 0.0
