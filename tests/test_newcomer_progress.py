@@ -36,8 +36,7 @@ def conversation(loaded, chunk=8):
 def test_the_chat_reports_the_reading_between_chunks_and_the_status_line_shows_the_time_left(loaded):
     conv = conversation(loaded)
     seen = []
-    conv.on_reading = lambda: seen.append(conv.prompt_reading())
-    conv.send(WORDS)
+    conv.send(WORDS, on_reading=lambda: seen.append(conv.prompt_reading()))
     reads = [read for read, _, _ in seen]
     totals = {total for _, total, _ in seen}
     assert len(seen) >= 3 and len(totals) == 1 and reads == sorted(reads) and reads[-1] < totals.pop()
@@ -58,8 +57,7 @@ def test_a_turn_stopped_while_its_prompt_is_read_says_so(loaded):
         if len(calls) == 2:
             conv.stop_requested = True  # what SIGTERM's handler does
 
-    conv.on_reading = stop_after_two_chunks
-    result = conv.send(WORDS)
+    result = conv.send(WORDS, on_reading=stop_after_two_chunks)
     assert result.interrupted and result.stopped_reading is not None
     read, total, _ = result.stopped_reading
     assert 0 < read < total
@@ -74,9 +72,8 @@ def test_the_repl_does_not_call_an_unstarted_reply_kept(loaded, monkeypatch):
     repl = Repl(conv, make_console(file=out), StreamReader(io.StringIO(WORDS + "\n")), model_name="tiny")
     real_send = conv.send
 
-    def send(text, on_piece=None):
-        conv.on_reading = lambda: setattr(conv, "stop_requested", True)
-        return real_send(text, on_piece)
+    def send(text, on_piece=None, on_reading=None):
+        return real_send(text, on_piece, lambda: setattr(conv, "stop_requested", True))
 
     monkeypatch.setattr(conv, "send", send)
     repl.run()

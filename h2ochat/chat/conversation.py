@@ -78,7 +78,7 @@ class Conversation:
         self.current: Timing | None = None  # the turn being generated, for live statistics
         # while a turn's prompt is read: (tokens the cache had seen before it, its length, when it began)
         self.reading: tuple[int, int, float] | None = None
-        self.on_reading: Callable[[], None] | None = None  # called between prompt chunks (a display's refresh)
+        self._on_reading: Callable[[], None] | None = None  # send()'s on_reading, for the turn under way
         self._hard_stop = False  # Ctrl-C twice: the last forward may have been cut half-way
         self._quiet_refeed = False  # the next full re-read is expected (a base model's reply was cut)
         self.warned: set[str] = set()  # eviction notices already given (once per conversation)
@@ -172,8 +172,10 @@ class Conversation:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
 
     # -- a turn -----------------------------------------------------------------------------------
-    def send(self, user_text: str, on_piece: Callable[[str], None] | None = None) -> TurnResult:
-        """Add a user message and generate the reply, streaming text pieces to ``on_piece``.
+    def send(self, user_text: str, on_piece: Callable[[str], None] | None = None,
+             on_reading: Callable[[], None] | None = None) -> TurnResult:
+        """Add a user message and generate the reply, streaming text pieces to ``on_piece``;
+        ``on_reading`` is called between the prompt's chunks (a display showing ``prompt_reading``).
 
         Ends early, keeping the partial reply (marked interrupted), when ``stop_requested`` is set
         or KeyboardInterrupt is raised (by ``on_piece`` or a Ctrl-C handler), during the prompt's
@@ -183,6 +185,7 @@ class Conversation:
         notices: list[str] = []
         timing, generated = Timing(), []
         self.current, self.stop_requested, interrupted = timing, False, False
+        self._on_reading = on_reading
         self._hard_stop = False
         self.messages.append({"role": "user", "content": user_text})
         try:
@@ -231,7 +234,7 @@ class Conversation:
             self.fed_text = ""
             raise
         finally:
-            self.current, self.reading = None, None
+            self.current, self.reading, self._on_reading = None, None, None
         # The reply as the template will render it next turn: special tokens the model wrote inside
         # it stay, so the rendered history still starts with what the cache was fed. A final stop
         # token was never fed: drop it and let the template close the turn its own way.
@@ -252,8 +255,8 @@ class Conversation:
     def _between_chunks(self) -> bool:
         """``stream``'s hook between prompt chunks (and decode steps): a display may refresh the
         reading's figures; True ends the turn (a Ctrl-C noted)."""
-        if self.reading is not None and self.on_reading is not None:
-            self.on_reading()
+        if self.reading is not None and self._on_reading is not None:
+            self._on_reading()
         return self.stop_requested
 
     def prompt_reading(self) -> tuple[int, int, float] | None:

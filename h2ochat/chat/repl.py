@@ -254,11 +254,9 @@ class Repl:
         self.status.begin_turn()  # the cold tier's figures for this turn count from here
         try:
             with ReplyPrinter(self.console, lambda: self.status(live=True, width=self.status_width())) as printer:
-                conv.on_reading = printer.tick  # a long prompt's reading: how far, and the time left
-                with ctrl_c_stops(conv):
-                    result = conv.send(text, on_piece=show)
+                with ctrl_c_stops(conv):  # (on_reading: a long prompt's reading, how far and the time left)
+                    result = conv.send(text, on_piece=show, on_reading=printer.tick)
         finally:
-            conv.on_reading = None
             self.keep()  # the finished or interrupted turn; after a failed one, the state before it
         self.turns += 1
         for key in self.totals:

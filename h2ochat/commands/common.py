@@ -14,6 +14,11 @@ RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", min=-1, rich_help_p
          "and ollama do.")]
 
 
+# said before a run with --compile: its first token is followed by a silence while the step compiles
+COMPILING_NOTE = ("compiling the decode step (--compile): the text pauses after its first token while it compiles, "
+                  "a minute or more on a CPU the first time, less once torch's compile cache holds it")
+
+
 def constant_of(module: str, name: str):
     """A module-level constant of ``h2ochat.<module>`` (a literal: a number, a string, a tuple), read
     from the module's source without importing it. The measuring modules import torch and
