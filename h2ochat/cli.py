@@ -128,6 +128,9 @@ def main() -> None:
     except UserError as exc:
         print(f"h2ochat: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
+    from .loading.cache_dirs import persistent_compile_cache
+
+    persistent_compile_cache()  # (before torch._dynamo is imported: it fixes inductor's folder then)
     try:
         code = app(standalone_mode=False)
     except click_errors.UsageError as exc:

@@ -134,8 +134,10 @@ def test_transformers_dtype_advice_is_not_shown_during_the_load():
 
 
 # -- item 12: --compile says why the text pauses -------------------------------------------------------
-def test_generate_compile_says_it_compiles(h2ochat_main, tiny_checkpoint, monkeypatch):
+def test_generate_compile_says_it_compiles(h2ochat_main, tiny_checkpoint, monkeypatch, tmp_path):
     import h2ochat.engine.generation as generation
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # (restored after the test)
 
     eager = generation.decoder
     monkeypatch.setattr(generation, "decoder", lambda model, compile=False: eager(model, False))  # no compiler here
@@ -143,3 +145,43 @@ def test_generate_compile_says_it_compiles(h2ochat_main, tiny_checkpoint, monkey
                           "--ignore-eos")
     assert result.returncode == 0, result.stderr
     assert "compiling the decode step" in result.stderr and "pauses after its first token" in result.stderr
+    assert str(tmp_path / "inductor") in result.stderr
+
+
+# -- item 9: the compiled graphs last ---------------------------------------------------------------------
+def test_the_compile_cache_moves_under_h2ochats_cache_unless_chosen(monkeypatch, tmp_path):
+    from h2ochat.loading.cache_dirs import persistent_compile_cache
+
+    monkeypatch.setenv("H2OCHAT_CACHE_DIR", str(tmp_path / "h2ochat"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "placeholder")  # (so the test's change is undone)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert persistent_compile_cache() == tmp_path / "h2ochat" / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "h2ochat" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert persistent_compile_cache() == tmp_path / "mine"
+
+
+SECOND_START = """
+from h2ochat.loading.cache_dirs import persistent_compile_cache
+persistent_compile_cache()  # (as the command line does, before torch._dynamo is imported)
+import torch
+from torch._dynamo.utils import counters
+step = torch.compile(lambda x: torch.nn.functional.gelu(x) * 3 + 1, fullgraph=True)
+step(torch.ones(8))
+print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(os.access(os.path.join(p, "c++"), os.X_OK) or os.access(os.path.join(p, "g++"), os.X_OK)
+                            for p in os.environ.get("PATH", "").split(os.pathsep)), reason="inductor needs a C++ compiler")
+def test_a_second_process_reuses_the_first_ones_compiled_graph(tmp_path):
+    env = {**os.environ, "H2OCHAT_CACHE_DIR": str(tmp_path / "h2ochat")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    runs = [subprocess.run([sys.executable, "-c", SECOND_START], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (run.stdout.split() for run in runs)
+    assert first[1:4:2] == ["0", "1"] and second[1:4:2] == ["1", "0"], (first, second)
+    assert (tmp_path / "h2ochat" / "inductor").is_dir()

@@ -14,9 +14,14 @@ RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", min=-1, rich_help_p
          "and ollama do.")]
 
 
-# said before a run with --compile: its first token is followed by a silence while the step compiles
-COMPILING_NOTE = ("compiling the decode step (--compile): the text pauses after its first token while it compiles, "
-                  "a minute or more on a CPU the first time, less once torch's compile cache holds it")
+def compiling_note() -> str:
+    """Said before a run with --compile, whose first token is followed by a silence while the step
+    compiles; inductor's cache is moved to a folder that lasts (``loading.cache_dirs``) first."""
+    from ..loading.cache_dirs import persistent_compile_cache
+
+    folder = persistent_compile_cache()
+    return ("compiling the decode step (--compile): the text pauses after its first token while it compiles, "
+            f"a minute or more on a CPU the first time, less once the compile cache in {folder} holds its graphs")
 
 
 def constant_of(module: str, name: str):

@@ -14,7 +14,7 @@ from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
 from ..chat.prompting import read_prompt
-from .common import COMPILING_NOTE, RepeatLastN, loading
+from .common import RepeatLastN, compiling_note, loading
 
 # the model, generation and report modules are imported when the command runs (--help stays fast)
 
@@ -80,7 +80,7 @@ def generate(
     reading = PromptProgress(make_console(stderr=True), cache, input_ids.shape[1])
     decode = decoder(loaded.model, compile)
     if compile:
-        print(f"note: {COMPILING_NOTE}", file=sys.stderr, flush=True)
+        print(f"note: {compiling_note()}", file=sys.stderr, flush=True)
     try:
         with reading:
             for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -74,7 +74,10 @@ def serve(
              "reason); start-up lines and failed requests are still logged.")] = False,
 ):
     """Serve the OpenAI API (chat and text completions, streaming) with every sequence in a fixed KV budget."""
+    from ..loading.cache_dirs import persistent_compile_cache
     from ..serve.server import ServeConfig, serve as run_server
+
+    persistent_compile_cache()  # (before torch is imported: a second start reuses the first's graphs)
 
     if served_model_name is not None and not served_model_name.strip():
         raise UserError("--served-model-name must not be empty: it is the model id clients send")

@@ -43,7 +43,7 @@ from ..chat.prompting import encode
 from ..measure.textstats import repetition
 from ..chat.ui import ReplyPrinter, TokenProgress
 from ..console import make_console
-from .common import RepeatLastN, loading
+from .common import RepeatLastN, compiling_note, loading
 from ..chat.history import refuse_replacing
 from .story_files import appending, check_writable, output_paths, read_story
 
@@ -131,6 +131,8 @@ def story(
         loaded = load(model, device, dtype, device_map, kv_slots=settings.kv_slots_needed(prefill_chunk),
                       kv_batch=count)
     check_fits(settings, loaded.model)
+    if compile:
+        err.print(f"note: {compiling_note()}", style="dim", markup=False, highlight=False)
     with ExitStack() as held:
         story_file = None
         if continue_from is not None:  # locked, then read as it is now: text appended meanwhile is kept and read

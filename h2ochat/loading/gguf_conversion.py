@@ -12,6 +12,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from .cache_dirs import cache_root
 from .sources import ModelError, resolve
 
 
@@ -21,11 +22,6 @@ def converted_gguf_dir(path: Path, dtype: torch.dtype) -> Path:
     and a hash of its first and last MiB: the header, with the metadata and the tokenizer, and the
     last tensors), not its modification time: a fresh install of the same file finds its copy."""
     return cache_root() / "gguf" / f"{path.stem}-{path.stat().st_size}-{content_key(path)}-{str(dtype).removeprefix('torch.')}"
-
-
-def cache_root() -> Path:
-    root = os.environ.get("H2OCHAT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h2ochat"
-    return Path(root)
 
 
 KEY_BYTES = 1 << 20  # read from each end of the file for its key

@@ -18,6 +18,7 @@ from ..chat.conversation import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError
 from ..engine.generation import CacheSettings, max_positions
 from ..engine.packed_linears import form_of, pack_linears
+from ..loading.cache_dirs import persistent_compile_cache
 from ..loading.models import available_memory, load, random_source, shipped_config, shipped_config_path
 from ..chat.split import format_bytes
 from .app import build_app
@@ -176,7 +177,9 @@ def loader(config: ServeConfig, store: ParkedStore):
                                compile=config.compile, compile_backend=config.compile_backend,
                                mixed_steps=config.mixed_steps)
         if backend.compiled:  # compile now, while /health says loading, not in the first request
-            log.info("compiling the decode step for %d rows (%s)…", rows, backend.decode_step.shapes)
+            log.info("compiling the decode step for %d rows (%s): minutes on a CPU the first time, less once the "
+                     "compile cache in %s holds its graphs (--no-compile starts in seconds, decoding slower)…",
+                     rows, backend.decode_step.shapes, persistent_compile_cache())
             failed = backend.compiled_warm_up()
             if failed:
                 log.warning("compiling the decode step failed, decoding eagerly: %s", failed)
