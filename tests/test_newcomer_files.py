@@ -130,3 +130,9 @@ def test_eval_plot_refuses_an_existing_file_and_a_missing_folder(h2ochat_main, t
     result = h2ochat_main("eval", "--text", str(text),
                           "--plot", str(tmp_path / "new" / "p.png"))
     assert result.returncode == 2 and not (tmp_path / "new").exists(), result.stderr
+
+
+def test_a_piped_line_with_a_stray_byte_is_one_error_and_the_chat_goes_on(loaded):
+    repl, output, code = piped(loaded, "hello \udcff there\nhi\n")  # (stdin decoded with surrogateescape)
+    assert code == 0 and "this line is not UTF-8 text: byte 0xff" in output() and "Traceback" not in output()
+    assert [m["content"] for m in repl.conv.messages if m["role"] == "user"] == ["hi"]

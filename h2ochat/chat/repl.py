@@ -21,6 +21,7 @@ from ..kv import PositionLimitError
 from .conversation import Conversation, ctrl_c_stops
 from .settings import SETTINGS, check_recall
 from ..errors import UserError, debugging, one_line
+from .prompting import typed_text
 from .history import ConversationLog, home, read_conversation, refuse_replacing, write_atomic
 from ..loading.sources import ModelError
 from ..policies import POLICIES, describe_policies
@@ -200,6 +201,8 @@ class Repl:
         """One line: a slash command or a message. Failures are reported, never raised: a user
         error in one line, a bug with its traceback (every error with one under H2OCHAT_DEBUG=1)."""
         try:
+            # (piped lines are decoded with surrogateescape: a stray byte would fail in the tokenizer)
+            line = typed_text(line, "this line")
             if line.startswith("/") and not line.startswith("//"):
                 name, _, argument = line.strip().partition(" ")
                 command = self.commands.get(name.lower())
