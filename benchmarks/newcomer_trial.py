@@ -46,7 +46,8 @@ def cli_verdict(result, want: str, needle: str | None = None, check=None) -> tup
     """``want``: "error" (exit 2, exactly one `h2ochat: error:` line, no traceback) or "ok" (exit 0)."""
     err, out = text(result.stderr), text(result.stdout)
     errors = [line for line in err.splitlines() if line.startswith("h2ochat: error:")]
-    said = errors[0] if errors else (err.strip().splitlines() or [""])[-1]
+    lines = [line for line in (out + err).splitlines() if line.strip() and "Loading weights" not in line]
+    said = errors[0] if errors else next((line for line in lines if needle and needle in line), lines[-1] if lines else "")
     if result.returncode == "hang":
         return False, "hang"
     if "Traceback" in err or "Traceback" in out:
