@@ -136,3 +136,8 @@ def test_a_piped_line_with_a_stray_byte_is_one_error_and_the_chat_goes_on(loaded
     repl, output, code = piped(loaded, "hello \udcff there\nhi\n")  # (stdin decoded with surrogateescape)
     assert code == 0 and "this line is not UTF-8 text: byte 0xff" in output() and "Traceback" not in output()
     assert [m["content"] for m in repl.conv.messages if m["role"] == "user"] == ["hi"]
+
+
+def test_eval_output_makes_no_folders(h2ochat_main, tmp_path):
+    result = h2ochat_main("eval", "--task", "ruler", "--output", str(tmp_path / "new" / "log.jsonl"))
+    assert result.returncode == 2 and "does not exist" in result.stderr and not (tmp_path / "new").exists()

@@ -112,6 +112,8 @@ def eval_command(
             if not plot.parent.is_dir():  # (a typo must not make folders)
                 raise ValueError(f"--plot {plot}: the folder {plot.parent} does not exist (make it first)")
         kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
+        if output is not None and not output.parent.is_dir():  # (a typo must not make folders)
+            raise ValueError(f"--output {output}: the folder {output.parent} does not exist (make it first)")
     if plot is not None and not force:
         refuse_replacing(plot, "--force replaces it, or give another --plot")
     if task in ("ruler", "chat-memory"):
