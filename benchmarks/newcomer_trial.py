@@ -61,6 +61,18 @@ def cli_verdict(result, want: str, needle: str | None = None, check=None) -> tup
     return good, f"exit {result.returncode}: {said[:300]}"
 
 
+def as_markdown(record: dict) -> str:
+    """The results as a table: case, input, verdict expected, what came back, pass."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")[:220]
+
+    rows = [f"| {n} | {cell(r['case'])} | `{cell(r['input'])}` | {cell(r['expected'])} | {cell(r['got'])} | "
+            f"{'yes' if r['pass'] else '**no**'} |" for n, r in enumerate(record["results"], 1)]
+    return (f"# Newcomer trial: {record['passed']} of {record['cases']} inputs got their verdict\n\n"
+            "Made by `benchmarks/newcomer_trial.py` (a tiny random Llama; the results in `newcomer_trial.json`).\n\n"
+            "| # | case | input | expected | got | pass |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "newcomer_trial.json"))
@@ -197,7 +209,9 @@ def main() -> None:
         cases.append({"case": "server log", "input": "the server's output", "expected": "no traceback",
                       "got": log[-400:], "pass": False})
     passed = sum(case["pass"] for case in cases)
-    Path(options.out).write_text(json.dumps({"cases": len(cases), "passed": passed, "results": cases}, indent=1) + "\n")
+    record = {"cases": len(cases), "passed": passed, "results": cases}
+    Path(options.out).write_text(json.dumps(record, indent=1) + "\n")
+    Path(options.out).with_suffix(".md").write_text(as_markdown(record))
     print(f"{passed} of {len(cases)} cases got their verdict")
     sys.exit(0 if passed == len(cases) else 1)
 
