@@ -22,7 +22,7 @@ try:  # typer >= 0.24 vendors click
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
 # command name -> module in h2ochat/commands/, in the order --help lists them
 COMMANDS = {"generate": "generate", "eval": "eval", "bench": "bench", "run": "run", "story": "story",
@@ -125,13 +125,34 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
 OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write that fails because the output is full
 
 
+def check_arguments(arguments: list[str]) -> None:
+    """Every argument that is not an existing path must be UTF-8 text: one that is not (a prompt
+    with a stray byte) would reach the tokenizer and fail there, after the model has loaded."""
+    from .chat.prompting import typed_text
+
+    for position, argument in enumerate(arguments, 1):
+        if argument.isascii() or os.path.exists(argument):  # (a file name may be any bytes)
+            continue
+        shown = argument.encode("utf-8", "surrogateescape").decode("utf-8", "replace") \
+            if all(not 0xD800 <= ord(c) <= 0xDC7F for c in argument) else argument.encode("utf-8", "replace").decode()
+        typed_text(argument, f"argument {position} ({shown[:40]!r})")
+
+
 def main() -> None:
     """Console entry point: usage errors are one line and exit 2, Ctrl-C exits 130."""
     try:
+        check_arguments(sys.argv[1:])
+    except UserError as exc:
+        print(f"h2ochat: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    from .loading.cache_dirs import persistent_compile_cache
+
+    persistent_compile_cache()  # (before torch._dynamo is imported: it fixes inductor's folder then)
+    try:
         code = app(standalone_mode=False)
     except click_errors.UsageError as exc:
-        if not exc.format_message():  # bare `h2ochat`: the help was printed
-            sys.exit(0)
+        if not exc.format_message():  # bare `h2ochat`: the help was printed, but no command ran
+            sys.exit(EXIT_USAGE)
         hint = f" (see `h2ochat {exc.ctx.command.name} --help`)" if exc.ctx and exc.ctx.command.name != "h2ochat" else ""
         print(f"h2ochat: error: {exc.format_message()}{hint}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

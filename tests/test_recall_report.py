@@ -119,7 +119,8 @@ def test_the_cold_tier_figures_are_the_hand_computed_ones(loaded, cold_limit):
     assert (f"recalled    {amount(copied_turn / rows)} pages copied in this turn, {amount(copied / rows)} in all · "
             f"{amount(in_recall / rows)} tokens in recall slots now") in text
     assert f"attention   {percent(recalled_turn / attended_turn)} of the attention this turn went to recalled" in text
-    assert f"recall: {amount(copied_turn / rows)} pages in, {percent(recalled_turn / attended_turn)} attn" in repl.toolbar()
+    assert (f"recall: {amount(copied_turn / rows)} of {amount(pages / rows)} cold pages in, "
+            f"{percent(recalled_turn / attended_turn)} attn") in repl.toolbar()
 
 
 def test_hh_marks_exactly_the_tokens_in_recall_slots(loaded):

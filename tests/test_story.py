@@ -394,9 +394,8 @@ def test_tokens_are_read_back_once_per_burst():
 def test_a_story_read_in_bursts_is_the_same_story(checkpoint, loaded, tmp_path, seed, monkeypatch, stop_at_eos):
     """On an accelerator (here: the CPU told to act like one) the tokens come back four at a time; the
     story, its file and its count are those of the token-by-token run."""
-    import h2ochat.commands.story as story_module
-
-    monkeypatch.setattr(story_module, "stop_check_interval", lambda device: 4)
+    # (the command imports its generation functions when it runs: they are replaced where they live)
+    monkeypatch.setattr("h2ochat.engine.generation.stop_check_interval", lambda device: 4)
     out = tmp_path / "story.txt"
     args = ["--stop-at-eos"] if stop_at_eos else []
     result = story(checkpoint, "--prompt", SHORT, "--tokens", "30", "--out", str(out), "--seed", str(seed), *args)
@@ -414,7 +413,6 @@ def test_a_story_batch_feeds_no_row_past_its_end(checkpoint, loaded, monkeypatch
     """`-n 3 --stop-at-eos`, the rows drawing eos at different steps (read back token by token, and
     in bursts of 4 as on an accelerator): each finished row's cache holds its opening and its story
     up to the eos (never fed), nothing the other rows went on to generate."""
-    import h2ochat.commands.story as story_module
     import h2ochat.engine.generation as generation
 
     eos, plain = loaded.tokenizer.eos_token_id, 50
@@ -426,15 +424,15 @@ def test_a_story_batch_feeds_no_row_past_its_end(checkpoint, loaded, monkeypatch
         calls.append(1)
         return torch.tensor([eos if end is not None and step >= end else plain for end in ends])
 
-    real_stream = story_module.stream
+    real_stream = generation.stream
 
     def keep_cache(model, cache, *args, **kwargs):
         caches.append(cache)
         return real_stream(model, cache, *args, **kwargs)
 
     monkeypatch.setattr(generation, "sample", scripted)
-    monkeypatch.setattr(story_module, "stream", keep_cache)
-    monkeypatch.setattr(story_module, "stop_check_interval", lambda device: every)
+    monkeypatch.setattr(generation, "stream", keep_cache)
+    monkeypatch.setattr(generation, "stop_check_interval", lambda device: every)
     result = story(checkpoint, "--prompt", SHORT, "--tokens", "12", "-n", "3", "--stop-at-eos", "--json")
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)

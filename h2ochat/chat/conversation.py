@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +31,7 @@ from ..engine.detokenize import CONTEXT_IDS, TextStream, decode_in_context
 from ..errors import UserError
 from ..engine.generation import Timing, decoder, inference_steps, max_positions, prefill, stop_check_interval, stream
 from .prompting import has_chat_template
+from .prompt_progress import tokens_read
 from .replies import STOP_MARK, ReplyText, stop_token_ids
 from .split import evicted_per_head
 
@@ -44,6 +46,8 @@ class TurnResult:
     timing: Timing
     evicted: float  # tokens evicted during this turn, per (layer, KV head) on average
     notices: list[str]
+    # a turn stopped while its prompt was read: (tokens read, of how many, seconds); None otherwise
+    stopped_reading: tuple[int, int, float] | None = None
 
 
 class Conversation:
@@ -72,6 +76,9 @@ class Conversation:
         self.stop_requested = False  # set (by a Ctrl-C handler) to end the reply after this token
         self.hangup: int | None = None  # the signal (SIGHUP, SIGTERM) that ended the session mid-reply
         self.current: Timing | None = None  # the turn being generated, for live statistics
+        # while a turn's prompt is read: (tokens the cache had seen before it, its length, when it began)
+        self.reading: tuple[int, int, float] | None = None
+        self._on_reading: Callable[[], None] | None = None  # send()'s on_reading, for the turn under way
         self._hard_stop = False  # Ctrl-C twice: the last forward may have been cut half-way
         self._quiet_refeed = False  # the next full re-read is expected (a base model's reply was cut)
         self.warned: set[str] = set()  # eviction notices already given (once per conversation)
@@ -165,8 +172,10 @@ class Conversation:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
 
     # -- a turn -----------------------------------------------------------------------------------
-    def send(self, user_text: str, on_piece: Callable[[str], None] | None = None) -> TurnResult:
-        """Add a user message and generate the reply, streaming text pieces to ``on_piece``.
+    def send(self, user_text: str, on_piece: Callable[[str], None] | None = None,
+             on_reading: Callable[[], None] | None = None) -> TurnResult:
+        """Add a user message and generate the reply, streaming text pieces to ``on_piece``;
+        ``on_reading`` is called between the prompt's chunks (a display showing ``prompt_reading``).
 
         Ends early, keeping the partial reply (marked interrupted), when ``stop_requested`` is set
         or KeyboardInterrupt is raised (by ``on_piece`` or a Ctrl-C handler), during the prompt's
@@ -176,6 +185,7 @@ class Conversation:
         notices: list[str] = []
         timing, generated = Timing(), []
         self.current, self.stop_requested, interrupted = timing, False, False
+        self._on_reading = on_reading
         self._hard_stop = False
         self.messages.append({"role": "user", "content": user_text})
         try:
@@ -201,9 +211,11 @@ class Conversation:
                            max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
                            stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing,
                            decode=self._decode, stop_check_every=self.burst(),
-                           should_stop=lambda: self.stop_requested)
+                           should_stop=self._between_chunks)
+            self.reading = (tokens_read(self.cache), len(new_ids), time.monotonic())
             try:
                 for step in inference_steps(steps):
+                    self.reading = None
                     generated.append(int(step.tokens[0]))
                     if reply.add(pieces.push(generated[-1])):
                         # a base model starts writing the user's part: the reply is over (the cache
@@ -214,6 +226,7 @@ class Conversation:
                     interrupted = interrupted or self.stop_requested
             except KeyboardInterrupt:
                 interrupted = True
+            stopped_reading = self.prompt_reading() if not generated else None
             reply.finish()
         except Exception:
             # a failed turn leaves no trace but forces the next one to start from a fresh cache
@@ -221,7 +234,7 @@ class Conversation:
             self.fed_text = ""
             raise
         finally:
-            self.current = None
+            self.current, self.reading, self._on_reading = None, None, None
         # The reply as the template will render it next turn: special tokens the model wrote inside
         # it stay, so the rendered history still starts with what the cache was fed. A final stop
         # token was never fed: drop it and let the template close the turn its own way.
@@ -236,7 +249,22 @@ class Conversation:
             message["interrupted"] = True
         self.messages.append(message)
         notices += self.eviction_notices()
-        return TurnResult(reply.text, interrupted, timing, evicted_per_head(self.cache) - evicted_before, notices)
+        return TurnResult(reply.text, interrupted, timing, evicted_per_head(self.cache) - evicted_before, notices,
+                          stopped_reading if interrupted else None)
+
+    def _between_chunks(self) -> bool:
+        """``stream``'s hook between prompt chunks (and decode steps): a display may refresh the
+        reading's figures; True ends the turn (a Ctrl-C noted)."""
+        if self.reading is not None and self._on_reading is not None:
+            self._on_reading()
+        return self.stop_requested
+
+    def prompt_reading(self) -> tuple[int, int, float] | None:
+        """(prompt tokens read, of how many, seconds since the reading began) while a prompt is read."""
+        if self.reading is None:
+            return None
+        before, total, began = self.reading
+        return min(max(tokens_read(self.cache) - before, 0), total), total, time.monotonic() - began
 
     def burst(self) -> int:
         """Tokens generated per read-back of the stop check this turn (see ``stop_check_every``)."""

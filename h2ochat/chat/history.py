@@ -54,6 +54,13 @@ def new_id(now: float | None = None) -> str:
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
+def refuse_replacing(path: Path, how: str) -> None:
+    """A UserError when ``path`` holds a file (or anything) already: a write meant for a new file must
+    not replace a user's work unnoticed. ``how``: what to do to replace it all the same."""
+    if path.is_file():  # (a folder, a device or a pipe: the write itself says why it cannot be one)
+        raise UserError(f"{path} exists ({path.stat().st_size:,} bytes) and was not replaced: {how}")
+
+
 class WriteError(OSError):
     """A file that could not be written, named as the user gave it (not the temporary file the write
     went through), with the system's reason: ``cannot write /proc/conv.json: Permission denied``."""
@@ -64,14 +71,17 @@ class WriteError(OSError):
 
 def write_atomic(path: Path, data: dict) -> None:
     """Write JSON to ``path`` through a temporary file and os.replace (never a half-written file).
-    Any failure is a WriteError naming ``path``."""
+    Any failure is a WriteError naming ``path``. No folder is made: a path whose folder is missing
+    is more likely a typo than a wish for new folders (the caller makes its own folders)."""
     temporary = None
     try:
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "it is a directory; give a file name", str(path))
         if path.exists() and not path.is_file():  # os.replace would put a file where a device was
             raise OSError(errno.EINVAL, "not a regular file", str(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"the folder {path.parent} does not exist (h2ochat makes no "
+                                    "folders it was not asked for: make it first)", str(path))
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             json.dump(data, file, indent=1, ensure_ascii=False)

@@ -12,10 +12,27 @@ import time
 
 from rich.console import Console
 
-from .ui import TokenProgress
+from .ui import TokenProgress, format_duration
 
 LONG_PROMPT = 8192  # tokens: off a terminal, a prompt this long gets progress lines on standard error
 LINE_EVERY_S = 10.0
+
+
+def time_left(read: int, total: int, elapsed_s: float) -> float | None:
+    """Seconds left to read ``total`` prompt tokens at the rate of the first ``read`` (None before
+    there is a rate to go by)."""
+    if read <= 0 or elapsed_s <= 0 or read >= total:
+        return None
+    return (total - read) * elapsed_s / read
+
+
+def describe_reading(read: int, total: int, elapsed_s: float) -> str:
+    """`reading the prompt: 12,288 of 200,031 tokens (410 tok/s, about 7m38s left)`."""
+    text = f"reading the prompt: {read:,} of {total:,} tokens"
+    left = time_left(read, total, elapsed_s)
+    if left is not None:
+        text += f" ({read / elapsed_s:,.0f} tok/s, about {format_duration(left)} left)"
+    return text
 
 
 def tokens_read(cache) -> int:
@@ -32,7 +49,7 @@ class PromptProgress:
         self.lines = not self.bar.enabled and total >= LONG_PROMPT
         self.read = 0
         self.reading = True  # until the first decode step asks
-        self._line_at = time.monotonic()
+        self._line_at = self._started = time.monotonic()
 
     def __enter__(self) -> "PromptProgress":
         self.bar.__enter__()
@@ -57,7 +74,7 @@ class PromptProgress:
         self.bar.update(read)
         if self.lines and time.monotonic() - self._line_at >= LINE_EVERY_S:
             self._line_at = time.monotonic()
-            self.console.print(f"reading the prompt: {read:,} of {self.total:,} tokens", style="dim")
+            self.console.print(describe_reading(read, self.total, self._line_at - self._started), style="dim")
 
     def stopped(self, generated: int) -> str:
         """What a Ctrl-C stopped, in one line."""

@@ -17,6 +17,18 @@ def decode_text(data: bytes, where: str) -> str:
                         f"({exc.reason}); convert it first, e.g. iconv -f latin1 -t utf-8") from None
 
 
+def typed_text(text: str, where: str) -> str:
+    """``text`` as typed on the command line, if it is UTF-8: Python decodes arguments with
+    ``surrogateescape``, so a stray byte arrives as a lone surrogate that the tokenizer would fail on
+    after the model loads (a UserError naming ``where`` and the byte instead)."""
+    try:
+        data = text.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError as exc:  # a surrogate no byte stands for (U+D800 typed as such)
+        raise UserError(f"{where} is not valid Unicode text: a lone surrogate U+{ord(text[exc.start]):04X} "
+                        f"at character {exc.start}") from None
+    return decode_text(data, where)
+
+
 def read_text_file(path: Path | str) -> str:
     """A text file the user named, as UTF-8 (a UserError naming the file otherwise)."""
     return decode_text(Path(path).read_bytes(), str(path))

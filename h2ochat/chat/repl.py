@@ -15,13 +15,14 @@ from rich.console import Console
 from rich.text import Text
 
 from .cache_view import cache_view, heavy_hitter_legend, heavy_hitter_text
-from .status import StatusLine, turn_summary
+from .status import STATUS_SEPARATOR, StatusLine, turn_summary
 from .ui import ReplyPrinter
 from ..kv import PositionLimitError
 from .conversation import Conversation, ctrl_c_stops
 from .settings import SETTINGS, check_recall
 from ..errors import UserError, debugging, one_line
-from .history import ConversationLog, home, read_conversation, write_atomic
+from .prompting import typed_text
+from .history import ConversationLog, home, read_conversation, refuse_replacing, write_atomic
 from ..loading.sources import ModelError
 from ..policies import POLICIES, describe_policies
 from .split import describe_slots, planned_split
@@ -98,7 +99,8 @@ HELP = [
     ("/hh", "the transcript with cached tokens highlighted (heavy hitters bold, evicted dimmed, "
             "recalled underlined)"),
     ("/stats", "totals for this session"),
-    ("/save FILE", "write the conversation and settings as JSON (it is also kept by itself: `h2ochat history`)"),
+    ("/save FILE", "write the conversation and settings as JSON (it is also kept by itself: `h2ochat history`); "
+                   "an existing file is replaced only by '/save FILE --force' (or when this session saved it)"),
     ("/load FILE", "read a conversation saved with /save (re-feeds it); kept as a new conversation"),
     ("/bye, /exit, Ctrl-D", "leave"),
     ('"""', 'start a multi-line message; end it with """ (or press Esc then Enter for a new line)'),
@@ -113,6 +115,8 @@ class Repl:
         self.log = log  # where the conversation is kept after every turn (None: not kept)
         self.status = StatusLine.of_conversation(conversation)
         self.turns = 0
+        self.saved_to: set[Path] = set()  # files this session's /save wrote: saving again replaces them
+        self.leaving = False  # the input ended inside a """ block: answer what was typed, then leave
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.commands: dict[str, Callable[[str], None]] = {
             "/help": self.cmd_help, "/?": self.cmd_help, "/clear": self.cmd_clear, "/set": self.cmd_set,
@@ -131,7 +135,12 @@ class Repl:
     def toolbar(self) -> str:
         # prompt-toolkit draws this at every keystroke: the summary is read once per step (see status.StatusLine)
         head = f" {self.model_name} · {self.conv.settings.cache.policy} · "
-        return head + self.status(live=False, width=self.status_width(len(head)))
+        line = self.status(live=False, width=self.status_width(len(head)))
+        if STATUS_SEPARATOR not in line and self.status_width() is not None:
+            # too narrow for the evictions beside the slots: they matter more than the model's name and
+            # the policy, which the user chose and knows
+            return " " + self.status(live=False, width=self.status_width(1))
+        return head + line
 
     def status_width(self, taken: int = 0) -> int | None:
         """The columns a status line may fill on this terminal, ``taken`` already used (None off a
@@ -143,6 +152,8 @@ class Repl:
         """Read and answer until the user leaves; returns the exit code."""
         ctrl_c_once = False
         while True:
+            if self.leaving:
+                return 0
             try:
                 line = self.read_message()
             except EOFError:
@@ -171,7 +182,16 @@ class Repl:
             return body.rstrip()[: -len(MULTILINE)]
         lines = [body] if body else []
         while True:
-            more = self.read_line("... ")
+            try:
+                more = self.read_line("... ")
+            except EOFError:  # (Ctrl-D, or the end of piped input, inside the block)
+                text = "\n".join(lines).strip("\n")
+                if not text.strip():
+                    raise
+                # the lines typed are the user's: they are sent, not dropped; Ctrl-D still means leave
+                self.say('(the input ended inside a """ block: sending what was typed, then leaving)', style="yellow")
+                self.leaving = True
+                return text
             if more.rstrip().endswith(MULTILINE):
                 lines.append(more.rstrip()[: -len(MULTILINE)])
                 return "\n".join(lines).strip("\n")
@@ -181,6 +201,8 @@ class Repl:
         """One line: a slash command or a message. Failures are reported, never raised: a user
         error in one line, a bug with its traceback (every error with one under H2OCHAT_DEBUG=1)."""
         try:
+            # (piped lines are decoded with surrogateescape: a stray byte would fail in the tokenizer)
+            line = typed_text(line, "this line")
             if line.startswith("/") and not line.startswith("//"):
                 name, _, argument = line.strip().partition(" ")
                 command = self.commands.get(name.lower())
@@ -235,15 +257,18 @@ class Repl:
         self.status.begin_turn()  # the cold tier's figures for this turn count from here
         try:
             with ReplyPrinter(self.console, lambda: self.status(live=True, width=self.status_width())) as printer:
-                with ctrl_c_stops(conv):
-                    result = conv.send(text, on_piece=show)
+                with ctrl_c_stops(conv):  # (on_reading: a long prompt's reading, how far and the time left)
+                    result = conv.send(text, on_piece=show, on_reading=printer.tick)
         finally:
             self.keep()  # the finished or interrupted turn; after a failed one, the state before it
         self.turns += 1
         for key in self.totals:
             self.totals[key] += getattr(result.timing, key)
-        if result.interrupted:
+        if result.interrupted and result.stopped_reading is None:
             self.say("[interrupted: the partial reply is kept]", style="yellow")
+        elif result.interrupted:  # nothing was generated: there is no reply to keep
+            self.say("[interrupted before the reply began: your message is kept, the reply is empty]",
+                     style="yellow")
         for notice in result.notices:
             self.say(f"note: {notice}", style="yellow")
         self.say(turn_summary(result))
@@ -328,10 +353,15 @@ class Repl:
         self.say(self.status(live=False), style="")
 
     def cmd_save(self, argument: str) -> None:
+        force = argument.endswith(" --force") or argument == "--force"
+        argument = argument.removesuffix("--force").strip() if force else argument
         if not argument:
-            raise UserError("usage: /save FILE")
+            raise UserError("usage: /save FILE [--force]")
         path = Path(argument).expanduser()
+        if not force and path.resolve() not in self.saved_to:
+            refuse_replacing(path, f"'/save {argument} --force' replaces it, or give another name")
         write_atomic(path, self.conv.to_json())
+        self.saved_to.add(path.resolve())
         self.say(f"saved {len(self.conv.messages)} messages and the settings to {path}")
 
     def cmd_load(self, argument: str) -> None:

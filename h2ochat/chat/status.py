@@ -17,6 +17,8 @@ from ..recall.report import TierSummary, TurnStart, summarize_tier
 from .conversation import TurnResult
 from .split import evicted_per_head
 from .report import mean_evicted_share
+from .prompt_progress import describe_reading, time_left
+from .ui import format_duration
 from .split import Memory, Split, amount, cache_split, describe_memory, describe_use, format_bytes, kv_memory, layer_splits
 
 
@@ -68,17 +70,19 @@ class Figure:
     short: str
 
 
-# When the terminal is narrow, the status line keeps its most telling figures: what a newcomer reads
-# first is how full the cache is, then what it has dropped, what it brought back, what it costs, how
+# When the terminal is narrow, the status line keeps its most telling figures: while a long prompt
+# is read, how far it is and the time left (minutes, with nothing else moving); then how full the cache is, then what it has dropped, what it brought back, what it costs, how
 # fast it goes and on how many threads. Before any figure goes, the slots lose their per-part
 # breakdown, then the others take their short form from the least telling up (SHORTEN_ORDER).
-STATUS_ORDER = ("held", "evicted", "recall", "memory", "rate", "threads")
-SHORTEN_ORDER = ("held", "threads", "rate", "memory", "recall", "evicted")
+STATUS_ORDER = ("reading", "held", "evicted", "recall", "memory", "rate", "threads")
+SHORTEN_ORDER = ("held", "threads", "rate", "memory", "recall", "evicted", "reading")
 STATUS_SEPARATOR = " │ "
 
 
-def status_figures(s: CacheSummary, timing: Timing | None, live: bool) -> dict[str, Figure]:
-    """The status line's figures by name (see STATUS_ORDER), each in a long and a short form."""
+def status_figures(s: CacheSummary, timing: Timing | None, live: bool,
+                   reading: tuple[int, int, float] | None = None) -> dict[str, Figure]:
+    """The status line's figures by name (see STATUS_ORDER), each in a long and a short form.
+    ``reading``: (tokens read, of how many, seconds) while the prompt is read."""
     use = describe_use(s.split)
     figures = {"held": Figure(use, use.partition(": ")[0])}  # short: without the per-part breakdown
     evicted = f"{amount(s.evicted)}/{s.seen} tok evicted per layer and KV head"
@@ -88,14 +92,22 @@ def status_figures(s: CacheSummary, timing: Timing | None, live: bool) -> dict[s
         short += f" ({percent(s.evicted_share)} attn)"
     figures["evicted"] = Figure(evicted, short)
     if s.tier is not None:  # this turn's recalls: pages copied in per (layer, KV head), attention they drew
-        figures["recall"] = Figure(f"recall: {amount(s.tier.pages_copied_turn)} pages in, "
-                                   f"{percent(s.tier.recalled_share_turn)} attn",
-                                   f"recall {amount(s.tier.pages_copied_turn)} pages")
+        # (the cold pages held beside the pages brought in: "0 pages" alone read as an empty cold store)
+        figures["recall"] = Figure(f"recall: {amount(s.tier.pages_copied_turn)} of {amount(s.tier.cold_pages)} cold "
+                                   f"pages in, {percent(s.tier.recalled_share_turn)} attn",
+                                   f"recall {amount(s.tier.pages_copied_turn)}/{amount(s.tier.cold_pages)} pages")
     figures["memory"] = Figure(describe_memory(s.memory), f"KV {format_bytes(s.memory.in_use)}")
     if live:
         rate = timing.decode_tokens_per_s if timing is not None else 0.0
-        text = f"{rate:.1f} tok/s" if rate else "reading prompt…"
-        figures["rate"] = Figure(text, text)
+        if not rate and reading is not None:  # a long prompt takes minutes: say how far, and how long yet
+            read, total, elapsed = reading
+            left = time_left(read, total, elapsed)
+            figures["reading"] = Figure(describe_reading(read, total, elapsed),
+                                        f"prompt {read * 100 // max(total, 1)}%"
+                                        + (f", {format_duration(left)} left" if left else ""))
+        else:
+            text = f"{rate:.1f} tok/s" if rate else "reading prompt…"
+            figures["rate"] = Figure(text, text)
     from ..threads import chosen  # the CPU threads torch computes with (--threads or the rule's choice)
 
     if chosen() is not None:
@@ -123,14 +135,15 @@ def fit_figures(figures: dict[str, Figure], width: int | None) -> str:
 
 
 def status_line(cache: H2OCache, timing: Timing | None = None, live: bool = False,
-                summary: CacheSummary | None = None, width: int | None = None) -> str:
+                summary: CacheSummary | None = None, width: int | None = None,
+                reading: tuple[int, int, float] | None = None) -> str:
     """`410/410 slots held: 205/205 heavy + 205/205 recent │ 1234/1644 tok evicted per layer and KV head, held
     0.8% attn │ KV 26.00 MiB in use of 26.00 MiB reserved (a full cache: 105.00 MiB) │ 14.8 tok/s`
 
     ``live``: a reply is being produced (``timing`` None means its prompt is still being read).
     ``summary``: the cache's figures when already at hand (else read now). ``width``: the columns it
     must fit (the terminal's); None: every figure in full."""
-    return fit_figures(status_figures(summary or summarize(cache), timing, live), width)
+    return fit_figures(status_figures(summary or summarize(cache), timing, live, reading), width)
 
 
 class StatusLine:
@@ -142,8 +155,9 @@ class StatusLine:
     one of these moves."""
 
     def __init__(self, cache: Callable[[], H2OCache], progress: Callable[[], object],
-                 timing: Callable[[], Timing | None] = lambda: None):
-        self.cache, self.progress, self.timing = cache, progress, timing
+                 timing: Callable[[], Timing | None] = lambda: None,
+                 reading: Callable[[], tuple[int, int, float] | None] = lambda: None):
+        self.cache, self.progress, self.timing, self.reading = cache, progress, timing, reading
         self._seen: tuple | None = None  # (cache, progress) of the figures kept
         self._summary: CacheSummary | None = None
         self._turn_start: TurnStart | None = None  # the cold tier's counters when the turn began
@@ -164,7 +178,7 @@ class StatusLine:
         """A chat's: tokens fed between turns, tokens generated in the turn under way."""
         return cls(lambda: conv.cache,
                    lambda: (len(conv.ids) + len(conv.pending), -1 if conv.current is None else conv.current.generated_tokens),
-                   lambda: conv.current)
+                   lambda: conv.current, conv.prompt_reading)
 
     def summary(self) -> CacheSummary:
         cache, progress = self.cache(), self.progress()
@@ -173,11 +187,16 @@ class StatusLine:
         return self._summary
 
     def __call__(self, live: bool = False, width: int | None = None) -> str:
-        return status_line(self.cache(), self.timing(), live=live, summary=self.summary(), width=width)
+        return status_line(self.cache(), self.timing(), live=live, summary=self.summary(), width=width,
+                           reading=self.reading() if live else None)
 
 
 def turn_summary(result: TurnResult) -> str:
     t = result.timing
+    if result.stopped_reading is not None:  # stopped before the reply began: no rates to give
+        read, total, elapsed = result.stopped_reading
+        rate = f" in {format_duration(elapsed)}" if elapsed >= 1 else ""
+        return f"stopped while reading the prompt: {read:,} of {total:,} tokens read{rate}; nothing generated"
     return (f"{t.prompt_tokens} prompt tok at {t.prefill_tokens_per_s:.0f} tok/s · "
             f"{t.generated_tokens} generated at {t.decode_tokens_per_s:.1f} tok/s · "
             f"{amount(result.evicted)} tokens evicted this turn per layer and KV head (averaged)"

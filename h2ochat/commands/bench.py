@@ -10,13 +10,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..measure import benchmark as bm  # its variants shape the options
 from .. import options as o
 from ..budget import budget_bytes, parse_budget
 from ..errors import strict_user_errors, user_input
 from ..recall.default import is_off
 from ..sizes import parse_size
-from .common import loading
+from .common import constant_of, loading
+
+# the benchmark imports torch: its variants are read from its source (--help stays fast), the module
+# itself is imported when the command runs
+VARIANTS = constant_of("measure.bench_context", "VARIANTS")
 
 MIB = 2**20
 
@@ -40,7 +43,7 @@ def bench(
     decay: o.Decay = None,
     variants: Annotated[str, typer.Option("--variants", rich_help_panel=o.CACHE,
         help="Comma-separated caches to time: h2o, slots, full, hf (--recall adds recall beside h2o).")]
-        = ",".join(bm.VARIANTS),
+        = ",".join(VARIANTS),
     kv_memory: Annotated[str, typer.Option("--kv-memory", rich_help_panel=o.CACHE,
         help="KV memory cap for the largest-batch comparison (2GiB, 512MiB); 0 skips it.")] = "2GiB",
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, rich_help_panel=o.CACHE,
@@ -64,6 +67,8 @@ def bench(
     cache vs stock transformers, at each context length and batch size, and under a KV memory cap;
     and the operations one decode step runs per layer (torch.profiler). With --recall, the same
     policy with recall at the same device slots beside h2o, and the recall overhead per step."""
+    from ..measure import benchmark as bm
+
     settings = o.cache_settings(policy, budget, heavy_ratio, sinks, "absolute", None, decay, **recall_options)
     with user_input():  # the options as typed
         contexts = bm.parse_ints(context, "--context")
@@ -185,9 +190,9 @@ def _print(report: dict) -> None:
 
 def parse_variants(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in bm.VARIANTS]
+    unknown = [name for name in names if name not in VARIANTS]
     if unknown or not names:
-        raise ValueError(f"--variants takes some of {', '.join(bm.VARIANTS)}, got {text!r}")
+        raise ValueError(f"--variants takes some of {', '.join(VARIANTS)}, got {text!r}")
     return list(dict.fromkeys(names))
 
 

@@ -14,6 +14,32 @@ RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", min=-1, rich_help_p
          "and ollama do.")]
 
 
+def compiling_note() -> str:
+    """Said before a run with --compile, whose first token is followed by a silence while the step
+    compiles; inductor's cache is moved to a folder that lasts (``loading.cache_dirs``) first."""
+    from ..loading.cache_dirs import persistent_compile_cache
+
+    folder = persistent_compile_cache()
+    return ("compiling the decode step (--compile): the text pauses after its first token while it compiles, "
+            f"a minute or more on a CPU the first time, less once the compile cache in {folder} holds its graphs")
+
+
+def constant_of(module: str, name: str):
+    """A module-level constant of ``h2ochat.<module>`` (a literal: a number, a string, a tuple), read
+    from the module's source without importing it. The measuring modules import torch and
+    transformers (seconds); their defaults shape options, and `--help` must not wait for them."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(f"h2ochat.{module}")
+    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(target, ast.Name) and target.id == name for target in targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"h2ochat.{module} has no constant {name}")
+
+
 def loading(console, name: str):
     """Say what happens while the model loads, from the first second (imports and a first GGUF
     conversion take tens of seconds): on a terminal, a line naming the model and, unless a

@@ -10,11 +10,15 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..measure import evaluation as ev  # its defaults shape the options
 from .. import options as o
 from ..errors import UserError, one_line, strict_user_errors, user_input
+from ..chat.history import refuse_replacing
 from ..measure.plotting import check_plot_path
-from .common import loading
+from .common import constant_of, loading
+
+# the measuring module imports torch: its defaults are read from its source (--help stays fast), the
+# module itself is imported when the command runs
+EVALUATION = "measure.evaluation"
 
 
 @strict_user_errors
@@ -29,14 +33,14 @@ def eval_command(
         help="Tokens of the text to evaluate (no BOS added).")] = 2000,
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
         help="Comma-separated budgets: slot counts (128), fractions of --tokens (0.2) or device KV bytes per "
-             "sequence (1.5MiB: the slots that fit at each --kv-dtype).")] = ev.DEFAULT_BUDGETS,
+             "sequence (1.5MiB: the slots that fit at each --kv-dtype).")] = constant_of(EVALUATION, "DEFAULT_BUDGETS"),
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", rich_help_panel=o.CACHE,
         help="Comma-separated slot dtypes, a row of each policy and budget for each, side by side: "
              + o.one_of("kv.slot_format", "KV_DTYPES") + " (auto: the model's). The full cache runs at the first.")] = "auto",
     policies: Annotated[str, typer.Option("--policies", rich_help_panel=o.CACHE,
         help="Comma-separated policies to compare, each a name or name:knob=value:... "
              "(knobs: decay, heavy_ratio, sinks, value_eps, layer_shape), e.g. full,h2o,decay:decay=0.95.")
-        ] = ",".join(ev.DEFAULT_POLICIES),
+        ] = ",".join(constant_of(EVALUATION, "DEFAULT_POLICIES")),
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
     decay: o.Decay = None,
@@ -45,7 +49,7 @@ def eval_command(
              "and report the mean and spread of each ratio to the full cache.")] = 1,
     seed: Annotated[int, typer.Option("--seed", rich_help_panel=o.CACHE, help="Seed of the random policy.")] = 0,
     max_rows: Annotated[int, typer.Option("--max-rows", min=1, rich_help_panel=o.CACHE,
-        help="(policy, budget) rows run as one batch; more run as further batches.")] = ev.MAX_ROWS,
+        help="(policy, budget) rows run as one batch; more run as further batches.")] = constant_of(EVALUATION, "MAX_ROWS"),
     as_json: o.Json = False,
     task: Annotated[str, typer.Option("--task", rich_help_panel=o.OUTPUT,
         help="perplexity: continue --text token by token; passkey: plant a 5-digit key in --text and ask for it "
@@ -87,10 +91,15 @@ def eval_command(
              "turn N asks for it.")] = 0,
     plot: Annotated[Optional[Path], typer.Option("--plot", rich_help_panel=o.OUTPUT,
         help="Write a PNG: perplexity against budget, one line per policy (--task passkey: the share of "
-             "trials recalled per length and depth, one bar per cache row).")] = None,
+             "trials recalled per length and depth, one bar per cache row). An existing file is refused unless "
+             "--force is given; its folder must exist.")] = None,
+    force: Annotated[bool, typer.Option("--force", rich_help_panel=o.OUTPUT,
+        help="Let --plot replace a file that exists.")] = False,
 ):
     """Perplexity of a text continued token by token through each policy's cache, for each budget
     (--task passkey: whether each cache gives back a key planted in the text)."""
+    from ..measure import evaluation as ev
+
     with user_input():  # the options as typed
         if task not in ("perplexity", "passkey", "ruler", "chat-memory"):
             raise ValueError(f"--task must be perplexity, passkey, ruler or chat-memory, got {task!r}")
@@ -100,7 +109,13 @@ def eval_command(
                                      recall_every=recall_every, recall_rest=recall_rest)
         if plot is not None:
             check_plot_path(plot)  # before the model loads: a run must not end on a bad path
+            if not plot.parent.is_dir():  # (a typo must not make folders)
+                raise ValueError(f"--plot {plot}: the folder {plot.parent} does not exist (make it first)")
         kv_dtypes = ev.parse_kv_dtypes(kv_dtype)
+        if output is not None and not output.parent.is_dir():  # (a typo must not make folders)
+            raise ValueError(f"--output {output}: the folder {output.parent} does not exist (make it first)")
+    if plot is not None and not force:
+        refuse_replacing(plot, "--force replaces it, or give another --plot")
     if task in ("ruler", "chat-memory"):
         from .ruler_task import sample_task
 

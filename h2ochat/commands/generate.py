@@ -14,7 +14,7 @@ from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..errors import EXIT_INTERRUPTED, UserError, strict_user_errors, user_input
 from ..chat.prompting import read_prompt
-from .common import RepeatLastN, loading
+from .common import RepeatLastN, compiling_note, loading
 
 # the model, generation and report modules are imported when the command runs (--help stays fast)
 
@@ -79,6 +79,8 @@ def generate(
 
     reading = PromptProgress(make_console(stderr=True), cache, input_ids.shape[1])
     decode = decoder(loaded.model, compile)
+    if compile:
+        print(f"note: {compiling_note()}", file=sys.stderr, flush=True)
     try:
         with reading:
             for step in stream(loaded.model, cache, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -96,11 +98,16 @@ def generate(
         record["threads"] = threads.current()
         if recall_left_out:  # (asked for, or on by default)
             record["recall_left_out"] = "the prompt and --max-new-tokens fit the policy's slots: nothing is evicted"
+            record["recall_asked"] = recall_asked(settings, cache, input_ids.shape[1] + max_new_tokens)
         # the compiled step's weights: frozen into its graph (CPU) or graph inputs, and why
         record["compiled_weights"] = getattr(decode, "freezing", None) if compile else None
         print(json.dumps(record, indent=2))
     else:
         sys.stdout.write("\n")
+        if recall_left_out and settings.recall not in (None, "auto"):  # asked for in words: say why it is not used
+            asked = recall_asked(settings, cache, input_ids.shape[1] + max_new_tokens)
+            print(f"note: --recall {settings.recall} ({asked['recall_slots']} recall slots) was not used: "
+                  f"{asked['why']}", file=sys.stderr)
         if sys.stderr.isatty():
             print(f"[{timing.prompt_tokens} prompt tokens at {timing.prefill_tokens_per_s:.1f} tok/s, "
                   f"{timing.generated_tokens} generated at {timing.decode_tokens_per_s:.1f} tok/s, "
@@ -110,6 +117,19 @@ def generate(
     if interrupted:
         print(reading.stopped(timing.generated_tokens), file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def recall_asked(settings: CacheSettings, cache, tokens: int) -> dict:
+    """What --recall asked for, beside what the cache used (``generate`` leaves recall out when the
+    prompt and --max-new-tokens, ``tokens`` in all, fit the policy's slots): the JSON's split figures
+    are the cache's, so a user checking whether --recall took effect reads here why it did not."""
+    slots = max(layer.capacity for layer in cache.layers)
+    config = settings.recall_config(slots)
+    return {"recall": settings.recall if settings.recall is not None else "auto",
+            "recall_slots": config.slots if config is not None else 0, "recall_slots_used": 0,
+            "why": f"the prompt and --max-new-tokens ({tokens:,} tokens at most) fit the {slots:,} slots: nothing "
+                   "is evicted, so nothing could be recalled, and the same tokens come out faster without it "
+                   "(`run` keeps recall on: a chat grows)"}
 
 
 def register(app: typer.Typer) -> None:

@@ -32,7 +32,9 @@ def local_copy(alias: str) -> str | None:
 def models(
     local_only: Annotated[bool, typer.Option("--local", rich_help_panel=o.OUTPUT,
         help="Only the models available without a download.")] = False,
-    as_json: o.Json = False,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=o.OUTPUT,
+        help="Print one JSON array instead of the table: an object per alias (alias, family, params_b, repo, "
+             "local, random_weights, default).")] = False,
 ):
     """List model aliases with family, size, whether each is available locally and whether
     --random-weights can build it (its configuration ships with h2ochat)."""

@@ -12,7 +12,7 @@ from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..chat.settings import check_recall
 from ..errors import UserError, strict_user_errors
-from .common import RepeatLastN, loading
+from .common import RepeatLastN, compiling_note, loading
 
 # the chat, the model loader and the REPL are imported when the command runs (--help stays fast)
 
@@ -101,6 +101,8 @@ def run(
     with loading(err, model):
         loaded = load(model, device, dtype, device_map, kv_slots=settings.cache.kv_slots_needed(prefill_chunk))
     conversation = Conversation(loaded.model, loaded.tokenizer, settings, prefill_chunk=prefill_chunk, compile=compile)
+    if compile:
+        err.print(f"note: {compiling_note()} (the first reply only)", style="dim", markup=False, highlight=False)
     if no_history:
         log = None
     elif log is None:

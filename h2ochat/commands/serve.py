@@ -14,6 +14,9 @@ from ..loading.sources import resolve
 from .common import RepeatLastN
 
 SERVER = "Server"
+# a prompt this long takes about a minute to read for a 135M model on a laptop CPU (~500 tok/s): past
+# it, one request would hold its row for minutes (a 250,000-token message was read for 5.5 minutes)
+DEFAULT_MAX_PROMPT_TOKENS = 32768
 
 
 def _size(text: str | None, option: str) -> int | None:
@@ -63,20 +66,28 @@ def serve(
         help="Requests waiting for a row at most; more are answered 429 with Retry-After.")] = 64,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, rich_help_panel=SERVER,
         help="Tokens one request may generate at most (also the default when it gives no max_tokens).")] = 4096,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=0, rich_help_panel=SERVER,
+        help="Prompt tokens one request may bring at most (the whole conversation it sends); longer is answered 400 "
+             "before any of it is read. 0: no limit.")] = DEFAULT_MAX_PROMPT_TOKENS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=SERVER,
         help="No line per request on stderr (id, tokens in and out, cached and evicted tokens, time, finish "
              "reason); start-up lines and failed requests are still logged.")] = False,
 ):
     """Serve the OpenAI API (chat and text completions, streaming) with every sequence in a fixed KV budget."""
+    from ..loading.cache_dirs import persistent_compile_cache
     from ..serve.server import ServeConfig, serve as run_server
 
+    persistent_compile_cache()  # (before torch is imported: a second start reuses the first's graphs)
+
+    if served_model_name is not None and not served_model_name.strip():
+        raise UserError("--served-model-name must not be empty: it is the model id clients send")
     if not random_weights:
         resolve(model)  # an unknown model is refused before the server starts listening
     o.sampling(0.0, 1.0, 0, None, repetition_penalty)
     config = ServeConfig(model=model, settings=settings, device=device, dtype=dtype, random_weights=random_weights,
                          served_name=served_model_name, max_sequences=max_sequences,
                          kv_memory=_size(kv_memory, "--kv-memory"), parked_bytes=_size(parked_bytes, "--parked-bytes"),
-                         max_queue=max_queue, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+                         max_queue=max_queue, max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, prefill_chunk=prefill_chunk,
                          prefill_chunks_per_step=prefill_chunks_per_step,
                          repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, compile=compile,
                          mixed_steps=mixed_steps,

@@ -38,17 +38,17 @@ from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
 from ..chat.settings import check_fits
 from ..chat.replies import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError, one_line, strict_user_errors, user_input
-from ..engine.generation import Timing, inference_steps, stop_check_interval, stream
 from ..loading.models import load
 from ..chat.prompting import encode
 from ..measure.textstats import repetition
 from ..chat.ui import ReplyPrinter, TokenProgress
-from ..chat.status import StatusLine
 from ..console import make_console
-from .common import RepeatLastN, loading
+from .common import RepeatLastN, compiling_note, loading
+from ..chat.history import refuse_replacing
 from .story_files import appending, check_writable, output_paths, read_story
-from .story_report import story_record, summary_line
-from .story_rows import Row, read_in_bursts, read_long_text
+
+# the generation, status and row modules import torch: they are imported when the command runs
+# (--help stays fast)
 
 # Defaults chosen by measurement (benchmarks/results_story_repetition.json, README "Long stories"):
 # SmolLM2-135M, 2000 tokens, budget 256, temperature 0.7.
@@ -74,7 +74,10 @@ def story(
         help="Write N continuations of the opening in one batch, each with its own random stream "
              "(seeds SEED, SEED+1, ...); --out story.txt gives story-1.txt ... story-N.txt.")] = 1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", rich_help_panel=o.OUTPUT,
-        help="Also write the story (opening included) to this file as it is produced.")] = None,
+        help="Also write the story (opening included) to this file as it is produced. An existing file is "
+             "refused unless --force is given (--continue FILE adds to one).")] = None,
+    force: Annotated[bool, typer.Option("--force", rich_help_panel=o.OUTPUT,
+        help="Let --out replace a file that exists.")] = False,
     chat: Annotated[bool, typer.Option("--chat/--raw", rich_help_panel=o.OUTPUT,
         help="Ask the model for a story through its chat template instead of continuing the text as is.")] = False,
     stop_at_eos: Annotated[bool, typer.Option("--stop-at-eos", rich_help_panel=o.SAMPLING,
@@ -110,10 +113,17 @@ def story(
         paths = output_paths(out, count) if out else [None] * count
         for path in paths:
             if path is not None:
+                if not force:  # a story is hours of generation: re-running a command must not write it away
+                    refuse_replacing(path, f"--force replaces it, --continue {path} adds to it, or give another --out")
                 check_writable(path)  # before the model loads
     if not opening.strip():
         raise UserError("the story opening is empty")
     sampling = replace(o.sampling(temperature, top_p, top_k, seed, repetition_penalty), repeat_last_n=repeat_last_n)
+    from ..chat.status import StatusLine
+    from ..engine.generation import Timing, inference_steps, stop_check_interval, stream
+    from .story_report import story_record, summary_line
+    from .story_rows import Row, read_in_bursts, read_long_text
+
     with user_input():
         sampling.validate()
     err = make_console(stderr=True)
@@ -121,6 +131,8 @@ def story(
         loaded = load(model, device, dtype, device_map, kv_slots=settings.kv_slots_needed(prefill_chunk),
                       kv_batch=count)
     check_fits(settings, loaded.model)
+    if compile:
+        err.print(f"note: {compiling_note()}", style="dim", markup=False, highlight=False)
     with ExitStack() as held:
         story_file = None
         if continue_from is not None:  # locked, then read as it is now: text appended meanwhile is kept and read

@@ -9,17 +9,36 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
+from .cache_dirs import cache_root
 from .sources import ModelError, resolve
 
 
 def converted_gguf_dir(path: Path, dtype: torch.dtype) -> Path:
     """Where the de-quantized copy of a GGUF file is kept: converting Q4 tensors in Python takes
-    tens of seconds, loading the saved result takes about one."""
-    root = os.environ.get("H2OCHAT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h2ochat"
-    stat = path.stat()
-    return Path(root) / "gguf" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{str(dtype).removeprefix('torch.')}"
+    tens of seconds, loading the saved result takes about one. Keyed by the file's content (its size
+    and a hash of its first and last MiB: the header, with the metadata and the tokenizer, and the
+    last tensors), not its modification time: a fresh install of the same file finds its copy."""
+    return cache_root() / "gguf" / f"{path.stem}-{path.stat().st_size}-{content_key(path)}-{str(dtype).removeprefix('torch.')}"
+
+
+KEY_BYTES = 1 << 20  # read from each end of the file for its key
+
+
+def content_key(path: Path) -> str:
+    """16 hex digits of a SHA-256 over the file's first and last ``KEY_BYTES``."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        digest.update(file.read(KEY_BYTES))
+        size = path.stat().st_size
+        if size > KEY_BYTES:
+            file.seek(max(size - KEY_BYTES, KEY_BYTES))
+            digest.update(file.read(KEY_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def first_load_note(name: str) -> str | None:
@@ -71,8 +90,10 @@ def remove_stale_partials(folder: Path) -> list[Path]:
     return removed
 
 
-def keep_converted(model, tokenizer, target: Path) -> None:
-    """Save a converted GGUF model for next time; any failure only costs speed next time.
+def keep_converted(model, tokenizer, target: Path) -> str | None:
+    """Save a converted GGUF model for next time; a failure only costs speed next time, and is
+    returned in words (None when saved) for the caller to say once: without the copy, every run
+    converts again.
 
     Written to a partial folder renamed when complete, so a reader never sees half a model; the
     partial folder is removed on any failure and on Ctrl-C (which then goes on interrupting).
@@ -81,17 +102,38 @@ def keep_converted(model, tokenizer, target: Path) -> None:
     partial = target.with_name(f"{target.name}{PARTIAL}{os.getpid()}")
     quantizer, quant_config = getattr(model, "hf_quantizer", None), getattr(model.config, "quantization_config", None)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)  # (h2ochat's own cache folder)
         model.hf_quantizer = None
         if quant_config is not None:
             del model.config.quantization_config
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         partial.rename(target)
+        return None
     except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: nothing left behind, still raised
             raise
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        return (f"could not keep the converted model in {target.parent} ({reason}): every run converts the GGUF "
+                "file again; set H2OCHAT_CACHE_DIR to a writable folder")
     finally:
         model.hf_quantizer = quantizer
         if quant_config is not None:
             model.config.quantization_config = quant_config
+
+
+@contextmanager
+def quiet_gguf_advice():
+    """transformers advises ``dtype=torch.float32`` when a GGUF file is loaded in another dtype, for
+    its packed kernels; h2ochat de-quantizes the file once and keeps the copy, so the advice does not
+    apply (and a CLI user could not follow it in those words)."""
+    import logging
+
+    quantizer_log = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    level = quantizer_log.level
+    quantizer_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        quantizer_log.setLevel(level)

@@ -10,14 +10,15 @@ kept for next time), ``memory`` (sizes and the memory check), ``random_weights``
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .gguf_conversion import converted_gguf_dir, keep_converted, remove_stale_partials
+from .gguf_conversion import converted_gguf_dir, keep_converted, quiet_gguf_advice, remove_stale_partials
 from .hub import download, hub_info, hub_parameter_count
 from .memory import check_memory, config_parameters, parameter_count
-from .sources import ModelError, ModelSource, resolve, shipped_config
+from .sources import ModelError, ModelSource, missing_parts, resolve, shipped_config
 from .random_weights import ByteTokenizer, build_random, random_source
 
 # deliberate re-exports: serve/server.py (another session's files, not touched by this split) still reads
@@ -126,6 +127,13 @@ def _load_random(name: str, device: str, dtype: torch.dtype, device_map: str | N
     return LoadedModel(model, ByteTokenizer(config.vocab_size), source, params, torch.device(device), dtype)
 
 
+def one_paragraph(message: str, limit: int = 400) -> str:
+    """A library's message on one line: its lines joined (transformers' "...from one of:" is followed
+    by what it tried), cut at ``limit`` characters."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str | None = None, *,
          random_weights: bool = False, kv_slots: KVSlots = None, kv_batch: int = 1,
          check_config: Callable[[object], None] | None = None, decode_rows: int | None = None) -> LoadedModel:
@@ -176,6 +184,9 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
         check_config(config)
     check_memory(params, torch_dtype, memory_device, source.name, config=config,
                  kv_slots=_slots_for(kv_slots, config), kv_batch=kv_batch)
+    if source.kind == "dir" and (missing := missing_parts(folder)):
+        raise ModelError(f"{source.name} holds a config.json but no {' and no '.join(missing)}: it cannot be "
+                         "loaded (--random-weights builds the configuration with random weights)")
 
     kwargs = {"dtype": torch_dtype, "attn_implementation": attention.NAME}
     tokenizer_kwargs = {}
@@ -192,12 +203,15 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     if device_map:
         kwargs["device_map"] = device_map
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), **tokenizer_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        with quiet_gguf_advice():
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), **tokenizer_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"could not load {source.name}: {str(exc).splitlines()[0]}") from None
+        raise ModelError(f"could not load {source.name}: {one_paragraph(str(exc))}") from None
     if converted is not None:
-        keep_converted(model, tokenizer, converted)
+        failed = keep_converted(model, tokenizer, converted)
+        if failed:  # (once a run: the next run finds no copy and says it again, the cost being paid again)
+            print(f"h2ochat: warning: {failed}", file=sys.stderr)
     if not device_map:
         model.to(device)
     model.eval()

@@ -98,10 +98,37 @@ def resolve(name: str) -> ModelSource:
         if name.lower() == "smollm2-135m" and (bundled := bundled_smollm2_gguf()) is not None:
             return ModelSource(name, "gguf", str(bundled), alias.family)
         return ModelSource(name, "hub", alias.repo, alias.family)
-    if name.count("/") == 1 and not path.exists():
+    if path.is_file():
+        raise ModelError(f"{name} is a file, not a model: give a model folder (config.json, weights and tokenizer "
+                         "files), a .gguf file, an alias (see `h2ochat models`) or a hub id like org/name")
+    if name.count("/") == 1 and not path.exists() and not name.startswith(("/", ".", "~")):
         return ModelSource(name, "hub", name)
+    if looks_like_a_path(name):
+        raise ModelError(f"no such file or folder: {name} (a model is a folder with config.json, a .gguf file, "
+                         "an alias from `h2ochat models` or a hub id like org/name)")
     raise ModelError(f"unknown model {name!r}: use an alias (see `h2ochat models`), a hub id like org/name, "
                      "a local directory or a .gguf file")
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A name only a path would have: absolute, relative to . or ~, or more than one folder deep."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name
+
+
+# what a model folder needs besides config.json (any one file of each list)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def missing_parts(folder: Path) -> list[str]:
+    """What a local model folder lacks to be loaded (empty when nothing): said before transformers
+    fails on it with a message of its own (one that ends at a colon, for a missing tokenizer)."""
+    missing = []
+    if not any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"tokenizer ({' or '.join(TOKENIZER_FILES[:2])} or a vocabulary file)")
+    return missing
 
 
 def shipped_config_path(alias: str) -> Path | None:

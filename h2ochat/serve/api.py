@@ -39,6 +39,11 @@ class RequestParams:
     # an extension (vLLM's name): False returns special tokens the model wrote inside its text, so a
     # client that sends the reply back as history sends what the model read (and resumes its cache)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit at every step
+    # OpenAI's penalties: a token's logit loses frequency_penalty per time it was generated, and
+    # presence_penalty once it was generated at all (the reply's tokens, not the prompt's, as vLLM)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 class _Body(BaseModel):
@@ -77,6 +82,9 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    logit_bias: dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     # fields whose absence of support would change the answer the client expects (refused when set)
     logprobs: object = None
     top_logprobs: object = None
@@ -85,6 +93,13 @@ class _Common(_Body):
     tools: object = None
     functions: object = None
     suffix: object = None
+    response_format: object = None
+    modalities: object = None
+    audio: object = None
+    prediction: object = None
+    web_search_options: object = None
+    tool_choice: object = None
+    function_call: object = None  # (the older tool_choice)
 
 
 class ChatBody(_Common):
@@ -100,6 +115,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # (brackets nested deeper than Python's parser recurses)
+        raise invalid("The request body is not valid JSON for this server: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     return body
@@ -110,7 +127,9 @@ PARAM_OF = {"top_logprobs": "logprobs", "functions": "tools"}
 # what a field of more than one type must be (pydantic would name only its first type)
 EXPECTED = {"temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]",
             "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings", "stream_options": "an object",
-            "prompt": "a non-empty string or a list of token ids", "content": "a string or a list of text parts"}
+            "prompt": "a non-empty string or a list of token ids", "content": "a string or a list of text parts",
+            "frequency_penalty": "a number in [-2, 2]", "presence_penalty": "a number in [-2, 2]",
+            "logit_bias": "an object of token ids (as strings) to numbers in [-100, 100]"}
 
 
 def _refusal(error: ValidationError, body: dict) -> Exception:
@@ -196,6 +215,28 @@ def _refuse_unsupported(body: _Common) -> None:
         raise invalid("tools are not supported by this server", param="tools")
     if body.suffix:
         raise invalid("suffix is not supported by this server", param="suffix")
+    if body.response_format is not None and body.response_format != {"type": "text"}:
+        raise invalid("response_format: only {\"type\": \"text\"} is supported by this server (no structured "
+                      "output: the reply would not be held to the format asked)", param="response_format")
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise invalid("modalities: only [\"text\"] is supported by this server", param="modalities")
+    for name in ("audio", "prediction", "web_search_options"):
+        if getattr(body, name) is not None:
+            raise invalid(f"{name} is not supported by this server", param=name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise invalid(f"{name}: tools are not supported by this server (only \"none\")", param=name)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """``logit_bias``'s keys as token ids: JSON keys are strings, each must spell a token id."""
+    checked = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise invalid(f"logit_bias: keys must be token ids written as strings (\"50256\"), got {json.dumps(key)}",
+                          param="logit_bias")
+        checked[int(key)] = float(value)
+    return checked
 
 
 def parse_request(body: dict, kind: str, *, max_n: int) -> RequestParams:
@@ -227,6 +268,9 @@ def parse_request(body: dict, kind: str, *, max_n: int) -> RequestParams:
         include_usage=bool(options and options.include_usage),
         ignore_eos=bool(checked.ignore_eos),
         skip_special_tokens=checked.skip_special_tokens is None or checked.skip_special_tokens,
+        logit_bias=_logit_bias(checked.logit_bias),
+        frequency_penalty=float(checked.frequency_penalty or 0.0),
+        presence_penalty=float(checked.presence_penalty or 0.0),
     )
     if kind == "chat":
         params.messages = _messages(checked.messages)

@@ -21,11 +21,13 @@ class Preparer:
     """
 
     def __init__(self, tokenizer, store: ParkedStore, *, vocab_size: int, max_context: int, bounded: bool,
-                 max_tokens_cap: int, repetition_penalty: float = 1.0, repeat_last_n: int = 64):
+                 max_tokens_cap: int, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
+                 max_prompt_tokens: int | None = None):
         self.tokenizer, self.store = tokenizer, store
         self.vocab_size, self.max_context, self.bounded = vocab_size, max_context, bounded
         self.max_tokens_cap = max_tokens_cap
         self.repetition_penalty, self.repeat_last_n = repetition_penalty, repeat_last_n
+        self.max_prompt_tokens = max_prompt_tokens  # None or 0: no limit (--max-prompt-tokens)
 
     def encode(self, text: str, special: bool) -> list[int]:
         if not text:
@@ -58,6 +60,15 @@ class Preparer:
         where = "messages" if params.kind == "chat" else "prompt"
         if not ids:
             raise invalid("the prompt is empty", param=where)
+        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+            # refused before any of it is read: a prompt's reading takes its row for as long as it lasts
+            raise context_length_exceeded(
+                f"The prompt has {len(ids):,} tokens; this server reads at most {self.max_prompt_tokens:,} per "
+                "request (--max-prompt-tokens): shorten it", param=where)
+        too_high = [token for token in params.logit_bias if token >= self.vocab_size]
+        if too_high:
+            raise invalid(f"logit_bias: token id {too_high[0]} is not below the vocabulary size {self.vocab_size}",
+                          param="logit_bias")
         if params.max_tokens is not None and params.max_tokens > self.max_tokens_cap:
             raise invalid(f"max_tokens must be at most {self.max_tokens_cap} on this server (--max-tokens), "
                           f"got {params.max_tokens}", param="max_tokens")

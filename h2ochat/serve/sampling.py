@@ -37,6 +37,9 @@ class SampledRow(Protocol):
 
     def window_on(self, device: torch.device, vocab: int) -> RecentTokens: ...
 
+    # optional: what the row adds to its logits first ([V] fp32: logit_bias and OpenAI's penalties), or None
+    # def logit_offsets_on(self, device: torch.device, vocab: int) -> torch.Tensor | None: ...
+
 
 class SamplingDeviceError(ValueError):
     """A row's generator or repetition window is not on the logits' device."""
@@ -62,8 +65,11 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampledRow]) -> list[int | 
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
     results: list[int | Exception | None] = [None] * len(rows)
+    logits = _with_offsets(logits, rows, results)
     groups: dict[tuple, list[_Draw]] = {}
     for index, row in enumerate(rows):
+        if results[index] is not None:  # (its offsets failed)
+            continue
         try:
             draw = _draw_for(index, row, logits.device, logits.shape[-1])
         except Exception as exc:  # noqa: BLE001  this row fails, the others go on
@@ -97,6 +103,26 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampledRow]) -> list[int | 
                 continue
         results[draw.index] = value
     return results
+
+
+def _with_offsets(logits: torch.Tensor, rows: Sequence[SampledRow], results: list) -> torch.Tensor:
+    """``logits`` with each row's own offsets added (a copy, only when some row has any); a row whose
+    offsets fail gets the exception."""
+    adjusted = None
+    for index, row in enumerate(rows):
+        offsets_on = getattr(row, "logit_offsets_on", None)
+        if offsets_on is None:
+            continue
+        try:
+            offsets = offsets_on(logits.device, logits.shape[-1])
+        except Exception as exc:  # noqa: BLE001  this row fails, the others go on
+            results[index] = exc
+            continue
+        if offsets is not None:
+            if adjusted is None:  # a copy: the caller's logits, and every other row's, stay as they were
+                adjusted = logits.clone()
+            adjusted[index] += offsets.to(logits.dtype)
+    return logits if adjusted is None else adjusted
 
 
 def _draw_for(index: int, row: SampledRow, device: torch.device, vocab: int) -> _Draw:

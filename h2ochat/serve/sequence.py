@@ -52,6 +52,9 @@ class Choice:
         self.seed = seed
         self.generator: torch.Generator | None = None  # made on the logits' device at the first draw
         self.seen: RecentTokens | None = None
+        self._bias: torch.Tensor | None = None  # logit_bias as a [V] tensor on the logits' device
+        self._counts: torch.Tensor | None = None  # [V] times each token was generated (for the penalties)
+        self._counted = 0  # generated tokens already in _counts
         # seeded with the prompt's last ids, as the chat does: the first word joins the prompt as in the whole text
         self.text_stream = TextStream(tokenizer, context=request.prompt_ids[-CONTEXT_IDS:],
                                       skip_special_tokens=request.prepared.params.skip_special_tokens)
@@ -92,6 +95,32 @@ class Choice:
             fed = torch.tensor([self.request.fed_ids], dtype=torch.long, device=device)
             self.seen = RecentTokens(fed, None, vocab, self.sampling.repeat_last_n)
         return self.seen
+
+    def logit_offsets_on(self, device: torch.device, vocab: int) -> torch.Tensor | None:
+        """What this choice adds to its logits before sampling ([V] fp32 on ``device``): the request's
+        logit_bias, minus OpenAI's frequency and presence penalties on the tokens generated so far;
+        None when the request asks for none of them."""
+        params = self.request.prepared.params
+        penalised = params.frequency_penalty or params.presence_penalty
+        if not params.logit_bias and not penalised:
+            return None
+        if self._bias is None:
+            self._bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+                values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+                self._bias[ids] = values
+        if not penalised:
+            return self._bias
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        new = self.generated[self._counted:]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=device)
+            self._counts.index_put_((ids,), torch.ones(len(new), device=device), accumulate=True)
+            self._counted = len(self.generated)
+        return (self._bias - params.frequency_penalty * self._counts
+                - params.presence_penalty * (self._counts > 0).float())
 
     def push(self, token: int) -> str | None:
         """Take the next generated token; the finish reason when the choice is over (the caller

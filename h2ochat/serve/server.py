@@ -18,6 +18,7 @@ from ..chat.conversation import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError
 from ..engine.generation import CacheSettings, max_positions
 from ..engine.packed_linears import form_of, pack_linears
+from ..loading.cache_dirs import persistent_compile_cache
 from ..loading.models import available_memory, load, random_source, shipped_config, shipped_config_path
 from ..chat.split import format_bytes
 from .app import build_app
@@ -30,6 +31,9 @@ from .prepare import Preparer
 log = logging.getLogger("h2ochat.serve")
 
 AUTO_MEMORY_SHARE = 0.5  # of the memory free after loading, for the batch rows when --max-sequences is not given
+# the rows' memory when neither --max-sequences nor --kv-memory is given: half the free memory took
+# 3.5-4.1 GB of RSS for a 135M model on a 24 GB machine, more than a laptop user expects of it
+DEFAULT_KV_MEMORY = 1 << 30
 AUTO_MAX_ROWS = 64
 GRACEFUL_SHUTDOWN_S = 10  # for the responses the engine failed to be sent (its last step must end first)
 ENGINE_STOP_S = 10  # for the engine thread to end its step after the server stopped
@@ -48,6 +52,7 @@ class ServeConfig:
     parked_bytes: int = 1 << 30
     max_queue: int = 64
     max_tokens: int = 4096
+    max_prompt_tokens: int = 0  # prompt tokens a request may bring (0: no limit; the command's default is 32,768)
     prefill_chunk: int = 512
     prefill_chunks_per_step: int = 1  # prompt chunks one engine step may read before its decode step
     repetition_penalty: float = 1.0
@@ -62,19 +67,25 @@ class ServeConfig:
 
 
 def choose_rows(config: ServeConfig, row_bytes: int, device, cold_row_bytes: int = 0) -> tuple[int, str]:
-    """N, and where it came from (the start-up log says which). ``cold_row_bytes``: the host bytes a
-    recall tier's cold store takes for one row of the model's context window (``cold_row_bytes``):
-    counted in the same budget on a CPU (one memory), against half the free host memory beside a GPU.
+    """N, and in plain words where it came from (the start-up log says it). ``cold_row_bytes``: the
+    host bytes a recall tier's cold store takes for one row of the model's context window
+    (``cold_row_bytes``): counted in the same budget on a CPU (one memory), against half the free host
+    memory beside a GPU. Without --max-sequences or --kv-memory the rows get DEFAULT_KV_MEMORY (or half
+    the free memory, when that is less): what a laptop can spare beside its other programs.
     A memory that holds no row is refused: a row over the cap would break the cap it was given."""
+    one_memory = getattr(device, "type", str(device)) == "cpu"
+    per_row = row_bytes + (cold_row_bytes if one_memory else 0)
+    each = f"{format_bytes(row_bytes)} of KV slots" + (f" + {format_bytes(cold_row_bytes)} of recall store"
+                                                        if cold_row_bytes else "") + " each"
     if config.max_sequences:
-        return config.max_sequences, "--max-sequences"
+        return config.max_sequences, f"--max-sequences: {each}, {format_bytes(config.max_sequences * per_row)} in all"
     if config.kv_memory:
         budget, source = config.kv_memory, f"--kv-memory {format_bytes(config.kv_memory)}"
     else:
-        budget = int(AUTO_MEMORY_SHARE * available_memory(str(device)))
-        source = f"half the free memory, {budget / 2**20:.0f} MiB"
-    one_memory = getattr(device, "type", str(device)) == "cpu"
-    per_row = row_bytes + (cold_row_bytes if one_memory else 0)
+        half_free = int(AUTO_MEMORY_SHARE * available_memory(str(device)))
+        budget = min(DEFAULT_KV_MEMORY, half_free)
+        source = (f"the default {format_bytes(budget)}; --kv-memory or --max-sequences for more" if budget < half_free
+                  else f"half the free memory, {format_bytes(budget)}")
     if budget < per_row:
         raise UserError(_no_row(source, per_row))
     rows = budget // per_row
@@ -82,9 +93,8 @@ def choose_rows(config: ServeConfig, row_bytes: int, device, cold_row_bytes: int
         rows = min(rows, max(1, int(AUTO_MEMORY_SHARE * available_memory("cpu")) // cold_row_bytes))
     capped = rows > AUTO_MAX_ROWS
     rows = min(rows, AUTO_MAX_ROWS)
-    cold = f" + {cold_row_bytes / 2**20:.0f} MiB of cold store" if cold_row_bytes else ""
-    return rows, (f"{source} / {row_bytes / 2**20:.2f} MiB{cold} per row" + (f", at most {AUTO_MAX_ROWS}" if capped
-                                                                             else ""))
+    return rows, (f"{each}, {format_bytes(rows * per_row)} in all, from {source}"
+                  + (f"; at most {AUTO_MAX_ROWS}" if capped else ""))
 
 
 def cold_row_bytes(backend: ModelBackend, positions: int) -> int:
@@ -167,7 +177,9 @@ def loader(config: ServeConfig, store: ParkedStore):
                                compile=config.compile, compile_backend=config.compile_backend,
                                mixed_steps=config.mixed_steps)
         if backend.compiled:  # compile now, while /health says loading, not in the first request
-            log.info("compiling the decode step for %d rows (%s)…", rows, backend.decode_step.shapes)
+            log.info("compiling the decode step for %d rows (%s): minutes on a CPU the first time, less once the "
+                     "compile cache in %s holds its graphs (--no-compile starts in seconds, decoding slower)…",
+                     rows, backend.decode_step.shapes, persistent_compile_cache())
             failed = backend.compiled_warm_up()
             if failed:
                 log.warning("compiling the decode step failed, decoding eagerly: %s", failed)
@@ -178,13 +190,15 @@ def loader(config: ServeConfig, store: ParkedStore):
         context = min(positions, backend.slots) if policy.grows else positions
         preparer = Preparer(loaded.tokenizer, store, vocab_size=model_config.vocab_size, max_context=context,
                             bounded=bounded, max_tokens_cap=config.max_tokens,
-                            repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n)
-        log.info("%s loaded on %s: %d sequence rows (from %s); %s cache of %d slots per row at %s, %s; %.1f MiB "
-                 "of device KV in all; parked conversations up to %.0f MiB; %s decode step, prompt chunks %s, %s linears",
-                 loaded.name,
-                 loaded.device, rows, source, policy.name, backend.slots, slot_format(settings, loaded.model),
-                 recall_line(backend, cold_bytes, positions), rows * row_bytes / 2**20, store.capacity / 2**20,
-                 "compiled" if backend.compiled else "eager",
+                            repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n,
+                            max_prompt_tokens=config.max_prompt_tokens)
+        log.info("%s loaded on %s: %d conversations at once (%s)", loaded.name, loaded.device, rows, source)
+        log.info("memory beyond the model: %s for the rows, up to %s for finished conversations kept for their next "
+                 "turn (--parked-bytes)%s", format_bytes(rows * (row_bytes + cold_bytes)), format_bytes(store.capacity),
+                 prompt_bound(backend, config, positions))
+        log.info("%s cache of %d slots per row at %s, %s; %s decode step, prompt chunks %s, %s linears",
+                 policy.name, backend.slots, slot_format(settings, loaded.model),
+                 recall_line(backend, cold_bytes, positions), "compiled" if backend.compiled else "eager",
                  "in the decode steps" if backend.mixes_steps else "apart", form_of(loaded.model))
         return Loaded(backend, loaded.tokenizer, preparer, frozenset(stop_token_ids(loaded.tokenizer, loaded.model)),
                       config.served_name or config.model, row_bytes=row_bytes,
@@ -192,6 +206,21 @@ def loader(config: ServeConfig, store: ParkedStore):
                       prefill_chunks=config.prefill_chunks_per_step)
 
     return load_engine
+
+
+def prompt_bound(backend: ModelBackend, config: ServeConfig, positions: int) -> str:
+    """What one row's recall store can grow to: it keeps every token its conversation evicted, so a
+    conversation longer than the model's window (the rows are sized by) costs more; a request's prompt
+    is bounded by --max-prompt-tokens and its reply by --max-tokens."""
+    per_token = backend.cache.tier_host_bytes_per_token()
+    if not per_token:
+        return ""
+    if not config.max_prompt_tokens:
+        return "; a row's recall store grows with its conversation, with no bound (--max-prompt-tokens 0)"
+    longest = config.max_prompt_tokens + config.max_tokens
+    grown = int(per_token * max(longest - backend.slots, 0))
+    return (f"; a row's recall store grows with its conversation: {format_bytes(grown)} at most for one request "
+            f"({config.max_prompt_tokens:,} prompt tokens, --max-prompt-tokens, and {config.max_tokens:,} generated)")
 
 
 def slot_format(settings: CacheSettings, model) -> str:
