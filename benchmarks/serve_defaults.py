@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from h2ochat.serve.process import ServerProcess
+from json_report import envelope
 
 
 def rss(pid: int) -> int:
@@ -78,7 +79,7 @@ def main() -> None:
         server.stop()
         record["starts"].append(entry)
         print(json.dumps(entry, indent=1), flush=True)
-    Path(options.out).write_text(json.dumps(record, indent=1) + "\n")
+    Path(options.out).write_text(json.dumps(envelope(record), indent=1) + "\n")
 
 
 if __name__ == "__main__":
