@@ -171,7 +171,7 @@ DRY = Profile(
     serve_args=("--model", "opt-125m", "--random-weights", "--completions", "--device", "cpu", "--dtype", "float32",
                 "--budget", "16", "--full-budget", "64", "--kv-memory", "12MiB", "--chats", "2", "--turns", "2",
                 "--history-chars", "300", "--user-chars", "20", "--reply", "4", "--phases", "load"),
-    serve_timeout=200,
+    serve_timeout=480,  # (a bound against a hang, not a target: two servers start on a possibly loaded CPU)
     recall_contexts=(48, 64), recall_budget="16", recall_every=(1, 2), recall_budget_s=100,
     recall_args={"recall": "8", "page": 4, "selector": "rot4", "cold_dtype": "same"},
 )

@@ -34,7 +34,7 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     code = (f"import runpy, sys\nfor name in {BLOCKED!r}:\n    sys.modules[name] = None  # import fails\n"
             f"sys.argv = ['gpu_check.py', '--dry-run', '--out', {str(tmp_path)!r}]\n"
             f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=400,
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1200,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
