@@ -17,6 +17,7 @@ Configure with ``--kv-transfer-config '{"kv_connector": "H2OConnector", "kv_role
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .choice import blocks_to_evict
 from .settings import read_settings
 from .worker_state import STATE, RequestPlan
+
+
+KEEP_FINISHED = 256
 
 
 @dataclass
@@ -57,6 +61,12 @@ class RequestBlocks:
     scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     evicted: set[int] = field(default_factory=set)
     computed: int = 0
+    most_held: int = 0  # the most blocks held after a step's evictions
+    most_held_decoding: int = 0  # the same over the steps that decode one token
+
+    def summary(self) -> dict:
+        return {"evicted": sorted(self.evicted), "most_held": self.most_held,
+                "most_held_decoding": self.most_held_decoding}
 
     def add(self, step: list[float], decay: float) -> None:
         step_scores = torch.tensor(step, dtype=torch.float32)
@@ -82,6 +92,7 @@ class H2OConnector(KVConnectorBase_V1):
         self.budget = self.settings.blocks(self.block_size)
         self.requests: dict[str, RequestBlocks] = {}
         self.evicted_total = 0
+        self.finished: OrderedDict[str, dict] = OrderedDict()  # the last requests' summaries, for tests and logs
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -125,7 +136,11 @@ class H2OConnector(KVConnectorBase_V1):
                     record.add(step, self.settings.policy.decay)
 
     def request_finished(self, request, block_ids):
-        self.requests.pop(request.request_id, None)
+        record = self.requests.pop(request.request_id, None)
+        if record is not None:
+            self.finished[request.request_id] = record.summary()
+            while len(self.finished) > KEEP_FINISHED:
+                self.finished.popitem(last=False)
         return False, None
 
     def _manager(self):
@@ -146,7 +161,8 @@ class H2OConnector(KVConnectorBase_V1):
         plans: dict[str, RequestPlan] = {}
         freed = []
         for req_id, computed in self._scheduled(scheduler_output):
-            total = computed + scheduler_output.num_scheduled_tokens[req_id]
+            step_tokens = scheduler_output.num_scheduled_tokens[req_id]
+            total = computed + step_tokens
             record = self.requests.get(req_id)
             if record is None or computed < record.computed:  # new, or preempted and computed again from the start
                 record = self.requests[req_id] = RequestBlocks()
@@ -158,6 +174,10 @@ class H2OConnector(KVConnectorBase_V1):
                 freed.append(blocks[j])
                 blocks[j] = manager.block_pool.null_block
                 record.evicted.add(j)
+            holding = sum(1 for block in blocks[:logical] if not block.is_null)  # as vLLM's own table says
+            record.most_held = max(record.most_held, holding)
+            if step_tokens == 1:
+                record.most_held_decoding = max(record.most_held_decoding, holding)
             plans[req_id] = RequestPlan(blocks[(total - 1) // size].block_id, tuple(sorted(record.evicted)))
         if freed:
             manager.block_pool.free_blocks(freed)
