@@ -21,15 +21,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from .scores import block_scores
-from .worker_state import STATE
-
-
-@dataclasses.dataclass
-class ScoredRow:
-    req_id: str
-    logical: torch.Tensor  # [k] the logical index of each kept block, in row order
-    logical_blocks: int  # the request's blocks in the text, evicted ones counted
+from .scores import block_scores, decode_block_scores
+from .worker_state import STATE, ScoredRow
 
 
 def compact(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, plans: dict):
@@ -74,6 +67,15 @@ class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             max_seq_len=int(lens.max()) if num_reqs else 0)
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         metadata.h2o_rows = rows
+        metadata.h2o_scores = STATE.begin_step(rows)
+        # the rows that decode one token are scored together, as one batch per layer
+        starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1]
+        decoding = [r for r, row in enumerate(rows) if row is not None and int(starts[r + 1] - starts[r]) == 1]
+        metadata.h2o_decoding = torch.tensor(decoding, dtype=torch.long)
+        if decoding:
+            width = max(rows[r].logical.numel() for r in decoding)
+            metadata.h2o_decode_blocks = full_table[decoding, :width].long()
+            metadata.h2o_decode_queries = starts[decoding].long()
         return metadata
 
 
@@ -90,16 +92,23 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
     def _score(self, query, kv_cache, metadata, rows) -> None:
         num_blocks, kv_heads, block_size, _ = kv_cache.shape
         key_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, -1)[:, :, :block_size]
+        query = query.view(query.shape[0], self.num_heads, self.head_size)
+        total = metadata.h2o_scores
+        decoding = metadata.h2o_decoding
+        if decoding.numel():
+            got = decode_block_scores(query[metadata.h2o_decode_queries], key_cache, metadata.h2o_decode_blocks,
+                                      metadata.seq_lens[decoding], self.scale)
+            total[decoding, : got.shape[1]] += got
         starts = metadata.query_start_loc.tolist()
         lengths = metadata.seq_lens.tolist()
-        query = query.view(query.shape[0], self.num_heads, self.head_size)
+        single = set(decoding.tolist())
         for row, scored in enumerate(rows):
-            if scored is None:
+            if scored is None or row in single:
                 continue
             kept = scored.logical.numel()
             blocks = metadata.block_table[row, :kept].long()
-            got = block_scores(query[starts[row]: starts[row + 1]], key_cache, blocks, lengths[row], self.scale)
-            STATE.add_scores(scored.req_id, scored.logical, got, scored.logical_blocks)
+            total[row, :kept] += block_scores(query[starts[row]: starts[row + 1]], key_cache, blocks, lengths[row],
+                                              self.scale)
 
 
 class H2OCPUAttentionBackend(CPUAttentionBackend):

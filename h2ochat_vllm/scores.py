@@ -1,4 +1,4 @@
-"""The attention one step's queries give each KV block of one request, in plain torch.
+"""The attention one step's queries give each KV block, in plain torch.
 
 H2O's score: the softmax probability each cached token receives, summed over the step's queries and
 over the query heads (every KV head here; the sum over heads is what a block-granular policy can use,
@@ -10,6 +10,14 @@ from __future__ import annotations
 import torch
 
 
+def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[..., n, H, D] -> [..., Hkv, G*n, D]: a KV head's query heads side by side, no repeated keys."""
+    *lead, n, heads, dim = query.shape
+    group = heads // kv_heads
+    q = query.float().reshape(*lead, n, kv_heads, group, dim).movedim(-4, -2)  # [..., Hkv, G, n, D]
+    return q.reshape(*lead, kv_heads, group * n, dim)
+
+
 def block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
                  scale: float) -> torch.Tensor:
     """query [n, H, D] (the step's queries of one request, rotated: RoPE applied), key_cache
@@ -19,14 +27,26 @@ def block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Ten
     n, heads, dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     keys = key_cache.index_select(0, blocks).transpose(0, 1).reshape(kv_heads, -1, dim)[:, :seq_len]
-    group = heads // kv_heads
-    # rows ordered (query head in the group, query): one matmul per KV head, no repeated keys
-    q = query.float().view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
-    logits = torch.matmul(q, keys.float().transpose(1, 2)) * scale  # [Hkv, G*n, S]
+    logits = torch.matmul(_grouped(query, kv_heads), keys.float().transpose(1, 2)) * scale  # [Hkv, G*n, S]
     if n > 1:
-        place = torch.arange(seq_len - n, seq_len).repeat(group)  # each row's own place
+        place = torch.arange(seq_len - n, seq_len).repeat(heads // kv_heads)  # each row's own place
         logits.masked_fill_(torch.arange(seq_len).view(1, 1, -1) > place.view(1, -1, 1), float("-inf"))
     column = torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [S]
     padded = torch.zeros(blocks.numel() * block_size, dtype=torch.float32)
     padded[:seq_len] = column
     return padded.view(-1, block_size).sum(dim=1)
+
+
+def decode_block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """``block_scores`` for R requests that each decode one token, in one batch: query [R, H, D],
+    blocks [R, k] (padded with any block id past each row's own), seq_lens [R] -> [R, k]."""
+    rows, heads, dim = query.shape
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    width = blocks.shape[1] * block_size
+    keys = key_cache[blocks].permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, width, dim)
+    logits = torch.matmul(_grouped(query.unsqueeze(1), kv_heads), keys.float().transpose(-1, -2)) * scale
+    outside = torch.arange(width).view(1, -1) >= seq_lens.view(-1, 1)  # [R, width]: padding
+    logits.masked_fill_(outside.view(rows, 1, 1, width), float("-inf"))
+    column = torch.softmax(logits, dim=-1).sum(dim=(1, 2))  # [R, width]
+    return column.view(rows, -1, block_size).sum(dim=-1)

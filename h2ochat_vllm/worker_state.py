@@ -2,10 +2,10 @@
 
 The connector's worker side stores the step's plan (for every scheduled request: the block that
 identifies its row, and the logical blocks it has evicted) before the attention metadata is built;
-the backend compacts each row by it and adds the block scores it computes; the connector sends the
-step's scores back and clears them. Every tensor-parallel rank holds the same plan (the scheduler
-broadcasts it) and its own heads' scores, which vLLM sums across ranks before the scheduler reads
-them, so the decisions are one and the same on every rank.
+the backend compacts each row by it and adds the block scores of every layer into the step's
+accumulator; the connector sends the step's scores back and clears them. Every tensor-parallel rank
+holds the same plan (the scheduler broadcasts it) and its own heads' scores, which vLLM sums across
+ranks before the scheduler reads them, so the decisions are one and the same on every rank.
 """
 
 from __future__ import annotations
@@ -22,24 +22,36 @@ class RequestPlan:
 
 
 @dataclass
+class ScoredRow:
+    req_id: str
+    logical: torch.Tensor  # [k] the logical index of each kept block, in row order
+    logical_blocks: int  # the request's blocks in the text, evicted ones counted
+
+
+@dataclass
 class StepState:
     plans: dict[str, RequestPlan] = field(default_factory=dict)
-    scores: dict[str, torch.Tensor] = field(default_factory=dict)  # req id -> [logical blocks] float32
+    rows: list[ScoredRow | None] = field(default_factory=list)
+    scores: torch.Tensor | None = None  # [rows, most kept blocks] float32, summed over the step's layers
 
     def set_plans(self, plans: dict[str, RequestPlan]) -> None:
         self.plans = plans
 
-    def add_scores(self, req_id: str, logical: torch.Tensor, scores: torch.Tensor, length: int) -> None:
-        total = self.scores.get(req_id)
-        if total is None or total.numel() < length:
-            grown = torch.zeros(length, dtype=torch.float32)
-            if total is not None:
-                grown[: total.numel()] = total
-            total = self.scores[req_id] = grown
-        total.index_add_(0, logical, scores)
+    def begin_step(self, rows: list[ScoredRow | None]) -> torch.Tensor:
+        self.rows = rows
+        width = max((row.logical.numel() for row in rows if row is not None), default=0)
+        self.scores = torch.zeros(len(rows), width, dtype=torch.float32)
+        return self.scores
 
     def take_scores(self) -> dict[str, torch.Tensor]:
-        taken, self.scores = self.scores, {}
+        """req id -> [logical blocks] float32, the step's attention per block; clears the step."""
+        taken = {}
+        if self.scores is not None:
+            for index, row in enumerate(self.rows):
+                if row is not None:
+                    kept = row.logical.numel()
+                    taken[row.req_id] = torch.zeros(row.logical_blocks).index_add_(0, row.logical, self.scores[index, :kept])
+        self.rows, self.scores = [], None
         return taken
 
 

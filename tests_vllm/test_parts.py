@@ -9,7 +9,7 @@ import torch
 from h2ochat.policies import get_policy
 from h2ochat_vllm import reference
 from h2ochat_vllm.choice import blocks_to_evict
-from h2ochat_vllm.scores import block_scores
+from h2ochat_vllm.scores import block_scores, decode_block_scores
 from h2ochat_vllm.settings import read_settings
 
 
@@ -69,3 +69,18 @@ def test_settings_need_a_budget_and_read_the_policy(monkeypatch):
     monkeypatch.delenv("H2OCHAT_VLLM_BUDGET")
     with pytest.raises(ValueError, match="needs at least"):
         read_settings({"budget": 100}, None).blocks(128)
+
+
+def test_decode_batch_scores_equal_one_row_at_a_time():
+    generator = torch.Generator().manual_seed(7)
+    block_size, kv_heads, heads, dim = 32, 3, 9, 16
+    cache = torch.randn(12, kv_heads, block_size, dim, generator=generator)
+    blocks = torch.tensor([[3, 1, 4, 0], [5, 9, 0, 0], [2, 6, 7, 8]])  # padded past each row's own
+    lens = torch.tensor([100, 33, 128])
+    query = torch.randn(3, heads, dim, generator=generator)
+    got = decode_block_scores(query, cache, blocks, lens, 0.125)
+    for row in range(3):
+        kept = -(-int(lens[row]) // block_size)
+        one = block_scores(query[row:row + 1], cache, blocks[row, :kept], int(lens[row]), 0.125)
+        torch.testing.assert_close(got[row, :kept], one, rtol=1e-5, atol=1e-6)
+        assert got[row, kept:].abs().max() == 0 if kept < 4 else True
