@@ -21,7 +21,7 @@ DEFAULT_POLICY = "h2o:sinks=1"  # the first block holds the system prompt's star
 class Settings:
     budget_tokens: int
     policy: Policy
-    recall: float = 0.0  # share of the budget that recalled blocks may take (0: evicted blocks are dropped)
+    recall: float = 0.0  # share of the budget for recalled blocks; only 0 (evicted blocks are dropped) runs today
 
     def blocks(self, block_size: int) -> SlotBudget:
         """The budget in whole blocks, split by the policy (sinks, heavy, recent; all in blocks)."""
@@ -56,4 +56,6 @@ def read_settings(connector_extra: dict | None, additional: dict | None) -> Sett
     recall = float(_pick("recall", "H2OCHAT_VLLM_RECALL", extra, more) or 0.0)
     if not 0.0 <= recall < 1.0:
         raise ValueError(f"h2ochat: recall share must be in [0, 1), got {recall}")
+    if recall:
+        raise ValueError("h2ochat: recall is not built into the vLLM plugin yet (docs/vllm.md): leave recall at 0")
     return Settings(int(budget), policy, recall)

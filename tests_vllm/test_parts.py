@@ -84,3 +84,9 @@ def test_decode_batch_scores_equal_one_row_at_a_time():
         one = block_scores(query[row:row + 1], cache, blocks[row, :kept], int(lens[row]), 0.125)
         torch.testing.assert_close(got[row, :kept], one, rtol=1e-5, atol=1e-6)
         assert got[row, kept:].abs().max() == 0 if kept < 4 else True
+
+
+def test_a_recall_share_is_refused_until_recall_is_built(monkeypatch):
+    monkeypatch.delenv("H2OCHAT_VLLM_RECALL", raising=False)
+    with pytest.raises(ValueError, match="recall is not built"):
+        read_settings({"budget": 1024, "recall": 0.25}, None)
