@@ -107,8 +107,8 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                 continue
             kept = scored.logical.numel()
             blocks = metadata.block_table[row, :kept].long()
-            total[row, :kept] += block_scores(query[starts[row]: starts[row + 1]], key_cache, blocks, lengths[row],
-                                              self.scale)
+            first = starts[row] if not STATE.score_queries else max(starts[row], starts[row + 1] - STATE.score_queries)
+            total[row, :kept] += block_scores(query[first: starts[row + 1]], key_cache, blocks, lengths[row], self.scale)
 
 
 class H2OCPUAttentionBackend(CPUAttentionBackend):

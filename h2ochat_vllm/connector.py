@@ -39,6 +39,7 @@ KEEP_FINISHED = 256
 @dataclass
 class H2OPlan(KVConnectorMetadata):
     plans: dict[str, RequestPlan]
+    score_queries: int = 0
 
 
 @dataclass
@@ -101,7 +102,10 @@ class H2OConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------------------------
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # called with the step's metadata before the attention metadata is built: the backend needs the plan then
-        STATE.set_plans(kv_connector_metadata.plans if isinstance(kv_connector_metadata, H2OPlan) else {})
+        if isinstance(kv_connector_metadata, H2OPlan):
+            STATE.set_plans(kv_connector_metadata.plans, kv_connector_metadata.score_queries)
+        else:
+            STATE.set_plans({})
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         return None
@@ -182,4 +186,4 @@ class H2OConnector(KVConnectorBase_V1):
         if freed:
             manager.block_pool.free_blocks(freed)
             self.evicted_total += len(freed)
-        return H2OPlan(plans)
+        return H2OPlan(plans, self.settings.score_queries)

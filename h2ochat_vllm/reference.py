@@ -24,6 +24,7 @@ class BlockRule:
     budget: int  # blocks
     sinks: int  # first blocks, never evicted
     recent: int  # blocks counted back from the one the step's first token goes to, never evicted
+    score_queries: int = 0  # 0: every query of a step adds its attention; k: only the step's last k
 
 
 @dataclass
@@ -31,6 +32,7 @@ class _Step:
     evicted: set[int] = field(default_factory=set)
     scores: dict[int, float] = field(default_factory=dict)
     block_size: int = 1
+    score_queries: int = 0
 
 
 _CURRENT: list[_Step] = []
@@ -52,7 +54,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         hidden[:, block * step.block_size: (block + 1) * step.block_size] = True
     logits = logits.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    received = probs.sum(dim=(0, 1, 2))
+    scoring = probs[:, :, -step.score_queries:] if step.score_queries else probs
+    received = scoring.sum(dim=(0, 1, 2))
     for place in range(length):
         block = place // step.block_size
         step.scores[block] = step.scores.get(block, 0.0) + float(received[place])
@@ -103,7 +106,7 @@ def generate(model, prompt: list[int], max_new: int, rule: BlockRule, chunk: int
         total = computed + n
         evict_before_step(rule, scores, evicted, total, computed)
         run.held_after_eviction.append(sum(1 for b in range(-(-total // rule.block_size)) if b not in evicted))
-        _CURRENT.append(_Step(evicted, {}, rule.block_size))
+        _CURRENT.append(_Step(evicted, {}, rule.block_size, rule.score_queries))
         try:
             out = model(input_ids=torch.tensor([feed]), position_ids=torch.arange(computed, total).view(1, -1),
                         past_key_values=cache, use_cache=True)

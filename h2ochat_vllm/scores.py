@@ -2,7 +2,9 @@
 
 H2O's score: the softmax probability each cached token receives, summed over the step's queries and
 over the query heads (every KV head here; the sum over heads is what a block-granular policy can use,
-since all KV heads of a token share one block). Accumulated in float32 whatever the KV dtype.
+since all KV heads of a token share one block). The logits are computed in the KV cache's dtype
+(bf16 matmuls are several times faster on CPUs that have them; a float32 cache gives float32 logits),
+the softmax and every sum in float32.
 """
 
 from __future__ import annotations
@@ -10,27 +12,32 @@ from __future__ import annotations
 import torch
 
 
-def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def _grouped(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """[..., n, H, D] -> [..., Hkv, G*n, D]: a KV head's query heads side by side, no repeated keys."""
     *lead, n, heads, dim = query.shape
     group = heads // kv_heads
-    q = query.float().reshape(*lead, n, kv_heads, group, dim).movedim(-4, -2)  # [..., Hkv, G, n, D]
+    q = query.to(dtype).reshape(*lead, n, kv_heads, group, dim).movedim(-4, -2)  # [..., Hkv, G, n, D]
     return q.reshape(*lead, kv_heads, group * n, dim)
+
+
+def _causal_bias(n: int, group: int) -> torch.Tensor:
+    """[G*n, n] float32: -inf where a query of the step would see a later token of the step."""
+    return torch.full((n, n), float("-inf")).triu(1).repeat(group, 1)
 
 
 def block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
                  scale: float) -> torch.Tensor:
-    """query [n, H, D] (the step's queries of one request, rotated: RoPE applied), key_cache
+    """query [n, H, D] (the step's last n queries of one request, rotated: RoPE applied), key_cache
     [num_blocks, Hkv, block_size, D], blocks [k] the request's kept blocks in order, seq_len the
     tokens they hold (the step's own included, last) -> [k] float32, the attention each block got.
     Query i sits at place seq_len - n + i and sees the places up to it (causal)."""
     n, heads, dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     keys = key_cache.index_select(0, blocks).transpose(0, 1).reshape(kv_heads, -1, dim)[:, :seq_len]
-    logits = torch.matmul(_grouped(query, kv_heads), keys.float().transpose(1, 2)) * scale  # [Hkv, G*n, S]
-    if n > 1:
-        place = torch.arange(seq_len - n, seq_len).repeat(heads // kv_heads)  # each row's own place
-        logits.masked_fill_(torch.arange(seq_len).view(1, 1, -1) > place.view(1, -1, 1), float("-inf"))
+    logits = torch.matmul(_grouped(query, kv_heads, keys.dtype), keys.transpose(1, 2)).float()  # [Hkv, G*n, S]
+    logits.mul_(scale)
+    if n > 1:  # the step's own tokens, last: each query sees those up to itself
+        logits[:, :, seq_len - n:] += _causal_bias(n, heads // kv_heads)
     column = torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [S]
     padded = torch.zeros(blocks.numel() * block_size, dtype=torch.float32)
     padded[:seq_len] = column
@@ -45,7 +52,8 @@ def decode_block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: to
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     width = blocks.shape[1] * block_size
     keys = key_cache[blocks].permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, width, dim)
-    logits = torch.matmul(_grouped(query.unsqueeze(1), kv_heads), keys.float().transpose(-1, -2)) * scale
+    logits = torch.matmul(_grouped(query.unsqueeze(1), kv_heads, keys.dtype), keys.transpose(-1, -2)).float()
+    logits.mul_(scale)
     outside = torch.arange(width).view(1, -1) >= seq_lens.view(-1, 1)  # [R, width]: padding
     logits.masked_fill_(outside.view(rows, 1, 1, width), float("-inf"))
     column = torch.softmax(logits, dim=-1).sum(dim=(1, 2))  # [R, width]

@@ -4,7 +4,9 @@ Read, in order of precedence, from the environment (``H2OCHAT_VLLM_BUDGET``, ``H
 ``H2OCHAT_VLLM_RECALL``), the connector's ``kv_connector_extra_config``, and ``--additional-config
 '{"h2ochat": {...}}'``. The budget is in tokens per request and is rounded down to whole KV blocks;
 the policy is one of h2ochat's (``h2o``, ``mean``, ``decay``, ``tova``, ``sink``, ``local``), with
-knobs as in h2ochat (``h2o:sinks=1``), where sinks count blocks here.
+knobs as in h2ochat (``h2o:sinks=1``), where sinks count blocks here. ``score_queries`` (0 by
+default: every query, as H2O) lets only the last k queries of a prompt chunk add their attention, the
+observation window SnapKV scores with: a chunk's scoring then costs k rows instead of the chunk's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ DEFAULT_POLICY = "h2o:sinks=1"  # the first block holds the system prompt's star
 class Settings:
     budget_tokens: int
     policy: Policy
+    score_queries: int = 0  # 0: every query of a step adds its attention (H2O); k: only a step's last k
     recall: float = 0.0  # share of the budget for recalled blocks; only 0 (evicted blocks are dropped) runs today
 
     def blocks(self, block_size: int) -> SlotBudget:
@@ -58,4 +61,7 @@ def read_settings(connector_extra: dict | None, additional: dict | None) -> Sett
         raise ValueError(f"h2ochat: recall share must be in [0, 1), got {recall}")
     if recall:
         raise ValueError("h2ochat: recall is not built into the vLLM plugin yet (docs/vllm.md): leave recall at 0")
-    return Settings(int(budget), policy, recall)
+    score_queries = int(_pick("score_queries", "H2OCHAT_VLLM_SCORE_QUERIES", extra, more) or 0)
+    if score_queries < 0:
+        raise ValueError(f"h2ochat: score_queries must be >= 0, got {score_queries}")
+    return Settings(int(budget), policy, score_queries, recall)

@@ -31,11 +31,13 @@ class ScoredRow:
 @dataclass
 class StepState:
     plans: dict[str, RequestPlan] = field(default_factory=dict)
+    score_queries: int = 0  # 0: every query of the step adds its attention; k: the last k of each request
     rows: list[ScoredRow | None] = field(default_factory=list)
     scores: torch.Tensor | None = None  # [rows, most kept blocks] float32, summed over the step's layers
 
-    def set_plans(self, plans: dict[str, RequestPlan]) -> None:
+    def set_plans(self, plans: dict[str, RequestPlan], score_queries: int = 0) -> None:
         self.plans = plans
+        self.score_queries = score_queries
 
     def begin_step(self, rows: list[ScoredRow | None]) -> torch.Tensor:
         self.rows = rows

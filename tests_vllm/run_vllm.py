@@ -21,13 +21,15 @@ def main() -> None:
         config = {"budget": spec["budget"]}
         if spec.get("policy"):
             config["policy"] = spec["policy"]
+        if spec.get("score_queries"):
+            config["score_queries"] = spec["score_queries"]
         extra["kv_transfer_config"] = {"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                        "kv_connector_extra_config": config}
     llm = LLM(spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               max_model_len=spec.get("max_model_len", 2048), kv_cache_memory_bytes=64 << 20,
               enable_prefix_caching=False, block_size=spec["block_size"], async_scheduling=False,
               max_num_batched_tokens=spec["max_num_batched_tokens"], max_num_seqs=spec.get("max_num_seqs", 8),
-              seed=0, **extra)
+              seed=0, tensor_parallel_size=spec.get("tensor_parallel_size", 1), **extra)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "requests": None}
