@@ -3,7 +3,8 @@
 Each configuration starts its own `vllm serve` (the same KV memory, the same threads), waits for
 /health, runs ../shared/peers/chat_load.py against it, stops it, and the summaries land in one JSON.
 usage: vllm_chat_load.py --venv VENV --model-dir FOLDER --out results_vllm_X.json
-       [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--kv-gib 1] [--order plain,plugin]
+       [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--kv-gib 1]
+       [--order plain,plugin]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run_one(args, name: str, port: int, log_dir: Path) -> dict:
     command = [str(Path(args.venv) / "bin" / "vllm"), "serve", args.model_dir, "--served-model-name", "smollm2-135m",
                "--max-model-len", "8192", "--port", str(port)]
     if name == "plugin":
-        config = {"budget": args.budget, "policy": args.policy}
+        config = {"budget": args.budget, "policy": args.policy, "score_queries": args.score_queries}
         command += ["--kv-transfer-config", json.dumps({"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                                         "kv_connector_extra_config": config})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND="auto", HF_HUB_OFFLINE="1")
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--policy", default="h2o:sinks=1")
+    parser.add_argument("--score-queries", type=int, default=0)
     parser.add_argument("--kv-gib", type=float, default=1)
     parser.add_argument("--order", default="plain,plugin")
     parser.add_argument("--log-dir", default="/tmp/h2ochat_vllm_bench")

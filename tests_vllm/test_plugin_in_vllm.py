@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -71,3 +73,17 @@ def test_concurrent_requests_each_follow_the_reference_within_budget(tiny_llama,
     for prompt, tokens, summary in zip(batch, got["tokens"], got["requests"]):
         assert_follows_reference(model, prompt, tokens, rule, 1024, summary)
         assert summary["most_held_decoding"] <= rule.budget
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two CPUs to bind")
+def test_two_tensor_parallel_ranks_evict_as_one(tiny_llama, tmp_path, monkeypatch):
+    """Each rank scores its own KV head; vLLM sums the ranks' scores and the scheduler's plan reaches
+    both: the tokens and evictions equal a single rank's."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    prompt = prompts(1, 300, seed=2)[0]
+    spec = dict(model=str(tiny_llama), prompts=[prompt, prompt[::-1]], max_tokens=60, block_size=BLOCK,
+                max_num_batched_tokens=64, budget=4 * BLOCK, policy="h2o:sinks=1")
+    one = run_vllm(tmp_path, **spec, tensor_parallel_size=1)
+    two = run_vllm(tmp_path, **spec, tensor_parallel_size=2)
+    assert two["tokens"] == one["tokens"]
+    assert two["requests"] == one["requests"] and one["requests"][0]["evicted"]
