@@ -51,7 +51,8 @@ def run_one(args, name: str, port: int, log_dir: Path) -> dict:
         out = log_dir / f"load_{name}.json"
         subprocess.run([str(Path(args.venv) / "bin" / "python"), str(PEERS / "chat_load.py"), "--base-url",
                         f"http://127.0.0.1:{port}/v1", "--model", "smollm2-135m", "--clients", str(args.clients),
-                        "--turns", str(args.turns), "--label", name, "--json", str(out)], check=True)
+                        "--turns", str(args.turns), "--label", name, "--json", str(out),
+                        *(["--prompts", args.prompts] if args.prompts else [])], check=True)
         summary = json.loads(out.read_text())["summary"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
             metrics = answer.read().decode()
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--policy", default="h2o:sinks=1")
     parser.add_argument("--score-queries", type=int, default=0)
+    parser.add_argument("--prompts", default=None, help="chat_load.py's prompts file (make_prompts.py makes 32 x 8)")
     parser.add_argument("--kv-gib", type=float, default=1)
     parser.add_argument("--order", default="plain,plugin")
     parser.add_argument("--log-dir", default="/tmp/h2ochat_vllm_bench")
@@ -83,8 +85,10 @@ def main() -> None:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = os.getloadavg()  # other jobs share this machine: the load says how much
     runs = {name: run_one(args, name, 8110 + i, log_dir) for i, name in enumerate(args.order.split(","))}
-    result = {"started": started, "argv": sys.argv, "load_average_before": os.getloadavg(), "runs": runs}
+    result = {"started": started, "argv": sys.argv, "load_average_before": load_before,
+              "load_average_after": os.getloadavg(), "runs": runs}
     if {"plain", "plugin"} <= set(runs):
         plain, plugin = runs["plain"], runs["plugin"]
         result["plugin_over_plain_tok_s"] = plugin["gen_tok_per_s"] / plain["gen_tok_per_s"]

@@ -51,9 +51,10 @@ def decode_block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: to
     rows, heads, dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     width = blocks.shape[1] * block_size
-    keys = key_cache[blocks].permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, width, dim)
-    logits = torch.matmul(_grouped(query.unsqueeze(1), kv_heads, keys.dtype), keys.transpose(-1, -2)).float()
-    logits.mul_(scale)
+    keys = key_cache[blocks]  # [R, k, Hkv, bs, D], as the cache lays them out: no second copy
+    q = _grouped(query.unsqueeze(1), kv_heads, keys.dtype).unsqueeze(1)  # [R, 1, Hkv, G, D]
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float()  # [R, k, Hkv, G, bs]: small
+    logits = logits.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, -1, width).mul_(scale)
     outside = torch.arange(width).view(1, -1) >= seq_lens.view(-1, 1)  # [R, width]: padding
     logits.masked_fill_(outside.view(rows, 1, 1, width), float("-inf"))
     column = torch.softmax(logits, dim=-1).sum(dim=(1, 2))  # [R, width]
