@@ -44,6 +44,8 @@ def run_one(args, name: str, port: int, log_dir: Path) -> dict:
         command += ["--kv-transfer-config", json.dumps({"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                                         "kv_connector_extra_config": config})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND="auto", HF_HUB_OFFLINE="1")
+    if name == "plain":
+        env["VLLM_PLUGINS"] = "none"  # vLLM as shipped: no general plugin loaded
     log = open(log_dir / f"serve_{name}.log", "w")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -28,12 +28,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from vllm.logger import init_logger
+
 from .choice import blocks_to_evict
 from .settings import read_settings
 from .worker_state import STATE, RequestPlan
 
 
 KEEP_FINISHED = 256
+LOG_EVERY = 64  # finished requests between two summary lines in the server's log
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -94,6 +98,8 @@ class H2OConnector(KVConnectorBase_V1):
         self.requests: dict[str, RequestBlocks] = {}
         self.evicted_total = 0
         self.finished: OrderedDict[str, dict] = OrderedDict()  # the last requests' summaries, for tests and logs
+        self.finished_count = 0
+        self.most_held_decoding = 0  # over every request so far: the budget's proof in a server's log
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -145,6 +151,12 @@ class H2OConnector(KVConnectorBase_V1):
             self.finished[request.request_id] = record.summary()
             while len(self.finished) > KEEP_FINISHED:
                 self.finished.popitem(last=False)
+            self.finished_count += 1
+            self.most_held_decoding = max(self.most_held_decoding, record.most_held_decoding)
+            if self.finished_count % LOG_EVERY == 0:
+                logger.info("h2ochat: %d requests finished; most blocks one request held while decoding: %d "
+                            "(budget %d); blocks evicted: %d", self.finished_count, self.most_held_decoding,
+                            self.budget.slots, self.evicted_total)
         return False, None
 
     def _manager(self):

@@ -14,6 +14,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
+    if spec.get("without_plugin"):
+        os.environ["VLLM_PLUGINS"] = "none"  # load no general plugin: vLLM exactly as shipped
     from vllm import LLM, SamplingParams
 
     extra = {}

@@ -40,9 +40,10 @@ def assert_follows_reference(model, prompt, tokens, rule, chunk, summary):
 
 
 def test_a_budget_over_the_whole_sequence_changes_nothing(tiny_llama, tmp_path):
+    """vLLM as shipped (no plugin loaded) against the plugin with a budget that never binds."""
     spec = dict(model=str(tiny_llama), prompts=prompts(3, 200, seed=1), max_tokens=40, block_size=BLOCK,
                 max_num_batched_tokens=1024)
-    plain = run_vllm(tmp_path, **spec)
+    plain = run_vllm(tmp_path, **spec, without_plugin=True)
     with_plugin = run_vllm(tmp_path, **spec, budget=2048)
     assert with_plugin["tokens"] == plain["tokens"]
     assert all(summary["evicted"] == [] for summary in with_plugin["requests"])
