@@ -159,11 +159,13 @@ class H2OConnector(KVConnectorBase_V1):
                             self.budget.slots, self.evicted_total)
         return False, None
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if len(kv_cache_manager.coordinator.single_type_managers) != 1:  # checked once, as the scheduler starts
+            raise ValueError("h2ochat: the budget needs one KV cache group (one attention type in the model)")
+
     def _manager(self):
-        managers = self._kv_cache_manager.coordinator.single_type_managers
-        if len(managers) != 1:
-            raise ValueError("h2ochat's eviction needs one KV cache group (one attention type in the model)")
-        return managers[0]
+        return self._kv_cache_manager.coordinator.single_type_managers[0]
 
     def _scheduled(self, scheduler_output):
         for new in scheduler_output.scheduled_new_reqs:
