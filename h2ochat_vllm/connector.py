@@ -37,7 +37,7 @@ from .worker_state import STATE, RequestPlan
 
 KEEP_FINISHED = 256
 LOG_EVERY = 64  # finished requests between two summary lines in the server's log
-logger = init_logger(__name__)
+logger = init_logger("vllm.h2ochat_vllm")  # under vLLM's logger, whose handler prints INFO
 
 
 @dataclass
