@@ -1,0 +1,61 @@
+"""The attention one step's queries give each KV block, in plain torch.
+
+H2O's score: the softmax probability each cached token receives, summed over the step's queries and
+over the query heads (every KV head here; the sum over heads is what a block-granular policy can use,
+since all KV heads of a token share one block). The logits are computed in the KV cache's dtype
+(bf16 matmuls are several times faster on CPUs that have them; a float32 cache gives float32 logits),
+the softmax and every sum in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grouped(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., n, H, D] -> [..., Hkv, G*n, D]: a KV head's query heads side by side, no repeated keys."""
+    *lead, n, heads, dim = query.shape
+    group = heads // kv_heads
+    q = query.to(dtype).reshape(*lead, n, kv_heads, group, dim).movedim(-4, -2)  # [..., Hkv, G, n, D]
+    return q.reshape(*lead, kv_heads, group * n, dim)
+
+
+def _causal_bias(n: int, group: int) -> torch.Tensor:
+    """[G*n, n] float32: -inf where a query of the step would see a later token of the step."""
+    return torch.full((n, n), float("-inf")).triu(1).repeat(group, 1)
+
+
+def block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
+                 scale: float) -> torch.Tensor:
+    """query [n, H, D] (the step's last n queries of one request, rotated: RoPE applied), key_cache
+    [num_blocks, Hkv, block_size, D], blocks [k] the request's kept blocks in order, seq_len the
+    tokens they hold (the step's own included, last) -> [k] float32, the attention each block got.
+    Query i sits at place seq_len - n + i and sees the places up to it (causal)."""
+    n, heads, dim = query.shape
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    keys = key_cache.index_select(0, blocks).transpose(0, 1).reshape(kv_heads, -1, dim)[:, :seq_len]
+    logits = torch.matmul(_grouped(query, kv_heads, keys.dtype), keys.transpose(1, 2)).float()  # [Hkv, G*n, S]
+    logits.mul_(scale)
+    if n > 1:  # the step's own tokens, last: each query sees those up to itself
+        logits[:, :, seq_len - n:] += _causal_bias(n, heads // kv_heads)
+    column = torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [S]
+    padded = torch.zeros(blocks.numel() * block_size, dtype=torch.float32)
+    padded[:seq_len] = column
+    return padded.view(-1, block_size).sum(dim=1)
+
+
+def decode_block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """``block_scores`` for R requests that each decode one token, in one batch: query [R, H, D],
+    blocks [R, k] (padded with any block id past each row's own), seq_lens [R] -> [R, k]."""
+    rows, heads, dim = query.shape
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    width = blocks.shape[1] * block_size
+    keys = key_cache[blocks]  # [R, k, Hkv, bs, D], as the cache lays them out: no second copy
+    q = _grouped(query.unsqueeze(1), kv_heads, keys.dtype).unsqueeze(1)  # [R, 1, Hkv, G, D]
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float()  # [R, k, Hkv, G, bs]: small
+    logits = logits.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, -1, width).mul_(scale)
+    outside = torch.arange(width).view(1, -1) >= seq_lens.view(-1, 1)  # [R, width]: padding
+    logits.masked_fill_(outside.view(rows, 1, 1, width), float("-inf"))
+    column = torch.softmax(logits, dim=-1).sum(dim=(1, 2))  # [R, width]
+    return column.view(rows, -1, block_size).sum(dim=-1)

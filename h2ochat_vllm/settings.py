@@ -1,0 +1,67 @@
+"""The plugin's options: budget, policy and recall share, from vLLM's configuration.
+
+Read, in order of precedence, from the environment (``H2OCHAT_VLLM_BUDGET``, ``H2OCHAT_VLLM_POLICY``,
+``H2OCHAT_VLLM_RECALL``), the connector's ``kv_connector_extra_config``, and ``--additional-config
+'{"h2ochat": {...}}'``. The budget is in tokens per request and is rounded down to whole KV blocks;
+the policy is one of h2ochat's (``h2o``, ``mean``, ``decay``, ``tova``, ``sink``, ``local``), with
+knobs as in h2ochat (``h2o:sinks=1``), where sinks count blocks here. ``score_queries`` (0 by
+default: every query, as H2O) lets only the last k queries of a prompt chunk add their attention, the
+observation window SnapKV scores with: a chunk's scoring then costs k rows instead of the chunk's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from h2ochat.policies import Policy, SlotBudget, get_policy
+
+DEFAULT_POLICY = "h2o:sinks=1"  # the first block holds the system prompt's start: pinned, as StreamingLLM's sinks
+
+
+@dataclass(frozen=True)
+class Settings:
+    budget_tokens: int
+    policy: Policy
+    score_queries: int = 0  # 0: every query of a step adds its attention (H2O); k: only a step's last k
+    recall: float = 0.0  # share of the budget for recalled blocks; only 0 (evicted blocks are dropped) runs today
+
+    def blocks(self, block_size: int) -> SlotBudget:
+        """The budget in whole blocks, split by the policy (sinks, heavy, recent; all in blocks)."""
+        blocks = self.budget_tokens // block_size
+        least = self.policy.sinks + 2
+        if blocks < least:
+            raise ValueError(f"h2ochat budget {self.budget_tokens} tokens is {blocks} blocks of {block_size}; "
+                             f"policy {self.policy.label} needs at least {least} blocks ({least * block_size} tokens)")
+        return self.policy.split(blocks)
+
+
+def _pick(key: str, env: str, *sources: dict):
+    if os.environ.get(env):
+        return os.environ[env]
+    for source in sources:
+        if source and source.get(key) is not None:
+            return source[key]
+    return None
+
+
+def read_settings(connector_extra: dict | None, additional: dict | None) -> Settings:
+    """Settings from the connector's extra config and ``additional_config["h2ochat"]``."""
+    extra = dict(connector_extra or {})
+    more = dict((additional or {}).get("h2ochat") or {})
+    budget = _pick("budget", "H2OCHAT_VLLM_BUDGET", extra, more)
+    if budget is None:
+        raise ValueError("h2ochat: set a budget in tokens (kv_connector_extra_config {\"budget\": 1024}, "
+                         "--additional-config '{\"h2ochat\": {\"budget\": 1024}}' or H2OCHAT_VLLM_BUDGET)")
+    policy = get_policy(str(_pick("policy", "H2OCHAT_VLLM_POLICY", extra, more) or DEFAULT_POLICY))
+    if policy.grows:
+        raise ValueError("h2ochat: policy 'full' evicts nothing: leave the connector out instead")
+    recall = float(_pick("recall", "H2OCHAT_VLLM_RECALL", extra, more) or 0.0)
+    if not 0.0 <= recall < 1.0:
+        raise ValueError(f"h2ochat: recall share must be in [0, 1), got {recall}")
+    if recall:
+        raise ValueError("h2ochat: recall is not built into the vLLM plugin yet (docs/vllm.md): leave recall at 0")
+    score_queries = int(_pick("score_queries", "H2OCHAT_VLLM_SCORE_QUERIES", extra, more) or 0)
+    if score_queries < 0:
+        raise ValueError(f"h2ochat: score_queries must be >= 0, got {score_queries}")
+    return Settings(int(budget), policy, score_queries, recall)

@@ -1,0 +1,60 @@
+"""What one worker process holds for one engine step, between the connector and the attention backend.
+
+The connector's worker side stores the step's plan (for every scheduled request: the block that
+identifies its row, and the logical blocks it has evicted) before the attention metadata is built;
+the backend compacts each row by it and adds the block scores of every layer into the step's
+accumulator; the connector sends the step's scores back and clears them. Every tensor-parallel rank
+holds the same plan (the scheduler broadcasts it) and its own heads' scores, which vLLM sums across
+ranks before the scheduler reads them, so the decisions are one and the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestPlan:
+    marker_block: int  # physical id of the block holding the request's last token this step: its own
+    evicted: tuple[int, ...]  # logical blocks no longer attended, ascending
+
+
+@dataclass
+class ScoredRow:
+    req_id: str
+    logical: torch.Tensor  # [k] the logical index of each kept block, in row order
+    logical_blocks: int  # the request's blocks in the text, evicted ones counted
+
+
+@dataclass
+class StepState:
+    plans: dict[str, RequestPlan] = field(default_factory=dict)
+    score_queries: int = 0  # 0: every query of the step adds its attention; k: the last k of each request
+    rows: list[ScoredRow | None] = field(default_factory=list)
+    scores: torch.Tensor | None = None  # [rows, most kept blocks] float32, summed over the step's layers
+
+    def set_plans(self, plans: dict[str, RequestPlan], score_queries: int = 0) -> None:
+        self.plans = plans
+        self.score_queries = score_queries
+
+    def begin_step(self, rows: list[ScoredRow | None]) -> torch.Tensor:
+        self.rows = rows
+        width = max((row.logical.numel() for row in rows if row is not None), default=0)
+        self.scores = torch.zeros(len(rows), width, dtype=torch.float32)
+        return self.scores
+
+    def take_scores(self) -> dict[str, torch.Tensor]:
+        """req id -> [logical blocks] float32, the step's attention per block; clears the step."""
+        taken = {}
+        if self.scores is not None:
+            for index, row in enumerate(self.rows):
+                if row is not None:
+                    kept = row.logical.numel()
+                    taken[row.req_id] = torch.zeros(row.logical_blocks).index_add_(0, row.logical, self.scores[index, :kept])
+        self.rows, self.scores = [], None
+        return taken
+
+
+STATE = StepState()

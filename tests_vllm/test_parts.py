@@ -1,0 +1,104 @@
+"""The plugin's parts against obvious references, without starting vLLM: the block choice, the block
+scores, the row compaction and the options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2ochat.policies import get_policy
+from h2ochat_vllm import reference
+from h2ochat_vllm.choice import blocks_to_evict
+from h2ochat_vllm.scores import block_scores, decode_block_scores
+from h2ochat_vllm.settings import read_settings
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_choice_is_the_reference_rule(seed):
+    generator = torch.Generator().manual_seed(seed)
+    blocks = int(torch.randint(3, 40, (1,), generator=generator))
+    budget_blocks = int(torch.randint(3, 12, (1,), generator=generator))
+    sinks = int(torch.randint(0, 2, (1,), generator=generator))
+    policy = get_policy(f"h2o:sinks={sinks}")
+    budget = policy.split(budget_blocks)
+    scores = torch.rand(blocks, generator=generator)
+    evicted = set(torch.randperm(blocks, generator=generator)[: blocks // 4].tolist()) - set(range(sinks))
+    computed = int(torch.randint(0, blocks * 16, (1,), generator=generator))
+    total = max(computed + 1, (blocks - 1) * 16 + 1)
+    held = [b for b in range(-(-total // 16)) if b not in evicted]
+    expected = set(evicted)
+    reference.evict_before_step(reference.BlockRule(16, budget.slots, budget.sinks, budget.recent),
+                                {b: float(s) for b, s in enumerate(scores)}, expected, total, computed)
+    chosen = blocks_to_evict(policy, budget, scores, held, computed // 16)
+    assert set(chosen) == expected - evicted
+    assert not set(chosen) & set(range(sinks))
+
+
+def dense_block_scores(query, keys, seq_len, scale, block_size):
+    """Softmax over the full [H, n, S] logits with a causal mask, grouped query heads by repetition."""
+    n, heads, dim = query.shape
+    keys = keys.repeat_interleave(heads // keys.shape[0], dim=0)  # [H, S, D]
+    logits = torch.einsum("nhd,hsd->hns", query, keys) * scale
+    for i in range(n):
+        logits[:, i, seq_len - n + i + 1:] = float("-inf")
+    column = torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    return torch.stack([column[b * block_size:(b + 1) * block_size].sum() for b in range(-(-seq_len // block_size))])
+
+
+@pytest.mark.parametrize("n,seq_len", [(1, 70), (5, 70), (32, 96)])
+def test_block_scores_equal_dense_attention(n, seq_len):
+    generator = torch.Generator().manual_seed(n)
+    block_size, kv_heads, heads, dim = 32, 2, 4, 16
+    cache = torch.randn(10, kv_heads, block_size, dim, generator=generator)
+    blocks = torch.tensor([7, 2, 5])
+    keys = cache[blocks].transpose(0, 1).reshape(kv_heads, -1, dim)[:, :seq_len]
+    query = torch.randn(n, heads, dim, generator=generator)
+    got = block_scores(query, cache, blocks, seq_len, 0.25)
+    torch.testing.assert_close(got, dense_block_scores(query, keys, seq_len, 0.25, block_size), rtol=1e-5, atol=1e-5)
+    assert got.sum().item() == pytest.approx(n * heads, rel=1e-5)  # every query's probabilities sum to 1
+
+
+def test_settings_need_a_budget_and_read_the_policy(monkeypatch):
+    monkeypatch.delenv("H2OCHAT_VLLM_BUDGET", raising=False)
+    with pytest.raises(ValueError, match="budget"):
+        read_settings({}, None)
+    settings = read_settings({"budget": 1000}, {"h2ochat": {"policy": "mean"}})
+    assert settings.policy.name == "mean" and settings.blocks(128).slots == 7
+    monkeypatch.setenv("H2OCHAT_VLLM_BUDGET", "512")
+    assert read_settings({"budget": 1000}, None).budget_tokens == 512
+    monkeypatch.delenv("H2OCHAT_VLLM_BUDGET")
+    with pytest.raises(ValueError, match="needs at least"):
+        read_settings({"budget": 100}, None).blocks(128)
+
+
+def test_decode_batch_scores_equal_one_row_at_a_time():
+    generator = torch.Generator().manual_seed(7)
+    block_size, kv_heads, heads, dim = 32, 3, 9, 16
+    cache = torch.randn(12, kv_heads, block_size, dim, generator=generator)
+    blocks = torch.tensor([[3, 1, 4, 0], [5, 9, 0, 0], [2, 6, 7, 8]])  # padded past each row's own
+    lens = torch.tensor([100, 33, 128])
+    query = torch.randn(3, heads, dim, generator=generator)
+    got = decode_block_scores(query, cache, blocks, lens, 0.125)
+    for row in range(3):
+        kept = -(-int(lens[row]) // block_size)
+        one = block_scores(query[row:row + 1], cache, blocks[row, :kept], int(lens[row]), 0.125)
+        torch.testing.assert_close(got[row, :kept], one, rtol=1e-5, atol=1e-6)
+        assert got[row, kept:].abs().max() == 0 if kept < 4 else True
+
+
+def test_a_recall_share_is_refused_until_recall_is_built(monkeypatch):
+    monkeypatch.delenv("H2OCHAT_VLLM_RECALL", raising=False)
+    with pytest.raises(ValueError, match="recall is not built"):
+        read_settings({"budget": 1024, "recall": 0.25}, None)
+
+
+def test_importing_the_plugin_imports_no_vllm():
+    """Only ``register`` (vLLM's hook), the backend and the connector import vLLM: the package, its
+    choice, scores, options and reference load without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, h2ochat_vllm, h2ochat_vllm.choice, h2ochat_vllm.settings, h2ochat_vllm.scores, "
+            "h2ochat_vllm.reference, h2ochat_vllm.worker_state; print('vllm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -1,0 +1,90 @@
+"""The plugin inside vLLM's CPU build, on a tiny random Llama (greedy, float32).
+
+- With a budget that covers the whole sequence, the tokens equal vLLM's without the plugin.
+- Below it, the tokens and the evicted blocks equal the block-level masked reference
+  (``h2ochat_vllm.reference``), and every request holds at most its budget of blocks once its
+  prompt is in (during a prompt chunk, the budget plus the chunk's blocks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import prompts, run_vllm
+from h2ochat_vllm import reference
+
+pytestmark = pytest.mark.slow
+BLOCK = 32
+TIE = 1e-3  # logits this close may come out in either order on another CPU's kernels
+
+
+def reference_model(folder):
+    from transformers import LlamaForCausalLM
+
+    reference.register_attention()
+    return LlamaForCausalLM.from_pretrained(folder, attn_implementation=reference.ATTENTION_NAME,
+                                            dtype=torch.float32).eval()
+
+
+def assert_follows_reference(model, prompt, tokens, rule, chunk, summary):
+    """vLLM's tokens are the reference's greedy choices (up to near ties), step by step with the
+    reference fed vLLM's tokens, and the same blocks were evicted."""
+    ref = reference.generate(model, prompt, len(tokens), rule, chunk, forced=tokens)
+    for step, (token, logits) in enumerate(zip(tokens, ref.logits)):
+        assert float(logits[token]) >= float(logits.max()) - TIE, f"step {step}: token {token} is not the reference's choice"
+    assert summary["evicted"] == sorted(ref.evicted)
+    return ref
+
+
+def test_a_budget_over_the_whole_sequence_changes_nothing(tiny_llama, tmp_path):
+    """vLLM as shipped (no plugin loaded) against the plugin with a budget that never binds."""
+    spec = dict(model=str(tiny_llama), prompts=prompts(3, 200, seed=1), max_tokens=40, block_size=BLOCK,
+                max_num_batched_tokens=1024)
+    plain = run_vllm(tmp_path, **spec, without_plugin=True)
+    with_plugin = run_vllm(tmp_path, **spec, budget=2048)
+    assert with_plugin["tokens"] == plain["tokens"]
+    assert all(summary["evicted"] == [] for summary in with_plugin["requests"])
+
+
+@pytest.mark.parametrize("policy,rule", [("h2o:sinks=1", reference.BlockRule(BLOCK, 4, 1, 2)),
+                                         ("h2o:sinks=0:heavy_ratio=0.5", reference.BlockRule(BLOCK, 4, 0, 2)),
+                                         ("h2o:sinks=1", reference.BlockRule(BLOCK, 4, 1, 2, score_queries=8))])
+def test_chunked_prompt_below_the_budget_follows_the_reference(tiny_llama, tmp_path, policy, rule):
+    prompt = prompts(1, 300, seed=2)[0]
+    got = run_vllm(tmp_path, model=str(tiny_llama), prompts=[prompt], max_tokens=100, block_size=BLOCK,
+                   max_num_batched_tokens=64, budget=rule.budget * BLOCK, policy=policy,
+                   score_queries=rule.score_queries)
+    summary = got["requests"][0]
+    assert summary["evicted"], "the budget should have evicted blocks"
+    model = reference_model(tiny_llama)
+    assert_follows_reference(model, prompt, got["tokens"][0], rule, 64, summary)
+    assert summary["most_held_decoding"] <= rule.budget
+    assert summary["most_held"] <= rule.budget + 64 // BLOCK
+
+
+def test_concurrent_requests_each_follow_the_reference_within_budget(tiny_llama, tmp_path):
+    rule = reference.BlockRule(BLOCK, 5, 1, 2)
+    batch = prompts(3, 230, seed=3)
+    got = run_vllm(tmp_path, model=str(tiny_llama), prompts=batch, max_tokens=120, block_size=BLOCK,
+                   max_num_batched_tokens=1024, budget=rule.budget * BLOCK, policy="h2o:sinks=1")
+    model = reference_model(tiny_llama)
+    for prompt, tokens, summary in zip(batch, got["tokens"], got["requests"]):
+        assert_follows_reference(model, prompt, tokens, rule, 1024, summary)
+        assert summary["most_held_decoding"] <= rule.budget
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two CPUs to bind")
+def test_two_tensor_parallel_ranks_evict_as_one(tiny_llama, tmp_path, monkeypatch):
+    """Each rank scores its own KV head; vLLM sums the ranks' scores and the scheduler's plan reaches
+    both: the tokens and evictions equal a single rank's."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    prompt = prompts(1, 300, seed=2)[0]
+    spec = dict(model=str(tiny_llama), prompts=[prompt, prompt[::-1]], max_tokens=60, block_size=BLOCK,
+                max_num_batched_tokens=64, budget=4 * BLOCK, policy="h2o:sinks=1")
+    one = run_vllm(tmp_path, **spec, tensor_parallel_size=1)
+    two = run_vllm(tmp_path, **spec, tensor_parallel_size=2)
+    assert two["tokens"] == one["tokens"]
+    assert two["requests"] == one["requests"] and one["requests"][0]["evicted"]
