@@ -18,6 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from json_report import envelope
+
 PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers"
 
 
@@ -95,7 +97,7 @@ def main() -> None:
         plain, plugin = runs["plain"], runs["plugin"]
         result["plugin_over_plain_tok_s"] = plugin["gen_tok_per_s"] / plain["gen_tok_per_s"]
         result["ttft_p90_plugin_vs_plain_s"] = [plugin["ttft_p90"], plain["ttft_p90"]]
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(json.dumps(envelope(result), indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 
 
