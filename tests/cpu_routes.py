@@ -44,6 +44,11 @@ def rows_route(request, monkeypatch):
     return _route(monkeypatch, request.param)
 
 
+@pytest.fixture(params=route_params("attention"))
+def attention_route(request, monkeypatch):
+    return _route(monkeypatch, request.param)
+
+
 @pytest.fixture
 def torch_route(monkeypatch):
     """Call it to switch this test to the torch route (no compiled CPU kernel) from then on."""
