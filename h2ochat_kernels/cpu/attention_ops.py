@@ -33,7 +33,8 @@ def _loaded_variant(variant: variants.Variant) -> tuple[object | None, str]:
     library = dispatch.cpu_kernels_of(variant)
     if library is None:
         return None, f"the attention kernel's {variant.name} variant was not built"
-    kernel = (library.h2ochat_attend_decode, library.h2ochat_attend_workspace)
+    # the bare cffi function: its tensors go as addresses (csrc/attention_api.h), no per-argument casts
+    kernel = (library.h2ochat_attend_decode.function, functools.cache(library.h2ochat_attend_workspace))
     if not all(_agrees_in(kernel, dtype) for dtype in FLOATS):
         return None, f"the attention kernel's {variant.name} variant disagreed with torch on its first results"
     return kernel, ""
@@ -60,23 +61,23 @@ def variant_name() -> str | None:
 
 
 def _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay) -> bool:
-    if query.dim() != 5 or query.shape[3] != 1 or torch.compiler.is_compiling():
+    if query.dim() != 5 or query.shape[3] != 1 or not query.is_cpu or torch.compiler.is_compiling():
         return False
     batch, heads, _, _, dim = query.shape
-    slots = cache_keys.shape[2]
     dtype = query.dtype
-    return (dtype in FLOATS and cache_keys.dtype == cache_values.dtype == new_keys.dtype == new_values.dtype == dtype
-            and dim <= MAX_HEAD_DIM and query.device.type == "cpu"
-            and all(t.device.type == "cpu" for t in (cache_keys, cache_values, slot_token_index, new_keys, new_values,
-                                                     scores))
-            and cache_keys.shape == cache_values.shape == (batch, heads, slots, dim)
+    slots = (batch, heads, cache_keys.shape[2])
+    return (dtype in FLOATS and cache_keys.dtype == dtype and cache_values.dtype == dtype and new_keys.dtype == dtype
+            and new_values.dtype == dtype and dim <= MAX_HEAD_DIM
+            and cache_keys.is_cpu and cache_values.is_cpu and slot_token_index.is_cpu and new_keys.is_cpu
+            and new_values.is_cpu and scores.is_cpu
+            and cache_keys.shape == cache_values.shape == (*slots, dim)
             and cache_keys.stride(3) == 1 and cache_values.stride(3) == 1
             and new_keys.shape == new_values.shape == (batch, heads, 1, dim)
-            and slot_token_index.dtype == torch.long and slot_token_index.shape == (batch, heads, slots)
-            and scores.dtype == torch.float32 and scores.shape == (batch, heads, slots)
+            and slot_token_index.dtype == torch.long and slot_token_index.shape == slots
+            and scores.dtype == torch.float32 and scores.shape == slots
             and (new_valid is None or (new_valid.dtype == torch.bool and new_valid.numel() == batch
-                                       and new_valid.device.type == "cpu"))
-            and (not isinstance(decay, torch.Tensor) or (decay.is_floating_point() and decay.device.type == "cpu"
+                                       and new_valid.is_cpu))
+            and (not isinstance(decay, torch.Tensor) or (decay.is_floating_point() and decay.is_cpu
                                                           and decay.numel() in (1, batch))))
 
 
@@ -113,8 +114,8 @@ def _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, n
     attend(query.data_ptr(), batch, heads, group, dim, cache_keys.data_ptr(), *cache_keys.stride()[:3],
            cache_values.data_ptr(), *cache_values.stride()[:3], slots, slot_token_index.data_ptr(),
            *slot_token_index.stride(), new_keys.data_ptr(), new_values.data_ptr(),
-           None if new_valid is None else new_valid.data_ptr(), float(scale), scores.data_ptr(), *scores.stride(),
-           None if decay is None else decay.data_ptr(), out.data_ptr(), new_scores.data_ptr(), query.element_size(),
+           0 if new_valid is None else new_valid.data_ptr(), float(scale), scores.data_ptr(), *scores.stride(),
+           0 if decay is None else decay.data_ptr(), out.data_ptr(), new_scores.data_ptr(), query.element_size(),
            workspace.data_ptr(), threads)
     return out, new_scores
 

@@ -7,4 +7,6 @@
    bf16 queries, keys and values, 4 for fp32. */
 
 int64_t h2ochat_attend_workspace(int64_t G, int64_t S, int64_t D);
-void h2ochat_attend_decode(const void *query, int64_t B, int64_t H, int64_t G, int64_t D, const void *keys, int64_t key_b, int64_t key_h, int64_t key_s, const void *values, int64_t value_b, int64_t value_h, int64_t value_s, int64_t S, const int64_t *token_index, int64_t index_b, int64_t index_h, int64_t index_s, const void *new_keys, const void *new_values, const uint8_t *new_valid, float scale, float *scores, int64_t score_b, int64_t score_h, int64_t score_s, const float *decay, void *out, float *new_scores, int64_t bytes, float *workspace, int threads);
+/* Tensors by address (int64_t, 0 for none) rather than by pointer: the step calls this for every layer, and
+   cffi's conversion of a dozen ints to pointers cost ~15 us a call, a tenth of the kernel at one row. */
+void h2ochat_attend_decode(int64_t query, int64_t B, int64_t H, int64_t G, int64_t D, int64_t keys, int64_t key_b, int64_t key_h, int64_t key_s, int64_t values, int64_t value_b, int64_t value_h, int64_t value_s, int64_t S, int64_t token_index, int64_t index_b, int64_t index_h, int64_t index_s, int64_t new_keys, int64_t new_values, int64_t new_valid, float scale, int64_t scores, int64_t score_b, int64_t score_h, int64_t score_s, int64_t decay, int64_t out, int64_t new_scores, int64_t bytes, int64_t workspace, int threads);

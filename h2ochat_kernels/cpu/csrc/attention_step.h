@@ -161,17 +161,19 @@ static void attend_row(const step_t *t, int64_t b, int64_t h, float *work) {
     for (int64_t s = 0; s < S; s++) scores[s * t->score_s] = scores[s * t->score_s] * decay + logits[s];
 }
 
-void h2ochat_attend_decode(const void *query, int64_t B, int64_t H, int64_t G, int64_t D, const void *keys,
-                           int64_t key_b, int64_t key_h, int64_t key_s, const void *values, int64_t value_b,
-                           int64_t value_h, int64_t value_s, int64_t S, const int64_t *token_index, int64_t index_b,
-                           int64_t index_h, int64_t index_s, const void *new_keys, const void *new_values,
-                           const uint8_t *new_valid, float scale, float *scores, int64_t score_b, int64_t score_h,
-                           int64_t score_s, const float *decay, void *out, float *new_scores, int64_t bytes,
-                           float *workspace, int threads) {
-  const step_t t = {(const char *)query, (const char *)keys, (const char *)values, (const char *)new_keys,
-                    (const char *)new_values, H, G, D, S, bytes, key_b, key_h, key_s, value_b, value_h, value_s,
-                    index_b, index_h, index_s, score_b, score_h, score_s, token_index, new_valid, decay, scale,
-                    scores, new_scores, (char *)out};
+void h2ochat_attend_decode(int64_t query, int64_t B, int64_t H, int64_t G, int64_t D, int64_t keys, int64_t key_b,
+                           int64_t key_h, int64_t key_s, int64_t values, int64_t value_b, int64_t value_h,
+                           int64_t value_s, int64_t S, int64_t token_index, int64_t index_b, int64_t index_h,
+                           int64_t index_s, int64_t new_keys, int64_t new_values, int64_t new_valid, float scale,
+                           int64_t scores, int64_t score_b, int64_t score_h, int64_t score_s, int64_t decay,
+                           int64_t out, int64_t new_scores, int64_t bytes, int64_t workspace_address, int threads) {
+  const step_t t = {(const char *)(intptr_t)query, (const char *)(intptr_t)keys, (const char *)(intptr_t)values,
+                    (const char *)(intptr_t)new_keys, (const char *)(intptr_t)new_values, H, G, D, S, bytes, key_b,
+                    key_h, key_s, value_b, value_h, value_s, index_b, index_h, index_s, score_b, score_h, score_s,
+                    (const int64_t *)(intptr_t)token_index, (const uint8_t *)(intptr_t)new_valid,
+                    (const float *)(intptr_t)decay, scale, (float *)(intptr_t)scores, (float *)(intptr_t)new_scores,
+                    (char *)(intptr_t)out};
+  float *workspace = (float *)(intptr_t)workspace_address;
   const int64_t rows = B * H, per_thread = h2ochat_attend_workspace(G, S, D);
   if (threads <= 1 || rows < 2) {
     for (int64_t r = 0; r < rows; r++) attend_row(&t, r / H, r % H, workspace);
