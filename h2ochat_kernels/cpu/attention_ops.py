@@ -41,8 +41,12 @@ def _loaded_variant(variant: variants.Variant) -> tuple[object | None, str]:
 
 
 def _loaded() -> tuple[object | None, str]:
-    """(the bound kernel of the route that runs here, "") or (None, why none does)."""
+    """(the bound kernel of the route that runs here, "") or (None, why none does). The generic variant runs only
+    when asked for by name: without AVX2 it was no faster than torch's route (0.7-1.2x,
+    benchmarks/results_cpu_attention.json), so ``auto`` keeps torch there."""
     variant, why = dispatch.cpu_route("attention")
+    if variant is not None and variant.name == "generic" and dispatch.cpu_wanted() == "auto":
+        return None, "the attention kernel's generic variant is no faster than the torch route"
     return (None, why) if variant is None else _loaded_variant(variant)
 
 
