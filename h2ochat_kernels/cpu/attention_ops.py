@@ -1,6 +1,7 @@
 """A decode step's attention with its H2O scores in one C call (``csrc/attention_*``): each (sequence, KV head)
 row's keys read once, then its values once, where the torch route takes separate passes for the slot logits, the
-slot outputs and the scores (47% of a served step on the CPU: issue of the peers' profile).
+slot outputs and the scores (47% of a served step in the server's profile, benchmarks/results_peers_idle.json).
+Timings: benchmarks/cpu_attention.py.
 
 ``attend_decode`` is ``reference.attend_with_scores`` for what the kernel takes: one new token (Q = 1), float slots
 of the query's dtype (bf16 or fp32) with unit stride along D (any view of a larger slot buffer), D <= 256, any
