@@ -158,6 +158,13 @@ class Backend:
         if (self.triton and rest is None
                 and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant)):
             return ops.attend_with_scores(*args, quant=quant)
+        if not self.triton and rest is None and quant is None and not torch.compiler.is_compiling():
+            # a CPU decode step: the C kernel where it takes these (None: the reference)
+            from .cpu import attention_ops
+
+            done = attention_ops.attend_decode(*args)
+            if done is not None:
+                return done
         return reference.attend_with_scores(*args, quant=quant, rest=rest)
 
     def attends_every_column(self, q_len: int, in_use: int, columns: int, slots) -> bool:

@@ -44,6 +44,11 @@ def rows_route(request, monkeypatch):
     return _route(monkeypatch, request.param)
 
 
+@pytest.fixture(params=route_params("attention"))
+def attention_route(request, monkeypatch):
+    return _route(monkeypatch, request.param)
+
+
 @pytest.fixture
 def torch_route(monkeypatch):
     """Call it to switch this test to the torch route (no compiled CPU kernel) from then on."""
@@ -59,3 +64,12 @@ def install_had_a_compiler() -> bool:
 def routes_report() -> list[str]:
     """One entry a variant: "recall/avx2: run", or "recall/avx512bf16: skipped (this CPU lacks avx512_bf16)"."""
     return [f"{v.module}/{v.name}: " + (f"skipped ({_why_not(v)})" if _why_not(v) else "run") for v in variants.VARIANTS]
+
+
+@pytest.fixture
+def without_attention_kernel(monkeypatch):
+    """The decode step's attention on the torch route whatever ``H2OCHAT_CPU_KERNELS`` says (the C attention kernel
+    sums in another order): for a test that holds another module's kernels to the torch route bit for bit."""
+    from h2ochat_kernels.cpu import attention_ops
+
+    monkeypatch.setattr(attention_ops, "attend_decode", lambda *args: None)

@@ -37,6 +37,10 @@ VARIANTS = (
     Variant("recall", "generic", "recall_portable.c", (), frozenset()),
     Variant("rows", "avx512bf16", "rows_avx512bf16.c", AVX512_BF16,
             frozenset({"avx512f", "avx512bw", "avx512_bf16"}), openmp=True),
+    Variant("attention", "avx512bf16", "attention_avx512bf16.c", AVX512_BF16,
+            frozenset({"avx512f", "avx512bw", "avx512_bf16"}), openmp=True),
+    Variant("attention", "avx2", "attention_portable.c", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"}), openmp=True),
+    Variant("attention", "generic", "attention_portable.c", (), frozenset(), openmp=True),
 )
 
 MODULES = tuple(dict.fromkeys(v.module for v in VARIANTS))

@@ -1,0 +1,148 @@
+"""A decode step's attention with its H2O scores in one C call (``csrc/attention_*``): each (sequence, KV head)
+row's keys read once, then its values once, where the torch route takes separate passes for the slot logits, the
+slot outputs and the scores (47% of a served step in the server's profile, benchmarks/results_peers_idle.json).
+Timings: benchmarks/cpu_attention.py.
+
+``attend_decode`` is ``reference.attend_with_scores`` for what the kernel takes: one new token (Q = 1), float slots
+of the query's dtype (bf16 or fp32) with unit stride along D (any view of a larger slot buffer), D <= 256, any
+group G, a padding mask, a float decay or one per sequence. It returns None for anything else (quantized slots, a
+recall tier's rest column: the caller's; several new tokens, another dtype or device, a compiled graph) and the
+caller keeps its torch route. The variant that runs is ``dispatch.cpu_route("attention")``'s: ``avx512bf16`` (bf16
+keys dotted by VDPBF16PS) or ``avx2`` / ``generic`` (vectors of 8 floats). Sums are fp32 in every variant: the
+fp32 route agrees with torch to fp32 rounding; the bf16 one is closer to the exact result than torch's bf16 route,
+which rounds the logits and the probabilities to bf16 (tests/test_cpu_attention.py states both tolerances).
+
+Each variant is checked against the torch reference the first time it loads, in both dtypes; one that disagrees
+is never used.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import dispatch, reference
+from . import variants
+
+FLOATS = (torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def _loaded_variant(variant: variants.Variant) -> tuple[object | None, str]:
+    library = dispatch.cpu_kernels_of(variant)
+    if library is None:
+        return None, f"the attention kernel's {variant.name} variant was not built"
+    # the bare cffi function: its tensors go as addresses (csrc/attention_api.h), no per-argument casts
+    kernel = (library.h2ochat_attend_decode.function, functools.cache(library.h2ochat_attend_workspace))
+    if not all(_agrees_in(kernel, dtype) for dtype in FLOATS):
+        return None, f"the attention kernel's {variant.name} variant disagreed with torch on its first results"
+    return kernel, ""
+
+
+def _loaded() -> tuple[object | None, str]:
+    """(the bound kernel of the route that runs here, "") or (None, why none does). The generic variant runs only
+    when asked for by name: without AVX2 it was no faster than torch's route (0.7-1.2x,
+    benchmarks/results_cpu_attention.json), so ``auto`` keeps torch there."""
+    variant, why = dispatch.cpu_route("attention")
+    if variant is not None and variant.name == "generic" and dispatch.cpu_wanted() == "auto":
+        return None, "the attention kernel's generic variant is no faster than the torch route"
+    return (None, why) if variant is None else _loaded_variant(variant)
+
+
+def available() -> bool:
+    return _loaded()[0] is not None
+
+
+def why_not() -> str:
+    """Why ``available()`` is False ("" when it is True)."""
+    return _loaded()[1]
+
+
+def variant_name() -> str | None:
+    variant, _ = dispatch.cpu_route("attention")
+    return None if variant is None or _loaded()[0] is None else variant.name
+
+
+def _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay) -> bool:
+    if query.dim() != 5 or query.shape[3] != 1 or not query.is_cpu or torch.compiler.is_compiling():
+        return False
+    batch, heads, _, _, dim = query.shape
+    dtype = query.dtype
+    slots = (batch, heads, cache_keys.shape[2])
+    return (dtype in FLOATS and cache_keys.dtype == dtype and cache_values.dtype == dtype and new_keys.dtype == dtype
+            and new_values.dtype == dtype and dim <= MAX_HEAD_DIM
+            and cache_keys.is_cpu and cache_values.is_cpu and slot_token_index.is_cpu and new_keys.is_cpu
+            and new_values.is_cpu and scores.is_cpu
+            and cache_keys.shape == cache_values.shape == (*slots, dim)
+            and cache_keys.stride(3) == 1 and cache_values.stride(3) == 1
+            and new_keys.shape == new_values.shape == (batch, heads, 1, dim)
+            and slot_token_index.dtype == torch.long and slot_token_index.shape == slots
+            and scores.dtype == torch.float32 and scores.shape == slots
+            and (new_valid is None or (new_valid.dtype == torch.bool and new_valid.numel() == batch
+                                       and new_valid.is_cpu))
+            and (not isinstance(decay, torch.Tensor) or (decay.is_floating_point() and decay.is_cpu
+                                                          and decay.numel() in (1, batch))))
+
+
+def attend_decode(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
+                  decay=1.0):
+    """``reference.attend_with_scores(query, ..., decay)`` without quant or rest (``scores`` updated in place;
+    returns (out [B, Hkv, G, 1, D] in the query's dtype, new_scores [B, Hkv, 1] fp32)), or None where the kernel does
+    not take these arguments (module docstring): then nothing is written."""
+    if not _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay):
+        return None
+    kernel = _loaded()[0]
+    return None if kernel is None else _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys,
+                                             new_values, new_valid, scale, scores, decay, torch.get_num_threads())
+
+
+def _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
+          decay, threads):
+    attend, workspace_floats = kernel
+    batch, heads, group, _, dim = query.shape
+    slots = cache_keys.shape[2]
+    query, new_keys, new_values = query.contiguous(), new_keys.contiguous(), new_values.contiguous()
+    if new_valid is not None:
+        new_valid = new_valid.contiguous()
+    if isinstance(decay, torch.Tensor):
+        decay = decay.to(torch.float32).reshape(-1).expand(batch).contiguous()
+    elif float(decay) == 1.0:
+        decay = None
+    else:
+        decay = torch.full((batch,), float(decay), dtype=torch.float32)
+    threads = max(1, min(threads, batch * heads))
+    workspace = torch.empty(threads * workspace_floats(group, slots, dim), dtype=torch.float32)
+    out = torch.empty(batch, heads, group, 1, dim, dtype=query.dtype)
+    new_scores = torch.empty(batch, heads, 1, dtype=torch.float32)
+    attend(query.data_ptr(), batch, heads, group, dim, cache_keys.data_ptr(), *cache_keys.stride()[:3],
+           cache_values.data_ptr(), *cache_values.stride()[:3], slots, slot_token_index.data_ptr(),
+           *slot_token_index.stride(), new_keys.data_ptr(), new_values.data_ptr(),
+           0 if new_valid is None else new_valid.data_ptr(), float(scale), scores.data_ptr(), *scores.stride(),
+           0 if decay is None else decay.data_ptr(), out.data_ptr(), new_scores.data_ptr(), query.element_size(),
+           workspace.data_ptr(), threads)
+    return out, new_scores
+
+
+def _agrees_in(kernel, dtype: torch.dtype) -> bool:
+    """Odd sizes (a head dim with a tail, a view with gaps), empty slots, a padding row, a decay, two threads:
+    against the torch reference on the same values in fp32, within the kernel's stated tolerance."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, group, slots, dim = 2, 3, 3, 37, 67
+    query = torch.randn(batch, heads, group, 1, dim, generator=generator).to(dtype)
+    store = torch.randn(2, batch, heads, slots + 5, dim + 3, generator=generator).to(dtype)
+    keys, values = store[0, :, :, :slots, :dim], store[1, :, :, :slots, :dim]
+    index = torch.arange(slots).expand(batch, heads, slots).clone()
+    index[0, 1, ::3] = -1
+    new_keys, new_values = torch.randn(2, batch, heads, 1, dim, generator=generator).to(dtype)
+    new_valid = torch.tensor([[True], [False]])
+    scores = torch.rand(batch, heads, slots, generator=generator)
+    expected_scores = scores.clone()
+    got = _call(kernel, query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores, 0.5, 2)
+    floats = [t.float() for t in (query, keys, values)]
+    out, new = reference.attend_with_scores(floats[0], floats[1], floats[2], index, new_keys.float(),
+                                            new_values.float(), new_valid, 0.125, expected_scores, 0.5)
+    return (torch.allclose(got[0].float(), out.to(dtype).float(), rtol=1e-2, atol=1e-2)
+            and torch.allclose(got[1], new, rtol=1e-4, atol=1e-6)
+            and torch.allclose(scores, expected_scores, rtol=1e-4, atol=1e-6))

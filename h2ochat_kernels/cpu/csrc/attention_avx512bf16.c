@@ -1,0 +1,168 @@
+/* The attention module for CPUs with AVX512-BF16: 16-lane vectors; bf16 keys dotted by VDPBF16PS (products exact,
+   summed in fp32), bf16 values widened to fp32 as they are read; fp32 keys and values by FMA. Built with
+   -mavx512f -mavx512bw -mavx512bf16 (h2ochat_kernels/cpu/variants.py); loaded only where the CPU has avx512_bf16. */
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define LANES 16
+typedef __m512 vf;
+
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+static inline vf vzero_below(vf x, float limit, vf value) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_NLT_UQ), value);
+}
+
+#include "attention_step.h"
+
+#define QUERY_TILE 4 /* queries whose sums a pass over a block of keys or values keeps at once */
+
+/* The queries as the dots read them: bf16 as they are, fp32 as they are, each zero-padded to whole 32-channel
+   (bf16) or 16-channel (fp32) chunks, `value_columns(D)` elements apart. */
+static void prepare_queries(const char *q, int64_t G, int64_t D, int64_t bytes, float *prepared) {
+  const int64_t width = value_columns(D);
+  memset(prepared, 0, G * width * sizeof(float));
+  for (int64_t g = 0; g < G; g++) memcpy((char *)prepared + g * width * bytes, q + g * D * bytes, D * bytes);
+}
+
+/* Sixteen vectors of lane sums to one vector of the sixteen sums (sum j in lane j), by four levels of folds: at a
+   level of width w, each group of 2w lanes keeps a's w sums of pairs in its low half and b's in its high half. */
+static inline vf fold8(vf a, vf b) {
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xff00, a, b), _mm512_shuffle_f32x4(a, b, 0x4e));
+}
+static inline vf fold4(vf a, vf b) {
+  const __m512i cross = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xf0f0, a, b), _mm512_permutex2var_ps(a, cross, b));
+}
+static inline vf fold2(vf a, vf b) {
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xcccc, a, b), _mm512_shuffle_ps(a, b, 0x4e));
+}
+static inline vf fold1(vf a, vf b) {
+  const __m512i cross = _mm512_setr_epi32(1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xaaaa, a, b), _mm512_permutex2var_ps(a, cross, b));
+}
+static inline vf folded(const vf s[16]) {
+  vf eights[8], fours[4], twos[2];
+  for (int i = 0; i < 8; i++) eights[i] = fold8(s[i], s[i + 8]);
+  for (int i = 0; i < 4; i++) fours[i] = fold4(eights[i], eights[i + 4]);
+  for (int i = 0; i < 2; i++) twos[i] = fold2(fours[i], fours[i + 2]);
+  return fold1(twos[0], twos[1]);
+}
+
+/* q.k of GT queries (a constant once inlined) with n <= 16 keys: each key read once for all of them, lane by lane
+   sums folded per query. D a constant at the common head dims (the chunk loop unrolled). */
+static inline __attribute__((always_inline)) void dots_tile(const char *keys, int64_t key_s, int64_t n,
+                                                            const char *q, int64_t q_row, const int GT,
+                                                            const int64_t D, int64_t bytes, float *logits,
+                                                            int64_t columns) {
+  vf sums[QUERY_TILE][16];
+  for (int j = 0; j < 16; j++) {
+    vf acc[QUERY_TILE];
+    for (int g = 0; g < GT; g++) acc[g] = _mm512_setzero_ps();
+    if (j < n) {
+      if (bytes == 2) {
+        const uint16_t *key = (const uint16_t *)keys + j * key_s;
+        for (int64_t c = 0; c < D; c += 32) {
+          const __mmask32 live = D - c >= 32 ? 0xffffffffu : (__mmask32)((1ull << (D - c)) - 1u);
+          const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(live, key + c);
+          for (int g = 0; g < GT; g++)
+            acc[g] = _mm512_dpbf16_ps(acc[g], k, (__m512bh)_mm512_loadu_si512((const uint16_t *)q + g * q_row + c));
+        }
+      } else {
+        const float *key = (const float *)keys + j * key_s;
+        for (int64_t c = 0; c < D; c += 16) {
+          const __mmask16 live = D - c >= 16 ? 0xffff : (__mmask16)((1u << (D - c)) - 1u);
+          const vf k = _mm512_maskz_loadu_ps(live, key + c);
+          for (int g = 0; g < GT; g++) acc[g] = _mm512_fmadd_ps(k, _mm512_loadu_ps((const float *)q + g * q_row + c), acc[g]);
+        }
+      }
+    }
+    for (int g = 0; g < GT; g++) sums[g][j] = acc[g];
+  }
+  for (int g = 0; g < GT; g++) _mm512_storeu_ps(logits + g * columns, folded(sums[g]));
+}
+
+static inline __attribute__((always_inline)) void dots_of(const char *keys, int64_t key_s, int64_t n, const char *q,
+                                                          int64_t q_row, const int GT, int64_t D, int64_t bytes,
+                                                          float *logits, int64_t columns) {
+  if (D == 64) dots_tile(keys, key_s, n, q, q_row, GT, 64, bytes, logits, columns);
+  else if (D == 128) dots_tile(keys, key_s, n, q, q_row, GT, 128, bytes, logits, columns);
+  else dots_tile(keys, key_s, n, q, q_row, GT, D, bytes, logits, columns);
+}
+
+/* The raw q.k of every query with keys [0, n) (n <= LANES, key j at keys + j * key_s elements) into lanes [0, 16)
+   of each query's logit row (lanes past n: 0). */
+static void key_dots(const char *keys, int64_t key_s, int64_t n, const float *prepared, int64_t G, int64_t D,
+                     int64_t bytes, float *logits, int64_t columns) {
+  const int64_t q_row = value_columns(D); /* (in elements of `bytes`) */
+  for (int64_t g0 = 0; g0 < G; g0 += QUERY_TILE) {
+    const char *q = (const char *)prepared + g0 * q_row * bytes;
+    float *rows = logits + g0 * columns;
+    switch (G - g0 < QUERY_TILE ? G - g0 : QUERY_TILE) {
+    case 1: dots_of(keys, key_s, n, q, q_row, 1, D, bytes, rows, columns); break;
+    case 2: dots_of(keys, key_s, n, q, q_row, 2, D, bytes, rows, columns); break;
+    case 3: dots_of(keys, key_s, n, q, q_row, 3, D, bytes, rows, columns); break;
+    default: dots_of(keys, key_s, n, q, q_row, 4, D, bytes, rows, columns); break;
+    }
+  }
+}
+
+/* 16 channels of a value from channel d (those past D: 0) as fp32. */
+static inline vf value_chunk(const char *value, int64_t d, int64_t D, int64_t bytes) {
+  if (bytes == 4) {
+    const __mmask16 live = D - d >= 16 ? 0xffff : D <= d ? 0 : (__mmask16)((1u << (D - d)) - 1u);
+    return _mm512_maskz_loadu_ps(live, (const float *)value + d);
+  }
+  const __mmask32 live = D - d >= 16 ? 0xffffu : D <= d ? 0 : (__mmask32)((1u << (D - d)) - 1u);
+  const __m512i halves = _mm512_maskz_loadu_epi16(live, (const uint16_t *)value + d);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(halves)), 16));
+}
+
+/* acc[g][d0, d0 + 64) += sum_j p[g][j] * value_j[d0, d0 + 64) for GT queries (a constant): 16 sums in registers. */
+static inline __attribute__((always_inline)) void values_tile(const char *values, int64_t value_s, int64_t n,
+                                                              const float *p, int64_t columns, const int GT,
+                                                              int64_t d0, int64_t D, int64_t bytes, float *acc,
+                                                              int64_t width) {
+  vf sums[QUERY_TILE][4];
+  for (int g = 0; g < GT; g++)
+    for (int c = 0; c < 4; c++) sums[g][c] = _mm512_loadu_ps(acc + g * width + d0 + 16 * c);
+  for (int64_t j = 0; j < n; j++) {
+    const char *value = values + j * value_s * bytes;
+    vf v[4];
+    for (int c = 0; c < 4; c++) v[c] = value_chunk(value, d0 + 16 * c, D, bytes);
+    for (int g = 0; g < GT; g++) {
+      const vf weight = _mm512_set1_ps(p[g * columns + j]);
+      for (int c = 0; c < 4; c++) sums[g][c] = _mm512_fmadd_ps(weight, v[c], sums[g][c]);
+    }
+  }
+  for (int g = 0; g < GT; g++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * width + d0 + 16 * c, sums[g][c]);
+}
+
+/* acc[g] += sum_j p[g][j] * value_j over values [0, n) (value j at values + j * value_s elements), by tiles of
+   QUERY_TILE queries and 64 channels, each reading the block's values from L1 after the first. */
+static void value_sums(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns, int64_t G,
+                       int64_t D, int64_t bytes, float *acc, int64_t width) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64)
+    for (int64_t g0 = 0; g0 < G; g0 += QUERY_TILE) {
+      const float *weights = p + g0 * columns;
+      float *sums = acc + g0 * width;
+      switch (G - g0 < QUERY_TILE ? G - g0 : QUERY_TILE) {
+      case 1: values_tile(values, value_s, n, weights, columns, 1, d0, D, bytes, sums, width); break;
+      case 2: values_tile(values, value_s, n, weights, columns, 2, d0, D, bytes, sums, width); break;
+      case 3: values_tile(values, value_s, n, weights, columns, 3, d0, D, bytes, sums, width); break;
+      default: values_tile(values, value_s, n, weights, columns, 4, d0, D, bytes, sums, width); break;
+      }
+    }
+}

@@ -1,0 +1,198 @@
+"""The decode step's attention kernel (``h2ochat_kernels.cpu.attention_ops``) against the torch reference
+(``reference.attend_with_scores`` with ``H2OCHAT_CPU_KERNELS=none``), on every variant this CPU runs
+(``cpu_routes.attention_route``: avx512bf16, avx2, generic), each skipped with its reason where the CPU or the
+install lacks it.
+
+Tolerances: the kernel sums in fp32 in another order than torch. fp32: outputs and scores within 1e-5 relative
+(atol 1e-6) of torch's. bf16: the yardstick is the reference run in fp32 on the same bf16 values (torch's own bf16
+route rounds the logits and probabilities to bf16, so it is further from the exact result than the kernel is);
+the output within its bf16 rounding (rtol 2^-7, atol 2^-8 on values of ~1), the scores (fp32 sums) within 1e-5;
+and against torch's bf16 route itself within a few bf16 roundings of its logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, random_ids
+from cpu_routes import attention_route, torch_route  # noqa: F401 (fixtures)
+
+from h2ochat.engine.generation import CacheSettings, forward, prefill
+from h2ochat_kernels import dispatch, reference
+from h2ochat_kernels.cpu import attention_ops
+
+pytestmark = pytest.mark.usefixtures("attention_route")  # every test here on every variant this CPU runs
+
+
+def test_the_route_is_the_variant_asked_for(attention_route):
+    assert attention_ops.available(), attention_ops.why_not()
+    assert attention_ops.variant_name() == attention_route
+
+
+def test_the_switch_turns_it_off(torch_route):
+    torch_route()
+    assert not attention_ops.available() and "H2OCHAT_CPU_KERNELS=none" in attention_ops.why_not()
+
+
+def _step(batch, heads, group, slots, dim, dtype, generator, strided=False, empty=0.3):
+    """A decode step's arguments: queries [B, H, G, 1, D], slots (a view of the first ``slots`` of more columns and
+    of the first D of more channels where ``strided``), some slots empty (token index -1), fp32 scores."""
+    query = torch.randn(batch, heads, group, 1, dim, generator=generator).to(dtype)
+    if strided:
+        store = torch.randn(2, batch, heads, slots + 9, dim + 5, generator=generator).to(dtype)
+        keys, values = store[0, :, :, :slots, :dim], store[1, :, :, :slots, :dim]
+    else:
+        keys, values = (torch.randn(batch, heads, slots, dim, generator=generator).to(dtype) for _ in range(2))
+    index = torch.arange(slots).expand(batch, heads, slots).clone()
+    index[torch.rand(batch, heads, slots, generator=generator) < empty] = -1
+    new_keys, new_values = (torch.randn(batch, heads, 1, dim, generator=generator).to(dtype) for _ in range(2))
+    scores = torch.rand(batch, heads, slots, generator=generator) * 3
+    return query, keys, values, index, new_keys, new_values, scores
+
+
+def _both(args, new_valid, scale, decay, reference_dtype=None):
+    """(the kernel's (out, new_scores, scores), the reference's) for the same step; the reference on the inputs
+    converted to ``reference_dtype`` where given."""
+    query, keys, values, index, new_keys, new_values, scores = args
+    kernel_scores, reference_scores = scores.clone(), scores.clone()
+    got = attention_ops.attend_decode(query, keys, values, index, new_keys, new_values, new_valid, scale,
+                                      kernel_scores, decay)
+    assert got is not None, attention_ops.why_not()
+    floats = [query, keys, values, new_keys, new_values]
+    if reference_dtype is not None:
+        floats = [t.to(reference_dtype) for t in floats]
+    want = reference.attend_with_scores(floats[0], floats[1], floats[2], index, floats[3], floats[4], new_valid,
+                                        scale, reference_scores, decay)
+    return (*got, kernel_scores), (*want, reference_scores)
+
+
+SHAPES = [(1, 64, 70), (3, 67, 129), (8, 128, 33), (3, 64, 300)]  # (G, D, S): tails in D and in the blocks of S
+
+
+@pytest.mark.parametrize("group,dim,slots", SHAPES)
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_fp32_is_the_torch_route(group, dim, slots, decay, padding, strided):
+    generator = torch.Generator().manual_seed(group * 1000 + dim + slots)
+    args = _step(2, 3, group, slots, dim, torch.float32, generator, strided)
+    new_valid = torch.tensor([[True], [False]]) if padding else None
+    got, want = _both(args, new_valid, dim ** -0.5, decay)
+    assert got[0].dtype == torch.float32 and got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("group,dim,slots", SHAPES)
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_bf16_is_the_exact_result_to_its_rounding(group, dim, slots, decay, padding, strided):
+    generator = torch.Generator().manual_seed(group * 1000 + dim + slots + 1)
+    args = _step(2, 3, group, slots, dim, torch.bfloat16, generator, strided)
+    new_valid = torch.tensor([[False], [True]]) if padding else None
+    got, exact = _both(args, new_valid, dim ** -0.5, decay, reference_dtype=torch.float32)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0].float(), exact[0], rtol=2 ** -7, atol=2 ** -8)
+    torch.testing.assert_close(got[1], exact[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], exact[2], rtol=1e-5, atol=1e-6)
+    _, torch_bf16 = _both(args, new_valid, dim ** -0.5, decay)  # torch's own bf16 route: logits rounded to bf16
+    torch.testing.assert_close(got[0].float(), torch_bf16[0].float(), rtol=0.05, atol=0.03)
+    torch.testing.assert_close(got[2], torch_bf16[2], rtol=0.05, atol=0.01)
+
+
+def test_a_padding_row_adds_nothing_and_does_not_decay():
+    generator = torch.Generator().manual_seed(3)
+    args = _step(2, 2, 3, 40, 64, torch.float32, generator)
+    scores = args[-1].clone()
+    got, _ = _both(args, torch.tensor([[True], [False]]), 0.125, 0.5)
+    out, new_scores, after = got
+    assert torch.equal(after[1], scores[1]) and torch.equal(new_scores[1], torch.zeros_like(new_scores[1]))
+    assert not torch.equal(after[0], scores[0])
+
+
+def test_every_slot_empty_leaves_the_new_token_alone():
+    """A row whose slots are all empty attends to its new token only: its value, probability 1 per query."""
+    generator = torch.Generator().manual_seed(4)
+    args = _step(1, 2, 3, 20, 64, torch.float32, generator, empty=1.1)
+    got, want = _both(args, None, 0.125, 1.0)
+    new_values = args[5]
+    torch.testing.assert_close(got[0], new_values.unsqueeze(2).expand_as(got[0]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], torch.full_like(got[1], 3.0))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_per_sequence_decay_and_threads():
+    generator = torch.Generator().manual_seed(5)
+    args = _step(3, 2, 3, 50, 64, torch.float32, generator)
+    decay = torch.tensor([1.0, 0.5, 0.0])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want = _both(args, torch.tensor([[True], [True], [False]]), 0.125, decay)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_what_it_does_not_take_is_left_to_torch():
+    """Several new tokens, mixed dtypes, D past 256, a non-unit stride along D: None, nothing written."""
+    generator = torch.Generator().manual_seed(6)
+    query, keys, values, index, new_keys, new_values, scores = _step(1, 2, 3, 20, 64, torch.float32, generator)
+    before = scores.clone()
+    assert attention_ops.attend_decode(query.expand(1, 2, 3, 2, 64), keys, values, index, new_keys.expand(1, 2, 2, 64),
+                                       new_values.expand(1, 2, 2, 64), None, 0.1, scores) is None
+    assert attention_ops.attend_decode(query, keys.bfloat16(), values, index, new_keys, new_values, None, 0.1,
+                                       scores) is None
+    wide = torch.randn(1, 2, 20, 128)[..., ::2]
+    assert attention_ops.attend_decode(query, wide, values, index, new_keys, new_values, None, 0.1, scores) is None
+    big = torch.randn(1, 2, 3, 1, 260)
+    assert attention_ops.attend_decode(big, torch.randn(1, 2, 20, 260), torch.randn(1, 2, 20, 260), index,
+                                       torch.randn(1, 2, 1, 260), torch.randn(1, 2, 1, 260), None, 0.1, scores) is None
+    assert torch.equal(scores, before)
+
+
+def test_the_torch_backend_routes_a_decode_step_to_it(monkeypatch):
+    calls = []
+    attend = attention_ops.attend_decode
+    monkeypatch.setattr(attention_ops, "attend_decode", lambda *a: calls.append(1) or attend(*a))
+    generator = torch.Generator().manual_seed(7)
+    query, keys, values, index, new_keys, new_values, scores = _step(1, 2, 3, 20, 64, torch.float32, generator)
+    dispatch.Backend("torch").attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
+    assert calls == [1]
+
+
+def _greedy(model, prompt, steps: int, slots: int):
+    """Greedy decoding through an h2o cache of ``slots``: the tokens and the last logits."""
+    cache = CacheSettings(budget=str(slots), recall=None).build(model)
+    tokens = []
+    with torch.inference_mode():
+        logits = prefill(model, cache, prompt)
+        for _ in range(steps):
+            tokens.append(logits.argmax(-1, keepdim=True))
+            logits = forward(model, cache, tokens[-1])[:, -1]
+    return torch.cat(tokens, 1), logits
+
+
+def test_greedy_decoding_is_the_torch_routes(family, torch_route):
+    """A tiny fp32 model of each family generating greedily past its cache's budget (evictions every step): the
+    same tokens with the kernel as without it, the logits within fp32 rounding."""
+    model = build_model(family, seed=2, max_position_embeddings=128)
+    prompt = random_ids(2, 10, torch.Generator().manual_seed(9))
+    calls = []
+    attend = attention_ops.attend_decode
+
+    def counted(*args):
+        done = attend(*args)
+        calls.append(done is not None)
+        return done
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_ops, "attend_decode", counted)
+        tokens, logits = _greedy(model, prompt, 40, 16)
+    assert sum(calls) == 40 * model.config.num_hidden_layers  # every decode step of every layer took the kernel
+    torch_route()
+    want_tokens, want_logits = _greedy(model, prompt, 40, 16)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
