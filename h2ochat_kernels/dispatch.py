@@ -20,6 +20,9 @@
   lacks it (tests run every route this way);
 - ``none``: no compiled CPU kernel, the torch route for everything.
 
+``H2OCHAT_CPU_ATTENTION=1`` also routes a CPU decode step's attention and scores through the C attention kernel
+(``cpu.attention_ops``); off by default until a compiled step calls it too.
+
 A C kernel changes speed only: each route gives the torch route's results, bit for bit where the test of its
 module says so and within the stated tolerance where it sums in another order.
 
@@ -159,10 +162,10 @@ class Backend:
                 and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant)):
             return ops.attend_with_scores(*args, quant=quant)
         if not self.triton and rest is None and quant is None and not torch.compiler.is_compiling():
-            # a CPU decode step: the C kernel where it takes these (None: the reference)
+            # a CPU decode step: the C kernel where it is routed and takes these (None: the reference)
             from .cpu import attention_ops
 
-            done = attention_ops.attend_decode(*args)
+            done = attention_ops.attend_decode(*args) if attention_ops.routed() else None
             if done is not None:
                 return done
         return reference.attend_with_scores(*args, quant=quant, rest=rest)

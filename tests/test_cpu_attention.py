@@ -153,12 +153,16 @@ def test_what_it_does_not_take_is_left_to_torch():
     assert torch.equal(scores, before)
 
 
-def test_the_torch_backend_routes_a_decode_step_to_it(monkeypatch):
+def test_the_torch_backend_routes_a_decode_step_to_it_when_asked(monkeypatch):
+    """``H2OCHAT_CPU_ATTENTION=1`` routes a CPU decode step through the kernel; unset, the torch route runs."""
     calls = []
     attend = attention_ops.attend_decode
     monkeypatch.setattr(attention_ops, "attend_decode", lambda *a: calls.append(1) or attend(*a))
     generator = torch.Generator().manual_seed(7)
     query, keys, values, index, new_keys, new_values, scores = _step(1, 2, 3, 20, 64, torch.float32, generator)
+    dispatch.Backend("torch").attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
+    assert calls == []
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "1")
     dispatch.Backend("torch").attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
     assert calls == [1]
 
@@ -175,9 +179,10 @@ def _greedy(model, prompt, steps: int, slots: int):
     return torch.cat(tokens, 1), logits
 
 
-def test_greedy_decoding_is_the_torch_routes(family, torch_route):
+def test_greedy_decoding_is_the_torch_routes(family, torch_route, monkeypatch):
     """A tiny fp32 model of each family generating greedily past its cache's budget (evictions every step): the
     same tokens with the kernel as without it, the logits within fp32 rounding."""
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "1")
     model = build_model(family, seed=2, max_position_embeddings=128)
     prompt = random_ids(2, 10, torch.Generator().manual_seed(9))
     calls = []

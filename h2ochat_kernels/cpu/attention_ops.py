@@ -19,26 +19,20 @@ is never used.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from .. import dispatch, reference
-from . import variants
 
 FLOATS = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-@functools.cache
-def _loaded_variant(variant: variants.Variant) -> tuple[object | None, str]:
-    library = dispatch.cpu_kernels_of(variant)
-    if library is None:
-        return None, f"the attention kernel's {variant.name} variant was not built"
+def _checked(library):
     # the bare cffi function: its tensors go as addresses (csrc/attention_api.h), no per-argument casts
     kernel = (library.h2ochat_attend_decode.function, functools.cache(library.h2ochat_attend_workspace))
-    if not all(_agrees_in(kernel, dtype) for dtype in FLOATS):
-        return None, f"the attention kernel's {variant.name} variant disagreed with torch on its first results"
-    return kernel, ""
+    return kernel if all(_agrees_in(kernel, dtype) for dtype in FLOATS) else None
 
 
 def _loaded() -> tuple[object | None, str]:
@@ -48,7 +42,18 @@ def _loaded() -> tuple[object | None, str]:
     variant, why = dispatch.cpu_route("attention")
     if variant is not None and variant.name == "generic" and dispatch.cpu_wanted() == "auto":
         return None, "the attention kernel's generic variant is no faster than the torch route"
-    return (None, why) if variant is None else _loaded_variant(variant)
+    return (None, why) if variant is None else dispatch.cpu_checked("attention", _checked, variant)
+
+
+ROUTE_SWITCH = "H2OCHAT_CPU_ATTENTION"  # "1": the torch backend's decode steps take this kernel
+
+
+def routed() -> bool:
+    """Whether a CPU layer's decode steps go through this kernel (``H2OCHAT_CPU_ATTENTION=1``). Off by default:
+    it sums in another order than the torch route, and a compiled step (a graph that calls torch's ops) does not
+    take it yet, so an eager step and a compiled one would stop agreeing bit for bit. It is routed by default once
+    it is a custom op that a compiled step calls too."""
+    return os.environ.get(ROUTE_SWITCH, "0").strip() == "1"
 
 
 def available() -> bool:
