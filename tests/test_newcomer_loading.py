@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from h2ochat.cli import main
 from h2ochat.loading import gguf_conversion
@@ -71,7 +72,8 @@ def test_the_converted_copy_is_keyed_by_content_not_time(tmp_path, monkeypatch):
     monkeypatch.setenv("H2OCHAT_CACHE_DIR", str(tmp_path / "cache"))
     first = tmp_path / "a" / "model.gguf"
     first.parent.mkdir()
-    first.write_bytes(os.urandom(3 << 20))
+    noise = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(16))
+    first.write_bytes(noise.numpy().tobytes())
     second = tmp_path / "b" / "model.gguf"  # a fresh install: the same bytes, another time
     second.parent.mkdir()
     second.write_bytes(first.read_bytes())

@@ -104,6 +104,7 @@ def _run(*args):
 
 def test_an_interrupted_run_resumes_without_redoing_finished_samples(checkpoint, planted, tmp_path, monkeypatch):
     log = tmp_path / "out" / "ruler.jsonl"
+    log.parent.mkdir()  # (--output makes no folder)
     args = ["--model", str(checkpoint), "--lengths", "128", "--samples", "3", "--ruler-tasks",
             "niah_single_1,ruler_vt", "--policies", "full,h2o", "--budget", "0.25", "--output", str(log), "--json"]
     real_add = eval_log.EvalLog.add
@@ -138,7 +139,7 @@ def test_an_interrupted_run_resumes_without_redoing_finished_samples(checkpoint,
     (["--ruler-tasks", "niah_single_2"], "unknown RULER task"),
     (["--samples", "0"], "--samples must be at least 1"),
     (["--lengths", "600"], "position window"),
-    (["--output", "/proc/forbidden/ruler.jsonl"], "cannot write --output"),
+    (["--output", "/proc/forbidden/ruler.jsonl"], "the folder /proc/forbidden does not exist"),  # (no folder made)
 ])
 def test_bad_arguments_are_one_line(checkpoint, planted, args, message):
     code, out, err = _run("--model", str(checkpoint), "--lengths", "128", *args)
