@@ -177,3 +177,21 @@ def pytest_terminal_summary(terminalreporter):
     from cpu_routes import routes_report
 
     terminalreporter.write_line("CPU kernel routes: " + "; ".join(routes_report()))
+
+
+@pytest.fixture
+def h2ochat_main(monkeypatch, capsys):
+    """The command line in this process: ``h2ochat_main("generate", ...)`` returns its exit code, stdout, stderr."""
+    import subprocess
+    import sys
+
+    from h2ochat.cli import main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["h2ochat", *args])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, exited.value.code, captured.out, captured.err)
+
+    return run

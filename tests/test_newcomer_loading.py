@@ -14,21 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from h2ochat.cli import main
 from h2ochat.loading import gguf_conversion
 from h2ochat.loading.sources import ModelError, missing_parts, resolve
-
-
-@pytest.fixture
-def h2ochat_main(monkeypatch, capsys):
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["h2ochat", *args])
-        with pytest.raises(SystemExit) as exited:
-            main()
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(args, exited.value.code, captured.out, captured.err)
-
-    return run
 
 
 # -- item 15: what a path lacks ------------------------------------------------------------------

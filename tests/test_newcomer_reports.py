@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 from rich.console import Console
@@ -15,24 +13,11 @@ from rich.console import Console
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.repl import Repl, StreamReader
 from h2ochat.chat.settings import ChatSettings
-from h2ochat.cli import main
 from h2ochat.engine.generation import CacheSettings
 
 from test_repl import loaded  # noqa: F401  (the tiny model fixture)
 
 WORDS = "the quick brown fox jumps over the lazy dog " * 12
-
-
-@pytest.fixture
-def h2ochat_main(monkeypatch, capsys):
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["h2ochat", *args])
-        with pytest.raises(SystemExit) as exited:
-            main()
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(args, exited.value.code, captured.out, captured.err)
-
-    return run
 
 
 def test_generate_json_says_what_recall_asked_for_and_why_it_was_not_used(h2ochat_main, tiny_checkpoint):
