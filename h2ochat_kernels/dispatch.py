@@ -43,20 +43,17 @@ Dynamo does not guard on ``H2OCHAT_KERNELS``: a compiled graph keeps the backend
 
 from __future__ import annotations
 
-import functools
 import numbers
 import os
-import sys
-from pathlib import Path
 
 import torch
 
 from . import ops, recall_reference, reference
-from .cpu import binding, variants
+from .cpu import attention_ops
+from .cpu.routes import (CPU_CHOICES, CPU_SWITCH, cpu_checked, cpu_flags, cpu_kernels, cpu_route, cpu_runs,  # noqa: F401
+                         cpu_wanted)
 
 _CHOICES = ("auto", "torch", "triton")
-CPU_SWITCH = "H2OCHAT_CPU_KERNELS"
-CPU_CHOICES = ("auto", "none", *variants.ROUTES)
 
 
 _triton_importable: bool | None = None
@@ -163,8 +160,6 @@ class Backend:
             return ops.attend_with_scores(*args, quant=quant)
         if not self.triton and rest is None and quant is None and not torch.compiler.is_compiling():
             # a CPU decode step: the C kernel where it is routed and takes these (None: the reference)
-            from .cpu import attention_ops
-
             done = attention_ops.attend_decode(*args) if attention_ops.routed() else None
             if done is not None:
                 return done
@@ -259,99 +254,6 @@ def evict_and_insert(priority, keys, *args, **kwargs):
 
 def evict_by_policy(keys, *args, **kwargs):
     return backend_for(keys.device).evict_by_policy(keys, *args, **kwargs)
-
-
-# -- the CPU's compiled kernels --------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them for its first processor (x86 ``flags``, ARM ``Features``);
-    empty where the file is unreadable (not Linux): then only the generic variants run."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
-
-
-def cpu_runs(variant: variants.Variant) -> bool:
-    return variant.cpu_needs <= cpu_flags()
-
-
-def cpu_wanted() -> str:
-    wanted = os.environ.get(CPU_SWITCH, "auto").strip().lower() or "auto"
-    if wanted not in CPU_CHOICES:
-        raise ValueError(f"{CPU_SWITCH}={wanted!r}: expected one of {', '.join(CPU_CHOICES)}")
-    return wanted
-
-
-def cpu_route(module: str) -> tuple[variants.Variant | None, str]:
-    """The variant of ``module`` that runs here (``H2OCHAT_CPU_KERNELS``), or (None, why none does)."""
-    return _cpu_route(module, cpu_wanted())
-
-
-@functools.cache
-def _cpu_route(module: str, wanted: str) -> tuple[variants.Variant | None, str]:
-    if wanted == "none":
-        return None, f"{CPU_SWITCH}=none"
-    candidates = [v for v in variants.of(module) if wanted in ("auto", v.name)]
-    if not candidates:
-        return None, f"the {module} kernels have no {wanted} variant"
-    reasons = []
-    for variant in candidates:
-        if not cpu_runs(variant):
-            reasons.append(f"{variant.name}: the CPU lacks {', '.join(sorted(variant.cpu_needs - cpu_flags()))}")
-        elif binding.built(variant) is None:
-            reasons.append(f"{variant.name}: not built at install")
-        else:
-            return variant, ""
-    why = "; ".join(reasons)
-    if wanted == "auto" and any(cpu_runs(v) for v in candidates):
-        _say_once(f"h2ochat: the {module} kernels were not built at install ({why}; a C compiler builds them), so "
-                  "their work runs on the torch route: the same results, slower")
-    return None, why
-
-
-def cpu_kernels(module: str) -> binding.Library | None:
-    """The loaded variant of ``module`` that runs here, or None (``cpu_route`` says why)."""
-    variant, _ = cpu_route(module)
-    return None if variant is None else binding.load(variant)
-
-
-def cpu_checked(module: str, prepare, variant: variants.Variant | None = None) -> tuple[object | None, str]:
-    """The route's kernels as ``prepare(library)`` makes them ready for use, having checked their first results
-    against torch (None: they disagreed, and are never used), once per variant; or (None, why none runs).
-    ``variant``: that one instead of ``cpu_route``'s (a benchmark timing every variant)."""
-    why = ""
-    if variant is None:
-        variant, why = cpu_route(module)
-    if variant is None:
-        return None, why
-    key = (variant, prepare)
-    if key not in _prepared:
-        library = binding.load(variant)
-        if library is None:
-            _prepared[key] = None, f"the {module} kernels' {variant.name} variant was not built"
-        else:
-            ready = prepare(library)
-            _prepared[key] = (ready, "") if ready is not None else (
-                None, f"the {module} kernels' {variant.name} variant disagreed with torch on its first results")
-    return _prepared[key]
-
-
-_prepared: dict[tuple, tuple[object | None, str]] = {}
-
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        print(message, file=sys.stderr)
 
 
 def zero_copy_rows(device: torch.device | str) -> bool:

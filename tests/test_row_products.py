@@ -11,8 +11,7 @@ import torch
 
 from cpu_routes import rows_route, torch_route  # noqa: F401 (fixtures)
 
-from h2ochat_kernels import dispatch
-from h2ochat_kernels.cpu import row_products, variants
+from h2ochat_kernels.cpu import routes, row_products, variants
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -89,28 +88,28 @@ def test_the_switch_turns_it_off(torch_route):
 
 def test_a_cpu_without_avx512_bf16_does_not_use_it(monkeypatch):
     """A CPU lacking the variant's flags runs oneDNN's product, and the reason names what it lacks."""
-    monkeypatch.setattr(dispatch, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    dispatch._cpu_route.cache_clear()
+    monkeypatch.setattr(routes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    routes._cpu_route.cache_clear()
     try:
         assert not row_products.available() and "avx512_bf16" in row_products.why_not()
         assert "\n" not in row_products.why_not()
     finally:
         monkeypatch.undo()
-        dispatch._cpu_route.cache_clear()
+        routes._cpu_route.cache_clear()
 
 
 def test_an_install_that_built_nothing_says_why_once(monkeypatch, capsys):
     """No C compiler at install (nothing built): the torch route, and one line on standard error saying so."""
-    monkeypatch.setattr(dispatch.binding, "built", lambda variant: None)
-    monkeypatch.setattr(dispatch, "_said", set())
-    dispatch._cpu_route.cache_clear()
+    monkeypatch.setattr(routes.binding, "built", lambda variant: None)
+    monkeypatch.setattr(routes, "_said", set())
+    routes._cpu_route.cache_clear()
     try:
         for _ in range(3):
-            assert dispatch.cpu_route("recall")[0] is None
-        assert not row_products.available() or not dispatch.cpu_runs(variants.of("rows")[0])
+            assert routes.cpu_route("recall")[0] is None
+        assert not row_products.available() or not routes.cpu_runs(variants.of("rows")[0])
         lines = [line for line in capsys.readouterr().err.splitlines() if "recall kernels" in line]
-        assert len(lines) == (1 if any(dispatch.cpu_runs(v) for v in variants.of("recall")) else 0)
+        assert len(lines) == (1 if any(routes.cpu_runs(v) for v in variants.of("recall")) else 0)
         assert all("torch route" in line and "same results" in line for line in lines)
     finally:
         monkeypatch.undo()
-        dispatch._cpu_route.cache_clear()
+        routes._cpu_route.cache_clear()

@@ -7,7 +7,7 @@ Timings: benchmarks/cpu_attention.py.
 of the query's dtype (bf16 or fp32) with unit stride along D (any view of a larger slot buffer), D <= 256, any
 group G, a padding mask, a float decay or one per sequence. It returns None for anything else (quantized slots, a
 recall tier's rest column: the caller's; several new tokens, another dtype or device, a compiled graph) and the
-caller keeps its torch route. The variant that runs is ``dispatch.cpu_route("attention")``'s: ``avx512bf16`` (bf16
+caller keeps its torch route. The variant that runs is ``routes.cpu_route("attention")``'s: ``avx512bf16`` (bf16
 keys dotted by VDPBF16PS) or ``avx2`` / ``generic`` (vectors of 8 floats). Sums are fp32 in every variant: the
 fp32 route agrees with torch to fp32 rounding; the bf16 one is closer to the exact result than torch's bf16 route,
 which rounds the logits and the probabilities to bf16 (tests/test_cpu_attention.py states both tolerances).
@@ -23,7 +23,8 @@ import os
 
 import torch
 
-from .. import dispatch, reference
+from .. import reference
+from . import routes
 
 FLOATS = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -39,10 +40,10 @@ def _loaded() -> tuple[object | None, str]:
     """(the bound kernel of the route that runs here, "") or (None, why none does). The generic variant runs only
     when asked for by name: without AVX2 it was no faster than torch's route (0.7-1.2x,
     benchmarks/results_cpu_attention.json), so ``auto`` keeps torch there."""
-    variant, why = dispatch.cpu_route("attention")
-    if variant is not None and variant.name == "generic" and dispatch.cpu_wanted() == "auto":
+    variant, why = routes.cpu_route("attention")
+    if variant is not None and variant.name == "generic" and routes.cpu_wanted() == "auto":
         return None, "the attention kernel's generic variant is no faster than the torch route"
-    return (None, why) if variant is None else dispatch.cpu_checked("attention", _checked, variant)
+    return (None, why) if variant is None else routes.cpu_checked("attention", _checked, variant)
 
 
 ROUTE_SWITCH = "H2OCHAT_CPU_ATTENTION"  # "1": the torch backend's decode steps take this kernel
@@ -66,7 +67,7 @@ def why_not() -> str:
 
 
 def variant_name() -> str | None:
-    variant, _ = dispatch.cpu_route("attention")
+    variant, _ = routes.cpu_route("attention")
     return None if variant is None or _loaded()[0] is None else variant.name
 
 

@@ -1,7 +1,7 @@
 """The recall step's CPU kernels (``csrc/recall_*``), for a step whose cold store is in the same memory: what
 each entry point computes, the tensors it takes, and the checks that keep every route equal to the torch one.
 
-The variant that runs is ``dispatch.cpu_route("recall")``'s: ``avx512bf16`` (bf16 scored by VDPBF16PS,
+The variant that runs is ``routes.cpu_route("recall")``'s: ``avx512bf16`` (bf16 scored by VDPBF16PS,
 ``Kernels.bf16_dots``), ``avx2`` or ``generic`` (vectors of 8 floats). Every variant takes bf16 and fp32
 queries and keys (a model's dtype).
 
@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import dispatch
 from ..quant import SCALE_TENSORS, level_codes
 from ..recall_reference import page_scores as reference_page_scores
 from ..recall_reference import top_pages as kernels_top_pages
-from . import variants
+from . import routes, variants
 from .binding import Library
 
 FLOATS = (torch.bfloat16, torch.float32)  # the dtypes the kernels read queries, keys and float slots in
@@ -127,7 +126,7 @@ def _checked(library: Library) -> Kernels | None:
 
 def _loaded(variant: variants.Variant | None = None) -> tuple[Kernels | None, str]:
     """(the bound kernels of the route that runs here, or of ``variant``, "") or (None, why none does)."""
-    return dispatch.cpu_checked("recall", _checked, variant)
+    return routes.cpu_checked("recall", _checked, variant)
 
 
 def bound() -> Kernels | None:

@@ -6,7 +6,7 @@ fp32 with AVX512-BF16. Up to ``MAX_ROWS`` rows it beats oneDNN's packed product;
 stops being a read of the weights and oneDNN's blocking wins (``benchmarks/packed_linears.py``; figures in
 ``benchmarks/results_packed_linears_*.json``).
 
-The variant is the ``rows`` module's ``avx512bf16`` (``dispatch.cpu_route("rows")``). Where it does not run (no
+The variant is the ``rows`` module's ``avx512bf16`` (``routes.cpu_route("rows")``). Where it does not run (no
 ``avx512_bf16`` in the CPU's flags, an install without a C compiler, ``H2OCHAT_CPU_KERNELS=none``, its first
 product disagreeing with torch's), ``available()`` says no and ``why_not()`` says why: the caller keeps
 oneDNN's packed product, which rounds the same fp32 sums to bf16 (the sums in another order).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import dispatch
+from . import routes
 
 MAX_ROWS = 3  # up to here the kernel beats oneDNN (the module's docstring)
 
@@ -42,7 +42,7 @@ def _checked(library):
 
 def _loaded() -> tuple[object | None, str]:
     """(the bound kernel, "") or (None, why it is not used)."""
-    return dispatch.cpu_checked("rows", _checked)
+    return routes.cpu_checked("rows", _checked)
 
 
 def available() -> bool:

@@ -1,6 +1,6 @@
 /* The recall module for CPUs with AVX512-BF16: bf16 page scores by VDPBF16PS, 16-lane slot codes and rest sums.
    Built with -mavx512f -mavx512bw -mavx512bf16 (h2ochat_kernels/cpu/variants.py); loaded only where the CPU has
-   avx512_bf16. Its sums are the portable variant's up to their order (tests/test_cpu_kernels.py states the tolerance). */
+   avx512_bf16. Its sums are the portable variant's up to their order (tests/test_recall_native.py states the tolerance). */
 
 #include <immintrin.h>
 
