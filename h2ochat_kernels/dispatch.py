@@ -3,7 +3,7 @@
 - GPU work: the Triton kernels or their torch references, once per cache layer (``backend_for``), or per
   call (the module-level functions, for callers without a layer: tests, the simulation); the cold store's
   zero-copy row kernels (``host_rows``).
-- CPU work: which compiled variant of a C kernel module runs (``cpu_route``, ``cpu_kernels``): the best one
+- CPU work: which compiled variant of a C kernel module runs (``cpu_route``, ``cpu_checked``): the best one
   the CPU supports among those the install built (``cpu.variants``), or none (the torch route).
 
 ``H2OCHAT_KERNELS`` (read when a backend is chosen):
@@ -50,7 +50,7 @@ import torch
 
 from . import ops, recall_reference, reference
 from .cpu import attention_ops
-from .cpu.routes import (CPU_CHOICES, CPU_SWITCH, cpu_checked, cpu_flags, cpu_kernels, cpu_route, cpu_runs,  # noqa: F401
+from .cpu.routes import (CPU_CHOICES, CPU_SWITCH, cpu_checked, cpu_flags, cpu_route, cpu_runs,  # noqa: F401
                          cpu_wanted)
 
 _CHOICES = ("auto", "torch", "triton")

@@ -12,16 +12,12 @@ import shutil
 import pytest
 
 from h2ochat_kernels import dispatch
-from h2ochat_kernels.cpu import binding, variants
+from h2ochat_kernels.cpu import routes, variants
 
 
 def _why_not(variant: variants.Variant) -> str:
-    if not dispatch.cpu_runs(variant):
-        lacking = ", ".join(sorted(variant.cpu_needs - dispatch.cpu_flags()))
-        return f"{variant.module} route {variant.name}: this CPU lacks {lacking}"
-    if binding.built(variant) is None:
-        return f"{variant.module} route {variant.name}: not built at install (no C compiler then?)"
-    return ""
+    reason = routes.why_not(variant)  # (the dispatcher's own reason)
+    return f"{variant.module} route {variant.name}: {reason}" if reason else ""
 
 
 def route_params(module: str) -> list:

@@ -37,12 +37,9 @@ def _checked(library):
 
 
 def _loaded() -> tuple[object | None, str]:
-    """(the bound kernel of the route that runs here, "") or (None, why none does). The generic variant runs only
-    when asked for by name: without AVX2 it was no faster than torch's route (0.7-1.2x,
-    benchmarks/results_cpu_attention.json), so ``auto`` keeps torch there."""
+    """(the bound kernel of the route that runs here, "") or (None, why none does). ``auto`` never takes the
+    generic variant (``variants.Variant.in_auto``): it runs only when named."""
     variant, why = routes.cpu_route("attention")
-    if variant is not None and variant.name == "generic" and routes.cpu_wanted() == "auto":
-        return None, "the attention kernel's generic variant is no faster than the torch route"
     return (None, why) if variant is None else routes.cpu_checked("attention", _checked, variant)
 
 

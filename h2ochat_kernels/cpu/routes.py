@@ -39,6 +39,16 @@ def cpu_runs(variant: variants.Variant) -> bool:
     return variant.cpu_needs <= cpu_flags()
 
 
+def why_not(variant: variants.Variant) -> str:
+    """Why ``variant`` cannot run here ("" where it can): the CPU lacks its instruction set, or the install did not
+    build it."""
+    if not cpu_runs(variant):
+        return f"the CPU lacks {', '.join(sorted(variant.cpu_needs - cpu_flags()))}"
+    if binding.built(variant) is None:
+        return "not built at install"
+    return ""
+
+
 def cpu_wanted() -> str:
     wanted = os.environ.get(CPU_SWITCH, "auto").strip().lower() or "auto"
     if wanted not in CPU_CHOICES:
@@ -55,28 +65,20 @@ def cpu_route(module: str) -> tuple[variants.Variant | None, str]:
 def _cpu_route(module: str, wanted: str) -> tuple[variants.Variant | None, str]:
     if wanted == "none":
         return None, f"{CPU_SWITCH}=none"
-    candidates = [v for v in variants.of(module) if wanted in ("auto", v.name)]
+    candidates = [v for v in variants.of(module) if wanted == v.name or (wanted == "auto" and v.in_auto)]
     if not candidates:
         return None, f"the {module} kernels have no {wanted} variant"
     reasons = []
     for variant in candidates:
-        if not cpu_runs(variant):
-            reasons.append(f"{variant.name}: the CPU lacks {', '.join(sorted(variant.cpu_needs - cpu_flags()))}")
-        elif binding.built(variant) is None:
-            reasons.append(f"{variant.name}: not built at install")
-        else:
+        reason = why_not(variant)
+        if not reason:
             return variant, ""
+        reasons.append(f"{variant.name}: {reason}")
     why = "; ".join(reasons)
     if wanted == "auto" and any(cpu_runs(v) for v in candidates):
         _say_once(f"h2ochat: the {module} kernels were not built at install ({why}; a C compiler builds them), so "
                   "their work runs on the torch route: the same results, slower")
     return None, why
-
-
-def cpu_kernels(module: str) -> binding.Library | None:
-    """The loaded variant of ``module`` that runs here, or None (``cpu_route`` says why)."""
-    variant, _ = cpu_route(module)
-    return None if variant is None else binding.load(variant)
 
 
 def cpu_checked(module: str, prepare, variant: variants.Variant | None = None) -> tuple[object | None, str]:

@@ -23,6 +23,7 @@ class Variant:
     flags: tuple[str, ...]  # besides -O3: what the compiler needs for the instruction set
     cpu_needs: frozenset[str]  # the /proc/cpuinfo flags a CPU must list to run it
     openmp: bool = False  # threads by OpenMP (built without it, one thread, where the compiler has none)
+    in_auto: bool = True  # False: run only when named (no faster than the torch route where it is the best)
 
     @property
     def extension(self) -> str:
@@ -40,7 +41,8 @@ VARIANTS = (
     Variant("attention", "avx512bf16", "attention_avx512bf16.c", AVX512_BF16,
             frozenset({"avx512f", "avx512bw", "avx512_bf16"}), openmp=True),
     Variant("attention", "avx2", "attention_portable.c", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"}), openmp=True),
-    Variant("attention", "generic", "attention_portable.c", (), frozenset(), openmp=True),
+    # (without AVX2, no faster than the torch route: benchmarks/results_cpu_attention.json)
+    Variant("attention", "generic", "attention_portable.c", (), frozenset(), openmp=True, in_auto=False),
 )
 
 MODULES = tuple(dict.fromkeys(v.module for v in VARIANTS))
