@@ -36,7 +36,8 @@ from h2ochat_kernels import dispatch
 from h2ochat_kernels.cpu import recall_ops, store_ops
 
 from ..rotary import Rotary, rotate_keys
-from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
+from ..host_buffers import store_buffer
+from .layout import FirstRows, Writes, growable, grown_slots, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "bf16-keys", "int8")
 BOOKKEEPING = torch.int32  # token indices and positions (2**31 tokens of one conversation: far past any context)
@@ -112,10 +113,17 @@ class ColdStore(FirstRows):
         # some token's current position differs from its encoded one (host flag, set by a re-numbering or
         # an explicit ``encoded``): until then a brought-back key needs no rotation, and pages skip it
         self.moved = False
+        # evicted tokens not kept because a bound on many stores' memory was reached (``cold_bound``; host)
+        self.refused = torch.zeros(batch, heads, dtype=torch.long)
+        self.bound = None  # that bound (``ColdBound.attach``), told of every change of the bytes written
 
     def _alloc(self, shape, dtype, fill) -> torch.Tensor:
-        tensor = torch.full((*shape[:2], shape[2] + 1, *shape[3:]), fill, dtype=dtype)  # + the spill slot
-        tensor = tensor.pin_memory() if self.pin else tensor
+        shape = (*shape[:2], shape[2] + 1, *shape[3:])  # + the spill slot
+        if fill == 0:  # (a mapping of its own where large: a ring's frames cost memory only as they are written)
+            tensor = store_buffer(shape, dtype, pin=self.pin, zeroed=True)
+        else:
+            tensor = torch.full(shape, fill, dtype=dtype)
+            tensor = tensor.pin_memory() if self.pin else tensor
         return growable(tensor) if self.frames is None else tensor
 
     @property
@@ -158,6 +166,7 @@ class ColdStore(FirstRows):
             old = getattr(self, name)
             setattr(self, name, widened(old, needed, -1 if name in _MINUS_ONE_WHEN_EMPTY else 0, pin=self.pin,
                                         spill=True, page=self.page, rows_held=rows_held, room=True))
+        self.note_written()
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:
@@ -181,6 +190,7 @@ class ColdStore(FirstRows):
         for name in self._buffers():
             setattr(self, name, narrowed(getattr(self, name), size, rows_held,
                                          -1 if name in _MINUS_ONE_WHEN_EMPTY else 0))
+        self.note_written()
 
     def append(self, keys, values, token_index, positions, encoded=None, *, reserve: bool = True) -> torch.Tensor:
         """Store evicted tokens: keys/values [B, H, E, D], token_index/positions [B, H, E] (token index
@@ -191,6 +201,7 @@ class ColdStore(FirstRows):
             slots = store_ops.cold_append({"keys": keys, "values": values, "token_index": token_index,
                                         "positions": positions}, self.named_buffers(), self.count, self.capacity)
             if slots is not None:  # (a CPU's flush of its staging page: one C call)
+                self.note_written()
                 return slots
         valid = (token_index >= 0).to(device)
         added = valid.sum(dim=-1)
@@ -213,6 +224,7 @@ class ColdStore(FirstRows):
         if encoded is not None:  # (a compiled step never passes one: no guard on the flag)
             self.moved = True
         self.count += added
+        self.note_written()
         return writes.slots
 
     def appends_natively(self) -> bool:
@@ -226,13 +238,18 @@ class ColdStore(FirstRows):
         return held_pages(self.count, self.page, self.frames)
 
     def held_tokens(self) -> torch.Tensor:
-        """[B, H]: tokens in the store now (appended minus dropped)."""
-        return self.count - self.dropped()
+        """[B, H]: tokens in the store now (appended minus those its ring overwrote)."""
+        return self.count - self._overwritten()
 
-    def dropped(self) -> torch.Tensor:
+    def _overwritten(self) -> torch.Tensor:
         """[B, H]: tokens lost to --cold-limit (whole pages, oldest first)."""
         first, _ = self.held()
         return (first * self.page).clamp(max=self.count)
+
+    def dropped(self) -> torch.Tensor:
+        """[B, H]: evicted tokens the store does not hold: lost to --cold-limit, or never kept because the
+        bound on the stores' memory was reached (``refused``)."""
+        return self._overwritten() + self.refused[: self.count.shape[0]].to(self.count.device)
 
     def pages(self, page_ids: torch.Tensor, rotary: Rotary | None = None):
         """Bring pages back: ``page_ids`` [B, H, k] absolute page numbers (-1: none, or not held).
@@ -347,6 +364,35 @@ class ColdStore(FirstRows):
         encoded.copy_(torch.where(held, self.positions[:, :, slots], encoded))
 
     # -- accounting -------------------------------------------------------------------------------
+    def note_written(self) -> None:
+        """Tell the bound on the stores' memory (if any) the bytes written now: after every change of them."""
+        if self.bound is not None:
+            self.bound.note(self)
+
+    def refuse(self, tokens: torch.Tensor) -> None:
+        """``tokens`` [B, H] evicted tokens were not kept (the bound on the stores' memory was reached)."""
+        tokens = tokens.to("cpu")
+        self.refused += tokens
+        if self.bound is not None:
+            self.bound.refused(int(tokens.sum()))
+
+    def append_bytes(self, added: torch.Tensor, needed: int) -> tuple[int, list[int]]:
+        """What an append of ``added`` [B, H] tokens, room made by ``reserve(needed)``, adds to ``written_nbytes``:
+        the bytes of the slots a growth gives every row (token indices and positions: written whole), and each
+        row's keys, values and scales as far as its tokens reach [B]."""
+        capacity = self.capacity
+        after = capacity if self.frames is not None else grown_slots(capacity, needed, self.page)
+        whole = sum(getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size()
+                    for name in _MINUS_ONE_WHEN_EMPTY)
+        by_row = sum(getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size()
+                     for name in self._buffers() if name not in _MINUS_ONE_WHEN_EMPTY)
+        batch = self.count.shape[0]
+        count = self.count.cpu()
+        before = [min(held, capacity) for held in rows_held(count)]
+        grown = [min(held, after) for held in rows_held(count + added.to("cpu"))]
+        growth = (after - capacity) * batch * self.heads * whole
+        return growth, [(new - old) * self.heads * by_row for new, old in zip(grown, before)]
+
     def nbytes(self) -> int:
         """Host bytes held (allocated)."""
         return tensor_bytes(getattr(self, name) for name in self._buffers())
