@@ -26,15 +26,19 @@ class ColdBound:
             raise ValueError(f"a bound on the cold stores' memory must be at least 1 byte, got {limit}")
         self.limit = limit
         self._written: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> bytes it last noted
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> how many times it will be held
         self.dropped_tokens = 0  # per layer and KV head, as the cold stores count their tokens
         self.peak = 0  # the most bytes in use at once
 
-    def attach(self, cache) -> None:
-        """Bound the cold stores of ``cache``'s allocated recall tiers (a cache without one: nothing)."""
+    def attach(self, cache, copies: int = 1) -> None:
+        """Bound the cold stores of ``cache``'s allocated recall tiers (a cache without one: nothing). ``copies``:
+        2 for a cache a prompt is read into, whose row is then copied into the batch (and the cache kept for the
+        next prompt): each token it keeps is admitted for both copies, so the copy stays within the bound."""
         for layer in cache.layers:
             cold = getattr(getattr(layer, "tier", None), "cold", None)
             if cold is not None:
                 cold.bound = self
+                self._copies[cold] = copies
                 self.note(cold)
 
     def note(self, store) -> None:
@@ -51,12 +55,13 @@ class ColdBound:
         """The rows of ``store`` whose append fits under the bound: ``growth``, the bytes the append adds to the
         store whatever rows append (the bookkeeping of the slots a growth adds), and ``row_bytes``, what each
         row's tokens add. Rows holding fewer tokens (``held``) first; none where the growth does not fit."""
-        room = self.limit - self.in_use - growth
+        copies = self._copies.get(store, 1)
+        room = self.limit - self.in_use - growth * copies
         kept = []
         for row in sorted(row_bytes, key=lambda row: (held[row], row)):
-            if row_bytes[row] <= room:
+            if row_bytes[row] * copies <= room:
                 kept.append(row)
-                room -= row_bytes[row]
+                room -= row_bytes[row] * copies
         return sorted(kept) if room >= 0 else []
 
     def refused(self, tokens: int) -> None:

@@ -105,7 +105,8 @@ class ColdWrites:
             kept = self._kept(port, rows, dropped.sum(dim=-1), dropped.shape[-1])
             if len(kept) < len(rows):
                 dropped = dropped & self._rows_mask(kept, dropped).unsqueeze(-1)
-            self._room(port, dropped.shape[-1])  # (the chunk's room, made here where the bound admitted it)
+            if kept:  # (the chunk's room, made here where the bound admitted it)
+                self._room(port, dropped.shape[-1])
         token_index = candidates["token_index"].masked_fill(~dropped, -1)
         order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
 

@@ -88,7 +88,8 @@ class ModelBackend:
         cache.keep_columns()  # (the full policy: each row's text stays within its slots, see serve.rows)
         cache.allocate(batch, self.kv_heads, self.head_dim, dtype=self.runner.dtype, device=self.runner.device)
         if self.cold_bound is not None:  # (the batch's and the prompts' caches: one bound for their stores)
-            self.cold_bound.attach(cache)
+            prompts = getattr(self, "pool", None) is not None  # (the pool makes the batch's cache first)
+            self.cold_bound.attach(cache, copies=2 if prompts else 1)
         return cache
 
     # -- what tests, tools and the engine read ---------------------------------------------------------
