@@ -13,7 +13,7 @@ from conftest import VOCAB, build_model
 from serve_fakes import make_request, model_engine
 
 from h2ochat.host_buffers import resident_bytes
-from h2ochat.recall.cold_bound import ColdBound
+from h2ochat.recall.cold_bound import ColdBound, append_bytes
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.serve.server import ServeConfig, choose_recall_memory, choose_rows
 
@@ -82,12 +82,11 @@ def test_appends_stop_at_the_bound_the_longest_rows_first_and_count_what_they_dr
     batch, heads, dim = 3, 2, 16
     store = ColdStore(batch, heads, dim, dim, 4, torch.float32, cold_dtype="model")
     bound = ColdBound(1 << 20)
-    store.bound = bound
-    bound.note(store)
+    store.bounded_by(bound)
     per_token = heads * (2 * dim * 4)
     added = torch.zeros(batch, heads, dtype=torch.long)
     added[:] = 10
-    growth, rows = store.append_bytes(added, 10)  # (figures only: nothing written)
+    growth, rows = append_bytes(store, added, 10)  # (figures only: nothing written)
     assert rows == [10 * per_token] * batch and bound.in_use == store.written_nbytes()
     assert growth > 0  # (ten tokens pass the first page: the store grows)
     _append(store, 0, 40)
@@ -96,8 +95,7 @@ def test_appends_stop_at_the_bound_the_longest_rows_first_and_count_what_they_dr
     # room for one row's ten tokens and the growth: the shortest rows are admitted first
     room_for = bound.in_use + growth + 10 * per_token + per_token // 2
     tight = ColdBound(room_for)
-    store.bound = tight
-    tight.note(store)
+    store.bounded_by(tight)
     assert tight.admitted(store, growth, dict(enumerate(rows)), {0: 40, 1: 8, 2: 0}) == [2]
     full = ColdBound(store.written_nbytes())  # (a bound the store fills: nothing more)
     full.note(store)

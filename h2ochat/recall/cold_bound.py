@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
+from .layout import grown_slots, rows_held
+
 
 class ColdBound:
     def __init__(self, limit: int):
@@ -37,9 +41,8 @@ class ColdBound:
         for layer in cache.layers:
             cold = getattr(getattr(layer, "tier", None), "cold", None)
             if cold is not None:
-                cold.bound = self
                 self._copies[cold] = copies
-                self.note(cold)
+                cold.bounded_by(self)
 
     def note(self, store) -> None:
         """``store``'s written bytes changed (it grew, was appended to, fitted, or a row was emptied)."""
@@ -67,3 +70,17 @@ class ColdBound:
     def refused(self, tokens: int) -> None:
         """``tokens`` evicted tokens (per layer and KV head) were not kept: the bound was reached."""
         self.dropped_tokens += tokens
+
+
+def append_bytes(store, added: torch.Tensor, needed: int) -> tuple[int, list[int]]:
+    """What an append of ``added`` [B, H] tokens to a ``ColdStore``, room made by ``reserve(needed)``, adds to its
+    ``written_nbytes``: the bytes of the slots a growth gives every row (their token indices and positions are
+    written whole), and each row's keys, values and scales as far as its tokens reach [B]."""
+    capacity, heads = store.capacity, store.heads
+    after = capacity if store.frames is not None else grown_slots(capacity, needed, store.page)
+    whole, by_row = store.slot_bytes()
+    count = store.count.cpu()
+    before = [min(held, capacity) for held in rows_held(count)]
+    grown = [min(held, after) for held in rows_held(count + added.to("cpu"))]
+    growth = (after - capacity) * count.shape[0] * heads * whole
+    return growth, [(new - old) * heads * by_row for new, old in zip(grown, before)]

@@ -37,7 +37,7 @@ from h2ochat_kernels.cpu import recall_ops, store_ops
 
 from ..rotary import Rotary, rotate_keys
 from ..host_buffers import store_buffer
-from .layout import FirstRows, Writes, growable, grown_slots, held_pages, narrowed, rows_held, tensor_bytes, widened
+from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "bf16-keys", "int8")
 BOOKKEEPING = torch.int32  # token indices and positions (2**31 tokens of one conversation: far past any context)
@@ -113,9 +113,8 @@ class ColdStore(FirstRows):
         # some token's current position differs from its encoded one (host flag, set by a re-numbering or
         # an explicit ``encoded``): until then a brought-back key needs no rotation, and pages skip it
         self.moved = False
-        # evicted tokens not kept because a bound on many stores' memory was reached (``cold_bound``; host)
-        self.refused = torch.zeros(batch, heads, dtype=torch.long)
-        self.bound = None  # that bound (``ColdBound.attach``), told of every change of the bytes written
+        self.refused = torch.zeros(batch, heads, dtype=torch.long)  # (host) evicted tokens not kept at ``bound``:
+        self.bound = None  # a bound on many stores' memory (``cold_bound``), told of every change of the bytes written
 
     def _alloc(self, shape, dtype, fill) -> torch.Tensor:
         shape = (*shape[:2], shape[2] + 1, *shape[3:])  # + the spill slot
@@ -247,8 +246,7 @@ class ColdStore(FirstRows):
         return (first * self.page).clamp(max=self.count)
 
     def dropped(self) -> torch.Tensor:
-        """[B, H]: evicted tokens the store does not hold: lost to --cold-limit, or never kept because the
-        bound on the stores' memory was reached (``refused``)."""
+        """[B, H]: evicted tokens not held: lost to --cold-limit, or refused at the stores' bound (``refuse``)."""
         return self._overwritten() + self.refused[: self.count.shape[0]].to(self.count.device)
 
     def pages(self, page_ids: torch.Tensor, rotary: Rotary | None = None):
@@ -364,34 +362,28 @@ class ColdStore(FirstRows):
         encoded.copy_(torch.where(held, self.positions[:, :, slots], encoded))
 
     # -- accounting -------------------------------------------------------------------------------
+    def bounded_by(self, bound) -> None:
+        """From now on the store's written bytes count against ``bound`` (``cold_bound.ColdBound``), told of each change."""
+        self.bound = bound
+        self.note_written()
+
     def note_written(self) -> None:
-        """Tell the bound on the stores' memory (if any) the bytes written now: after every change of them."""
-        if self.bound is not None:
+        if self.bound is not None:  # (after every change of the bytes written)
             self.bound.note(self)
 
     def refuse(self, tokens: torch.Tensor) -> None:
         """``tokens`` [B, H] evicted tokens were not kept (the bound on the stores' memory was reached)."""
-        tokens = tokens.to("cpu")
-        self.refused += tokens
+        self.refused += tokens.to("cpu")
         if self.bound is not None:
             self.bound.refused(int(tokens.sum()))
 
-    def append_bytes(self, added: torch.Tensor, needed: int) -> tuple[int, list[int]]:
-        """What an append of ``added`` [B, H] tokens, room made by ``reserve(needed)``, adds to ``written_nbytes``:
-        the bytes of the slots a growth gives every row (token indices and positions: written whole), and each
-        row's keys, values and scales as far as its tokens reach [B]."""
-        capacity = self.capacity
-        after = capacity if self.frames is not None else grown_slots(capacity, needed, self.page)
-        whole = sum(getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size()
-                    for name in _MINUS_ONE_WHEN_EMPTY)
-        by_row = sum(getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size()
-                     for name in self._buffers() if name not in _MINUS_ONE_WHEN_EMPTY)
-        batch = self.count.shape[0]
-        count = self.count.cpu()
-        before = [min(held, capacity) for held in rows_held(count)]
-        grown = [min(held, after) for held in rows_held(count + added.to("cpu"))]
-        growth = (after - capacity) * batch * self.heads * whole
-        return growth, [(new - old) * self.heads * by_row for new, old in zip(grown, before)]
+    def slot_bytes(self) -> tuple[int, int]:
+        """One slot's bytes for one (row, head): in the buffers every row writes whole (token indices and positions:
+        -1 when empty), and in those a row writes as far as its tokens reach (keys, values, scales)."""
+        sizes = {name: getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size()
+                 for name in self._buffers()}
+        whole = sum(size for name, size in sizes.items() if name in _MINUS_ONE_WHEN_EMPTY)
+        return whole, sum(sizes.values()) - whole
 
     def nbytes(self) -> int:
         """Host bytes held (allocated)."""
@@ -403,14 +395,6 @@ class ColdStore(FirstRows):
         takes in memory where its buffers are mappings of their own (``host_buffers``: the batch's capacity
         follows its longest row, but a row's pages past its tokens are never written)."""
         per_row = [min(held, self.capacity) for held in self.rows_held()]
-        total = 0
-        for name in self._buffers():
-            tensor = getattr(self, name)
-            if name in _MINUS_ONE_WHEN_EMPTY:
-                total += tensor.numel() * tensor.element_size()
-            else:
-                slot = tensor[0, 0, 0].numel() * tensor.element_size()
-                total += sum(per_row) * self.heads * slot
-        return total
-
-
+        whole, by_row = self.slot_bytes()
+        batch = self.count.shape[0]
+        return batch * self.heads * (self.capacity + 1) * whole + sum(per_row) * self.heads * by_row

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from .cold_bound import append_bytes
 from .cold_keys import ColdKeys
 from .step import RecallSlots
 from .tier_rows import rows_kept
@@ -41,7 +42,7 @@ class ColdWrites:
         bound = self.cold.bound
         if bound is None:
             return rows
-        growth, row_bytes = self.cold.append_bytes(added, self._needed(port, extra))
+        growth, row_bytes = append_bytes(self.cold, added, self._needed(port, extra))
         held = self.cold.rows_held()
         kept = bound.admitted(self.cold, growth, {row: row_bytes[row] for row in rows}, dict(enumerate(held)))
         if len(kept) < len(rows):
