@@ -170,3 +170,18 @@ def test_a_bad_recall_memory_is_one_line_and_a_failure(h2ochat_main, given, said
     result = h2ochat_main("serve", "--random-weights", "--recall-memory", given, "--port", "0")
     code, err = result.returncode, result.stderr
     assert code != 0 and said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_start_up_and_metrics_state_the_bound_the_bytes_in_use_and_the_drops(family):
+    from h2ochat.serve.server import recall_memory_line
+
+    said = recall_memory_line(4 << 30, "the default 4.00 GiB; --recall-memory for more")
+    assert "up to 4.00 GiB for the recall tier's cold stores (the default" in said and "dropped" in said
+    assert recall_memory_line(None, "") == ""
+    model = build_model(family)
+    bound = ColdBound(1 << 20)
+    gauges = backend(model, cache=RECALL, cold_bound=bound).tier_gauges()
+    assert gauges["recall_memory_bound_bytes"][1] == 1 << 20
+    assert gauges["recall_memory_bytes_in_use"][1] == bound.in_use > 0  # (the stores' first pages)
+    assert gauges["recall_dropped_tokens"][1] == 0
+    assert "recall_memory_bound_bytes" not in backend(model, cache=RECALL).tier_gauges()
