@@ -14,9 +14,9 @@ MiB = 1 << 20
 
 def test_the_default_rows_take_a_laptops_share_not_half_the_free_memory(monkeypatch):
     monkeypatch.setattr(server, "available_memory", lambda device: 40 << 30)  # a big machine, mostly free
-    rows, said = choose_rows(ServeConfig(model="x", settings=None), 40 * MiB, "cpu", 135 * MiB)
-    assert rows == DEFAULT_KV_MEMORY // (175 * MiB) == 5
-    assert said == ("40.00 MiB of KV slots + 135.00 MiB of recall store each, 875.00 MiB in all, from the default "
+    rows, said = choose_rows(ServeConfig(model="x", settings=None), 40 * MiB, "cpu")
+    assert rows == DEFAULT_KV_MEMORY // (40 * MiB) == 25
+    assert said == ("40.00 MiB of KV slots each, 1000.00 MiB in all, from the default "
                     "1.00 GiB; --kv-memory or --max-sequences for more")
 
 

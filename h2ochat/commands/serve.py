@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Optional
 
 import typer
@@ -17,6 +18,7 @@ SERVER = "Server"
 # a prompt this long takes about a minute to read for a 135M model on a laptop CPU (~500 tok/s): past
 # it, one request would hold its row for minutes (a 250,000-token message was read for 5.5 minutes)
 DEFAULT_MAX_PROMPT_TOKENS = 32768
+ZERO_SIZE = re.compile(r"\s*0*\.?0+\s*[a-z]*\s*", re.IGNORECASE)  # 0, 0GiB, 0.0 MB: a size of nothing
 
 
 def _size(text: str | None, option: str) -> int | None:
@@ -50,11 +52,15 @@ def serve(
         help="The model id clients send and /v1/models lists (default: --model as given).")] = None,
     max_sequences: Annotated[Optional[int], typer.Option("--max-sequences", min=1, rich_help_panel=SERVER,
         help="Sequence rows of the batch (concurrent generations). Default: --kv-memory (or half the free memory) "
-             "divided by one row's KV bytes (with --recall, plus its cold store for the model's context window), "
-             "at most 64.")] = None,
+             "divided by one row's KV bytes (its slots, recall's included), at most 64.")] = None,
     kv_memory: Annotated[Optional[str], typer.Option("--kv-memory", rich_help_panel=SERVER,
-        help="KV memory for the rows when --max-sequences is not given (2GiB, 512MiB); with --recall on a CPU it "
-             "holds their cold stores too.")] = None,
+        help="KV memory for the rows when --max-sequences is not given (2GiB, 512MiB): their slots, on any device, "
+             "with recall or without (recall's cold stores are bounded by --recall-memory).")] = None,
+    recall_memory: Annotated[Optional[str], typer.Option("--recall-memory", rich_help_panel=SERVER,
+        help="Host memory for recall's cold stores (the evicted tokens of every row), which grow by pages as "
+             "conversations get long; at the bound further evicted tokens are dropped, as without recall. "
+             "Default: half the host memory free beside the rows, at most 4GiB. (--recall 0 serves without "
+             "recall.)")] = None,
     parked_bytes: Annotated[str, typer.Option("--parked-bytes", rich_help_panel=SERVER,
         help="Host memory for the caches of finished conversations, kept so the next turn feeds only its new "
              "tokens (least recently used out first).")] = "1GiB",
@@ -84,9 +90,14 @@ def serve(
     if not random_weights:
         resolve(model)  # an unknown model is refused before the server starts listening
     o.sampling(0.0, 1.0, 0, None, repetition_penalty)
+    if recall_memory is not None and ZERO_SIZE.fullmatch(recall_memory):
+        raise UserError(f"--recall-memory {recall_memory} keeps no evicted token: give a size (512MiB, 4GiB), or "
+                        "--recall 0 to serve without recall")
+    recall_bytes = _size(recall_memory, "--recall-memory")
     config = ServeConfig(model=model, settings=settings, device=device, dtype=dtype, random_weights=random_weights,
                          served_name=served_model_name, max_sequences=max_sequences,
-                         kv_memory=_size(kv_memory, "--kv-memory"), parked_bytes=_size(parked_bytes, "--parked-bytes"),
+                         kv_memory=_size(kv_memory, "--kv-memory"), recall_memory=recall_bytes,
+                         parked_bytes=_size(parked_bytes, "--parked-bytes"),
                          max_queue=max_queue, max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, prefill_chunk=prefill_chunk,
                          prefill_chunks_per_step=prefill_chunks_per_step,
                          repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, compile=compile,

@@ -36,6 +36,7 @@ from h2ochat_kernels import dispatch
 from h2ochat_kernels.cpu import recall_ops, store_ops
 
 from ..rotary import Rotary, rotate_keys
+from ..host_buffers import store_buffer
 from .layout import FirstRows, Writes, growable, held_pages, narrowed, rows_held, tensor_bytes, widened
 
 COLD_DTYPES = ("auto", "model", "int8-values", "bf16-keys", "int8")
@@ -112,10 +113,16 @@ class ColdStore(FirstRows):
         # some token's current position differs from its encoded one (host flag, set by a re-numbering or
         # an explicit ``encoded``): until then a brought-back key needs no rotation, and pages skip it
         self.moved = False
+        self.refused = torch.zeros(batch, heads, dtype=torch.long)  # (host) evicted tokens not kept at ``bound``:
+        self.bound = None  # a bound on many stores' memory (``cold_bound``), told of every change of the bytes written
 
     def _alloc(self, shape, dtype, fill) -> torch.Tensor:
-        tensor = torch.full((*shape[:2], shape[2] + 1, *shape[3:]), fill, dtype=dtype)  # + the spill slot
-        tensor = tensor.pin_memory() if self.pin else tensor
+        shape = (*shape[:2], shape[2] + 1, *shape[3:])  # + the spill slot
+        if fill == 0:  # (a mapping of its own where large: a ring's frames cost memory only as they are written)
+            tensor = store_buffer(shape, dtype, pin=self.pin, zeroed=True)
+        else:
+            tensor = torch.full(shape, fill, dtype=dtype)
+            tensor = tensor.pin_memory() if self.pin else tensor
         return growable(tensor) if self.frames is None else tensor
 
     @property
@@ -158,6 +165,7 @@ class ColdStore(FirstRows):
             old = getattr(self, name)
             setattr(self, name, widened(old, needed, -1 if name in _MINUS_ONE_WHEN_EMPTY else 0, pin=self.pin,
                                         spill=True, page=self.page, rows_held=rows_held, room=True))
+        self.note_written()
 
     # -- writing ----------------------------------------------------------------------------------
     def reserve(self, needed: int) -> None:
@@ -181,6 +189,7 @@ class ColdStore(FirstRows):
         for name in self._buffers():
             setattr(self, name, narrowed(getattr(self, name), size, rows_held,
                                          -1 if name in _MINUS_ONE_WHEN_EMPTY else 0))
+        self.note_written()
 
     def append(self, keys, values, token_index, positions, encoded=None, *, reserve: bool = True) -> torch.Tensor:
         """Store evicted tokens: keys/values [B, H, E, D], token_index/positions [B, H, E] (token index
@@ -191,6 +200,7 @@ class ColdStore(FirstRows):
             slots = store_ops.cold_append({"keys": keys, "values": values, "token_index": token_index,
                                         "positions": positions}, self.named_buffers(), self.count, self.capacity)
             if slots is not None:  # (a CPU's flush of its staging page: one C call)
+                self.note_written()
                 return slots
         valid = (token_index >= 0).to(device)
         added = valid.sum(dim=-1)
@@ -213,6 +223,7 @@ class ColdStore(FirstRows):
         if encoded is not None:  # (a compiled step never passes one: no guard on the flag)
             self.moved = True
         self.count += added
+        self.note_written()
         return writes.slots
 
     def appends_natively(self) -> bool:
@@ -226,13 +237,17 @@ class ColdStore(FirstRows):
         return held_pages(self.count, self.page, self.frames)
 
     def held_tokens(self) -> torch.Tensor:
-        """[B, H]: tokens in the store now (appended minus dropped)."""
-        return self.count - self.dropped()
+        """[B, H]: tokens in the store now (appended minus those its ring overwrote)."""
+        return self.count - self._overwritten()
 
-    def dropped(self) -> torch.Tensor:
+    def _overwritten(self) -> torch.Tensor:
         """[B, H]: tokens lost to --cold-limit (whole pages, oldest first)."""
         first, _ = self.held()
         return (first * self.page).clamp(max=self.count)
+
+    def dropped(self) -> torch.Tensor:
+        """[B, H]: evicted tokens not held: lost to --cold-limit, or refused at the stores' bound (``refuse``)."""
+        return self._overwritten() + self.refused[: self.count.shape[0]].to(self.count.device)
 
     def pages(self, page_ids: torch.Tensor, rotary: Rotary | None = None):
         """Bring pages back: ``page_ids`` [B, H, k] absolute page numbers (-1: none, or not held).
@@ -347,6 +362,29 @@ class ColdStore(FirstRows):
         encoded.copy_(torch.where(held, self.positions[:, :, slots], encoded))
 
     # -- accounting -------------------------------------------------------------------------------
+    def bounded_by(self, bound) -> None:
+        """From now on the store's written bytes count against ``bound`` (``cold_bound.ColdBound``), told of each change."""
+        self.bound = bound
+        self.note_written()
+
+    def note_written(self) -> None:
+        if self.bound is not None:  # (after every change of the bytes written)
+            self.bound.note(self)
+
+    def refuse(self, tokens: torch.Tensor) -> None:
+        """``tokens`` [B, H] evicted tokens were not kept (the bound on the stores' memory was reached)."""
+        self.refused += tokens.to("cpu")
+        if self.bound is not None:
+            self.bound.refused(int(tokens.sum()))
+
+    def slot_bytes(self) -> tuple[int, int]:
+        """One slot's bytes for one (row, head): in the buffers every row writes whole (token indices and positions:
+        -1 when empty), and in those a row writes as far as its tokens reach (keys, values, scales)."""
+        sizes = {name: getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size()
+                 for name in self._buffers()}
+        whole = sum(size for name, size in sizes.items() if name in _MINUS_ONE_WHEN_EMPTY)
+        return whole, sum(sizes.values()) - whole
+
     def nbytes(self) -> int:
         """Host bytes held (allocated)."""
         return tensor_bytes(getattr(self, name) for name in self._buffers())
@@ -357,14 +395,6 @@ class ColdStore(FirstRows):
         takes in memory where its buffers are mappings of their own (``host_buffers``: the batch's capacity
         follows its longest row, but a row's pages past its tokens are never written)."""
         per_row = [min(held, self.capacity) for held in self.rows_held()]
-        total = 0
-        for name in self._buffers():
-            tensor = getattr(self, name)
-            if name in _MINUS_ONE_WHEN_EMPTY:
-                total += tensor.numel() * tensor.element_size()
-            else:
-                slot = tensor[0, 0, 0].numel() * tensor.element_size()
-                total += sum(per_row) * self.heads * slot
-        return total
-
-
+        whole, by_row = self.slot_bytes()
+        batch = self.count.shape[0]
+        return batch * self.heads * (self.capacity + 1) * whole + sum(per_row) * self.heads * by_row

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from .cold_bound import append_bytes
 from .cold_keys import ColdKeys
 from .step import RecallSlots
 from .tier_rows import rows_kept
@@ -22,13 +23,33 @@ class ColdWrites:
     """The tier's writes into its cold store and digest (see the module)."""
 
     def _room(self, port, extra: int) -> None:
-        """Room for ``extra`` more tokens than the longest row's cold store holds (the store's count is
-        host memory on a CPU: read; under zero-copy on a GPU only the bound below), and never more than
-        every token fed so far and ``extra`` (an upper bound of what any row can have evicted)."""
-        count, fed = self.cold.count, port.tokens_fed_with_padding
-        needed = min(int(count.max()), fed) + extra if count.device.type == "cpu" else fed + extra
+        """Room for ``extra`` more tokens than the longest row's cold store holds (``_needed``)."""
+        needed = self._needed(port, extra)
         self.cold.reserve(needed)
         self.digest.reserve(needed)
+
+    def _needed(self, port, extra: int) -> int:
+        """The slots ``_room`` makes: ``extra`` past the longest row's count (host memory on a CPU: read; under
+        zero-copy on a GPU only the bound below), and never more than every token fed so far and ``extra`` (an
+        upper bound of what any row can have evicted)."""
+        count, fed = self.cold.count, port.tokens_fed_with_padding
+        return min(int(count.max()), fed) + extra if count.device.type == "cpu" else fed + extra
+
+    def _kept(self, port, rows: list[int], added: torch.Tensor, extra: int) -> list[int]:
+        """Of ``rows``, those whose ``added`` [B, H] tokens the cold store takes (room for ``extra`` more made
+        first): all of them, unless a bound on the stores' memory (``cold_bound``) is reached; the others' tokens
+        are counted as dropped (the caller lets them go)."""
+        bound = self.cold.bound
+        if bound is None:
+            return rows
+        growth, row_bytes = append_bytes(self.cold, added, self._needed(port, extra))
+        held = self.cold.rows_held()
+        kept = bound.admitted(self.cold, growth, {row: row_bytes[row] for row in rows}, dict(enumerate(held)))
+        if len(kept) < len(rows):
+            refused = torch.zeros(added.shape[0], dtype=torch.bool)
+            refused[[row for row in rows if row not in kept]] = True
+            self.cold.refuse(added.cpu() * refused.view(-1, 1))
+        return kept
 
     def flush(self, port, q_len: int = 0, rows: list[int] | None = None) -> None:
         """The staging pages of ``rows`` (None: every row that staged) into the cold store and the digest
@@ -37,7 +58,19 @@ class ColdWrites:
         rows = self.cadence.staged() if rows is None else rows
         if not rows:
             return
-        self._room(port, max(self.cadence.steps[row] for row in rows) + q_len)
+        extra = max(self.cadence.steps[row] for row in rows) + q_len
+        if self.cold.bound is not None:  # (the rows the bound refuses let their page go, as plain H2O would)
+            staged = self.staging.held()
+            kept = self._kept(port, rows, staged.masked_fill(~self._rows_mask(rows, staged), 0), extra)
+            let_go = [row for row in rows if row not in kept]
+            if let_go:
+                self.staging.clear(let_go)
+                self.cadence.flushed(let_go)
+            rows = kept
+            if not rows:
+                return
+            extra = max(self.cadence.steps[row] for row in rows) + q_len
+        self._room(port, extra)
         slots = self.staging.slots
         token_index = slots.token_index
         every_row = len(rows) == token_index.shape[0]
@@ -52,6 +85,13 @@ class ColdWrites:
             self.staging.clear(flushed)
         self.cadence.flushed(rows)
 
+    @staticmethod
+    def _rows_mask(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+        """[B, 1] bool: ``rows`` of a [B, ...] tensor ``like``."""
+        mask = torch.zeros(like.shape[0], 1, dtype=torch.bool, device=like.device)
+        mask[rows] = True
+        return mask
+
     def cold_floats(self, slots: RecallSlots) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of these columns as the cold store holds them (``SlotFormat.decoded``:
         float slots as held; codes dequantized, int4 keys back in the model's frame)."""
@@ -61,6 +101,13 @@ class ColdWrites:
         # (a prefix cache's rows take decode steps only: ``_prepare`` refused its chunk)
         self.flush(port, dropped.shape[-1])  # (older than these: a padded decode step after staged ones)
         # in token order, as a cache fed one token at a time would have evicted them
+        if self.cold.bound is not None:  # (what the bound refuses is dropped, as plain H2O drops it)
+            rows = list(range(dropped.shape[0]))
+            kept = self._kept(port, rows, dropped.sum(dim=-1), dropped.shape[-1])
+            if len(kept) < len(rows):
+                dropped = dropped & self._rows_mask(kept, dropped).unsqueeze(-1)
+            if kept:  # (the chunk's room, made here where the bound admitted it)
+                self._room(port, dropped.shape[-1])
         token_index = candidates["token_index"].masked_fill(~dropped, -1)
         order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
 

@@ -46,6 +46,19 @@ GROWTH_MARGIN = 32  # a paged store grows by at least 1/32 of its size: ~3% of b
 ROOM = 2  # a store with room (``widened(room=True)``) reserves twice its slots: each held token copied at most ~twice
 
 
+def grown_slots(held: int, needed: int, page: int | None) -> int:
+    """The slots a store of ``held`` slots has after ``widened`` makes room for ``needed`` (``held`` when it
+    has them): with ``page``, ``needed`` in whole pages plus the ``GROWTH_MARGIN`` share; else doubled until
+    it fits. (A bound on the host memory asks it before a growth: ``ColdStore.append_bytes``.)"""
+    size = held
+    if page is not None and needed > held:
+        size = -(-needed // page) * page
+        size += size // GROWTH_MARGIN // page * page
+    while size < needed:
+        size *= 2
+    return size
+
+
 def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: bool = False,
             page: int | None = None, rows_held: list[int] | None = None, room: bool = False) -> torch.Tensor:
     """``old`` [B, H, S, ...] copied into a buffer of at least ``needed`` slots (new slots hold
@@ -61,12 +74,7 @@ def widened(old: torch.Tensor, needed: int, fill, *, pin: bool = False, spill: b
     slots of address space, and a later growth inside that is a longer view of the same memory, not a copy
     (``host_buffers.lengthened``; at ~3% a growth, copies were ~3% of a served recall load's CPU)."""
     held = old.shape[2] - spill
-    size = held
-    if page is not None and needed > held:
-        size = -(-needed // page) * page
-        size += size // GROWTH_MARGIN // page * page
-    while size < needed:
-        size *= 2
+    size = grown_slots(held, needed, page)
     by_row = rows_held is not None and fill == 0
     with torch.inference_mode(old.is_inference()):
         longer = lengthened(old, size + spill) if room else None

@@ -214,7 +214,8 @@ class RecallTier(RecallRowMoves, ColdWrites):
             if port.batch != self.batch:
                 raise ValueError("a prefix of a recall cache's rows takes decode steps, not prompt chunks")
             self.step_active = None
-            self._room(port, max(cadence.steps) + q_len)  # (the staged pages, then what the chunk drops)
+            if self.cold.bound is None:  # (a bounded store makes the room its bound admits: ``ColdWrites``)
+                self._room(port, max(cadence.steps) + q_len)  # (the staged pages, then what the chunk drops)
             self.flush(port, rows=cadence.staged())
             self.has_query = True
             return

@@ -53,6 +53,7 @@ class RecallRowMoves:
             count = self.cold.count  # the cold store gives back what only a longer conversation needed
             if count.device.type == "cpu":
                 self.cold.fit(int(count.max()) + self.cold.page)
+            self.cold.note_written()  # (the row's bytes went back: a bound on the stores' memory has them again)
 
     def _digest_state_written(self) -> None:
         """The digest's state was written from outside it (a row reset or imported): it reads its host copies
@@ -154,6 +155,7 @@ class RecallRowMoves:
             self._fold_staged(row)
         else:
             self.cadence.moved(moved_from, row)
+        self.cold.note_written()
 
     def _fold_staged(self, row: int) -> None:
         """After an import: the imported row's staging page (it came with the layer's slots) goes to its

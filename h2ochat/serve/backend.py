@@ -18,6 +18,7 @@ import torch
 
 from ..kv import H2OCache
 from ..kv.tier import pages_recalled
+from ..recall.cold_bound import ColdBound
 from ..engine.generation import CacheSettings, max_positions
 from .parked import ParkedStore
 from .rows import RowPool
@@ -53,11 +54,13 @@ class ModelBackend:
 
     def __init__(self, model, settings: CacheSettings, rows: int, *, store: ParkedStore, prefill_chunk: int,
                  compile: bool | None = False, compile_backend: str | None = None,
-                 buckets: Sequence[int] | None = None, mixed_steps: bool = True):
+                 buckets: Sequence[int] | None = None, mixed_steps: bool = True, cold_bound: ColdBound | None = None):
         """``compile``: decode through the compiled step; None: where it serves the cache's rows as they
         are (``compiles_by_default``). ``mixed_steps``: read a prompt chunk and decode the running rows
-        in one forward (``mixes``)."""
+        in one forward (``mixes``). ``cold_bound``: the bound on every cache's recall cold stores
+        (``--recall-memory``; None: none)."""
         self.settings, self.rows = settings, rows
+        self.cold_bound = cold_bound
         self.mixed_steps = mixed_steps
         config = model.config
         self.policy = settings.resolved_policy()
@@ -84,6 +87,9 @@ class ModelBackend:
         cache = self.settings.build(self.runner.model, static_shapes=static_shapes)
         cache.keep_columns()  # (the full policy: each row's text stays within its slots, see serve.rows)
         cache.allocate(batch, self.kv_heads, self.head_dim, dtype=self.runner.dtype, device=self.runner.device)
+        if self.cold_bound is not None:  # (the batch's and the prompts' caches: one bound for their stores)
+            prompts = getattr(self, "pool", None) is not None  # (the pool makes the batch's cache first)
+            self.cold_bound.attach(cache, copies=2 if prompts else 1)
         return cache
 
     # -- what tests, tools and the engine read ---------------------------------------------------------
@@ -244,9 +250,11 @@ class ModelBackend:
             return next((getattr(stats, name) for name in names if getattr(stats, name, None) is not None), 0)
         return {
             "recall_cold_host_bytes": ("Host bytes of the recall tier's cold stores (every row of the batch; allocated: "
-                                       "the longest row's capacity).", figure("cold_host_bytes", "host_bytes")),
+                                       "the longest row's capacity, address space more than memory).",
+                                       figure("cold_host_bytes", "host_bytes")),
             "recall_cold_host_bytes_written": ("Of those, the slots the rows have written: each row's tokens, "
                                                "what the stores take in memory.", figure("host_bytes_written")),
+            **self._bound_gauges(),
             "recall_selector_device_bytes": ("Device bytes of the recall tier's page selector (digests).",
                                              figure("device_bytes_selector", "digest_device_bytes")),
             "recall_device_bytes": ("Device bytes of the recall tier beyond its slots (selector, staging, frames).",
@@ -259,4 +267,22 @@ class ModelBackend:
                                          "reached and the summaries coarsened).", figure("pages_per_summary") or 1),
             "recall_pages_copied": ("Pages brought into recall slots since the batch cache was made.",
                                     figure("pages_copied")),
+        }
+
+    def _bound_gauges(self) -> dict[str, tuple[str, float]]:
+        """--recall-memory's figures: the bound, the bytes it counts, and the evicted tokens it did not keep."""
+        bound = self.cold_bound
+        if bound is None:
+            return {}
+        return {
+            "recall_memory_bound_bytes": ("--recall-memory: the bound on the host bytes the cold stores of every "
+                                          "cache (the batch's rows, the prompts being read) have written.", bound.limit),
+            "recall_memory_bytes_in_use": ("Host bytes the cold stores have written, counted against "
+                                           "--recall-memory (appends stop at it; a row moved in is copied whole).",
+                                           bound.in_use),
+            "recall_memory_peak_bytes": ("The most bytes the cold stores held at once since the server started.",
+                                         bound.peak),
+            "recall_dropped_tokens": ("Evicted tokens not kept because the cold stores were at --recall-memory "
+                                      "(per layer and KV head, summed since the server started; dropped as "
+                                      "without recall).", bound.dropped_tokens),
         }

@@ -21,6 +21,7 @@ from ..engine.packed_linears import form_of, pack_linears
 from ..loading.cache_dirs import persistent_compile_cache
 from ..loading.models import available_memory, load, random_source, shipped_config, shipped_config_path
 from ..chat.split import format_bytes
+from ..recall.cold_bound import ColdBound
 from .app import build_app
 from .backend import ModelBackend
 from .engine import Engine, Loaded
@@ -35,6 +36,10 @@ AUTO_MEMORY_SHARE = 0.5  # of the memory free after loading, for the batch rows 
 # 3.5-4.1 GB of RSS for a 135M model on a 24 GB machine, more than a laptop user expects of it
 DEFAULT_KV_MEMORY = 1 << 30
 AUTO_MAX_ROWS = 64
+# the recall tier's cold stores when --recall-memory is not given: half the host memory free beside the rows, at
+# most this (a 135M model's store is ~18 KiB per evicted token: 4 GiB keeps ~230,000 evicted tokens in all,
+# 26 rows' full 8,192-token windows)
+DEFAULT_RECALL_MEMORY = 4 << 30
 GRACEFUL_SHUTDOWN_S = 10  # for the responses the engine failed to be sent (its last step must end first)
 ENGINE_STOP_S = 10  # for the engine thread to end its step after the server stopped
 
@@ -49,6 +54,7 @@ class ServeConfig:
     served_name: str | None = None
     max_sequences: int | None = None  # None: from memory
     kv_memory: int | None = None  # bytes for the rows when max_sequences is None (None: half the free memory)
+    recall_memory: int | None = None  # bound on the recall tier's cold stores (None: ``choose_recall_memory``)
     parked_bytes: int = 1 << 30
     max_queue: int = 64
     max_tokens: int = 4096
@@ -66,19 +72,16 @@ class ServeConfig:
     quiet: bool = False  # no line per request on stderr
 
 
-def choose_rows(config: ServeConfig, row_bytes: int, device, cold_row_bytes: int = 0) -> tuple[int, str]:
-    """N, and in plain words where it came from (the start-up log says it). ``cold_row_bytes``: the
-    host bytes a recall tier's cold store takes for one row of the model's context window
-    (``cold_row_bytes``): counted in the same budget on a CPU (one memory), against half the free host
-    memory beside a GPU. Without --max-sequences or --kv-memory the rows get DEFAULT_KV_MEMORY (or half
-    the free memory, when that is less): what a laptop can spare beside its other programs.
-    A memory that holds no row is refused: a row over the cap would break the cap it was given."""
-    one_memory = getattr(device, "type", str(device)) == "cpu"
-    per_row = row_bytes + (cold_row_bytes if one_memory else 0)
-    each = f"{format_bytes(row_bytes)} of KV slots" + (f" + {format_bytes(cold_row_bytes)} of recall store"
-                                                        if cold_row_bytes else "") + " each"
+def choose_rows(config: ServeConfig, row_bytes: int, device) -> tuple[int, str]:
+    """N, and in plain words where it came from (the start-up log says it). The rows' device KV (their slots,
+    recall's columns included) is what --kv-memory counts, on every device, with recall or without, as vLLM
+    counts its KV space; a recall tier's cold stores have their own bound (``choose_recall_memory``). Without
+    --max-sequences or --kv-memory the rows get DEFAULT_KV_MEMORY (or half the free memory, when that is less):
+    what a laptop can spare beside its other programs. A memory that holds no row is refused: a row over the
+    cap would break the cap it was given."""
+    each = f"{format_bytes(row_bytes)} of KV slots each"
     if config.max_sequences:
-        return config.max_sequences, f"--max-sequences: {each}, {format_bytes(config.max_sequences * per_row)} in all"
+        return config.max_sequences, f"--max-sequences: {each}, {format_bytes(config.max_sequences * row_bytes)} in all"
     if config.kv_memory:
         budget, source = config.kv_memory, f"--kv-memory {format_bytes(config.kv_memory)}"
     else:
@@ -86,21 +89,33 @@ def choose_rows(config: ServeConfig, row_bytes: int, device, cold_row_bytes: int
         budget = min(DEFAULT_KV_MEMORY, half_free)
         source = (f"the default {format_bytes(budget)}; --kv-memory or --max-sequences for more" if budget < half_free
                   else f"half the free memory, {format_bytes(budget)}")
-    if budget < per_row:
-        raise UserError(_no_row(source, per_row))
-    rows = budget // per_row
-    if cold_row_bytes and not one_memory:
-        rows = min(rows, max(1, int(AUTO_MEMORY_SHARE * available_memory("cpu")) // cold_row_bytes))
+    if budget < row_bytes:
+        raise UserError(_no_row(source, row_bytes))
+    rows = budget // row_bytes
     capped = rows > AUTO_MAX_ROWS
     rows = min(rows, AUTO_MAX_ROWS)
-    return rows, (f"{each}, {format_bytes(rows * per_row)} in all, from {source}"
+    return rows, (f"{each}, {format_bytes(rows * row_bytes)} in all, from {source}"
                   + (f"; at most {AUTO_MAX_ROWS}" if capped else ""))
+
+
+def choose_recall_memory(config: ServeConfig, host_kv_bytes: int) -> tuple[int, str]:
+    """The bound on the recall tier's cold stores' host memory, and in plain words where it came from:
+    --recall-memory, else half the host memory free beside the rows (``host_kv_bytes``: the rows' KV where it
+    is host memory, on a CPU) at most DEFAULT_RECALL_MEMORY. The stores grow by pages as conversations get long
+    and, at the bound, further evicted tokens are dropped (``recall.cold_bound``)."""
+    if config.recall_memory is not None:
+        return config.recall_memory, f"--recall-memory {format_bytes(config.recall_memory)}"
+    share = max(1, int(AUTO_MEMORY_SHARE * max(available_memory("cpu") - host_kv_bytes, 0)))
+    if share >= DEFAULT_RECALL_MEMORY:
+        return DEFAULT_RECALL_MEMORY, f"the default {format_bytes(DEFAULT_RECALL_MEMORY)}; --recall-memory for more"
+    return share, f"half the host memory free beside the rows, {format_bytes(share)}"
 
 
 def cold_row_bytes(backend: ModelBackend, positions: int) -> int:
     """Host bytes a recall tier's cold store takes for one row holding the model's context window of
-    tokens (every token past the row's slots evicted; 0 without a tier that keeps them): what the
-    row count is sized by, a conversation longer than that costs more (docs/results.md: recall host memory)."""
+    tokens (every token past the row's slots evicted; 0 without a tier that keeps them): what the start-up
+    line says a long conversation's store grows to (it grows by pages, from nothing; a conversation longer
+    than that costs more, within --recall-memory)."""
     return int(backend.cache.tier_host_bytes_per_token() * max(positions - backend.slots, 0))
 
 
@@ -151,7 +166,8 @@ def _config_before_loading(config: ServeConfig):
 
 def check_kv_memory(config: ServeConfig) -> None:
     """Refuse a --kv-memory that holds no row before the model loads (where its configuration says
-    how big a row is; otherwise choose_rows refuses it once the model is loaded)."""
+    how big a row is, its device KV: what choose_rows counts; otherwise choose_rows refuses it once the
+    model is loaded)."""
     if config.max_sequences or not config.kv_memory:
         return
     row_bytes = row_bytes_before_loading(config)
@@ -170,12 +186,16 @@ def loader(config: ServeConfig, store: ParkedStore):
         row_bytes = probe.row_bytes()
         positions = max_positions(loaded.model.config)
         cold_bytes = cold_row_bytes(probe, positions)
+        keeps_evicted = bool(probe.cache.tier_host_bytes_per_token())  # (a recall tier: its cold stores are bounded)
         del probe
-        rows, source = choose_rows(config, row_bytes, loaded.device, cold_bytes)
+        rows, source = choose_rows(config, row_bytes, loaded.device)
+        host_kv = rows * row_bytes if loaded.device.type == "cpu" else 0
+        cold_bound, cold_source = choose_recall_memory(config, host_kv) if keeps_evicted else (None, "")
         pack_linears(loaded.model, rows)  # (loaded for max_sequences or one row: the form for the rows chosen)
         backend = ModelBackend(loaded.model, settings, rows, store=store, prefill_chunk=config.prefill_chunk,
                                compile=config.compile, compile_backend=config.compile_backend,
-                               mixed_steps=config.mixed_steps)
+                               mixed_steps=config.mixed_steps,
+                               cold_bound=ColdBound(cold_bound) if cold_bound is not None else None)
         if backend.compiled:  # compile now, while /health says loading, not in the first request
             log.info("compiling the decode step for %d rows (%s): minutes on a CPU the first time, less once the "
                      "compile cache in %s holds its graphs (--no-compile starts in seconds, decoding slower)…",
@@ -193,8 +213,9 @@ def loader(config: ServeConfig, store: ParkedStore):
                             repetition_penalty=config.repetition_penalty, repeat_last_n=config.repeat_last_n,
                             max_prompt_tokens=config.max_prompt_tokens)
         log.info("%s loaded on %s: %d conversations at once (%s)", loaded.name, loaded.device, rows, source)
-        log.info("memory beyond the model: %s for the rows, up to %s for finished conversations kept for their next "
-                 "turn (--parked-bytes)%s", format_bytes(rows * (row_bytes + cold_bytes)), format_bytes(store.capacity),
+        log.info("memory beyond the model: %s for the rows' KV slots, %sup to %s for finished conversations kept "
+                 "for their next turn (--parked-bytes)%s", format_bytes(rows * row_bytes),
+                 recall_memory_line(cold_bound, cold_source), format_bytes(store.capacity),
                  prompt_bound(backend, config, positions))
         log.info("%s cache of %d slots per row at %s, %s; %s decode step, prompt chunks %s, %s linears",
                  policy.name, backend.slots, slot_format(settings, loaded.model),
@@ -223,6 +244,14 @@ def prompt_bound(backend: ModelBackend, config: ServeConfig, positions: int) -> 
             f"({config.max_prompt_tokens:,} prompt tokens, --max-prompt-tokens, and {config.max_tokens:,} generated)")
 
 
+def recall_memory_line(bound: int | None, source: str) -> str:
+    """What the start-up line says of the cold stores' bound (nothing without recall)."""
+    if bound is None:
+        return ""
+    return (f"up to {format_bytes(bound)} for the recall tier's cold stores ({source}; they grow by pages as "
+            "conversations get long, and at the bound further evicted tokens are dropped, as without recall), ")
+
+
 def slot_format(settings: CacheSettings, model) -> str:
     """The slots' format for the start-up line: --kv-dtype, auto named by the model's dtype."""
     if settings.kv_dtype != "auto":
@@ -236,7 +265,8 @@ def recall_line(backend: ModelBackend, cold_bytes: int, positions: int) -> str:
     if not record:
         return "no recall (evicted tokens are dropped)"
     return (f"recall {record['recall_slots']} of them (pages of {record['page']}, {record['selector']} selector, "
-            f"a cold store of {cold_bytes / 2**20:.0f} MiB host memory per row at {positions} tokens)")
+            f"a cold store growing by pages to {cold_bytes / 2**20:.0f} MiB of host memory for a row at {positions} "
+            "tokens)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
