@@ -633,7 +633,7 @@ def serve_load(report: Report, profile: Profile) -> None:
         elif code != 0 or not out.is_file():
             entry["status"] = "failed"
         else:
-            data = json.loads(out.read_text())
+            data = unwrap(json.loads(out.read_text()))
             entry["result"] = {name: data[name] for name in ("h2o", "full", "h2o_vs_full") if name in data}
 
 
