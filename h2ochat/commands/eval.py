@@ -105,7 +105,7 @@ def eval_command(
 
     with user_input():  # the options as typed
         if task not in TASKS:
-            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+            raise ValueError(f"--task must be {', '.join(TASKS[:-1])} or {TASKS[-1]}, got {task!r}")
         if text is None and task in ("perplexity", "passkey"):
             raise ValueError(f"--task {task} needs --text (a plain-text file)")
         recalls = ev.recall_settings(recall, page, selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,
