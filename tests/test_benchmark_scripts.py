@@ -82,3 +82,16 @@ def test_help_runs(name, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
+def test_every_json_report_in_benchmarks_is_in_the_envelope():
+    """Not only results_*.json: a summary or a trial's report kept beside them carries it too
+    (JSON-lines logs are raw data, not reports)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from json_report import is_envelope
+
+    bare = [path.name for path in sorted((ROOT / "benchmarks").glob("*.json"))
+            if not is_envelope(json.loads(path.read_text(encoding="utf-8")))]
+    assert not bare, f"JSON reports without the envelope: {bare}"
