@@ -89,6 +89,8 @@ def test_every_setting_given_to_run_continue_wins_over_the_stored_one(tiny_check
     options_of_run = inspect.signature(run).parameters  # what typer makes options of
     for name in SETTINGS:  # every setting is a run() option of the same name
         assert name in options_of_run, name
+        if not SETTINGS[name].on_cache:  # (the cache's defaults are CacheSettings', o.takes_cache_options)
+            assert options_of_run[name].default == ChatSettings().get(name), name
     env = {"NO_COLOR": "1"}
     first = runner.invoke(app, ["run", "--model", str(tiny_checkpoint), "--max-new-tokens", "2", "--temperature", "0"],
                           input="hello\n/bye\n", env=env)
