@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h2ochat_kernels import blocked_chunk, reference  # noqa: E402
+from json_report import write  # noqa: E402
 
 SHAPES = [  # (batch, new tokens, slots)
     (1, 512, 1638), (1, 370, 1638), (1, 300, 1638), (1, 128, 1638), (1, 64, 1638),  # a chat's turn, slots full
@@ -144,7 +145,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"argv": sys.argv, "threads": 1, "rows": rows}, indent=1) + "\n")
+        write({"argv": sys.argv, "threads": 1, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

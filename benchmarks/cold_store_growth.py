@@ -24,6 +24,7 @@ import torch
 from h2ochat.host_buffers import resident_bytes
 from h2ochat.recall import layout
 from h2ochat.recall.cold_store import ColdStore
+from json_report import write
 
 LAYERS, HEADS, DIM, PAGE = 30, 3, 64, 8
 
@@ -68,9 +69,7 @@ def main(argv=None) -> dict:
     report = {"issue": 34, "rows": args.rows, "tokens": args.tokens, "layers": LAYERS, "page": PAGE, "runs": runs,
               "copying_over_room": {key: round(median(1, key) / median(kept, key), 3)
                                     for key in ("cpu_s", "growth_cpu_s", "reported_bytes", "resident_bytes")}}
-    with open(args.out, "w") as out:
-        json.dump(report, out, indent=1)
-        out.write("\n")
+    write(report, args.out)
     print(json.dumps(report["copying_over_room"]))
     return report
 

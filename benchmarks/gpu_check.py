@@ -78,6 +78,9 @@ from h2ochat.measure.bench_measure import sync
 from h2ochat.budget import parse_budget
 from h2ochat.loading.memory import check_memory, config_parameters
 from h2ochat.loading.sources import shipped_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by runpy too, where benchmarks/ is not on the path)
+from json_report import envelope, unwrap  # noqa: E402
 from h2ochat.loading.models import pick_dtype
 from h2ochat.loading.random_weights import build_random
 
@@ -200,7 +203,9 @@ class Report:
             summary = markdown(self.data)
         except Exception as exc:  # the JSON must still be written
             summary = f"# h2ochat GPU check\n\nthe summary could not be rendered ({type(exc).__name__}: {exc}); see gpu_check.json"
-        for path, text in ((self.out / "gpu_check.json", json.dumps(self.data, indent=2, default=str)),
+        wrapped = envelope(self.data, what="the GPU check: kernels, decode, compiled steps and recall against "
+                                           "their targets on one GPU")
+        for path, text in ((self.out / "gpu_check.json", json.dumps(wrapped, indent=2, default=str)),
                            (self.out / "gpu_check.md", summary)):
             partial = path.with_suffix(path.suffix + ".partial")
             partial.write_text(text + "\n")
@@ -339,7 +344,7 @@ def kernel_bench(report: Report, profile: Profile) -> None:
         if code != 0:
             entry["status"] = "failed"
             return
-        entry["result"] = json.loads(out)
+        entry["result"] = unwrap(json.loads(out))
         entry["markdown"] = table.read_text() if table.is_file() else None
 
 
@@ -628,7 +633,7 @@ def serve_load(report: Report, profile: Profile) -> None:
         elif code != 0 or not out.is_file():
             entry["status"] = "failed"
         else:
-            data = json.loads(out.read_text())
+            data = unwrap(json.loads(out.read_text()))
             entry["result"] = {name: data[name] for name in ("h2o", "full", "h2o_vs_full") if name in data}
 
 

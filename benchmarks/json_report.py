@@ -9,8 +9,8 @@ measured, how, on which code and on which machine:
      "figures": {...the script's own report...}}
 
 A field that was never recorded reads "unknown". A script run from benchmarks/ imports this module by
-name (``from json_report import emit``); ``envelope`` and ``figures`` serve scripts that write or read
-the files themselves.
+name (``from json_report import emit``); ``write`` serves a script that prints its own summary, and
+``envelope`` and ``figures`` scripts that write or read the files themselves (merging into one).
 """
 
 from __future__ import annotations
@@ -98,19 +98,28 @@ def is_envelope(report) -> bool:
     return isinstance(report, dict) and report.get("envelope") == VERSION and "figures" in report
 
 
+def unwrap(report) -> dict:
+    """The figures of a report (one written before the envelope: the whole of it)."""
+    return report["figures"] if is_envelope(report) else report
+
+
 def figures(path: str | Path) -> dict:
     """The figures of a results file (a file written before the envelope: its whole content)."""
-    report = json.loads(Path(path).read_text())
-    return report["figures"] if is_envelope(report) else report
+    return unwrap(json.loads(Path(path).read_text()))
+
+
+def write(report: dict, out: str | Path, *, what: str | None = None) -> dict:
+    """Write ``report`` in its envelope to ``out`` (a report already in one as it is), printing nothing:
+    for a script that prints its own summary. Returns what it wrote."""
+    wrapped = report if is_envelope(report) else envelope(report, what=what)
+    Path(out).write_text(json.dumps(wrapped, indent=1) + "\n")
+    return wrapped
 
 
 def emit(report: dict, out: str | Path | None, *, what: str | None = None) -> None:
     """Print ``report`` in its envelope and, with ``out``, write it there (a report already in one as it is)."""
-    wrapped = report if is_envelope(report) else envelope(report, what=what)
-    text = json.dumps(wrapped, indent=1)
-    if out:
-        Path(out).write_text(text + "\n")
-    print(text)
+    wrapped = write(report, out, what=what) if out else report if is_envelope(report) else envelope(report, what=what)
+    print(json.dumps(wrapped, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

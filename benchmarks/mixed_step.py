@@ -12,7 +12,6 @@ ms of each form and the ratios, as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,6 +24,7 @@ from h2ochat.engine.generation import prefill
 from h2ochat.engine.mixed_step import mixed_forward
 from h2ochat.loading.models import load
 from h2ochat.model_shape import attention_shape
+from json_report import emit
 
 
 def new_cache(model, settings: CacheSettings, rows: int, static_shapes: bool = True):
@@ -90,11 +90,7 @@ def main() -> None:
     }
     if compiled is not None:
         record["mixed_over_separate_compiled"] = medians["mixed"] / medians["separate compiled"]
-    text = json.dumps(record, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(record, args.out)
 
 
 if __name__ == "__main__":

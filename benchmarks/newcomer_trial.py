@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from json_report import write
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -210,7 +211,7 @@ def main() -> None:
                       "got": log[-400:], "pass": False})
     passed = sum(case["pass"] for case in cases)
     record = {"cases": len(cases), "passed": passed, "results": cases}
-    Path(options.out).write_text(json.dumps(record, indent=1) + "\n")
+    write(record, options.out)
     Path(options.out).with_suffix(".md").write_text(as_markdown(record))
     print(f"{passed} of {len(cases)} cases got their verdict")
     sys.exit(0 if passed == len(cases) else 1)

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from h2ochat.measure import passkey as pk
+from json_report import write
 
 
 def main(argv=None) -> dict:
@@ -25,7 +26,7 @@ def main(argv=None) -> dict:
     report = {"trials_from": [Path(name).name for name in args.trials], "totals": pk.row_totals(results),
               "summary": pk.summarize(results), "results": results}
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        write(report, args.out)
     print(json.dumps(report["totals"], indent=1))
     return report
 

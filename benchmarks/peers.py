@@ -389,7 +389,9 @@ def run(args) -> dict:
 
 
 def _write(report: dict, out: str) -> None:
-    Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    from json_report import write  # (here: tests import this file as a module without benchmarks/ on the path)
+
+    write(report, out)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ timed in bf16 against fp32 on this CPU. Also a command: ``python benchmarks/peer
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import threading
@@ -136,9 +135,11 @@ def bf16_matmul_check(rows: tuple[int, ...] = (1, 8, 300), flops_per_shape: floa
 
 
 if __name__ == "__main__":
+    from json_report import emit  # (here: peers.py imports this file as a module)
+
     if sys.argv[1:2] == ["--profile"]:
-        print(json.dumps(summarize_profile(Path(sys.argv[2])), indent=1))
+        emit(summarize_profile(Path(sys.argv[2])), None)
     elif sys.argv[1:2] == ["--bf16-check"]:
-        print(json.dumps({"machine": machine(), "bf16_matmul": bf16_matmul_check()}, indent=1))
+        emit({"machine": machine(), "bf16_matmul": bf16_matmul_check()}, None)
     else:
         sys.exit("usage: peers_measure.py --profile PYSPY_RAW_FILE | --bf16-check")

@@ -17,6 +17,7 @@ import torch
 from h2ochat.loading.models import load
 from h2ochat.recall.selectors import rotated
 from h2ochat_kernels import quant
+from json_report import write
 
 
 def symmetric(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -68,8 +69,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     result = {"model": "smollm2-135m", "dtype": "float32", "text": args.text, "tokens": args.tokens,
               "shape": list(keys.shape), "rows": rows}
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    write(result, args.out)
 
 
 if __name__ == "__main__":

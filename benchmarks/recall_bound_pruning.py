@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
 from h2ochat.recall.tier import RecallTier
 from tier_probe import probe_arguments, probe_trials  # (benchmarks/)
+from json_report import write
 
 BOUNDS = ("box", "ball", "smaller")
 
@@ -75,7 +75,7 @@ def main() -> None:
     result = {"what": "share of full cold pages whose bound reaches the k-th best exact page score, per decode "
                       "choice (what a branch-and-bound exact choice would still score)",
               **probed, "args": vars(args), "bounds": summary}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write(result, args.out)
     print(json.dumps(summary, indent=1))
 
 if __name__ == "__main__":

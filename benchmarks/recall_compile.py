@@ -11,7 +11,6 @@ what a first run on a machine pays. Graphs and recompiles from dynamo's counters
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from h2ochat.engine.compiled import CompiledDecode  # noqa: E402
 from h2ochat.engine.forward_step import forward  # noqa: E402
 from h2ochat.engine.generation import CacheSettings  # noqa: E402
 from h2ochat.loading.models import load  # noqa: E402
+from json_report import emit  # noqa: E402
 
 
 def _steps(step, steps: int, vocab: int, generator) -> list[float]:
@@ -95,7 +95,10 @@ def main(argv=None) -> int:
         report["compiled_recall_over_eager_recall"] = round(times["recall"]["compiled_ms"] / times["recall"]["eager_ms"], 3)
     if "recall" in times and "h2o" in times:
         report["compiled_recall_over_compiled_h2o"] = round(times["recall"]["compiled_ms"] / times["h2o"]["compiled_ms"], 3)
-    print(json.dumps(report, indent=1) if args.json else report)
+    if args.json:
+        emit(report, None)
+    else:
+        print(report)
     return 0
 
 

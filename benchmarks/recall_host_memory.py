@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import re
 import sys
 
@@ -25,6 +24,7 @@ from h2ochat import threads
 from h2ochat.engine.generation import CacheSettings, Sampling, attention_shape, inference_steps, stream
 from h2ochat.loading.models import load
 from h2ochat.chat.prompting import encode
+from json_report import emit
 
 
 def rss_bytes() -> int:
@@ -78,14 +78,14 @@ def main() -> None:
                             "cold_tokens": record.get("cold_tokens"),
                             "full_cache_kv_bytes": fed * full_per_token})
     first, last = samples[0], samples[-1]
-    print(json.dumps({"model": loaded.name, "dtype": str(model.dtype), "args": vars(args),
+    emit({"model": loaded.name, "dtype": str(model.dtype), "args": vars(args),
                       "threads": threads.current(), "opening_tokens": input_ids.shape[1],
                       "full_cache_bytes_per_token": full_per_token,
                       "rss_growth_within_cold_host_bytes": last["rss_growth_bytes"] <= last["cold_host_bytes"],
                       # (from the first sample on: the growth the story's length makes, allocator warm-up aside)
                       "rss_growth_after_first_sample": last["rss_growth_bytes"] - first["rss_growth_bytes"],
                       "cold_host_bytes_after_first_sample": last["cold_host_bytes"] - first["cold_host_bytes"],
-                      "samples": samples}, indent=1))
+                      "samples": samples}, None)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ AVX512-BF16). The decode step's cost is ``h2ochat bench``'s; this is the prompt'
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 from h2ochat import threads
 from h2ochat.engine.generation import CacheSettings, prefill
 from h2ochat.loading.models import load
+from json_report import emit
 
 
 def _variants(budget: int, recall: str, rests: list[str]) -> dict[str, CacheSettings]:
@@ -77,8 +77,7 @@ def main(argv=None) -> int:
                 "over_h2o": {name: medians[name] / medians["h2o"] for name in names},
                 "over_rest_off": {name: medians[name] / medians["recall, rest off"] for name in names}
                 if "recall, rest off" in medians else None})
-    json.dump(report, sys.stdout, indent=1)
-    print()
+    emit(report, None)
     return 0
 
 

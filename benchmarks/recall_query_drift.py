@@ -25,12 +25,12 @@ $T/python_docstrings.txt,$T/idle_news.txt --lengths 900 --budget 128 --threads 1
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
 from h2ochat.recall.tier import RecallTier
 from tier_probe import probe_arguments, probe_trials  # (benchmarks/)
+from json_report import write
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99)
 
@@ -80,7 +80,7 @@ def main() -> None:
               "mean_similarity": sum(s[0] for s in steps) / len(steps),
               "pages_changed_per_step": sum(s[1] for s in steps) / len(steps),
               "pages_wanted_per_step": sum(s[2] for s in steps) / len(steps), "by_threshold": report(steps)}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write(result, args.out)
     print(json.dumps({k: v for k, v in result.items() if k not in ("trials", "texts")}, indent=1))
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ the bytes allocated (``nbytes``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -24,6 +23,7 @@ from h2ochat.host_buffers import resident_bytes
 from h2ochat.recall.cold_store import ColdStore
 from h2ochat.recall.digests import KeyCodes
 from h2ochat.recall.synthetic import append_rows
+from json_report import emit
 
 LAYERS, HEADS, DIM, PAGE = 30, 3, 64, 8
 
@@ -54,10 +54,7 @@ def main(argv=None) -> dict:
               "resident_bytes": in_memory, "held_bytes": held, "allocated_bytes": allocated,
               "resident_over_held": round(in_memory / held, 3), "allocated_over_held": round(allocated / held, 3),
               "argv": sys.argv}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as out:
-            json.dump(result, out, indent=1)
+    emit(result, args.out)
     return result
 
 

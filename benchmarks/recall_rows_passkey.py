@@ -45,6 +45,7 @@ from h2ochat.measure.passkey_rows import build_rows, parse_numbers
 from h2ochat.recall.tiered import DECODE_RULES
 from h2ochat import threads
 from h2ochat.loading.models import load
+from json_report import emit
 
 
 def main() -> None:
@@ -138,9 +139,9 @@ def main() -> None:
 
         pk.run(loaded.model, loaded.tokenizer, [trial], rows, on_trial=progress,
                wanted=lambda row, t, name=name: (name, row.label, t.length, t.depth, t.window) not in seen)
-    print(json.dumps({"model": loaded.name, "texts": texts, "args": vars(args), "threads": threads.current(),
+    emit({"model": loaded.name, "texts": texts, "args": vars(args), "threads": threads.current(),
                       "recall": ev.describe_recalls(recalls), "totals": pk.row_totals(results),
-                      "summary": pk.summarize(results), "results": results}, indent=1))
+                      "summary": pk.summarize(results), "results": results}, None)
 
 
 def masked_rows(args, recalls) -> list:

@@ -12,12 +12,12 @@ of the same --text, --tokens and --budget.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from h2ochat.measure import evaluation as ev
 from h2ochat import threads
 from h2ochat.loading.models import load
+from json_report import emit
 
 
 def main() -> None:
@@ -39,9 +39,9 @@ def main() -> None:
     rows = [row for row in ev.build_rows([args.policy], budgets, len(ids), recalls=recalls) if row.recall is not None]
     speed = ev.Speed()
     results = ev.evaluate_rows(loaded.model, ids, rows, speed=speed)
-    print(json.dumps({"model": loaded.name, "text": Path(args.text).name, "tokens": len(ids), "args": vars(args),
+    emit({"model": loaded.name, "text": Path(args.text).name, "tokens": len(ids), "args": vars(args),
                       "threads": threads.current(), "recall": ev.describe_recalls(recalls),
-                      "results": ev.records(results, budgets), "seconds": round(speed.seconds, 1)}, indent=1))
+                      "results": ev.records(results, budgets), "seconds": round(speed.seconds, 1)}, None)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from h2ochat.measure import passkey as pk
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.loading.models import load
 from h2ochat.recall.selectors import get_selector
+from json_report import write
 
 
 def rows_for(slots: int, page: int, selectors: list[str]) -> list:
@@ -87,8 +88,7 @@ def main() -> None:
         report["rows"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k not in ("by_depth", "exact_top_pages_found_per_layer")}),
               flush=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write(report, args.out)  # after every row: a long run keeps what it measured
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from json_report import write
 
 ENGINES = {"h2o": ({}, None), "recall_torch": ({"H2OCHAT_CPU_KERNELS": "none"}, "0.5"),
            "recall_native": ({}, "0.5")}
@@ -132,8 +133,7 @@ def main(argv=None) -> dict:
               "runs": runs}
     print(json.dumps({k: result[k] for k in ("median_step_ms", "recall_over_h2o")}, indent=1))
     if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=1)
+        write(result, args.out)
     return result
 
 

@@ -10,7 +10,6 @@ then moved between rows 5 and 2. Medians of ``--repeats`` moves each.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from h2ochat import threads
 from h2ochat.engine.generation import CacheSettings, prefill
 from h2ochat.loading.models import load
+from json_report import emit
 
 
 def _copied_out_and_back(cache, source: int, target: int) -> None:
@@ -59,8 +59,8 @@ def main() -> None:
                 way(rows, source, target)
                 seconds[name].append(time.perf_counter() - start)
                 source, target = target, source
-    print(json.dumps({"args": vars(args), "median_ms": {name: round(statistics.median(v) * 1e3, 2)
-                                                        for name, v in seconds.items()}}))
+    emit({"args": vars(args), "median_ms": {name: round(statistics.median(v) * 1e3, 2)
+                                            for name, v in seconds.items()}}, None)
 
 
 if __name__ == "__main__":

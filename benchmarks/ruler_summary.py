@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from h2ochat.measure import ruler, score_table  # noqa: E402
 from h2ochat.measure.eval_log import fingerprint  # noqa: E402
+from json_report import emit  # noqa: E402
 
 
 def current_digests(model: str, dtype: str, length: int, samples: int, seed: int) -> dict[tuple, str]:
@@ -57,10 +58,9 @@ def main(argv=None) -> None:
     print("\t".join(titles), file=sys.stderr)
     for row in table:
         print("\t".join(row), file=sys.stderr)
-    json.dump({"log": str(args.log), "model": args.model, "dtype": args.dtype, "length": args.length,
+    emit({"log": str(args.log), "model": args.model, "dtype": args.dtype, "length": args.length,
                "rows": rows, "samples_every_row_has": per_task, "stale_lines_left_out": len(records) - len(current),
-               "summary": summary}, sys.stdout, indent=1)
-    print()
+               "summary": summary}, None)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx2 as httpx
 
 from h2ochat.serve.process import ServerProcess
+from json_report import figures, write
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -412,10 +413,10 @@ def main() -> None:
         results["one_chat"] = one_chat_phase(args, log_dir)
         print(json.dumps(results["one_chat"]), flush=True)
     results["load_average_after"] = os.getloadavg()
-    if args.out and args.out.exists() and args.merge:  # keep the phases not run this time
-        results = {**json.loads(args.out.read_text()), **results}
+    if args.out and args.out.exists() and args.merge:  # keep the phases not run this time (in a new envelope)
+        results = {**figures(args.out), **results}
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write(results, args.out)
 
 
 if __name__ == "__main__":

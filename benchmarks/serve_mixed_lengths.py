@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from json_report import emit
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -105,9 +106,7 @@ def main(argv=None) -> dict:
               "at_peak": {name: peak.get(name) for name in ("recall_cold_host_bytes", "recall_cold_host_bytes_written",
                                                             "parked_bytes", "rows_in_use")},
               "max_allocated_bytes": max(s.get("recall_cold_host_bytes", 0) for s in samples)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    emit(result, args.out)
     return result
 
 

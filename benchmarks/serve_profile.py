@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from json_report import write
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # (serve_fakes: the request and drain helpers the tests use)
@@ -94,7 +95,7 @@ def main() -> None:
     pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(15)
     print(report.getvalue())
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write(result, args.out)
 
 
 if __name__ == "__main__":

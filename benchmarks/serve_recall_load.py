@@ -14,7 +14,6 @@ After each load the server's /metrics (parked bytes, the cold stores' bytes) are
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package
 from peers import MODEL, Engine, Preset, _dist_version, machine, run_load  # noqa: E402
+from json_report import write  # noqa: E402
 
 GAUGES = ("parked_bytes", "parked_conversations", "parked_in_rows", "prompt_tokens_cached_total", "parked_resumed_total",
           "recall_cold_host_bytes", "recall_cold_tokens", "rows",
@@ -102,9 +102,9 @@ def main(argv=None) -> dict:
             print(f"serve_recall_load: {server.name} / {preset.name} ...", file=sys.stderr, flush=True)
             report["runs"].append(run_load(server, preset, args, work, after=gauges))
             report["ratios"] = ratios(report["runs"])
-            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+            write(report, args.out)  # after every run: a long load keeps what it measured
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write(report, args.out)
     return report
 
 

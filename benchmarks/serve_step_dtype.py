@@ -13,11 +13,11 @@ load falls on all of them alike; figures are process CPU seconds (``time.process
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
+from json_report import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 # the shared data folder: beside the checkout or a worktree folder above it
@@ -101,9 +101,7 @@ def main() -> None:
         summary[config] = figures
     report = {"argv": sys.argv, "threads": 1, "prompt_tokens": sum(map(len, prompts)),
               "generated_tokens": args.chats * args.reply, "configs": summary}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

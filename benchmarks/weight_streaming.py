@@ -23,9 +23,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from json_report import write
 
 # SmolLM2-135M: hidden 576, MLP 1,536, 3 KV heads of 64, 30 layers, a tied 49,152-token head
 LINEARS = {"q_proj/o_proj": (576, 576, 60), "k_proj/v_proj": (192, 576, 60), "gate_proj/up_proj": (1536, 576, 60),
@@ -106,9 +106,8 @@ def main() -> None:
     mixed = mixed_step(rows, args.repeats)
     print(json.dumps(mixed), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"argv": sys.argv, "threads": 1, "read_bandwidth": read,
-                                              "linears": rows, "one_row_decode_floor": floor,
-                                              "mixed_step_linears": mixed}, indent=1) + "\n")
+        write({"argv": sys.argv, "threads": 1, "read_bandwidth": read, "linears": rows,
+               "one_row_decode_floor": floor, "mixed_step_linears": mixed}, args.out)
 
 
 def step_linears_ms(rows: list[dict], rows_of: int) -> float:

@@ -38,6 +38,18 @@ def one_of(module: str, name: str) -> str:
     return " | ".join(declared_choices(module, name))
 
 
+def help_of(option) -> str:
+    """The help text of an option declared here (an ``Annotated[..., typer.Option(...)]``)."""
+    return option.__metadata__[0].help
+
+
+def listed(option, lead: str) -> str:
+    """The help of a comma-separated list of ``option``'s values (eval's and bench's lists): ``lead``,
+    then the single option's own help, so both list the same choices; the command checks each item with
+    the function the single option is checked with, so a bad item gets the same one-line error."""
+    return f"{lead} Each: {help_of(option)}"
+
+
 Model = Annotated[str, typer.Option("--model", "-m", envvar="H2OCHAT_MODEL", rich_help_panel=MODEL,
     help="Alias (see `h2ochat models`), hub id, local directory or .gguf file.")]
 Device = Annotated[str, typer.Option(envvar="H2OCHAT_DEVICE", rich_help_panel=MODEL, help="auto | cpu | cuda.")]
@@ -46,11 +58,17 @@ Dtype = Annotated[str, typer.Option(envvar="H2OCHAT_DTYPE", rich_help_panel=MODE
 DeviceMap = Annotated[Optional[str], typer.Option("--device-map", rich_help_panel=MODEL,
     help="'auto' splits a large model across GPUs / CPU (accelerate); the cache follows each layer.")]
 
+def budget_help(fraction_of: str, whole: str = "", fits_at: str = "--kv-dtype") -> str:
+    """--budget's help, one text for every command: what a fraction is of is the one thing that differs
+    (the context window for the commands that chat or generate; the text measured for eval, each
+    context for bench), and each command's help says which."""
+    return (f"KV slots per layer: a fraction of {fraction_of} written with a point (0.2{whole}), a slot count written "
+            "as an integer (512; '1' is one slot), or the device KV bytes per sequence (16MiB, 512KiB, 1.5GiB: every "
+            f"layer and KV head, codes and scales counted), turned into the slots that fit at {fits_at}.")
+
+
 Budget = Annotated[str, typer.Option("--budget", "-b", envvar="H2OCHAT_BUDGET", rich_help_panel=CACHE,
-    help="KV slots per layer: a fraction of the context window written with a point (0.2, 1.0 = the whole "
-         "window), a slot count written as an integer (512; '1' is one slot), or the device KV bytes per "
-         "sequence (16MiB, 512KiB, 1.5GiB: every layer and KV head, codes and scales counted), turned into the "
-         "slots that fit at --kv-dtype.")]
+    help=budget_help("the context window", ", 1.0 = the whole window"))]
 KvDtype = Annotated[str, typer.Option("--kv-dtype", envvar="H2OCHAT_KV_DTYPE", rich_help_panel=CACHE,
     help="How the slots hold keys and values: " + one_of("kv.slot_format", "KV_DTYPES") + ". auto: the model's "
          "dtype; float32, bfloat16, float16 and fp8 (float8_e4m3fn): a cast; int8 and int4: codes with a float32 "

@@ -100,7 +100,7 @@ def test_generate_json_reports_the_hand_computed_figures(uniform_checkpoint):
 def test_cache_view_and_status_line_show_the_hand_computed_figures(uniform_checkpoint):
     loaded = load(str(uniform_checkpoint), device="cpu", dtype="float32")
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(
-        temperature=0.0, max_new_tokens=30, cache=CacheSettings(policy="h2o", budget="32", heavy_ratio=0.5)))
+        sampling=Sampling(temperature=0.0), max_new_tokens=30, cache=CacheSettings(policy="h2o", budget="32", heavy_ratio=0.5)))
     conv.stop_ids = set()
     out = io.StringIO()
     repl = Repl(conv, make_console(file=out), lambda prompt: "", model_name="tiny")

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from h2ochat.chat import conversation as chat_module
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.settings import ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.chat.replies import stop_token_ids
 from h2ochat.errors import UserError
 from h2ochat.engine.generation import CacheSettings
@@ -38,7 +39,7 @@ def conversation(loaded, budget="1.0", **settings):
     settings.setdefault("temperature", 0.0)
     settings.setdefault("max_new_tokens", 6)
     cache = CacheSettings(budget=budget, policy=settings.pop("policy", "h2o"))
-    return Conversation(loaded.model, loaded.tokenizer, ChatSettings(cache=cache, **settings))
+    return Conversation(loaded.model, loaded.tokenizer, ChatSettings.from_values(settings, cache))
 
 
 def assert_consistent(conv: Conversation) -> None:
@@ -134,7 +135,7 @@ def test_set_changes_the_named_setting(name, value, attribute, expected):
     settings = ChatSettings()
     changed, canonical = settings.with_value(name, value)
     assert canonical == attribute
-    assert getattr(changed, attribute) == expected
+    assert changed.get(attribute) == expected
     assert settings == ChatSettings()  # a copy changes, never the settings in use
 
 
@@ -205,7 +206,7 @@ def test_base_model_without_template_gets_a_plain_transcript(loaded):
 
     tokenizer = copy.deepcopy(loaded.tokenizer)
     tokenizer.chat_template = None
-    conv = Conversation(loaded.model, tokenizer, ChatSettings(temperature=0.0, max_new_tokens=5, system="notes"))
+    conv = Conversation(loaded.model, tokenizer, ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=5, system="notes"))
     conv.send("hello")
     conv.send("again")
     text = conv.render(add_generation_prompt=True)
@@ -244,8 +245,8 @@ def test_one_stop_rule_eos_and_end_of_turn_markers(loaded):
 
 def test_repeat_last_n_reaches_the_sampler_and_is_kept(loaded):
     conv = conversation(loaded, repetition_penalty=1.3, repeat_last_n=5)
-    assert conv.settings.sampling().repeat_last_n == 5
-    assert ChatSettings.from_json(conv.settings.to_json()).repeat_last_n == 5
+    assert conv.settings.sampling.repeat_last_n == 5
+    assert ChatSettings.from_json(conv.settings.to_json()).sampling.repeat_last_n == 5
 
 
 def cache_state(cache) -> dict[str, torch.Tensor]:
@@ -316,7 +317,7 @@ def test_a_base_model_reply_cut_inside_a_burst_is_read_again(loaded, monkeypatch
     for every in (1, 4):
         script = iter(reply + [filler] * 40)
         monkeypatch.setattr(generation, "sample", lambda logits, *a, **k: torch.full((logits.shape[0],), next(script)))
-        conv = Conversation(loaded.model, tokenizer, ChatSettings(temperature=0.0, max_new_tokens=12),
+        conv = Conversation(loaded.model, tokenizer, ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=12),
                             stop_check_every=every)
         conv.stop_ids = {tokenizer.eos_token_id}  # never drawn; stop ids make the reads come in bursts
         first = conv.send("hello")

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.settings import ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.cli import app
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.chat.history import ConversationLog
@@ -35,7 +36,7 @@ def loaded(tmp_path_factory):
 
 def chat(loaded, policy="mean", budget="16", log=None):
     conv = Conversation(loaded.model, loaded.tokenizer,
-                        ChatSettings(temperature=0.0, max_new_tokens=4, cache=CacheSettings(policy=policy, budget=budget)))
+                        ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=4, cache=CacheSettings(policy=policy, budget=budget)))
     conv.stop_ids = set()  # replies run to max_new_tokens whatever the random model writes
     out = io.StringIO()
     return Repl(conv, make_console(file=out), lambda prompt: "", model_name="tiny", log=log), out

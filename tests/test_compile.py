@@ -307,7 +307,7 @@ def test_chat_takes_compile(tiny_checkpoint):
     from h2ochat.loading.models import load
 
     loaded = load(str(tiny_checkpoint), "cpu", "float32")
-    settings = ChatSettings(temperature=0.0, max_new_tokens=6, cache=CacheSettings(budget=BUDGET))
+    settings = ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=6, cache=CacheSettings(budget=BUDGET))
     conversation = Conversation(loaded.model, loaded.tokenizer, settings, compile=True)
     conversation.stop_ids = set()  # every turn decodes its 6 tokens, whatever the random weights write
     for text in ("hello", "tell me more"):

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.settings import ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.engine.detokenize import TextStream, decode_in_context
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.loading.random_weights import ByteTokenizer
@@ -67,7 +68,7 @@ def scripted_conversation(tokenizer, monkeypatch, script: list[int], **settings)
     calls = iter(script)
     monkeypatch.setattr(generation, "sample", lambda logits, *a, **k: torch.full((logits.shape[0],), next(calls)))
     settings.setdefault("max_new_tokens", len(script))
-    conv = Conversation(model, tokenizer, ChatSettings(temperature=0.0, cache=CacheSettings(budget="1.0"), **settings))
+    conv = Conversation(model, tokenizer, ChatSettings.from_values({"temperature": 0.0, **settings}, CacheSettings(budget="1.0")))
     conv.stop_ids = set()
     return conv
 
@@ -97,7 +98,7 @@ def test_the_first_ctrl_c_during_a_long_prompt_stops_it_between_chunks(tmp_path,
 
     fresh("model")
     loaded = load(str(write_checkpoint(tmp_path, max_position_embeddings=512)), device="cpu", dtype="float32")
-    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=4),
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=4),
                         prefill_chunk=8)
     forwards = []
     real_forward = generation.forward

@@ -52,17 +52,28 @@ def test_the_readme_is_short_and_its_commands_are_what_ci_runs():
 
 
 def test_the_defaults_the_docs_state_are_the_codes():
+    """Pages state defaults through markers that tools/generate_docs.py fills from the code (its check,
+    above, fails on a stale one); here the markers are where a reader looks, and the values it fills
+    are the code's own constants."""
+    from h2ochat.chat.settings import ChatSettings
     from h2ochat.config import DEFAULT_PREFILL_CHUNK, CacheSettings
     from h2ochat.policies import DEFAULT_POLICY
 
-    assert re.findall(r"default budget\*\* is `--budget ([^`]+)`", README) == [CacheSettings.budget]
+    generator = _tool("generate_docs")
+    defaults = generator.code_defaults()
+    assert re.findall(r"default budget\*\* is `--budget` <!-- default:budget -->`([^`]+)`", README) == [CacheSettings.budget]
     concepts = (ROOT / "docs" / "concepts.md").read_text(encoding="utf-8")
     stated = dict(re.findall(r"<!-- default:(\w+) -->`([^`]+)`", concepts))
     code = {"budget": CacheSettings.budget, "policy": DEFAULT_POLICY, "page": str(CacheSettings.page),
             "prefill_chunk": str(DEFAULT_PREFILL_CHUNK), "selector": CacheSettings.selector,
             "kv_dtype": CacheSettings.kv_dtype, "positions": CacheSettings.positions,
             "recall_rest": CacheSettings.recall_rest, "cold_dtype": CacheSettings.cold_dtype}
-    assert stated == {name: code[name] for name in stated} and set(stated) == set(code), (stated, code)
+    assert {name: stated[name] for name in code} == code  # the concepts table states every cache default
+    assert {name: defaults[name] for name in code} == code
+    assert (defaults["chat_temperature"], defaults["repeat_last_n"]) == (str(ChatSettings().sampling.temperature), "64")
+    for path in generator.DEFAULT_PAGES:  # every marker names a default the generator knows
+        for name in re.findall(r"<!-- default:(\w+) -->", path.read_text(encoding="utf-8")):
+            assert name in defaults, (path.name, name)
 
 
 def test_each_reader_has_a_page():

@@ -112,7 +112,7 @@ def loaded(request, tmp_path_factory):
 
 def chat(loaded, recall=str(RECALL)) -> tuple[Repl, io.StringIO]:
     cache = CacheSettings(policy="h2o", budget=str(BUDGET), recall=recall, page=PAGE, selector="exact")
-    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=20, cache=cache))
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=20, cache=cache))
     conv.stop_ids = set()
     out = io.StringIO()
     return Repl(conv, make_console(file=out), lambda prompt: "", model_name="tiny"), out

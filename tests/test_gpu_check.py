@@ -20,6 +20,13 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 BLOCKED = ("prompt_toolkit", "gguf", "matplotlib")  # absent on the GPU machine
 
 
+def written(out: Path) -> dict:
+    """The figures of the gpu_check.json in ``out``, which is in the results envelope."""
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["envelope"] == 1 and report["commit"] and report["machine"]
+    return report["figures"]
+
+
 def gpu_check():
     """benchmarks/gpu_check.py as a module (benchmarks/ is no package)."""
     if "gpu_check" not in sys.modules:
@@ -37,7 +44,7 @@ def test_dry_run_writes_every_section_without_the_missing_modules(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1200,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    data = written(tmp_path)
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert data["dry_run"] is True
     steps = data["steps"]
@@ -124,11 +131,11 @@ def test_a_failing_step_is_recorded_and_the_next_one_runs(tmp_path):
     with module.timed_step(report, "first") as entry:
         entry["partial"] = "kept"
         raise RuntimeError("boom\nsecond line")
-    written = json.loads((tmp_path / "gpu_check.json").read_text())  # on disk before the next step starts
-    assert written["steps"]["first"]["status"] == "error"
+    on_disk = written(tmp_path)  # on disk before the next step starts
+    assert on_disk["steps"]["first"]["status"] == "error"
     with module.timed_step(report, "second") as entry:
         entry["value"] = 1
-    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    data = written(tmp_path)
     first, second = data["steps"]["first"], data["steps"]["second"]
     assert first["status"] == "error" and first["error"] == "RuntimeError: boom" and first["partial"] == "kept"
     assert second == {"status": "ok", "value": 1, "seconds": second["seconds"]}
@@ -177,12 +184,12 @@ def test_decode_stops_starting_measurements_when_the_time_is_spent(tmp_path):
     spent = dataclasses.replace(module.DRY, budget_s=0)
     report = module.Report(tmp_path, spent)
     module.decode(report, spent)
-    decode = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["decode"]
+    decode = written(tmp_path)["steps"]["decode"]
     assert decode["status"] == "partial" and decode["results"] == [] and decode["capacity"] == []
     assert len(decode["skipped"]) == 2 + 1  # two (context, batch) points and the capacity run
     assert all("time limit" in line for line in decode["skipped"])
     module.compiled_torch(report, spent)
-    compiled = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["compiled_torch"]
+    compiled = written(tmp_path)["steps"]["compiled_torch"]
     assert "agreement" not in compiled and any("time limit" in line for line in compiled["skipped"])
     assert compiled["status"] == "partial"
 
@@ -190,7 +197,7 @@ def test_decode_stops_starting_measurements_when_the_time_is_spent(tmp_path):
 def test_steps_option_runs_the_named_steps_only(tmp_path, capsys):
     module = gpu_check()
     assert module.main(["--dry-run", "--out", str(tmp_path), "--steps", "bf16_vs_fp32"]) == 0
-    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    data = written(tmp_path)
     assert list(data["steps"]) == ["bf16_vs_fp32"] and data["steps"]["bf16_vs_fp32"]["status"] == "ok"
     assert module.main(["--dry-run", "--out", str(tmp_path), "--steps", "decode,bogus"]) == 2
     assert "unknown step(s) bogus" in capsys.readouterr().err
@@ -235,7 +242,7 @@ def test_compiled_step_times_the_benchmark_model_when_asked(tmp_path, monkeypatc
     before = os.environ.get("H2OCHAT_KERNELS")
     module.compiled_torch(report, profile)
     assert os.environ.get("H2OCHAT_KERNELS") == before  # restored
-    entry = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["compiled_torch"]
+    entry = written(tmp_path)["steps"]["compiled_torch"]
     assert entry["status"] == "ok", entry
     runs = {(r["policy"], r["compiled"]) for r in entry["results"]}
     assert runs == {("h2o", False), ("full", False), ("h2o", True)}, runs

@@ -12,6 +12,7 @@ import pytest
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.repl import Repl, StreamReader
 from h2ochat.chat.settings import ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.cli import main
 from h2ochat.console import make_console
 from h2ochat.engine.generation import CacheSettings
@@ -21,7 +22,7 @@ from test_repl import drive, loaded  # noqa: F401  (the tiny model fixture)
 
 def piped(loaded, text: str):
     conv = Conversation(loaded.model, loaded.tokenizer,
-                        ChatSettings(temperature=0.0, max_new_tokens=3, cache=CacheSettings(policy="h2o", budget="32")))
+                        ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=3, cache=CacheSettings(policy="h2o", budget="32")))
     out = io.StringIO()
     repl = Repl(conv, make_console(file=out), StreamReader(io.StringIO(text)), model_name="tiny")
     return repl, out.getvalue, repl.run()
@@ -45,7 +46,7 @@ def test_ctrl_d_inside_a_block_sends_the_lines_then_leaves(loaded):
             raise EOFError from None
 
     conv = Conversation(loaded.model, loaded.tokenizer,
-                        ChatSettings(temperature=0.0, max_new_tokens=3, cache=CacheSettings(policy="h2o", budget="32")))
+                        ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=3, cache=CacheSettings(policy="h2o", budget="32")))
     repl = Repl(conv, make_console(file=io.StringIO()), read_line, model_name="tiny")
     assert repl.run() == 0
     assert [m["content"] for m in conv.messages if m["role"] == "user"] == ["first\nsecond"]

@@ -12,6 +12,7 @@ from h2ochat.chat.conversation import Conversation, TurnResult
 from h2ochat.chat.prompt_progress import describe_reading, time_left
 from h2ochat.chat.repl import Repl, StreamReader
 from h2ochat.chat.settings import ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.chat.status import STATUS_SEPARATOR, fit_figures, status_figures, summarize, turn_summary
 from h2ochat.console import make_console
 from h2ochat.engine.generation import CacheSettings, Timing
@@ -30,7 +31,7 @@ def test_time_left_is_the_rest_at_the_rate_so_far():
 
 def conversation(loaded, chunk=8):
     return Conversation(loaded.model, loaded.tokenizer, ChatSettings(
-        temperature=0.0, max_new_tokens=2, cache=CacheSettings(policy="h2o", budget="32")), prefill_chunk=chunk)
+        sampling=Sampling(temperature=0.0), max_new_tokens=2, cache=CacheSettings(policy="h2o", budget="32")), prefill_chunk=chunk)
 
 
 def test_the_chat_reports_the_reading_between_chunks_and_the_status_line_shows_the_time_left(loaded):

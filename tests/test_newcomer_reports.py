@@ -13,6 +13,7 @@ from rich.console import Console
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.repl import Repl, StreamReader
 from h2ochat.chat.settings import ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.engine.generation import CacheSettings
 
 from test_repl import loaded  # noqa: F401  (the tiny model fixture)
@@ -40,7 +41,7 @@ def test_generate_text_says_an_explicit_recall_was_not_used(h2ochat_main, tiny_c
 
 def recall_repl(loaded, width: int | None):
     conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(
-        temperature=0.0, max_new_tokens=4, cache=CacheSettings(policy="h2o", budget="32", recall="8", page=4)))
+        sampling=Sampling(temperature=0.0), max_new_tokens=4, cache=CacheSettings(policy="h2o", budget="32", recall="8", page=4)))
     out = io.StringIO()
     console = Console(file=out, force_terminal=width is not None, width=width or 200, highlight=False, markup=False)
     repl = Repl(conv, console, StreamReader(io.StringIO("")), model_name="a-long-model-name-of-a-hub-repo")

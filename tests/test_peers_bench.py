@@ -51,7 +51,7 @@ def test_missing_peers_are_skipped_with_the_reason_and_nothing_starts(tmp_path, 
                               "--vllm-venv", str(tmp_path / "no-vllm"), "--llama-server", str(tmp_path / "no-llama"),
                               "--work-dir", str(tmp_path / "work"), "--out", str(out)])
     module.run(args)
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text())["figures"]  # (in the results envelope)
     assert started == [] and report["runs"] == []  # `single` times `h2ochat generate` only when h2ochat runs
     assert [(s["engine"], s["preset"]) for s in report["skipped"]] == [
         ("vllm", "chat-8x4"), ("llama.cpp", "chat-8x4"), ("vllm", "single"), ("llama.cpp", "single")]

@@ -47,7 +47,7 @@ def chat(loaded, cold_limit=None, recall=str(RECALL), **settings) -> tuple[Repl,
     cache = CacheSettings(policy="h2o", budget=str(BUDGET), recall=recall, page=PAGE, selector="exact",
                           cold_limit=cold_limit)
     conv = Conversation(loaded.model, loaded.tokenizer,
-                        ChatSettings(temperature=0.0, max_new_tokens=20, cache=cache, **settings))
+                        ChatSettings.from_values({"temperature": 0.0, "max_new_tokens": 20, **settings}, cache))
     conv.stop_ids = set()  # replies run to max_new_tokens whatever the random model writes
     out = io.StringIO()
     return Repl(conv, make_console(file=out), lambda prompt: "", model_name="tiny"), out

@@ -37,8 +37,8 @@ def loaded(tmp_path_factory):
 def drive(loaded, lines: list[str], history=None, file=None, endless=False, log=None, **settings):
     """Run a REPL over ``lines`` typed into a prompt-toolkit session; returns (repl, output, code)."""
     settings.setdefault("max_new_tokens", 5)
-    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, cache=CacheSettings(policy="h2o", budget="32"),
-                                                                     **settings))
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings.from_values({"temperature": 0.0, **settings},
+                                                                              CacheSettings(policy="h2o", budget="32")))
     if endless:
         conv.stop_ids = set()  # replies run to max_new_tokens whatever the random model writes
     out = file or io.StringIO()
@@ -55,8 +55,9 @@ def test_slash_commands_change_the_settings_they_name(loaded):
                                      "/set max_new_tokens 7", "/set system be kind", "/set repeat-last-n 16",
                                      "/budget 20", "/policy local", "/bye"])
     s = repl.conv.settings
-    assert (s.temperature, s.top_p, s.top_k, s.seed, s.max_new_tokens, s.system) == (0.25, 0.8, 4, 9, 7, "be kind")
-    assert s.repeat_last_n == 16 and s.sampling().repeat_last_n == 16
+    assert (s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed, s.max_new_tokens,
+            s.system) == (0.25, 0.8, 4, 9, 7, "be kind")
+    assert s.sampling.repeat_last_n == 16 and s.cache.seed == 9
     assert repl.conv.cache.budget.slots == 20 and repl.conv.cache.policy.name == "local"
     assert code == 0
     assert "new cache of 20 slots" in out
@@ -74,7 +75,7 @@ def test_policy_lists_every_policy_with_its_line_and_takes_knobs(loaded):
 
 def test_bad_values_and_unknown_commands_get_one_line(loaded):
     repl, out, code = drive(loaded, ["/set temperature hot", "/budget lots", "/policy nope", "/frobnicate", "/exit"])
-    assert repl.conv.settings.temperature == 0.0 and repl.conv.cache.budget.slots == 32
+    assert repl.conv.settings.sampling.temperature == 0.0 and repl.conv.cache.budget.slots == 32
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 4
     assert "unknown command /frobnicate" in lines[-1] and "/help" in lines[-1]

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from h2ochat.chat.conversation import ChatSettings, Conversation
+from h2ochat.config import Sampling
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.loading.models import load
 
@@ -165,7 +166,7 @@ def test_a_chat_turn_after_turn_reuses_its_parked_cache_and_equals_the_repl(serv
     rng = random.Random(seed)
     loaded = load(str(checkpoint), "cpu", "float32")
     repl = Conversation(loaded.model, loaded.tokenizer, ChatSettings(
-        temperature=0.0, max_new_tokens=12, cache=CacheSettings(policy="h2o", budget=str(BUDGET))), prefill_chunk=CHUNK)
+        sampling=Sampling(temperature=0.0), max_new_tokens=12, cache=CacheSettings(policy="h2o", budget=str(BUDGET))), prefill_chunk=CHUNK)
     previous = None
     for turn, reply, expected in chat_beside_the_repl(client, server.model, repl, rng):
         content = reply.choices[0].message.content

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from h2ochat.chat.conversation import ChatSettings, Conversation
+from h2ochat.config import Sampling
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.loading.models import load
 
@@ -195,7 +196,7 @@ def test_a_served_chat_with_recall_equals_the_repl_turn_after_turn(recall_server
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
     loaded = load(str(checkpoint), "cpu", "float32")
     settings = CacheSettings(policy="h2o", budget=str(HTTP_BUDGET), recall=str(HTTP_RECALL), page=HTTP_PAGE)
-    repl = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=12, cache=settings),
+    repl = Conversation(loaded.model, loaded.tokenizer, ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=12, cache=settings),
                         prefill_chunk=HTTP_CHUNK)
     previous, pages = None, 0
     for turn, reply, expected in chat_beside_the_repl(client, server.model, repl, rng):

@@ -1,5 +1,5 @@
-"""Every setting is wired everywhere (issue 15, item 4): the settings are the fields of ChatSettings
-and CacheSettings, and `/set`, its listing, the conversation file and `run --continue`'s overrides
+"""Every setting is wired everywhere: the settings are the fields of ChatSettings, its Sampling and
+its CacheSettings, and `/set`, its listing, the conversation file and `run --continue`'s overrides
 all derive from them. A new field that one of these misses fails here."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from h2ochat.chat import history
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.settings import SETTINGS, ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.cli import app
 from h2ochat.commands.run import run
 from h2ochat.engine.generation import CacheSettings
@@ -53,9 +54,10 @@ SAMPLE = {
 
 
 def test_the_settings_are_the_dataclass_fields():
-    own = {f.name for f in fields(ChatSettings)} - {"cache"}
+    own = {f.name for f in fields(ChatSettings)} - {"sampling", "cache"}
+    sampling = {f.name for f in fields(Sampling)} - {"row_generators"}  # a call's state, not a setting
     cache = {f.name for f in fields(CacheSettings)}
-    assert set(SETTINGS) == own | cache  # the cache's seed is the sampling's (one name, one value)
+    assert set(SETTINGS) == own | sampling | cache  # the cache's seed is the sampling's (one name, one value)
     assert set(SAMPLE) == set(SETTINGS)  # a new setting needs a sample value here, and is then tested
     for name, (_, value) in SAMPLE.items():
         assert value != ChatSettings().get(name), f"{name}: the sample must differ from the default"
@@ -63,7 +65,7 @@ def test_the_settings_are_the_dataclass_fields():
 
 def test_every_setting_round_trips_through_set_its_listing_and_the_file(tiny_checkpoint):
     loaded = load(str(tiny_checkpoint), device="cpu", dtype="float32")
-    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0))
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(sampling=Sampling(temperature=0.0)))
     out = io.StringIO()
     typed = iter([f"/set {name} {text}" for name, (text, _) in SAMPLE.items()] + ["/set", "/bye"])
     repl = Repl(conv, make_console(file=out), lambda prompt: next(typed))
@@ -87,6 +89,8 @@ def test_every_setting_given_to_run_continue_wins_over_the_stored_one(tiny_check
     options_of_run = inspect.signature(run).parameters  # what typer makes options of
     for name in SETTINGS:  # every setting is a run() option of the same name
         assert name in options_of_run, name
+        if not SETTINGS[name].on_cache:  # (the cache's defaults are CacheSettings', o.takes_cache_options)
+            assert options_of_run[name].default == ChatSettings().get(name), name
     env = {"NO_COLOR": "1"}
     first = runner.invoke(app, ["run", "--model", str(tiny_checkpoint), "--max-new-tokens", "2", "--temperature", "0"],
                           input="hello\n/bye\n", env=env)
@@ -106,3 +110,19 @@ def test_optional_settings_go_back_to_the_policys_own(name):
     changed, _ = ChatSettings().with_value(name, SAMPLE[name][0])
     back, _ = changed.with_value(name, "default")
     assert back.get(name) is None
+
+
+def test_a_conversation_file_in_the_shape_before_sampling_was_its_own_part_loads(tmp_path):
+    """Files keep every setting but the cache's under its own name (the shape they always had): one
+    written before ChatSettings held a Sampling loads with each value where it was."""
+    old = {"system": "be brief", "temperature": 0.3, "top_p": 0.9, "top_k": 5, "seed": 5,
+           "repetition_penalty": 1.2, "repeat_last_n": 16, "max_new_tokens": 3,
+           "cache": {"policy": "mean", "budget": "24", "seed": 5}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"settings": old}))
+    loaded = ChatSettings.from_json(json.loads(path.read_text())["settings"])
+    assert loaded.sampling == Sampling(temperature=0.3, top_p=0.9, top_k=5, seed=5, repetition_penalty=1.2,
+                                       repeat_last_n=16)
+    assert (loaded.system, loaded.max_new_tokens, loaded.cache.policy, loaded.cache.budget) == ("be brief", 3, "mean", "24")
+    assert loaded.to_json() == {**old, "cache": loaded.to_json()["cache"]}  # written back in the same shape
+    assert ChatSettings.from_json({}).sampling.temperature == 0.7  # a missing value takes the chat's default

@@ -18,6 +18,7 @@ from h2ochat import threads
 from h2ochat.console import make_console
 from h2ochat.chat.conversation import Conversation
 from h2ochat.chat.settings import ChatSettings
+from h2ochat.config import Sampling
 from h2ochat.engine.generation import CacheSettings
 from h2ochat.chat.repl import Repl
 
@@ -40,7 +41,7 @@ def loaded(request, tmp_path_factory):
 def repl(loaded, monkeypatch):
     monkeypatch.setattr(threads, "_chosen", 2)  # as --threads 2 sets it
     cache = CacheSettings(policy="h2o", budget="24", recall="8", page=4, selector="exact")
-    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=8, cache=cache))
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=8, cache=cache))
     conv.stop_ids = set()
     repl = Repl(conv, make_console(file=io.StringIO()), lambda prompt: "", model_name="tiny")
     repl.handle("the quick brown fox jumps over the lazy dog")

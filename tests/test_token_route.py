@@ -56,6 +56,7 @@ def test_the_files_one_decoded_token_crosses(tmp_path, recall, capsys):
     from checkpoints import write_checkpoint
 
     from h2ochat.chat.conversation import ChatSettings, Conversation
+    from h2ochat.config import Sampling
     from h2ochat.engine.generation import CacheSettings
     from h2ochat.loading.models import load
     from h2ochat.chat.repl import Repl
@@ -63,7 +64,7 @@ def test_the_files_one_decoded_token_crosses(tmp_path, recall, capsys):
 
     loaded = load(str(write_checkpoint(tmp_path, "llama", max_position_embeddings=256)), device="cpu", dtype="float32")
     cache = CacheSettings(policy="h2o", budget="16", recall=recall, page=4, selector="rot4")
-    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(temperature=0.0, max_new_tokens=24, cache=cache))
+    conv = Conversation(loaded.model, loaded.tokenizer, ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=24, cache=cache))
     conv.stop_ids = set()  # every reply runs to max_new_tokens
     repl = Repl(conv, make_console(file=io.StringIO()), lambda prompt: "", model_name="tiny")
     repl.handle("the quick brown fox jumps over the lazy dog, twice: the quick brown fox")  # fills and evicts

@@ -1,10 +1,11 @@
 """Write docs/cli.md, the command-line reference, from the typer app itself (every command's summary
-and every option's names, default and help, as `h2ochat COMMAND --help` has them), and the generated
+and every option's names, default and help, as `h2ochat COMMAND --help` has them), the generated
 blocks of other pages: serve's option table, the chat's commands, the module map (each module's own
-docstring).
+docstring), and every default a page states: ``<!-- default:NAME -->`VALUE``` in README.md and the
+pages of ``DEFAULT_PAGES`` gets VALUE from the code (``code_defaults``), so a stated default cannot go stale.
 
-    python tools/generate_docs.py           # rewrite docs/cli.md and serving.md's option table
-    python tools/generate_docs.py --check   # exit 1 when either is not what it would write
+    python tools/generate_docs.py           # rewrite them
+    python tools/generate_docs.py --check   # exit 1 when any is not what it would write
 
 tests/test_docs_generated.py runs the check, so a changed option fails the suite until the page is
 regenerated.
@@ -23,6 +24,10 @@ SHELL_COMPLETION = ("install_completion", "show_completion")  # typer adds them 
 # blocks of other pages this script fills: page -> block name (between <!-- NAME:start --> and <!-- NAME:end -->)
 BLOCKS = {ROOT / "docs" / "serving.md": "serve-options", ROOT / "docs" / "chat.md": "chat-commands",
           ROOT / "docs" / "architecture.md": "module-map"}
+# pages whose stated defaults are filled from the code (``<!-- default:NAME -->`VALUE```)
+DEFAULT_PAGES = (ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in
+                                      ("getting-started", "chat", "concepts", "evaluation")))
+DEFAULT_MARK = re.compile(r"<!-- default:(\w+) -->`[^`]*`")
 PACKAGES = ("h2ochat", "h2ochat_kernels")
 # a journal's references in docstrings ("(issue 34, ...)") stay out of the map
 JOURNAL = re.compile(r"\s*\(?\b(?:session|issue)s?\s*#?\d+[^)]*\)?", re.IGNORECASE)
@@ -139,8 +144,48 @@ def with_block(page: str, name: str) -> str:
     return f"{head}{start}\n{block(name)}\n{end}{tail}"
 
 
+def option_default(command: str, name: str):
+    """The default of one command's option, as the command declares it."""
+    from h2ochat import cli
+
+    return next(p.default for p in cli.build_command(command).params if p.name == name)
+
+
+def code_defaults() -> dict[str, str]:
+    """Every default a page may state, by marker name, read from the code."""
+    from h2ochat.chat.settings import ChatSettings
+    from h2ochat.config import DEFAULT_PREFILL_CHUNK, CacheSettings
+    from h2ochat.policies import DEFAULT_POLICY
+    from h2ochat.recall.default import SMALLEST_BUDGET
+
+    cache = {name: str(getattr(CacheSettings, name)) for name in
+             ("budget", "positions", "kv_dtype", "page", "selector", "cold_dtype", "recall_rest", "recall_every")}
+    chat = ChatSettings()
+    return {**cache, "policy": DEFAULT_POLICY, "prefill_chunk": str(DEFAULT_PREFILL_CHUNK),
+            "recall": str(option_default("run", "recall")), "recall_smallest_budget": str(SMALLEST_BUDGET),
+            "story_budget": str(option_default("story", "budget")),
+            "story_repetition_penalty": str(option_default("story", "repetition_penalty")),
+            "chat_temperature": str(chat.sampling.temperature), "repeat_last_n": str(chat.sampling.repeat_last_n),
+            "max_new_tokens": str(chat.max_new_tokens), "port": str(option_default("serve", "port")),
+            "eval_budget": str(option_default("eval", "budget")), "bench_budget": str(option_default("bench", "budget"))}
+
+
+def with_defaults(page: str, defaults: dict[str, str], path: Path) -> str:
+    def value(match: re.Match) -> str:
+        if match.group(1) not in defaults:
+            raise SystemExit(f"{path.name}: no default named {match.group(1)!r} (known: {', '.join(defaults)})")
+        return f"<!-- default:{match.group(1)} -->`{defaults[match.group(1)]}`"
+
+    return DEFAULT_MARK.sub(value, page)
+
+
 def main(argv: list[str]) -> int:
     pages = {PAGE: render(), **{path: with_block(path.read_text(encoding="utf-8"), name) for path, name in BLOCKS.items()}}
+    defaults = code_defaults()
+    for path in DEFAULT_PAGES:
+        pages[path] = with_defaults(pages.get(path) or path.read_text(encoding="utf-8"), defaults, path)
+    pages = {path: text for path, text in pages.items()
+             if path in (PAGE, *BLOCKS) or text != path.read_text(encoding="utf-8")}  # (only what it changes)
     if "--check" in argv:
         stale = [path.name for path, text in pages.items() if path.read_text(encoding="utf-8") != text] \
             if PAGE.exists() else [PAGE.name]

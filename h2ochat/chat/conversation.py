@@ -208,7 +208,7 @@ class Conversation:
             if self._decode is None:
                 self._decode = decoder(self.model, self.compile)
             steps = stream(self.model, self.cache, torch.tensor([new_ids], device=self.device),
-                           max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(),
+                           max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
                            stop_ids=self.stop_ids, prefill_chunk=self.prefill_chunk, timing=timing,
                            decode=self._decode, stop_check_every=self.burst(),
                            should_stop=self._between_chunks)

@@ -1,5 +1,5 @@
-"""The settings of a chat: ``ChatSettings`` (sampling, the reply's length, the system prompt and the
-cache's ``CacheSettings``), the table of settable names `/set` and `run --continue` derive from its
+"""The settings of a chat: ``ChatSettings`` (the system prompt, the ``Sampling``, the reply's length
+and the cache's ``CacheSettings``), the table of settable names `/set` and `run --continue` derive from its
 fields (``SETTINGS``), and ``check_fits``: cache settings against a model's real limits.
 
 Its own module because every command reads it (run, generate, story, the option checks), not
@@ -30,42 +30,46 @@ ALIASES: dict[str, tuple[str, ...]] = {
 NONE_WORDS = ("none", "off", "default", "random", "")
 
 
+def chat_sampling() -> Sampling:
+    """The chat's sampling: Sampling's own defaults but a temperature of 0.7 (a chat that samples
+    reads less mechanically than greedy decoding; `generate` and the measurements stay greedy)."""
+    return Sampling(temperature=0.7)
+
+
+# Sampling's fields that are settings: row_generators is state built per call (compare=False), not a choice
+SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling) if f.compare)
+
+
 @dataclass
 class ChatSettings:
     """Everything that shapes a reply; saved with the conversation.
 
-    The list of settings is this class's fields and CacheSettings' (see ``SETTINGS``): `/set`,
-    its listing, the conversation file and `run --continue`'s overrides all derive from them, so
-    a new field is wired everywhere or a test says where it is not."""
+    The list of settings is this class's own fields, Sampling's and CacheSettings' (see
+    ``SETTINGS``): `/set`, its listing, the conversation file and `run --continue`'s overrides all
+    derive from them, so a new field is wired everywhere or a test says where it is not."""
 
     system: str | None = None
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None  # the sampling's seed; the cache's (random policy) follows it
-    repetition_penalty: float = 1.0
-    repeat_last_n: int = 64  # the penalty looks at this many recent tokens (0 = the whole text)
+    sampling: Sampling = field(default_factory=chat_sampling)  # its seed is the cache's too (random policy)
     max_new_tokens: int = 512
     cache: CacheSettings = field(default_factory=CacheSettings)
-
-    def sampling(self) -> Sampling:
-        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                        repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n)
 
     def validate(self) -> None:
         """Refuse bad values (a UserError in one line); the budget against a model's context
         window is checked by ``check_fits``."""
         with user_input():
-            self.sampling().validate()
+            self.sampling.validate()
             if self.max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
             self.cache.validate()
 
     def copy(self) -> "ChatSettings":
-        return replace(self, cache=replace(self.cache))
+        return replace(self, sampling=replace(self.sampling), cache=replace(self.cache))
+
+    def _part(self, owner: str):
+        return getattr(self, owner) if owner else self
 
     def get(self, name: str):
-        return getattr(self.cache if SETTINGS[name].on_cache else self, name)
+        return getattr(self._part(SETTINGS[name].owner), name)
 
     def with_value(self, name: str, value: str) -> tuple["ChatSettings", str]:
         """A copy with one setting changed from text (``/set temperature 0.7``) and the setting's
@@ -81,36 +85,54 @@ class ChatSettings:
 
     def with_values(self, values: dict[str, object]) -> "ChatSettings":
         """A copy with the named settings (``SETTINGS``' names) replaced; self is left as it is."""
-        on_cache = {name: value for name, value in values.items() if SETTINGS[name].on_cache}
-        own = {name: value for name, value in values.items() if not SETTINGS[name].on_cache}
+        by_owner: dict[str, dict[str, object]] = {owner: {} for owner in PARTS}
+        for name, value in values.items():
+            by_owner[SETTINGS[name].owner][name] = value
         if "seed" in values:  # one seed: sampling and the random policy
-            on_cache["seed"] = values["seed"]
-        return replace(self, cache=replace(self.cache, **on_cache), **own)
+            by_owner["cache"]["seed"] = values["seed"]
+        parts = {owner: replace(getattr(self, owner), **by_owner[owner]) for owner in PARTS if owner}
+        return replace(self, **parts, **by_owner[""])
 
     def listing(self) -> list[tuple[str, object]]:
         """Every setting and its value, in field order (what `/set` alone shows)."""
         return [(name, self.get(name)) for name in SETTINGS]
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The file's shape: every setting but the cache's under its own name (the names `/set` takes,
+        and the shape files had before Sampling was a part of its own, so files read both ways between
+        versions), the cache's under "cache" as they always were."""
+        flat = {name: value for name, value in self.listing() if SETTINGS[name].owner != "cache"}
+        return {**flat, "cache": asdict(self.cache)}
 
     @classmethod
     def from_options(cls, options: dict) -> "ChatSettings":
-        """Settings from a command's options named as the fields (``run``'s: every field is one; the
+        """Settings from a command's options named as the settings (``run``'s: every setting is one; the
         sampling seed is the cache's too). UserError for a bad value."""
-        own = {f.name: options[f.name] for f in fields(cls) if f.name != "cache" and f.name in options}
-        cache = CacheSettings(**{f.name: options[f.name] for f in fields(CacheSettings) if f.name in options})
-        settings = cls(**own, cache=cache)
+        settings = cls.from_values({name: options[name] for name in SETTINGS if name in options
+                                    and not SETTINGS[name].on_cache},
+                                   CacheSettings(**{f.name: options[f.name] for f in fields(CacheSettings)
+                                                    if f.name in options}))
         settings.validate()
         return settings
 
     @classmethod
+    def from_values(cls, values: dict[str, object], cache: CacheSettings | None = None) -> "ChatSettings":
+        """Settings from the settings that are not the cache's, by ``SETTINGS``' names (the others take
+        the chat's defaults). KeyError for a name that is no such setting."""
+        wrong = [name for name in values if name not in SETTINGS or SETTINGS[name].on_cache]
+        if wrong:
+            raise KeyError(f"not a sampling or reply setting: {', '.join(wrong)}")
+        sampling = {name: value for name, value in values.items() if SETTINGS[name].owner == "sampling"}
+        own = {name: value for name, value in values.items() if SETTINGS[name].owner == ""}
+        return cls(**own, sampling=replace(chat_sampling(), **sampling), cache=cache or CacheSettings())
+
+    @classmethod
     def from_json(cls, data: dict) -> "ChatSettings":
-        known = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "cache"}
         names = {f.name for f in fields(CacheSettings)}
         stored = data.get("cache") if isinstance(data.get("cache"), dict) else {}
         cache = CacheSettings(**{k: v for k, v in stored.items() if k in names})
-        settings = cls(**known, cache=cache)
+        known = {name: data[name] for name in SETTINGS if name in data and SETTINGS[name].owner != "cache"}
+        settings = cls.from_values(known, cache)
         try:
             settings.validate()
         except TypeError as exc:  # a hand-edited file: "temperature": "hot"
@@ -123,9 +145,13 @@ class Setting:
     """One setting as `/set` and `run --continue` see it."""
 
     name: str
-    on_cache: bool  # a field of ChatSettings.cache (changing it means a new cache)
+    owner: str  # the part of ChatSettings holding it: "sampling", "cache" (a change means a new cache) or ""
     type: type
     optional: bool  # None is a value ("default", "off")
+
+    @property
+    def on_cache(self) -> bool:
+        return self.owner == "cache"
 
     @property
     def kind(self) -> str:
@@ -141,15 +167,24 @@ class Setting:
         return self.type(text)
 
 
+# the parts of ChatSettings that hold settings of their own ("" is ChatSettings itself)
+PARTS = {"": ChatSettings, "sampling": Sampling, "cache": CacheSettings}
+
+
 def _settings_from_fields() -> dict[str, Setting]:
+    """ChatSettings' fields in order, each part's (sampling, cache) spelled out in its place."""
     table: dict[str, Setting] = {}
-    for owner, on_cache in ((ChatSettings, False), (CacheSettings, True)):
-        hints = get_type_hints(owner)
-        for f in fields(owner):
-            if f.name == "cache" or f.name in table:  # the cache's seed follows the sampling's
-                continue
-            kinds = [t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
-            table[f.name] = Setting(f.name, on_cache, kinds[0], type(None) in get_args(hints[f.name]))
+
+    def add(owner: str) -> None:
+        hints = get_type_hints(PARTS[owner])
+        for f in fields(PARTS[owner]):
+            if owner == "" and f.name in PARTS:
+                add(f.name)
+            elif f.compare and f.name not in table:  # the cache's seed follows the sampling's
+                kinds = [t for t in get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+                table[f.name] = Setting(f.name, owner, kinds[0], type(None) in get_args(hints[f.name]))
+
+    add("")
     return table
 
 

@@ -36,13 +36,14 @@ def bench(
     batch: Annotated[str, typer.Option("--batch", rich_help_panel=o.CACHE,
         help="Comma-separated batch sizes.")] = "1,4",
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
-        help="h2o slots: a fraction of each context (0.2), a slot count (512) or a size (16MiB: the slots whose KV bytes fit).")] = "0.2",
+        help="The budgeted caches' " + o.budget_help("each --context length", fits_at="the model's dtype")
+             + " Run, generate, story and serve take a share of the context window instead.")] = "0.2",
     policy: o.Policy = o.DEFAULTS["policy"],
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
     decay: o.Decay = None,
     variants: Annotated[str, typer.Option("--variants", rich_help_panel=o.CACHE,
-        help="Comma-separated caches to time: h2o, slots, full, hf (--recall adds recall beside h2o).")]
+        help="Comma-separated caches to time, some of " + ", ".join(VARIANTS) + " (--recall adds recall beside h2o).")]
         = ",".join(VARIANTS),
     kv_memory: Annotated[str, typer.Option("--kv-memory", rich_help_panel=o.CACHE,
         help="KV memory cap for the largest-batch comparison (2GiB, 512MiB); 0 skips it.")] = "2GiB",
@@ -58,8 +59,8 @@ def bench(
         help="Also time h2o and slots with the decode step compiled (torch.compile), taking turns with their "
              "eager runs; each new shape compiles once, untimed (minutes on a CPU).")] = False,
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", rich_help_panel=o.CACHE,
-        help="Comma-separated slot dtypes (float16, int8, int4, ...) to time h2o with beside its own slots "
-             "(the model's dtype), in turns: at h2o's slots and at the slots that fit h2o's bytes.")] = "auto",
+        help=o.listed(o.KvDtype, "Comma-separated slot dtypes to time h2o with beside its own slots (the model's "
+                                 "dtype), in turns: at h2o's slots and at the slots that fit h2o's bytes."))] = "auto",
     as_json: o.Json = False,
     recall_options: dict | None = None,  # --recall and its options (o.takes_recall_options)
 ):

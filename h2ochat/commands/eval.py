@@ -19,6 +19,7 @@ from .common import constant_of, loading
 # the measuring module imports torch: its defaults are read from its source (--help stays fast), the
 # module itself is imported when the command runs
 EVALUATION = "measure.evaluation"
+TASKS = ("perplexity", "passkey", "ruler", "chat-memory")
 
 
 @strict_user_errors
@@ -32,14 +33,16 @@ def eval_command(
     tokens: Annotated[int, typer.Option("--tokens", min=2, rich_help_panel=o.CACHE,
         help="Tokens of the text to evaluate (no BOS added).")] = 2000,
     budget: Annotated[str, typer.Option("--budget", "-b", rich_help_panel=o.CACHE,
-        help="Comma-separated budgets: slot counts (128), fractions of --tokens (0.2) or device KV bytes per "
-             "sequence (1.5MiB: the slots that fit at each --kv-dtype).")] = constant_of(EVALUATION, "DEFAULT_BUDGETS"),
+        help="Comma-separated budgets, a row each. Each: " + o.budget_help("the text measured", fits_at="each --kv-dtype")
+             + " The text measured: --tokens (perplexity), the shortest of --lengths (passkey), each of --lengths "
+               "(ruler); run, generate, story and serve take a share of the context window instead.")
+        ] = constant_of(EVALUATION, "DEFAULT_BUDGETS"),
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", rich_help_panel=o.CACHE,
-        help="Comma-separated slot dtypes, a row of each policy and budget for each, side by side: "
-             + o.one_of("kv.slot_format", "KV_DTYPES") + " (auto: the model's). The full cache runs at the first.")] = "auto",
+        help=o.listed(o.KvDtype, "Comma-separated slot dtypes, a row of each policy and budget for each, side by side; "
+                                 "the full cache runs at the first."))] = "auto",
     policies: Annotated[str, typer.Option("--policies", rich_help_panel=o.CACHE,
-        help="Comma-separated policies to compare, each a name or name:knob=value:... "
-             "(knobs: decay, heavy_ratio, sinks, value_eps, layer_shape), e.g. full,h2o,decay:decay=0.95.")
+        help=o.listed(o.Policy, "Comma-separated policies to compare, a row each, e.g. full,h2o,decay:decay=0.95 "
+                                "(knobs: decay, heavy_ratio, sinks, value_eps, layer_shape)."))
         ] = ",".join(constant_of(EVALUATION, "DEFAULT_POLICIES")),
     heavy_ratio: o.HeavyRatio = None,
     sinks: o.Sinks = None,
@@ -52,13 +55,14 @@ def eval_command(
         help="(policy, budget) rows run as one batch; more run as further batches.")] = constant_of(EVALUATION, "MAX_ROWS"),
     as_json: o.Json = False,
     task: Annotated[str, typer.Option("--task", rich_help_panel=o.OUTPUT,
-        help="perplexity: continue --text token by token; passkey: plant a 5-digit key in --text and ask for it "
+        help=" | ".join(TASKS) + ". perplexity: continue --text token by token; passkey: plant a 5-digit key in --text and ask for it "
              "(see --lengths, --depths, --keys, --recall); ruler: lm-eval's offline RULER tasks at --lengths "
              "(needs the eval extra); chat-memory: facts planted in a chat, asked for --turns later.")] = "perplexity",
     samples: Annotated[int, typer.Option("--samples", rich_help_panel=o.CACHE,
         help="ruler, chat-memory: samples per task and length (per depth).")] = 25,
     ruler_tasks: Annotated[str, typer.Option("--ruler-tasks", rich_help_panel=o.CACHE,
-        help="ruler: comma-separated tasks.")] = "niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe",
+        help="ruler: comma-separated tasks, some of " + ", ".join(constant_of("measure.ruler", "TASKS")) + ".")
+        ] = ",".join(constant_of("measure.ruler", "TASKS")),
     turns: Annotated[str, typer.Option("--turns", rich_help_panel=o.CACHE,
         help="chat-memory: comma-separated filler turns between the facts and the questions.")] = "0,4,8",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", rich_help_panel=o.OUTPUT,
@@ -78,8 +82,7 @@ def eval_command(
              "policy, a row of the same policy and budget with that many of its slots holding evicted tokens "
              "recalled from a cold store (the two-tier cache).")] = "",
     page: Annotated[str, typer.Option("--page", rich_help_panel=o.CACHE,
-        help="With --recall: comma-separated tokens per cold page (a recall row for each).")
-        ] = str(o.DEFAULTS["page"]),
+        help=o.listed(o.Page, "Comma-separated page sizes, a recall row for each."))] = str(o.DEFAULTS["page"]),
     selector: o.Selector = o.DEFAULTS["selector"],
     cold_dtype: o.ColdDtype = o.DEFAULTS["cold_dtype"],
     cold_limit: o.ColdLimit = None,
@@ -101,8 +104,8 @@ def eval_command(
     from ..measure import evaluation as ev
 
     with user_input():  # the options as typed
-        if task not in ("perplexity", "passkey", "ruler", "chat-memory"):
-            raise ValueError(f"--task must be perplexity, passkey, ruler or chat-memory, got {task!r}")
+        if task not in TASKS:
+            raise ValueError(f"--task must be {', '.join(TASKS[:-1])} or {TASKS[-1]}, got {task!r}")
         if text is None and task in ("perplexity", "passkey"):
             raise ValueError(f"--task {task} needs --text (a plain-text file)")
         recalls = ev.recall_settings(recall, page, selector=selector, cold_dtype=cold_dtype, cold_limit=cold_limit,

@@ -10,11 +10,13 @@ import typer
 
 from .. import options as o
 from ..config import DEFAULT_PREFILL_CHUNK, CacheSettings
-from ..chat.settings import check_recall
+from ..chat.settings import ChatSettings, check_recall
 from ..errors import UserError, strict_user_errors
 from .common import RepeatLastN, compiling_note, loading
 
 # the chat, the model loader and the REPL are imported when the command runs (--help stays fast)
+
+CHAT = ChatSettings()  # the options' defaults are the chat settings' own
 
 
 def given(ctx: typer.Context, name: str) -> bool:
@@ -26,7 +28,7 @@ def given(ctx: typer.Context, name: str) -> bool:
 def resumed_settings(ctx: typer.Context, stored: dict, typed: ChatSettings) -> ChatSettings:
     """The stored conversation's settings, with the options given on this command line on top (every
     setting is a run() option of the same name: tests/test_settings_fields.py holds them to it)."""
-    from ..chat.settings import SETTINGS, ChatSettings
+    from ..chat.settings import SETTINGS
 
     given_here = {name: typed.get(name) for name in SETTINGS if given(ctx, name)}
     settings = ChatSettings.from_json(stored).with_values(given_here)
@@ -53,13 +55,13 @@ def run(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     system: Annotated[Optional[str], typer.Option("--system", "-s", envvar="H2OCHAT_SYSTEM", rich_help_panel=o.SAMPLING,
         help="System prompt: text, or the name of a file in prompts/ (e.g. 'concise').")] = None,
-    temperature: o.Temperature = 0.7,
-    top_p: o.TopP = 1.0,
-    top_k: o.TopK = 0,
-    seed: o.Seed = None,
-    repetition_penalty: o.RepetitionPenalty = 1.0,
-    repeat_last_n: RepeatLastN = 64,
-    max_new_tokens: o.MaxNewTokens = 512,
+    temperature: o.Temperature = CHAT.sampling.temperature,
+    top_p: o.TopP = CHAT.sampling.top_p,
+    top_k: o.TopK = CHAT.sampling.top_k,
+    seed: o.Seed = CHAT.sampling.seed,
+    repetition_penalty: o.RepetitionPenalty = CHAT.sampling.repetition_penalty,
+    repeat_last_n: RepeatLastN = CHAT.sampling.repeat_last_n,
+    max_new_tokens: o.MaxNewTokens = CHAT.max_new_tokens,
     resume_last: Annotated[bool, typer.Option("--continue", "-c", rich_help_panel=o.OUTPUT,
         help="Resume the most recent conversation (its model and settings; options given here win).")] = False,
     conversation_id: Annotated[Optional[str], typer.Option("--conversation", rich_help_panel=o.OUTPUT,
@@ -73,7 +75,6 @@ def run(
 
     from ..chat import history
     from ..chat.conversation import Conversation
-    from ..chat.settings import ChatSettings
     from ..loading.models import load
     from ..chat.repl import PromptReader, Repl, StreamReader, history_path
     from ..console import make_console

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from ..chat.conversation import Conversation
 from ..chat.settings import ChatSettings
+from ..config import Sampling
 from .passkey import recalled
 
 TASK = "chat-memory"
@@ -95,7 +96,7 @@ def make_samples(depths: Sequence[int], count: int, filler_words: int = 120, see
 
 def run_sample(model, tokenizer, row, sample: ChatSample) -> dict:
     """One conversation on the row's cache settings (``passkey.CacheRow``); its log record."""
-    settings = ChatSettings(temperature=0.0, max_new_tokens=REPLY_TOKENS, cache=row.settings)
+    settings = ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=REPLY_TOKENS, cache=row.settings)
     conversation = Conversation(model, tokenizer, settings)
     started = time.perf_counter()
     for message in [fact.message for fact in sample.facts] + list(sample.fillers):

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from ..chat.conversation import Conversation
 from ..chat.settings import ChatSettings
+from ..config import Sampling
 from .passkey import CacheRow, cache_memory, filler_stretch, recalled, slots_fields
 
 KEY_MESSAGE = "The pass key is {key}. Remember it. {key} is the pass key."
@@ -73,7 +74,7 @@ def make_chat_trials(tokenizer, text: str, lengths: Sequence[int], turns: int, k
 
 def run_chat(model, tokenizer, row: CacheRow, trial: ChatTrial) -> dict:
     """One conversation of the trial's turns on the row's cache settings; its record."""
-    settings = ChatSettings(temperature=0.0, max_new_tokens=REPLY_TOKENS, cache=row.settings)
+    settings = ChatSettings(sampling=Sampling(temperature=0.0), max_new_tokens=REPLY_TOKENS, cache=row.settings)
     conversation = Conversation(model, tokenizer, settings)
     first_cache = row.instrument(conversation.cache)  # nothing fed yet
     started = time.perf_counter()
