@@ -42,6 +42,23 @@ def test_defaults_one_thread_one_gib_every_engine(tmp_path):
     assert h2ochat[h2ochat.index("--threads") + 1] == "1" and h2ochat[h2ochat.index("--kv-memory") + 1] == "1.0GiB"
 
 
+def test_cpus_pin_both_engines_to_one_set_with_a_thread_each(tmp_path, monkeypatch):
+    module = peers()
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    args = module.parse_args(["--out", str(tmp_path / "r.json"), "--cpus", "0-1,3"])
+    assert args.cpus == {0, 1, 3} and args.threads == 3
+    h2ochat = module.h2ochat_engine(args).command
+    assert h2ochat[h2ochat.index("--threads") + 1] == "3"
+    monkeypatch.setattr(module, "gguf_hf_folder", lambda: tmp_path)
+    assert module.vllm_engine(args).env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,3"
+    pinned = []
+    monkeypatch.setattr(module.os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, cpus)))
+    module.pinned(args.cpus)()
+    assert pinned == [(0, {0, 1, 3})] and module.pinned(None) is None
+    with pytest.raises(SystemExit):  # a CPU this process may not run on: argparse's one-line error
+        module.parse_args(["--out", str(tmp_path / "r.json"), "--cpus", "7"])
+
+
 def test_missing_peers_are_skipped_with_the_reason_and_nothing_starts(tmp_path, monkeypatch):
     module = peers()
     started = []
@@ -59,7 +76,7 @@ def test_missing_peers_are_skipped_with_the_reason_and_nothing_starts(tmp_path, 
     assert str(tmp_path / "no-vllm") in report["skipped"][0]["reason"]
     for key in ("cpu", "logical_cpus", "physical_cores", "bf16_flags", "torch"):
         assert key in report["machine"]
-    assert (report["threads"], report["kv_gib"], report["issue"]) == (1, 1.0, 35) and "finished" in report
+    assert (report["threads"], report["kv_gib"], report["cpus"]) == (1, 1.0, None) and "finished" in report
 
 
 def test_llama_context_holds_the_kv_memory_in_whole_slots():
