@@ -3,7 +3,7 @@
 Each configuration starts its own `vllm serve` (the same KV memory, the same threads), waits for
 /health, runs ../shared/peers/chat_load.py against it, stops it, and the summaries land in one JSON.
 usage: vllm_chat_load.py --venv VENV --model-dir FOLDER --out results_vllm_X.json
-       [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--kv-gib 1]
+       [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--score-every 1] [--kv-gib 1]
        [--order plain,plugin]
 """
 
@@ -42,7 +42,8 @@ def run_one(args, name: str, port: int, log_dir: Path) -> dict:
     command = [str(Path(args.venv) / "bin" / "vllm"), "serve", args.model_dir, "--served-model-name", "smollm2-135m",
                "--max-model-len", "8192", "--port", str(port)]
     if name == "plugin":
-        config = {"budget": args.budget, "policy": args.policy, "score_queries": args.score_queries}
+        config = {"budget": args.budget, "policy": args.policy, "score_queries": args.score_queries,
+                  "score_every": args.score_every}
         command += ["--kv-transfer-config", json.dumps({"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                                         "kv_connector_extra_config": config})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND="auto", HF_HUB_OFFLINE="1")
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--policy", default="h2o:sinks=1")
     parser.add_argument("--score-queries", type=int, default=0)
+    parser.add_argument("--score-every", type=int, default=1, help="a one-token step scores at positions multiple of k")
     parser.add_argument("--prompts", default=None, help="chat_load.py's prompts file (make_prompts.py makes 32 x 8)")
     parser.add_argument("--kv-gib", type=float, default=1)
     parser.add_argument("--order", default="plain,plugin")
