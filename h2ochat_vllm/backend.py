@@ -122,7 +122,11 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             kept = scored.logical.numel()
             blocks = metadata.block_table[row, :kept].long()
             first = starts[row] if not STATE.score_queries else max(starts[row], starts[row + 1] - STATE.score_queries)
-            total[row, :kept] += block_scores(query[first: starts[row + 1]], key_cache, blocks, lengths[row], self.scale)
+            got = block_scores_ops.block_scores(query[first: starts[row + 1]].unsqueeze(0), key_cache,
+                                                blocks.view(1, -1), metadata.seq_lens[row: row + 1].long(), self.scale)
+            if got is None:
+                got = block_scores(query[first: starts[row + 1]], key_cache, blocks, lengths[row], self.scale)[None]
+            total[row, :kept] += got[0]
 
 
 class H2OCPUAttentionBackend(CPUAttentionBackend):

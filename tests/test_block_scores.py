@@ -88,6 +88,21 @@ def test_bf16_equals_the_torch_route_on_the_same_values(dim):
     torch.testing.assert_close(got, rounded, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count,seq_len", [(5, 70), (32, 96), (32, 32)])
+def test_a_chunks_last_queries_equal_the_torch_route(dtype, count, seq_len):
+    """A prompt chunk's last ``count`` queries of one request (causal among themselves), as the plugin scores a
+    chunk: against ``scores.block_scores`` (in fp32 on the same values for bf16)."""
+    generator = torch.Generator().manual_seed(count + seq_len)
+    _, keys = _cache(10, 2, 32, 64, dtype, generator)
+    query = torch.randn(count, 6, 64, generator=generator).to(dtype)
+    blocks = torch.tensor([7, 2, 5])
+    got = block_scores_ops.block_scores(query.unsqueeze(0), keys, blocks.view(1, -1), torch.tensor([seq_len]), 0.125)
+    assert got is not None, block_scores_ops.why_not()
+    expected = scores.block_scores(query.float(), keys.float(), blocks, seq_len, 0.125)
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_threads_do_not_change_the_result():
     generator = torch.Generator().manual_seed(5)
     query, keys, blocks, lens = _step(7, 3, 3, 64, 32, 6, torch.float32, generator)
@@ -105,3 +120,5 @@ def test_it_declines_what_it_does_not_take():
     assert block_scores_ops.decode_block_scores(query, keys, blocks.clamp(max=3) + 1, lens, 0.2) is None  # id 4
     assert block_scores_ops.decode_block_scores(query, keys[..., :24], blocks, lens, 0.2) is None  # 24-token blocks
     assert block_scores_ops.decode_block_scores(query, keys, blocks.int(), lens, 0.2) is None
+    four = query.unsqueeze(1).expand(2, 4, 2, 32)  # four queries a request, where one holds a single token
+    assert block_scores_ops.block_scores(four, keys, blocks, torch.tensor([1, 40]), 0.2) is None

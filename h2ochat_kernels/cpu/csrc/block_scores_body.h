@@ -3,8 +3,9 @@
    vload, vstore, vadd, vmul, vfma, vmax, vhsum, vhmax, vround, vscale2, vzero_below) and `key_tile`, the dots of up
    to four queries with LANES consecutive tokens of one block.
 
-   A row's logits (its G query heads against every token of its kept blocks) are kept in the workspace, so the keys
-   are read once; each query head's softmax then takes two passes over its logits (the largest, then the
+   A row's logits (its Q queries' G heads against every token of its kept blocks; query i of Q sits at place
+   S - Q + i and sees the places up to it) are kept in the workspace, so the keys are read once; each query head's
+   softmax then takes two passes over its logits (the largest, then the
    exponentials summed per block and in all), and each block gets its exponentials' share of the head's total. The
    per-head shares are summed over KV heads after the parallel part, in a fixed order: the result does not depend
    on the number of threads. Sums are fp32. */
@@ -55,7 +56,7 @@ static inline vf exp_nonpositive(vf x) {
 typedef struct {
   const char *query, *keys;
   const int64_t *blocks, *seq_lens;
-  int64_t H, G, D, key_block, key_head, key_channel, block_size, blocks_row, K, bytes;
+  int64_t Q, H, G, D, key_block, key_head, key_channel, block_size, blocks_row, K, bytes;
   float scale;
 } block_args;
 
@@ -71,12 +72,12 @@ static inline int64_t row_floats(int64_t G, int64_t K, int64_t block_size, int64
   return query_floats(G, D) + G * K * block_size + padded(K);
 }
 
-/* The G query heads of KV head h of request r, widened to fp32, and as bf16 pairs (channels 2i, 2i+1 of a head
+/* The Q x G query heads of KV head h of request r (query i's head g at row i * G + g), widened to fp32, and as bf16 pairs (channels 2i, 2i+1 of a head
    in one 32-bit word, low half first: what VDPBF16PS takes; only the bf16 variant reads them). */
 static void prepare_queries(const block_args *a, int64_t r, int64_t h, float *q, uint32_t *pairs) {
   const int64_t G = a->G, D = a->D;
-  for (int64_t g = 0; g < G; g++) {
-    const char *row = a->query + ((r * a->H + h) * G + g) * D * a->bytes;
+  for (int64_t g = 0; g < a->Q * G; g++) {
+    const char *row = a->query + (((r * a->Q + g / G) * a->H + h) * G + g % G) * D * a->bytes;
     for (int64_t d = 0; d < D; d++) q[g * D + d] = element(row, d, a->bytes);
     if (a->bytes == 2)
       for (int64_t i = 0; i < D / 2; i++) {
@@ -96,9 +97,9 @@ static inline __attribute__((always_inline)) void logits_tiles(const block_args 
   }
 }
 
-/* The row's share of each of its blocks' attention, summed over its G query heads, into shares[0, K). */
+/* The row's share of each of its blocks' attention, summed over its Q x G query heads, into shares[0, K). */
 static void score_row(const block_args *a, int64_t r, int64_t h, float *work, float *shares) {
-  const int64_t G = a->G, D = a->D, bs = a->block_size, columns = a->K * bs;
+  const int64_t G = a->Q * a->G, D = a->D, bs = a->block_size, columns = a->K * bs;
   int64_t S = a->seq_lens[r];
   if (S > columns) S = columns;
   memset(shares, 0, a->K * sizeof(float));
@@ -126,7 +127,8 @@ static void score_row(const block_args *a, int64_t r, int64_t h, float *work, fl
   const int64_t end = used * bs;
   for (int64_t g = 0; g < G; g++) {
     float *row = logits + g * columns;
-    for (int64_t t = S; t < end; t++) row[t] = PAST_END;
+    const int64_t seen = S - a->Q + g / a->G + 1; /* (causal: query i sees the places up to its own) */
+    for (int64_t t = seen > 0 ? seen : 0; t < end; t++) row[t] = PAST_END;
     vf top = vset1(PAST_END);
     for (int64_t t = 0; t < end; t += LANES) top = vmax(top, vload(row + t));
     const vf largest = vset1(vhmax(top));
@@ -142,19 +144,19 @@ static void score_row(const block_args *a, int64_t r, int64_t h, float *work, fl
   }
 }
 
-int64_t h2ochat_block_scores_workspace(int64_t R, int64_t H, int64_t G, int64_t K, int64_t block_size, int64_t D,
-                                       int threads) {
-  return (threads < 1 ? 1 : threads) * row_floats(G, K, block_size, D) + R * H * K;
+int64_t h2ochat_block_scores_workspace(int64_t R, int64_t Q, int64_t H, int64_t G, int64_t K, int64_t block_size,
+                                       int64_t D, int threads) {
+  return (threads < 1 ? 1 : threads) * row_floats(Q * G, K, block_size, D) + R * H * K;
 }
 
-void h2ochat_block_scores(int64_t query, int64_t R, int64_t H, int64_t G, int64_t D, int64_t keys, int64_t key_block,
+void h2ochat_block_scores(int64_t query, int64_t R, int64_t Q, int64_t H, int64_t G, int64_t D, int64_t keys, int64_t key_block,
                           int64_t key_head, int64_t key_channel, int64_t block_size, int64_t blocks,
                           int64_t blocks_row, int64_t K, int64_t seq_lens, float scale, int64_t out, int64_t bytes,
                           int64_t workspace_address, int threads) {
   const block_args a = {(const char *)query, (const char *)keys, (const int64_t *)blocks, (const int64_t *)seq_lens,
-                        H, G, D, key_block, key_head, key_channel, block_size, blocks_row, K, bytes, scale};
+                        Q, H, G, D, key_block, key_head, key_channel, block_size, blocks_row, K, bytes, scale};
   float *workspace = (float *)workspace_address;
-  const int64_t per_thread = row_floats(G, K, block_size, D), rows = R * H;
+  const int64_t per_thread = row_floats(Q * G, K, block_size, D), rows = R * H;
   float *shares = workspace + (threads < 1 ? 1 : threads) * per_thread; /* [R, H, K] */
 #ifdef _OPENMP
   if (threads > 1 && rows > 1) {
