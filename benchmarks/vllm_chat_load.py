@@ -4,7 +4,8 @@ Each configuration starts its own `vllm serve` (the same KV memory, the same thr
 /health, runs ../shared/peers/chat_load.py against it, stops it, and the summaries land in one JSON.
 usage: vllm_chat_load.py --venv VENV --model-dir FOLDER --out results_vllm_X.json
        [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--score-every 1] [--kv-gib 1]
-       [--order plain,plugin]
+       [--order plain,plugin]     (a name may come again, e.g. plain,plugin,plugin,plain: alternated runs, each
+                                   kept as NAME, NAME#2, ...; the ratio is of the runs' summed tokens and time)
 """
 
 from __future__ import annotations
@@ -92,13 +93,21 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()  # other jobs share this machine: the load says how much
-    runs = {name: run_one(args, name, 8110 + i, log_dir) for i, name in enumerate(args.order.split(","))}
+    runs, seen = {}, {}
+    for i, name in enumerate(args.order.split(",")):
+        seen[name] = seen.get(name, 0) + 1
+        key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        runs[key] = run_one(args, name, 8110 + i, log_dir)
+        runs[key]["load_average_after"] = os.getloadavg()
     result = {"started": started, "argv": sys.argv, "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "runs": runs}
     if {"plain", "plugin"} <= set(runs):
-        plain, plugin = runs["plain"], runs["plugin"]
-        result["plugin_over_plain_tok_s"] = plugin["gen_tok_per_s"] / plain["gen_tok_per_s"]
-        result["ttft_p90_plugin_vs_plain_s"] = [plugin["ttft_p90"], plain["ttft_p90"]]
+        def rate(name):  # all of a configuration's runs: their tokens over their time
+            mine = [run for key, run in runs.items() if key.split("#")[0] == name]
+            return sum(r["generated_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+
+        result["plugin_over_plain_tok_s"] = rate("plugin") / rate("plain")
+        result["ttft_p90_plugin_vs_plain_s"] = [runs["plugin"]["ttft_p90"], runs["plain"]["ttft_p90"]]
     Path(args.out).write_text(json.dumps(envelope(result), indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 

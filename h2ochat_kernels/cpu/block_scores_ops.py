@@ -10,9 +10,10 @@ of the request's last Q queries against the tokens of its first ``ceil(seq_lens[
 sees the places up to its own, ``seq_lens[r] - Q + i``), a softmax over those tokens per query head, and each
 block's share summed over queries, query heads and KV heads: ``[R, K]`` float32, 0 for blocks past the request's
 tokens. ``decode_block_scores`` is the decode step's case (Q = 1, every request at once); ``block_scores`` takes a
-prompt chunk's last Q queries too. The variant that runs is ``routes.cpu_route("block_scores")``'s: ``avx512bf16`` (bf16 keys dotted
-by VDPBF16PS), ``avx2`` or ``generic`` (vectors of 8 or 4 floats). Sums are fp32 in every variant; logits are not
-rounded to bf16 as torch's bf16 matmul rounds them (tests/test_block_scores.py states the tolerances).
+prompt chunk's last Q queries too. The variant that runs is ``routes.cpu_route("block_scores")``'s: ``avx512bf16``
+(bf16 keys dotted by VDPBF16PS), ``avx2`` or ``generic`` (vectors of 8 or 4 floats). Sums are fp32 in every
+variant; logits are not rounded to bf16 as torch's bf16 matmul rounds them (tests/test_block_scores.py states the
+tolerances). vLLM serves a float32 checkpoint in bf16 on the CPU by default, so its caches are bf16 there.
 
 It returns None for anything it does not take (another dtype or device, a head dim past ``MAX_HEAD_DIM``, a block
 size that is not a multiple of 16, a block id outside the cache, a request holding fewer tokens than its queries,
