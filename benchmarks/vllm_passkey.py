@@ -5,7 +5,7 @@ text, then the question), built on the held-out texts that ``benchmarks/heldout_
 used to tune anything); each configuration runs every trial as one greedy request of ``ANSWER_TOKENS`` tokens
 (context and question in one prompt) in its own vLLM process, prefix caching off. A hit is h2ochat's
 ``recalled``. The plugin runs H2O without recall (recall through vLLM's offload tier is not built).
-usage: vllm_passkey.py --model-dir FOLDER --texts DIR --out FILE [--length 4096] [--share 0.25] [--keys 5]
+usage: vllm_passkey.py --model-dir FOLDER --texts DIR --out FILE [--length 4096] [--share 0.25] [--block-size 128] [--keys 5]
        [--depths 0.1,0.5,0.9] [--score-queries 32] [--score-every 1] [--configs full,plugin]
 """
 
@@ -21,9 +21,6 @@ import time
 from pathlib import Path
 
 from json_report import emit
-
-BLOCK_SIZE = 128  # vLLM's CPU default
-
 
 def trials_of(args) -> list[dict]:
     from transformers import AutoTokenizer
@@ -57,7 +54,7 @@ def run_config(args, config: str, trials: list[dict]) -> list[str]:
         extra["kv_transfer_config"] = {"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                        "kv_connector_extra_config": settings}
     llm = LLM(args.model_dir, max_model_len=args.length + 512, kv_cache_memory_bytes=1 << 30, seed=0,
-              enable_prefix_caching=False, block_size=BLOCK_SIZE, **extra)
+              enable_prefix_caching=False, block_size=args.block_size, **extra)
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": t["prompt"]} for t in trials], params, use_tqdm=False)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -71,6 +68,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--share", type=float, default=0.25)
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's KV block (128 by default on the CPU)")
     parser.add_argument("--keys", type=int, default=5, help="trials per text and depth")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--policy", default="h2o:sinks=1")
@@ -108,7 +106,7 @@ def main() -> None:
                                "misses": [{"text": t["text"], "depth": t["depth"], "key": t["key"], "answer": a}
                                           for t, a, hit in zip(trials, answers, hits) if not hit][:20]}
     report = {"length": args.length, "share": args.share, "budget_tokens": int(args.share * args.length),
-              "block_size": BLOCK_SIZE, "policy": args.policy, "score_queries": args.score_queries,
+              "block_size": args.block_size, "policy": args.policy, "score_queries": args.score_queries,
               "score_every": args.score_every, "recall": "none (not built through vLLM's offload tier)",
               "texts": sorted(p.name for p in Path(args.texts).glob("*.txt")), "results": results}
     if "full" in results and "plugin" in results and results["full"]["hits"]:

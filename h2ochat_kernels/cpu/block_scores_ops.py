@@ -32,6 +32,11 @@ FLOATS = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 512
 TOKEN_TILE = 16  # tokens a vector pass takes at once on the widest variant: a block holds whole tiles
 MAX_WORKSPACE_FLOATS = 1 << 24  # a thread's logits (Q x G x K x block_size): past 64 MiB, the torch route's chunks
+# products (query heads x tokens x channels) a thread takes before a second one joins (~2 ms of work): a parallel
+# region ends when its last thread is done, and on cores other processes share that thread may wait a scheduler
+# slice to run: a layer's pass for 8 decoding requests took ~0.25 ms on one thread and 20-40 ms on two on this
+# machine under load. A layer's pass for a few dozen requests, or a prompt chunk's 32 scoring queries, stays on one.
+WORK_PER_THREAD = 1 << 25
 
 
 def _checked(library):
@@ -87,7 +92,12 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, blocks: torch.Tensor, 
     if not _takes(query, keys, blocks, seq_lens):
         return None
     kernel = _loaded()[0]
-    return None if kernel is None else _call(kernel, query, keys, blocks, seq_lens, scale, torch.get_num_threads())
+    if kernel is None:
+        return None
+    rows, count, heads, dim = query.shape
+    work = rows * count * heads * blocks.shape[1] * keys.shape[3] * dim
+    threads = max(1, min(torch.get_num_threads(), work // WORK_PER_THREAD))
+    return _call(kernel, query, keys, blocks, seq_lens, scale, threads)
 
 
 def decode_block_scores(query: torch.Tensor, keys: torch.Tensor, blocks: torch.Tensor, seq_lens: torch.Tensor,
