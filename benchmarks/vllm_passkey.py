@@ -3,9 +3,11 @@
 Trials are h2ochat's own (``h2ochat.measure.passkey.make_trials``: a 5-digit key planted at a depth of a filler
 text, then the question), built on the held-out texts that ``benchmarks/heldout_texts.py`` writes (none of them
 used to tune anything); each configuration runs every trial as one greedy request of ``ANSWER_TOKENS`` tokens
-(context and question in one prompt) in its own vLLM process, prefix caching off. A hit is h2ochat's
+(context and question in one prompt, read in chunks of ``--chunk`` tokens, so that the budget binds while the
+prompt is read: the question's chunk attends the kept blocks and itself) in its own vLLM process, prefix caching
+off. A hit is h2ochat's
 ``recalled``. The plugin runs H2O without recall (recall through vLLM's offload tier is not built).
-usage: vllm_passkey.py --model-dir FOLDER --texts DIR --out FILE [--length 4096] [--share 0.25] [--block-size 128] [--keys 5]
+usage: vllm_passkey.py --model-dir FOLDER --texts DIR --out FILE [--length 4096] [--share 0.25] [--block-size 128] [--chunk 128] [--keys 5]
        [--depths 0.1,0.5,0.9] [--score-queries 32] [--score-every 1] [--configs full,plugin]
 """
 
@@ -54,7 +56,8 @@ def run_config(args, config: str, trials: list[dict]) -> list[str]:
         extra["kv_transfer_config"] = {"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                        "kv_connector_extra_config": settings}
     llm = LLM(args.model_dir, max_model_len=args.length + 512, kv_cache_memory_bytes=1 << 30, seed=0,
-              enable_prefix_caching=False, block_size=args.block_size, **extra)
+              enable_prefix_caching=False, block_size=args.block_size, max_num_batched_tokens=args.chunk,
+              enable_chunked_prefill=True, max_num_seqs=16, **extra)
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": t["prompt"]} for t in trials], params, use_tqdm=False)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.25)
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's KV block (128 by default on the CPU)")
     parser.add_argument("--keys", type=int, default=5, help="trials per text and depth")
+    parser.add_argument("--chunk", type=int, default=128, help="prompt tokens a step reads (vLLM's chunked prefill)")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--policy", default="h2o:sinks=1")
     parser.add_argument("--score-queries", type=int, default=32)
@@ -106,7 +110,7 @@ def main() -> None:
                                "misses": [{"text": t["text"], "depth": t["depth"], "key": t["key"], "answer": a}
                                           for t, a, hit in zip(trials, answers, hits) if not hit][:20]}
     report = {"length": args.length, "share": args.share, "budget_tokens": int(args.share * args.length),
-              "block_size": args.block_size, "policy": args.policy, "score_queries": args.score_queries,
+              "block_size": args.block_size, "chunk": args.chunk, "policy": args.policy, "score_queries": args.score_queries,
               "score_every": args.score_every, "recall": "none (not built through vLLM's offload tier)",
               "texts": sorted(p.name for p in Path(args.texts).glob("*.txt")), "results": results}
     if "full" in results and "plugin" in results and results["full"]["hits"]:
