@@ -3,8 +3,9 @@
 Each configuration starts its own `vllm serve` (the same KV memory, the same threads), waits for
 /health, runs ../shared/peers/chat_load.py against it, stops it, and the summaries land in one JSON.
 usage: vllm_chat_load.py --venv VENV --model-dir FOLDER --out results_vllm_X.json
-       [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--kv-gib 1]
-       [--order plain,plugin]
+       [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--score-every 1] [--kv-gib 1]
+       [--order plain,plugin]     (a name may come again, e.g. plain,plugin,plugin,plain: alternated runs, each
+                                   kept as NAME, NAME#2, ...; the ratio is of the runs' summed tokens and time)
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def run_one(args, name: str, port: int, log_dir: Path) -> dict:
     command = [str(Path(args.venv) / "bin" / "vllm"), "serve", args.model_dir, "--served-model-name", "smollm2-135m",
                "--max-model-len", "8192", "--port", str(port)]
     if name == "plugin":
-        config = {"budget": args.budget, "policy": args.policy, "score_queries": args.score_queries}
+        config = {"budget": args.budget, "policy": args.policy, "score_queries": args.score_queries,
+                  "score_every": args.score_every}
         command += ["--kv-transfer-config", json.dumps({"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                                         "kv_connector_extra_config": config})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND="auto", HF_HUB_OFFLINE="1")
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--policy", default="h2o:sinks=1")
     parser.add_argument("--score-queries", type=int, default=0)
+    parser.add_argument("--score-every", type=int, default=1, help="a one-token step scores at positions multiple of k")
     parser.add_argument("--prompts", default=None, help="chat_load.py's prompts file (make_prompts.py makes 32 x 8)")
     parser.add_argument("--kv-gib", type=float, default=1)
     parser.add_argument("--order", default="plain,plugin")
@@ -90,13 +93,21 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()  # other jobs share this machine: the load says how much
-    runs = {name: run_one(args, name, 8110 + i, log_dir) for i, name in enumerate(args.order.split(","))}
+    runs, seen = {}, {}
+    for i, name in enumerate(args.order.split(",")):
+        seen[name] = seen.get(name, 0) + 1
+        key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        runs[key] = run_one(args, name, 8110 + i, log_dir)
+        runs[key]["load_average_after"] = os.getloadavg()
     result = {"started": started, "argv": sys.argv, "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "runs": runs}
     if {"plain", "plugin"} <= set(runs):
-        plain, plugin = runs["plain"], runs["plugin"]
-        result["plugin_over_plain_tok_s"] = plugin["gen_tok_per_s"] / plain["gen_tok_per_s"]
-        result["ttft_p90_plugin_vs_plain_s"] = [plugin["ttft_p90"], plain["ttft_p90"]]
+        def rate(name):  # all of a configuration's runs: their tokens over their time
+            mine = [run for key, run in runs.items() if key.split("#")[0] == name]
+            return sum(r["generated_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+
+        result["plugin_over_plain_tok_s"] = rate("plugin") / rate("plain")
+        result["ttft_p90_plugin_vs_plain_s"] = [runs["plugin"]["ttft_p90"], runs["plain"]["ttft_p90"]]
     Path(args.out).write_text(json.dumps(envelope(result), indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 

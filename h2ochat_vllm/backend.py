@@ -21,8 +21,12 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from .scores import block_scores, decode_block_scores
+from h2ochat_kernels.cpu import block_scores_ops
+
+from .scores import block_scores, decode_block_scores, key_view
 from .worker_state import STATE, ScoredRow
+
+KEY_LAYOUT_ISAS = ("vec", "vec16")  # vLLM's CPU kernels whose key cache ``scores.key_view`` reads (channel-major)
 
 
 def compact(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, plans: dict):
@@ -56,6 +60,7 @@ class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             metadata.h2o_rows = None
             return metadata
         num_reqs = common_attn_metadata.num_reqs
+        true_lens = common_attn_metadata.seq_lens[:num_reqs].tolist()  # (before compaction: a token's position + 1)
         table, lens, rows = compact(common_attn_metadata.block_table_tensor[:num_reqs],
                                     common_attn_metadata.seq_lens[:num_reqs], self.block_size, plans)
         full_table = common_attn_metadata.block_table_tensor.clone()
@@ -68,14 +73,17 @@ class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         metadata.h2o_rows = rows
         metadata.h2o_scores = STATE.begin_step(rows)
-        # the rows that decode one token are scored together, as one batch per layer
+        # the rows that compute one token are scored together, as one batch per layer, at the steps they score
         starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1]
-        decoding = [r for r, row in enumerate(rows) if row is not None and int(starts[r + 1] - starts[r]) == 1]
+        single = [r for r, row in enumerate(rows) if row is not None and int(starts[r + 1] - starts[r]) == 1]
+        decoding = [r for r in single if STATE.scores_token_at(true_lens[r] - 1)]
+        metadata.h2o_single = set(single)
         metadata.h2o_decoding = torch.tensor(decoding, dtype=torch.long)
         if decoding:
             width = max(rows[r].logical.numel() for r in decoding)
             metadata.h2o_decode_blocks = full_table[decoding, :width].long()
             metadata.h2o_decode_queries = starts[decoding].long()
+            metadata.h2o_decode_lens = lens[decoding].long()
         return metadata
 
 
@@ -86,29 +94,39 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                                  output_block_scale)
         rows = getattr(attn_metadata, "h2o_rows", None) if attn_metadata is not None else None
         if rows:
-            self._score(query, kv_cache, attn_metadata, rows)
+            self._score(layer, query, kv_cache, attn_metadata, rows)
         return result
 
-    def _score(self, query, kv_cache, metadata, rows) -> None:
-        num_blocks, kv_heads, block_size, _ = kv_cache.shape
-        key_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, -1)[:, :, :block_size]
+    def _score(self, layer, query, kv_cache, metadata, rows) -> None:
+        isa = getattr(layer, "isa", "vec")
+        if isa not in KEY_LAYOUT_ISAS:
+            raise NotImplementedError(f"h2ochat: vLLM's {isa!r} CPU attention lays its keys out in a way the plugin "
+                                      f"does not read yet (it reads {', '.join(KEY_LAYOUT_ISAS)})")
+        key_cache = key_view(kv_cache)
         query = query.view(query.shape[0], self.num_heads, self.head_size)
         total = metadata.h2o_scores
         decoding = metadata.h2o_decoding
         if decoding.numel():
-            got = decode_block_scores(query[metadata.h2o_decode_queries], key_cache, metadata.h2o_decode_blocks,
-                                      metadata.seq_lens[decoding], self.scale)
+            # the C kernel reads the kept blocks in place; the torch route (its reference) gathers them first
+            args = (query[metadata.h2o_decode_queries], key_cache, metadata.h2o_decode_blocks,
+                    metadata.h2o_decode_lens, self.scale)
+            got = block_scores_ops.decode_block_scores(*args)
+            if got is None:
+                got = decode_block_scores(*args)
             total[decoding, : got.shape[1]] += got
         starts = metadata.query_start_loc.tolist()
         lengths = metadata.seq_lens.tolist()
-        single = set(decoding.tolist())
         for row, scored in enumerate(rows):
-            if scored is None or row in single:
+            if scored is None or row in metadata.h2o_single:
                 continue
             kept = scored.logical.numel()
             blocks = metadata.block_table[row, :kept].long()
             first = starts[row] if not STATE.score_queries else max(starts[row], starts[row + 1] - STATE.score_queries)
-            total[row, :kept] += block_scores(query[first: starts[row + 1]], key_cache, blocks, lengths[row], self.scale)
+            got = block_scores_ops.block_scores(query[first: starts[row + 1]].unsqueeze(0), key_cache,
+                                                blocks.view(1, -1), metadata.seq_lens[row: row + 1].long(), self.scale)
+            if got is None:
+                got = block_scores(query[first: starts[row + 1]], key_cache, blocks, lengths[row], self.scale)[None]
+            total[row, :kept] += got[0]
 
 
 class H2OCPUAttentionBackend(CPUAttentionBackend):

@@ -44,6 +44,7 @@ logger = init_logger("vllm.h2ochat_vllm")  # under vLLM's logger, whose handler 
 class H2OPlan(KVConnectorMetadata):
     plans: dict[str, RequestPlan]
     score_queries: int = 0
+    score_every: int = 1
 
 
 @dataclass
@@ -109,7 +110,8 @@ class H2OConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # called with the step's metadata before the attention metadata is built: the backend needs the plan then
         if isinstance(kv_connector_metadata, H2OPlan):
-            STATE.set_plans(kv_connector_metadata.plans, kv_connector_metadata.score_queries)
+            STATE.set_plans(kv_connector_metadata.plans, kv_connector_metadata.score_queries,
+                            kv_connector_metadata.score_every)
         else:
             STATE.set_plans({})
 
@@ -200,4 +202,4 @@ class H2OConnector(KVConnectorBase_V1):
         if freed:
             manager.block_pool.free_blocks(freed)
             self.evicted_total += len(freed)
-        return H2OPlan(plans, self.settings.score_queries)
+        return H2OPlan(plans, self.settings.score_queries, self.settings.score_every)

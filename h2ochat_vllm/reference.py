@@ -25,6 +25,7 @@ class BlockRule:
     sinks: int  # first blocks, never evicted
     recent: int  # blocks counted back from the one the step's first token goes to, never evicted
     score_queries: int = 0  # 0: every query of a step adds its attention; k: only the step's last k
+    score_every: int = 1  # a one-token step adds its attention only where its token's position is a multiple of this
 
 
 @dataclass
@@ -112,8 +113,9 @@ def generate(model, prompt: list[int], max_new: int, rule: BlockRule, chunk: int
                         past_key_values=cache, use_cache=True)
         finally:
             step = _CURRENT.pop()
-        for block, got in step.scores.items():
-            scores[block] = scores.get(block, 0.0) + got
+        if n > 1 or computed % rule.score_every == 0:  # (``computed``: the one token's position)
+            for block, got in step.scores.items():
+                scores[block] = scores.get(block, 0.0) + got
         computed = total
         if computed >= len(prompt):
             last = out.logits[0, -1].float()

@@ -5,11 +5,23 @@ over the query heads (every KV head here; the sum over heads is what a block-gra
 since all KV heads of a token share one block). The logits are computed in the KV cache's dtype
 (bf16 matmuls are several times faster on CPUs that have them; a float32 cache gives float32 logits),
 the softmax and every sum in float32.
+
+The keys are read as vLLM's CPU attention stores them (its ``vec`` and ``vec16`` kernels: a block's keys for one
+KV head channel-major, channel d's ``block_size`` tokens side by side, then the values token-major):
+``key_view`` gives them as [num_blocks, Hkv, D, block_size]. These functions are the reference the C kernel
+(``h2ochat_kernels.cpu.block_scores_ops``) is held to.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def key_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU cache of a layer [num_blocks, Hkv, block_size, 2 * D] -> its keys [num_blocks, Hkv, D,
+    block_size], a view (each block and head holds D x block_size keys, channel-major, then its values)."""
+    num_blocks, kv_heads, block_size, both = kv_cache.shape
+    return kv_cache.view(num_blocks, kv_heads, 2, both // 2, block_size)[:, :, 0]
 
 
 def _grouped(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -28,13 +40,13 @@ def _causal_bias(n: int, group: int) -> torch.Tensor:
 def block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
                  scale: float) -> torch.Tensor:
     """query [n, H, D] (the step's last n queries of one request, rotated: RoPE applied), key_cache
-    [num_blocks, Hkv, block_size, D], blocks [k] the request's kept blocks in order, seq_len the
+    [num_blocks, Hkv, D, block_size] (``key_view``), blocks [k] the request's kept blocks in order, seq_len the
     tokens they hold (the step's own included, last) -> [k] float32, the attention each block got.
     Query i sits at place seq_len - n + i and sees the places up to it (causal)."""
     n, heads, dim = query.shape
-    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    keys = key_cache.index_select(0, blocks).transpose(0, 1).reshape(kv_heads, -1, dim)[:, :seq_len]
-    logits = torch.matmul(_grouped(query, kv_heads, keys.dtype), keys.transpose(1, 2)).float()  # [Hkv, G*n, S]
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
+    keys = key_cache.index_select(0, blocks).permute(1, 2, 0, 3).reshape(kv_heads, dim, -1)[:, :, :seq_len]
+    logits = torch.matmul(_grouped(query, kv_heads, keys.dtype), keys).float()  # [Hkv, G*n, S]
     logits.mul_(scale)
     if n > 1:  # the step's own tokens, last: each query sees those up to itself
         logits[:, :, seq_len - n:] += _causal_bias(n, heads // kv_heads)
@@ -49,11 +61,11 @@ def decode_block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: to
     """``block_scores`` for R requests that each decode one token, in one batch: query [R, H, D],
     blocks [R, k] (padded with any block id past each row's own), seq_lens [R] -> [R, k]."""
     rows, heads, dim = query.shape
-    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
     width = blocks.shape[1] * block_size
-    keys = key_cache[blocks]  # [R, k, Hkv, bs, D], as the cache lays them out: no second copy
+    keys = key_cache[blocks]  # [R, k, Hkv, D, bs], as the cache lays them out: no second copy
     q = _grouped(query.unsqueeze(1), kv_heads, keys.dtype).unsqueeze(1)  # [R, 1, Hkv, G, D]
-    logits = torch.matmul(q, keys.transpose(-1, -2)).float()  # [R, k, Hkv, G, bs]: small
+    logits = torch.matmul(q, keys).float()  # [R, k, Hkv, G, bs]: small
     logits = logits.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, -1, width).mul_(scale)
     outside = torch.arange(width).view(1, -1) >= seq_lens.view(-1, 1)  # [R, width]: padding
     logits.masked_fill_(outside.view(rows, 1, 1, width), float("-inf"))

@@ -7,6 +7,10 @@ the policy is one of h2ochat's (``h2o``, ``mean``, ``decay``, ``tova``, ``sink``
 knobs as in h2ochat (``h2o:sinks=1``), where sinks count blocks here. ``score_queries`` (0 by
 default: every query, as H2O) lets only the last k queries of a prompt chunk add their attention, the
 observation window SnapKV scores with: a chunk's scoring then costs k rows instead of the chunk's.
+``score_every`` (1 by default: every step, as H2O) lets a step that computes one token of a request add its
+attention only where that token's position is a multiple of k: decoding then pays for the score pass on one step
+in k (prompt chunks always score). The rule depends on the position alone, so it is the same on every
+tensor-parallel rank and in the masked reference.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class Settings:
     budget_tokens: int
     policy: Policy
     score_queries: int = 0  # 0: every query of a step adds its attention (H2O); k: only a step's last k
+    score_every: int = 1  # 1: every one-token step adds its attention; k: only those at a position multiple of k
     recall: float = 0.0  # share of the budget for recalled blocks; only 0 (evicted blocks are dropped) runs today
 
     def blocks(self, block_size: int) -> SlotBudget:
@@ -64,4 +69,7 @@ def read_settings(connector_extra: dict | None, additional: dict | None) -> Sett
     score_queries = int(_pick("score_queries", "H2OCHAT_VLLM_SCORE_QUERIES", extra, more) or 0)
     if score_queries < 0:
         raise ValueError(f"h2ochat: score_queries must be >= 0, got {score_queries}")
-    return Settings(int(budget), policy, score_queries, recall)
+    score_every = int(_pick("score_every", "H2OCHAT_VLLM_SCORE_EVERY", extra, more) or 1)
+    if score_every < 1:
+        raise ValueError(f"h2ochat: score_every must be >= 1, got {score_every}")
+    return Settings(int(budget), policy, score_queries, score_every, recall)

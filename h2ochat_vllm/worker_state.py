@@ -32,12 +32,18 @@ class ScoredRow:
 class StepState:
     plans: dict[str, RequestPlan] = field(default_factory=dict)
     score_queries: int = 0  # 0: every query of the step adds its attention; k: the last k of each request
+    score_every: int = 1  # k: a one-token step adds its attention only at a position multiple of k
     rows: list[ScoredRow | None] = field(default_factory=list)
     scores: torch.Tensor | None = None  # [rows, most kept blocks] float32, summed over the step's layers
 
-    def set_plans(self, plans: dict[str, RequestPlan], score_queries: int = 0) -> None:
+    def set_plans(self, plans: dict[str, RequestPlan], score_queries: int = 0, score_every: int = 1) -> None:
         self.plans = plans
         self.score_queries = score_queries
+        self.score_every = score_every
+
+    def scores_token_at(self, position: int) -> bool:
+        """Whether a step that computes one token, at ``position``, adds its attention (``score_every``)."""
+        return self.score_every == 1 or position % self.score_every == 0
 
     def begin_step(self, rows: list[ScoredRow | None]) -> torch.Tensor:
         self.rows = rows

@@ -45,6 +45,11 @@ def attention_route(request, monkeypatch):
     return _route(monkeypatch, request.param)
 
 
+@pytest.fixture(params=route_params("block_scores"))
+def block_scores_route(request, monkeypatch):
+    return _route(monkeypatch, request.param)
+
+
 @pytest.fixture
 def torch_route(monkeypatch):
     """Call it to switch this test to the torch route (no compiled CPU kernel) from then on."""

@@ -25,6 +25,8 @@ def main() -> None:
             config["policy"] = spec["policy"]
         if spec.get("score_queries"):
             config["score_queries"] = spec["score_queries"]
+        if spec.get("score_every"):
+            config["score_every"] = spec["score_every"]
         extra["kv_transfer_config"] = {"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                        "kv_connector_extra_config": config}
     llm = LLM(spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,

@@ -49,9 +49,9 @@ def dense_block_scores(query, keys, seq_len, scale, block_size):
 def test_block_scores_equal_dense_attention(n, seq_len):
     generator = torch.Generator().manual_seed(n)
     block_size, kv_heads, heads, dim = 32, 2, 4, 16
-    cache = torch.randn(10, kv_heads, block_size, dim, generator=generator)
+    cache = torch.randn(10, kv_heads, dim, block_size, generator=generator)  # vLLM's CPU layout: channel-major
     blocks = torch.tensor([7, 2, 5])
-    keys = cache[blocks].transpose(0, 1).reshape(kv_heads, -1, dim)[:, :seq_len]
+    keys = cache[blocks].permute(1, 0, 3, 2).reshape(kv_heads, -1, dim)[:, :seq_len]
     query = torch.randn(n, heads, dim, generator=generator)
     got = block_scores(query, cache, blocks, seq_len, 0.25)
     torch.testing.assert_close(got, dense_block_scores(query, keys, seq_len, 0.25, block_size), rtol=1e-5, atol=1e-5)
@@ -74,7 +74,7 @@ def test_settings_need_a_budget_and_read_the_policy(monkeypatch):
 def test_decode_batch_scores_equal_one_row_at_a_time():
     generator = torch.Generator().manual_seed(7)
     block_size, kv_heads, heads, dim = 32, 3, 9, 16
-    cache = torch.randn(12, kv_heads, block_size, dim, generator=generator)
+    cache = torch.randn(12, kv_heads, dim, block_size, generator=generator)
     blocks = torch.tensor([[3, 1, 4, 0], [5, 9, 0, 0], [2, 6, 7, 8]])  # padded past each row's own
     lens = torch.tensor([100, 33, 128])
     query = torch.randn(3, heads, dim, generator=generator)
@@ -84,6 +84,22 @@ def test_decode_batch_scores_equal_one_row_at_a_time():
         one = block_scores(query[row:row + 1], cache, blocks[row, :kept], int(lens[row]), 0.125)
         torch.testing.assert_close(got[row, :kept], one, rtol=1e-5, atol=1e-6)
         assert got[row, kept:].abs().max() == 0 if kept < 4 else True
+
+
+def test_score_every_reads_and_scores_one_token_steps_at_multiples(monkeypatch):
+    from h2ochat_vllm.worker_state import StepState
+
+    monkeypatch.delenv("H2OCHAT_VLLM_SCORE_EVERY", raising=False)
+    assert read_settings({"budget": 1024}, None).score_every == 1
+    assert read_settings({"budget": 1024}, {"h2ochat": {"score_every": 4}}).score_every == 4
+    monkeypatch.setenv("H2OCHAT_VLLM_SCORE_EVERY", "0")
+    with pytest.raises(ValueError, match="score_every"):
+        read_settings({"budget": 1024}, None)
+    state = StepState()
+    state.set_plans({}, 0, 4)
+    assert [p for p in range(300, 310) if state.scores_token_at(p)] == [300, 304, 308]
+    state.set_plans({})
+    assert all(state.scores_token_at(p) for p in range(300, 310))
 
 
 def test_a_recall_share_is_refused_until_recall_is_built(monkeypatch):
@@ -102,3 +118,24 @@ def test_importing_the_plugin_imports_no_vllm():
             "h2ochat_vllm.reference, h2ochat_vllm.worker_state; print('vllm' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_key_view_reads_the_keys_vllm_writes(dtype, isa):
+    """vLLM's CPU kernels store a block's keys channel-major (not [block_size, D]): ``key_view`` of a cache that
+    vLLM's own writer filled gives back every key at its block and place, and the values stay apart."""
+    from vllm import _custom_ops as ops
+
+    from h2ochat_vllm.scores import key_view
+
+    generator = torch.Generator().manual_seed(3)
+    num_blocks, kv_heads, block_size, dim, tokens = 4, 2, 32, 64, 70
+    kv_cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * dim, dtype=dtype)
+    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, dim).chunk(2, dim=2)
+    key, value = (torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(tokens) + block_size, isa)
+    keys = key_view(kv_cache)  # [num_blocks, Hkv, D, block_size]
+    stored = keys[1:].permute(0, 3, 1, 2).reshape(-1, kv_heads, dim)[:tokens]  # token-major, from block 1 on
+    assert torch.equal(stored, key)
+    assert keys[0].abs().max() == 0

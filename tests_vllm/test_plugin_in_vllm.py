@@ -51,12 +51,13 @@ def test_a_budget_over_the_whole_sequence_changes_nothing(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("policy,rule", [("h2o:sinks=1", reference.BlockRule(BLOCK, 4, 1, 2)),
                                          ("h2o:sinks=0:heavy_ratio=0.5", reference.BlockRule(BLOCK, 4, 0, 2)),
-                                         ("h2o:sinks=1", reference.BlockRule(BLOCK, 4, 1, 2, score_queries=8))])
+                                         ("h2o:sinks=1", reference.BlockRule(BLOCK, 4, 1, 2, score_queries=8)),
+                                         ("h2o:sinks=1", reference.BlockRule(BLOCK, 4, 1, 2, score_every=4))])
 def test_chunked_prompt_below_the_budget_follows_the_reference(tiny_llama, tmp_path, policy, rule):
     prompt = prompts(1, 300, seed=2)[0]
     got = run_vllm(tmp_path, model=str(tiny_llama), prompts=[prompt], max_tokens=100, block_size=BLOCK,
                    max_num_batched_tokens=64, budget=rule.budget * BLOCK, policy=policy,
-                   score_queries=rule.score_queries)
+                   score_queries=rule.score_queries, score_every=rule.score_every)
     summary = got["requests"][0]
     assert summary["evicted"], "the budget should have evicted blocks"
     model = reference_model(tiny_llama)

@@ -43,6 +43,12 @@ VARIANTS = (
     Variant("attention", "avx2", "attention_portable.c", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"}), openmp=True),
     # (without AVX2, no faster than the torch route: benchmarks/results_cpu_attention.json)
     Variant("attention", "generic", "attention_portable.c", (), frozenset(), openmp=True, in_auto=False),
+    # the attention a decode step's queries give each kept block, read in place from vLLM's CPU key cache
+    Variant("block_scores", "avx512bf16", "block_scores_avx512bf16.c", AVX512_BF16,
+            frozenset({"avx512f", "avx512bw", "avx512_bf16"}), openmp=True),
+    Variant("block_scores", "avx2", "block_scores_portable.c", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"}),
+            openmp=True),
+    Variant("block_scores", "generic", "block_scores_portable.c", (), frozenset(), openmp=True),
 )
 
 MODULES = tuple(dict.fromkeys(v.module for v in VARIANTS))
