@@ -21,7 +21,8 @@ def compiling_note() -> str:
 
     folder = persistent_compile_cache()
     return ("compiling the decode step (--compile): the text pauses after its first token while it compiles, "
-            f"a minute or more on a CPU the first time, less once the compile cache in {folder} holds its graphs")
+            f"minutes on a CPU the first time (docs/results.md: single stream), tens of seconds once the compile cache in "
+            f"{folder} holds its graphs (the step is traced again in every run)")
 
 
 def constant_of(module: str, name: str):
