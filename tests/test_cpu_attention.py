@@ -20,6 +20,7 @@ from h2ochat.engine.generation import CacheSettings, forward, prefill
 from h2ochat_kernels import dispatch, reference
 from h2ochat_kernels.cpu import attention_ops
 
+OP = "h2ochat.cpu_attend_decode"  # the custom op, as a traced graph's node names it
 pytestmark = pytest.mark.usefixtures("attention_route")  # every test here on every variant this CPU runs
 
 
@@ -153,18 +154,105 @@ def test_what_it_does_not_take_is_left_to_torch():
     assert torch.equal(scores, before)
 
 
-def test_the_torch_backend_routes_a_decode_step_to_it_when_asked(monkeypatch):
-    """``H2OCHAT_CPU_ATTENTION=1`` routes a CPU decode step through the kernel; unset, the torch route runs."""
+def _counting(monkeypatch) -> list:
+    """Count the eager calls the torch backend makes to the kernel (one entry per call: whether it took it)."""
     calls = []
     attend = attention_ops.attend_decode
     monkeypatch.setattr(attention_ops, "attend_decode", lambda *a: calls.append(1) or attend(*a))
+    return calls
+
+
+def test_the_torch_backend_routes_a_decode_step_to_it_by_default(monkeypatch):
+    """A CPU decode step goes through the kernel unless ``H2OCHAT_CPU_ATTENTION=0`` (read when the backend is
+    chosen); ``H2OCHAT_CPU_KERNELS=none`` turns it off too."""
+    calls = _counting(monkeypatch)
     generator = torch.Generator().manual_seed(7)
     query, keys, values, index, new_keys, new_values, scores = _step(1, 2, 3, 20, 64, torch.float32, generator)
-    dispatch.Backend("torch").attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
-    assert calls == []
-    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "1")
+    monkeypatch.delenv(attention_ops.ROUTE_SWITCH, raising=False)
     dispatch.Backend("torch").attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
     assert calls == [1]
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "0")
+    off = dispatch.Backend("torch")
+    off.attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
+    assert calls == [1] and not off.cpu_attention
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "1")
+    monkeypatch.setenv(dispatch.CPU_SWITCH, "none")
+    assert not dispatch.Backend("torch").cpu_attention
+
+
+def test_it_reads_the_slots_in_use_as_a_view():
+    """With the kernel, a bf16 decode step reads the first slots in use as they are (a view: the kernel takes its
+    strides), where the torch route would rather read every column than copy the view."""
+    slots = torch.zeros(1, 1, 10, 4, dtype=torch.bfloat16)
+    assert dispatch.Backend("torch").cpu_attention
+    assert not dispatch.Backend("torch").attends_every_column(1, 9, 10, slots)
+    assert dispatch.Backend("torch").attends_every_column(2, 9, 10, slots) is False  # (a chunk: the view either way)
+
+
+def _op_args(dtype, decay, padding):
+    generator = torch.Generator().manual_seed(11)
+    query, keys, values, index, new_keys, new_values, scores = _step(2, 3, 3, 45, 64, dtype, generator, strided=True)
+    new_valid = torch.tensor([[True], [False]]) if padding else None
+    number, rows = (1.0, decay) if isinstance(decay, torch.Tensor) else (decay, None)
+    return query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores, number, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decay,padding", [(1.0, False), (0.5, True), (torch.tensor([0.5, 0.25]), False)])
+def test_the_op_passes_opcheck(dtype, decay, padding):
+    """The custom op a compiled step calls: its schema, its declared write of ``scores``, its fake implementation
+    (shapes, dtypes) and its use under AOT autograd, as ``torch.library.opcheck`` checks them."""
+    torch.library.opcheck(torch.ops.h2ochat.cpu_attend_decode.default, _op_args(dtype, decay, padding),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def _attend(backend, query, keys, values, index, new_keys, new_values, new_valid, scores, decay):
+    return backend.attend_with_scores(query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores,
+                                      decay)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_call_takes_the_kernel_bit_for_bit(compiler, dtype):
+    """Under ``torch.compile`` (fullgraph) the torch backend's decode step is the op, one node in the graph, and
+    gives the eager kernel's output, new scores and updated scores bit for bit (the same kernel on the same
+    inputs), whatever the compiler; a per-sequence decay and a padding row included."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    query, keys, values, index, new_keys, new_values, new_valid, _, scores, _, decay = _op_args(
+        dtype, torch.tensor([0.5, 0.25]), True)
+    backend = dispatch.Backend("torch")
+    eager_scores, compiled_scores = scores.clone(), scores.clone()
+    want = _attend(backend, query, keys, values, index, new_keys, new_values, new_valid, eager_scores, decay)
+    targets = []
+
+    def recording(graph, example_inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return lookup_backend(compiler)(graph, example_inputs)
+
+    torch._dynamo.reset()
+    step = torch.compile(_attend, backend=recording, fullgraph=True, dynamic=False)
+    got = step(backend, query, keys, values, index, new_keys, new_values, new_valid, compiled_scores, decay)
+    assert targets.count(OP) == 1, targets
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(compiled_scores, eager_scores) and not torch.equal(compiled_scores, scores)
+
+
+def test_the_torch_route_is_traced_where_the_kernel_is_off(monkeypatch):
+    """With the kernel switched off the compiled step traces the torch route: no op in the graph."""
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "0")
+    query, keys, values, index, new_keys, new_values, new_valid, _, scores, decay, _ = _op_args(
+        torch.float32, 1.0, False)
+    targets = []
+
+    def recording(graph, example_inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(_attend, backend=recording, fullgraph=True, dynamic=False)
+    step(dispatch.Backend("torch"), query, keys, values, index, new_keys, new_values, new_valid, scores, decay)
+    assert targets and OP not in targets
 
 
 def _greedy(model, prompt, steps: int, slots: int):

@@ -1,16 +1,26 @@
 """A decode step's attention with its H2O scores in one C call (``csrc/attention_*``): each (sequence, KV head)
 row's keys read once, then its values once, where the torch route takes separate passes for the slot logits, the
 slot outputs and the scores (47% of a served step in the server's profile, benchmarks/results_peers_idle.json).
-Timings: benchmarks/cpu_attention.py.
+Timings: benchmarks/cpu_attention.py (the call alone), benchmarks/results_cpu_attention_routed.json (whole steps).
 
-``attend_decode`` is ``reference.attend_with_scores`` for what the kernel takes: one new token (Q = 1), float slots
-of the query's dtype (bf16 or fp32) with unit stride along D (any view of a larger slot buffer), D <= 256, any
-group G, a padding mask, a float decay or one per sequence. It returns None for anything else (quantized slots, a
-recall tier's rest column: the caller's; several new tokens, another dtype or device, a compiled graph) and the
-caller keeps its torch route. The variant that runs is ``routes.cpu_route("attention")``'s: ``avx512bf16`` (bf16
-keys dotted by VDPBF16PS) or ``avx2`` / ``generic`` (vectors of 8 floats). Sums are fp32 in every variant: the
-fp32 route agrees with torch to fp32 rounding; the bf16 one is closer to the exact result than torch's bf16 route,
-which rounds the logits and the probabilities to bf16 (tests/test_cpu_attention.py states both tolerances).
+``attend_decode`` is ``reference.attend_with_scores`` for what the kernel takes (``takes``): one new token (Q = 1),
+float slots of the query's dtype (bf16 or fp32) with unit stride along D (any view of a larger slot buffer),
+D <= 256, any group G, a padding mask, a float decay or one per sequence. Everything ``takes`` reads is a shape,
+a dtype, a stride or a device, never a value, so a ``torch.compile`` trace decides as an eager call does. Quantized
+slots, a recall tier's rest column, several new tokens, another dtype or device stay on the caller's torch route.
+
+Routed by default: the torch backend (``dispatch.Backend``) sends a CPU decode step here when the kernel loads on
+this machine, ``H2OCHAT_CPU_ATTENTION=0`` or ``H2OCHAT_CPU_KERNELS=none`` turns it off (read when a cache layer
+chooses its backend). An eager step calls the kernel directly; a compiled step calls it as the custom op
+``torch.ops.h2ochat.cpu_attend_decode`` (one opaque node in the graph, ``scores`` declared written in place, a fake
+implementation giving the output shapes), so the eager and the compiled step take the same route and run the
+same kernel on the same inputs.
+
+The variant that runs is ``routes.cpu_route("attention")``'s: ``avx512bf16`` (bf16 keys dotted by VDPBF16PS) or
+``avx2`` (vectors of 8 floats); ``auto`` never takes ``generic`` (no faster than torch), which runs only when named.
+Sums are fp32 in every variant, in another order than torch's: the fp32 route agrees with torch to fp32 rounding
+(~1e-5 relative); the bf16 one is closer to the exact result than torch's bf16 route, which rounds the logits and
+the probabilities to bf16 (tests/test_cpu_attention.py states both tolerances).
 
 Each variant is checked against the torch reference the first time it loads, in both dtypes; one that disagrees
 is never used.
@@ -21,9 +31,12 @@ from __future__ import annotations
 import functools
 import os
 
-import torch
+from typing import Optional
 
-from .. import reference
+import torch
+from torch import Tensor
+
+from .. import ops, reference
 from . import routes
 
 FLOATS = (torch.bfloat16, torch.float32)
@@ -43,15 +56,13 @@ def _loaded() -> tuple[object | None, str]:
     return (None, why) if variant is None else routes.cpu_checked("attention", _checked, variant)
 
 
-ROUTE_SWITCH = "H2OCHAT_CPU_ATTENTION"  # "1": the torch backend's decode steps take this kernel
+ROUTE_SWITCH = "H2OCHAT_CPU_ATTENTION"  # "0": the torch backend's decode steps keep the torch route
 
 
 def routed() -> bool:
-    """Whether a CPU layer's decode steps go through this kernel (``H2OCHAT_CPU_ATTENTION=1``). Off by default:
-    it sums in another order than the torch route, and a compiled step (a graph that calls torch's ops) does not
-    take it yet, so an eager step and a compiled one would stop agreeing bit for bit. It is routed by default once
-    it is a custom op that a compiled step calls too."""
-    return os.environ.get(ROUTE_SWITCH, "0").strip() == "1"
+    """Whether a CPU layer's decode steps go through this kernel where it loads: yes unless
+    ``H2OCHAT_CPU_ATTENTION=0``."""
+    return os.environ.get(ROUTE_SWITCH, "1").strip() != "0"
 
 
 def available() -> bool:
@@ -68,8 +79,10 @@ def variant_name() -> str | None:
     return None if variant is None or _loaded()[0] is None else variant.name
 
 
-def _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay) -> bool:
-    if query.dim() != 5 or query.shape[3] != 1 or not query.is_cpu or torch.compiler.is_compiling():
+def takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay) -> bool:
+    """Whether the kernel takes these arguments: shapes, dtypes, strides and devices only (a compiled step decides
+    this while tracing, as an eager step does per call)."""
+    if query.dim() != 5 or query.shape[3] != 1 or not query.is_cpu:
         return False
     batch, heads, _, _, dim = query.shape
     dtype = query.dtype
@@ -93,12 +106,41 @@ def attend_decode(query, cache_keys, cache_values, slot_token_index, new_keys, n
                   decay=1.0):
     """``reference.attend_with_scores(query, ..., decay)`` without quant or rest (``scores`` updated in place;
     returns (out [B, Hkv, G, 1, D] in the query's dtype, new_scores [B, Hkv, 1] fp32)), or None where the kernel does
-    not take these arguments (module docstring): then nothing is written."""
-    if not _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay):
+    not take these arguments (``takes``) or does not load here: then nothing is written. Inside a ``torch.compile``
+    trace it is the custom op, whose call runs the kernel (or, where the kernel stopped loading since the trace,
+    the reference: the same contract)."""
+    if not takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay):
         return None
+    if torch.compiler.is_compiling():
+        number, rows = (1.0, decay) if isinstance(decay, torch.Tensor) else (float(decay), None)
+        return torch.ops.h2ochat.cpu_attend_decode(query, cache_keys, cache_values, slot_token_index, new_keys,
+                                                   new_values, new_valid, float(scale), scores, number, rows)
+    # eager: the kernel itself, not through the op (the dispatcher's round trip costs tens of us a call)
     kernel = _loaded()[0]
     return None if kernel is None else _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys,
                                              new_values, new_valid, scale, scores, decay, torch.get_num_threads())
+
+
+@ops._op("cpu_attend_decode", mutates_args=("scores",))
+def _attend_decode_op(query: Tensor, cache_keys: Tensor, cache_values: Tensor, slot_token_index: Tensor,
+                      new_keys: Tensor, new_values: Tensor, new_valid: Optional[Tensor], scale: float, scores: Tensor,
+                      decay: float, decay_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The op a compiled step calls (a schema takes no ``float | Tensor``: the decay is a number, or ``decay_rows``
+    per sequence). Its outputs are new tensors: an op's outputs may not alias its inputs."""
+    decay = decay if decay_rows is None else decay_rows
+    kernel = _loaded()[0]
+    if kernel is None:
+        return reference.attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
+                                            new_valid, scale, scores, decay)
+    return _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale,
+                 scores, decay, torch.get_num_threads())
+
+
+@ops._fake("cpu_attend_decode")
+def _attend_decode_fake(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale,
+                        scores, decay, decay_rows):
+    batch, heads = query.shape[:2]
+    return query.new_empty(query.shape), query.new_empty((batch, heads, 1), dtype=torch.float32)
 
 
 def _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
