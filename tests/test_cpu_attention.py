@@ -289,3 +289,42 @@ def test_greedy_decoding_is_the_torch_routes(family, torch_route, monkeypatch):
     want_tokens, want_logits = _greedy(model, prompt, 40, 16)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_decode_step_takes_the_kernel_as_the_eager_step_does(monkeypatch):
+    """The compiled decode step (aot_eager: the same capture inductor gets) holds the op once per layer, traced
+    once, and both it and the eager step of a static-shape cache call the kernel once per layer and step: the same
+    kernel on the same inputs, so the two give the same logits and the same scores bit for bit, step after step,
+    evicting from the first."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from h2ochat.engine import compiled
+    from h2ochat.engine.forward_step import EagerDecode
+
+    model = build_model("llama", seed=3)
+    layers = model.config.num_hidden_layers
+    prompt = random_ids(2, 8, torch.Generator().manual_seed(12))
+    targets = []
+
+    def recording(graph, example_inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    step = compiled.CompiledDecode(model, backend=recording)
+    caches = [CacheSettings(budget="6", recall=None).build(model, static_shapes=True) for _ in range(2)]
+    with torch.inference_mode():
+        logits = [prefill(model, cache, prompt) for cache in caches][0]
+    calls = []  # the kernel's calls, eager or from the op (which a trace does not enter)
+    call = attention_ops._call
+    monkeypatch.setattr(attention_ops, "_call", lambda *a: calls.append(1) or call(*a))
+    eager = EagerDecode(model)
+    for _ in range(6):
+        tokens = logits.argmax(-1)
+        with torch.inference_mode():
+            logits = eager(caches[0], tokens.view(-1, 1))
+            got = step(caches[1], tokens)
+        assert torch.equal(got, logits)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(a.scores, b.scores) and torch.equal(a.token_index, b.token_index)
+    assert targets.count(OP) == layers and len(calls) == 2 * 6 * layers
