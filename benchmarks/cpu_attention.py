@@ -13,6 +13,13 @@ context, 8 rows, a budget of 0.2, one thread, ``--compile`` for the eager and th
 its CPU ms per step; and ``h2ochat eval`` perplexity on a text, which must not move.
 
     python benchmarks/cpu_attention.py --routed --out benchmarks/results_cpu_attention_routed.json
+
+With ``--chunks``: whether a prompt chunk (Q new tokens, causal among themselves) would gain from a kernel of this
+kind: the torch route's chunk (``reference.attend_with_scores``, its blocked layout) against the decode kernel
+given the chunk's G x Q queries as one group over the same slots, which is the slot part of such a kernel alone
+(no new tokens, no per-row weights): a lower bound of its time, an upper bound of its gain.
+
+    python benchmarks/cpu_attention.py --chunks --out benchmarks/results_cpu_attention_chunks.json
 """
 
 from __future__ import annotations
@@ -127,12 +134,41 @@ def whole_steps(args) -> dict:
             "rows": rows}
 
 
+def chunk_rows(rounds: int) -> list[dict]:
+    """Median CPU ms of a served prompt chunk's attention (one row, SmolLM2's heads) on the torch route and of the
+    decode kernel over its G x Q queries at once, as ``measure`` takes turns."""
+    kernel = attention_ops._loaded()[0]
+    heads, group, dim = 3, 3, 64
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for slots, q_len in ((1638, 512), (1638, 64), (512, 512)):
+            g = torch.Generator().manual_seed(0)
+            query = torch.randn(1, heads, group, q_len, dim, generator=g).to(dtype)
+            keys, values = (torch.randn(1, heads, slots, dim, generator=g).to(dtype) for _ in range(2))
+            index = torch.arange(slots).expand(1, heads, slots).contiguous()
+            new_keys, new_values = (torch.randn(1, heads, q_len, dim, generator=g).to(dtype) for _ in range(2))
+            scores = torch.zeros(1, heads, slots)
+            rows_as_group = query.reshape(1, heads, group * q_len, 1, dim)
+            calls = {"torch_chunk": lambda: reference.attend_with_scores(query, keys, values, index, new_keys,
+                                                                         new_values, None, 0.125, scores),
+                     "kernel_slot_part": lambda: attention_ops._call(kernel, rows_as_group, keys, values, index,
+                                                                     new_keys[:, :, :1], new_values[:, :, :1], None,
+                                                                     0.125, scores, 1.0, 1)}
+            micros = measure(calls, rounds)
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "slots": slots, "chunk_tokens": q_len,
+                         "median_cpu_ms": {k: round(v / 1000, 2) for k, v in micros.items()},
+                         "ratio": round(micros["torch_chunk"] / micros["kernel_slot_part"], 2)})
+            print(rows[-1], file=sys.stderr)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--slots", type=int, default=1638)
     parser.add_argument("--out")
     parser.add_argument("--routed", action="store_true", help="whole steps and perplexity, routed or not")
+    parser.add_argument("--chunks", action="store_true", help="a prompt chunk: the torch route and the slot part")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--whole-rounds", type=int, default=2, help="--routed: bench runs per route and dtype")
@@ -141,6 +177,12 @@ def main() -> int:
     parser.add_argument("--text", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
     parser.add_argument("--tokens", type=int, default=256)
     args = parser.parse_args()
+    if args.chunks:
+        torch.set_num_threads(1)
+        emit({"threads": 1, "rounds": args.rounds, "variant": attention_ops.variant_name(),
+              "rows": chunk_rows(args.rounds)}, args.out, what="A prompt chunk's attention on the torch route against "
+             "the decode kernel over the chunk's queries as one group (the slot part of a chunk kernel alone)")
+        return 0
     if args.routed:
         emit(whole_steps(args), args.out, what="Whole decode steps and perplexity with the CPU attention kernel "
              "routed (the default) against the torch route (H2OCHAT_CPU_ATTENTION=0), side by side")
