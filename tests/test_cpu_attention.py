@@ -1,4 +1,4 @@
-"""The decode step's attention kernel (``h2ochat_kernels.cpu.attention_ops``) against the torch reference
+"""The attention kernel of decode steps and prompt chunks (``h2ochat_kernels.cpu.attention_ops``) against the torch reference
 (``reference.attend_with_scores`` with ``H2OCHAT_CPU_KERNELS=none``), on every variant this CPU runs
 (``cpu_routes.attention_route``: avx512bf16, avx2, generic), each skipped with its reason where the CPU or the
 install lacks it.
@@ -20,7 +20,7 @@ from h2ochat.engine.generation import CacheSettings, forward, prefill
 from h2ochat_kernels import dispatch, reference
 from h2ochat_kernels.cpu import attention_ops
 
-OP = "h2ochat.cpu_attend_decode"  # the custom op, as a traced graph's node names it
+OP = "h2ochat.cpu_attend_with_scores"  # the custom op, as a traced graph's node names it
 pytestmark = pytest.mark.usefixtures("attention_route")  # every test here on every variant this CPU runs
 
 
@@ -55,7 +55,7 @@ def _both(args, new_valid, scale, decay, reference_dtype=None):
     converted to ``reference_dtype`` where given."""
     query, keys, values, index, new_keys, new_values, scores = args
     kernel_scores, reference_scores = scores.clone(), scores.clone()
-    got = attention_ops.attend_decode(query, keys, values, index, new_keys, new_values, new_valid, scale,
+    got = attention_ops.attend_with_scores(query, keys, values, index, new_keys, new_values, new_valid, scale,
                                       kernel_scores, decay)
     assert got is not None, attention_ops.why_not()
     floats = [query, keys, values, new_keys, new_values]
@@ -101,6 +101,51 @@ def test_bf16_is_the_exact_result_to_its_rounding(group, dim, slots, decay, padd
     torch.testing.assert_close(got[2], torch_bf16[2], rtol=0.05, atol=0.01)
 
 
+def _chunk(batch, group, slots, dim, q_len, dtype, generator, padding):
+    """A prompt chunk's arguments: ``_step``'s with Q new tokens (strided slots), and its padding mask where
+    ``padding``: row 0 left-padded (a batch's shorter prompt), row 1 real throughout."""
+    query, keys, values, index, _, _, scores = _step(batch, 3, group, slots, dim, dtype, generator, strided=True)
+    query = torch.randn(batch, 3, group, q_len, dim, generator=generator).to(dtype)
+    new_keys, new_values = (torch.randn(batch, 3, q_len, dim, generator=generator).to(dtype) for _ in range(2))
+    new_valid = None
+    if padding:
+        new_valid = torch.ones(batch, q_len, dtype=torch.bool)
+        new_valid[0, :q_len // 3] = False
+    return (query, keys, values, index, new_keys, new_values, scores), new_valid
+
+
+CHUNKS = [(1, 64, 70, 2), (3, 67, 129, 19), (3, 64, 40, 70)]  # (G, D, S, Q): new tokens past a block of keys
+
+
+@pytest.mark.parametrize("group,dim,slots,q_len", CHUNKS)
+@pytest.mark.parametrize("decay", [1.0, 0.5, "per sequence"])
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_prompt_chunk_in_fp32_is_the_torch_route(group, dim, slots, q_len, decay, padding):
+    """Q new tokens attending the slots and, causally, each other; padding tokens read by no one and adding to no
+    score; each row's probabilities weighed by decay ** (real rows after it) and the old scores decayed once per
+    real row: the torch route's outputs, new scores and scores within fp32 rounding."""
+    generator = torch.Generator().manual_seed(group * 1000 + dim + slots + q_len)
+    args, new_valid = _chunk(2, group, slots, dim, q_len, torch.float32, generator, padding)
+    if decay == "per sequence":
+        decay = torch.tensor([0.5, 0.9])
+    got, want = _both(args, new_valid, dim ** -0.5, decay)
+    assert got[0].shape == want[0].shape == (2, 3, group, q_len, dim) and got[1].shape == want[1].shape
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("group,dim,slots,q_len", CHUNKS)
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_prompt_chunk_in_bf16_is_the_exact_result_to_its_rounding(group, dim, slots, q_len, padding):
+    generator = torch.Generator().manual_seed(group * 1000 + dim + slots + q_len + 1)
+    args, new_valid = _chunk(2, group, slots, dim, q_len, torch.bfloat16, generator, padding)
+    got, exact = _both(args, new_valid, dim ** -0.5, 0.5, reference_dtype=torch.float32)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0].float(), exact[0], rtol=2 ** -7, atol=2 ** -8)
+    torch.testing.assert_close(got[1], exact[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], exact[2], rtol=1e-5, atol=1e-6)
+
+
 def test_a_padding_row_adds_nothing_and_does_not_decay():
     generator = torch.Generator().manual_seed(3)
     args = _step(2, 2, 3, 40, 64, torch.float32, generator)
@@ -138,18 +183,20 @@ def test_a_per_sequence_decay_and_threads():
 
 
 def test_what_it_does_not_take_is_left_to_torch():
-    """Several new tokens, mixed dtypes, D past 256, a non-unit stride along D: None, nothing written."""
+    """A chunk past 512 new tokens, mixed dtypes, D past 256, a non-unit stride along D: None, nothing written."""
     generator = torch.Generator().manual_seed(6)
     query, keys, values, index, new_keys, new_values, scores = _step(1, 2, 3, 20, 64, torch.float32, generator)
     before = scores.clone()
-    assert attention_ops.attend_decode(query.expand(1, 2, 3, 2, 64), keys, values, index, new_keys.expand(1, 2, 2, 64),
-                                       new_values.expand(1, 2, 2, 64), None, 0.1, scores) is None
-    assert attention_ops.attend_decode(query, keys.bfloat16(), values, index, new_keys, new_values, None, 0.1,
+    many = attention_ops.MAX_NEW_TOKENS + 1
+    assert attention_ops.attend_with_scores(query.expand(1, 2, 3, many, 64), keys, values, index,
+                                            new_keys.expand(1, 2, many, 64), new_values.expand(1, 2, many, 64), None,
+                                            0.1, scores) is None
+    assert attention_ops.attend_with_scores(query, keys.bfloat16(), values, index, new_keys, new_values, None, 0.1,
                                        scores) is None
     wide = torch.randn(1, 2, 20, 128)[..., ::2]
-    assert attention_ops.attend_decode(query, wide, values, index, new_keys, new_values, None, 0.1, scores) is None
+    assert attention_ops.attend_with_scores(query, wide, values, index, new_keys, new_values, None, 0.1, scores) is None
     big = torch.randn(1, 2, 3, 1, 260)
-    assert attention_ops.attend_decode(big, torch.randn(1, 2, 20, 260), torch.randn(1, 2, 20, 260), index,
+    assert attention_ops.attend_with_scores(big, torch.randn(1, 2, 20, 260), torch.randn(1, 2, 20, 260), index,
                                        torch.randn(1, 2, 1, 260), torch.randn(1, 2, 1, 260), None, 0.1, scores) is None
     assert torch.equal(scores, before)
 
@@ -157,8 +204,8 @@ def test_what_it_does_not_take_is_left_to_torch():
 def _counting(monkeypatch) -> list:
     """Count the eager calls the torch backend makes to the kernel (one entry per call: whether it took it)."""
     calls = []
-    attend = attention_ops.attend_decode
-    monkeypatch.setattr(attention_ops, "attend_decode", lambda *a: calls.append(1) or attend(*a))
+    attend = attention_ops.attend_with_scores
+    monkeypatch.setattr(attention_ops, "attend_with_scores", lambda *a: calls.append(1) or attend(*a))
     return calls
 
 
@@ -202,7 +249,7 @@ def _op_args(dtype, decay, padding):
 def test_the_op_passes_opcheck(dtype, decay, padding):
     """The custom op a compiled step calls: its schema, its declared write of ``scores``, its fake implementation
     (shapes, dtypes) and its use under AOT autograd, as ``torch.library.opcheck`` checks them."""
-    torch.library.opcheck(torch.ops.h2ochat.cpu_attend_decode.default, _op_args(dtype, decay, padding),
+    torch.library.opcheck(torch.ops.h2ochat.cpu_attend_with_scores.default, _op_args(dtype, decay, padding),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -274,7 +321,7 @@ def test_greedy_decoding_is_the_torch_routes(family, torch_route, monkeypatch):
     model = build_model(family, seed=2, max_position_embeddings=128)
     prompt = random_ids(2, 10, torch.Generator().manual_seed(9))
     calls = []
-    attend = attention_ops.attend_decode
+    attend = attention_ops.attend_with_scores
 
     def counted(*args):
         done = attend(*args)
@@ -282,9 +329,10 @@ def test_greedy_decoding_is_the_torch_routes(family, torch_route, monkeypatch):
         return done
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_ops, "attend_decode", counted)
+        patch.setattr(attention_ops, "attend_with_scores", counted)
         tokens, logits = _greedy(model, prompt, 40, 16)
-    assert sum(calls) == 40 * model.config.num_hidden_layers  # every decode step of every layer took the kernel
+    # the prompt (one chunk) and every decode step, in every layer, took the kernel
+    assert all(calls) and len(calls) == (1 + 40) * model.config.num_hidden_layers
     torch_route()
     want_tokens, want_logits = _greedy(model, prompt, 40, 16)
     assert torch.equal(tokens, want_tokens)
