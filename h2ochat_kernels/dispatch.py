@@ -20,8 +20,11 @@
   lacks it (tests run every route this way);
 - ``none``: no compiled CPU kernel, the torch route for everything.
 
-``H2OCHAT_CPU_ATTENTION=1`` also routes a CPU decode step's attention and scores through the C attention kernel
-(``cpu.attention_ops``); off by default until a compiled step calls it too.
+The torch backend sends a CPU step's attention and scores over float slots (a decode step's token, or a prompt
+chunk's up to 512) through the C attention kernel (``cpu.attention_ops``) wherever a variant of it loads, in eager
+steps and in compiled ones (there as the custom op ``torch.ops.h2ochat.cpu_attend_with_scores``), so both take the
+same route. ``H2OCHAT_CPU_ATTENTION=0`` keeps
+the torch route (read when a cache layer chooses its backend); so does ``H2OCHAT_CPU_KERNELS=none``.
 
 A C kernel changes speed only: each route gives the torch route's results, bit for bit where the test of its
 module says so and within the stated tolerance where it sums in another order.
@@ -145,6 +148,8 @@ class Backend:
     def __init__(self, name: str):
         self.name = name
         self.triton = name == "triton"
+        # read here, once: a compiled step keeps the route its layer chose, as an eager one does
+        self.cpu_attention = name == "torch" and attention_ops.routed() and attention_ops.available()
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
@@ -158,9 +163,9 @@ class Backend:
         if (self.triton and rest is None
                 and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant)):
             return ops.attend_with_scores(*args, quant=quant)
-        if not self.triton and rest is None and quant is None and not torch.compiler.is_compiling():
-            # a CPU decode step: the C kernel where it is routed and takes these (None: the reference)
-            done = attention_ops.attend_decode(*args) if attention_ops.routed() else None
+        if self.cpu_attention and rest is None and quant is None:
+            # a CPU decode step or prompt chunk: the C kernel where it takes these (None: the reference)
+            done = attention_ops.attend_with_scores(*args)
             if done is not None:
                 return done
         return reference.attend_with_scores(*args, quant=quant, rest=rest)
@@ -168,8 +173,9 @@ class Backend:
     def attends_every_column(self, q_len: int, in_use: int, columns: int, slots) -> bool:
         """Whether this backend's attention would rather read all ``columns`` slot columns (the empty ones
         masked) than a view of the first ``in_use``: ``reference.attends_every_column`` for the torch
-        path; the Triton kernels take the view as it is."""
-        return not self.triton and reference.attends_every_column(q_len, in_use, columns, slots)
+        path; the Triton kernels and the C attention kernel take the view as it is."""
+        return not self.triton and not self.cpu_attention and reference.attends_every_column(q_len, in_use, columns,
+                                                                                            slots)
 
     def evict_and_insert(self, priority, keys, values, scores, slot_token_index, slot_position, new_key, new_value,
                          new_score, new_token_index, new_position, value_norm=None, new_value_norm=None, active=None,

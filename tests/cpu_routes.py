@@ -69,8 +69,9 @@ def routes_report() -> list[str]:
 
 @pytest.fixture
 def without_attention_kernel(monkeypatch):
-    """The decode step's attention on the torch route whatever ``H2OCHAT_CPU_KERNELS`` says (the C attention kernel
-    sums in another order): for a test that holds another module's kernels to the torch route bit for bit."""
+    """A decode step's attention on the torch route (``H2OCHAT_CPU_ATTENTION=0``, read when a cache layer chooses its
+    backend: set before the test builds its caches) whatever ``H2OCHAT_CPU_KERNELS`` says, the C attention kernel
+    summing in another order: for a test that holds another module's kernels to the torch route bit for bit."""
     from h2ochat_kernels.cpu import attention_ops
 
-    monkeypatch.setattr(attention_ops, "attend_decode", lambda *args: None)
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "0")

@@ -13,6 +13,10 @@ from h2ochat.engine.generation import CacheSettings, forward, prefill
 from h2ochat_kernels import reference
 
 from conftest import build_model, random_ids
+from cpu_routes import without_attention_kernel  # noqa: F401 (a fixture)
+
+# the torch route's choice: the C attention kernel, where it runs, reads the columns in use as they are
+pytestmark = pytest.mark.usefixtures("without_attention_kernel")
 
 SLOTS, PROMPT, STEPS = 24, 6, 14  # the cache fills from 6 of 24 columns to 20: under and over 70%
 

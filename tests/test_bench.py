@@ -14,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import build_model, random_ids
+from cpu_routes import without_attention_kernel  # noqa: F401 (a fixture)
 from lockstep import EvictionRecorder, lockstep
 from h2ochat.measure import bench_context, bench_measure, bench_memory, bench_ops
 from h2ochat.measure import benchmark as bm
@@ -178,6 +179,7 @@ def test_compiled_step_equals_eager_after_a_synthetic_context(aot_eager, variant
             assert (eager.slots_in_use, eager.tokens_fed_with_padding) == (compiled.slots_in_use, compiled.tokens_fed_with_padding)
 
 
+@pytest.mark.usefixtures("without_attention_kernel")  # (the torch route's ops: the C kernel fuses the scoring)
 def test_ops_per_layer_counted_from_the_profiler():
     model = build_model("llama")
     common = dict(context=30, batch=2, slots=8)

@@ -1,4 +1,4 @@
-"""The decode step's attention kernel (``h2ochat_kernels.cpu.attention_ops``) against the torch reference
+"""The attention kernel of decode steps and prompt chunks (``h2ochat_kernels.cpu.attention_ops``) against the torch reference
 (``reference.attend_with_scores`` with ``H2OCHAT_CPU_KERNELS=none``), on every variant this CPU runs
 (``cpu_routes.attention_route``: avx512bf16, avx2, generic), each skipped with its reason where the CPU or the
 install lacks it.
@@ -20,6 +20,7 @@ from h2ochat.engine.generation import CacheSettings, forward, prefill
 from h2ochat_kernels import dispatch, reference
 from h2ochat_kernels.cpu import attention_ops
 
+OP = "h2ochat.cpu_attend_with_scores"  # the custom op, as a traced graph's node names it
 pytestmark = pytest.mark.usefixtures("attention_route")  # every test here on every variant this CPU runs
 
 
@@ -54,7 +55,7 @@ def _both(args, new_valid, scale, decay, reference_dtype=None):
     converted to ``reference_dtype`` where given."""
     query, keys, values, index, new_keys, new_values, scores = args
     kernel_scores, reference_scores = scores.clone(), scores.clone()
-    got = attention_ops.attend_decode(query, keys, values, index, new_keys, new_values, new_valid, scale,
+    got = attention_ops.attend_with_scores(query, keys, values, index, new_keys, new_values, new_valid, scale,
                                       kernel_scores, decay)
     assert got is not None, attention_ops.why_not()
     floats = [query, keys, values, new_keys, new_values]
@@ -100,6 +101,51 @@ def test_bf16_is_the_exact_result_to_its_rounding(group, dim, slots, decay, padd
     torch.testing.assert_close(got[2], torch_bf16[2], rtol=0.05, atol=0.01)
 
 
+def _chunk(batch, group, slots, dim, q_len, dtype, generator, padding):
+    """A prompt chunk's arguments: ``_step``'s with Q new tokens (strided slots), and its padding mask where
+    ``padding``: row 0 left-padded (a batch's shorter prompt), row 1 real throughout."""
+    query, keys, values, index, _, _, scores = _step(batch, 3, group, slots, dim, dtype, generator, strided=True)
+    query = torch.randn(batch, 3, group, q_len, dim, generator=generator).to(dtype)
+    new_keys, new_values = (torch.randn(batch, 3, q_len, dim, generator=generator).to(dtype) for _ in range(2))
+    new_valid = None
+    if padding:
+        new_valid = torch.ones(batch, q_len, dtype=torch.bool)
+        new_valid[0, :q_len // 3] = False
+    return (query, keys, values, index, new_keys, new_values, scores), new_valid
+
+
+CHUNKS = [(1, 64, 70, 2), (3, 67, 129, 19), (3, 64, 40, 70)]  # (G, D, S, Q): new tokens past a block of keys
+
+
+@pytest.mark.parametrize("group,dim,slots,q_len", CHUNKS)
+@pytest.mark.parametrize("decay", [1.0, 0.5, "per sequence"])
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_prompt_chunk_in_fp32_is_the_torch_route(group, dim, slots, q_len, decay, padding):
+    """Q new tokens attending the slots and, causally, each other; padding tokens read by no one and adding to no
+    score; each row's probabilities weighed by decay ** (real rows after it) and the old scores decayed once per
+    real row: the torch route's outputs, new scores and scores within fp32 rounding."""
+    generator = torch.Generator().manual_seed(group * 1000 + dim + slots + q_len)
+    args, new_valid = _chunk(2, group, slots, dim, q_len, torch.float32, generator, padding)
+    if decay == "per sequence":
+        decay = torch.tensor([0.5, 0.9])
+    got, want = _both(args, new_valid, dim ** -0.5, decay)
+    assert got[0].shape == want[0].shape == (2, 3, group, q_len, dim) and got[1].shape == want[1].shape
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("group,dim,slots,q_len", CHUNKS)
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_prompt_chunk_in_bf16_is_the_exact_result_to_its_rounding(group, dim, slots, q_len, padding):
+    generator = torch.Generator().manual_seed(group * 1000 + dim + slots + q_len + 1)
+    args, new_valid = _chunk(2, group, slots, dim, q_len, torch.bfloat16, generator, padding)
+    got, exact = _both(args, new_valid, dim ** -0.5, 0.5, reference_dtype=torch.float32)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0].float(), exact[0], rtol=2 ** -7, atol=2 ** -8)
+    torch.testing.assert_close(got[1], exact[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], exact[2], rtol=1e-5, atol=1e-6)
+
+
 def test_a_padding_row_adds_nothing_and_does_not_decay():
     generator = torch.Generator().manual_seed(3)
     args = _step(2, 2, 3, 40, 64, torch.float32, generator)
@@ -137,34 +183,123 @@ def test_a_per_sequence_decay_and_threads():
 
 
 def test_what_it_does_not_take_is_left_to_torch():
-    """Several new tokens, mixed dtypes, D past 256, a non-unit stride along D: None, nothing written."""
+    """A chunk past 512 new tokens, mixed dtypes, D past 256, a non-unit stride along D: None, nothing written."""
     generator = torch.Generator().manual_seed(6)
     query, keys, values, index, new_keys, new_values, scores = _step(1, 2, 3, 20, 64, torch.float32, generator)
     before = scores.clone()
-    assert attention_ops.attend_decode(query.expand(1, 2, 3, 2, 64), keys, values, index, new_keys.expand(1, 2, 2, 64),
-                                       new_values.expand(1, 2, 2, 64), None, 0.1, scores) is None
-    assert attention_ops.attend_decode(query, keys.bfloat16(), values, index, new_keys, new_values, None, 0.1,
+    many = attention_ops.MAX_NEW_TOKENS + 1
+    assert attention_ops.attend_with_scores(query.expand(1, 2, 3, many, 64), keys, values, index,
+                                            new_keys.expand(1, 2, many, 64), new_values.expand(1, 2, many, 64), None,
+                                            0.1, scores) is None
+    assert attention_ops.attend_with_scores(query, keys.bfloat16(), values, index, new_keys, new_values, None, 0.1,
                                        scores) is None
     wide = torch.randn(1, 2, 20, 128)[..., ::2]
-    assert attention_ops.attend_decode(query, wide, values, index, new_keys, new_values, None, 0.1, scores) is None
+    assert attention_ops.attend_with_scores(query, wide, values, index, new_keys, new_values, None, 0.1, scores) is None
     big = torch.randn(1, 2, 3, 1, 260)
-    assert attention_ops.attend_decode(big, torch.randn(1, 2, 20, 260), torch.randn(1, 2, 20, 260), index,
+    assert attention_ops.attend_with_scores(big, torch.randn(1, 2, 20, 260), torch.randn(1, 2, 20, 260), index,
                                        torch.randn(1, 2, 1, 260), torch.randn(1, 2, 1, 260), None, 0.1, scores) is None
     assert torch.equal(scores, before)
 
 
-def test_the_torch_backend_routes_a_decode_step_to_it_when_asked(monkeypatch):
-    """``H2OCHAT_CPU_ATTENTION=1`` routes a CPU decode step through the kernel; unset, the torch route runs."""
+def _counting(monkeypatch) -> list:
+    """Count the eager calls the torch backend makes to the kernel (one entry per call: whether it took it)."""
     calls = []
-    attend = attention_ops.attend_decode
-    monkeypatch.setattr(attention_ops, "attend_decode", lambda *a: calls.append(1) or attend(*a))
+    attend = attention_ops.attend_with_scores
+    monkeypatch.setattr(attention_ops, "attend_with_scores", lambda *a: calls.append(1) or attend(*a))
+    return calls
+
+
+def test_the_torch_backend_routes_a_decode_step_to_it_by_default(monkeypatch):
+    """A CPU decode step goes through the kernel unless ``H2OCHAT_CPU_ATTENTION=0`` (read when the backend is
+    chosen); ``H2OCHAT_CPU_KERNELS=none`` turns it off too."""
+    calls = _counting(monkeypatch)
     generator = torch.Generator().manual_seed(7)
     query, keys, values, index, new_keys, new_values, scores = _step(1, 2, 3, 20, 64, torch.float32, generator)
-    dispatch.Backend("torch").attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
-    assert calls == []
-    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "1")
+    monkeypatch.delenv(attention_ops.ROUTE_SWITCH, raising=False)
     dispatch.Backend("torch").attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
     assert calls == [1]
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "0")
+    off = dispatch.Backend("torch")
+    off.attend_with_scores(query, keys, values, index, new_keys, new_values, None, 0.1, scores)
+    assert calls == [1] and not off.cpu_attention
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "1")
+    monkeypatch.setenv(dispatch.CPU_SWITCH, "none")
+    assert not dispatch.Backend("torch").cpu_attention
+
+
+def test_it_reads_the_slots_in_use_as_a_view():
+    """With the kernel, a bf16 decode step reads the first slots in use as they are (a view: the kernel takes its
+    strides), where the torch route would rather read every column than copy the view."""
+    slots = torch.zeros(1, 1, 10, 4, dtype=torch.bfloat16)
+    assert dispatch.Backend("torch").cpu_attention
+    assert not dispatch.Backend("torch").attends_every_column(1, 9, 10, slots)
+    assert dispatch.Backend("torch").attends_every_column(2, 9, 10, slots) is False  # (a chunk: the view either way)
+
+
+def _op_args(dtype, decay, padding):
+    generator = torch.Generator().manual_seed(11)
+    query, keys, values, index, new_keys, new_values, scores = _step(2, 3, 3, 45, 64, dtype, generator, strided=True)
+    new_valid = torch.tensor([[True], [False]]) if padding else None
+    number, rows = (1.0, decay) if isinstance(decay, torch.Tensor) else (decay, None)
+    return query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores, number, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decay,padding", [(1.0, False), (0.5, True), (torch.tensor([0.5, 0.25]), False)])
+def test_the_op_passes_opcheck(dtype, decay, padding):
+    """The custom op a compiled step calls: its schema, its declared write of ``scores``, its fake implementation
+    (shapes, dtypes) and its use under AOT autograd, as ``torch.library.opcheck`` checks them."""
+    torch.library.opcheck(torch.ops.h2ochat.cpu_attend_with_scores.default, _op_args(dtype, decay, padding),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def _attend(backend, query, keys, values, index, new_keys, new_values, new_valid, scores, decay):
+    return backend.attend_with_scores(query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores,
+                                      decay)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_call_takes_the_kernel_bit_for_bit(compiler, dtype):
+    """Under ``torch.compile`` (fullgraph) the torch backend's decode step is the op, one node in the graph, and
+    gives the eager kernel's output, new scores and updated scores bit for bit (the same kernel on the same
+    inputs), whatever the compiler; a per-sequence decay and a padding row included."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    query, keys, values, index, new_keys, new_values, new_valid, _, scores, _, decay = _op_args(
+        dtype, torch.tensor([0.5, 0.25]), True)
+    backend = dispatch.Backend("torch")
+    eager_scores, compiled_scores = scores.clone(), scores.clone()
+    want = _attend(backend, query, keys, values, index, new_keys, new_values, new_valid, eager_scores, decay)
+    targets = []
+
+    def recording(graph, example_inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return lookup_backend(compiler)(graph, example_inputs)
+
+    torch._dynamo.reset()
+    step = torch.compile(_attend, backend=recording, fullgraph=True, dynamic=False)
+    got = step(backend, query, keys, values, index, new_keys, new_values, new_valid, compiled_scores, decay)
+    assert targets.count(OP) == 1, targets
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(compiled_scores, eager_scores) and not torch.equal(compiled_scores, scores)
+
+
+def test_the_torch_route_is_traced_where_the_kernel_is_off(monkeypatch):
+    """With the kernel switched off the compiled step traces the torch route: no op in the graph."""
+    monkeypatch.setenv(attention_ops.ROUTE_SWITCH, "0")
+    query, keys, values, index, new_keys, new_values, new_valid, _, scores, decay, _ = _op_args(
+        torch.float32, 1.0, False)
+    targets = []
+
+    def recording(graph, example_inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(_attend, backend=recording, fullgraph=True, dynamic=False)
+    step(dispatch.Backend("torch"), query, keys, values, index, new_keys, new_values, new_valid, scores, decay)
+    assert targets and OP not in targets
 
 
 def _greedy(model, prompt, steps: int, slots: int):
@@ -186,7 +321,7 @@ def test_greedy_decoding_is_the_torch_routes(family, torch_route, monkeypatch):
     model = build_model(family, seed=2, max_position_embeddings=128)
     prompt = random_ids(2, 10, torch.Generator().manual_seed(9))
     calls = []
-    attend = attention_ops.attend_decode
+    attend = attention_ops.attend_with_scores
 
     def counted(*args):
         done = attend(*args)
@@ -194,10 +329,50 @@ def test_greedy_decoding_is_the_torch_routes(family, torch_route, monkeypatch):
         return done
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_ops, "attend_decode", counted)
+        patch.setattr(attention_ops, "attend_with_scores", counted)
         tokens, logits = _greedy(model, prompt, 40, 16)
-    assert sum(calls) == 40 * model.config.num_hidden_layers  # every decode step of every layer took the kernel
+    # the prompt (one chunk) and every decode step, in every layer, took the kernel
+    assert all(calls) and len(calls) == (1 + 40) * model.config.num_hidden_layers
     torch_route()
     want_tokens, want_logits = _greedy(model, prompt, 40, 16)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_decode_step_takes_the_kernel_as_the_eager_step_does(monkeypatch):
+    """The compiled decode step (aot_eager: the same capture inductor gets) holds the op once per layer, traced
+    once, and both it and the eager step of a static-shape cache call the kernel once per layer and step: the same
+    kernel on the same inputs, so the two give the same logits and the same scores bit for bit, step after step,
+    evicting from the first."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from h2ochat.engine import compiled
+    from h2ochat.engine.forward_step import EagerDecode
+
+    model = build_model("llama", seed=3)
+    layers = model.config.num_hidden_layers
+    prompt = random_ids(2, 8, torch.Generator().manual_seed(12))
+    targets = []
+
+    def recording(graph, example_inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    step = compiled.CompiledDecode(model, backend=recording)
+    caches = [CacheSettings(budget="6", recall=None).build(model, static_shapes=True) for _ in range(2)]
+    with torch.inference_mode():
+        logits = [prefill(model, cache, prompt) for cache in caches][0]
+    calls = []  # the kernel's calls, eager or from the op (which a trace does not enter)
+    call = attention_ops._call
+    monkeypatch.setattr(attention_ops, "_call", lambda *a: calls.append(1) or call(*a))
+    eager = EagerDecode(model)
+    for _ in range(6):
+        tokens = logits.argmax(-1)
+        with torch.inference_mode():
+            logits = eager(caches[0], tokens.view(-1, 1))
+            got = step(caches[1], tokens)
+        assert torch.equal(got, logits)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(a.scores, b.scores) and torch.equal(a.token_index, b.token_index)
+    assert targets.count(OP) == layers and len(calls) == 2 * 6 * layers

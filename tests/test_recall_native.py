@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_model, recall_cache
-from cpu_routes import install_had_a_compiler, recall_route, torch_route  # noqa: F401 (fixtures)
+from cpu_routes import install_had_a_compiler, recall_route, torch_route, without_attention_kernel  # noqa: F401 (fixtures)
 
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
@@ -24,7 +24,8 @@ from h2ochat.recall.tiered import RecallConfig
 from h2ochat.rotary import find_rotary
 from h2ochat_kernels.recall_reference import page_scores, top_pages
 
-pytestmark = pytest.mark.usefixtures("recall_route")  # every test here on every variant this CPU runs
+# every test here on every variant this CPU runs, the attention on the torch route (its kernel sums in another order)
+pytestmark = pytest.mark.usefixtures("recall_route", "without_attention_kernel")
 
 
 def test_every_variant_this_cpu_runs_was_built():

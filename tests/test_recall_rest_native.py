@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_model, recall_cache
-from cpu_routes import recall_route  # noqa: F401 (a fixture)
+from cpu_routes import recall_route, without_attention_kernel  # noqa: F401 (fixtures)
 
 from h2ochat.engine.attention import use_h2o_attention
 from h2ochat.engine.forward_step import forward
@@ -190,6 +190,7 @@ def test_a_rows_page_means_follow_its_import_and_reset(move):
 ROUTE_TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
+@pytest.mark.usefixtures("without_attention_kernel")  # (the attention kernel sums in another order)
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_auto_attends_the_rest_in_prompt_chunks_with_the_kernel_or_without(monkeypatch, dtype):

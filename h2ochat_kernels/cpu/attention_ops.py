@@ -1,38 +1,57 @@
-"""A decode step's attention with its H2O scores in one C call (``csrc/attention_*``): each (sequence, KV head)
-row's keys read once, then its values once, where the torch route takes separate passes for the slot logits, the
-slot outputs and the scores (47% of a served step in the server's profile, benchmarks/results_peers_idle.json).
-Timings: benchmarks/cpu_attention.py.
+"""Attention with its H2O scores in one C call (``csrc/attention_*``), for a decode step's new token or a prompt
+chunk's: each (sequence, KV head) row's keys read once, then its values once, where the torch route takes separate
+passes for the slot logits, the slot outputs and the scores (47% of a served step in the server's profile, the
+prompt chunks' attention another 31% of the server's time, benchmarks/results_peers_idle.json). Timings:
+benchmarks/cpu_attention.py (one call: results_cpu_attention.json for decode steps,
+results_cpu_attention_chunks.json for prompt chunks; whole steps: results_cpu_attention_routed.json).
 
-``attend_decode`` is ``reference.attend_with_scores`` for what the kernel takes: one new token (Q = 1), float slots
-of the query's dtype (bf16 or fp32) with unit stride along D (any view of a larger slot buffer), D <= 256, any
-group G, a padding mask, a float decay or one per sequence. It returns None for anything else (quantized slots, a
-recall tier's rest column: the caller's; several new tokens, another dtype or device, a compiled graph) and the
-caller keeps its torch route. The variant that runs is ``routes.cpu_route("attention")``'s: ``avx512bf16`` (bf16
-keys dotted by VDPBF16PS) or ``avx2`` / ``generic`` (vectors of 8 floats). Sums are fp32 in every variant: the
-fp32 route agrees with torch to fp32 rounding; the bf16 one is closer to the exact result than torch's bf16 route,
-which rounds the logits and the probabilities to bf16 (tests/test_cpu_attention.py states both tolerances).
+``attend_with_scores`` is ``reference.attend_with_scores`` for what the kernel takes (``takes``): up to 512 new
+tokens (Q = 1 a decode step; Q > 1 a chunk, causal among its tokens, each query row's probabilities weighed in the
+scores by the decay as the reference weighs them), float slots of the query's dtype (bf16 or fp32) with unit stride
+along D (any view of a larger slot buffer), D <= 256, any group G, a padding mask, a float decay or one per
+sequence. Everything ``takes`` reads is a shape, a dtype, a stride or a device, never a value, so a
+``torch.compile`` trace decides as an eager call does. Quantized slots, a recall tier's rest column, a longer
+chunk, another dtype or device stay on the caller's torch route.
 
-Each variant is checked against the torch reference the first time it loads, in both dtypes; one that disagrees
-is never used.
+Routed by default: the torch backend (``dispatch.Backend``) sends a CPU step here when the kernel loads on this
+machine, ``H2OCHAT_CPU_ATTENTION=0`` or ``H2OCHAT_CPU_KERNELS=none`` turns it off (read when a cache layer
+chooses its backend). An eager step calls the kernel directly; a compiled step calls it as the custom op
+``torch.ops.h2ochat.cpu_attend_with_scores`` (one opaque node in the graph, ``scores`` declared written in place,
+a fake implementation giving the output shapes), so the eager and the compiled step take the same route and run the
+same kernel on the same inputs.
+
+The variant that runs is ``routes.cpu_route("attention")``'s: ``avx512bf16`` (bf16 keys dotted by VDPBF16PS) or
+``avx2`` (vectors of 8 floats); ``auto`` never takes ``generic`` (no faster than torch), which runs only when named.
+Sums are fp32 in every variant, in another order than torch's: the fp32 route agrees with torch to fp32 rounding
+(~1e-5 relative); the bf16 one is closer to the exact result than torch's bf16 route, which rounds the logits and
+the probabilities to bf16 (tests/test_cpu_attention.py states both tolerances).
+
+Each variant is checked against the torch reference the first time it loads, in both dtypes, on a decode step and
+a chunk; one that disagrees is never used.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from .. import reference
+from .. import ops, reference
 from . import routes
 
 FLOATS = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# the most new tokens a call takes: its logits (G x Q rows over the slots and the Q new tokens) are kept whole, one
+# (sequence, KV head) row at a time; a longer chunk keeps the torch route (a prompt's chunks are 512 tokens)
+MAX_NEW_TOKENS = 512
 
 
 def _checked(library):
     # the bare cffi function: its tensors go as addresses (csrc/attention_api.h), no per-argument casts
-    kernel = (library.h2ochat_attend_decode.function, functools.cache(library.h2ochat_attend_workspace))
+    kernel = (library.h2ochat_attend_tokens.function, functools.cache(library.h2ochat_attend_workspace))
     return kernel if all(_agrees_in(kernel, dtype) for dtype in FLOATS) else None
 
 
@@ -43,15 +62,13 @@ def _loaded() -> tuple[object | None, str]:
     return (None, why) if variant is None else routes.cpu_checked("attention", _checked, variant)
 
 
-ROUTE_SWITCH = "H2OCHAT_CPU_ATTENTION"  # "1": the torch backend's decode steps take this kernel
+ROUTE_SWITCH = "H2OCHAT_CPU_ATTENTION"  # "0": the torch backend's CPU steps keep the torch route
 
 
 def routed() -> bool:
-    """Whether a CPU layer's decode steps go through this kernel (``H2OCHAT_CPU_ATTENTION=1``). Off by default:
-    it sums in another order than the torch route, and a compiled step (a graph that calls torch's ops) does not
-    take it yet, so an eager step and a compiled one would stop agreeing bit for bit. It is routed by default once
-    it is a custom op that a compiled step calls too."""
-    return os.environ.get(ROUTE_SWITCH, "0").strip() == "1"
+    """Whether a CPU layer's steps go through this kernel where it loads and takes them: yes unless
+    ``H2OCHAT_CPU_ATTENTION=0``."""
+    return os.environ.get(ROUTE_SWITCH, "1").strip() != "0"
 
 
 def available() -> bool:
@@ -68,10 +85,12 @@ def variant_name() -> str | None:
     return None if variant is None or _loaded()[0] is None else variant.name
 
 
-def _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay) -> bool:
-    if query.dim() != 5 or query.shape[3] != 1 or not query.is_cpu or torch.compiler.is_compiling():
+def takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay) -> bool:
+    """Whether the kernel takes these arguments: shapes, dtypes, strides and devices only (a compiled step decides
+    this while tracing, as an eager step does per call)."""
+    if query.dim() != 5 or not 1 <= query.shape[3] <= MAX_NEW_TOKENS or not query.is_cpu:
         return False
-    batch, heads, _, _, dim = query.shape
+    batch, heads, _, q_len, dim = query.shape
     dtype = query.dtype
     slots = (batch, heads, cache_keys.shape[2])
     return (dtype in FLOATS and cache_keys.dtype == dtype and cache_values.dtype == dtype and new_keys.dtype == dtype
@@ -80,35 +99,69 @@ def _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_valu
             and new_values.is_cpu and scores.is_cpu
             and cache_keys.shape == cache_values.shape == (*slots, dim)
             and cache_keys.stride(3) == 1 and cache_values.stride(3) == 1
-            and new_keys.shape == new_values.shape == (batch, heads, 1, dim)
+            and new_keys.shape == new_values.shape == (batch, heads, q_len, dim)
             and slot_token_index.dtype == torch.long and slot_token_index.shape == slots
             and scores.dtype == torch.float32 and scores.shape == slots
-            and (new_valid is None or (new_valid.dtype == torch.bool and new_valid.numel() == batch
+            and (new_valid is None or (new_valid.dtype == torch.bool and new_valid.numel() == batch * q_len
                                        and new_valid.is_cpu))
             and (not isinstance(decay, torch.Tensor) or (decay.is_floating_point() and decay.is_cpu
                                                           and decay.numel() in (1, batch))))
 
 
-def attend_decode(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
-                  decay=1.0):
+def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale,
+                       scores, decay=1.0):
     """``reference.attend_with_scores(query, ..., decay)`` without quant or rest (``scores`` updated in place;
-    returns (out [B, Hkv, G, 1, D] in the query's dtype, new_scores [B, Hkv, 1] fp32)), or None where the kernel does
-    not take these arguments (module docstring): then nothing is written."""
-    if not _takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay):
+    returns (out [B, Hkv, G, Q, D] in the query's dtype, new_scores [B, Hkv, Q] fp32)), or None where the kernel does
+    not take these arguments (``takes``) or does not load here: then nothing is written. Inside a ``torch.compile``
+    trace it is the custom op, whose call runs the kernel (or, where the kernel stopped loading since the trace,
+    the reference: the same contract)."""
+    if not takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay):
         return None
+    if torch.compiler.is_compiling():
+        number, rows = (1.0, decay) if isinstance(decay, torch.Tensor) else (float(decay), None)
+        return torch.ops.h2ochat.cpu_attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys,
+                                                        new_values, new_valid, float(scale), scores, number, rows)
+    # eager: the kernel itself, not through the op (the dispatcher's round trip costs tens of us a call)
     kernel = _loaded()[0]
     return None if kernel is None else _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys,
                                              new_values, new_valid, scale, scores, decay, torch.get_num_threads())
 
 
+@ops._op("cpu_attend_with_scores", mutates_args=("scores",))
+def _attend_op(query: Tensor, cache_keys: Tensor, cache_values: Tensor, slot_token_index: Tensor, new_keys: Tensor,
+               new_values: Tensor, new_valid: Optional[Tensor], scale: float, scores: Tensor, decay: float,
+               decay_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The op a compiled step calls (a schema takes no ``float | Tensor``: the decay is a number, or ``decay_rows``
+    per sequence). Its outputs are new tensors: an op's outputs may not alias its inputs."""
+    decay = decay if decay_rows is None else decay_rows
+    kernel = _loaded()[0]
+    if kernel is None:
+        return reference.attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values,
+                                            new_valid, scale, scores, decay)
+    return _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale,
+                 scores, decay, torch.get_num_threads())
+
+
+@ops._fake("cpu_attend_with_scores")
+def _attend_fake(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
+                 decay, decay_rows):
+    batch, heads, _, q_len, _ = query.shape
+    return query.new_empty(query.shape), query.new_empty((batch, heads, q_len), dtype=torch.float32)
+
+
 def _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
           decay, threads):
     attend, workspace_floats = kernel
-    batch, heads, group, _, dim = query.shape
+    batch, heads, group, q_len, dim = query.shape
     slots = cache_keys.shape[2]
     query, new_keys, new_values = query.contiguous(), new_keys.contiguous(), new_values.contiguous()
     if new_valid is not None:
         new_valid = new_valid.contiguous()
+    weights = None  # (a decode step's one row weighs 1; its padding row is the kernel's to skip)
+    if q_len > 1:  # each row's weight and the old scores' factor, as the reference has them
+        weights = reference.row_weights(new_valid, batch, q_len, decay, query.device)
+        weights = None if weights is None else weights.to(torch.float32).contiguous()
+        decay = reference.old_score_factor(new_valid, batch, q_len, decay, query.device)
     if isinstance(decay, torch.Tensor):
         decay = decay.to(torch.float32).reshape(-1).expand(batch).contiguous()
     elif float(decay) == 1.0:
@@ -116,30 +169,36 @@ def _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, n
     else:
         decay = torch.full((batch,), float(decay), dtype=torch.float32)
     threads = max(1, min(threads, batch * heads))
-    workspace = torch.empty(threads * workspace_floats(group, slots, dim), dtype=torch.float32)
-    out = torch.empty(batch, heads, group, 1, dim, dtype=query.dtype)
-    new_scores = torch.empty(batch, heads, 1, dtype=torch.float32)
-    attend(query.data_ptr(), batch, heads, group, dim, cache_keys.data_ptr(), *cache_keys.stride()[:3],
+    workspace = torch.empty(threads * workspace_floats(group, q_len, slots, dim), dtype=torch.float32)
+    out = torch.empty(batch, heads, group, q_len, dim, dtype=query.dtype)
+    new_scores = torch.empty(batch, heads, q_len, dtype=torch.float32)
+    attend(query.data_ptr(), batch, heads, group, q_len, dim, cache_keys.data_ptr(), *cache_keys.stride()[:3],
            cache_values.data_ptr(), *cache_values.stride()[:3], slots, slot_token_index.data_ptr(),
            *slot_token_index.stride(), new_keys.data_ptr(), new_values.data_ptr(),
            0 if new_valid is None else new_valid.data_ptr(), float(scale), scores.data_ptr(), *scores.stride(),
-           0 if decay is None else decay.data_ptr(), out.data_ptr(), new_scores.data_ptr(), query.element_size(),
+           0 if decay is None else decay.data_ptr(), 0 if weights is None else weights.data_ptr(), out.data_ptr(), new_scores.data_ptr(), query.element_size(),
            workspace.data_ptr(), threads)
     return out, new_scores
 
 
 def _agrees_in(kernel, dtype: torch.dtype) -> bool:
-    """Odd sizes (a head dim with a tail, a view with gaps), empty slots, a padding row, a decay, two threads:
-    against the torch reference on the same values in fp32, within the kernel's stated tolerance."""
+    """A decode step and a chunk of 19 tokens: odd sizes (a head dim with a tail, a view with gaps), empty slots,
+    padding, a decay, two threads: against the torch reference on the same values in fp32, within the kernel's
+    stated tolerance."""
+    return all(_agrees_at(kernel, dtype, q_len) for q_len in (1, 19))
+
+
+def _agrees_at(kernel, dtype: torch.dtype, q_len: int) -> bool:
     generator = torch.Generator().manual_seed(0)
     batch, heads, group, slots, dim = 2, 3, 3, 37, 67
-    query = torch.randn(batch, heads, group, 1, dim, generator=generator).to(dtype)
+    query = torch.randn(batch, heads, group, q_len, dim, generator=generator).to(dtype)
     store = torch.randn(2, batch, heads, slots + 5, dim + 3, generator=generator).to(dtype)
     keys, values = store[0, :, :, :slots, :dim], store[1, :, :, :slots, :dim]
     index = torch.arange(slots).expand(batch, heads, slots).clone()
     index[0, 1, ::3] = -1
-    new_keys, new_values = torch.randn(2, batch, heads, 1, dim, generator=generator).to(dtype)
-    new_valid = torch.tensor([[True], [False]])
+    new_keys, new_values = torch.randn(2, batch, heads, q_len, dim, generator=generator).to(dtype)
+    new_valid = torch.ones(batch, q_len, dtype=torch.bool)
+    new_valid[1, 0], new_valid[0, 2:q_len:4] = False, False
     scores = torch.rand(batch, heads, slots, generator=generator)
     expected_scores = scores.clone()
     got = _call(kernel, query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores, 0.5, 2)

@@ -1,5 +1,6 @@
-/* A decode step's attention with its H2O scores, one (sequence, KV head) row at a time: what every variant of the
-   attention module shares. The unit that includes this defines the vector kind first: LANES fp32 lanes in `vf`,
+/* Attention of Q new tokens with its H2O scores, one (sequence, KV head) row at a time: what every variant of the
+   attention module shares. A decode step has one new token; a prompt chunk's Q attend among themselves causally,
+   its G x Q queries (G-major, as the query tensor lays them out) taken as the rows of one block. The unit that includes this defines the vector kind first: LANES fp32 lanes in `vf`,
    its arithmetic (vzero ... vhmax, vround, vscale2, vzero_below) and the three loops that touch the slots and
    queries (prepare_queries, key_dots, value_sums): attention_avx512bf16.c by AVX-512 and VDPBF16PS,
    attention_portable.c by vectors of 8 floats.
@@ -23,10 +24,11 @@
    softmaxes to a uniform row, as torch's does, not to NaN) */
 #define MASKED (-3.40282346638528859812e+38f)
 #define VALUE_BLOCK 64 /* slots a value pass takes at once: each tile of queries and channels reads them from L1 */
-#define ROW_PAD 16     /* a row of logits holds whole blocks of keys and the new token's block after them */
+#define ROW_PAD 16     /* a row of logits holds whole blocks of keys and the new tokens' blocks after them */
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-static inline int64_t logit_columns(int64_t S) { return round_up(S, ROW_PAD) + ROW_PAD; }
+/* S slots, then Q new tokens from column S (a block of LANES <= ROW_PAD written at once from there) */
+static inline int64_t logit_columns(int64_t S, int64_t Q) { return round_up(S + Q - 1, ROW_PAD) + ROW_PAD; }
 static inline int64_t value_columns(int64_t D) { return round_up(D, 64); }
 
 static inline float from_bf16(uint16_t half) {
@@ -75,44 +77,50 @@ static void value_sums(const char *values, int64_t value_s, int64_t n, const flo
 
 typedef struct {
   const char *query, *keys, *values, *new_keys, *new_values;
-  int64_t H, G, D, S, bytes, key_b, key_h, key_s, value_b, value_h, value_s, index_b, index_h, index_s;
+  int64_t H, G, Q, D, S, bytes, key_b, key_h, key_s, value_b, value_h, value_s, index_b, index_h, index_s;
   int64_t score_b, score_h, score_s;
   const int64_t *token_index;
   const uint8_t *new_valid;
-  const float *decay;
+  const float *decay, *weights;
   float scale, *scores, *new_scores;
   char *out;
 } step_t;
 
-int64_t h2ochat_attend_workspace(int64_t G, int64_t S, int64_t D) {
-  return G * logit_columns(S) + logit_columns(S) + 2 * G * value_columns(D);
+int64_t h2ochat_attend_workspace(int64_t G, int64_t Q, int64_t S, int64_t D) {
+  return G * Q * logit_columns(S, Q) + logit_columns(S, Q) + 2 * G * Q * value_columns(D);
 }
 
-/* Row (b, h): its logits (G rows of `columns`, the new token's at column S), then their softmax in place, then the
-   values by those probabilities, then the scores. */
+/* Row (b, h): its logits (M = G x Q query rows of `columns`, the new tokens' from column S), then their softmax in
+   place, then the values by those probabilities, then the scores. */
 static void attend_row(const step_t *t, int64_t b, int64_t h, float *work) {
-  const int64_t G = t->G, D = t->D, S = t->S, bytes = t->bytes, columns = logit_columns(S), width = value_columns(D);
-  float *logits = work, *bias = logits + G * columns, *acc = bias + columns, *prepared = acc + G * width;
+  const int64_t Q = t->Q, M = t->G * Q, D = t->D, S = t->S, bytes = t->bytes, columns = logit_columns(S, Q),
+                width = value_columns(D);
+  float *logits = work, *bias = logits + M * columns, *acc = bias + columns, *prepared = acc + M * width;
   const int64_t row = b * t->H + h;
-  const int real = !t->new_valid || t->new_valid[b];
+  const uint8_t *valid = t->new_valid ? t->new_valid + b * Q : 0;  /* (none: every new token real) */
+  const int real = !valid || valid[0];  /* (a decode step's one token) */
 
-  prepare_queries(t->query + row * G * D * bytes, G, D, bytes, prepared);
+  prepare_queries(t->query + row * M * D * bytes, M, D, bytes, prepared);
   const char *keys = t->keys + (b * t->key_b + h * t->key_h) * bytes;
   for (int64_t s0 = 0; s0 < S; s0 += LANES)
-    key_dots(keys + s0 * t->key_s * bytes, t->key_s, S - s0 < LANES ? S - s0 : LANES, prepared, G, D, bytes,
+    key_dots(keys + s0 * t->key_s * bytes, t->key_s, S - s0 < LANES ? S - s0 : LANES, prepared, M, D, bytes,
              logits + s0, columns);
-  key_dots(t->new_keys + row * D * bytes, 0, 1, prepared, G, D, bytes, logits + S, columns);
+  const char *new_keys = t->new_keys + row * Q * D * bytes;
+  for (int64_t j0 = 0; j0 < Q; j0 += LANES)
+    key_dots(new_keys + j0 * D * bytes, D, Q - j0 < LANES ? Q - j0 : LANES, prepared, M, D, bytes,
+             logits + S + j0, columns);
 
-  /* scale * dot + bias: MASKED for an empty slot (the sum rounds to it) and a padding token's own key, -inf past
-     the new token (no probability at all) */
+  /* scale * dot + bias: MASKED for an empty slot (the sum rounds to it), a padding token's key and a later new
+     token's (causal), -inf past the new tokens (no probability at all) */
   const int64_t *index = t->token_index + b * t->index_b + h * t->index_h;
   for (int64_t s = 0; s < S; s++) bias[s] = index[s * t->index_s] < 0 ? MASKED : 0.0f;
-  bias[S] = real ? 0.0f : MASKED;
-  for (int64_t s = S + 1; s < columns; s++) bias[s] = -INFINITY;
-  float inverse[G];
-  for (int64_t g = 0; g < G; g++) {
-    float *x = logits + g * columns;
-    for (int64_t s = S + 1; s < columns; s++) x[s] = 0.0f; /* (never written: whatever the workspace held) */
+  for (int64_t s = S + Q; s < columns; s++) bias[s] = -INFINITY;
+  float inverse[M];
+  for (int64_t m = 0; m < M; m++) {
+    const int64_t q = m % Q;
+    for (int64_t j = 0; j < Q; j++) bias[S + j] = j <= q && (!valid || valid[j]) ? 0.0f : MASKED;
+    float *x = logits + m * columns;
+    for (int64_t s = S + Q; s < columns; s++) x[s] = 0.0f; /* (never written: whatever the workspace held) */
     vf top = vset1(-INFINITY);
     for (int64_t s = 0; s < columns; s += LANES) {
       const vf logit = vfma(vload(x + s), vset1(t->scale), vload(bias + s));
@@ -126,33 +134,39 @@ static void attend_row(const step_t *t, int64_t b, int64_t h, float *work) {
       vstore(x + s, p);
       sum = vadd(sum, p);
     }
-    inverse[g] = 1.0f / vhsum(sum);
+    inverse[m] = 1.0f / vhsum(sum);
   }
 
-  memset(acc, 0, G * width * sizeof(float));
+  memset(acc, 0, M * width * sizeof(float));
   const char *values = t->values + (b * t->value_b + h * t->value_h) * bytes;
   for (int64_t s0 = 0; s0 < S; s0 += VALUE_BLOCK)
     value_sums(values + s0 * t->value_s * bytes, t->value_s, S - s0 < VALUE_BLOCK ? S - s0 : VALUE_BLOCK,
-               logits + s0, columns, G, D, bytes, acc, width);
-  value_sums(t->new_values + row * D * bytes, 0, 1, logits + S, columns, G, D, bytes, acc, width);
-  for (int64_t g = 0; g < G; g++) {
-    const float *from = acc + g * width;
-    char *to = t->out + (row * G + g) * D * bytes;
+               logits + s0, columns, M, D, bytes, acc, width);
+  const char *new_values = t->new_values + row * Q * D * bytes;
+  for (int64_t j0 = 0; j0 < Q; j0 += VALUE_BLOCK)
+    value_sums(new_values + j0 * D * bytes, D, Q - j0 < VALUE_BLOCK ? Q - j0 : VALUE_BLOCK, logits + S + j0,
+               columns, M, D, bytes, acc, width);
+  for (int64_t m = 0; m < M; m++) {
+    const float *from = acc + m * width;
+    char *to = t->out + (row * M + m) * D * bytes;
     if (bytes == 4)
-      for (int64_t d = 0; d < D; d++) ((float *)to)[d] = from[d] * inverse[g];
+      for (int64_t d = 0; d < D; d++) ((float *)to)[d] = from[d] * inverse[m];
     else
-      for (int64_t d = 0; d < D; d++) ((uint16_t *)to)[d] = to_bf16(from[d] * inverse[g]);
+      for (int64_t d = 0; d < D; d++) ((uint16_t *)to)[d] = to_bf16(from[d] * inverse[m]);
   }
 
-  /* the probability each slot received, summed over the G queries (into the first row), onto the scores:
-     S <- decay * S + p for a real token; a padding token neither adds nor decays */
+  /* the probability each slot and new token received, summed over the query rows (into the first row), each row
+     by its weight (a padding row's 0), onto the scores: S <- decay * S + p; a decode step's padding token neither
+     adds nor decays */
+  const float *weights = t->weights ? t->weights + b * Q : 0;
+  for (int64_t m = 0; m < M; m++) inverse[m] *= weights ? weights[m % Q] : 1.0f;
   for (int64_t s = 0; s < columns; s += LANES) {
     vf received = vmul(vload(logits + s), vset1(inverse[0]));
-    for (int64_t g = 1; g < G; g++) received = vfma(vload(logits + g * columns + s), vset1(inverse[g]), received);
+    for (int64_t m = 1; m < M; m++) received = vfma(vload(logits + m * columns + s), vset1(inverse[m]), received);
     vstore(logits + s, received);
   }
-  t->new_scores[row] = real ? logits[S] : 0.0f;
-  if (!real) return;
+  for (int64_t j = 0; j < Q; j++) t->new_scores[row * Q + j] = Q > 1 || real ? logits[S + j] : 0.0f;
+  if (Q == 1 && !real) return;
   float *scores = t->scores + b * t->score_b + h * t->score_h;
   const float decay = t->decay ? t->decay[b] : 1.0f;
   if (decay == 1.0f)
@@ -161,20 +175,21 @@ static void attend_row(const step_t *t, int64_t b, int64_t h, float *work) {
     for (int64_t s = 0; s < S; s++) scores[s * t->score_s] = scores[s * t->score_s] * decay + logits[s];
 }
 
-void h2ochat_attend_decode(int64_t query, int64_t B, int64_t H, int64_t G, int64_t D, int64_t keys, int64_t key_b,
-                           int64_t key_h, int64_t key_s, int64_t values, int64_t value_b, int64_t value_h,
-                           int64_t value_s, int64_t S, int64_t token_index, int64_t index_b, int64_t index_h,
-                           int64_t index_s, int64_t new_keys, int64_t new_values, int64_t new_valid, float scale,
-                           int64_t scores, int64_t score_b, int64_t score_h, int64_t score_s, int64_t decay,
-                           int64_t out, int64_t new_scores, int64_t bytes, int64_t workspace_address, int threads) {
+void h2ochat_attend_tokens(int64_t query, int64_t B, int64_t H, int64_t G, int64_t Q, int64_t D, int64_t keys,
+                           int64_t key_b, int64_t key_h, int64_t key_s, int64_t values, int64_t value_b,
+                           int64_t value_h, int64_t value_s, int64_t S, int64_t token_index, int64_t index_b,
+                           int64_t index_h, int64_t index_s, int64_t new_keys, int64_t new_values, int64_t new_valid,
+                           float scale, int64_t scores, int64_t score_b, int64_t score_h, int64_t score_s,
+                           int64_t decay, int64_t weights, int64_t out, int64_t new_scores, int64_t bytes,
+                           int64_t workspace_address, int threads) {
   const step_t t = {(const char *)(intptr_t)query, (const char *)(intptr_t)keys, (const char *)(intptr_t)values,
-                    (const char *)(intptr_t)new_keys, (const char *)(intptr_t)new_values, H, G, D, S, bytes, key_b,
-                    key_h, key_s, value_b, value_h, value_s, index_b, index_h, index_s, score_b, score_h, score_s,
-                    (const int64_t *)(intptr_t)token_index, (const uint8_t *)(intptr_t)new_valid,
-                    (const float *)(intptr_t)decay, scale, (float *)(intptr_t)scores, (float *)(intptr_t)new_scores,
-                    (char *)(intptr_t)out};
+                    (const char *)(intptr_t)new_keys, (const char *)(intptr_t)new_values, H, G, Q, D, S, bytes,
+                    key_b, key_h, key_s, value_b, value_h, value_s, index_b, index_h, index_s, score_b, score_h,
+                    score_s, (const int64_t *)(intptr_t)token_index, (const uint8_t *)(intptr_t)new_valid,
+                    (const float *)(intptr_t)decay, (const float *)(intptr_t)weights, scale,
+                    (float *)(intptr_t)scores, (float *)(intptr_t)new_scores, (char *)(intptr_t)out};
   float *workspace = (float *)(intptr_t)workspace_address;
-  const int64_t rows = B * H, per_thread = h2ochat_attend_workspace(G, S, D);
+  const int64_t rows = B * H, per_thread = h2ochat_attend_workspace(G, Q, S, D);
   if (threads <= 1 || rows < 2) {
     for (int64_t r = 0; r < rows; r++) attend_row(&t, r / H, r % H, workspace);
     return;
