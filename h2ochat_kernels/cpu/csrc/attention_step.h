@@ -1,9 +1,9 @@
 /* Attention of Q new tokens with its H2O scores, one (sequence, KV head) row at a time: what every variant of the
    attention module shares. A decode step has one new token; a prompt chunk's Q attend among themselves causally,
-   its G x Q queries (G-major, as the query tensor lays them out) taken as the rows of one block. The unit that includes this defines the vector kind first: LANES fp32 lanes in `vf`,
-   its arithmetic (vzero ... vhmax, vround, vscale2, vzero_below) and the three loops that touch the slots and
-   queries (prepare_queries, key_dots, value_sums): attention_avx512bf16.c by AVX-512 and VDPBF16PS,
-   attention_portable.c by vectors of 8 floats.
+   its G x Q queries (G-major, as the query tensor lays them out) taken as the rows of one block. The unit that
+   includes this includes its vector kind first (vectors_avx512.h or vectors_portable.h, with vector_math.h's vexp
+   and from_bf16) and defines the three loops that touch the slots and queries after it (prepare_queries, key_dots,
+   value_sums): attention_avx512bf16.c by AVX-512 and VDPBF16PS, attention_portable.c by vectors of 8 floats.
 
    A row's keys are read once (their logits kept, scaled and masked, in the workspace), then its values once: the
    probabilities are known before the values are read, so the output needs no rescaling as an online softmax's
@@ -31,39 +31,12 @@ static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * 
 static inline int64_t logit_columns(int64_t S, int64_t Q) { return round_up(S + Q - 1, ROW_PAD) + ROW_PAD; }
 static inline int64_t value_columns(int64_t D) { return round_up(D, 64); }
 
-static inline float from_bf16(uint16_t half) {
-  const uint32_t bits = (uint32_t)half << 16;
-  float value;
-  memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
 /* x as bf16, to nearest even as torch's .to(torch.bfloat16); a NaN stays a quiet NaN. */
 static inline uint16_t to_bf16(float x) {
   uint32_t bits;
   memcpy(&bits, &x, sizeof bits);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
   return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* exp(x) for x <= 0 (a logit less the row's largest): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p the Taylor
-   series to r^7 (its error below 1e-8, under fp32's rounding); below EXP_LOW (where exp leaves fp32's normal range)
-   0, as near as torch's denormals to be no different in a sum whose largest term is 1. */
-#define EXP_LOW (-87.0f)
-static inline vf vexp(vf x) {
-  const vf clamped = vmax(x, vset1(EXP_LOW));
-  const vf n = vround(vmul(clamped, vset1(1.44269504088896341f)));
-  vf r = vfma(n, vset1(-0.693145751953125f), clamped); /* ln 2 in two parts: n * the first is exact */
-  r = vfma(n, vset1(-1.42860682030941723212e-6f), r);
-  vf p = vset1(1.0f / 5040.0f);
-  p = vfma(p, r, vset1(1.0f / 720.0f));
-  p = vfma(p, r, vset1(1.0f / 120.0f));
-  p = vfma(p, r, vset1(1.0f / 24.0f));
-  p = vfma(p, r, vset1(1.0f / 6.0f));
-  p = vfma(p, r, vset1(0.5f));
-  p = vfma(p, r, vset1(1.0f));
-  p = vfma(p, r, vset1(1.0f));
-  return vzero_below(x, EXP_LOW, vscale2(p, n));
 }
 
 /* What the unit defines after this header: the queries laid out for its dots (`value_columns(D)` elements a

@@ -1,7 +1,7 @@
 /* The block score pass, one (request, KV head) row at a time: what every variant of the block_scores module shares.
-   The unit that includes this defines the vector kind first: LANES fp32 lanes in `vf`, its arithmetic (vzero, vset1,
-   vload, vstore, vadd, vmul, vfma, vmax, vhsum, vhmax, vround, vscale2, vzero_below) and `key_tile`, the dots of up
-   to four queries with LANES consecutive tokens of one block.
+   The unit that includes this includes its vector kind first (vectors_avx512.h or vectors_portable.h, with
+   vector_math.h's vexp and element) and defines `key_tile` after it, the dots of up to four queries with LANES
+   consecutive tokens of one block.
 
    A row's logits (its Q queries' G heads against every token of its kept blocks; query i of Q sits at place
    S - Q + i and sees the places up to it) are kept in the workspace, so the keys are read once; each query head's
@@ -25,33 +25,6 @@
 #define QUERY_TILE 4 /* query heads whose sums a pass over a tile of keys keeps at once */
 
 static inline int64_t padded(int64_t x) { return (x + 15) / 16 * 16; }
-
-static inline float bf16_value(uint16_t half) {
-  const uint32_t bits = (uint32_t)half << 16;
-  float value;
-  memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-static inline float element(const char *row, int64_t i, int64_t bytes) {
-  return bytes == 4 ? ((const float *)row)[i] : bf16_value(((const uint16_t *)row)[i]);
-}
-
-/* exp(x) for x <= 0 (a logit less its row's largest): x = (n + f) ln 2 with n whole and |f ln 2| <= ln2 / 2, so
-   exp(x) = 2^n e^r, e^r by its series to r^7 (error below fp32's rounding); 0 below -87, where exp(x) leaves
-   fp32's normal numbers and adds nothing a softmax sum whose largest term is 1 could hold. */
-static inline vf exp_nonpositive(vf x) {
-  const vf low = vset1(-87.0f);
-  const vf kept = vmax(x, low);
-  const vf n = vround(vmul(kept, vset1(1.4426950408889634f)));
-  vf r = vfma(n, vset1(-0.693145751953125f), kept); /* ln 2 split: n times its first part is exact */
-  r = vfma(n, vset1(-1.4286068203094172e-6f), r);
-  vf series = vset1(1.0f / 5040.0f);
-  const float terms[6] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f};
-  for (int i = 0; i < 6; i++) series = vfma(series, r, vset1(terms[i]));
-  series = vfma(series, r, vset1(1.0f));
-  return vzero_below(x, -87.0f, vscale2(series, n));
-}
 
 typedef struct {
   const char *query, *keys;
@@ -135,7 +108,7 @@ static void score_row(const block_args *a, int64_t r, int64_t h, float *work, fl
     float total = 0.0f;
     for (int64_t j = 0; j < used; j++) {
       vf sum = vzero();
-      for (int64_t t = j * bs; t < (j + 1) * bs; t += LANES) sum = vadd(sum, exp_nonpositive(vload(row + t) - largest));
+      for (int64_t t = j * bs; t < (j + 1) * bs; t += LANES) sum = vadd(sum, vexp(vload(row + t) - largest));
       block_sums[j] = vhsum(sum);
       total += block_sums[j];
     }
