@@ -5,7 +5,9 @@ Each configuration starts its own `vllm serve` (the same KV memory, the same thr
 usage: vllm_chat_load.py --venv VENV --model-dir FOLDER --out results_vllm_X.json
        [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--score-every 1] [--kv-gib 1]
        [--order plain,plugin]     (a name may come again, e.g. plain,plugin,plugin,plain: alternated runs, each
-                                   kept as NAME, NAME#2, ...; the ratio is of the runs' summed tokens and time)
+                                   kept as NAME, NAME#2, ...; the ratio is of the runs' summed tokens and time;
+                                   plain_all_cores, plugin_all_cores: the same with no core reserved for the
+                                   scheduler, the worker's threads bound to every core: VLLM_CPU_NUM_OF_RESERVED_CPU=0)
 """
 
 from __future__ import annotations
@@ -42,14 +44,16 @@ def wait_ready(port: int, server: subprocess.Popen, limit: float = 600) -> float
 def run_one(args, name: str, port: int, log_dir: Path) -> dict:
     command = [str(Path(args.venv) / "bin" / "vllm"), "serve", args.model_dir, "--served-model-name", "smollm2-135m",
                "--max-model-len", "8192", "--port", str(port)]
-    if name == "plugin":
+    if name.startswith("plugin"):
         config = {"budget": args.budget, "policy": args.policy, "score_queries": args.score_queries,
                   "score_every": args.score_every}
         command += ["--kv-transfer-config", json.dumps({"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                                         "kv_connector_extra_config": config})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND="auto", HF_HUB_OFFLINE="1")
-    if name == "plain":
+    if name.startswith("plain"):
         env["VLLM_PLUGINS"] = "none"  # vLLM as shipped: no general plugin loaded
+    if name.endswith("_all_cores"):
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # the binding vLLM falls to when its reserve does not fit
     log = open(log_dir / f"serve_{name}.log", "w")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -101,13 +105,17 @@ def main() -> None:
         runs[key]["load_average_after"] = os.getloadavg()
     result = {"started": started, "argv": sys.argv, "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "runs": runs}
-    if {"plain", "plugin"} <= set(runs):
-        def rate(name):  # all of a configuration's runs: their tokens over their time
-            mine = [run for key, run in runs.items() if key.split("#")[0] == name]
-            return sum(r["generated_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
 
+    def rate(name):  # all of a configuration's runs: their tokens over their time
+        mine = [run for key, run in runs.items() if key.split("#")[0] == name]
+        return sum(r["generated_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+
+    if {"plain", "plugin"} <= set(runs):
         result["plugin_over_plain_tok_s"] = rate("plugin") / rate("plain")
         result["ttft_p90_plugin_vs_plain_s"] = [runs["plugin"]["ttft_p90"], runs["plain"]["ttft_p90"]]
+    for name in ("plain", "plugin"):
+        if {name, f"{name}_all_cores"} <= set(runs):
+            result[f"{name}_all_cores_over_{name}_tok_s"] = rate(f"{name}_all_cores") / rate(name)
     Path(args.out).write_text(json.dumps(envelope(result), indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 

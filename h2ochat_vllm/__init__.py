@@ -12,6 +12,8 @@ to vLLM's block pool. The pieces, each in its own module:
   block table and the block scores accumulated;
 - ``connector``: a KV connector, the channel vLLM already has between scheduler and workers: scores
   come back aggregated over tensor-parallel ranks, evictions go out in the step's metadata;
+- ``cpu_threads``: the CPU worker keeps the compute cores vLLM alone gives it (vLLM holds one back per
+  worker for any KV connector's transfer thread; this one has none);
 - ``reference``: a block-level masked reference in plain transformers, what the tests compare with.
 
 Nothing here imports vLLM at import time: ``register`` (the entry point) does, when vLLM loads it.
@@ -24,11 +26,14 @@ CONNECTOR_NAME = "H2OConnector"
 
 def register() -> None:
     """vLLM's general-plugin hook, run in every vLLM process: the CPU attention backend is replaced
-    by one that honours evictions (identical to it when no eviction is configured), and the
-    connector is made known by name."""
+    by one that honours evictions (identical to it when no eviction is configured), the connector is
+    made known by name, and the CPU executor reserves cores for it as for no connector."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from .cpu_threads import keep_cores_for_compute
+
+    keep_cores_for_compute(CONNECTOR_NAME)  # the connector moves no KV: no core held back for a transfer thread
     register_backend(AttentionBackendEnum.CPU_ATTN, "h2ochat_vllm.backend.H2OCPUAttentionBackend")
     if CONNECTOR_NAME not in KVConnectorFactory._registry:  # the hook may run twice in one process
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "h2ochat_vllm.connector", "H2OConnector")
