@@ -1,10 +1,11 @@
 """How many CPU threads torch computes with: --threads, else OMP_NUM_THREADS, else a measured rule.
 
 The rule: the physical cores this process may run on, less the ones other jobs keep busy (the
-one-minute load average), at least one. Measured with SmolLM2-135M on a 2-core machine: a second OpenMP thread that another job keeps off its core stalls every matmul
-(decode 1.9 tok/s at 2 threads against 15.8 at 1), while on an idle machine a second thread
-costs decode nothing worth having and speeds prompt reading up (145 against 86 tok/s). So a busy
-core is never counted, an idle one always is. torch's own default is every logical CPU.
+one-minute load average), at least one. Measured with SmolLM2-135M on a 2-core machine
+(results_bench_smollm2_4096_b4_2threads.json, docs/results.md): a second OpenMP thread that another job keeps
+off its core stalls every matmul (decode several times slower), while on an idle machine a second thread
+costs decode nothing worth having and speeds prompt reading up. So a busy core is never counted, an idle one
+always is. torch's own default is every logical CPU.
 
 Applied before torch is imported where possible (OMP_NUM_THREADS, which also reaches threads
 started later, such as the server's engine), and through torch.set_num_threads.

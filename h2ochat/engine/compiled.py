@@ -11,9 +11,9 @@ recompile per step:
 - a caller that runs several batch sizes (``graphs`` > 1: a server's buckets, views of one batch cache's
   first rows) gets, on the CPU, a batch that turns dynamic at its second size (dynamo's automatic dynamic
   shapes, in a function of its own, ``_decode_any_batch``): one graph for one row and one for every
-  other row count, where one per bucket cost 1-1.5 minutes of C++ compilation each (six buckets of a
-  26-row server: past ten minutes). SmolLM2-135M, bf16, one thread, 8 rows over 600 tokens: 71.0 ms a
-  step through the dynamic graph against 73.2 static. Every other caller compiles static shapes only
+  other row count, where one graph per bucket cost minutes of C++ compilation each (a 26-row server's six
+  buckets: past ten minutes), and a step through the dynamic graph is no slower than a static one
+  (docs/results.md: compiled steps). Every other caller compiles static shapes only
   (``dynamic=False``: a recall tier's stores are not fit for symbolic sizes), and so does CUDA, whose
   graphs record one per shape anyway;
 
@@ -40,10 +40,9 @@ A bf16 model's packed linears (``engine.packed_linears``) stay packed in the gra
 against plain linears (``aten::mm`` reorders each weight on every call).
 
 Frozen weights on the CPU, opt in (``H2OCHAT_COMPILE_FREEZE=1``): inductor's ``freezing`` takes the
-plain weights as constants of the graph and packs them for oneDNN's matrix products. Measured side by side on
-an idle 2-core VM (SmolLM2-135M, bf16, one thread, 256 slots, `bench --context 1024 --compile`): 48.3 ms
-a step frozen against 49.3 ms unfrozen (plain linears, before the packed op) and 57.8 eager, while each
-frozen graph holds its own packed copy of the weights. Not worth a copy of the weights by default; where it
+plain weights as constants of the graph and packs them for oneDNN's matrix products. Measured side by side
+(SmolLM2-135M, bf16, one thread, `bench --context 1024 --compile`), a frozen step was about 2% faster than an
+unfrozen one, while each frozen graph holds its own packed copy of the weights. Not worth a copy of the weights by default; where it
 is switched on, a step freezes only when the free memory holds ``graphs`` more copies with as much again to
 spare (``freezes_weights``).
 

@@ -4,23 +4,22 @@ Two forms, chosen by ``pack_linears`` from the most rows a decode step multiplie
 
 - ``RowLinear`` (up to ``row_products.MAX_ROWS`` rows, where the CPU runs the row kernel): the weight
   stays as transformers loaded it, and one to three rows go through ``row_products.product``, which
-  reads each weight once at memory speed (SmolLM2-135M's 211 linears, one thread: 15.4 ms a pass at one
-  row against 21.7 ms for the packed form). More rows (a prompt chunk) take ``torch.nn.functional.linear``,
-  which reorders the weight on the call (5% slower than packed at 331 rows, 22% at 64).
+  reads each weight once at memory speed (faster than the packed form at one row). More rows (a prompt
+  chunk) take ``torch.nn.functional.linear``, which reorders the weight on the call (a little slower than
+  packed at a few hundred rows, more at 64; results_packed_linears_s52_row_kernel.json).
 - ``PackedLinear`` (more rows, a server's batch): the weight packed once into oneDNN's blocked layout.
   ``torch.nn.functional.linear`` on bf16 reorders the weight into that layout on every call; packed once at
-  load, the same product gives the same bits (``tests/test_packed_linears.py``) and, measured on this 2-core
-  AMD EPYC (avx512_bf16, one thread; ``benchmarks/packed_linears.py``), SmolLM2-135M's 211 linears take
-  1.6-1.8x less time at 1-8 rows and ~1.1x less at 300.
+  load, the same product gives the same bits (``tests/test_packed_linears.py``) in less time, most at a few
+  rows (``benchmarks/packed_linears.py``, results_packed_linears.json).
 
 fp32 weights stay as they are: MKL's sgemm is as fast there, and its bits differ from oneDNN's.
 
 Inside a compiled graph each form runs as one opaque op (``h2ochat::row_linear``, ``h2ochat::packed_linear``):
 inductor has no lowering for a packed weight that is a graph input (only for the constants its own
 freezing packs), and with plain linears put back the compiled one-row step ran its products through
-``aten::mm``, which reorders every weight on every call (34 of a 41.5 ms SmolLM2 step, against ~23 ms
-packed). The ops are registered with the low-level ``Library`` API (~2.4 us a call against ~8.7 us for
-``torch.library.custom_op``'s wrapper, 211 calls a step). Eager calls go straight to the product. A
+``aten::mm``, which reorders every weight on every call (most of a SmolLM2 step). The ops are registered with
+the low-level ``Library`` API, a few microseconds a call less than ``torch.library.custom_op``'s wrapper, 211
+calls a step. Eager calls go straight to the product. A
 weight another module shares (a head tied to the embeddings) is packed as a copy, the original kept for
 the module that shares it (a ``RowLinear`` reads the shared weight itself); any other weight lives only
 in its packed form, and the parameters left are copied out of the loaded file's memory map

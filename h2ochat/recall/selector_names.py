@@ -24,10 +24,10 @@ def selector_names() -> list[str]:
 
 def resolved_selector(name: str, keys_in_place: bool) -> str:
     """The selector ``name`` stands for: ``auto`` is exact where the cold store's keys can be scored where
-    they lie (``keys_in_place``: float keys in the step's memory), else rot4. On the CPU (SmolLM2, bf16, one
-    thread, 128 slots) exact in place cost 1.77x h2o's step at 2K and 2.14x at 8K where rot4 cost 2.00x and
-    2.80x, held 0.85x the host bytes, and gave every one of the 60 held-out pass-key trials at 512 slots the
-    verdict rot4 gave (24 found); on a GPU exact would keep every cold key on the device."""
+    they lie (``keys_in_place``: float keys in the step's memory), else rot4. On the CPU exact in place costs
+    less than rot4 at 2K and 8K tokens, holds fewer host bytes, and gave every held-out pass-key trial the
+    verdict rot4 gave (results_recall_selectors*.json, docs/results.md); on a GPU exact would keep every cold
+    key on the device."""
     if name != AUTO:
         return name
     return "exact" if keys_in_place else "rot4"

@@ -194,13 +194,12 @@ class ModelBackend:
     def mixes(self, job: PrefillJob) -> bool:
         """Whether the job's next chunk and the next decode step run as one forward (``mixed``).
 
-        Measured on SmolLM2-135M, bf16, one thread: one step alone is even (``benchmarks/mixed_step.py``,
-        8 rows, a 380-token chunk: 644 ms mixed against 636 for the chunk and the compiled step, 657 with
-        the eager step; the chunk's products are compute-bound, and the decode's weight reads it saves
-        are what the eager half of the step loses against the graph). Served, the chat-8x4 load gave
-        46.6 tok/s mixed against 42.1 apart with the compiled step (4 and 5 runs, every mixed run above
-        every apart one) and 41.4 against 40.9 eager (``results_mixed_steps_served_s53.json``); so mixing
-        is the default, and ``--no-mixed-steps`` keeps the steps apart."""
+        Measured on SmolLM2-135M, bf16, one thread (``benchmarks/mixed_step.py``, results_mixed_step_s53.json and
+        results_mixed_steps_served_s53.json, docs/results.md): one step alone is even (the chunk's products are
+        compute-bound, and the decode's weight reads it saves are what the eager half of the step loses against
+        the graph); served, the chat-8x4 load is faster mixed, every mixed run above every apart one with the
+        compiled step, and no slower eager. So mixing is the default, and ``--no-mixed-steps`` keeps the steps
+        apart."""
         return self.mixes_steps and job.fed < job.ids.shape[1]
 
     def mixed(self, job: PrefillJob, tokens: list[int | None]) -> tuple[torch.Tensor | None, torch.Tensor]:
