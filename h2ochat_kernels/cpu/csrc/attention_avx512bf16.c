@@ -18,28 +18,15 @@ static void prepare_queries(const char *q, int64_t G, int64_t D, int64_t bytes, 
   for (int64_t g = 0; g < G; g++) memcpy((char *)prepared + g * width * bytes, q + g * D * bytes, D * bytes);
 }
 
-/* Sixteen vectors of lane sums to one vector of the sixteen sums (sum j in lane j), by four levels of folds: at a
-   level of width w, each group of 2w lanes keeps a's w sums of pairs in its low half and b's in its high half. */
-static inline vf fold8(vf a, vf b) {
-  return _mm512_add_ps(_mm512_mask_blend_ps(0xff00, a, b), _mm512_shuffle_f32x4(a, b, 0x4e));
-}
-static inline vf fold4(vf a, vf b) {
-  const __m512i cross = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
-  return _mm512_add_ps(_mm512_mask_blend_ps(0xf0f0, a, b), _mm512_permutex2var_ps(a, cross, b));
-}
-static inline vf fold2(vf a, vf b) {
-  return _mm512_add_ps(_mm512_mask_blend_ps(0xcccc, a, b), _mm512_shuffle_ps(a, b, 0x4e));
-}
-static inline vf fold1(vf a, vf b) {
-  const __m512i cross = _mm512_setr_epi32(1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
-  return _mm512_add_ps(_mm512_mask_blend_ps(0xaaaa, a, b), _mm512_permutex2var_ps(a, cross, b));
-}
+#include "lane_folds_avx512.h"
+
+/* Sixteen vectors of lane sums to one vector of the sixteen sums (sum j in lane j), by four levels of folds. */
 static inline vf folded(const vf s[16]) {
   vf eights[8], fours[4], twos[2];
-  for (int i = 0; i < 8; i++) eights[i] = fold8(s[i], s[i + 8]);
-  for (int i = 0; i < 4; i++) fours[i] = fold4(eights[i], eights[i + 4]);
-  for (int i = 0; i < 2; i++) twos[i] = fold2(fours[i], fours[i + 2]);
-  return fold1(twos[0], twos[1]);
+  for (int i = 0; i < 8; i++) eights[i] = fold_256(s[i], s[i + 8]);
+  for (int i = 0; i < 4; i++) fours[i] = fold_128(eights[i], eights[i + 4]);
+  for (int i = 0; i < 2; i++) twos[i] = fold_64(fours[i], fours[i + 2]);
+  return fold_32(twos[0], twos[1]);
 }
 
 /* q.k of GT queries (a constant once inlined) with n <= 16 keys: each key read once for all of them, lane by lane
