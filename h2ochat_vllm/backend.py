@@ -13,6 +13,7 @@ is left as it is and nothing is scored: the backend is vLLM's own.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import (
@@ -23,6 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from h2ochat_kernels.cpu import block_scores_ops
 
+from .cold_blocks import COLD
 from .scores import block_scores, decode_block_scores, key_view
 from .worker_state import STATE, ScoredRow
 
@@ -30,7 +32,9 @@ KEY_LAYOUT_ISAS = ("vec", "vec16")  # vLLM's CPU kernels whose key cache ``score
 
 
 def compact(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, plans: dict):
-    """(block table, seq lens, rows) with each planned request's evicted blocks left out."""
+    """(block table, seq lens, rows) with each planned request's evicted blocks left out and its recall
+    slots put first (they hold blocks older than any the step writes, so a prompt chunk's causal mask,
+    which counts from the row's end, leaves them visible to every query)."""
     by_marker = {plan.marker_block: (req_id, plan) for req_id, plan in plans.items()}
     lengths = seq_lens.tolist()
     table, new_lens, rows = block_table, list(lengths), []
@@ -43,13 +47,35 @@ def compact(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, 
         req_id, plan = found
         evicted = set(plan.evicted)
         kept = [j for j in range(last + 1) if j not in evicted]
-        if len(kept) <= last:
+        slots = list(plan.recall_slots)
+        if len(kept) <= last or slots:
             if table is block_table:
                 table = block_table.clone()  # the runner's persistent table stays as it is
-            table[row, : len(kept)] = block_table[row, kept]
-            new_lens[row] = length - (last + 1 - len(kept)) * block_size
-        rows.append(ScoredRow(req_id, torch.tensor(kept, dtype=torch.long), last + 1))
+            table[row, : len(slots)] = torch.tensor(slots, dtype=table.dtype)
+            table[row, len(slots): len(slots) + len(kept)] = block_table[row, kept]
+            new_lens[row] = length - (last + 1 - len(kept) - len(slots)) * block_size
+        rows.append(ScoredRow(req_id, torch.tensor([-1] * len(slots) + kept, dtype=torch.long), last + 1))
     return table, torch.tensor(new_lens, dtype=seq_lens.dtype, device=seq_lens.device), rows
+
+
+@dataclass(frozen=True)
+class RecallWork:
+    """What one layer does for one request before attending: keep its newly evicted blocks, fill its slots."""
+
+    req_id: str
+    to_cold: tuple[tuple[int, int], ...]
+    slots: tuple[int, ...]
+    queries: slice  # the step's queries of the request that choose its recalled blocks
+
+
+def recall_work(plans: dict, rows: list, starts: list[int], recall_queries: int) -> list[RecallWork]:
+    work = []
+    for r, row in enumerate(rows):
+        plan = plans[row.req_id] if row is not None else None
+        if plan is not None and (plan.to_cold or plan.recall_slots):
+            first = max(starts[r], starts[r + 1] - recall_queries)
+            work.append(RecallWork(row.req_id, plan.to_cold, plan.recall_slots, slice(first, starts[r + 1])))
+    return work
 
 
 class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -58,6 +84,7 @@ class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if not plans:
             metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
             metadata.h2o_rows = None
+            metadata.h2o_recall = []
             return metadata
         num_reqs = common_attn_metadata.num_reqs
         true_lens = common_attn_metadata.seq_lens[:num_reqs].tolist()  # (before compaction: a token's position + 1)
@@ -75,6 +102,7 @@ class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata.h2o_scores = STATE.begin_step(rows)
         # the rows that compute one token are scored together, as one batch per layer, at the steps they score
         starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1]
+        metadata.h2o_recall = recall_work(plans, rows, starts.tolist(), STATE.recall_queries)
         single = [r for r, row in enumerate(rows) if row is not None and int(starts[r + 1] - starts[r]) == 1]
         decoding = [r for r in single if STATE.scores_token_at(true_lens[r] - 1)]
         metadata.h2o_single = set(single)
@@ -90,12 +118,26 @@ class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
+        work = getattr(attn_metadata, "h2o_recall", None) if attn_metadata is not None else None
+        if work:
+            self._recall(layer.layer_name, query, kv_cache, work)
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                  output_block_scale)
         rows = getattr(attn_metadata, "h2o_rows", None) if attn_metadata is not None else None
         if rows:
             self._score(layer, query, kv_cache, attn_metadata, rows)
         return result
+
+    def _recall(self, layer_name: str, query, kv_cache, work: list[RecallWork]) -> None:
+        # every request's newly evicted blocks leave the cache before any slot is written: a slot may be a block
+        # that another request gave up this step
+        for item in work:
+            if item.to_cold:
+                COLD.keep(item.req_id, layer_name, kv_cache, item.to_cold)
+        query = query.view(query.shape[0], self.num_heads, self.head_size)
+        for item in work:
+            if item.slots:
+                COLD.recall(item.req_id, layer_name, kv_cache, item.slots, query[item.queries])
 
     def _score(self, layer, query, kv_cache, metadata, rows) -> None:
         isa = getattr(layer, "isa", "vec")

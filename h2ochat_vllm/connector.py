@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from .choice import blocks_to_evict
+from .cold_blocks import COLD, selector_for
 from .settings import read_settings
 from .worker_state import STATE, RequestPlan
 
@@ -45,6 +46,7 @@ class H2OPlan(KVConnectorMetadata):
     plans: dict[str, RequestPlan]
     score_queries: int = 0
     score_every: int = 1
+    recall_queries: int = 32
 
 
 @dataclass
@@ -66,12 +68,15 @@ class RequestBlocks:
 
     scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     evicted: set[int] = field(default_factory=set)
+    cold: list[int] = field(default_factory=list)  # evicted blocks kept in the workers' host memory, in order
+    slots: list[int] = field(default_factory=list)  # logical places (evicted ones) whose table entry is a recall slot
     computed: int = 0
+    started: bool = False  # a plan has gone to the workers since the request (re)started
     most_held: int = 0  # the most blocks held after a step's evictions
     most_held_decoding: int = 0  # the same over the steps that decode one token
 
     def summary(self) -> dict:
-        return {"evicted": sorted(self.evicted), "most_held": self.most_held,
+        return {"evicted": sorted(self.evicted), "cold": list(self.cold), "most_held": self.most_held,
                 "most_held_decoding": self.most_held_decoding}
 
     def add(self, step: list[float], decay: float) -> None:
@@ -89,6 +94,20 @@ class RequestBlocks:
         return out
 
 
+def cold_block_bytes(kv_cache_config, world_size: int, selector) -> int:
+    """Host bytes one cold block takes over every worker: the block's KV in every layer, on every
+    tensor-parallel rank (each keeps its own heads), plus the selector's digest of its keys (the exact
+    selector's is a copy of the keys: half the block again)."""
+    if kv_cache_config is None:
+        return 0
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        digest = 0.5 * selector.bytes_ratio(spec.block_size, spec.head_size)
+        total += int(spec.page_size_bytes * (1 + digest)) * len(group.layer_names)
+    return total * world_size
+
+
 class H2OConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -96,6 +115,14 @@ class H2OConnector(KVConnectorBase_V1):
                                       vllm_config.additional_config)
         self.block_size = vllm_config.cache_config.block_size
         self.budget = self.settings.blocks(self.block_size)
+        self.recall_slots = self.settings.recall_blocks(self.block_size)
+        # the workers' cold blocks, counted here where the decisions are made: at the bound, further evicted
+        # blocks are dropped (as without recall) and those kept stay until their request ends
+        block_bytes = cold_block_bytes(kv_cache_config, vllm_config.parallel_config.world_size,
+                                       selector_for(self.settings.selector))
+        self.cold_limit = self.settings.recall_memory // block_bytes if block_bytes else 0
+        self.cold_total = 0
+        self.cold_refused = 0
         self.requests: dict[str, RequestBlocks] = {}
         self.evicted_total = 0
         self.finished: OrderedDict[str, dict] = OrderedDict()  # the last requests' summaries, for tests and logs
@@ -111,9 +138,17 @@ class H2OConnector(KVConnectorBase_V1):
         # called with the step's metadata before the attention metadata is built: the backend needs the plan then
         if isinstance(kv_connector_metadata, H2OPlan):
             STATE.set_plans(kv_connector_metadata.plans, kv_connector_metadata.score_queries,
-                            kv_connector_metadata.score_every)
+                            kv_connector_metadata.score_every, kv_connector_metadata.recall_queries)
+            for req_id, plan in kv_connector_metadata.plans.items():
+                if plan.restarted:
+                    COLD.forget(req_id)
         else:
             STATE.set_plans({})
+
+    def get_finished(self, finished_req_ids: set[str]):
+        for req_id in finished_req_ids:
+            COLD.forget(req_id)
+        return None, None
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         return None
@@ -150,6 +185,7 @@ class H2OConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         record = self.requests.pop(request.request_id, None)
         if record is not None:
+            self.cold_total -= len(record.cold)
             self.finished[request.request_id] = record.summary()
             while len(self.finished) > KEEP_FINISHED:
                 self.finished.popitem(last=False)
@@ -179,27 +215,53 @@ class H2OConnector(KVConnectorBase_V1):
         manager = self._manager()
         size = manager.block_size
         plans: dict[str, RequestPlan] = {}
-        freed = []
         for req_id, computed in self._scheduled(scheduler_output):
             step_tokens = scheduler_output.num_scheduled_tokens[req_id]
             total = computed + step_tokens
             record = self.requests.get(req_id)
             if record is None or computed < record.computed:  # new, or preempted and computed again from the start
+                if record is not None:
+                    self.cold_total -= len(record.cold)
                 record = self.requests[req_id] = RequestBlocks()
             record.computed = computed
             blocks = manager.req_to_blocks[req_id]
             logical = -(-total // size)
             held = [j for j in range(logical) if j not in record.evicted]
+            to_cold, freed = [], []
             for j in blocks_to_evict(self.settings.policy, self.budget, record.padded(logical), held, computed // size):
+                if self.recall_slots:
+                    if self.cold_total < self.cold_limit:
+                        to_cold.append((j, blocks[j].block_id))
+                        record.cold.append(j)
+                        self.cold_total += 1
+                    else:
+                        self.cold_refused += 1
                 freed.append(blocks[j])
                 blocks[j] = manager.block_pool.null_block
                 record.evicted.add(j)
+            if freed:
+                manager.block_pool.free_blocks(freed)
+                self.evicted_total += len(freed)
+            self._add_recall_slots(record, blocks, manager.block_pool)
             holding = sum(1 for block in blocks[:logical] if not block.is_null)  # as vLLM's own table says
             record.most_held = max(record.most_held, holding)
             if step_tokens == 1:
                 record.most_held_decoding = max(record.most_held_decoding, holding)
-            plans[req_id] = RequestPlan(blocks[(total - 1) // size].block_id, tuple(sorted(record.evicted)))
-        if freed:
-            manager.block_pool.free_blocks(freed)
-            self.evicted_total += len(freed)
-        return H2OPlan(plans, self.settings.score_queries, self.settings.score_every)
+            plans[req_id] = RequestPlan(blocks[(total - 1) // size].block_id, tuple(sorted(record.evicted)),
+                                        tuple(blocks[j].block_id for j in record.slots), tuple(to_cold),
+                                        restarted=not record.started)
+            record.started = True
+        return H2OPlan(plans, self.settings.score_queries, self.settings.score_every, self.settings.recall_queries)
+
+    def _add_recall_slots(self, record: RequestBlocks, blocks: list, pool) -> None:
+        """Give the request a recall slot per cold block, up to the recall share: a new block from the pool,
+        put in the request's table at an evicted place (so vLLM frees it with the request, and counts it as the
+        request's), never attended as that place's tokens: the workers copy recalled blocks into it."""
+        wanted = min(self.recall_slots, len(record.cold)) - len(record.slots)
+        wanted = min(wanted, pool.get_num_free_blocks())
+        if wanted <= 0:
+            return
+        places = [j for j in record.cold if j not in record.slots][:wanted]
+        for place, block in zip(places, pool.get_new_blocks(len(places))):
+            blocks[place] = block
+            record.slots.append(place)

@@ -4,7 +4,10 @@ One request through a transformers model with its whole cache (nothing is freed)
 before attention, the lowest-scored blocks outside the sinks and the recent window are marked
 evicted until at most ``budget`` blocks remain; attention masks the evicted blocks' keys; the
 softmax probabilities each block's keys receive (summed over layers, heads and the step's queries)
-are added to its score. Prompt chunks are the steps vLLM schedules (``chunk`` tokens each), then one
+are added to its score. With recall, each KV head also attends, at every layer and step, the
+evicted blocks whose keys give the step's last queries of its group the largest q.k (the best of any
+key in the block: h2ochat's exact page selector, a block for a page), up to the recall slots; their
+attention is added to no block's score. Prompt chunks are the steps vLLM schedules (``chunk`` tokens each), then one
 token per step. Written apart from the plugin (no vLLM, no ``choice``, no ``scores``), so that the
 tests compare two implementations of the same rules.
 """
@@ -26,6 +29,8 @@ class BlockRule:
     recent: int  # blocks counted back from the one the step's first token goes to, never evicted
     score_queries: int = 0  # 0: every query of a step adds its attention; k: only the step's last k
     score_every: int = 1  # a one-token step adds its attention only where its token's position is a multiple of this
+    recall: int = 0  # blocks each KV head recalls from the evicted ones (besides ``budget``)
+    recall_queries: int = 32  # a step's last queries that choose them
 
 
 @dataclass
@@ -34,6 +39,8 @@ class _Step:
     scores: dict[int, float] = field(default_factory=dict)
     block_size: int = 1
     score_queries: int = 0
+    recall: int = 0
+    recall_queries: int = 32
 
 
 _CURRENT: list[_Step] = []
@@ -50,18 +57,38 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     logits = torch.matmul(query.float(), key.float().transpose(-1, -2)) * (scaling if scaling is not None else dim ** -0.5)
     places = torch.arange(length)
     own = torch.arange(length - n, length).view(-1, 1)
-    hidden = places.view(1, -1) > own
+    hidden = (places.view(1, -1) > own).repeat(heads, 1, 1)  # [H, n, length]
+    size = step.block_size
     for block in step.evicted:
-        hidden[:, block * step.block_size: (block + 1) * step.block_size] = True
+        hidden[:, :, block * size: (block + 1) * size] = True
+    for head, block in recalled(step, query, key[:, ::heads // kv_heads], heads // kv_heads):
+        hidden[head, :, block * size: (block + 1) * size] = False
     logits = logits.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     scoring = probs[:, :, -step.score_queries:] if step.score_queries else probs
     received = scoring.sum(dim=(0, 1, 2))
     for place in range(length):
-        block = place // step.block_size
-        step.scores[block] = step.scores.get(block, 0.0) + float(received[place])
+        block = place // size
+        if block not in step.evicted:
+            step.scores[block] = step.scores.get(block, 0.0) + float(received[place])
     out = torch.matmul(probs, value.float()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), probs
+
+
+def recalled(step: _Step, query: torch.Tensor, key: torch.Tensor, group: int) -> list[tuple[int, int]]:
+    """(query head, evicted block) pairs to attend: per KV head, the ``step.recall`` evicted blocks whose best
+    q.k, over the group's query heads and the step's last ``recall_queries`` queries, is largest."""
+    cold = sorted(step.evicted)
+    if not step.recall or not cold:
+        return []
+    pairs = []
+    for kv_head in range(key.shape[1]):
+        queries = query[0, kv_head * group: (kv_head + 1) * group, -step.recall_queries:].reshape(-1, query.shape[-1])
+        best = [float((queries.float() @ key[0, kv_head, b * step.block_size: (b + 1) * step.block_size].float().T).max())
+                for b in cold]
+        chosen = sorted(range(len(cold)), key=lambda i: -best[i])[: step.recall]
+        pairs += [(kv_head * group + g, cold[i]) for i in chosen for g in range(group)]
+    return pairs
 
 
 def register_attention() -> None:
@@ -107,7 +134,7 @@ def generate(model, prompt: list[int], max_new: int, rule: BlockRule, chunk: int
         total = computed + n
         evict_before_step(rule, scores, evicted, total, computed)
         run.held_after_eviction.append(sum(1 for b in range(-(-total // rule.block_size)) if b not in evicted))
-        _CURRENT.append(_Step(evicted, {}, rule.block_size, rule.score_queries))
+        _CURRENT.append(_Step(evicted, {}, rule.block_size, rule.score_queries, rule.recall, rule.recall_queries))
         try:
             out = model(input_ids=torch.tensor([feed]), position_ids=torch.arange(computed, total).view(1, -1),
                         past_key_values=cache, use_cache=True)

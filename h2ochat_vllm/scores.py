@@ -24,7 +24,7 @@ def key_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(num_blocks, kv_heads, 2, both // 2, block_size)[:, :, 0]
 
 
-def _grouped(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+def grouped(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """[..., n, H, D] -> [..., Hkv, G*n, D]: a KV head's query heads side by side, no repeated keys."""
     *lead, n, heads, dim = query.shape
     group = heads // kv_heads
@@ -46,7 +46,7 @@ def block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Ten
     n, heads, dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
     keys = key_cache.index_select(0, blocks).permute(1, 2, 0, 3).reshape(kv_heads, dim, -1)[:, :, :seq_len]
-    logits = torch.matmul(_grouped(query, kv_heads, keys.dtype), keys).float()  # [Hkv, G*n, S]
+    logits = torch.matmul(grouped(query, kv_heads, keys.dtype), keys).float()  # [Hkv, G*n, S]
     logits.mul_(scale)
     if n > 1:  # the step's own tokens, last: each query sees those up to itself
         logits[:, :, seq_len - n:] += _causal_bias(n, heads // kv_heads)
@@ -64,7 +64,7 @@ def decode_block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: to
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
     width = blocks.shape[1] * block_size
     keys = key_cache[blocks]  # [R, k, Hkv, D, bs], as the cache lays them out: no second copy
-    q = _grouped(query.unsqueeze(1), kv_heads, keys.dtype).unsqueeze(1)  # [R, 1, Hkv, G, D]
+    q = grouped(query.unsqueeze(1), kv_heads, keys.dtype).unsqueeze(1)  # [R, 1, Hkv, G, D]
     logits = torch.matmul(q, keys).float()  # [R, k, Hkv, G, bs]: small
     logits = logits.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, -1, width).mul_(scale)
     outside = torch.arange(width).view(1, -1) >= seq_lens.view(-1, 1)  # [R, width]: padding

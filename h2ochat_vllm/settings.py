@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 
 from h2ochat.policies import Policy, SlotBudget, get_policy
+from h2ochat.recall.selector_names import SELECTOR_HELP, selector_names
+from h2ochat.sizes import parse_size
 
 DEFAULT_POLICY = "h2o:sinks=1"  # the first block holds the system prompt's start: pinned, as StreamingLLM's sinks
 
@@ -29,15 +31,29 @@ class Settings:
     policy: Policy
     score_queries: int = 0  # 0: every query of a step adds its attention (H2O); k: only a step's last k
     score_every: int = 1  # 1: every one-token step adds its attention; k: only those at a position multiple of k
-    recall: float = 0.0  # share of the budget for recalled blocks; only 0 (evicted blocks are dropped) runs today
+    recall: float = 0.0  # share of the budget for recalled blocks (0: evicted blocks are dropped)
+    selector: str = "auto"  # h2ochat's page selector that ranks the cold blocks (auto: exact, on the CPU)
+    recall_memory: int = 0  # host bytes for every request's cold blocks together (0: the default bound)
+    recall_queries: int = 32  # a prompt chunk's last queries that choose its recalled blocks
+
+    def recall_blocks(self, block_size: int) -> int:
+        """The recall slots of a request: the recall share of the budget's blocks, rounded down."""
+        return int(self.recall * (self.budget_tokens // block_size))
 
     def blocks(self, block_size: int) -> SlotBudget:
-        """The budget in whole blocks, split by the policy (sinks, heavy, recent; all in blocks)."""
-        blocks = self.budget_tokens // block_size
+        """The budget's blocks less the recall slots, split by the policy (sinks, heavy, recent; all in blocks)."""
+        total = self.budget_tokens // block_size
+        recall = self.recall_blocks(block_size)
+        if self.recall and not recall:
+            raise ValueError(f"h2ochat recall share {self.recall} of a budget of {total} blocks of {block_size} tokens "
+                             "is less than one block: raise the budget or the share")
+        blocks = total - recall
         least = self.policy.sinks + 2
         if blocks < least:
-            raise ValueError(f"h2ochat budget {self.budget_tokens} tokens is {blocks} blocks of {block_size}; "
-                             f"policy {self.policy.label} needs at least {least} blocks ({least * block_size} tokens)")
+            raise ValueError(f"h2ochat budget {self.budget_tokens} tokens is {total} blocks of {block_size}"
+                             + (f", {recall} of them for recall" if recall else "")
+                             + f"; policy {self.policy.label} needs at least {least} blocks ({least * block_size} "
+                             "tokens) besides recall")
         return self.policy.split(blocks)
 
 
@@ -64,12 +80,28 @@ def read_settings(connector_extra: dict | None, additional: dict | None) -> Sett
     recall = float(_pick("recall", "H2OCHAT_VLLM_RECALL", extra, more) or 0.0)
     if not 0.0 <= recall < 1.0:
         raise ValueError(f"h2ochat: recall share must be in [0, 1), got {recall}")
-    if recall:
-        raise ValueError("h2ochat: recall is not built into the vLLM plugin yet (docs/vllm.md): leave recall at 0")
+    selector = str(_pick("selector", "H2OCHAT_VLLM_SELECTOR", extra, more) or "auto")
+    if selector not in selector_names():
+        raise ValueError(f"h2ochat: unknown selector {selector!r}; choose {SELECTOR_HELP}")
+    memory = _pick("recall_memory", "H2OCHAT_VLLM_RECALL_MEMORY", extra, more)
+    recall_memory = parse_size(str(memory), "recall_memory") if memory is not None else default_recall_memory()
+    queries = _pick("recall_queries", "H2OCHAT_VLLM_RECALL_QUERIES", extra, more)
+    recall_queries = int(queries) if queries is not None else 32
+    if recall_queries < 1:
+        raise ValueError(f"h2ochat: recall_queries must be >= 1, got {recall_queries}")
     score_queries = int(_pick("score_queries", "H2OCHAT_VLLM_SCORE_QUERIES", extra, more) or 0)
     if score_queries < 0:
         raise ValueError(f"h2ochat: score_queries must be >= 0, got {score_queries}")
     score_every = int(_pick("score_every", "H2OCHAT_VLLM_SCORE_EVERY", extra, more) or 1)
     if score_every < 1:
         raise ValueError(f"h2ochat: score_every must be >= 1, got {score_every}")
-    return Settings(int(budget), policy, score_queries, score_every, recall)
+    return Settings(int(budget), policy, score_queries, score_every, recall, selector, recall_memory, recall_queries)
+
+
+def default_recall_memory() -> int:
+    """Half the host memory free now, at most h2ochat's default bound on cold stores (as h2ochat serve's
+    --recall-memory when not given)."""
+    from h2ochat.host_memory import free_host_bytes
+    from h2ochat.recall.cold_bound import DEFAULT_LIMIT
+
+    return min(DEFAULT_LIMIT, free_host_bytes() // 2)

@@ -18,13 +18,16 @@ import torch
 @dataclass
 class RequestPlan:
     marker_block: int  # physical id of the block holding the request's last token this step: its own
-    evicted: tuple[int, ...]  # logical blocks no longer attended, ascending
+    evicted: tuple[int, ...]  # logical blocks no longer attended as themselves, ascending
+    recall_slots: tuple[int, ...] = ()  # physical blocks the request's recalled blocks are copied into
+    to_cold: tuple[tuple[int, int], ...] = ()  # (logical, physical) evicted this step and kept cold
+    restarted: bool = False  # the request starts over (new, or preempted): forget its cold blocks
 
 
 @dataclass
 class ScoredRow:
     req_id: str
-    logical: torch.Tensor  # [k] the logical index of each kept block, in row order
+    logical: torch.Tensor  # [k] the logical index of each block of the row, in row order; -1: a recall slot
     logical_blocks: int  # the request's blocks in the text, evicted ones counted
 
 
@@ -33,13 +36,16 @@ class StepState:
     plans: dict[str, RequestPlan] = field(default_factory=dict)
     score_queries: int = 0  # 0: every query of the step adds its attention; k: the last k of each request
     score_every: int = 1  # k: a one-token step adds its attention only at a position multiple of k
+    recall_queries: int = 32  # a prompt chunk's last queries that choose its recalled blocks
     rows: list[ScoredRow | None] = field(default_factory=list)
     scores: torch.Tensor | None = None  # [rows, most kept blocks] float32, summed over the step's layers
 
-    def set_plans(self, plans: dict[str, RequestPlan], score_queries: int = 0, score_every: int = 1) -> None:
+    def set_plans(self, plans: dict[str, RequestPlan], score_queries: int = 0, score_every: int = 1,
+                  recall_queries: int = 32) -> None:
         self.plans = plans
         self.score_queries = score_queries
         self.score_every = score_every
+        self.recall_queries = recall_queries
 
     def scores_token_at(self, position: int) -> bool:
         """Whether a step that computes one token, at ``position``, adds its attention (``score_every``)."""
@@ -57,8 +63,10 @@ class StepState:
         if self.scores is not None:
             for index, row in enumerate(self.rows):
                 if row is not None:
-                    kept = row.logical.numel()
-                    taken[row.req_id] = torch.zeros(row.logical_blocks).index_add_(0, row.logical, self.scores[index, :kept])
+                    # a recall slot's attention goes to no block: a recalled block stays cold, chosen anew each step
+                    own = row.logical >= 0
+                    got = self.scores[index, : row.logical.numel()][own]
+                    taken[row.req_id] = torch.zeros(row.logical_blocks).index_add_(0, row.logical[own], got)
         self.rows, self.scores = [], None
         return taken
 

@@ -1,7 +1,7 @@
 """Run vLLM (offline, in this process) on token prompts and print what the tests compare, as JSON.
 
 usage: run_vllm.py SPEC.json  where SPEC holds model, prompts, max_tokens, block_size,
-max_num_batched_tokens and, for the plugin, budget and policy. Each run is its own process: vLLM
+max_num_batched_tokens and, for the plugin, budget, policy and any other option under "plugin". Each run is its own process: vLLM
 keeps process-wide state that a second engine in one process would share.
 """
 
@@ -27,6 +27,7 @@ def main() -> None:
             config["score_queries"] = spec["score_queries"]
         if spec.get("score_every"):
             config["score_every"] = spec["score_every"]
+        config.update(spec.get("plugin") or {})  # any other option (recall, selector, ...)
         extra["kv_transfer_config"] = {"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                        "kv_connector_extra_config": config}
     llm = LLM(spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
@@ -43,6 +44,7 @@ def main() -> None:
         result["requests"] = [next((s for rid, s in connector.finished.items() if rid.startswith(o.request_id)), None)
                               for o in outputs]
         result["budget_blocks"] = connector.budget.slots
+        result["cold_total"] = connector.cold_total  # every request finished: all cold blocks given back
     print("RESULT " + json.dumps(result))
 
 

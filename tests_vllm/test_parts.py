@@ -102,20 +102,14 @@ def test_score_every_reads_and_scores_one_token_steps_at_multiples(monkeypatch):
     assert all(state.scores_token_at(p) for p in range(300, 310))
 
 
-def test_a_recall_share_is_refused_until_recall_is_built(monkeypatch):
-    monkeypatch.delenv("H2OCHAT_VLLM_RECALL", raising=False)
-    with pytest.raises(ValueError, match="recall is not built"):
-        read_settings({"budget": 1024, "recall": 0.25}, None)
-
-
 def test_importing_the_plugin_imports_no_vllm():
     """Only ``register`` (vLLM's hook), the backend and the connector import vLLM: the package, its
-    choice, scores, options and reference load without it."""
+    choice, scores, options, cold blocks and reference load without it."""
     import subprocess
     import sys
 
     code = ("import sys, h2ochat_vllm, h2ochat_vllm.choice, h2ochat_vllm.settings, h2ochat_vllm.scores, "
-            "h2ochat_vllm.reference, h2ochat_vllm.worker_state; print('vllm' in sys.modules)")
+            "h2ochat_vllm.reference, h2ochat_vllm.worker_state, h2ochat_vllm.cold_blocks; print('vllm' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 

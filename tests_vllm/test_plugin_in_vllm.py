@@ -66,6 +66,26 @@ def test_chunked_prompt_below_the_budget_follows_the_reference(tiny_llama, tmp_p
     assert summary["most_held"] <= rule.budget + 64 // BLOCK
 
 
+@pytest.mark.parametrize("count,chunk", [(1, 64), (2, 1024)])
+def test_recall_follows_the_reference_within_budget(tiny_llama, tmp_path, count, chunk):
+    """Half the budget recalls: each KV head attends, at every layer, the evicted blocks its queries
+    score best, copied from the worker's cold blocks into the request's slots; the tokens follow the
+    reference, which unmasks those blocks itself, and a request holds at most its budget, slots included.
+    (Chunks of 64 tokens for one request; two requests read their prompts whole, so that each one's steps
+    are the reference's.)"""
+    rule = reference.BlockRule(BLOCK, 4, 1, 2, recall=4, recall_queries=8)
+    batch = prompts(count, 330, seed=5)
+    got = run_vllm(tmp_path, model=str(tiny_llama), prompts=batch, max_tokens=90, block_size=BLOCK,
+                   max_num_batched_tokens=chunk, budget=8 * BLOCK, policy="h2o:sinks=1",
+                   plugin={"recall": 0.5, "recall_queries": 8})
+    model = reference_model(tiny_llama)
+    for prompt, tokens, summary in zip(batch, got["tokens"], got["requests"]):
+        ref = assert_follows_reference(model, prompt, tokens, rule, chunk, summary)
+        assert summary["cold"] and set(summary["cold"]) == ref.evicted
+        assert summary["most_held_decoding"] <= 8
+    assert got["cold_total"] == 0
+
+
 def test_concurrent_requests_each_follow_the_reference_within_budget(tiny_llama, tmp_path):
     rule = reference.BlockRule(BLOCK, 5, 1, 2)
     batch = prompts(3, 230, seed=3)
@@ -78,13 +98,15 @@ def test_concurrent_requests_each_follow_the_reference_within_budget(tiny_llama,
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two CPUs to bind")
-def test_two_tensor_parallel_ranks_evict_as_one(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget,plugin", [(4, {}), (8, {"recall": 0.5})])
+def test_two_tensor_parallel_ranks_evict_as_one(tiny_llama, tmp_path, monkeypatch, budget, plugin):
     """Each rank scores its own KV head; vLLM sums the ranks' scores and the scheduler's plan reaches
-    both: the tokens and evictions equal a single rank's."""
+    both: the tokens and evictions equal a single rank's. With recall each rank keeps and recalls for its
+    own KV head, as one rank does per head."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     prompt = prompts(1, 300, seed=2)[0]
     spec = dict(model=str(tiny_llama), prompts=[prompt, prompt[::-1]], max_tokens=60, block_size=BLOCK,
-                max_num_batched_tokens=64, budget=4 * BLOCK, policy="h2o:sinks=1")
+                max_num_batched_tokens=64, budget=budget * BLOCK, policy="h2o:sinks=1", plugin=plugin)
     one = run_vllm(tmp_path, **spec, tensor_parallel_size=1)
     two = run_vllm(tmp_path, **spec, tensor_parallel_size=2)
     assert two["tokens"] == one["tokens"]

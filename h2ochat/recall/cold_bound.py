@@ -23,6 +23,11 @@ import torch
 
 from .layout import grown_slots, rows_held
 
+# the bound when none is given (h2ochat serve's --recall-memory, the vLLM plugin's recall_memory), if half the
+# free host memory is more: a 135M model's store is ~18 KiB per evicted token, so 4 GiB keeps ~230,000 evicted
+# tokens in all, 26 rows' full 8,192-token windows
+DEFAULT_LIMIT = 4 << 30
+
 
 class ColdBound:
     def __init__(self, limit: int):

@@ -21,7 +21,7 @@ from ..engine.packed_linears import form_of, pack_linears
 from ..loading.cache_dirs import persistent_compile_cache
 from ..loading.models import available_memory, load, random_source, shipped_config, shipped_config_path
 from ..chat.split import format_bytes
-from ..recall.cold_bound import ColdBound
+from ..recall.cold_bound import DEFAULT_LIMIT as DEFAULT_RECALL_MEMORY, ColdBound
 from .app import build_app
 from .backend import ModelBackend
 from .engine import Engine, Loaded
@@ -37,9 +37,7 @@ AUTO_MEMORY_SHARE = 0.5  # of the memory free after loading, for the batch rows 
 DEFAULT_KV_MEMORY = 1 << 30
 AUTO_MAX_ROWS = 64
 # the recall tier's cold stores when --recall-memory is not given: half the host memory free beside the rows, at
-# most this (a 135M model's store is ~18 KiB per evicted token: 4 GiB keeps ~230,000 evicted tokens in all,
-# 26 rows' full 8,192-token windows)
-DEFAULT_RECALL_MEMORY = 4 << 30
+# most DEFAULT_RECALL_MEMORY (recall.cold_bound)
 GRACEFUL_SHUTDOWN_S = 10  # for the responses the engine failed to be sent (its last step must end first)
 ENGINE_STOP_S = 10  # for the engine thread to end its step after the server stopped
 
