@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from h2ochat_kernels.cpu import block_scores_ops
 
 from .cold_blocks import COLD
+from .rest import attend_with_rest, keys_and_values
 from .scores import block_scores, decode_block_scores, key_view
 from .worker_state import STATE, ScoredRow
 
@@ -60,21 +61,27 @@ def compact(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, 
 
 @dataclass(frozen=True)
 class RecallWork:
-    """What one layer does for one request before attending: keep its newly evicted blocks, fill its slots."""
+    """What one layer does for one request of the step: before attending, keep its newly evicted blocks and
+    fill its recall slots; for a prompt chunk with the rest on, attend every cold block after vLLM's kernel."""
 
+    row: int
     req_id: str
     to_cold: tuple[tuple[int, int], ...]
     slots: tuple[int, ...]
-    queries: slice  # the step's queries of the request that choose its recalled blocks
+    choosing: slice  # the step's queries of the request that choose its recalled blocks
+    rest: bool  # a prompt chunk that attends every cold block (``rest``) instead of its recalled ones
+    queries: slice  # all of the request's queries in the step
 
 
-def recall_work(plans: dict, rows: list, starts: list[int], recall_queries: int) -> list[RecallWork]:
+def recall_work(plans: dict, rows: list, starts: list[int], options) -> list[RecallWork]:
     work = []
     for r, row in enumerate(rows):
         plan = plans[row.req_id] if row is not None else None
-        if plan is not None and (plan.to_cold or plan.recall_slots):
-            first = max(starts[r], starts[r + 1] - recall_queries)
-            work.append(RecallWork(row.req_id, plan.to_cold, plan.recall_slots, slice(first, starts[r + 1])))
+        if plan is not None and (plan.to_cold or plan.recall_slots or row.req_id in COLD.requests):
+            first = max(starts[r], starts[r + 1] - options.recall_queries)
+            rest = options.recall_rest and starts[r + 1] - starts[r] > 1
+            work.append(RecallWork(r, row.req_id, plan.to_cold, plan.recall_slots, slice(first, starts[r + 1]), rest,
+                                   slice(starts[r], starts[r + 1])))
     return work
 
 
@@ -102,7 +109,7 @@ class H2OCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata.h2o_scores = STATE.begin_step(rows)
         # the rows that compute one token are scored together, as one batch per layer, at the steps they score
         starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1]
-        metadata.h2o_recall = recall_work(plans, rows, starts.tolist(), STATE.recall_queries)
+        metadata.h2o_recall = recall_work(plans, rows, starts.tolist(), STATE.options)
         single = [r for r, row in enumerate(rows) if row is not None and int(starts[r + 1] - starts[r]) == 1]
         decoding = [r for r in single if STATE.scores_token_at(true_lens[r] - 1)]
         metadata.h2o_single = set(single)
@@ -125,7 +132,9 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                                  output_block_scale)
         rows = getattr(attn_metadata, "h2o_rows", None) if attn_metadata is not None else None
         if rows:
-            self._score(layer, query, kv_cache, attn_metadata, rows)
+            self._check_layout(layer)
+            rested = self._rest(layer.layer_name, query, kv_cache, attn_metadata, output, work) if work else set()
+            self._score(query, kv_cache, attn_metadata, rows, rested)
         return result
 
     def _recall(self, layer_name: str, query, kv_cache, work: list[RecallWork]) -> None:
@@ -136,14 +145,38 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                 COLD.keep(item.req_id, layer_name, kv_cache, item.to_cold)
         query = query.view(query.shape[0], self.num_heads, self.head_size)
         for item in work:
-            if item.slots:
-                COLD.recall(item.req_id, layer_name, kv_cache, item.slots, query[item.queries])
+            if item.slots and not item.rest:  # a chunk attending the rest reads every cold block where it lies
+                COLD.recall(item.req_id, layer_name, kv_cache, item.slots, query[item.choosing])
 
-    def _score(self, layer, query, kv_cache, metadata, rows) -> None:
+    def _rest(self, layer_name: str, query, kv_cache, metadata, output, work: list[RecallWork]) -> set[int]:
+        """Prompt chunks attend their kept blocks and every cold block: their output rows are replaced and their
+        block scores added here (``rest``); returns the rows done."""
+        done = set()
+        query = query.view(query.shape[0], self.num_heads, self.head_size)
+        output = output.view(output.shape[0], self.num_heads, self.head_size)
+        block_size = kv_cache.shape[2]
+        for item in work:
+            cold = COLD.blocks(item.req_id, layer_name)
+            if not item.rest or cold is None:
+                continue
+            slots = len(item.slots)
+            kept_len = int(metadata.seq_lens[item.row]) - slots * block_size
+            blocks = metadata.block_table[item.row, slots: slots + -(-kept_len // block_size)].long()
+            kept_keys, kept_values = keys_and_values(kv_cache.index_select(0, blocks))
+            out, received = attend_with_rest(query[item.queries], (kept_keys[:, :kept_len], kept_values[:, :kept_len]),
+                                             keys_and_values(cold), self.scale, STATE.options.score_queries, block_size)
+            output[item.queries] = out.to(output.dtype)
+            metadata.h2o_scores[item.row, slots: slots + received.numel()] += received
+            done.add(item.row)
+        return done
+
+    def _check_layout(self, layer) -> None:
         isa = getattr(layer, "isa", "vec")
         if isa not in KEY_LAYOUT_ISAS:
             raise NotImplementedError(f"h2ochat: vLLM's {isa!r} CPU attention lays its keys out in a way the plugin "
                                       f"does not read yet (it reads {', '.join(KEY_LAYOUT_ISAS)})")
+
+    def _score(self, query, kv_cache, metadata, rows, rested: set[int]) -> None:
         key_cache = key_view(kv_cache)
         query = query.view(query.shape[0], self.num_heads, self.head_size)
         total = metadata.h2o_scores
@@ -159,11 +192,12 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         starts = metadata.query_start_loc.tolist()
         lengths = metadata.seq_lens.tolist()
         for row, scored in enumerate(rows):
-            if scored is None or row in metadata.h2o_single:
+            if scored is None or row in metadata.h2o_single or row in rested:
                 continue
             kept = scored.logical.numel()
             blocks = metadata.block_table[row, :kept].long()
-            first = starts[row] if not STATE.score_queries else max(starts[row], starts[row + 1] - STATE.score_queries)
+            window = STATE.options.score_queries
+            first = starts[row] if not window else max(starts[row], starts[row + 1] - window)
             got = block_scores_ops.block_scores(query[first: starts[row + 1]].unsqueeze(0), key_cache,
                                                 blocks.view(1, -1), metadata.seq_lens[row: row + 1].long(), self.scale)
             if got is None:

@@ -131,6 +131,11 @@ class ColdBlocks:
         chosen = chosen_blocks(self.selector, layer_store, queries, count)
         self.copies += fill_slots(kv_cache, layer_store, slots, chosen)
 
+    def blocks(self, req_id: str, layer: str) -> torch.Tensor | None:
+        """The request's cold blocks of one layer [N, Hkv, block_size, 2 * D], None where it has none."""
+        layer_store = self.requests.get(req_id, {}).get(layer)
+        return layer_store.blocks[: layer_store.count] if layer_store is not None and layer_store.count else None
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layers in self.requests.values() for layer in layers.values())
 

@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from .choice import blocks_to_evict
 from .cold_blocks import COLD, selector_for
 from .settings import read_settings
-from .worker_state import STATE, RequestPlan
+from .worker_state import STATE, RequestPlan, StepOptions
 
 
 KEEP_FINISHED = 256
@@ -44,9 +44,7 @@ logger = init_logger("vllm.h2ochat_vllm")  # under vLLM's logger, whose handler 
 @dataclass
 class H2OPlan(KVConnectorMetadata):
     plans: dict[str, RequestPlan]
-    score_queries: int = 0
-    score_every: int = 1
-    recall_queries: int = 32
+    options: StepOptions
 
 
 @dataclass
@@ -137,8 +135,7 @@ class H2OConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # called with the step's metadata before the attention metadata is built: the backend needs the plan then
         if isinstance(kv_connector_metadata, H2OPlan):
-            STATE.set_plans(kv_connector_metadata.plans, kv_connector_metadata.score_queries,
-                            kv_connector_metadata.score_every, kv_connector_metadata.recall_queries)
+            STATE.set_plans(kv_connector_metadata.plans, kv_connector_metadata.options)
             for req_id, plan in kv_connector_metadata.plans.items():
                 if plan.restarted:
                     COLD.forget(req_id)
@@ -251,7 +248,7 @@ class H2OConnector(KVConnectorBase_V1):
                                         tuple(blocks[j].block_id for j in record.slots), tuple(to_cold),
                                         restarted=not record.started)
             record.started = True
-        return H2OPlan(plans, self.settings.score_queries, self.settings.score_every, self.settings.recall_queries)
+        return H2OPlan(plans, self.settings.step_options())
 
     def _add_recall_slots(self, record: RequestBlocks, blocks: list, pool) -> None:
         """Give the request a recall slot per cold block, up to the recall share: a new block from the pool,

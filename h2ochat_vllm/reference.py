@@ -7,7 +7,8 @@ softmax probabilities each block's keys receive (summed over layers, heads and t
 are added to its score. With recall, each KV head also attends, at every layer and step, the
 evicted blocks whose keys give the step's last queries of its group the largest q.k (the best of any
 key in the block: h2ochat's exact page selector, a block for a page), up to the recall slots; their
-attention is added to no block's score. Prompt chunks are the steps vLLM schedules (``chunk`` tokens each), then one
+attention is added to no block's score; with the rest on, a prompt chunk (a step of more than one
+token) attends every evicted block instead. Prompt chunks are the steps vLLM schedules (``chunk`` tokens each), then one
 token per step. Written apart from the plugin (no vLLM, no ``choice``, no ``scores``), so that the
 tests compare two implementations of the same rules.
 """
@@ -31,6 +32,7 @@ class BlockRule:
     score_every: int = 1  # a one-token step adds its attention only where its token's position is a multiple of this
     recall: int = 0  # blocks each KV head recalls from the evicted ones (besides ``budget``)
     recall_queries: int = 32  # a step's last queries that choose them
+    rest: bool = False  # with recall, a step of more than one token attends every evicted block
 
 
 @dataclass
@@ -41,6 +43,7 @@ class _Step:
     score_queries: int = 0
     recall: int = 0
     recall_queries: int = 32
+    rest: bool = False
 
 
 _CURRENT: list[_Step] = []
@@ -81,6 +84,8 @@ def recalled(step: _Step, query: torch.Tensor, key: torch.Tensor, group: int) ->
     cold = sorted(step.evicted)
     if not step.recall or not cold:
         return []
+    if step.rest and query.shape[2] > 1:
+        return [(head, block) for head in range(query.shape[1]) for block in cold]
     pairs = []
     for kv_head in range(key.shape[1]):
         queries = query[0, kv_head * group: (kv_head + 1) * group, -step.recall_queries:].reshape(-1, query.shape[-1])
@@ -134,7 +139,8 @@ def generate(model, prompt: list[int], max_new: int, rule: BlockRule, chunk: int
         total = computed + n
         evict_before_step(rule, scores, evicted, total, computed)
         run.held_after_eviction.append(sum(1 for b in range(-(-total // rule.block_size)) if b not in evicted))
-        _CURRENT.append(_Step(evicted, {}, rule.block_size, rule.score_queries, rule.recall, rule.recall_queries))
+        _CURRENT.append(_Step(evicted, {}, rule.block_size, rule.score_queries, rule.recall, rule.recall_queries,
+                              rule.rest))
         try:
             out = model(input_ids=torch.tensor([feed]), position_ids=torch.arange(computed, total).view(1, -1),
                         past_key_values=cache, use_cache=True)

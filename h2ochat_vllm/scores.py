@@ -17,6 +17,13 @@ from __future__ import annotations
 import torch
 
 
+def value_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU cache of a layer [num_blocks, Hkv, block_size, 2 * D] -> its values [num_blocks, Hkv,
+    block_size, D], a view (token-major, after each block and head's keys)."""
+    num_blocks, kv_heads, block_size, both = kv_cache.shape
+    return kv_cache.view(num_blocks, kv_heads, 2, block_size, both // 2)[:, :, 1]
+
+
 def key_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """vLLM's CPU cache of a layer [num_blocks, Hkv, block_size, 2 * D] -> its keys [num_blocks, Hkv, D,
     block_size], a view (each block and head holds D x block_size keys, channel-major, then its values)."""
@@ -32,7 +39,7 @@ def grouped(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Ten
     return q.reshape(*lead, kv_heads, group * n, dim)
 
 
-def _causal_bias(n: int, group: int) -> torch.Tensor:
+def causal_bias(n: int, group: int) -> torch.Tensor:
     """[G*n, n] float32: -inf where a query of the step would see a later token of the step."""
     return torch.full((n, n), float("-inf")).triu(1).repeat(group, 1)
 
@@ -49,7 +56,7 @@ def block_scores(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Ten
     logits = torch.matmul(grouped(query, kv_heads, keys.dtype), keys).float()  # [Hkv, G*n, S]
     logits.mul_(scale)
     if n > 1:  # the step's own tokens, last: each query sees those up to itself
-        logits[:, :, seq_len - n:] += _causal_bias(n, heads // kv_heads)
+        logits[:, :, seq_len - n:] += causal_bias(n, heads // kv_heads)
     column = torch.softmax(logits, dim=-1).sum(dim=(0, 1))  # [S]
     padded = torch.zeros(blocks.numel() * block_size, dtype=torch.float32)
     padded[:seq_len] = column

@@ -22,6 +22,9 @@ from h2ochat.policies import Policy, SlotBudget, get_policy
 from h2ochat.recall.selector_names import SELECTOR_HELP, selector_names
 from h2ochat.sizes import parse_size
 
+from .worker_state import StepOptions
+
+REST_MODES = ("prompt", "off")
 DEFAULT_POLICY = "h2o:sinks=1"  # the first block holds the system prompt's start: pinned, as StreamingLLM's sinks
 
 
@@ -35,6 +38,10 @@ class Settings:
     selector: str = "auto"  # h2ochat's page selector that ranks the cold blocks (auto: exact, on the CPU)
     recall_memory: int = 0  # host bytes for every request's cold blocks together (0: the default bound)
     recall_queries: int = 32  # a prompt chunk's last queries that choose its recalled blocks
+    recall_rest: str = "prompt"  # prompt: a prompt chunk attends every cold block (``rest``); off: its recalled ones
+
+    def step_options(self) -> StepOptions:
+        return StepOptions(self.score_queries, self.score_every, self.recall_queries, self.recall_rest == "prompt")
 
     def recall_blocks(self, block_size: int) -> int:
         """The recall slots of a request: the recall share of the budget's blocks, rounded down."""
@@ -89,13 +96,17 @@ def read_settings(connector_extra: dict | None, additional: dict | None) -> Sett
     recall_queries = int(queries) if queries is not None else 32
     if recall_queries < 1:
         raise ValueError(f"h2ochat: recall_queries must be >= 1, got {recall_queries}")
+    rest = str(_pick("recall_rest", "H2OCHAT_VLLM_RECALL_REST", extra, more) or "prompt")
+    if rest not in REST_MODES:
+        raise ValueError(f"h2ochat: recall_rest must be one of {', '.join(REST_MODES)}, got {rest!r}")
     score_queries = int(_pick("score_queries", "H2OCHAT_VLLM_SCORE_QUERIES", extra, more) or 0)
     if score_queries < 0:
         raise ValueError(f"h2ochat: score_queries must be >= 0, got {score_queries}")
     score_every = int(_pick("score_every", "H2OCHAT_VLLM_SCORE_EVERY", extra, more) or 1)
     if score_every < 1:
         raise ValueError(f"h2ochat: score_every must be >= 1, got {score_every}")
-    return Settings(int(budget), policy, score_queries, score_every, recall, selector, recall_memory, recall_queries)
+    return Settings(int(budget), policy, score_queries, score_every, recall, selector, recall_memory, recall_queries,
+                    rest)
 
 
 def default_recall_memory() -> int:

@@ -24,6 +24,16 @@ class RequestPlan:
     restarted: bool = False  # the request starts over (new, or preempted): forget its cold blocks
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """The settings a worker applies each step, sent with every plan."""
+
+    score_queries: int = 0  # 0: every query of the step adds its attention; k: the last k of each request
+    score_every: int = 1  # k: a one-token step adds its attention only at a position multiple of k
+    recall_queries: int = 32  # a prompt chunk's last queries that choose its recalled blocks
+    recall_rest: bool = True  # a prompt chunk attends every cold block (``rest``)
+
+
 @dataclass
 class ScoredRow:
     req_id: str
@@ -34,22 +44,18 @@ class ScoredRow:
 @dataclass
 class StepState:
     plans: dict[str, RequestPlan] = field(default_factory=dict)
-    score_queries: int = 0  # 0: every query of the step adds its attention; k: the last k of each request
-    score_every: int = 1  # k: a one-token step adds its attention only at a position multiple of k
-    recall_queries: int = 32  # a prompt chunk's last queries that choose its recalled blocks
+    options: StepOptions = field(default_factory=StepOptions)
     rows: list[ScoredRow | None] = field(default_factory=list)
     scores: torch.Tensor | None = None  # [rows, most kept blocks] float32, summed over the step's layers
 
-    def set_plans(self, plans: dict[str, RequestPlan], score_queries: int = 0, score_every: int = 1,
-                  recall_queries: int = 32) -> None:
+    def set_plans(self, plans: dict[str, RequestPlan], options: StepOptions = StepOptions()) -> None:
         self.plans = plans
-        self.score_queries = score_queries
-        self.score_every = score_every
-        self.recall_queries = recall_queries
+        self.options = options
 
     def scores_token_at(self, position: int) -> bool:
         """Whether a step that computes one token, at ``position``, adds its attention (``score_every``)."""
-        return self.score_every == 1 or position % self.score_every == 0
+        every = self.options.score_every
+        return every == 1 or position % every == 0
 
     def begin_step(self, rows: list[ScoredRow | None]) -> torch.Tensor:
         self.rows = rows

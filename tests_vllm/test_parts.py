@@ -11,6 +11,7 @@ from h2ochat_vllm import reference
 from h2ochat_vllm.choice import blocks_to_evict
 from h2ochat_vllm.scores import block_scores, decode_block_scores
 from h2ochat_vllm.settings import read_settings
+from h2ochat_vllm.worker_state import StepOptions
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -96,7 +97,7 @@ def test_score_every_reads_and_scores_one_token_steps_at_multiples(monkeypatch):
     with pytest.raises(ValueError, match="score_every"):
         read_settings({"budget": 1024}, None)
     state = StepState()
-    state.set_plans({}, 0, 4)
+    state.set_plans({}, StepOptions(score_every=4))
     assert [p for p in range(300, 310) if state.scores_token_at(p)] == [300, 304, 308]
     state.set_plans({})
     assert all(state.scores_token_at(p) for p in range(300, 310))
@@ -121,7 +122,8 @@ def test_key_view_reads_the_keys_vllm_writes(dtype, isa):
     vLLM's own writer filled gives back every key at its block and place, and the values stay apart."""
     from vllm import _custom_ops as ops
 
-    from h2ochat_vllm.scores import key_view
+    from h2ochat_vllm.rest import keys_and_values
+    from h2ochat_vllm.scores import key_view, value_view
 
     generator = torch.Generator().manual_seed(3)
     num_blocks, kv_heads, block_size, dim, tokens = 4, 2, 32, 64, 70
@@ -133,3 +135,7 @@ def test_key_view_reads_the_keys_vllm_writes(dtype, isa):
     stored = keys[1:].permute(0, 3, 1, 2).reshape(-1, kv_heads, dim)[:tokens]  # token-major, from block 1 on
     assert torch.equal(stored, key)
     assert keys[0].abs().max() == 0
+    values = value_view(kv_cache)[1:].permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:tokens]  # token-major
+    assert torch.equal(values, value)
+    both = keys_and_values(kv_cache[1:])  # [Hkv, tokens, D] each, as the rest in prompt chunks reads them
+    assert torch.equal(both[0][:, :tokens].transpose(0, 1), key) and torch.equal(both[1][:, :tokens].transpose(0, 1), value)

@@ -66,18 +66,18 @@ def test_chunked_prompt_below_the_budget_follows_the_reference(tiny_llama, tmp_p
     assert summary["most_held"] <= rule.budget + 64 // BLOCK
 
 
-@pytest.mark.parametrize("count,chunk", [(1, 64), (2, 1024)])
-def test_recall_follows_the_reference_within_budget(tiny_llama, tmp_path, count, chunk):
+@pytest.mark.parametrize("count,chunk,rest", [(1, 64, "prompt"), (1, 64, "off"), (2, 1024, "prompt")])
+def test_recall_follows_the_reference_within_budget(tiny_llama, tmp_path, count, chunk, rest):
     """Half the budget recalls: each KV head attends, at every layer, the evicted blocks its queries
     score best, copied from the worker's cold blocks into the request's slots; the tokens follow the
     reference, which unmasks those blocks itself, and a request holds at most its budget, slots included.
     (Chunks of 64 tokens for one request; two requests read their prompts whole, so that each one's steps
-    are the reference's.)"""
-    rule = reference.BlockRule(BLOCK, 4, 1, 2, recall=4, recall_queries=8)
+    are the reference's.) With the rest on, a prompt chunk attends every evicted block instead."""
+    rule = reference.BlockRule(BLOCK, 4, 1, 2, recall=4, recall_queries=8, rest=rest == "prompt")
     batch = prompts(count, 330, seed=5)
     got = run_vllm(tmp_path, model=str(tiny_llama), prompts=batch, max_tokens=90, block_size=BLOCK,
                    max_num_batched_tokens=chunk, budget=8 * BLOCK, policy="h2o:sinks=1",
-                   plugin={"recall": 0.5, "recall_queries": 8})
+                   plugin={"recall": 0.5, "recall_queries": 8, "recall_rest": rest})
     model = reference_model(tiny_llama)
     for prompt, tokens, summary in zip(batch, got["tokens"], got["requests"]):
         ref = assert_follows_reference(model, prompt, tokens, rule, chunk, summary)
