@@ -4,8 +4,10 @@ Each configuration starts its own `vllm serve` (the same KV memory, the same thr
 /health, runs ../shared/peers/chat_load.py against it, stops it, and the summaries land in one JSON.
 usage: vllm_chat_load.py --venv VENV --model-dir FOLDER --out results_vllm_X.json
        [--clients 8 --turns 4] [--budget 1024] [--policy h2o:sinks=1] [--score-queries 0] [--score-every 1] [--kv-gib 1]
+       [--recall 0.5]
        [--order plain,plugin]     (a name may come again, e.g. plain,plugin,plugin,plain: alternated runs, each
                                    kept as NAME, NAME#2, ...; the ratio is of the runs' summed tokens and time;
+                                   plugin_recall: the plugin with --recall's share of the budget recalling;
                                    plain_all_cores, plugin_all_cores: the same with no core reserved for the
                                    scheduler, the worker's threads bound to every core: VLLM_CPU_NUM_OF_RESERVED_CPU=0)
 """
@@ -47,6 +49,8 @@ def run_one(args, name: str, port: int, log_dir: Path) -> dict:
     if name.startswith("plugin"):
         config = {"budget": args.budget, "policy": args.policy, "score_queries": args.score_queries,
                   "score_every": args.score_every}
+        if name.startswith("plugin_recall"):
+            config["recall"] = args.recall
         command += ["--kv-transfer-config", json.dumps({"kv_connector": "H2OConnector", "kv_role": "kv_both",
                                                         "kv_connector_extra_config": config})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND="auto", HF_HUB_OFFLINE="1")
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("--score-every", type=int, default=1, help="a one-token step scores at positions multiple of k")
     parser.add_argument("--prompts", default=None, help="chat_load.py's prompts file (make_prompts.py makes 32 x 8)")
     parser.add_argument("--kv-gib", type=float, default=1)
+    parser.add_argument("--recall", type=float, default=0.5, help="the recall share of plugin_recall runs")
     parser.add_argument("--order", default="plain,plugin")
     parser.add_argument("--log-dir", default="/tmp/h2ochat_vllm_bench")
     args = parser.parse_args()
@@ -110,9 +115,10 @@ def main() -> None:
         mine = [run for key, run in runs.items() if key.split("#")[0] == name]
         return sum(r["generated_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
 
-    if {"plain", "plugin"} <= set(runs):
-        result["plugin_over_plain_tok_s"] = rate("plugin") / rate("plain")
-        result["ttft_p90_plugin_vs_plain_s"] = [runs["plugin"]["ttft_p90"], runs["plain"]["ttft_p90"]]
+    for plugin in ("plugin", "plugin_recall"):
+        if {"plain", plugin} <= set(runs):
+            result[f"{plugin}_over_plain_tok_s"] = rate(plugin) / rate("plain")
+            result[f"ttft_p90_{plugin}_vs_plain_s"] = [runs[plugin]["ttft_p90"], runs["plain"]["ttft_p90"]]
     for name in ("plain", "plugin"):
         if {name, f"{name}_all_cores"} <= set(runs):
             result[f"{name}_all_cores_over_{name}_tok_s"] = rate(f"{name}_all_cores") / rate(name)

@@ -1,13 +1,16 @@
 """h2ochat's fixed KV budget inside vLLM: a ``vllm.general_plugins`` plugin, its own distribution.
 
 Each request keeps at most a budget of KV blocks: its first blocks (sinks), a recent window and the
-heavy blocks, ranked by the attention their tokens received, summed over heads. Evicted blocks go back
-to vLLM's block pool. The pieces, each in its own module:
+heavy blocks, ranked by the attention their tokens received, summed over heads, and with recall the
+evicted blocks its queries need most. Evicted blocks go back to vLLM's block pool. The pieces, each in its own module:
 
-- ``settings``: the budget, policy and recall share, read from vLLM's configuration or environment;
+- ``settings``: the budget, policy and recall options, read from vLLM's configuration or environment;
 - ``choice``: which blocks of one request go, by h2ochat's policies (pure torch, no vLLM);
 - ``scores``: the per-block attention a step's queries give, in plain torch (no vLLM);
-- ``worker_state``: what a worker process holds between the connector and the attention backend;
+- ``worker_state``: what a worker process holds for one step between the connector and the attention backend;
+- ``cold_blocks``: recall on a worker: evicted blocks kept in host memory, and each step's recalled ones
+  copied into the request's recall slots, per layer and KV head, by h2ochat's page selector;
+- ``rest``: a prompt chunk's attention over every cold block besides the kept ones;
 - ``backend``: vLLM's CPU attention backend, with evicted blocks compacted out of each request's
   block table and the block scores accumulated;
 - ``connector``: a KV connector, the channel vLLM already has between scheduler and workers: scores

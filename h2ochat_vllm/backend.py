@@ -144,9 +144,10 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             if item.to_cold:
                 COLD.keep(item.req_id, layer_name, kv_cache, item.to_cold)
         query = query.view(query.shape[0], self.num_heads, self.head_size)
-        for item in work:
-            if item.slots and not item.rest:  # a chunk attending the rest reads every cold block where it lies
-                COLD.recall(item.req_id, layer_name, kv_cache, item.slots, query[item.choosing])
+        # a chunk attending the rest reads every cold block where it lies: its slots are not filled
+        wanted = [(item.req_id, item.slots, query[item.choosing]) for item in work if item.slots and not item.rest]
+        if wanted:
+            COLD.recall(layer_name, kv_cache, wanted)
 
     def _rest(self, layer_name: str, query, kv_cache, metadata, output, work: list[RecallWork]) -> set[int]:
         """Prompt chunks attend their kept blocks and every cold block: their output rows are replaced and their

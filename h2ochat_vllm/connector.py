@@ -190,8 +190,10 @@ class H2OConnector(KVConnectorBase_V1):
             self.most_held_decoding = max(self.most_held_decoding, record.most_held_decoding)
             if self.finished_count % LOG_EVERY == 0:
                 logger.info("h2ochat: %d requests finished; most blocks one request held while decoding: %d "
-                            "(budget %d); blocks evicted: %d", self.finished_count, self.most_held_decoding,
-                            self.budget.slots, self.evicted_total)
+                            "(budget %d, %d of them recall slots); blocks evicted: %d; cold blocks kept now: %d "
+                            "(at most %d); evicted blocks not kept at that bound: %d", self.finished_count,
+                            self.most_held_decoding, self.budget.slots + self.recall_slots, self.recall_slots,
+                            self.evicted_total, self.cold_total, self.cold_limit, self.cold_refused)
         return False, None
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:

@@ -1,4 +1,4 @@
-"""The plugin's options: budget, policy and recall share, from vLLM's configuration.
+"""The plugin's options: budget, policy and recall, from vLLM's configuration.
 
 Read, in order of precedence, from the environment (``H2OCHAT_VLLM_BUDGET``, ``H2OCHAT_VLLM_POLICY``,
 ``H2OCHAT_VLLM_RECALL``), the connector's ``kv_connector_extra_config``, and ``--additional-config
@@ -11,6 +11,12 @@ observation window SnapKV scores with: a chunk's scoring then costs k rows inste
 attention only where that token's position is a multiple of k: decoding then pays for the score pass on one step
 in k (prompt chunks always score). The rule depends on the position alone, so it is the same on every
 tensor-parallel rank and in the masked reference.
+
+Recall (``recall``, a share of the budget's blocks, 0 by default) keeps evicted blocks in host memory and
+gives each request that many recall slots (``cold_blocks``); ``selector`` names h2ochat's page selector that
+ranks them, ``recall_memory`` bounds the host bytes of every request's evicted blocks together,
+``recall_rest`` says whether a prompt chunk attends every evicted block (``prompt``, the default, as
+h2ochat's own recall) or its recalled ones (``off``, chosen by its last ``recall_queries`` queries).
 """
 
 from __future__ import annotations

@@ -39,26 +39,36 @@ def test_cold_keys_read_vllm_layout():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_each_head_recalls_the_blocks_with_the_best_key(seed):
-    cache = random_cache(16, seed)
+@pytest.mark.parametrize("queries_per_step", [1, 3])
+def test_each_head_recalls_the_blocks_with_the_best_key(seed, queries_per_step):
+    """Three requests at once with different cold blocks: one query each (a decode step: every request in one
+    call of the C page scorer where it runs) or three (a chunk's: through the selector, request by request)."""
+    cache = random_cache(40, seed)
     original = cache.clone()
     cold = ColdBlocks()
-    evicted = [(1, 5), (2, 9), (4, 3), (6, 12), (7, 0)]  # (logical, physical)
-    cold.keep("r", "layer0", cache, tuple(evicted[:3]))
-    cold.keep("r", "layer0", cache, tuple(evicted[3:]))  # a later step's evictions are appended
-    cache[[5, 9, 3, 12, 0]] = torch.randn(5, KV_HEADS, BLOCK, 2 * DIM)  # the pool gives the blocks to others
-    slots = (14, 15)
-    queries = torch.randn(3, HEADS, DIM, generator=torch.Generator().manual_seed(100 + seed))
-    cold.recall("r", "layer0", cache, slots, queries)
-    physical = [p for _, p in evicted]
-    for head in range(KV_HEADS):
-        expected = {physical[i] for i in best_blocks(queries, original, physical, head, len(slots))}
-        held = set()
-        for slot in slots:
-            match = [p for p in physical if torch.equal(cache[slot, head], original[p, head])]
-            assert len(match) == 1
-            held.add(match[0])
-        assert held == expected
+    evicted = {"a": [(1, 5), (2, 9), (4, 3), (6, 12), (7, 0)], "b": [(0, 20), (3, 21), (5, 22)],
+               "c": [(2, 30), (3, 31), (4, 32), (5, 33), (6, 34), (8, 35), (9, 36)]}
+    for req_id, pairs in evicted.items():
+        cold.keep(req_id, "layer0", cache, tuple(pairs[:2]))
+    for req_id, pairs in evicted.items():
+        cold.keep(req_id, "layer0", cache, tuple(pairs[2:]))  # a later step's evictions are appended
+    everything = [p for pairs in evicted.values() for _, p in pairs]
+    cache[everything] = torch.randn(len(everything), KV_HEADS, BLOCK, 2 * DIM)  # the pool gives them to others
+    slots = {"a": (14, 15), "b": (16, 17, 18), "c": (19, 24)}
+    generator = torch.Generator().manual_seed(100 + seed)
+    queries = {req_id: torch.randn(queries_per_step, HEADS, DIM, generator=generator) for req_id in evicted}
+    cold.recall("layer0", cache, [(req_id, slots[req_id], queries[req_id]) for req_id in evicted])
+    for req_id, pairs in evicted.items():
+        physical = [p for _, p in pairs]
+        for head in range(KV_HEADS):
+            best = best_blocks(queries[req_id], original, physical, head, len(slots[req_id]))
+            expected = {physical[i] for i in best}
+            held = set()
+            for slot in slots[req_id]:
+                match = [p for p in physical if torch.equal(cache[slot, head], original[p, head])]
+                assert len(match) == 1
+                held.add(match[0])
+            assert held == expected
 
 
 def test_a_block_chosen_again_is_not_copied_again():
@@ -66,12 +76,12 @@ def test_a_block_chosen_again_is_not_copied_again():
     cold = ColdBlocks()
     cold.keep("r", "layer0", cache, ((0, 1), (1, 2), (2, 3), (3, 4)))
     queries = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(7))
-    cold.recall("r", "layer0", cache, (10, 11), queries)
+    cold.recall("layer0", cache, [("r", (10, 11), queries)])
     assert cold.copies == 2 * KV_HEADS
-    cold.recall("r", "layer0", cache, (10, 11), queries)
+    cold.recall("layer0", cache, [("r", (10, 11), queries)])
     assert cold.copies == 2 * KV_HEADS  # the same choice: nothing to copy
     cold.forget("r")
-    assert cold.requests == {}
+    assert cold.requests == {} and cold.key_rows["layer0"].rows == {}
 
 
 def test_more_slots_than_cold_blocks_is_refused():
@@ -79,7 +89,7 @@ def test_more_slots_than_cold_blocks_is_refused():
     cold = ColdBlocks()
     cold.keep("r", "layer0", cache, ((0, 1),))
     with pytest.raises(RuntimeError, match="disagree"):
-        cold.recall("r", "layer0", cache, (6, 7), torch.randn(1, HEADS, DIM))
+        cold.recall("layer0", cache, [("r", (6, 7), torch.randn(1, HEADS, DIM))])
 
 
 def test_recall_options():
