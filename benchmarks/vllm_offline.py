@@ -32,6 +32,7 @@ CONNECTOR = "H2OConnector"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 KV_CACHE_BYTES = 1 << 30  # ample for these short prompts; a fixed figure so that no run sizes it from free memory
 MAX_NUM_SEQS = 16
+DEFAULT_SHARE = 0.25
 
 
 def plugin_setting(text: str) -> tuple[str, object]:
@@ -55,14 +56,15 @@ def budget_of(share: float, length: int) -> int:
 
 def plugin_settings(pairs, share: float | None, length: int, defaults: dict | None = None) -> dict:
     """The connector's extra config: ``defaults``, then the ``--plugin`` pairs in order (a later one wins),
-    and the budget: ``budget`` if given, else ``share`` x ``length`` tokens (0.25 when neither is given)."""
+    and the budget: ``budget`` if given, else ``share`` x ``length`` tokens (``DEFAULT_SHARE`` when neither is
+    given)."""
     settings = dict(defaults or {})
     settings.update(dict(pairs or []))
     if "budget" in dict(pairs or []):
         if share is not None:
             raise ValueError("give the budget once: --share or --plugin budget=TOKENS, not both")
     else:
-        settings["budget"] = budget_of(0.25 if share is None else share, length)
+        settings["budget"] = budget_of(DEFAULT_SHARE if share is None else share, length)
     return settings
 
 
@@ -81,7 +83,7 @@ def add_options(parser: argparse.ArgumentParser, *, length: int, block_size: int
     parser.add_argument("--length", type=int, default=length, help="prompt tokens")
     parser.add_argument("--configs", default="full,plugin", help="which of full,plugin to run, in this order")
     parser.add_argument("--share", type=float, default=None,
-                        help="the plugin's budget as a share of --length, rounded down to tokens (default 0.25)")
+                        help=f"the plugin's budget as a share of --length, rounded down to tokens (default {DEFAULT_SHARE})")
     parser.add_argument("--plugin", action="append", type=plugin_setting, default=[], metavar="KEY=VALUE",
                         help="a setting of the plugin's connector (repeatable; JSON values, else strings), e.g. "
                              "budget=256, policy=h2o:sinks=1, score_queries=32, recall=0.5" + plugin_help)
@@ -102,6 +104,8 @@ def check_options(args, plugin_defaults: dict | None = None) -> tuple[list[str],
     if args.share is not None and not 0 < args.share <= 1:
         raise ValueError(f"--share must be in (0, 1], got {args.share}")
     settings = plugin_settings(args.plugin, args.share, args.length, plugin_defaults)
+    if args.share is None and "budget" not in dict(args.plugin):
+        args.share = DEFAULT_SHARE  # (recorded as the share the budget came from)
     if not Path(args.vllm_python).exists():
         raise ValueError(f"--vllm-python {args.vllm_python} does not exist")
     if not Path(args.model_dir).is_dir():

@@ -35,7 +35,7 @@ def build(args, tokenizer) -> list:
                                                                         args.seed)]
 
 
-def scored(samples, answers: dict, tokenizer) -> tuple[list[dict], dict]:
+def scored(samples, answers: dict, tokenizer, budget: int) -> tuple[list[dict], dict]:
     """(every answer's record, its summary per configuration and task with the average over tasks)."""
     from h2ochat.measure import ruler, score_table
     from h2ochat.measure.eval_log import fingerprint
@@ -45,6 +45,7 @@ def scored(samples, answers: dict, tokenizer) -> tuple[list[dict], dict]:
         for sample, ids in zip(samples, run["answers"]):
             answer = tokenizer.decode(ids, skip_special_tokens=True)
             records.append({"cache": config, "task": sample.task, "length": sample.length, "sample": sample.index,
+                            "budget_slots": budget if config == "plugin" else None,
                             "prompt_digest": fingerprint(sample), "score": ruler.string_match_all(answer, sample.outputs),
                             "answer": answer, "outputs": list(sample.outputs)})
     return records, score_table.summarize(records)
@@ -86,7 +87,7 @@ def main() -> None:
                                            stop_token_ids=[tokenizer.eos_token_id])
     except RuntimeError as exc:
         sys.exit(f"vllm_ruler: {exc}")
-    records, summary = scored(samples, answers, tokenizer)
+    records, summary = scored(samples, answers, tokenizer, settings["budget"])
     report = {**vllm_offline.recorded(args, configs, settings), "tasks": list(dict.fromkeys(s.task for s in samples)),
               "samples": args.samples, "seed": args.seed, "prompt_tokens_max": max(len(p) for p in prompts),
               "summary": summary, "plugin_over_full": plugin_over_full(summary),
