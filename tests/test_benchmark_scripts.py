@@ -23,6 +23,7 @@ RAW_LOGS = {
     "recall_rerun_trials.py": "prints one JSON line per trial, a log that passkey_totals.py totals into a report",
     "ruler_kvpress.py": "writes one JSON line per sample, a log that ruler_summary.py summarises into a report",
     "serve_memory_timeline.py": "writes one JSON line per memory sample while a load runs beside it",
+    "vllm_offline.py": "writes the job file each vLLM child reads and the answers it writes back, no figures",
 }
 
 
