@@ -62,15 +62,14 @@ def compact(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, 
 @dataclass(frozen=True)
 class RecallWork:
     """What one layer does for one request of the step: before attending, keep its newly evicted blocks and
-    fill its recall slots; for a prompt chunk with the rest on, attend every cold block after vLLM's kernel."""
+    fill its recall slots; for a prompt chunk with the rest on, its last queries then attend every cold block."""
 
     row: int
     req_id: str
     to_cold: tuple[tuple[int, int], ...]
     slots: tuple[int, ...]
-    choosing: slice  # the step's queries of the request that choose its recalled blocks
-    rest: bool  # a prompt chunk that attends every cold block (``rest``) instead of its recalled ones
-    queries: slice  # all of the request's queries in the step
+    choosing: slice  # the step's last queries of the request: they choose its recalled blocks
+    rest: bool  # a prompt chunk whose choosing queries attend every cold block (``rest``)
 
 
 def recall_work(plans: dict, rows: list, starts: list[int], options) -> list[RecallWork]:
@@ -80,8 +79,7 @@ def recall_work(plans: dict, rows: list, starts: list[int], options) -> list[Rec
         if plan is not None and (plan.to_cold or plan.recall_slots or row.req_id in COLD.requests):
             first = max(starts[r], starts[r + 1] - options.recall_queries)
             rest = options.recall_rest and starts[r + 1] - starts[r] > 1
-            work.append(RecallWork(r, row.req_id, plan.to_cold, plan.recall_slots, slice(first, starts[r + 1]), rest,
-                                   slice(starts[r], starts[r + 1])))
+            work.append(RecallWork(r, row.req_id, plan.to_cold, plan.recall_slots, slice(first, starts[r + 1]), rest))
     return work
 
 
@@ -133,7 +131,7 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         rows = getattr(attn_metadata, "h2o_rows", None) if attn_metadata is not None else None
         if rows:
             self._check_layout(layer)
-            rested = self._rest(layer.layer_name, query, kv_cache, attn_metadata, output, work) if work else set()
+            rested = self._rest(layer.layer_name, query, kv_cache, attn_metadata, output, work) if work else {}
             self._score(query, kv_cache, attn_metadata, rows, rested)
         return result
 
@@ -144,18 +142,18 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             if item.to_cold:
                 COLD.keep(item.req_id, layer_name, kv_cache, item.to_cold)
         query = query.view(query.shape[0], self.num_heads, self.head_size)
-        # a chunk attending the rest reads every cold block where it lies: its slots are not filled
-        wanted = [(item.req_id, item.slots, query[item.choosing]) for item in work if item.slots and not item.rest]
+        wanted = [(item.req_id, item.slots, query[item.choosing]) for item in work if item.slots]
         if wanted:
             COLD.recall(layer_name, kv_cache, wanted)
 
-    def _rest(self, layer_name: str, query, kv_cache, metadata, output, work: list[RecallWork]) -> set[int]:
-        """Prompt chunks attend their kept blocks and every cold block: their output rows are replaced and their
-        block scores added here (``rest``); returns the rows done."""
-        done = set()
+    def _rest(self, layer_name: str, query, kv_cache, metadata, output, work: list[RecallWork]) -> dict[int, int]:
+        """A prompt chunk's last queries attend its kept blocks and every cold block: their output rows are
+        replaced and their block scores added here (``rest``); returns, per row done, how many queries."""
+        done = {}
         query = query.view(query.shape[0], self.num_heads, self.head_size)
         output = output.view(output.shape[0], self.num_heads, self.head_size)
         block_size = kv_cache.shape[2]
+        window = STATE.options.score_queries
         for item in work:
             cold = COLD.blocks(item.req_id, layer_name)
             if not item.rest or cold is None:
@@ -164,11 +162,12 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             kept_len = int(metadata.seq_lens[item.row]) - slots * block_size
             blocks = metadata.block_table[item.row, slots: slots + -(-kept_len // block_size)].long()
             kept_keys, kept_values = keys_and_values(kv_cache.index_select(0, blocks))
-            out, received = attend_with_rest(query[item.queries], (kept_keys[:, :kept_len], kept_values[:, :kept_len]),
-                                             keys_and_values(cold), self.scale, STATE.options.score_queries, block_size)
-            output[item.queries] = out.to(output.dtype)
+            count = item.choosing.stop - item.choosing.start
+            out, received = attend_with_rest(query[item.choosing], (kept_keys[:, :kept_len], kept_values[:, :kept_len]),
+                                             keys_and_values(cold), self.scale, min(window, count), block_size)
+            output[item.choosing] = out.to(output.dtype)
             metadata.h2o_scores[item.row, slots: slots + received.numel()] += received
-            done.add(item.row)
+            done[item.row] = count
         return done
 
     def _check_layout(self, layer) -> None:
@@ -177,7 +176,7 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             raise NotImplementedError(f"h2ochat: vLLM's {isa!r} CPU attention lays its keys out in a way the plugin "
                                       f"does not read yet (it reads {', '.join(KEY_LAYOUT_ISAS)})")
 
-    def _score(self, query, kv_cache, metadata, rows, rested: set[int]) -> None:
+    def _score(self, query, kv_cache, metadata, rows, rested: dict[int, int]) -> None:
         key_cache = key_view(kv_cache)
         query = query.view(query.shape[0], self.num_heads, self.head_size)
         total = metadata.h2o_scores
@@ -193,17 +192,23 @@ class H2OCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         starts = metadata.query_start_loc.tolist()
         lengths = metadata.seq_lens.tolist()
         for row, scored in enumerate(rows):
-            if scored is None or row in metadata.h2o_single or row in rested:
+            if scored is None or row in metadata.h2o_single:
+                continue
+            # a chunk's queries the rest pass scored (its last ones) are left out: the others see none of their
+            # tokens (causal), so they score as the last queries of a row that many tokens shorter
+            rest = rested.get(row, 0)
+            end, seq_len = starts[row + 1] - rest, lengths[row] - rest
+            window = STATE.options.score_queries
+            first = starts[row] if not window else max(starts[row], starts[row + 1] - window)
+            if first >= end:
                 continue
             kept = scored.logical.numel()
             blocks = metadata.block_table[row, :kept].long()
-            window = STATE.options.score_queries
-            first = starts[row] if not window else max(starts[row], starts[row + 1] - window)
-            got = block_scores_ops.block_scores(query[first: starts[row + 1]].unsqueeze(0), key_cache,
-                                                blocks.view(1, -1), metadata.seq_lens[row: row + 1].long(), self.scale)
+            got = block_scores_ops.block_scores(query[first:end].unsqueeze(0), key_cache, blocks.view(1, -1),
+                                                torch.tensor([seq_len], dtype=torch.long), self.scale)
             if got is None:
-                got = block_scores(query[first: starts[row + 1]], key_cache, blocks, lengths[row], self.scale)[None]
-            total[row, :kept] += got[0]
+                got = block_scores(query[first:end], key_cache, blocks, seq_len, self.scale)[None]
+            total[row, : got.shape[1]] += got[0]
 
 
 class H2OCPUAttentionBackend(CPUAttentionBackend):

@@ -7,8 +7,8 @@ softmax probabilities each block's keys receive (summed over layers, heads and t
 are added to its score. With recall, each KV head also attends, at every layer and step, the
 evicted blocks whose keys give the step's last queries of its group the largest q.k (the best of any
 key in the block: h2ochat's exact page selector, a block for a page), up to the recall slots; their
-attention is added to no block's score; with the rest on, a prompt chunk (a step of more than one
-token) attends every evicted block instead. Prompt chunks are the steps vLLM schedules (``chunk`` tokens each), then one
+attention is added to no block's score; with the rest on, the last ``recall_queries`` queries of a
+prompt chunk (a step of more than one token) attend every evicted block. Prompt chunks are the steps vLLM schedules (``chunk`` tokens each), then one
 token per step. Written apart from the plugin (no vLLM, no ``choice``, no ``scores``), so that the
 tests compare two implementations of the same rules.
 """
@@ -32,7 +32,7 @@ class BlockRule:
     score_every: int = 1  # a one-token step adds its attention only where its token's position is a multiple of this
     recall: int = 0  # blocks each KV head recalls from the evicted ones (besides ``budget``)
     recall_queries: int = 32  # a step's last queries that choose them
-    rest: bool = False  # with recall, a step of more than one token attends every evicted block
+    rest: bool = False  # with recall, the last recall_queries queries of a longer step attend every evicted block
 
 
 @dataclass
@@ -66,6 +66,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         hidden[:, :, block * size: (block + 1) * size] = True
     for head, block in recalled(step, query, key[:, ::heads // kv_heads], heads // kv_heads):
         hidden[head, :, block * size: (block + 1) * size] = False
+    if step.rest and step.recall and n > 1:  # the chunk's choosing queries attend every evicted block
+        for block in step.evicted:
+            hidden[:, -step.recall_queries:, block * size: (block + 1) * size] = False
     logits = logits.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     scoring = probs[:, :, -step.score_queries:] if step.score_queries else probs
@@ -84,8 +87,6 @@ def recalled(step: _Step, query: torch.Tensor, key: torch.Tensor, group: int) ->
     cold = sorted(step.evicted)
     if not step.recall or not cold:
         return []
-    if step.rest and query.shape[2] > 1:
-        return [(head, block) for head in range(query.shape[1]) for block in cold]
     pairs = []
     for kv_head in range(key.shape[1]):
         queries = query[0, kv_head * group: (kv_head + 1) * group, -step.recall_queries:].reshape(-1, query.shape[-1])

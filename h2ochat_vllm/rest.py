@@ -1,14 +1,16 @@
-"""The rest in prompt chunks: a chunk's queries attend every cold block, not only the recalled ones.
+"""The rest in prompt chunks: a chunk's last queries attend every cold block, not only the recalled ones.
 
-Recall gives a decode step the few cold blocks its one query scores best. A prompt chunk has many
-queries (the question of a pass key among them), and blocks chosen for its last ones can miss what its
-others need, so a chunk attends, besides its row's kept blocks, every block the worker keeps cold: the
-attention those rows would get from the whole cache, less the blocks dropped at the memory bound (as
-h2ochat's own recall attends the rest of its cold pages in prompt chunks; here token by token, exactly).
-It runs in torch after vLLM's kernel and replaces its output for those rows, by blocks of queries so that
-the logits stay small. The cold blocks live in host memory; only the kept blocks count in the budget.
+Recall gives a step the few cold blocks its queries score best. A prompt chunk's last queries (a pass
+key's question among them: the one that answers is the chunk's last) can need a block their choice missed,
+so they attend, besides the row's kept blocks, every block the worker keeps cold: the attention those rows
+would get from the whole cache, less the blocks dropped at the memory bound (as h2ochat's own recall attends
+the rest of its cold pages in prompt chunks; here token by token, exactly). The chunk's other queries attend
+the kept blocks and the recalled ones, which keeps a long prompt's cost near the budget's: only the last
+``recall_queries`` rows read every cold key. It runs in torch after vLLM's kernel and replaces its output for
+those rows, by blocks of queries so that the logits stay small. The cold blocks live in host memory; only
+the kept blocks and the recall slots count in the budget.
 
-The same probabilities give the chunk's H2O scores for its kept blocks (a cold block's attention goes to
+The same probabilities give those queries' H2O scores for the kept blocks (a cold block's attention goes to
 no block's score, as a recalled one's).
 """
 

@@ -15,8 +15,9 @@ tensor-parallel rank and in the masked reference.
 Recall (``recall``, a share of the budget's blocks, 0 by default) keeps evicted blocks in host memory and
 gives each request that many recall slots (``cold_blocks``); ``selector`` names h2ochat's page selector that
 ranks them, ``recall_memory`` bounds the host bytes of every request's evicted blocks together,
-``recall_rest`` says whether a prompt chunk attends every evicted block (``prompt``, the default, as
-h2ochat's own recall) or its recalled ones (``off``, chosen by its last ``recall_queries`` queries).
+a prompt chunk's last ``recall_queries`` queries choose its recalled blocks, and ``recall_rest`` says whether
+they also attend every evicted block (``prompt``, the default, as h2ochat's own recall attends the rest in
+prompt chunks) or only the recalled ones (``off``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class Settings:
     recall: float = 0.0  # share of the budget for recalled blocks (0: evicted blocks are dropped)
     selector: str = "auto"  # h2ochat's page selector that ranks the cold blocks (auto: exact, on the CPU)
     recall_memory: int = 0  # host bytes for every request's cold blocks together (0: the default bound)
-    recall_queries: int = 32  # a prompt chunk's last queries that choose its recalled blocks
-    recall_rest: str = "prompt"  # prompt: a prompt chunk attends every cold block (``rest``); off: its recalled ones
+    recall_queries: int = 32  # a prompt chunk's last queries: they choose its recalled blocks (and attend the rest)
+    recall_rest: str = "prompt"  # prompt: a chunk's last recall_queries queries attend every cold block; off: not
 
     def step_options(self) -> StepOptions:
         return StepOptions(self.score_queries, self.score_every, self.recall_queries, self.recall_rest == "prompt")

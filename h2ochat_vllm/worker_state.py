@@ -30,8 +30,8 @@ class StepOptions:
 
     score_queries: int = 0  # 0: every query of the step adds its attention; k: the last k of each request
     score_every: int = 1  # k: a one-token step adds its attention only at a position multiple of k
-    recall_queries: int = 32  # a prompt chunk's last queries that choose its recalled blocks
-    recall_rest: bool = True  # a prompt chunk attends every cold block (``rest``)
+    recall_queries: int = 32  # a prompt chunk's last queries: they choose its recalled blocks
+    recall_rest: bool = True  # those queries also attend every cold block (``rest``)
 
 
 @dataclass

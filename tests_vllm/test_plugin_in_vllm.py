@@ -72,7 +72,8 @@ def test_recall_follows_the_reference_within_budget(tiny_llama, tmp_path, count,
     score best, copied from the worker's cold blocks into the request's slots; the tokens follow the
     reference, which unmasks those blocks itself, and a request holds at most its budget, slots included.
     (Chunks of 64 tokens for one request; two requests read their prompts whole, so that each one's steps
-    are the reference's.) With the rest on, a prompt chunk attends every evicted block instead."""
+    are the reference's.) With the rest on, a chunk's last queries (those that choose) attend every evicted
+    block."""
     rule = reference.BlockRule(BLOCK, 4, 1, 2, recall=4, recall_queries=8, rest=rest == "prompt")
     batch = prompts(count, 330, seed=5)
     got = run_vllm(tmp_path, model=str(tiny_llama), prompts=batch, max_tokens=90, block_size=BLOCK,
