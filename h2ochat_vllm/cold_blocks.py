@@ -32,7 +32,7 @@ from h2ochat.recall.selector_names import resolved_selector
 from h2ochat.recall.selectors import Selector, get_selector
 from h2ochat_kernels.cpu import recall_ops
 
-from .scores import grouped
+from .scores import grouped, key_view
 
 
 def selector_for(name: str) -> Selector:
@@ -43,9 +43,7 @@ def selector_for(name: str) -> Selector:
 def cold_keys(blocks: torch.Tensor) -> torch.Tensor:
     """Cold blocks in vLLM's layout [N, Hkv, block_size, 2 * D] -> their keys as the selectors take pages,
     [Hkv, N, block_size, D] (a copy: keys are stored channel-major)."""
-    count, kv_heads, block_size, both = blocks.shape
-    keys = blocks.view(count, kv_heads, 2, both // 2, block_size)[:, :, 0]  # [N, Hkv, D, bs]
-    return keys.permute(1, 0, 3, 2).contiguous()
+    return key_view(blocks).permute(1, 0, 3, 2).contiguous()
 
 
 def grown(tensor: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
@@ -163,6 +161,16 @@ class ColdBlocks:
         self.key_rows: dict[str, KeyRows] = {}  # layer name -> the exact selector's keys of every request
         self.selector: Selector = selector_for("auto")
         self.copies = 0  # (block, head) copies into recall slots so far: what recall costs in memory traffic
+
+    def use_selector(self, selector: Selector) -> None:
+        """Rank cold blocks with ``selector`` from now on (the plugin's ``selector`` option, set as the worker's
+        connector starts, before any block goes cold)."""
+        self.selector = selector
+        for layers in self.requests.values():
+            for layer_store in layers.values():
+                layer_store.digest = None
+        if not self.exact:
+            self.key_rows.clear()
 
     @property
     def exact(self) -> bool:

@@ -114,10 +114,11 @@ class H2OConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.budget = self.settings.blocks(self.block_size)
         self.recall_slots = self.settings.recall_blocks(self.block_size)
+        selector = selector_for(self.settings.selector)
+        COLD.use_selector(selector)  # a worker's connector starts before its first step: the workers rank by it
         # the workers' cold blocks, counted here where the decisions are made: at the bound, further evicted
         # blocks are dropped (as without recall) and those kept stay until their request ends
-        block_bytes = cold_block_bytes(kv_cache_config, vllm_config.parallel_config.world_size,
-                                       selector_for(self.settings.selector))
+        block_bytes = cold_block_bytes(kv_cache_config, vllm_config.parallel_config.world_size, selector)
         self.cold_limit = self.settings.recall_memory // block_bytes if block_bytes else 0
         self.cold_total = 0
         self.cold_refused = 0

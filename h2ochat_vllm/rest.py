@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from .scores import causal_bias, grouped
+from .scores import causal_bias, grouped, key_view, value_view
 
 QUERY_BLOCK = 256  # queries per pass: logits of [Hkv, G * 256, tokens] in float32
 
 
 def keys_and_values(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks in vLLM's CPU layout [N, Hkv, block_size, 2 * D] -> keys and values [Hkv, N * block_size, D]."""
-    count, kv_heads, block_size, both = blocks.shape
-    halves = blocks.view(count, kv_heads, 2, both // 2 * block_size)
-    keys = halves[:, :, 0].view(count, kv_heads, both // 2, block_size).permute(1, 0, 3, 2)
-    values = halves[:, :, 1].view(count, kv_heads, block_size, both // 2).permute(1, 0, 2, 3)
-    return keys.reshape(kv_heads, -1, both // 2), values.reshape(kv_heads, -1, both // 2)
+    kv_heads, dim = blocks.shape[1], blocks.shape[3] // 2
+    keys = key_view(blocks).permute(1, 0, 3, 2)  # [Hkv, N, block_size, D]
+    values = value_view(blocks).permute(1, 0, 2, 3)
+    return keys.reshape(kv_heads, -1, dim), values.reshape(kv_heads, -1, dim)
 
 
 def attend_with_rest(query: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor], cold: tuple[torch.Tensor, torch.Tensor],

@@ -100,7 +100,7 @@ def read_settings(connector_extra: dict | None, additional: dict | None) -> Sett
     memory = _pick("recall_memory", "H2OCHAT_VLLM_RECALL_MEMORY", extra, more)
     recall_memory = parse_size(str(memory), "recall_memory") if memory is not None else default_recall_memory()
     queries = _pick("recall_queries", "H2OCHAT_VLLM_RECALL_QUERIES", extra, more)
-    recall_queries = int(queries) if queries is not None else 32
+    recall_queries = int(queries) if queries is not None else Settings.recall_queries
     if recall_queries < 1:
         raise ValueError(f"h2ochat: recall_queries must be >= 1, got {recall_queries}")
     rest = str(_pick("recall_rest", "H2OCHAT_VLLM_RECALL_REST", extra, more) or "prompt")

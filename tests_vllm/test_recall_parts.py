@@ -107,3 +107,31 @@ def test_recall_options():
         read_settings({"budget": 256, "recall": 0.5, "recall_memory": "lots"}, None)
     with pytest.raises(ValueError, match="recall_queries"):
         read_settings({"budget": 256, "recall": 0.5, "recall_queries": 0}, None)
+
+
+def test_another_selector_ranks_through_itself():
+    """With Quest's per-channel bound (``selector quest``) a decode step's choice is Quest's, not the exact
+    keys': each head's slots hold the blocks whose box bound is largest for its queries."""
+    from h2ochat_vllm.cold_blocks import selector_for
+
+    cache = random_cache(12, seed=4)
+    original = cache.clone()
+    cold = ColdBlocks()
+    cold.use_selector(selector_for("quest"))
+    pairs = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5))
+    cold.keep("r", "layer0", cache, pairs)
+    assert cold.key_rows == {}  # the exact selector's keys are not kept for another
+    queries = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(9))
+    cold.recall("layer0", cache, [("r", (10, 11), queries)])
+    group = HEADS // KV_HEADS
+    physical = [p for _, p in pairs]
+    for head in range(KV_HEADS):
+        q = queries[:, head * group: (head + 1) * group].reshape(-1, DIM)
+        bound = []
+        for block in physical:
+            keys = keys_of(original, block, head)
+            low, high = keys.min(dim=0).values, keys.max(dim=0).values
+            bound.append(float(torch.maximum(q * low, q * high).sum(dim=-1).max()))
+        expected = {physical[i] for i in sorted(range(len(physical)), key=lambda i: -bound[i])[:2]}
+        held = {next(p for p in physical if torch.equal(cache[slot, head], original[p, head])) for slot in (10, 11)}
+        assert held == expected
