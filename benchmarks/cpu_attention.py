@@ -15,9 +15,11 @@ its CPU ms per step; and ``h2ochat eval`` perplexity on a text, which must not m
     python benchmarks/cpu_attention.py --routed --out benchmarks/results_cpu_attention_routed.json
 
 With ``--chunks``: a prompt chunk (Q new tokens, causal among themselves) at a served prefill's shapes, one row: the
-torch route (``reference.attend_with_scores``, its blocked layout) against the kernel.
+torch route (``reference.attend_with_scores``, its blocked layout) against the kernel, without and with a recall
+tier's rest column; ``--threads 2``: both on two threads, wall time.
 
     python benchmarks/cpu_attention.py --chunks --out benchmarks/results_cpu_attention_chunks.json
+    python benchmarks/cpu_attention.py --chunks --threads 2 --out benchmarks/results_cpu_attention_chunks_2threads.json
 """
 
 from __future__ import annotations
@@ -72,17 +74,19 @@ def routes(tensors: dict) -> dict:
     return calls
 
 
-def measure(calls: dict, rounds: int) -> dict:
+def measure(calls: dict, rounds: int, wall: bool = False) -> dict:
     """Median CPU microseconds of each call over ``rounds`` turns (each route once a turn, after a warm-up): CPU time
-    (one thread), not wall time, so that other jobs on a shared machine do not count."""
+    (one thread), not wall time, so that other jobs on a shared machine do not count; ``wall``: wall time (several
+    threads, where CPU time would count each)."""
+    clock = time.perf_counter if wall else time.process_time
     times = {name: [] for name in calls}
     for call in calls.values():
         call()
     for _ in range(rounds):
         for name, call in calls.items():
-            started = time.process_time()
+            started = clock()
             call()
-            times[name].append(time.process_time() - started)
+            times[name].append(clock() - started)
     return {name: round(statistics.median(t) * 1e6, 1) for name, t in times.items()}
 
 
@@ -132,27 +136,31 @@ def whole_steps(args) -> dict:
             "rows": rows}
 
 
-def chunk_rows(rounds: int) -> list[dict]:
-    """Median CPU ms of a prompt chunk's attention (one row, SmolLM2's heads) on the torch route and through the
-    kernel, as ``measure`` takes turns."""
+def chunk_rows(rounds: int, threads: int) -> list[dict]:
+    """Median ms of a prompt chunk's attention (one row, SmolLM2's heads) on the torch route and through the kernel,
+    as ``measure`` takes turns, without and with a recall tier's rest column (one more logit and value per query
+    row); CPU time at one thread, wall time at more (``measure(wall=True)``)."""
     kernel = attention_ops._loaded()[0]
     heads, group, dim = 3, 3, 64
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for slots, q_len in ((1638, 512), (1638, 64), (512, 512)):
-            g = torch.Generator().manual_seed(0)
-            query = torch.randn(1, heads, group, q_len, dim, generator=g).to(dtype)
-            keys, values = (torch.randn(1, heads, slots, dim, generator=g).to(dtype) for _ in range(2))
-            index = torch.arange(slots).expand(1, heads, slots).contiguous()
-            new_keys, new_values = (torch.randn(1, heads, q_len, dim, generator=g).to(dtype) for _ in range(2))
-            args = (query, keys, values, index, new_keys, new_values, None, 0.125, torch.zeros(1, heads, slots))
-            calls = {"torch": lambda: reference.attend_with_scores(*args),
-                     "kernel": lambda: attention_ops._call(kernel, *args, 1.0, 1)}
-            micros = measure(calls, rounds)
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "slots": slots, "chunk_tokens": q_len,
-                         "median_cpu_ms": {k: round(v / 1000, 2) for k, v in micros.items()},
-                         "speedup_over_torch": round(micros["torch"] / micros["kernel"], 2)})
-            print(rows[-1], file=sys.stderr)
+            for with_rest in (False, True):
+                g = torch.Generator().manual_seed(0)
+                query = torch.randn(1, heads, group, q_len, dim, generator=g).to(dtype)
+                keys, values = (torch.randn(1, heads, slots, dim, generator=g).to(dtype) for _ in range(2))
+                index = torch.arange(slots).expand(1, heads, slots).contiguous()
+                new_keys, new_values = (torch.randn(1, heads, q_len, dim, generator=g).to(dtype) for _ in range(2))
+                rest = ((torch.randn(1, heads, group, q_len, generator=g),
+                         torch.randn(1, heads, group, q_len, dim, generator=g)) if with_rest else None)
+                args = (query, keys, values, index, new_keys, new_values, None, 0.125, torch.zeros(1, heads, slots))
+                calls = {"torch": lambda: reference.attend_with_scores(*args, rest=rest),
+                         "kernel": lambda: attention_ops._call(kernel, *args, 1.0, threads, rest)}
+                micros = measure(calls, rounds, wall=threads > 1)
+                rows.append({"dtype": str(dtype).removeprefix("torch."), "slots": slots, "chunk_tokens": q_len,
+                             "rest": with_rest, "median_ms": {k: round(v / 1000, 2) for k, v in micros.items()},
+                             "speedup_over_torch": round(micros["torch"] / micros["kernel"], 2)})
+                print(rows[-1], file=sys.stderr)
     return rows
 
 
@@ -170,12 +178,13 @@ def main() -> int:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--text", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1, help="--chunks: compute threads (above 1: wall time)")
     args = parser.parse_args()
     if args.chunks:
-        torch.set_num_threads(1)
-        emit({"threads": 1, "rounds": args.rounds, "variant": attention_ops.variant_name(),
-              "rows": chunk_rows(args.rounds)}, args.out, what="A prompt chunk's attention with its H2O scores: the torch "
-             "route against the C kernel")
+        torch.set_num_threads(args.threads)
+        emit({"threads": args.threads, "clock": "cpu" if args.threads == 1 else "wall", "rounds": args.rounds,
+              "variant": attention_ops.variant_name(), "rows": chunk_rows(args.rounds, args.threads)}, args.out,
+             what="A prompt chunk's attention with its H2O scores: the torch route against the C kernel")
         return 0
     if args.routed:
         emit(whole_steps(args), args.out, what="Whole decode steps and perplexity with the CPU attention kernel "

@@ -157,15 +157,15 @@ class Backend:
     def attend_with_scores(self, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid,
                            scale, scores, decay=1.0, quant=None, rest=None):
         """``reference.attend_with_scores`` (same arguments, same results; ``quant`` a
-        ``quant.QuantSlots`` when the slots hold int8 / int4 codes; a ``rest`` column: the reference's,
-        which the kernels do not take)."""
+        ``quant.QuantSlots`` when the slots hold int8 / int4 codes; a ``rest`` column: the reference's and
+        the CPU kernel's, not the Triton kernels')."""
         args = (query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores, decay)
         if (self.triton and rest is None
                 and _attention_supported(query, cache_keys, cache_values, new_keys, new_values, scores, quant)):
             return ops.attend_with_scores(*args, quant=quant)
-        if self.cpu_attention and rest is None and quant is None:
+        if self.cpu_attention and quant is None:
             # a CPU decode step or prompt chunk: the C kernel where it takes these (None: the reference)
-            done = attention_ops.attend_with_scores(*args)
+            done = attention_ops.attend_with_scores(*args, rest=rest)
             if done is not None:
                 return done
         return reference.attend_with_scores(*args, quant=quant, rest=rest)

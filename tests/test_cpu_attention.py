@@ -50,19 +50,19 @@ def _step(batch, heads, group, slots, dim, dtype, generator, strided=False, empt
     return query, keys, values, index, new_keys, new_values, scores
 
 
-def _both(args, new_valid, scale, decay, reference_dtype=None):
-    """(the kernel's (out, new_scores, scores), the reference's) for the same step; the reference on the inputs
-    converted to ``reference_dtype`` where given."""
+def _both(args, new_valid, scale, decay, reference_dtype=None, rest=None):
+    """(the kernel's (out, new_scores, scores), the reference's) for the same step (with a recall tier's ``rest``
+    column where given); the reference on the inputs converted to ``reference_dtype`` where given."""
     query, keys, values, index, new_keys, new_values, scores = args
     kernel_scores, reference_scores = scores.clone(), scores.clone()
     got = attention_ops.attend_with_scores(query, keys, values, index, new_keys, new_values, new_valid, scale,
-                                      kernel_scores, decay)
+                                           kernel_scores, decay, rest=rest)
     assert got is not None, attention_ops.why_not()
     floats = [query, keys, values, new_keys, new_values]
     if reference_dtype is not None:
         floats = [t.to(reference_dtype) for t in floats]
     want = reference.attend_with_scores(floats[0], floats[1], floats[2], index, floats[3], floats[4], new_valid,
-                                        scale, reference_scores, decay)
+                                        scale, reference_scores, decay, rest=rest)
     return (*got, kernel_scores), (*want, reference_scores)
 
 
@@ -114,7 +114,8 @@ def _chunk(batch, group, slots, dim, q_len, dtype, generator, padding):
     return (query, keys, values, index, new_keys, new_values, scores), new_valid
 
 
-CHUNKS = [(1, 64, 70, 2), (3, 67, 129, 19), (3, 64, 40, 70)]  # (G, D, S, Q): new tokens past a block of keys
+# (G, D, S, Q): new tokens past a block of keys; 70 and 200: a chunk of several blocks of the kernel's 64 tokens
+CHUNKS = [(1, 64, 70, 2), (3, 67, 129, 19), (3, 64, 40, 70), (1, 32, 17, 200)]
 
 
 @pytest.mark.parametrize("group,dim,slots,q_len", CHUNKS)
@@ -168,6 +169,66 @@ def test_every_slot_empty_leaves_the_new_token_alone():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _rest(batch, heads, group, q_len, dim, generator, none_at=(0, 1)):
+    """A recall tier's rest column: a logit per query row (near the slots' own, so it takes a real share) and an
+    fp32 value; the row and head ``none_at`` hold no unrecalled page (-inf)."""
+    logit = torch.randn(batch, heads, group, q_len, generator=generator) + 1.0
+    logit[none_at] = float("-inf")
+    return logit, torch.randn(batch, heads, group, q_len, dim, generator=generator)
+
+
+@pytest.mark.parametrize("q_len", [1, 19, 70])
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_rest_column_joins_the_softmax_as_the_torch_route_has_it(q_len, padding):
+    """With a recall tier's rest column (one more logit and value per query row, no slot): fp32 outputs, new scores
+    and scores are the torch route's within fp32 rounding, the rest taking its share of every row's softmax and
+    no score; bf16 the exact result to its rounding. A decode step, a chunk of one block and one of two."""
+    generator = torch.Generator().manual_seed(40 + q_len)
+    if q_len == 1:
+        args = _step(2, 3, 3, 90, 64, torch.float32, generator, strided=True)
+        new_valid = torch.tensor([[True], [False]]) if padding else None
+    else:
+        args, new_valid = _chunk(2, 3, 90, 64, q_len, torch.float32, generator, padding)
+    rest = _rest(2, 3, 3, q_len, 64, generator)
+    got, want = _both(args, new_valid, 0.125, 0.5, rest=rest)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    without, _ = _both(args, new_valid, 0.125, 0.5)
+    assert not torch.allclose(got[0], without[0], atol=1e-3)  # (the rest moved the outputs)
+    torch.testing.assert_close(got[0][0, 1], without[0][0, 1], rtol=1e-6, atol=1e-7)  # (none there: as without)
+    bf16 = tuple(t.bfloat16() if t.is_floating_point() and i != 6 else t for i, t in enumerate(args))
+    got, exact = _both(bf16, new_valid, 0.125, 0.5, reference_dtype=torch.float32, rest=rest)
+    torch.testing.assert_close(got[0].float(), exact[0], rtol=2 ** -7, atol=2 ** -8)
+    torch.testing.assert_close(got[2], exact[2], rtol=1e-5, atol=1e-6)
+
+
+def test_every_slot_empty_beside_a_rest_column():
+    """A row whose slots are all empty shares its softmax between its new token and the rest column alone."""
+    generator = torch.Generator().manual_seed(41)
+    args = _step(1, 2, 3, 20, 64, torch.float32, generator, empty=1.1)
+    rest = _rest(1, 2, 3, 1, 64, generator, none_at=(0, 0))
+    got, want = _both(args, None, 0.125, 1.0, rest=rest)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_chunk_of_several_blocks_is_the_same_on_any_threads():
+    """A chunk's blocks are units of work spread over the threads; their received attention is summed in block
+    order after, so one thread and two give the same bits."""
+    generator = torch.Generator().manual_seed(42)
+    args, new_valid = _chunk(1, 3, 150, 64, 200, torch.float32, generator, padding=True)
+    rest = _rest(1, 3, 3, 200, 64, generator)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(_both(args, new_valid, 0.125, 0.5, rest=rest)[0])
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_a_per_sequence_decay_and_threads():
     generator = torch.Generator().manual_seed(5)
     args = _step(3, 2, 3, 50, 64, torch.float32, generator)
@@ -205,7 +266,7 @@ def _counting(monkeypatch) -> list:
     """Count the eager calls the torch backend makes to the kernel (one entry per call: whether it took it)."""
     calls = []
     attend = attention_ops.attend_with_scores
-    monkeypatch.setattr(attention_ops, "attend_with_scores", lambda *a: calls.append(1) or attend(*a))
+    monkeypatch.setattr(attention_ops, "attend_with_scores", lambda *a, **k: calls.append(1) or attend(*a, **k))
     return calls
 
 
@@ -323,8 +384,8 @@ def test_greedy_decoding_is_the_torch_routes(family, torch_route, monkeypatch):
     calls = []
     attend = attention_ops.attend_with_scores
 
-    def counted(*args):
-        done = attend(*args)
+    def counted(*args, **kwargs):
+        done = attend(*args, **kwargs)
         calls.append(done is not None)
         return done
 

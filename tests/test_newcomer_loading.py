@@ -102,6 +102,40 @@ def test_the_load_says_a_failed_keep_once(monkeypatch, capsys):
     assert err.count("h2ochat: warning: could not keep it (reason)") == 1
 
 
+def test_a_gguf_file_converted_before_is_not_parsed_again(monkeypatch, tmp_path):
+    """With the file's converted copy at hand, its parameter count, its configuration and the weights come from the
+    copy (headers and config.json: a second), never from parsing the GGUF file (seconds on every start)."""
+    from h2ochat.loading import memory, models
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text("{}")
+    source = SimpleNamespace(kind="gguf", family="llama", name="x.gguf", location="/x/x.gguf")
+    seen = {}
+
+    def parsed(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed")
+
+    def from_copy(what):
+        return lambda folder, *a, **k: seen.setdefault(what, str(folder)) and SimpleNamespace(
+            pad_token_id=0, to=lambda device: None, eval=lambda: None)
+
+    monkeypatch.setattr(models, "resolve", lambda name: source)
+    monkeypatch.setattr(memory, "_gguf_parameters", parsed)
+    monkeypatch.setattr(models, "check_memory", lambda *a, **k: None)
+    monkeypatch.setattr(models, "converted_gguf_dir", lambda folder, dtype: copy)
+    monkeypatch.setattr(models, "remove_stale_partials", lambda folder: [])
+    monkeypatch.setattr(models, "_local_config", lambda source, folder: seen.setdefault("config", (source.kind, folder)))
+    monkeypatch.setattr(memory, "_safetensors_parameters", lambda path: 7)
+    (copy / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", from_copy("tokenizer"))
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", from_copy("model"))
+    monkeypatch.setattr("h2ochat.engine.packed_linears.pack_linears", lambda model, rows: None)
+    loaded = models.load("x.gguf", device="cpu", dtype="float32", kv_slots=8)
+    assert loaded.params == 7 and seen["config"] == ("dir", copy)
+    assert seen["tokenizer"] == seen["model"] == str(copy)
+
+
 # -- item 14: transformers' dtype advice --------------------------------------------------------------
 def test_transformers_dtype_advice_is_not_shown_during_the_load():
     quantizer_log = logging.getLogger("transformers.quantizers.quantizer_gguf")

@@ -178,8 +178,13 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
         folder = download(source.location, info)
     else:
         folder = Path(source.location)
-    params = parameter_count(source, folder)
-    config = _local_config(source, folder) if kv_slots is not None or check_config is not None else None
+    # a GGUF file converted before: its copy's headers and config.json say what parsing the file would (seconds)
+    ready = converted_gguf_dir(folder, torch_dtype) if source.kind == "gguf" else None
+    ready = ready if ready is not None and (ready / "config.json").is_file() else None
+    read_from = ModelSource(source.name, "dir", str(ready), source.family) if ready is not None else source
+    params = parameter_count(read_from, ready or folder)
+    wants_config = kv_slots is not None or check_config is not None
+    config = _local_config(read_from, ready or folder) if wants_config else None
     if config is not None and check_config is not None:
         check_config(config)
     check_memory(params, torch_dtype, memory_device, source.name, config=config,
@@ -194,8 +199,8 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
     if source.kind == "gguf":
         converted = converted_gguf_dir(folder, torch_dtype)
         remove_stale_partials(converted.parent)  # a killed conversion's hundreds of MB
-        if (converted / "config.json").is_file():
-            folder, converted = converted, None
+        if ready is not None:
+            folder, converted = ready, None
         else:
             tokenizer_kwargs = {"gguf_file": folder.name}
             kwargs["gguf_file"] = folder.name

@@ -7,11 +7,12 @@ results_cpu_attention_chunks.json for prompt chunks; whole steps: results_cpu_at
 
 ``attend_with_scores`` is ``reference.attend_with_scores`` for what the kernel takes (``takes``): up to 512 new
 tokens (Q = 1 a decode step; Q > 1 a chunk, causal among its tokens, each query row's probabilities weighed in the
-scores by the decay as the reference weighs them), float slots of the query's dtype (bf16 or fp32) with unit stride
-along D (any view of a larger slot buffer), D <= 256, any group G, a padding mask, a float decay or one per
-sequence. Everything ``takes`` reads is a shape, a dtype, a stride or a device, never a value, so a
-``torch.compile`` trace decides as an eager call does. Quantized slots, a recall tier's rest column, a longer
-chunk, another dtype or device stay on the caller's torch route.
+scores by the decay as the reference weighs them; a chunk's tokens go 64 at a time, each (sequence, KV head, block)
+a unit of work for the threads), float slots of the query's dtype (bf16 or fp32) with unit stride along D (any view
+of a larger slot buffer), D <= 256, any group G, a padding mask, a float decay or one per sequence, and in an eager
+step a recall tier's rest column. Everything ``takes`` reads is a shape, a dtype, a stride or a device, never a
+value, so a ``torch.compile`` trace decides as an eager call does. Quantized slots, a longer chunk, another dtype or
+device stay on the caller's torch route.
 
 Routed by default: the torch backend (``dispatch.Backend``) sends a CPU step here when the kernel loads on this
 machine, ``H2OCHAT_CPU_ATTENTION=0`` or ``H2OCHAT_CPU_KERNELS=none`` turns it off (read when a cache layer
@@ -109,22 +110,26 @@ def takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_value
 
 
 def attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale,
-                       scores, decay=1.0):
-    """``reference.attend_with_scores(query, ..., decay)`` without quant or rest (``scores`` updated in place;
+                       scores, decay=1.0, rest=None):
+    """``reference.attend_with_scores(query, ..., decay, rest=rest)`` without quant (``scores`` updated in place;
     returns (out [B, Hkv, G, Q, D] in the query's dtype, new_scores [B, Hkv, Q] fp32)), or None where the kernel does
     not take these arguments (``takes``) or does not load here: then nothing is written. Inside a ``torch.compile``
     trace it is the custom op, whose call runs the kernel (or, where the kernel stopped loading since the trace,
-    the reference: the same contract)."""
+    the reference: the same contract); a recall tier's ``rest`` column comes only to eager steps (a compiled step
+    has none), so the op does not take it."""
     if not takes(query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scores, decay):
         return None
     if torch.compiler.is_compiling():
+        if rest is not None:
+            return None
         number, rows = (1.0, decay) if isinstance(decay, torch.Tensor) else (float(decay), None)
         return torch.ops.h2ochat.cpu_attend_with_scores(query, cache_keys, cache_values, slot_token_index, new_keys,
                                                         new_values, new_valid, float(scale), scores, number, rows)
     # eager: the kernel itself, not through the op (the dispatcher's round trip costs tens of us a call)
     kernel = _loaded()[0]
     return None if kernel is None else _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys,
-                                             new_values, new_valid, scale, scores, decay, torch.get_num_threads())
+                                             new_values, new_valid, scale, scores, decay, torch.get_num_threads(),
+                                             rest)
 
 
 @ops._op("cpu_attend_with_scores", mutates_args=("scores",))
@@ -150,7 +155,7 @@ def _attend_fake(query, cache_keys, cache_values, slot_token_index, new_keys, ne
 
 
 def _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, new_values, new_valid, scale, scores,
-          decay, threads):
+          decay, threads, rest=None):
     attend, workspace_floats = kernel
     batch, heads, group, q_len, dim = query.shape
     slots = cache_keys.shape[2]
@@ -168,27 +173,31 @@ def _call(kernel, query, cache_keys, cache_values, slot_token_index, new_keys, n
         decay = None
     else:
         decay = torch.full((batch,), float(decay), dtype=torch.float32)
-    threads = max(1, min(threads, batch * heads))
-    workspace = torch.empty(threads * workspace_floats(group, q_len, slots, dim), dtype=torch.float32)
+    rest_logit = rest_value = None
+    if rest is not None:  # [B, Hkv, G, Q] and [B, Hkv, G, Q, D], fp32 as the kernel reads them
+        rest_logit = rest[0].to(torch.float32).expand(batch, heads, group, q_len).contiguous()
+        rest_value = rest[1].to(torch.float32).expand(batch, heads, group, q_len, dim).contiguous()
+    workspace = torch.empty(workspace_floats(batch, heads, group, q_len, slots, dim, threads), dtype=torch.float32)
     out = torch.empty(batch, heads, group, q_len, dim, dtype=query.dtype)
     new_scores = torch.empty(batch, heads, q_len, dtype=torch.float32)
     attend(query.data_ptr(), batch, heads, group, q_len, dim, cache_keys.data_ptr(), *cache_keys.stride()[:3],
            cache_values.data_ptr(), *cache_values.stride()[:3], slots, slot_token_index.data_ptr(),
            *slot_token_index.stride(), new_keys.data_ptr(), new_values.data_ptr(),
            0 if new_valid is None else new_valid.data_ptr(), float(scale), scores.data_ptr(), *scores.stride(),
-           0 if decay is None else decay.data_ptr(), 0 if weights is None else weights.data_ptr(), out.data_ptr(), new_scores.data_ptr(), query.element_size(),
-           workspace.data_ptr(), threads)
+           0 if decay is None else decay.data_ptr(), 0 if weights is None else weights.data_ptr(),
+           0 if rest_logit is None else rest_logit.data_ptr(), 0 if rest_value is None else rest_value.data_ptr(),
+           out.data_ptr(), new_scores.data_ptr(), query.element_size(), workspace.data_ptr(), threads)
     return out, new_scores
 
 
 def _agrees_in(kernel, dtype: torch.dtype) -> bool:
-    """A decode step and a chunk of 19 tokens: odd sizes (a head dim with a tail, a view with gaps), empty slots,
-    padding, a decay, two threads: against the torch reference on the same values in fp32, within the kernel's
-    stated tolerance."""
-    return all(_agrees_at(kernel, dtype, q_len) for q_len in (1, 19))
+    """A decode step, a chunk of 19 tokens and one of 70 (two blocks of the kernel's 64), each with and without a
+    recall tier's rest column: odd sizes (a head dim with a tail, a view with gaps), empty slots, padding, a decay,
+    two threads: against the torch reference on the same values in fp32, within the kernel's stated tolerance."""
+    return all(_agrees_at(kernel, dtype, q_len, rest) for q_len in (1, 19, 70) for rest in (False, True))
 
 
-def _agrees_at(kernel, dtype: torch.dtype, q_len: int) -> bool:
+def _agrees_at(kernel, dtype: torch.dtype, q_len: int, with_rest: bool) -> bool:
     generator = torch.Generator().manual_seed(0)
     batch, heads, group, slots, dim = 2, 3, 3, 37, 67
     query = torch.randn(batch, heads, group, q_len, dim, generator=generator).to(dtype)
@@ -200,11 +209,16 @@ def _agrees_at(kernel, dtype: torch.dtype, q_len: int) -> bool:
     new_valid = torch.ones(batch, q_len, dtype=torch.bool)
     new_valid[1, 0], new_valid[0, 2:q_len:4] = False, False
     scores = torch.rand(batch, heads, slots, generator=generator)
+    rest = None
+    if with_rest:  # (a row and head with no rest: -inf)
+        rest = (torch.randn(batch, heads, group, q_len, generator=generator) + 2.0,
+                torch.randn(batch, heads, group, q_len, dim, generator=generator))
+        rest[0][1, 2] = float("-inf")
     expected_scores = scores.clone()
-    got = _call(kernel, query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores, 0.5, 2)
+    got = _call(kernel, query, keys, values, index, new_keys, new_values, new_valid, 0.125, scores, 0.5, 2, rest)
     floats = [t.float() for t in (query, keys, values)]
     out, new = reference.attend_with_scores(floats[0], floats[1], floats[2], index, new_keys.float(),
-                                            new_values.float(), new_valid, 0.125, expected_scores, 0.5)
+                                            new_values.float(), new_valid, 0.125, expected_scores, 0.5, rest=rest)
     return (torch.allclose(got[0].float(), out.to(dtype).float(), rtol=1e-2, atol=1e-2)
             and torch.allclose(got[1], new, rtol=1e-4, atol=1e-6)
             and torch.allclose(scores, expected_scores, rtol=1e-4, atol=1e-6))

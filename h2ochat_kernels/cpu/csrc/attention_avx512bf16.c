@@ -12,6 +12,8 @@
 
 /* The queries as the dots read them: bf16 as they are, fp32 as they are, each zero-padded to whole 32-channel
    (bf16) or 16-channel (fp32) chunks, `value_columns(D)` elements apart. */
+static int64_t prepared_bytes(int64_t bytes) { return bytes; } /* (bf16 kept as bf16 for VDPBF16PS) */
+
 static void prepare_queries(const char *q, int64_t G, int64_t D, int64_t bytes, float *prepared) {
   const int64_t width = value_columns(D);
   memset(prepared, 0, G * width * sizeof(float));

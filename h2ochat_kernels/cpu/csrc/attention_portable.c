@@ -39,6 +39,8 @@ static inline vf folded(const vf s[4]) { return fold1(fold2(s[0], s[2]), fold2(s
 #endif
 
 /* The queries widened to fp32, zero past D. */
+static int64_t prepared_bytes(int64_t bytes) { (void)bytes; return sizeof(float); } /* (fp32 whatever the dtype) */
+
 static void prepare_queries(const char *q, int64_t G, int64_t D, int64_t bytes, float *prepared) {
   const int64_t width = value_columns(D);
   memset(prepared, 0, G * width * sizeof(float));

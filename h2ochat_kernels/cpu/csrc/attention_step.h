@@ -40,9 +40,10 @@ static inline uint16_t to_bf16(float x) {
 }
 
 /* What the unit defines after this header: the queries laid out for its dots (`value_columns(D)` elements a
-   query, zero past D); the raw q.k of every query with n <= LANES keys into lanes [0, LANES) of each query's row of
+   query, zero past D, each of `prepared_bytes`); the raw q.k of every query with n <= LANES keys into lanes [0, LANES) of each query's row of
    logits (lanes past n: 0); and acc[g] += sum_j p[g][j] * value_j over n values. */
 static void prepare_queries(const char *q, int64_t G, int64_t D, int64_t bytes, float *prepared);
+static int64_t prepared_bytes(int64_t bytes); /* the bytes of one element of a prepared query */
 static void key_dots(const char *keys, int64_t key_s, int64_t n, const float *prepared, int64_t G, int64_t D,
                      int64_t bytes, float *logits, int64_t columns);
 static void value_sums(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns, int64_t G,
@@ -54,90 +55,115 @@ typedef struct {
   int64_t score_b, score_h, score_s;
   const int64_t *token_index;
   const uint8_t *new_valid;
-  const float *decay, *weights;
+  const float *decay, *weights, *rest_logit, *rest_value;
   float scale, *scores, *new_scores;
   char *out;
+  float *received; /* a chunk of several blocks: each unit's received attention, summed onto the scores after */
 } step_t;
 
-int64_t h2ochat_attend_workspace(int64_t G, int64_t Q, int64_t S, int64_t D) {
-  return G * Q * logit_columns(S, Q) + logit_columns(S, Q) + 2 * G * Q * value_columns(D);
+/* A chunk's new tokens go QUERY_BLOCK at a time: each (sequence, KV head, block) is one unit of work, so a chunk of
+   one sequence keeps every thread busy, and a unit's logits (G x QUERY_BLOCK rows) stay in the CPU's cache. */
+#define QUERY_BLOCK 64
+static inline int64_t blocks_of(int64_t Q) { return (Q + QUERY_BLOCK - 1) / QUERY_BLOCK; }
+static inline int64_t block_tokens(int64_t Q) { return Q < QUERY_BLOCK ? Q : QUERY_BLOCK; }
+static inline int64_t per_thread_floats(int64_t G, int64_t Q, int64_t S, int64_t D) {
+  const int64_t T = block_tokens(Q);
+  return G * T * logit_columns(S, Q) + logit_columns(S, Q) + 2 * G * T * value_columns(D);
 }
 
-/* Row (b, h): its logits (M = G x Q query rows of `columns`, the new tokens' from column S), then their softmax in
-   place, then the values by those probabilities, then the scores. */
-static void attend_row(const step_t *t, int64_t b, int64_t h, float *work) {
-  const int64_t Q = t->Q, M = t->G * Q, D = t->D, S = t->S, bytes = t->bytes, columns = logit_columns(S, Q),
-                width = value_columns(D);
-  float *logits = work, *bias = logits + M * columns, *acc = bias + columns, *prepared = acc + M * width;
+int64_t h2ochat_attend_workspace(int64_t B, int64_t H, int64_t G, int64_t Q, int64_t S, int64_t D, int threads) {
+  const int64_t shared = blocks_of(Q) > 1 ? B * H * blocks_of(Q) * logit_columns(S, Q) : 0;
+  return (threads < 1 ? 1 : threads) * per_thread_floats(G, Q, S, D) + shared;
+}
+
+/* Unit (b, h, tokens [q0, q1)): its logits (M = G x T query rows, G-major, over the S slots and the new tokens up to
+   q1, from column S), then their softmax in place (a recall tier's rest column, one more logit per query row, joins
+   it), then the values by those probabilities, then what each column received. */
+static void attend_unit(const step_t *t, int64_t b, int64_t h, int64_t block, float *work) {
+  const int64_t Q = t->Q, G = t->G, D = t->D, S = t->S, bytes = t->bytes, width = value_columns(D);
+  const int64_t q0 = block * QUERY_BLOCK, q1 = q0 + QUERY_BLOCK < Q ? q0 + QUERY_BLOCK : Q, T = q1 - q0, M = G * T;
+  const int64_t columns = logit_columns(S, q1), stride = logit_columns(S, Q);
+  float *logits = work, *bias = logits + M * stride, *acc = bias + stride, *prepared = acc + M * width;
   const int64_t row = b * t->H + h;
   const uint8_t *valid = t->new_valid ? t->new_valid + b * Q : 0;  /* (none: every new token real) */
   const int real = !valid || valid[0];  /* (a decode step's one token) */
 
-  prepare_queries(t->query + row * M * D * bytes, M, D, bytes, prepared);
+  for (int64_t g = 0; g < G; g++)
+    prepare_queries(t->query + ((row * G + g) * Q + q0) * D * bytes, T, D, bytes,
+                    (float *)((char *)prepared + g * T * width * prepared_bytes(bytes)));
   const char *keys = t->keys + (b * t->key_b + h * t->key_h) * bytes;
   for (int64_t s0 = 0; s0 < S; s0 += LANES)
     key_dots(keys + s0 * t->key_s * bytes, t->key_s, S - s0 < LANES ? S - s0 : LANES, prepared, M, D, bytes,
-             logits + s0, columns);
+             logits + s0, stride);
   const char *new_keys = t->new_keys + row * Q * D * bytes;
-  for (int64_t j0 = 0; j0 < Q; j0 += LANES)
-    key_dots(new_keys + j0 * D * bytes, D, Q - j0 < LANES ? Q - j0 : LANES, prepared, M, D, bytes,
-             logits + S + j0, columns);
+  for (int64_t j0 = 0; j0 < q1; j0 += LANES)
+    key_dots(new_keys + j0 * D * bytes, D, q1 - j0 < LANES ? q1 - j0 : LANES, prepared, M, D, bytes,
+             logits + S + j0, stride);
 
   /* scale * dot + bias: MASKED for an empty slot (the sum rounds to it), a padding token's key and a later new
      token's (causal), -inf past the new tokens (no probability at all) */
   const int64_t *index = t->token_index + b * t->index_b + h * t->index_h;
   for (int64_t s = 0; s < S; s++) bias[s] = index[s * t->index_s] < 0 ? MASKED : 0.0f;
-  for (int64_t s = S + Q; s < columns; s++) bias[s] = -INFINITY;
-  float inverse[M];
+  for (int64_t s = S + q1; s < columns; s++) bias[s] = -INFINITY;
+  float inverse[M], rest_share[M];
   for (int64_t m = 0; m < M; m++) {
-    const int64_t q = m % Q;
-    for (int64_t j = 0; j < Q; j++) bias[S + j] = j <= q && (!valid || valid[j]) ? 0.0f : MASKED;
-    float *x = logits + m * columns;
-    for (int64_t s = S + Q; s < columns; s++) x[s] = 0.0f; /* (never written: whatever the workspace held) */
+    const int64_t q = q0 + m % T, query_row = (row * G + m / T) * Q + q;
+    for (int64_t j = 0; j < q1; j++) bias[S + j] = j <= q && (!valid || valid[j]) ? 0.0f : MASKED;
+    float *x = logits + m * stride;
+    for (int64_t s = S + q1; s < columns; s++) x[s] = 0.0f; /* (never written: whatever the workspace held) */
     vf top = vset1(-INFINITY);
     for (int64_t s = 0; s < columns; s += LANES) {
       const vf logit = vfma(vload(x + s), vset1(t->scale), vload(bias + s));
       vstore(x + s, logit);
       top = vmax(top, logit);
     }
-    const vf largest = vset1(vhmax(top));
+    const float rest = t->rest_logit ? t->rest_logit[query_row] : -INFINITY;  /* (already scaled) */
+    float largest_ = vhmax(top);
+    if (rest > largest_) largest_ = rest;
+    const vf largest = vset1(largest_);
     vf sum = vzero();
     for (int64_t s = 0; s < columns; s += LANES) {
       const vf p = vexp(vadd(vload(x + s), vmul(largest, vset1(-1.0f))));
       vstore(x + s, p);
       sum = vadd(sum, p);
     }
-    inverse[m] = 1.0f / vhsum(sum);
+    rest_share[m] = rest == -INFINITY ? 0.0f : expf(rest - largest_);
+    inverse[m] = 1.0f / (vhsum(sum) + rest_share[m]);
   }
 
   memset(acc, 0, M * width * sizeof(float));
   const char *values = t->values + (b * t->value_b + h * t->value_h) * bytes;
   for (int64_t s0 = 0; s0 < S; s0 += VALUE_BLOCK)
     value_sums(values + s0 * t->value_s * bytes, t->value_s, S - s0 < VALUE_BLOCK ? S - s0 : VALUE_BLOCK,
-               logits + s0, columns, M, D, bytes, acc, width);
+               logits + s0, stride, M, D, bytes, acc, width);
   const char *new_values = t->new_values + row * Q * D * bytes;
-  for (int64_t j0 = 0; j0 < Q; j0 += VALUE_BLOCK)
-    value_sums(new_values + j0 * D * bytes, D, Q - j0 < VALUE_BLOCK ? Q - j0 : VALUE_BLOCK, logits + S + j0,
-               columns, M, D, bytes, acc, width);
+  for (int64_t j0 = 0; j0 < q1; j0 += VALUE_BLOCK)
+    value_sums(new_values + j0 * D * bytes, D, q1 - j0 < VALUE_BLOCK ? q1 - j0 : VALUE_BLOCK, logits + S + j0,
+               stride, M, D, bytes, acc, width);
   for (int64_t m = 0; m < M; m++) {
-    const float *from = acc + m * width;
-    char *to = t->out + (row * M + m) * D * bytes;
+    const int64_t query_row = (row * G + m / T) * Q + q0 + m % T;
+    float *from = acc + m * width;
+    if (rest_share[m] != 0.0f) /* the rest's share of its value (fp32, one vector per query row) */
+      for (int64_t d = 0; d < D; d++) from[d] += rest_share[m] * t->rest_value[query_row * D + d];
+    char *to = t->out + query_row * D * bytes;
     if (bytes == 4)
       for (int64_t d = 0; d < D; d++) ((float *)to)[d] = from[d] * inverse[m];
     else
       for (int64_t d = 0; d < D; d++) ((uint16_t *)to)[d] = to_bf16(from[d] * inverse[m]);
   }
 
-  /* the probability each slot and new token received, summed over the query rows (into the first row), each row
-     by its weight (a padding row's 0), onto the scores: S <- decay * S + p; a decode step's padding token neither
-     adds nor decays */
+  /* the probability each slot and new token received, summed over the query rows, each row by its weight (a padding
+     row's 0): into the first row, then onto the scores (S <- decay * S + p; a decode step's padding token neither
+     adds nor decays), or, for a chunk of several blocks, into the unit's place for the sum after */
   const float *weights = t->weights ? t->weights + b * Q : 0;
-  for (int64_t m = 0; m < M; m++) inverse[m] *= weights ? weights[m % Q] : 1.0f;
+  for (int64_t m = 0; m < M; m++) inverse[m] *= weights ? weights[q0 + m % T] : 1.0f;
+  float *received = t->received ? t->received + (row * blocks_of(Q) + block) * stride : logits;
   for (int64_t s = 0; s < columns; s += LANES) {
-    vf received = vmul(vload(logits + s), vset1(inverse[0]));
-    for (int64_t m = 1; m < M; m++) received = vfma(vload(logits + m * columns + s), vset1(inverse[m]), received);
-    vstore(logits + s, received);
+    vf sum = vmul(vload(logits + s), vset1(inverse[0]));
+    for (int64_t m = 1; m < M; m++) sum = vfma(vload(logits + m * stride + s), vset1(inverse[m]), sum);
+    vstore(received + s, sum);
   }
+  if (t->received) return;
   for (int64_t j = 0; j < Q; j++) t->new_scores[row * Q + j] = Q > 1 || real ? logits[S + j] : 0.0f;
   if (Q == 1 && !real) return;
   float *scores = t->scores + b * t->score_b + h * t->score_h;
@@ -148,23 +174,49 @@ static void attend_row(const step_t *t, int64_t b, int64_t h, float *work) {
     for (int64_t s = 0; s < S; s++) scores[s * t->score_s] = scores[s * t->score_s] * decay + logits[s];
 }
 
+/* A chunk of several blocks: row (b, h)'s units' received attention summed in block order (the same sums whatever
+   the threads), onto its scores and into its new tokens' (block k holds new tokens up to its last). */
+static void sum_blocks(const step_t *t, int64_t row) {
+  const int64_t Q = t->Q, S = t->S, stride = logit_columns(t->S, Q), blocks = blocks_of(Q);
+  const float *first = t->received + row * blocks * stride;
+  float *scores = t->scores + (row / t->H) * t->score_b + (row % t->H) * t->score_h;
+  const float decay = t->decay ? t->decay[row / t->H] : 1.0f;
+  for (int64_t s = 0; s < S; s++) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < blocks; k++) sum += first[k * stride + s];
+    scores[s * t->score_s] = (decay == 1.0f ? scores[s * t->score_s] : scores[s * t->score_s] * decay) + sum;
+  }
+  for (int64_t j = 0; j < Q; j++) {
+    float sum = 0.0f;
+    for (int64_t k = j / QUERY_BLOCK; k < blocks; k++) sum += first[k * stride + S + j];
+    t->new_scores[row * Q + j] = sum;
+  }
+}
+
 void h2ochat_attend_tokens(int64_t query, int64_t B, int64_t H, int64_t G, int64_t Q, int64_t D, int64_t keys,
                            int64_t key_b, int64_t key_h, int64_t key_s, int64_t values, int64_t value_b,
                            int64_t value_h, int64_t value_s, int64_t S, int64_t token_index, int64_t index_b,
                            int64_t index_h, int64_t index_s, int64_t new_keys, int64_t new_values, int64_t new_valid,
                            float scale, int64_t scores, int64_t score_b, int64_t score_h, int64_t score_s,
-                           int64_t decay, int64_t weights, int64_t out, int64_t new_scores, int64_t bytes,
-                           int64_t workspace_address, int threads) {
+                           int64_t decay, int64_t weights, int64_t rest_logit, int64_t rest_value, int64_t out,
+                           int64_t new_scores, int64_t bytes, int64_t workspace_address, int threads) {
+  const int64_t blocks = blocks_of(Q), rows = B * H, units = rows * blocks;
+  if (threads < 1) threads = 1;
+  if (threads > units) threads = (int)units;
+  const int64_t per_thread = per_thread_floats(G, Q, S, D);
+  float *workspace = (float *)(intptr_t)workspace_address;
   const step_t t = {(const char *)(intptr_t)query, (const char *)(intptr_t)keys, (const char *)(intptr_t)values,
                     (const char *)(intptr_t)new_keys, (const char *)(intptr_t)new_values, H, G, Q, D, S, bytes,
                     key_b, key_h, key_s, value_b, value_h, value_s, index_b, index_h, index_s, score_b, score_h,
                     score_s, (const int64_t *)(intptr_t)token_index, (const uint8_t *)(intptr_t)new_valid,
-                    (const float *)(intptr_t)decay, (const float *)(intptr_t)weights, scale,
-                    (float *)(intptr_t)scores, (float *)(intptr_t)new_scores, (char *)(intptr_t)out};
-  float *workspace = (float *)(intptr_t)workspace_address;
-  const int64_t rows = B * H, per_thread = h2ochat_attend_workspace(G, Q, S, D);
-  if (threads <= 1 || rows < 2) {
-    for (int64_t r = 0; r < rows; r++) attend_row(&t, r / H, r % H, workspace);
+                    (const float *)(intptr_t)decay, (const float *)(intptr_t)weights,
+                    (const float *)(intptr_t)rest_logit, (const float *)(intptr_t)rest_value, scale,
+                    (float *)(intptr_t)scores, (float *)(intptr_t)new_scores, (char *)(intptr_t)out,
+                    blocks > 1 ? workspace + threads * per_thread : 0};
+  if (threads <= 1) {
+    for (int64_t u = 0; u < units; u++) attend_unit(&t, u / blocks / H, u / blocks % H, u % blocks, workspace);
+    if (blocks > 1)
+      for (int64_t r = 0; r < rows; r++) sum_blocks(&t, r);
     return;
   }
 #ifdef _OPENMP
@@ -172,10 +224,15 @@ void h2ochat_attend_tokens(int64_t query, int64_t B, int64_t H, int64_t G, int64
   {
     float *work = workspace + omp_get_thread_num() * per_thread;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) attend_row(&t, r / H, r % H, work);
+    for (int64_t u = 0; u < units; u++) attend_unit(&t, u / blocks / H, u / blocks % H, u % blocks, work);
+    if (blocks > 1) {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; r++) sum_blocks(&t, r);
+    }
   }
 #else
-  (void)per_thread;
-  for (int64_t r = 0; r < rows; r++) attend_row(&t, r / H, r % H, workspace);
+  for (int64_t u = 0; u < units; u++) attend_unit(&t, u / blocks / H, u / blocks % H, u % blocks, workspace);
+  if (blocks > 1)
+    for (int64_t r = 0; r < rows; r++) sum_blocks(&t, r);
 #endif
 }
