@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from h2ochat.engine import packed_linears
 from h2ochat.engine.generation import CacheSettings, forward, prefill
 from h2ochat_kernels.cpu import row_products
 from h2ochat.engine.packed_linears import (ENVIRONMENT_SWITCH, PackedLinear, RowLinear, form_for, pack_linears, packs,
@@ -18,6 +19,17 @@ from conftest import build_model, random_ids
 
 pytestmark = pytest.mark.skipif(not packs(torch.device("cpu"), torch.bfloat16),
                                 reason="this torch has no oneDNN linear packing")
+
+
+KEEPS_BOTH = packed_linears.keeps_both
+
+
+@pytest.fixture(autouse=True)
+def packed_alone(monkeypatch):
+    """The packed form alone (no plain weights kept beside it), as a machine short of memory has it: the tests
+    of the packed form compare its bits with transformers' own at every row count. The tests of the packed form
+    that keeps both put ``keeps_both`` back (``KEEPS_BOTH``)."""
+    monkeypatch.setattr(packed_linears, "keeps_both", lambda model: False)
 
 
 def bf16_model(family: str, seed: int = 0):
@@ -182,3 +194,52 @@ def test_random_weight_loading_packs_a_bf16_model():
     form = form_for(1)
     assert linears(loaded.model)[0] == 0 and sum(type(m) is form for m in loaded.model.modules()) > 0
     assert loaded.weight_bytes == weight_bytes(loaded.model)
+
+
+@needs_row_kernel
+def test_a_packed_model_keeps_its_plain_weights_for_few_rows_where_memory_allows(monkeypatch):
+    """A server's packed form with the plain weights kept too (``keeps_both``): a step of one to
+    ``MAX_ROWS`` rows gives the row form's logits bit for bit, a larger one the packed form's, the tied head stays
+    tied and the kept weights are counted; with little free memory the packed form keeps none."""
+    ids = random_ids(PACKED_ROWS, 20, torch.Generator().manual_seed(8))
+    row_model, packed_model, both = bf16_model("opt"), bf16_model("opt"), bf16_model("opt")
+    count, plain_bytes = linears(both)[0], weight_bytes(both)
+    embeddings = both.get_input_embeddings().weight
+    pack_linears(row_model, 1)
+    pack_linears(packed_model, PACKED_ROWS)
+    monkeypatch.setattr(packed_linears, "keeps_both", KEEPS_BOTH)
+    assert pack_linears(both, PACKED_ROWS) == count and linears(both) == (0, count)
+    assert all(m.plain_weight is not None for m in both.modules() if isinstance(m, PackedLinear))
+    assert both.lm_head._shared_weight[0] is embeddings
+    packed_bytes = weight_bytes(packed_model)
+    fresh = bf16_model("opt")  # the linears' own weights, the tied head's (the embeddings) left out
+    kept = sum(m.weight.numel() * m.weight.element_size() for m in fresh.modules()
+               if type(m) is nn.Linear and m.weight is not fresh.get_input_embeddings().weight)
+    assert weight_bytes(both) == packed_bytes + kept
+    assert "row kernel at" in packed_linears.form_of(both) and packed_linears.form_of(packed_model) == "packed"
+    few, many = ids[:1], ids
+    assert torch.equal(decoded(both, few), decoded(row_model, few))
+    assert torch.equal(decoded(both, many), decoded(packed_model, many))
+    assert pack_linears(both, PACKED_ROWS) == 0  # (already in that form)
+    monkeypatch.setattr(packed_linears, "free_host_bytes", lambda: plain_bytes)
+    assert not packed_linears.keeps_both(bf16_model("opt"))
+    assert pack_linears(both, PACKED_ROWS) == count and packed_linears.form_of(both) == "packed"
+    assert torch.equal(decoded(both, many), decoded(packed_model, many))
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("rows", [1, PACKED_ROWS])
+def test_the_compiled_step_takes_the_few_row_product_of_a_packed_model_that_keeps_both(rows, monkeypatch):
+    """The op decides on the rows per call (no guard on the batch size): the compiled step gives eager's logits
+    bit for bit (aot_eager) at one row and past the row kernel's rows."""
+    monkeypatch.setattr(packed_linears, "keeps_both", KEEPS_BOTH)
+    model = build_model("llama", seed=6).to(torch.bfloat16)
+    count = pack_linears(model, PACKED_ROWS)
+    assert all(m.plain_weight is not None for m in model.modules() if isinstance(m, PackedLinear))
+    ids = random_ids(rows, 24, torch.Generator().manual_seed(5))
+    eager_cache = CacheSettings(budget="32").build(model)
+    with torch.inference_mode():
+        eager = [prefill(model, eager_cache, ids[:, :16])]
+        eager += [forward(model, eager_cache, ids[:, t:t + 1])[:, -1] for t in range(16, 24)]
+    compiled, ran = decoded_compiled(model, ids, "aot_eager", slots=32, steps=8, op="h2ochat::packed_linear")
+    assert ran == count and torch.equal(compiled, torch.stack(eager, 1))

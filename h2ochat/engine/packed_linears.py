@@ -10,7 +10,10 @@ Two forms, chosen by ``pack_linears`` from the most rows a decode step multiplie
 - ``PackedLinear`` (more rows, a server's batch): the weight packed once into oneDNN's blocked layout.
   ``torch.nn.functional.linear`` on bf16 reorders the weight into that layout on every call; packed once at
   load, the same product gives the same bits (``tests/test_packed_linears.py``) in less time, most at a few
-  rows (``benchmarks/packed_linears.py``, results_packed_linears.json).
+  rows (``benchmarks/packed_linears.py``, results_packed_linears.json). Where the row kernel runs and a second
+  copy of the linears' weights is a small share of the free memory (``keeps_both``), the packed form also keeps
+  the plain weight, and a step of one to ``row_products.MAX_ROWS`` rows (a server's lone chat) goes through the
+  row kernel: the server's buckets then take each the faster product for their rows.
 
 fp32 weights stay as they are: MKL's sgemm is as fast there, and its bits differ from oneDNN's.
 
@@ -34,6 +37,8 @@ import torch
 from torch import nn
 
 from h2ochat_kernels.cpu import row_products
+
+from ..host_memory import free_host_bytes
 
 ENVIRONMENT_SWITCH = "H2OCHAT_PACK_LINEARS"  # "0": leave the linears as transformers built them
 _LIBRARY = torch.library.Library("h2ochat", "FRAGMENT")
@@ -65,8 +70,20 @@ def _as_op(name: str, schema: str, product, shape) -> None:
     torch.library.register_fake(f"h2ochat::{name}", shape, lib=_LIBRARY)
 
 
-_as_op("packed_linear", "(Tensor x, Tensor packed_weight, Tensor? bias, SymInt out_features) -> Tensor",
-       lambda x, packed_weight, bias, out_features: _onednn_product(x, packed_weight, bias), _packed_shape)
+def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                    plain_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``PackedLinear``'s product: the row kernel on its plain weight for a few rows where it keeps one,
+    else oneDNN's on the packed weight (decided per call on the rows: a compiled graph of any batch size takes
+    each bucket's faster product, with no guard on the size)."""
+    if plain_weight is not None and row_products.fits(x):
+        return row_products.product(x, plain_weight, bias)
+    return _onednn_product(x, packed_weight, bias)
+
+
+_as_op("packed_linear", "(Tensor x, Tensor packed_weight, Tensor? bias, SymInt out_features, Tensor? plain_weight) "
+       "-> Tensor", lambda x, packed_weight, bias, out_features, plain_weight: _packed_product(
+           x, packed_weight, bias, plain_weight),
+       lambda x, packed_weight, bias, out_features, plain_weight: _packed_shape(x, packed_weight, bias, out_features))
 _as_op("row_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _row_product, _row_shape)
 
 
@@ -79,30 +96,45 @@ def _holding(linear_type: type[nn.Linear], weight: nn.Parameter, bias: nn.Parame
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` with its weight in oneDNN's packed layout (a non-persistent buffer)."""
+    """``nn.Linear`` with its weight in oneDNN's packed layout (a non-persistent buffer); with ``few_rows``, the
+    plain weight kept beside it for the row kernel's few-row products (``_packed_product``)."""
 
-    def __init__(self, linear: nn.Linear, shared: bool):
+    def __init__(self, linear: nn.Linear, shared: bool, few_rows: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()),
                              persistent=False)
         self.bias = linear.bias
-        # (a tuple: a Parameter assigned to a module attribute would be registered as this module's)
+        # (tuples: a Parameter assigned to a module attribute would be registered as this module's)
         self._shared_weight = (linear.weight,) if shared else None
+        # (its own memory, unless shared: a view of the loaded file's memory map would keep the whole map resident)
+        plain = linear.weight.detach() if shared and linear.weight.is_contiguous() else linear.weight.detach().clone()
+        self._plain_weight = (plain,) if few_rows else None
+
+    @property
+    def plain_weight(self) -> torch.Tensor | None:
+        """The plain weight the few-row products read (None: every product is the packed one)."""
+        return self._plain_weight[0] if self._plain_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.h2ochat.packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        return _onednn_product(x, self.packed_weight, self.bias)
+            return torch.ops.h2ochat.packed_linear(x, self.packed_weight, self.bias, self.out_features,
+                                                   self.plain_weight)
+        return _packed_product(x, self.packed_weight, self.bias, self.plain_weight)
 
     def unpacked(self) -> nn.Linear:
         """The plain ``nn.Linear`` with the same weight (the shared one itself, when it was shared)."""
-        weight = self._shared_weight[0] if self._shared_weight else nn.Parameter(self.packed_weight.to_dense(),
-                                                                                 requires_grad=False)
+        if self._shared_weight:
+            weight = self._shared_weight[0]
+        else:
+            plain = self.plain_weight if self.plain_weight is not None else self.packed_weight.to_dense()
+            weight = nn.Parameter(plain, requires_grad=False)
         return _holding(nn.Linear, weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        few = ", row kernel at few rows" if self._plain_weight else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed{few}")
 
 
 class RowLinear(nn.Linear):
@@ -171,13 +203,31 @@ def _plain(module: nn.Module) -> nn.Linear | None:
     return None
 
 
+# a packed model keeps its plain linear weights too (for the row kernel's few-row steps) while they take at most
+# this share of the free host memory
+KEEP_BOTH_SHARE = 1 / 8
+
+
+def keeps_both(model: nn.Module) -> bool:
+    """Whether ``model``'s packed linears also keep their plain weights: the row kernel runs here, and the plain
+    weights of its linears are at most ``KEEP_BOTH_SHARE`` of the free host memory (a small model on a laptop
+    yes, a 7B model's second copy of 13 GB no)."""
+    if not row_products.available():
+        return False
+    plain = sum(m.in_features * m.out_features * 2 for m in model.modules()  # (bf16 weights, in any form)
+                if isinstance(m, PackedLinear) or (type(m) in (nn.Linear, RowLinear) and m.weight.dtype == torch.bfloat16))
+    return plain <= KEEP_BOTH_SHARE * free_host_bytes()
+
+
 def pack_linears(model: nn.Module, rows: int = 1) -> int:
     """Every bf16 linear of ``model`` (on the CPU) put in ``form_for(rows)``, in place, whatever form it
-    was in; returns how many were swapped. A model ``packs`` says no to is left alone (0)."""
+    was in (the packed form keeping the plain weights too where ``keeps_both``); returns how many were
+    swapped. A model ``packs`` says no to is left alone (0)."""
     parameter = next(model.parameters(), None)
     if parameter is None or not packs(parameter.device, parameter.dtype):
         return 0
     form = form_for(rows)
+    few_rows = form is PackedLinear and keeps_both(model)
     uses: dict[int, int] = {}
     for module in model.modules():
         held = list(module.parameters(recurse=False))
@@ -187,12 +237,13 @@ def pack_linears(model: nn.Module, rows: int = 1) -> int:
             uses[id(tensor)] = uses.get(id(tensor), 0) + 1
 
     def swapped(module):
-        linear = None if isinstance(module, form) else _plain(module)
+        done = isinstance(module, form) and (form is RowLinear or (module.plain_weight is not None) == few_rows)
+        linear = None if done else _plain(module)
         if linear is None:
             return None
         if form is RowLinear:
             return RowLinear.reading(linear)
-        return PackedLinear(linear, shared=uses.get(id(linear.weight), 0) > 1)
+        return PackedLinear(linear, shared=uses.get(id(linear.weight), 0) > 1, few_rows=few_rows)
 
     with torch.no_grad():
         count = _replace_modules(model, swapped)
@@ -226,14 +277,23 @@ def unpack_linears(model: nn.Module) -> int:
 
 
 def form_of(model: nn.Module) -> str:
-    """The form ``model``'s linears are in, for records and log lines: "row kernel", "packed" or "plain"."""
+    """The form ``model``'s linears are in, for records and log lines: "row kernel", "packed" (", row kernel at
+    1-3 rows" where it keeps the plain weights too) or "plain"."""
     kinds = {type(module) for module in model.modules()}
-    return "row kernel" if RowLinear in kinds else "packed" if PackedLinear in kinds else "plain"
+    if RowLinear in kinds:
+        return "row kernel"
+    if PackedLinear not in kinds:
+        return "plain"
+    both = any(isinstance(m, PackedLinear) and m.plain_weight is not None for m in model.modules())
+    return f"packed, row kernel at 1-{row_products.MAX_ROWS} rows" if both else "packed"
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of ``model``'s weights: its parameters and its packed weights (a shared one counted once
     in each form it is held in)."""
-    packed = sum(module.packed_weight.numel() * module.packed_weight.element_size()
-                 for module in model.modules() if isinstance(module, PackedLinear))
-    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
+    packs = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    packed = sum(module.packed_weight.numel() * module.packed_weight.element_size() for module in packs)
+    # a plain weight kept beside its packed one (not a parameter, unless shared: then counted once, as one)
+    kept = sum(module.plain_weight.numel() * module.plain_weight.element_size() for module in packs
+               if module.plain_weight is not None and not module._shared_weight)
+    return packed + kept + sum(p.numel() * p.element_size() for p in model.parameters())

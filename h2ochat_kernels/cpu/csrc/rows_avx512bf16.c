@@ -21,6 +21,7 @@
 #include "rows_api.h"
 
 #define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
+#define WEIGHT_ROWS_AT_ONCE 4 /* past four x rows: weight rows taken this many at a time (a few KB, kept in L1) */
 #define LOAD_MASKED(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
 
 static inline uint16_t to_bf16(float value) {
@@ -72,16 +73,22 @@ static inline __attribute__((always_inline)) void rows_against(
   }
 }
 
+/* Every x row against weight rows [first, last), a few weight rows at a time: the x rows' groups of four take
+   turns on the same weight rows while those are still in L1, so each weight is read from memory once whatever M. */
 static void weight_rows(const uint16_t *x, int64_t M, int64_t x_stride, const uint16_t *w, int64_t first,
                         int64_t last, int64_t K, const uint16_t *bias, uint16_t *y, int64_t y_stride) {
-  for (int64_t m = 0; m < M; m += 4) {
-    const uint16_t *xs = x + m * x_stride;
-    uint16_t *ys = y + m * y_stride;
-    switch (M - m < 4 ? M - m : 4) {
-      case 1: rows_against(1, xs, x_stride, w, first, last, K, bias, ys, y_stride); break;
-      case 2: rows_against(2, xs, x_stride, w, first, last, K, bias, ys, y_stride); break;
-      case 3: rows_against(3, xs, x_stride, w, first, last, K, bias, ys, y_stride); break;
-      default: rows_against(4, xs, x_stride, w, first, last, K, bias, ys, y_stride); break;
+  const int64_t step = M <= 4 ? last - first : WEIGHT_ROWS_AT_ONCE;
+  for (int64_t n = first; n < last; n += step) {
+    const int64_t until = n + step < last ? n + step : last;
+    for (int64_t m = 0; m < M; m += 4) {
+      const uint16_t *xs = x + m * x_stride;
+      uint16_t *ys = y + m * y_stride;
+      switch (M - m < 4 ? M - m : 4) {
+        case 1: rows_against(1, xs, x_stride, w, n, until, K, bias, ys, y_stride); break;
+        case 2: rows_against(2, xs, x_stride, w, n, until, K, bias, ys, y_stride); break;
+        case 3: rows_against(3, xs, x_stride, w, n, until, K, bias, ys, y_stride); break;
+        default: rows_against(4, xs, x_stride, w, n, until, K, bias, ys, y_stride); break;
+      }
     }
   }
 }
