@@ -285,8 +285,9 @@ RandomWeights = Annotated[bool, typer.Option("--random-weights", rich_help_panel
 ServeCompile = Annotated[Optional[bool], typer.Option("--compile/--no-compile", rich_help_panel=MODEL,
     help="Compile the decode step with torch.compile while the server loads (default: on, recall included on a "
          "CPU, where the graph chooses a step's pages with its own queries as an eager step does; off with recall "
-         "on a GPU, and for the random and full policies, whose steps the graph does not cover): one graph per "
-         "row bucket, 1-5 minutes on a CPU the first time, ~30 s once inductor's cache holds them. "
+         "on a GPU, and for the random and full policies, whose steps the graph does not cover): on a CPU a graph "
+         "for one row and one for every larger row bucket (on CUDA one per bucket), minutes on a CPU the first "
+         "time, less once inductor's cache holds them (the server's start-up line says how they went). "
          "Where compiling fails (no C++ compiler), the server says so and decodes eagerly.")]
 
 ServeMixedSteps = Annotated[bool, typer.Option("--mixed-steps/--no-mixed-steps", rich_help_panel=MODEL,

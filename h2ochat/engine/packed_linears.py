@@ -206,13 +206,14 @@ def _plain(module: nn.Module) -> nn.Linear | None:
 # a packed model keeps its plain linear weights too (for the row kernel's few-row steps) while they take at most
 # this share of the free host memory
 KEEP_BOTH_SHARE = 1 / 8
+KEEP_BOTH_SWITCH = "H2OCHAT_KEEP_PLAIN_WEIGHTS"  # "0": the packed form alone, whatever the memory
 
 
 def keeps_both(model: nn.Module) -> bool:
     """Whether ``model``'s packed linears also keep their plain weights: the row kernel runs here, and the plain
     weights of its linears are at most ``KEEP_BOTH_SHARE`` of the free host memory (a small model on a laptop
-    yes, a 7B model's second copy of 13 GB no)."""
-    if not row_products.available():
+    yes, a 7B model's second copy of 13 GB no), and ``H2OCHAT_KEEP_PLAIN_WEIGHTS`` is not 0."""
+    if os.environ.get(KEEP_BOTH_SWITCH, "1") == "0" or not row_products.available():
         return False
     plain = sum(m.in_features * m.out_features * 2 for m in model.modules()  # (bf16 weights, in any form)
                 if isinstance(m, PackedLinear) or (type(m) in (nn.Linear, RowLinear) and m.weight.dtype == torch.bfloat16))

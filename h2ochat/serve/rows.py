@@ -4,8 +4,9 @@ model runner (``serve.runner``) runs it.
 
 The batch cache has static shapes. A decode step runs the smallest bucket of rows (1, 2, 4, ... N)
 that holds the rows in use (the scheduler keeps them at the front, ``move``): each bucket is a cache
-over the first rows of the batch cache, sharing its slots (views, so nothing is copied and a
-compiled step captures one graph per bucket, as vLLM captures one per batch size), and the free rows
+over the first rows of the batch cache, sharing its slots (views, so nothing is copied, and a
+compiled step serves every bucket from two graphs on a CPU, one for one row and a dynamic one for more, or
+captures one per bucket on CUDA, as vLLM captures one per batch size), and the free rows
 inside it are left out of the step by the cache's ``active`` mask. A newcomer's prompt is read into
 a 1-row cache of the same settings (resumed from a parked conversation when one matches), then
 copied into free rows with ``H2OCache.import_row``.

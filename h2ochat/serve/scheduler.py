@@ -4,8 +4,8 @@ Every ``step`` runs at most one prefill chunk of the request being admitted, the
 of the rows in use. Rows in use are kept at the front (a row freed below others is filled by moving
 the highest one down, only when that lets the step run fewer rows): the backend runs the smallest
 of its bucket sizes (1, 2, 4, ... N rows) that holds them and leaves the free rows among them out of
-the step, so one chat on a large server costs what it costs on a 1-row server, and ``--compile``
-captures one graph per bucket. A newcomer is prefilled on a cache of its own, chunk by chunk between
+the step, so one chat on a large server costs what it costs on a 1-row server (``--compile``'s graphs:
+``engine.compiled``). A newcomer is prefilled on a cache of its own, chunk by chunk between
 the others' decode steps (or, where the backend mixes them, in the same forward as a decode step), and
 moved into free rows when its prompt is read, so it never stalls the batch for more than one chunk.
 A row is recycled the step after its choice finishes, hits a stop or is cancelled: its cache is parked
