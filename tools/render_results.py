@@ -35,9 +35,17 @@ RECALL_512 = "recall_heldout_passkey_512_rest_bf16_s62"
 RECALL_DEFAULT = "recall_heldout_passkey_default_budget_s70"
 RECALL_COST = "recall_side_by_side_s69"
 QUANT = "kv_quant_eval"
-PEERS = ("peers_s52_all", "peers_s53_chat")
+PEERS = ("peers_s52_all", "peers_s53_chat", "peers_pinned_2cpus", "peers_pinned_2cpus_single", "peers_pinned_2cpus_after",
+         "peers_pinned_2cpus_after_rerun")
 PEER_CAPTIONS = {"peers_s52_all": "Every load, every engine",
-                 "peers_s53_chat": "The chat load again, once the server's mixed prefill/decode steps were the default"}
+                 "peers_s53_chat": "The chat load again, once the server's mixed prefill/decode steps were the default",
+                 "peers_pinned_2cpus": "Both engines pinned to the same 2 CPUs, the chat load",
+                 "peers_pinned_2cpus_single": "Both engines pinned to the same 2 CPUs, one chat",
+                 "peers_pinned_2cpus_after": "Both engines pinned to the same 2 CPUs, after the attention kernel took "
+                                             "prompt chunks with recall in blocks of 64 tokens and a packed model kept "
+                                             "its plain weights for one-row steps",
+                 "peers_pinned_2cpus_after_rerun": "The same, the chat load again (the spread between two runs of one "
+                                                   "commit)"}
 MEMORY_MODELS = ("smollm2-135m", "llama-2-7b", "opt-6.7b")
 
 
@@ -264,19 +272,37 @@ def speed_section() -> list[str]:
              "AVX512-BF16, one thread per engine): `chat-8x4` (8 clients, 4 turns of ~300-token prompts, 64 tokens "
              "a reply), `single` (one chat of 4 turns), `outgrow-32x8` (32 chats of 8 turns, each history outgrowing a "
              "full-cache engine's share of the 1 GiB of KV memory every engine is given). Generated tokens per second over the whole load, time to first token (median) and "
-             "peak memory. No GPU run has been measured yet.", ""]
+             "peak memory; in the pinned runs (`peers.py --cpus 0,1`: both engines on the same two CPUs, two compute "
+             "threads each) also the server's CPU seconds per generated token and its start to `/health` (h2ochat's "
+             "compiled graphs in its cache or not, as the file's log says). No GPU run has been measured yet.", ""]
     for name in PEERS:
         e = load(name)
         skipped = ", ".join(f"{s['engine']} on {s['preset']}" if isinstance(s, dict) else str(s)
                             for s in e["figures"].get("skipped") or [])
         lines += [f"**{PEER_CAPTIONS[name]}, {str(e['date'])[:10]}** ({cite(name)}; the load average before each engine "
                   f"is in the file{'; left out: ' + skipped if skipped else ''})", "",
-                  "| load | engine | tokens/s | TTFT p50 | inter-token p50 | peak RSS |", "|---|---|---|---|---|---|"]
+                  ]
+        pinned = bool(e["figures"].get("cpus"))
+        extra = " CPU s / token | cores busy | ready |" if pinned else ""
+        lines += ["| load | engine | tokens/s | TTFT p50 | inter-token p50 | peak RSS |" + extra,
+                  "|---|---|---|---|---|---|" + ("---|---|---|" if pinned else "")]
         for run in peer_runs(name):
+            cells = (f" {run['server_cpu_s_per_generated_token']:.4f} | {run['server_cpu_s'] / run['wall_s']:.2f} | "
+                     f"{run['ready_s']:.0f} s |" if pinned else "")
             lines.append(f"| {run['preset']} | {run['engine']} | {run['gen_tok_per_s']:.1f} | {run['ttft_p50']:.2f} s | "
-                         f"{run['itl_p50'] * 1000:.0f} ms | {run['peak_rss_bytes'] / 2**30:.2f} GiB |")
+                         f"{run['itl_p50'] * 1000:.0f} ms | {run['peak_rss_bytes'] / 2**30:.2f} GiB |" + cells)
         lines.append("")
-    lines += [f"![tokens per second against the peers]({PLOTS['speed']})", ""]
+    profile = figures("peers_profile_chat")["engine_thread_share"]
+    share = lambda key: f"{100 * next(v for k, v in profile.items() if k.startswith(key)):.0f}%"  # noqa: E731
+    lines += ["Where the pinned runs leave the targets (h2ochat's tokens/s at least vLLM's on both loads): in the "
+              f"server's profile during the chat load ({cite('peers_profile_chat')}: py-spy, idle samples included) "
+              "its engine thread is busy all the time, yet the process keeps only the \"cores busy\" of the table "
+              "busy, and spends about 1.5x vLLM's CPU seconds per generated token. The engine's time: the compiled "
+              f"decode step {share('compiled decode')}, the eager mixed steps' Python (layers, norms, rotary, cache "
+              f"and recall bookkeeping, one core while the other waits) {share('mixed steps: other')}, their "
+              f"attention kernel {share('mixed steps: attention')}, their linear layers "
+              f"{share('mixed steps: linear')}, the rest of the engine's work {share('other engine')}.", "",
+              f"![tokens per second against the peers]({PLOTS['speed']})", ""]
     return lines
 
 
@@ -338,7 +364,7 @@ def render_summary() -> str:
     total = lambda label: tuple(map(sum, zip(*default_panel[label].values())))  # noqa: E731
     cost = figures(RECALL_COST)
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    chat = {run["engine"]: run["gen_tok_per_s"] for run in peer_runs(PEERS[1]) if run["preset"] == "chat-8x4"}
+    chat = {run["engine"]: run["gen_tok_per_s"] for run in peer_runs(PEERS[-1]) if run["preset"] == "chat-8x4"}
     return "\n".join([
         SUMMARY_START,
         f"- **Memory:** SmolLM2-135M at the default budget keeps {smollm2[1]} of its {smollm2[2]} positions: "
@@ -349,8 +375,9 @@ def render_summary() -> str:
         f"- **Recall:** at the default budget, on texts 4.5x the slots, the default finds {total('h2o + recall')[0]} "
         f"of {total('h2o + recall')[1]} pass keys, the full cache {total('full cache')[0]}, h2o alone "
         f"{total('h2o alone')[0]}; a recall decode step costs {median(cost['cpu_ratios_2k']):.2f}x h2o's at 2K tokens.",
-        f"- **Speed:** serving 8 chat clients on a 2-core CPU, {chat.get('h2ochat', 0):.1f} tokens/s against vLLM's "
-        f"{chat.get('vllm', 0):.1f}. No GPU run has been measured yet.",
+        f"- **Speed:** serving 8 chat clients on a 2-core CPU, both engines pinned to the same two CPUs, "
+        f"{chat.get('h2ochat', 0):.1f} tokens/s against vLLM's {chat.get('vllm', 0):.1f}. No GPU run has been "
+        "measured yet.",
         "",
         "Details, every figure's file and command: [docs/results.md](docs/results.md).",
         SUMMARY_END])
