@@ -56,7 +56,7 @@ def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return nn.functional.linear(x, weight, bias)
 
 
-def _packed_shape(x, packed_weight, bias, out_features):
+def _packed_shape(x, packed_weight, bias, out_features, plain_weight=None):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -82,8 +82,7 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
 
 _as_op("packed_linear", "(Tensor x, Tensor packed_weight, Tensor? bias, SymInt out_features, Tensor? plain_weight) "
        "-> Tensor", lambda x, packed_weight, bias, out_features, plain_weight: _packed_product(
-           x, packed_weight, bias, plain_weight),
-       lambda x, packed_weight, bias, out_features, plain_weight: _packed_shape(x, packed_weight, bias, out_features))
+           x, packed_weight, bias, plain_weight), _packed_shape)
 _as_op("row_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _row_product, _row_shape)
 
 
@@ -107,9 +106,10 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # (tuples: a Parameter assigned to a module attribute would be registered as this module's)
         self._shared_weight = (linear.weight,) if shared else None
-        # (its own memory, unless shared: a view of the loaded file's memory map would keep the whole map resident)
-        plain = linear.weight.detach() if shared and linear.weight.is_contiguous() else linear.weight.detach().clone()
-        self._plain_weight = (plain,) if few_rows else None
+        self._plain_weight = None
+        if few_rows:  # (its own memory, unless shared: a view of the loaded file's memory map keeps the map resident)
+            plain = linear.weight.detach()
+            self._plain_weight = (plain if shared and plain.is_contiguous() else plain.clone(),)
 
     @property
     def plain_weight(self) -> torch.Tensor | None:

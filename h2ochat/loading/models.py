@@ -178,9 +178,10 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
         folder = download(source.location, info)
     else:
         folder = Path(source.location)
-    # a GGUF file converted before: its copy's headers and config.json say what parsing the file would (seconds)
-    ready = converted_gguf_dir(folder, torch_dtype) if source.kind == "gguf" else None
-    ready = ready if ready is not None and (ready / "config.json").is_file() else None
+    # where a GGUF file's converted copy is kept (its key hashes two MiB of the file: found once); a copy made
+    # before says in its headers and config.json what parsing the file would (seconds)
+    converted = converted_gguf_dir(folder, torch_dtype) if source.kind == "gguf" else None
+    ready = converted if converted is not None and (converted / "config.json").is_file() else None
     read_from = ModelSource(source.name, "dir", str(ready), source.family) if ready is not None else source
     params = parameter_count(read_from, ready or folder)
     wants_config = kv_slots is not None or check_config is not None
@@ -195,9 +196,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", device_map: str |
 
     kwargs = {"dtype": torch_dtype, "attn_implementation": attention.NAME}
     tokenizer_kwargs = {}
-    converted = None
     if source.kind == "gguf":
-        converted = converted_gguf_dir(folder, torch_dtype)
         remove_stale_partials(converted.parent)  # a killed conversion's hundreds of MB
         if ready is not None:
             folder, converted = ready, None
