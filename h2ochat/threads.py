@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 _chosen: int | None = None  # what apply() set, for --json records and the status line
 
@@ -75,6 +76,55 @@ def apply(requested: int | None) -> int:
     torch.set_num_threads(count)
     _chosen = count
     return count
+
+
+@contextmanager
+def handed_over():
+    """For a process whose compute runs in one other thread (the server's engine): yields the thread count
+    that thread should take (``use``); the calling thread computes with one thread until the block ends.
+
+    Why: OpenMP (libgomp, torch's) gives every thread that opens a parallel region a pool of workers of its
+    own, and once all pools' threads outnumber the CPUs, a worker stops spinning between regions and sleeps
+    at once: every region (hundreds per decode step) then waits for a futex wake. A server whose main thread
+    had opened one region (its KV check) before the engine thread opened its own decoded a lone chat at
+    two threads in about twice the time it took at one."""
+    import torch
+
+    count = _chosen or torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(count)
+
+
+def in_passing_thread(function, *args):
+    """``function(*args)`` in a thread that ends with it: its result, or its exception raised here. Work a
+    process does before its compute thread starts (the server's KV check, which loads the kernels and checks
+    them on two threads) leaves no OpenMP pool behind: a thread's pool ends with the thread (``handed_over``)."""
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as error:  # noqa: BLE001  raised again in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="h2ochat-passing", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def use(count: int) -> None:
+    """Compute with ``count`` threads in the calling thread (OpenMP's count is each thread's own)."""
+    import torch
+
+    torch.set_num_threads(count)
 
 
 def chosen() -> int | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from .. import threads
 from ..chat.conversation import stop_token_ids
 from ..errors import EXIT_INTERRUPTED, UserError
 from ..engine.generation import CacheSettings, max_positions
@@ -173,10 +174,12 @@ def check_kv_memory(config: ServeConfig) -> None:
         raise UserError(_no_row(f"--kv-memory {format_bytes(config.kv_memory)}", row_bytes))
 
 
-def loader(config: ServeConfig, store: ParkedStore):
-    """The engine's load function for ``config``."""
+def loader(config: ServeConfig, store: ParkedStore, compute_threads: int | None = None):
+    """The engine's load function for ``config``; it sets the engine thread's ``compute_threads`` first."""
 
     def load_engine() -> Loaded:
+        if compute_threads is not None:
+            threads.use(compute_threads)
         settings = config.settings
         loaded = load(config.model, config.device, config.dtype, random_weights=config.random_weights,
                       kv_slots=settings.kv_slots_needed(config.prefill_chunk), kv_batch=config.max_sequences or 1)
@@ -325,12 +328,17 @@ class _Server(uvicorn.Server):
 def serve(config: ServeConfig) -> int:
     """Listen on ``config.host:config.port`` until SIGINT or SIGTERM (the model loads in the
     background); the exit status. A bad address or KV memory raises a UserError before loading."""
+    with threads.handed_over() as compute_threads:  # (only the engine's thread computes, with all of them)
+        return _serve(config, compute_threads)
+
+
+def _serve(config: ServeConfig, compute_threads: int) -> int:
     logging.basicConfig(level=logging.INFO, format="h2ochat serve: %(message)s", stream=sys.stderr)
     logging.getLogger("h2ochat.serve.requests").setLevel(logging.WARNING if config.quiet else logging.INFO)
-    check_kv_memory(config)
+    threads.in_passing_thread(check_kv_memory, config)
     sock = listen_socket(config.host, config.port)
     store = ParkedStore(config.parked_bytes)
-    engine = Engine(loader(config, store), store=store, metrics=Metrics(), max_queue=config.max_queue)
+    engine = Engine(loader(config, store, compute_threads), store=store, metrics=Metrics(), max_queue=config.max_queue)
     app = build_app(engine, api_key=config.api_key)
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
                      engine)
