@@ -88,3 +88,19 @@ def test_serve_checks_the_kv_memory_off_its_main_thread_and_computes_with_one_th
         server.serve(server.ServeConfig(model="x", settings=None))
     assert seen == {"main_threads": 1, "in_main_thread": False}
     assert torch.get_num_threads() == outside  # put back once serve returns
+
+
+def test_the_engine_thread_computes_with_the_threads_handed_over(monkeypatch):
+    """The loader runs first thing in the engine's thread: it sets that thread's count before loading."""
+    seen = {}
+
+    def load(*args, **kwargs):
+        seen["threads"] = torch.get_num_threads()
+        raise UserError("stop here")
+
+    monkeypatch.setattr(server, "load", load)
+    wanted = 1 if torch.get_num_threads() > 1 else 2
+    load_engine = server.loader(server.ServeConfig(model="x", settings=server.CacheSettings()), None, wanted)
+    with pytest.raises(UserError, match="stop here"):
+        threads.in_passing_thread(load_engine)
+    assert seen == {"threads": wanted}

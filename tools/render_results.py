@@ -36,7 +36,8 @@ RECALL_DEFAULT = "recall_heldout_passkey_default_budget_s70"
 RECALL_COST = "recall_side_by_side_s69"
 QUANT = "kv_quant_eval"
 PEERS = ("peers_s52_all", "peers_s53_chat", "peers_pinned_2cpus", "peers_pinned_2cpus_single", "peers_pinned_2cpus_after",
-         "peers_pinned_2cpus_after_rerun", "peers_pinned_2cpus_one_pool")
+         "peers_pinned_2cpus_after_rerun", "peers_pinned_2cpus_one_pool",
+         "peers_pinned_2cpus_outgrow_one_pool")
 PEER_CAPTIONS = {"peers_s52_all": "Every load, every engine",
                  "peers_s53_chat": "The chat load again, once the server's mixed prefill/decode steps were the default",
                  "peers_pinned_2cpus": "Both engines pinned to the same 2 CPUs, the chat load",
@@ -47,7 +48,8 @@ PEER_CAPTIONS = {"peers_s52_all": "Every load, every engine",
                  "peers_pinned_2cpus_after_rerun": "The same, the chat load again (the spread between two runs of one "
                                                    "commit)",
                  "peers_pinned_2cpus_one_pool": "Both engines pinned to the same 2 CPUs, once h2ochat's server computed in "
-                                                "one thread only (one OpenMP pool)"}
+                                                "one thread only (one OpenMP pool)",
+                 "peers_pinned_2cpus_outgrow_one_pool": "The same code, the outgrowing load (32 chats of 8 turns)"}
 MEMORY_MODELS = ("smollm2-135m", "llama-2-7b", "opt-6.7b")
 
 
