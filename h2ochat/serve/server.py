@@ -174,12 +174,11 @@ def check_kv_memory(config: ServeConfig) -> None:
         raise UserError(_no_row(f"--kv-memory {format_bytes(config.kv_memory)}", row_bytes))
 
 
-def loader(config: ServeConfig, store: ParkedStore, compute_threads: int | None = None):
+def loader(config: ServeConfig, store: ParkedStore, compute_threads: int):
     """The engine's load function for ``config``; it sets the engine thread's ``compute_threads`` first."""
 
     def load_engine() -> Loaded:
-        if compute_threads is not None:
-            threads.use(compute_threads)
+        threads.use(compute_threads)
         settings = config.settings
         loaded = load(config.model, config.device, config.dtype, random_weights=config.random_weights,
                       kv_slots=settings.kv_slots_needed(config.prefill_chunk), kv_batch=config.max_sequences or 1)
