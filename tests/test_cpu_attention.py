@@ -147,6 +147,47 @@ def test_a_prompt_chunk_in_bf16_is_the_exact_result_to_its_rounding(group, dim, 
     torch.testing.assert_close(got[2], exact[2], rtol=1e-5, atol=1e-6)
 
 
+def _hollow(index: torch.Tensor) -> torch.Tensor:
+    """``index`` with whole blocks of the kernel's 16 slots empty (a recall tier's columns before pages come back, a
+    cache's tail not filled yet): slots 20-63 and 100 on, beside the scattered empty slots it had."""
+    index = index.clone()
+    index[..., 20:64] = -1
+    index[..., 100:] = -1
+    return index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 19, 70])
+def test_blocks_of_empty_slots_change_nothing(dtype, q_len):
+    """Blocks of empty slots (which the kernel does not read): the torch route's result, and what the empty slots
+    hold does not matter, to the bit."""
+    generator = torch.Generator().manual_seed(q_len + 7)
+    args, new_valid = _chunk(2, 3, 150, 64, q_len, dtype, generator, padding=True)
+    args = (*args[:3], _hollow(args[3]), *args[4:])
+    got, exact = _both(args, new_valid, 0.125, 0.5, reference_dtype=torch.float32)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -8)
+    torch.testing.assert_close(got[0].float(), exact[0], **tolerance)
+    torch.testing.assert_close(got[1], exact[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], exact[2], rtol=1e-5, atol=1e-6)
+    query, keys, values, index, new_keys, new_values, scores = args
+    empty = (index < 0).unsqueeze(-1)
+    others = [torch.where(empty, torch.randn(t.shape, generator=generator).to(dtype), t) for t in (keys, values)]
+    again, _ = _both((query, *others, index, new_keys, new_values, scores), new_valid, 0.125, 0.5)
+    for a, b in zip(got, again):
+        assert torch.equal(a, b)
+
+
+def test_a_row_with_every_column_masked_reads_the_empty_blocks_too():
+    """Every slot empty and a padding query row that may read no new token: the row softmaxes to a uniform row over
+    every column, the empty slots' too (torch's rule), so the blocks of empty slots are read for it."""
+    generator = torch.Generator().manual_seed(11)
+    args, new_valid = _chunk(2, 3, 70, 64, 19, torch.float32, generator, padding=True)
+    index = torch.full_like(args[3], -1)
+    got, want = _both((*args[:3], index, *args[4:]), new_valid, 0.125, 1.0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_padding_row_adds_nothing_and_does_not_decay():
     generator = torch.Generator().manual_seed(3)
     args = _step(2, 2, 3, 40, 64, torch.float32, generator)

@@ -109,13 +109,19 @@ class ColdWrites:
             if kept:  # (the chunk's room, made here where the bound admitted it)
                 self._room(port, dropped.shape[-1])
         token_index = candidates["token_index"].masked_fill(~dropped, -1)
-        order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)
+        # the dropped first, in token order; only as many columns as the row that dropped most (the others,
+        # token index -1, would be skipped by the store): a chunk drops about its length, of slots + chunk columns
+        most = int(dropped.sum(dim=-1).amax()) if dropped.numel() else 0
+        if most == 0:
+            return
+        order = token_index.masked_fill(~dropped, torch.iinfo(torch.long).max).argsort(dim=-1)[..., :most]
 
         def take(t):
             return t.gather(2, order if t.dim() == 3 else order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
 
-        keys, values = self.format.decoded(candidates, self.cold.dtype)  # (codes and scales: their floats)
-        self.to_cold(take(keys), take(values), take(token_index), take(candidates["positions"]))
+        taken = {name: take(candidates[name]) for name in self.format.tensor_names}
+        keys, values = self.format.decoded(taken, self.cold.dtype)  # (codes and scales: their floats)
+        self.to_cold(keys, values, take(token_index), take(candidates["positions"]))
 
     def to_cold(self, keys, values, token_index, positions) -> None:
         """Evicted tokens [B, H, N, ...] (token index -1: none) into the cold store and the digest."""

@@ -72,10 +72,79 @@ static inline __attribute__((always_inline)) void dots_of(const char *keys, int6
   else dots_tile(keys, key_s, n, q, q_row, GT, D, bytes, logits, columns);
 }
 
+/* A prompt chunk's many query rows against bf16 keys: the block's keys laid out once as channel pairs, lane j of
+   pair p holding key j's channels 2p and 2p + 1 (zero past D and past n), so that each query row's dot with all 16
+   keys is one VDPBF16PS per pair with the row's pair broadcast, summed in its lane: no folds, and the keys' pairs
+   are read from L1 by every tile of rows. A decode step's few rows keep the folded dots (the layout would cost more
+   than it saves). */
+#define PAIR_ROWS 8     /* query rows at or above which the paired dots run */
+#define ROW_TILE 16     /* query rows whose 16 sums a pass over the pairs keeps in registers */
+
+static inline int64_t pairs_of(int64_t D) { return (D + 1) / 2; }
+
+static void key_pairs(const uint16_t *keys, int64_t key_s, int64_t n, int64_t D, uint32_t *pairs) {
+  const int64_t P = pairs_of(D);
+  memset(pairs, 0, P * LANES * sizeof(uint32_t));
+  for (int64_t j = 0; j < n; j++) {
+    const uint16_t *key = keys + j * key_s;
+    for (int64_t p = 0; p < P; p++)
+      pairs[p * LANES + j] = (uint32_t)key[2 * p] | (2 * p + 1 < D ? (uint32_t)key[2 * p + 1] << 16 : 0u);
+  }
+}
+
+/* The dots of R query rows (a constant once inlined; rows q_row elements apart, zero past D) with the block's
+   pairs: row r's 16 sums into logits + r * columns. */
+static inline __attribute__((always_inline)) void pair_dots_tile(const uint32_t *pairs, const int64_t P,
+                                                                 const uint16_t *q, int64_t q_row, const int R,
+                                                                 float *logits, int64_t columns) {
+  vf acc[ROW_TILE];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; p++) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(pairs + p * LANES);
+    for (int r = 0; r < R; r++) {
+      uint32_t two;
+      memcpy(&two, q + r * q_row + 2 * p, sizeof two);
+      acc[r] = _mm512_dpbf16_ps(acc[r], k, (__m512bh)_mm512_set1_epi32((int)two));
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(logits + r * columns, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void pair_dots_of(const uint32_t *pairs, int64_t D, const uint16_t *q,
+                                                               int64_t q_row, const int R, float *logits,
+                                                               int64_t columns) {
+  if (D == 64) pair_dots_tile(pairs, 32, q, q_row, R, logits, columns);
+  else if (D == 128) pair_dots_tile(pairs, 64, q, q_row, R, logits, columns);
+  else pair_dots_tile(pairs, pairs_of(D), q, q_row, R, logits, columns);
+}
+
+#define PAIR_TILE_CASE(r) case r: pair_dots_of(pairs, D, q, q_row, r, rows, columns); break;
+
+static void paired_key_dots(const char *keys, int64_t key_s, int64_t n, const float *prepared, int64_t M, int64_t D,
+                            float *logits, int64_t columns) {
+  const int64_t q_row = value_columns(D);
+  uint32_t pairs[pairs_of(D) * LANES];
+  key_pairs((const uint16_t *)keys, key_s, n, D, pairs);
+  for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+    const uint16_t *q = (const uint16_t *)prepared + m0 * q_row;
+    float *rows = logits + m0 * columns;
+    switch (M - m0 < ROW_TILE ? M - m0 : ROW_TILE) {
+      PAIR_TILE_CASE(1) PAIR_TILE_CASE(2) PAIR_TILE_CASE(3) PAIR_TILE_CASE(4) PAIR_TILE_CASE(5) PAIR_TILE_CASE(6)
+      PAIR_TILE_CASE(7) PAIR_TILE_CASE(8) PAIR_TILE_CASE(9) PAIR_TILE_CASE(10) PAIR_TILE_CASE(11)
+      PAIR_TILE_CASE(12) PAIR_TILE_CASE(13) PAIR_TILE_CASE(14) PAIR_TILE_CASE(15)
+      default: pair_dots_of(pairs, D, q, q_row, ROW_TILE, rows, columns); break;
+    }
+  }
+}
+
 /* The raw q.k of every query with keys [0, n) (n <= LANES, key j at keys + j * key_s elements) into lanes [0, 16)
    of each query's logit row (lanes past n: 0). */
 static void key_dots(const char *keys, int64_t key_s, int64_t n, const float *prepared, int64_t G, int64_t D,
                      int64_t bytes, float *logits, int64_t columns) {
+  if (bytes == 2 && G >= PAIR_ROWS) {
+    paired_key_dots(keys, key_s, n, prepared, G, D, logits, columns);
+    return;
+  }
   const int64_t q_row = value_columns(D); /* (in elements of `bytes`) */
   for (int64_t g0 = 0; g0 < G; g0 += QUERY_TILE) {
     const char *q = (const char *)prepared + g0 * q_row * bytes;

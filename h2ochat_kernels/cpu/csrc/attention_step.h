@@ -91,10 +91,24 @@ static void attend_unit(const step_t *t, int64_t b, int64_t h, int64_t block, fl
   for (int64_t g = 0; g < G; g++)
     prepare_queries(t->query + ((row * G + g) * Q + q0) * D * bytes, T, D, bytes,
                     (float *)((char *)prepared + g * T * width * prepared_bytes(bytes)));
+  /* blocks of LANES slots that hold nothing (a recall tier's columns before pages come back, a cache not full yet):
+     their logits are MASKED whatever the keys hold, so the keys are not read */
+  const int64_t *index = t->token_index + b * t->index_b + h * t->index_h;
+  uint8_t hollow[S / LANES + 1];
+  for (int64_t s0 = 0; s0 < S; s0 += LANES) {
+    int empty = 1;
+    for (int64_t s = s0; s < S && s < s0 + LANES && empty; s++) empty = index[s * t->index_s] < 0;
+    hollow[s0 / LANES] = (uint8_t)empty;
+  }
   const char *keys = t->keys + (b * t->key_b + h * t->key_h) * bytes;
-  for (int64_t s0 = 0; s0 < S; s0 += LANES)
+  for (int64_t s0 = 0; s0 < S; s0 += LANES) {
+    if (hollow[s0 / LANES]) {
+      for (int64_t m = 0; m < M; m++) memset(logits + m * stride + s0, 0, LANES * sizeof(float));
+      continue;
+    }
     key_dots(keys + s0 * t->key_s * bytes, t->key_s, S - s0 < LANES ? S - s0 : LANES, prepared, M, D, bytes,
              logits + s0, stride);
+  }
   const char *new_keys = t->new_keys + row * Q * D * bytes;
   for (int64_t j0 = 0; j0 < q1; j0 += LANES)
     key_dots(new_keys + j0 * D * bytes, D, q1 - j0 < LANES ? q1 - j0 : LANES, prepared, M, D, bytes,
@@ -102,10 +116,10 @@ static void attend_unit(const step_t *t, int64_t b, int64_t h, int64_t block, fl
 
   /* scale * dot + bias: MASKED for an empty slot (the sum rounds to it), a padding token's key and a later new
      token's (causal), -inf past the new tokens (no probability at all) */
-  const int64_t *index = t->token_index + b * t->index_b + h * t->index_h;
   for (int64_t s = 0; s < S; s++) bias[s] = index[s * t->index_s] < 0 ? MASKED : 0.0f;
   for (int64_t s = S + q1; s < columns; s++) bias[s] = -INFINITY;
   float inverse[M], rest_share[M];
+  int every_row_attends = 1; /* (a row with every column masked softmaxes to a uniform row: the hollow blocks too) */
   for (int64_t m = 0; m < M; m++) {
     const int64_t q = q0 + m % T, query_row = (row * G + m / T) * Q + q;
     for (int64_t j = 0; j < q1; j++) bias[S + j] = j <= q && (!valid || valid[j]) ? 0.0f : MASKED;
@@ -120,6 +134,7 @@ static void attend_unit(const step_t *t, int64_t b, int64_t h, int64_t block, fl
     const float rest = t->rest_logit ? t->rest_logit[query_row] : -INFINITY;  /* (already scaled) */
     float largest_ = vhmax(top);
     if (rest > largest_) largest_ = rest;
+    if (!(largest_ > MASKED)) every_row_attends = 0;
     const vf largest = vset1(largest_);
     vf sum = vzero();
     for (int64_t s = 0; s < columns; s += LANES) {
@@ -133,9 +148,13 @@ static void attend_unit(const step_t *t, int64_t b, int64_t h, int64_t block, fl
 
   memset(acc, 0, M * width * sizeof(float));
   const char *values = t->values + (b * t->value_b + h * t->value_h) * bytes;
-  for (int64_t s0 = 0; s0 < S; s0 += VALUE_BLOCK)
+  for (int64_t s0 = 0; s0 < S; s0 += VALUE_BLOCK) {
+    int skip = every_row_attends; /* a hollow block's probabilities are all 0: it adds nothing */
+    for (int64_t s = s0; s < S && s < s0 + VALUE_BLOCK && skip; s += LANES) skip = hollow[s / LANES];
+    if (skip) continue;
     value_sums(values + s0 * t->value_s * bytes, t->value_s, S - s0 < VALUE_BLOCK ? S - s0 : VALUE_BLOCK,
                logits + s0, stride, M, D, bytes, acc, width);
+  }
   const char *new_values = t->new_values + row * Q * D * bytes;
   for (int64_t j0 = 0; j0 < q1; j0 += VALUE_BLOCK)
     value_sums(new_values + j0 * D * bytes, D, q1 - j0 < VALUE_BLOCK ? q1 - j0 : VALUE_BLOCK, logits + S + j0,
