@@ -9,6 +9,7 @@
 #include "attention_step.h"
 
 #define QUERY_TILE 4 /* queries whose sums a pass over a block of keys or values keeps at once */
+#define WIDE_TILE 6  /* queries a pass over a block of values widened to fp32 keeps at once (24 sums in registers) */
 
 /* The queries as the dots read them: bf16 as they are, fp32 as they are, each zero-padded to whole 32-channel
    (bf16) or 16-channel (fp32) chunks, `value_columns(D)` elements apart. */
@@ -174,7 +175,7 @@ static inline __attribute__((always_inline)) void values_tile(const char *values
                                                               const float *p, int64_t columns, const int GT,
                                                               int64_t d0, int64_t D, int64_t bytes, float *acc,
                                                               int64_t width) {
-  vf sums[QUERY_TILE][4];
+  vf sums[WIDE_TILE][4];
   for (int g = 0; g < GT; g++)
     for (int c = 0; c < 4; c++) sums[g][c] = _mm512_loadu_ps(acc + g * width + d0 + 16 * c);
   for (int64_t j = 0; j < n; j++) {
@@ -192,8 +193,28 @@ static inline __attribute__((always_inline)) void values_tile(const char *values
 
 /* acc[g] += sum_j p[g][j] * value_j over values [0, n) (value j at values + j * value_s elements), by tiles of
    QUERY_TILE queries and 64 channels, each reading the block's values from L1 after the first. */
-static void value_sums(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns, int64_t G,
-                       int64_t D, int64_t bytes, float *acc, int64_t width) {
+/* The same over values already widened to fp32 (value_s == width), WIDE_TILE queries a tile: no conversions
+   left in the loop, so a tile can keep more sums. */
+static void wide_value_sums(const float *values, int64_t n, const float *p, int64_t columns, int64_t G, int64_t D,
+                            float *acc, int64_t width) {
+  const char *v = (const char *)values;
+  for (int64_t d0 = 0; d0 < D; d0 += 64)
+    for (int64_t g0 = 0; g0 < G; g0 += WIDE_TILE) {
+      const float *weights = p + g0 * columns;
+      float *sums = acc + g0 * width;
+      switch (G - g0 < WIDE_TILE ? G - g0 : WIDE_TILE) {
+      case 1: values_tile(v, width, n, weights, columns, 1, d0, D, 4, sums, width); break;
+      case 2: values_tile(v, width, n, weights, columns, 2, d0, D, 4, sums, width); break;
+      case 3: values_tile(v, width, n, weights, columns, 3, d0, D, 4, sums, width); break;
+      case 4: values_tile(v, width, n, weights, columns, 4, d0, D, 4, sums, width); break;
+      case 5: values_tile(v, width, n, weights, columns, 5, d0, D, 4, sums, width); break;
+      default: values_tile(v, width, n, weights, columns, 6, d0, D, 4, sums, width); break;
+      }
+    }
+}
+
+static void value_sums_of(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns,
+                          int64_t G, int64_t D, int64_t bytes, float *acc, int64_t width) {
   for (int64_t d0 = 0; d0 < D; d0 += 64)
     for (int64_t g0 = 0; g0 < G; g0 += QUERY_TILE) {
       const float *weights = p + g0 * columns;
@@ -205,4 +226,17 @@ static void value_sums(const char *values, int64_t value_s, int64_t n, const flo
       default: values_tile(values, value_s, n, weights, columns, 4, d0, D, bytes, sums, width); break;
       }
     }
+}
+
+static void value_sums(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns, int64_t G,
+                       int64_t D, int64_t bytes, float *acc, int64_t width) {
+  if (bytes == 2 && G >= PAIR_ROWS) { /* a chunk's many rows: the block's bf16 values widened once, not per tile */
+    float wide[n * width];
+    for (int64_t j = 0; j < n; j++)
+      for (int64_t d = 0; d < width; d += 16)
+        _mm512_storeu_ps(wide + j * width + d, value_chunk(values + j * value_s * bytes, d, D, bytes));
+    wide_value_sums(wide, n, p, columns, G, D, acc, width);
+    return;
+  }
+  value_sums_of(values, value_s, n, p, columns, G, D, bytes, acc, width);
 }
