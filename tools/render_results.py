@@ -54,6 +54,7 @@ PEER_CAPTIONS = {"peers_s52_all": "Every load, every engine",
                                                     "faster (bf16 keys dotted as channel pairs, blocks of empty slots "
                                                     "not read, a chunk's dropped tokens archived alone)"}
 PREFILL_SIDE_BY_SIDE = "prefill_side_by_side_chunk_kernel"
+CHUNK_KERNEL_QUALITY = "chunk_kernel_perplexity"
 MEMORY_MODELS = ("smollm2-135m", "llama-2-7b", "opt-6.7b")
 
 
@@ -341,6 +342,10 @@ def prefill_lines() -> list[str]:
     lines += ["", "Once a history fills the policy's slots (half the budget, with recall on), a chunk attends every "
               "slot column, the recall tier's too, before pages come back to them: the kernel now skips their empty "
               "blocks instead of masking them, which is why the turn after 1,080 tokens gains most.", ""]
+    quality = figures(CHUNK_KERNEL_QUALITY)
+    moved = "; ".join(f"{row['dtype']} {row['text']} {row['before']:.3f} -> {row['after']:.3f}" for row in quality["rows"])
+    lines += [f"Quality before and after ({cite(CHUNK_KERNEL_QUALITY)}: perplexity over {quality['tokens']:,} tokens, "
+              f"budget {quality['budget']}): {moved}. {scrub(quality['note'])}.", ""]
     return lines
 
 
