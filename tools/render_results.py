@@ -37,7 +37,8 @@ RECALL_COST = "recall_side_by_side_s69"
 QUANT = "kv_quant_eval"
 PEERS = ("peers_s52_all", "peers_s53_chat", "peers_pinned_2cpus", "peers_pinned_2cpus_single", "peers_pinned_2cpus_after",
          "peers_pinned_2cpus_after_rerun", "peers_pinned_2cpus_one_pool",
-         "peers_pinned_2cpus_outgrow_one_pool", "peers_pinned_2cpus_chunk_kernel")
+         "peers_pinned_2cpus_outgrow_one_pool", "peers_pinned_2cpus_chunk_kernel",
+         "peers_pinned_2cpus_chunk_kernel_rerun")
 PEER_CAPTIONS = {"peers_s52_all": "Every load, every engine",
                  "peers_s53_chat": "The chat load again, once the server's mixed prefill/decode steps were the default",
                  "peers_pinned_2cpus": "Both engines pinned to the same 2 CPUs, the chat load",
@@ -52,7 +53,9 @@ PEER_CAPTIONS = {"peers_s52_all": "Every load, every engine",
                  "peers_pinned_2cpus_outgrow_one_pool": "The same code, the outgrowing load (32 chats of 8 turns)",
                  "peers_pinned_2cpus_chunk_kernel": "Both engines pinned to the same 2 CPUs, once prompt chunks attended "
                                                     "faster (bf16 keys dotted as channel pairs, blocks of empty slots "
-                                                    "not read, a chunk's dropped tokens archived alone)"}
+                                                    "not read, a chunk's dropped tokens archived alone)",
+                 "peers_pinned_2cpus_chunk_kernel_rerun": "The same code, both loads again right after (the spread "
+                                                          "between two runs of one commit on this shared machine)"}
 PREFILL_SIDE_BY_SIDE = "prefill_side_by_side_chunk_kernel"
 CHUNK_KERNEL_QUALITY = "chunk_kernel_perplexity"
 MEMORY_MODELS = ("smollm2-135m", "llama-2-7b", "opt-6.7b")
