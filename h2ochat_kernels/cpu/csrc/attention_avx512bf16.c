@@ -81,6 +81,9 @@ static inline __attribute__((always_inline)) void dots_of(const char *keys, int6
 #define PAIR_ROWS 8     /* query rows at or above which the paired dots run */
 #define ROW_TILE 16     /* query rows whose 16 sums a pass over the pairs keeps in registers */
 
+/* A prompt chunk's rows over bf16 slots: what the paired key dots and the widened value sums take. */
+static inline int many_bf16_rows(int64_t bytes, int64_t rows) { return bytes == 2 && rows >= PAIR_ROWS; }
+
 static inline int64_t pairs_of(int64_t D) { return (D + 1) / 2; }
 
 static void key_pairs(const uint16_t *keys, int64_t key_s, int64_t n, int64_t D, uint32_t *pairs) {
@@ -142,7 +145,7 @@ static void paired_key_dots(const char *keys, int64_t key_s, int64_t n, const fl
    of each query's logit row (lanes past n: 0). */
 static void key_dots(const char *keys, int64_t key_s, int64_t n, const float *prepared, int64_t G, int64_t D,
                      int64_t bytes, float *logits, int64_t columns) {
-  if (bytes == 2 && G >= PAIR_ROWS) {
+  if (many_bf16_rows(bytes, G)) {
     paired_key_dots(keys, key_s, n, prepared, G, D, logits, columns);
     return;
   }
@@ -191,52 +194,36 @@ static inline __attribute__((always_inline)) void values_tile(const char *values
     for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * width + d0 + 16 * c, sums[g][c]);
 }
 
-/* acc[g] += sum_j p[g][j] * value_j over values [0, n) (value j at values + j * value_s elements), by tiles of
-   QUERY_TILE queries and 64 channels, each reading the block's values from L1 after the first. */
-/* The same over values already widened to fp32 (value_s == width), WIDE_TILE queries a tile: no conversions
-   left in the loop, so a tile can keep more sums. */
-static void wide_value_sums(const float *values, int64_t n, const float *p, int64_t columns, int64_t G, int64_t D,
-                            float *acc, int64_t width) {
-  const char *v = (const char *)values;
+/* acc[g] += sum_j p[g][j] * value_j over values [0, n) (value j at values + j * value_s elements), by tiles of `tile`
+   (<= WIDE_TILE) queries and 64 channels, each reading the block's values from L1 after the first. */
+static void value_tiles(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns, int64_t G,
+                        int64_t D, int64_t bytes, float *acc, int64_t width, const int64_t tile) {
   for (int64_t d0 = 0; d0 < D; d0 += 64)
-    for (int64_t g0 = 0; g0 < G; g0 += WIDE_TILE) {
+    for (int64_t g0 = 0; g0 < G; g0 += tile) {
       const float *weights = p + g0 * columns;
       float *sums = acc + g0 * width;
-      switch (G - g0 < WIDE_TILE ? G - g0 : WIDE_TILE) {
-      case 1: values_tile(v, width, n, weights, columns, 1, d0, D, 4, sums, width); break;
-      case 2: values_tile(v, width, n, weights, columns, 2, d0, D, 4, sums, width); break;
-      case 3: values_tile(v, width, n, weights, columns, 3, d0, D, 4, sums, width); break;
-      case 4: values_tile(v, width, n, weights, columns, 4, d0, D, 4, sums, width); break;
-      case 5: values_tile(v, width, n, weights, columns, 5, d0, D, 4, sums, width); break;
-      default: values_tile(v, width, n, weights, columns, 6, d0, D, 4, sums, width); break;
-      }
-    }
-}
-
-static void value_sums_of(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns,
-                          int64_t G, int64_t D, int64_t bytes, float *acc, int64_t width) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64)
-    for (int64_t g0 = 0; g0 < G; g0 += QUERY_TILE) {
-      const float *weights = p + g0 * columns;
-      float *sums = acc + g0 * width;
-      switch (G - g0 < QUERY_TILE ? G - g0 : QUERY_TILE) {
+      switch (G - g0 < tile ? G - g0 : tile) {
       case 1: values_tile(values, value_s, n, weights, columns, 1, d0, D, bytes, sums, width); break;
       case 2: values_tile(values, value_s, n, weights, columns, 2, d0, D, bytes, sums, width); break;
       case 3: values_tile(values, value_s, n, weights, columns, 3, d0, D, bytes, sums, width); break;
-      default: values_tile(values, value_s, n, weights, columns, 4, d0, D, bytes, sums, width); break;
+      case 4: values_tile(values, value_s, n, weights, columns, 4, d0, D, bytes, sums, width); break;
+      case 5: values_tile(values, value_s, n, weights, columns, 5, d0, D, bytes, sums, width); break;
+      default: values_tile(values, value_s, n, weights, columns, 6, d0, D, bytes, sums, width); break;
       }
     }
 }
 
 static void value_sums(const char *values, int64_t value_s, int64_t n, const float *p, int64_t columns, int64_t G,
                        int64_t D, int64_t bytes, float *acc, int64_t width) {
-  if (bytes == 2 && G >= PAIR_ROWS) { /* a chunk's many rows: the block's bf16 values widened once, not per tile */
-    float wide[n * width];
-    for (int64_t j = 0; j < n; j++)
-      for (int64_t d = 0; d < width; d += 16)
-        _mm512_storeu_ps(wide + j * width + d, value_chunk(values + j * value_s * bytes, d, D, bytes));
-    wide_value_sums(wide, n, p, columns, G, D, acc, width);
+  if (!many_bf16_rows(bytes, G)) {
+    value_tiles(values, value_s, n, p, columns, G, D, bytes, acc, width, QUERY_TILE);
     return;
   }
-  value_sums_of(values, value_s, n, p, columns, G, D, bytes, acc, width);
+  /* a chunk's many rows: the block's bf16 values widened to fp32 once, not per tile, so that no conversion is left
+     in the loop and a tile can keep more sums (WIDE_TILE) */
+  float wide[n * width];
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t d = 0; d < width; d += 16)
+      _mm512_storeu_ps(wide + j * width + d, value_chunk(values + j * value_s * bytes, d, D, bytes));
+  value_tiles((const char *)wide, width, n, p, columns, G, D, 4, acc, width, WIDE_TILE);
 }
